@@ -1,0 +1,360 @@
+/* SPDX-License-Identifier: MIT */
+/* libep: connection, groups and collectives, over the epd control socket. */
+#include "libep_int.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+static _Thread_local char errmsg[EPP_ERRMSG_MAX];
+
+const char *ep_errmsg(void)
+{
+	return errmsg;
+}
+
+int ep__fail(int code, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(errmsg, sizeof(errmsg), fmt, ap);
+	va_end(ap);
+	return code;
+}
+
+/* Margin over the daemon's own timeout before the client gives up on it. */
+#define CLIENT_MARGIN_MS 10000
+
+int ep__rpc(ep_conn_t *c, uint16_t type, uint16_t flags, const void *payload,
+	    uint32_t len, uint8_t **reply, uint32_t *rlen, int *fds,
+	    unsigned maxfds, int timeout_ms)
+{
+	if (c->dead)
+		return ep__fail(c->dead, "connection unusable: %s",
+				ep_strerror(c->dead));
+	struct epp_hdr h;
+	epp_hdr_init(&h, type, ++c->next_req);
+	h.flags = flags;
+	h.length = len;
+	int rc = epp_send_frame(c->fd, &h, payload, NULL);
+	if (rc) {
+		c->dead = rc;
+		return ep__fail(rc, "send to epd failed: %s", ep_strerror(rc));
+	}
+	for (;;) {
+		struct epp_hdr rh;
+		uint8_t *p;
+		int got[EPP_MAX_FDS];
+		char err[256] = "";
+		rc = epp_recv_frame(c->fd, &rh, &p, got, timeout_ms, err,
+				    sizeof(err));
+		if (rc == EP_ETIMEDOUT) {
+			c->dead = EP_ETIMEDOUT;
+			return ep__fail(rc, "epd did not answer %s within %d "
+					    "ms",
+					epp_type_name(type), timeout_ms);
+		}
+		if (rc) {
+			c->dead = c->shutdown ? EP_ESHUTDOWN : rc;
+			return ep__fail(c->dead, "connection to epd lost: %s%s%s",
+					ep_strerror(c->dead), *err ? ": " : "",
+					err);
+		}
+		if (rh.type == EPP_NOTICE) {
+			int code;
+			char msg[EPP_ERRMSG_MAX];
+			if (!epp_error_decode(p, rh.length, &code, msg,
+					      sizeof(msg)) &&
+			    code == EP_ESHUTDOWN)
+				c->shutdown = true;
+			free(p);
+			for (unsigned i = 0; i < rh.nfds; i++)
+				close(got[i]);
+			continue;
+		}
+		if (rh.req_id != h.req_id) {
+			/* a reply to nothing we asked: the stream is off */
+			free(p);
+			for (unsigned i = 0; i < rh.nfds; i++)
+				close(got[i]);
+			c->dead = EP_EPROTO;
+			return ep__fail(EP_EPROTO, "reply for request %lu while "
+						   "waiting for %lu",
+					(unsigned long)rh.req_id,
+					(unsigned long)h.req_id);
+		}
+		if (rh.type == EPP_ERROR) {
+			int code;
+			char msg[EPP_ERRMSG_MAX];
+			rc = epp_error_decode(p, rh.length, &code, msg,
+					      sizeof(msg));
+			free(p);
+			for (unsigned i = 0; i < rh.nfds; i++)
+				close(got[i]);
+			if (rc)
+				return ep__fail(EP_EPROTO, "malformed error "
+							   "reply");
+			return ep__fail(code, "%s", msg);
+		}
+		if (rh.type != EPP_OK || rh.nfds > maxfds) {
+			free(p);
+			for (unsigned i = 0; i < rh.nfds; i++)
+				close(got[i]);
+			c->dead = EP_EPROTO;
+			return ep__fail(EP_EPROTO, "unexpected %s reply with "
+						   "%u descriptors",
+					epp_type_name(rh.type), rh.nfds);
+		}
+		for (unsigned i = 0; i < maxfds; i++)
+			fds[i] = i < rh.nfds ? got[i] : -1;
+		if (reply) {
+			*reply = p;
+			*rlen = rh.length;
+		} else {
+			free(p);
+		}
+		errmsg[0] = 0;
+		return 0;
+	}
+}
+
+int ep_connect(const char *path, ep_conn_t **out)
+{
+	if (!out)
+		return ep__fail(EP_EINVAL, "out is NULL");
+	if (!path)
+		path = getenv("EPD_SOCKET");
+	if (!path || !*path)
+		path = "/run/epd/epd.sock";
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	if (strlen(path) >= sizeof(sa.sun_path))
+		return ep__fail(EP_EINVAL, "socket path too long: %s", path);
+	strcpy(sa.sun_path, path);
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return ep__fail(-errno, "socket: %s", strerror(errno));
+	if (connect(fd, (struct sockaddr *)&sa, sizeof(sa))) {
+		int e = errno;
+		close(fd);
+		return ep__fail(-e, "cannot connect to epd at %s: %s", path,
+				strerror(e));
+	}
+	ep_conn_t *c = calloc(1, sizeof(*c));
+	if (!c) {
+		close(fd);
+		return ep__fail(EP_ENOMEM, "out of memory");
+	}
+	c->fd = fd;
+	LIST_INIT(&c->groups);
+	pthread_mutex_init(&c->mu, NULL);
+	/* HELLO: version check, and what the daemon is. */
+	uint8_t buf[128];
+	struct epp_wr w;
+	epp_wr_init(&w, buf, sizeof(buf));
+	epp_put_u16(&w, EPP_VERSION_MAJOR);
+	epp_put_u16(&w, EPP_VERSION_MINOR);
+	char name[64];
+	snprintf(name, sizeof(name), "libep %d.%d", EP_VERSION_MAJOR,
+		 EP_VERSION_MINOR);
+	epp_put_str(&w, name);
+	uint8_t *rep;
+	uint32_t rlen;
+	int rc = ep__rpc(c, EPP_HELLO, 0, buf, (uint32_t)w.off, &rep, &rlen,
+			 NULL, 0, CLIENT_MARGIN_MS);
+	if (rc) {
+		ep_close(c);
+		return rc;
+	}
+	struct epp_hello_ok ok;
+	rc = epp_hello_ok_decode(rep, rlen, &ok);
+	free(rep);
+	if (rc) {
+		ep_close(c);
+		return ep__fail(EP_EPROTO, "malformed hello reply");
+	}
+	c->client_id = ok.client_id;
+	snprintf(c->backend, sizeof(c->backend), "%s", ok.backend);
+	*out = c;
+	return 0;
+}
+
+static void group_free(ep_group_t *g)
+{
+	if (g->buf && g->buf != MAP_FAILED)
+		munmap(g->buf, g->buf_size);
+	list_del(&g->node);
+	free(g);
+}
+
+void ep_close(ep_conn_t *c)
+{
+	if (!c)
+		return;
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &c->groups)
+	group_free(LIST_ENTRY(it, ep_group_t, node));
+	close(c->fd); /* the daemon removes this connection's ranks */
+	pthread_mutex_destroy(&c->mu);
+	free(c);
+}
+
+int ep_join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
+	    ep_group_t **out)
+{
+	if (!c || !cfg || !out || !cfg->name)
+		return ep__fail(EP_EINVAL, "NULL argument");
+	if (flags & ~EP_JOIN_NOWAIT)
+		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
+	struct epp_join j = {0};
+	if (strlen(cfg->name) > EP_GROUP_NAME_MAX)
+		return ep__fail(EP_EINVAL, "group name longer than %d",
+				EP_GROUP_NAME_MAX);
+	strcpy(j.name, cfg->name);
+	j.world_size = cfg->world_size;
+	j.ranks_per_node = cfg->ranks_per_node;
+	j.rank = cfg->rank;
+	j.num_experts = cfg->num_experts;
+	j.hidden = cfg->hidden;
+	j.max_tokens = cfg->max_tokens_per_rank;
+	j.topk = cfg->topk;
+	j.dtype = (uint32_t)cfg->dtype;
+	j.timeout_ms = cfg->timeout_ms;
+	uint8_t buf[256];
+	size_t n = epp_join_encode(&j, buf, sizeof(buf));
+	ep_group_t *g = calloc(1, sizeof(*g));
+	if (!g)
+		return ep__fail(EP_ENOMEM, "out of memory");
+	/* The daemon bounds the wait for readiness by the group timeout; its
+	 * default is not known here, so allow the protocol maximum. */
+	int wait = (int)(cfg->timeout_ms ? cfg->timeout_ms : 3600000) +
+		   CLIENT_MARGIN_MS;
+	uint8_t *rep;
+	uint32_t rlen;
+	int fd;
+	pthread_mutex_lock(&c->mu);
+	int rc = ep__rpc(c, EPP_JOIN,
+			 flags & EP_JOIN_NOWAIT ? EPP_F_JOIN_NOWAIT : 0, buf,
+			 (uint32_t)n, &rep, &rlen, &fd, 1, wait);
+	pthread_mutex_unlock(&c->mu);
+	if (rc) {
+		free(g);
+		return rc;
+	}
+	struct epp_join_ok ok;
+	rc = epp_join_ok_decode(rep, rlen, &ok);
+	free(rep);
+	if (rc || fd < 0) {
+		if (fd >= 0)
+			close(fd);
+		free(g);
+		return ep__fail(EP_EPROTO, "malformed join reply");
+	}
+	g->conn = c;
+	g->id = ok.group_id;
+	g->epoch = ok.epoch;
+	g->node_index = ok.node_index;
+	g->cfg = j;
+	g->buf_size = ok.buf_size;
+	g->timeout_ms = cfg->timeout_ms;
+	g->buf = mmap(NULL, g->buf_size, PROT_READ | PROT_WRITE, MAP_SHARED,
+		      fd, 0);
+	close(fd);
+	pthread_mutex_lock(&c->mu);
+	list_add_tail(&c->groups, &g->node);
+	pthread_mutex_unlock(&c->mu);
+	if (g->buf == MAP_FAILED) {
+		int e = errno;
+		ep_leave(g);
+		return ep__fail(-e, "cannot map the group buffer: %s",
+				strerror(e));
+	}
+	*out = g;
+	return 0;
+}
+
+static void put_gid(uint8_t buf[8], uint64_t id)
+{
+	struct epp_wr w;
+	epp_wr_init(&w, buf, 8);
+	epp_put_u64(&w, id);
+}
+
+int ep_leave(ep_group_t *g)
+{
+	if (!g)
+		return ep__fail(EP_EINVAL, "NULL group");
+	ep_conn_t *c = g->conn;
+	uint8_t buf[8];
+	put_gid(buf, g->id);
+	pthread_mutex_lock(&c->mu);
+	int rc = ep__rpc(c, EPP_LEAVE, 0, buf, 8, NULL, NULL, NULL, 0,
+			 CLIENT_MARGIN_MS);
+	group_free(g);
+	pthread_mutex_unlock(&c->mu);
+	/* The daemon also drops the rank when the connection is gone. */
+	return rc == EP_ECONNRESET || rc == EP_ESHUTDOWN ? 0 : rc;
+}
+
+int ep__group_op_timeout(const ep_group_t *g)
+{
+	return (int)(g->timeout_ms ? g->timeout_ms : 3600000) +
+	       CLIENT_MARGIN_MS;
+}
+
+int ep_barrier(ep_group_t *g)
+{
+	if (!g)
+		return ep__fail(EP_EINVAL, "NULL group");
+	uint8_t buf[8];
+	put_gid(buf, g->id);
+	pthread_mutex_lock(&g->conn->mu);
+	int rc = ep__rpc(g->conn, EPP_BARRIER, 0, buf, 8, NULL, NULL, NULL, 0,
+			 ep__group_op_timeout(g));
+	pthread_mutex_unlock(&g->conn->mu);
+	return rc;
+}
+
+int ep_daemon_status(ep_conn_t *c, char **json)
+{
+	if (!c || !json)
+		return ep__fail(EP_EINVAL, "NULL argument");
+	uint8_t *rep;
+	uint32_t rlen;
+	pthread_mutex_lock(&c->mu);
+	int rc = ep__rpc(c, EPP_STATUS, 0, NULL, 0, &rep, &rlen, NULL, 0,
+			 CLIENT_MARGIN_MS);
+	pthread_mutex_unlock(&c->mu);
+	if (rc)
+		return rc;
+	char *s = malloc((size_t)rlen + 1);
+	if (!s) {
+		free(rep);
+		return ep__fail(EP_ENOMEM, "out of memory");
+	}
+	memcpy(s, rep, rlen);
+	s[rlen] = 0;
+	free(rep);
+	*json = s;
+	return 0;
+}
+
+uint64_t ep_group_id(const ep_group_t *g)
+{
+	return g->id;
+}
+
+uint32_t ep_group_rank(const ep_group_t *g)
+{
+	return g->cfg.rank;
+}
+
+uint32_t ep_group_world_size(const ep_group_t *g)
+{
+	return g->cfg.world_size;
+}

@@ -1,0 +1,477 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Client connections: framed reads with strict validation, a queue of
+ * outgoing frames (with descriptors), and the request dispatch table.
+ */
+#include "epd.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#define OUTQ_MAX (16u << 20) /* a client that reads nothing is dropped */
+#define RBUF_MIN 4096
+
+static void client_io(uv_poll_t *h, int status, int events);
+
+static void client_update_poll(struct epd_client *c)
+{
+	if (c->closing)
+		return;
+	int ev = UV_READABLE | UV_DISCONNECT;
+	if (!LIST_EMPTY(&c->outq))
+		ev |= UV_WRITABLE;
+	uv_poll_start(&c->poll, ev, client_io);
+}
+
+static void out_free(struct epd_out *o)
+{
+	for (unsigned i = 0; i < o->nfds; i++)
+		close(o->fds[i]);
+	free(o);
+}
+
+/* Write what the socket takes now. Returns 0, or -1 if the peer is gone. */
+static int client_flush(struct epd_client *c)
+{
+	while (!LIST_EMPTY(&c->outq)) {
+		struct epd_out *o = LIST_ENTRY(c->outq.next, struct epd_out,
+					       node);
+		long n = epp_sendmsg(c->fd, o->data + o->off, o->len - o->off,
+				     o->off == 0 ? o->fds : NULL,
+				     o->off == 0 ? o->nfds : 0);
+		if (n == -EAGAIN)
+			break;
+		if (n < 0) {
+			epd_debug("client %lu: send failed: %s",
+				  (unsigned long)c->id, strerror((int)-n));
+			return -1;
+		}
+		if (o->off == 0) {
+			/* the descriptors went with the first byte */
+			for (unsigned i = 0; i < o->nfds; i++)
+				close(o->fds[i]);
+			o->nfds = 0;
+		}
+		o->off += (size_t)n;
+		if (o->off == o->len) {
+			c->outq_bytes -= o->len;
+			list_del(&o->node);
+			out_free(o);
+		}
+	}
+	return 0;
+}
+
+int epd_client_send(struct epd_client *c, uint16_t type, uint16_t flags,
+		    uint64_t req_id, const void *payload, uint32_t len,
+		    const int *fds, unsigned nfds)
+{
+	if (c->closing) {
+		for (unsigned i = 0; i < nfds; i++)
+			close(fds[i]);
+		return EP_ECONNRESET;
+	}
+	struct epd_out *o = malloc(sizeof(*o) + EPP_HDR_SIZE + len);
+	if (!o) {
+		for (unsigned i = 0; i < nfds; i++)
+			close(fds[i]);
+		return EP_ENOMEM;
+	}
+	struct epp_hdr h;
+	epp_hdr_init(&h, type, req_id);
+	h.flags = flags;
+	h.length = len;
+	h.nfds = (uint16_t)nfds;
+	epp_hdr_encode(&h, o->data);
+	if (len)
+		memcpy(o->data + EPP_HDR_SIZE, payload, len);
+	o->len = EPP_HDR_SIZE + len;
+	o->off = 0;
+	o->nfds = nfds;
+	for (unsigned i = 0; i < nfds; i++)
+		o->fds[i] = fds[i];
+	list_add_tail(&c->outq, &o->node);
+	c->outq_bytes += o->len;
+	if (c->outq_bytes > OUTQ_MAX) {
+		epd_client_close(c, "output queue over limit (client not "
+				    "reading)");
+		return EP_ECONNRESET;
+	}
+	if (client_flush(c)) {
+		epd_client_close(c, "send failed");
+		return EP_ECONNRESET;
+	}
+	client_update_poll(c);
+	return 0;
+}
+
+void epd_client_error(struct epd_client *c, uint64_t req_id, int code,
+		      const char *fmt, ...)
+{
+	char msg[EPP_ERRMSG_MAX];
+	uint8_t buf[EPP_ERRMSG_MAX + 16];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	epd_debug("client %lu (pid %d): error %d (%s): %s",
+		  (unsigned long)c->id, (int)c->pid, code, ep_strerror(code),
+		  msg);
+	size_t n = epp_error_encode(code, msg, buf, sizeof(buf));
+	epd_client_send(c, EPP_ERROR, 0, req_id, buf, (uint32_t)n, NULL, 0);
+}
+
+static void handle_closed(uv_handle_t *h)
+{
+	struct epd_client *c = h->data;
+	if (--c->pending_handles == 0) {
+		close(c->fd);
+		free(c->rbuf);
+		free(c);
+	}
+}
+
+void epd_client_close(struct epd_client *c, const char *why)
+{
+	if (c->closing)
+		return;
+	epd_info("client %lu (pid %d, uid %u) disconnected: %s",
+		 (unsigned long)c->id, (int)c->pid, (unsigned)c->uid, why);
+	/* Try once more to deliver what is queued (an error reply). */
+	client_flush(c);
+	c->closing = true;
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &c->members)
+	{
+		struct epd_member *m = LIST_ENTRY(it, struct epd_member, cnode);
+		epd_member_remove(m, why);
+	}
+	LIST_FOREACH(it, tmp, &c->outq)
+	{
+		struct epd_out *o = LIST_ENTRY(it, struct epd_out, node);
+		list_del(&o->node);
+		out_free(o);
+	}
+	list_del(&c->node);
+	uv_poll_stop(&c->poll);
+	c->pending_handles = 2;
+	uv_close((uv_handle_t *)&c->poll, handle_closed);
+	uv_close((uv_handle_t *)&c->frame_timer, handle_closed);
+}
+
+static void handle_hello(struct epd_client *c, const struct epp_hdr *h,
+			 const uint8_t *p)
+{
+	struct epp_rd r;
+	epp_rd_init(&r, p, h->length);
+	uint16_t major = epp_get_u16(&r);
+	(void)epp_get_u16(&r);
+	epp_get_str(&r, c->name, sizeof(c->name));
+	if (epp_rd_end(&r)) {
+		epd_client_error(c, h->req_id, EP_EPROTO,
+				 "malformed hello payload (%u bytes)",
+				 h->length);
+		return;
+	}
+	if (major != EPP_VERSION_MAJOR) {
+		epd_client_error(c, h->req_id, EP_EVERSION,
+				 "client speaks protocol %u, daemon %u.%u",
+				 major, EPP_VERSION_MAJOR, EPP_VERSION_MINOR);
+		return;
+	}
+	struct epp_hello_ok ok = {.major = EPP_VERSION_MAJOR,
+				  .minor = EPP_VERSION_MINOR,
+				  .client_id = c->id};
+	snprintf(ok.daemon_version, sizeof(ok.daemon_version), "%s",
+		 PACKAGE_VERSION);
+	snprintf(ok.backend, sizeof(ok.backend), "%s", c->srv->backend);
+	uint8_t buf[128];
+	size_t n = epp_hello_ok_encode(&ok, buf, sizeof(buf));
+	epd_client_send(c, EPP_OK, 0, h->req_id, buf, (uint32_t)n, NULL, 0);
+}
+
+static int get_group_id(struct epd_client *c, const struct epp_hdr *h,
+			const uint8_t *p, uint64_t *gid)
+{
+	struct epp_rd r;
+	epp_rd_init(&r, p, h->length);
+	*gid = epp_get_u64(&r);
+	if (epp_rd_end(&r)) {
+		epd_client_error(c, h->req_id, EP_EPROTO,
+				 "malformed %s payload (%u bytes, expected 8)",
+				 epp_type_name(h->type), h->length);
+		return -1;
+	}
+	return 0;
+}
+
+static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
+			 const uint8_t *p)
+{
+	uint64_t gid;
+	char err[256];
+	epd_debug("client %lu: %s req %lu len %u", (unsigned long)c->id,
+		  epp_type_name(h->type), (unsigned long)h->req_id, h->length);
+	if (c->srv->stopping) {
+		epd_client_error(c, h->req_id, EP_ESHUTDOWN,
+				 "daemon is shutting down");
+		return;
+	}
+	if (h->flags && h->type != EPP_JOIN) {
+		epd_client_error(c, h->req_id, EP_EPROTO,
+				 "flags 0x%x not valid for %s", h->flags,
+				 epp_type_name(h->type));
+		return;
+	}
+	switch (h->type) {
+	case EPP_HELLO:
+		handle_hello(c, h, p);
+		break;
+	case EPP_JOIN: {
+		struct epp_join j;
+		int rc = epp_join_decode(p, h->length, &j, err, sizeof(err));
+		if (rc) {
+			epd_client_error(c, h->req_id, rc, "%s", err);
+			break;
+		}
+		epd_group_join(c, h->req_id, h->flags, &j);
+		break;
+	}
+	case EPP_LEAVE:
+		if (!get_group_id(c, h, p, &gid))
+			epd_group_leave(c, h->req_id, gid);
+		break;
+	case EPP_BARRIER:
+		if (!get_group_id(c, h, p, &gid))
+			epd_group_barrier(c, h->req_id, gid);
+		break;
+	case EPP_STATUS: {
+		if (h->length) {
+			epd_client_error(c, h->req_id, EP_EPROTO,
+					 "status takes no payload");
+			break;
+		}
+		char *js = epd_status_json(c->srv);
+		if (!js) {
+			epd_client_error(c, h->req_id, EP_ENOMEM,
+					 "cannot build status");
+			break;
+		}
+		size_t n = strlen(js);
+		if (n > EPP_MAX_PAYLOAD)
+			epd_client_error(c, h->req_id, EP_ETOOBIG,
+					 "status of %zu bytes exceeds a frame",
+					 n);
+		else
+			epd_client_send(c, EPP_OK, 0, h->req_id, js,
+					(uint32_t)n, NULL, 0);
+		free(js);
+		break;
+	}
+	default:
+		c->srv->n_proto_errors++;
+		epd_client_error(c, h->req_id, EP_EPROTO,
+				 "unknown message type %u", h->type);
+	}
+}
+
+/* A frame that cannot be trusted: reply and disconnect after the reply. */
+static void client_fatal(struct epd_client *c, uint64_t req_id, int code,
+			 const char *msg)
+{
+	c->srv->n_proto_errors++;
+	epd_warn("client %lu (pid %d): %s; disconnecting",
+		 (unsigned long)c->id, (int)c->pid, msg);
+	epd_client_error(c, req_id, code, "%s", msg);
+	epd_client_close(c, msg);
+}
+
+static void frame_timeout(uv_timer_t *t)
+{
+	struct epd_client *c = t->data;
+	char msg[160];
+	snprintf(msg, sizeof(msg),
+		 "truncated frame: %zu bytes of a frame arrived, the rest not "
+		 "within %u ms",
+		 c->rlen, c->srv->cfg.frame_timeout_ms);
+	client_fatal(c, 0, EP_EPROTO, msg);
+}
+
+/* Parse and handle every complete frame in rbuf. */
+static void client_parse(struct epd_client *c)
+{
+	size_t off = 0;
+	while (!c->closing && c->rlen - off >= EPP_HDR_SIZE) {
+		struct epp_hdr h;
+		char err[256];
+		int rc = epp_hdr_decode(c->rbuf + off, &h, err, sizeof(err));
+		if (rc) {
+			/* decode filled h before judging it: echo req_id */
+			client_fatal(c, h.req_id, rc, err);
+			return;
+		}
+		if (h.nfds) {
+			client_fatal(c, h.req_id, EP_EPROTO,
+				     "clients may not send descriptors");
+			return;
+		}
+		size_t need = EPP_HDR_SIZE + h.length;
+		if (c->rlen - off < need) {
+			if (need > c->rcap) {
+				uint8_t *nb = realloc(c->rbuf, need);
+				if (!nb) {
+					client_fatal(c, h.req_id, EP_ENOMEM,
+						     "out of memory");
+					return;
+				}
+				c->rbuf = nb;
+				c->rcap = need;
+			}
+			break;
+		}
+		handle_frame(c, &h, c->rbuf + off + EPP_HDR_SIZE);
+		off += need;
+	}
+	if (c->closing)
+		return;
+	memmove(c->rbuf, c->rbuf + off, c->rlen - off);
+	c->rlen -= off;
+	if (c->rlen)
+		uv_timer_start(&c->frame_timer, frame_timeout,
+			       c->srv->cfg.frame_timeout_ms, 0);
+	else
+		uv_timer_stop(&c->frame_timer);
+}
+
+static void client_read(struct epd_client *c)
+{
+	for (;;) {
+		if (c->rlen == c->rcap) {
+			size_t ncap = c->rcap * 2;
+			uint8_t *nb = realloc(c->rbuf, ncap);
+			if (!nb) {
+				epd_client_close(c, "out of memory");
+				return;
+			}
+			c->rbuf = nb;
+			c->rcap = ncap;
+		}
+		int fds[EPP_MAX_FDS];
+		unsigned nfds = 0;
+		bool trunc = false;
+		long n = epp_recvmsg(c->fd, c->rbuf + c->rlen,
+				     c->rcap - c->rlen, fds, &nfds, EPP_MAX_FDS,
+				     &trunc);
+		for (unsigned i = 0; i < nfds; i++)
+			close(fds[i]);
+		if (nfds || trunc) {
+			client_fatal(c, 0, EP_EPROTO,
+				     "clients may not send descriptors");
+			return;
+		}
+		if (n == -EAGAIN)
+			return;
+		if (n < 0) {
+			char why[96];
+			snprintf(why, sizeof(why), "read failed: %s",
+				 strerror((int)-n));
+			epd_client_close(c, why);
+			return;
+		}
+		if (n == 0) {
+			if (c->rlen)
+				epd_warn("client %lu: closed with %zu bytes of "
+					 "a truncated frame",
+					 (unsigned long)c->id, c->rlen);
+			epd_client_close(c, "connection closed by peer");
+			return;
+		}
+		c->rlen += (size_t)n;
+		client_parse(c);
+		if (c->closing)
+			return;
+	}
+}
+
+static void client_io(uv_poll_t *h, int status, int events)
+{
+	struct epd_client *c = h->data;
+	if (status < 0) {
+		epd_client_close(c, uv_strerror(status));
+		return;
+	}
+	if (events & UV_WRITABLE) {
+		if (client_flush(c)) {
+			epd_client_close(c, "send failed");
+			return;
+		}
+	}
+	if (events & (UV_READABLE | UV_DISCONNECT))
+		client_read(c);
+	client_update_poll(c);
+}
+
+static bool uid_allowed(const struct epd_config *cfg, uid_t uid)
+{
+	if (cfg->nallow == 0 || uid == 0 || uid == geteuid())
+		return true;
+	for (unsigned i = 0; i < cfg->nallow; i++)
+		if (cfg->allow_uids[i] == uid)
+			return true;
+	return false;
+}
+
+void epd_client_accept(struct epd_server *srv, int fd)
+{
+	struct ucred cred;
+	socklen_t len = sizeof(cred);
+	if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len)) {
+		epd_warn("SO_PEERCRED failed on a new connection: %m");
+		close(fd);
+		return;
+	}
+	struct epd_client *c = calloc(1, sizeof(*c));
+	if (!c) {
+		close(fd);
+		return;
+	}
+	c->srv = srv;
+	c->fd = fd;
+	c->id = ++srv->next_client_id;
+	c->pid = cred.pid;
+	c->uid = cred.uid;
+	c->gid = cred.gid;
+	c->connected_ns = epd_now_ns();
+	c->rcap = RBUF_MIN;
+	c->rbuf = malloc(c->rcap);
+	LIST_INIT(&c->outq);
+	LIST_INIT(&c->members);
+	list_add_tail(&srv->clients, &c->node);
+	uv_poll_init(srv->loop, &c->poll, fd);
+	uv_timer_init(srv->loop, &c->frame_timer);
+	c->poll.data = c;
+	c->frame_timer.data = c;
+	if (!c->rbuf) {
+		epd_client_close(c, "out of memory");
+		return;
+	}
+	if (!uid_allowed(&srv->cfg, cred.uid)) {
+		srv->n_rejected++;
+		epd_warn("rejecting pid %d: uid %u is not in allow_users",
+			 (int)cred.pid, (unsigned)cred.uid);
+		epd_client_error(c, 0, EP_EACCES,
+				 "uid %u is not allowed to use this daemon",
+				 (unsigned)cred.uid);
+		epd_client_close(c, "uid not allowed");
+		return;
+	}
+	srv->n_accepted++;
+	epd_info("client %lu connected: pid %d uid %u", (unsigned long)c->id,
+		 (int)c->pid, (unsigned)c->uid);
+	client_update_poll(c);
+}

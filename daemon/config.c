@@ -1,0 +1,160 @@
+/* SPDX-License-Identifier: MIT */
+/* Configuration: an INI file (inih) plus key=value overrides. */
+#include "epd.h"
+
+#include <errno.h>
+#include <ini.h>
+#include <pwd.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+void epd_config_defaults(struct epd_config *c)
+{
+	memset(c, 0, sizeof(*c));
+	snprintf(c->socket_path, sizeof(c->socket_path), "%s",
+		 EPD_DEFAULT_SOCKET);
+	c->socket_mode = 0660;
+	snprintf(c->backend, sizeof(c->backend), "auto");
+	c->log_level = EPD_LOG_INFO;
+	c->timeout_ms = 30000;
+	c->frame_timeout_ms = 5000;
+	c->worker_threads = 0;
+}
+
+static int parse_u32(const char *v, uint32_t min, uint32_t max, int base,
+		     uint32_t *out)
+{
+	char *end;
+	errno = 0;
+	unsigned long x = strtoul(v, &end, base);
+	if (errno || end == v || *end || x < min || x > max)
+		return -1;
+	*out = (uint32_t)x;
+	return 0;
+}
+
+static int parse_allow(struct epd_config *c, const char *v)
+{
+	char buf[1024];
+	snprintf(buf, sizeof(buf), "%s", v);
+	c->nallow = 0;
+	for (char *save, *t = strtok_r(buf, ", ", &save); t;
+	     t = strtok_r(NULL, ", ", &save)) {
+		uint32_t uid;
+		if (c->nallow == EPD_MAX_ALLOW)
+			return -1;
+		if (parse_u32(t, 0, UINT32_MAX - 1, 10, &uid)) {
+			struct passwd *pw = getpwnam(t);
+			if (!pw)
+				return -1;
+			uid = pw->pw_uid;
+		}
+		c->allow_uids[c->nallow++] = uid;
+	}
+	return 0;
+}
+
+/* Returns 0, or -1 for an unknown key, -2 for a bad value. */
+static int set_key(struct epd_config *c, const char *key, const char *v)
+{
+	uint32_t u;
+	if (!strcmp(key, "socket")) {
+		if (!*v || strlen(v) >= sizeof(c->socket_path))
+			return -2;
+		snprintf(c->socket_path, sizeof(c->socket_path), "%s", v);
+	} else if (!strcmp(key, "socket_mode")) {
+		if (parse_u32(v, 0, 0777, 8, &u))
+			return -2;
+		c->socket_mode = u;
+	} else if (!strcmp(key, "backend")) {
+		if (strcmp(v, "auto") && strcmp(v, "host") && strcmp(v, "cuda"))
+			return -2;
+		snprintf(c->backend, sizeof(c->backend), "%s", v);
+	} else if (!strcmp(key, "log_level")) {
+		int l = epd_log_parse_level(v);
+		if (l < 0)
+			return -2;
+		c->log_level = l;
+	} else if (!strcmp(key, "timeout_ms")) {
+		if (parse_u32(v, 1, 3600000, 10, &u))
+			return -2;
+		c->timeout_ms = u;
+	} else if (!strcmp(key, "frame_timeout_ms")) {
+		if (parse_u32(v, 1, 600000, 10, &u))
+			return -2;
+		c->frame_timeout_ms = u;
+	} else if (!strcmp(key, "allow_users")) {
+		if (parse_allow(c, v))
+			return -2;
+	} else if (!strcmp(key, "worker_threads")) {
+		if (parse_u32(v, 0, 256, 10, &u))
+			return -2;
+		c->worker_threads = u;
+	} else {
+		return -1;
+	}
+	return 0;
+}
+
+struct load_ctx {
+	struct epd_config *c;
+	const char *path;
+	int bad;
+};
+
+static int ini_cb(void *user, const char *section, const char *name,
+		  const char *value)
+{
+	struct load_ctx *l = user;
+	if (strcmp(section, "epd")) {
+		epd_err("%s: unknown section [%s]", l->path, section);
+		l->bad = 1;
+		return 1;
+	}
+	int rc = set_key(l->c, name, value);
+	if (rc == -1)
+		epd_err("%s: unknown key '%s'", l->path, name);
+	else if (rc == -2)
+		epd_err("%s: bad value '%s' for '%s'", l->path, value, name);
+	if (rc)
+		l->bad = 1;
+	return 1;
+}
+
+int epd_config_load(struct epd_config *c, const char *path, bool required)
+{
+	FILE *f = fopen(path, "re");
+	if (!f) {
+		if (errno == ENOENT && !required)
+			return 0;
+		epd_err("cannot open config %s: %m", path);
+		return -1;
+	}
+	struct load_ctx l = {.c = c, .path = path};
+	int rc = ini_parse_file(f, ini_cb, &l);
+	fclose(f);
+	if (rc > 0) {
+		epd_err("%s:%d: syntax error", path, rc);
+		return -1;
+	}
+	return l.bad ? -1 : 0;
+}
+
+int epd_config_set(struct epd_config *c, const char *kv)
+{
+	char key[64];
+	const char *eq = strchr(kv, '=');
+	if (!eq || eq == kv || (size_t)(eq - kv) >= sizeof(key)) {
+		epd_err("override '%s' is not key=value", kv);
+		return -1;
+	}
+	memcpy(key, kv, (size_t)(eq - kv));
+	key[eq - kv] = 0;
+	int rc = set_key(c, key, eq + 1);
+	if (rc == -1)
+		epd_err("unknown key '%s'", key);
+	else if (rc == -2)
+		epd_err("bad value '%s' for '%s'", eq + 1, key);
+	return rc ? -1 : 0;
+}

@@ -1,0 +1,189 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * epd internals: the server (loop, listener, signals), clients (one per
+ * connection), groups (EP communicators) and their members.
+ *
+ * Threads: every object here belongs to the libuv loop thread. Data-path work
+ * (dispatch, combine) runs on worker threads that touch only the group's
+ * buffers and hand results back to the loop.
+ */
+#ifndef EPD_H
+#define EPD_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <uv.h>
+
+#include "epp.h"
+#include "list.h"
+#include "log.h"
+
+#define EPD_DEFAULT_SOCKET "/run/epd/epd.sock"
+#define EPD_DEFAULT_CONFIG "/etc/epd/epd.conf"
+#define EPD_MAX_ALLOW 32
+
+struct epd_config {
+	char socket_path[108];
+	unsigned socket_mode;
+	char backend[16];          /* auto|host|cuda */
+	int log_level;
+	uint32_t timeout_ms;       /* default collective timeout */
+	uint32_t frame_timeout_ms; /* a partial frame older than this: error */
+	unsigned nallow;           /* 0: anyone who can open the socket */
+	uid_t allow_uids[EPD_MAX_ALLOW];
+	unsigned worker_threads;   /* data-path threads; 0: one per core */
+};
+
+void epd_config_defaults(struct epd_config *c);
+/* Load a file (missing file is fine unless required). Returns 0 or -1 with a
+ * message logged. */
+int epd_config_load(struct epd_config *c, const char *path, bool required);
+/* Apply one key=value override (section "epd"). */
+int epd_config_set(struct epd_config *c, const char *kv);
+
+struct epd_server;
+struct epd_group;
+
+/* A queued outgoing frame. */
+struct epd_out {
+	struct list_node node;
+	size_t len, off;
+	int fds[EPP_MAX_FDS];
+	unsigned nfds;
+	uint8_t data[];
+};
+
+struct epd_client {
+	struct list_node node; /* in server->clients */
+	struct epd_server *srv;
+	uint64_t id;
+	int fd;
+	uv_poll_t poll;
+	uv_timer_t frame_timer; /* partial-frame timeout */
+	pid_t pid;
+	uid_t uid;
+	gid_t gid;
+	char name[64];
+	uint64_t connected_ns;
+	uint8_t *rbuf;
+	size_t rlen, rcap;
+	struct list_node outq;
+	size_t outq_bytes;
+	bool close_after_flush;
+	bool closing;
+	int pending_handles; /* handles whose close callback is outstanding */
+	struct list_node members; /* struct epd_member.cnode */
+};
+
+/* A rank of a group, as joined through one client connection. */
+struct epd_member {
+	struct list_node cnode; /* in client->members */
+	struct epd_client *client;
+	struct epd_group *group;
+	uint32_t rank, local;
+	uint64_t barrier_seq;  /* barriers entered (monotonic) */
+	uint64_t pending_req;  /* request in flight, 0 if none */
+	uint16_t pending_type; /* EPP_BARRIER, EPP_JOIN (waiting for ready) */
+};
+
+enum epd_group_state {
+	EPD_G_FORMING, /* some local ranks missing */
+	EPD_G_READY,
+	EPD_G_FAILED, /* a rank left or died, or a collective timed out */
+};
+
+struct epd_group {
+	struct list_node node; /* in server->groups */
+	struct epd_server *srv;
+	uint64_t id;
+	uint32_t epoch;
+	struct epp_join shape; /* name, world, rpn, experts, hidden, ... */
+	uint32_t node_index, nnodes;
+	uint32_t timeout_ms;
+	enum epd_group_state state;
+	int fail_code;
+	char last_error[EPP_ERRMSG_MAX];
+	struct epd_member **local; /* [ranks_per_node] */
+	uint32_t njoined;
+	uint64_t created_ns;
+
+	/* Barrier: round = barriers completed by this node. Phase 1 (rail) for
+	 * local index l is done for round k when rail_done[l] >= k; it needs
+	 * the local rank and every remote rail peer (rail_remote[l*nnodes+n],
+	 * monotonic arrival counters from other nodes) at k. Phase 2 (node)
+	 * completes round k once rail_done[l] >= k for every l. */
+	uint64_t round;
+	uint64_t *rail_done;
+	uint64_t *rail_remote;
+	uint64_t round_started_ns;
+
+	uv_timer_t timer; /* join or barrier timeout */
+	bool timer_closing;
+
+	uint64_t n_barrier, n_errors;
+
+	/* Backend buffer shared with the ranks. */
+	int buf_fd;
+	uint64_t buf_size;
+};
+
+struct epd_server {
+	uv_loop_t *loop;
+	struct epd_config cfg;
+	char config_path[256];
+	uv_poll_t listen_poll;
+	int listen_fd;
+	bool socket_activated;
+	bool unlink_socket;
+	uv_signal_t sig_term, sig_int, sig_hup;
+	struct list_node clients;
+	struct list_node groups;
+	uint64_t next_client_id, next_group_id;
+	uint32_t epoch;
+	uint64_t start_ns;
+	bool stopping;
+	const char *backend;        /* "host" or "cuda" */
+	char backend_reason[128];
+	bool systemd;
+	uint64_t n_accepted, n_rejected, n_proto_errors;
+};
+
+uint64_t epd_now_ns(void);
+
+/* server.c */
+int epd_server_init(struct epd_server *srv, uv_loop_t *loop,
+		    const struct epd_config *cfg, const char *config_path);
+int epd_server_run(struct epd_server *srv);
+void epd_server_stop(struct epd_server *srv);
+
+/* client.c */
+void epd_client_accept(struct epd_server *srv, int fd);
+/* Queue a frame; fds are owned by the queue (closed after sending). */
+int epd_client_send(struct epd_client *c, uint16_t type, uint16_t flags,
+		    uint64_t req_id, const void *payload, uint32_t len,
+		    const int *fds, unsigned nfds);
+void epd_client_error(struct epd_client *c, uint64_t req_id, int code,
+		      const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+void epd_client_close(struct epd_client *c, const char *why);
+
+/* group.c */
+int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
+		   const struct epp_join *j);
+int epd_group_leave(struct epd_client *c, uint64_t req_id, uint64_t gid);
+int epd_group_barrier(struct epd_client *c, uint64_t req_id, uint64_t gid);
+/* A member goes away (leave or disconnect). */
+void epd_member_remove(struct epd_member *m, const char *why);
+/* Fail every group (daemon shutdown). */
+void epd_groups_shutdown(struct epd_server *srv);
+const char *epd_group_state_name(enum epd_group_state s);
+
+/* buffers.c: the group's shared memory. */
+uint64_t epd_buf_size(const struct epp_join *shape);
+int epd_buf_create(struct epd_group *g);
+void epd_buf_destroy(struct epd_group *g);
+
+/* status.c: JSON text, malloc'd. */
+char *epd_status_json(struct epd_server *srv);
+
+#endif

@@ -1,0 +1,521 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Groups: creation on the first JOIN, readiness once every local rank joined,
+ * failure when a rank goes away or a collective times out, and the two-phase
+ * barrier (scale-out rail, then scale-up node; DESIGN.md section 3).
+ */
+#include "epd.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+const char *epd_group_state_name(enum epd_group_state s)
+{
+	switch (s) {
+	case EPD_G_FORMING: return "forming";
+	case EPD_G_READY: return "ready";
+	case EPD_G_FAILED: return "failed";
+	}
+	return "?";
+}
+
+static struct epd_group *group_find(struct epd_server *srv, const char *name)
+{
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &srv->groups)
+	{
+		struct epd_group *g = LIST_ENTRY(it, struct epd_group, node);
+		if (!strcmp(g->shape.name, name))
+			return g;
+	}
+	return NULL;
+}
+
+static struct epd_member *member_find(struct epd_client *c, uint64_t gid)
+{
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &c->members)
+	{
+		struct epd_member *m = LIST_ENTRY(it, struct epd_member, cnode);
+		if (m->group->id == gid)
+			return m;
+	}
+	return NULL;
+}
+
+static void group_timer_closed(uv_handle_t *h)
+{
+	struct epd_group *g = h->data;
+	epd_buf_destroy(g);
+	free(g->local);
+	free(g->rail_done);
+	free(g->rail_remote);
+	free(g);
+}
+
+static void group_destroy(struct epd_group *g)
+{
+	epd_info("group %s (id %lu) destroyed", g->shape.name,
+		 (unsigned long)g->id);
+	list_del(&g->node);
+	g->timer_closing = true;
+	uv_close((uv_handle_t *)&g->timer, group_timer_closed);
+}
+
+/* Reply to a member's pending request and clear it. */
+static void member_reply_ok(struct epd_member *m, const void *p, uint32_t len)
+{
+	uint64_t req = m->pending_req;
+	m->pending_req = 0;
+	m->pending_type = 0;
+	epd_client_send(m->client, EPP_OK, 0, req, p, len, NULL, 0);
+}
+
+static void member_reply_err(struct epd_member *m, int code, const char *msg)
+{
+	uint64_t req = m->pending_req;
+	m->pending_req = 0;
+	m->pending_type = 0;
+	epd_client_error(m->client, req, code, "%s", msg);
+}
+
+/* Ranks (global) of this node that have not reached `pred`. */
+static void list_ranks(char *out, size_t cap, struct epd_group *g,
+		       bool (*missing)(struct epd_group *, uint32_t l, void *),
+		       void *arg)
+{
+	size_t off = 0;
+	out[0] = 0;
+	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
+		if (!missing(g, l, arg))
+			continue;
+		uint32_t r = g->node_index * g->shape.ranks_per_node + l;
+		int n = snprintf(out + off, cap - off, "%s%u", off ? "," : "",
+				 r);
+		if (n < 0 || (size_t)n >= cap - off)
+			break;
+		off += (size_t)n;
+	}
+}
+
+static void group_fail(struct epd_group *g, int code, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+
+/* The group can no longer run collectives: every pending op fails with
+ * `code`; later ops get the same code and message. */
+static void group_fail(struct epd_group *g, int code, const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(g->last_error, sizeof(g->last_error), fmt, ap);
+	va_end(ap);
+	g->state = EPD_G_FAILED;
+	g->fail_code = code;
+	epd_warn("group %s failed: %s", g->shape.name, g->last_error);
+	if (!g->timer_closing)
+		uv_timer_stop(&g->timer);
+	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
+		struct epd_member *m = g->local[l];
+		if (m && m->pending_req) {
+			g->n_errors++;
+			member_reply_err(m, code, g->last_error);
+		}
+	}
+}
+
+static void join_reply(struct epd_member *m)
+{
+	struct epd_group *g = m->group;
+	struct epp_join_ok ok = {.group_id = g->id,
+				 .epoch = g->epoch,
+				 .node_index = g->node_index,
+				 .buf_size = g->buf_size,
+				 .ready = g->state == EPD_G_READY};
+	uint8_t buf[64];
+	size_t n = epp_join_ok_encode(&ok, buf, sizeof(buf));
+	int fd = dup(g->buf_fd);
+	uint64_t req = m->pending_req;
+	m->pending_req = 0;
+	m->pending_type = 0;
+	if (fd < 0) {
+		epd_client_error(m->client, req, EP_ENOMEM,
+				 "cannot duplicate the buffer descriptor: %m");
+		return;
+	}
+	epd_client_send(m->client, EPP_OK, 0, req, buf, (uint32_t)n, &fd, 1);
+}
+
+static bool not_joined(struct epd_group *g, uint32_t l, void *arg)
+{
+	(void)arg;
+	return g->local[l] == NULL;
+}
+
+static bool not_arrived(struct epd_group *g, uint32_t l, void *arg)
+{
+	uint64_t k = *(uint64_t *)arg;
+	return !g->local[l] || g->local[l]->barrier_seq < k;
+}
+
+static void group_timeout(uv_timer_t *t)
+{
+	struct epd_group *g = t->data;
+	char miss[512];
+	if (g->state == EPD_G_FORMING) {
+		/* Joiners waiting for readiness give up and are removed. */
+		list_ranks(miss, sizeof(miss), g, not_joined, NULL);
+		char msg[700];
+		snprintf(msg, sizeof(msg),
+			 "group %s not ready after %u ms; ranks never joined: "
+			 "%s",
+			 g->shape.name, g->timeout_ms, miss);
+		epd_warn("%s", msg);
+		for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
+			struct epd_member *m = g->local[l];
+			if (m && m->pending_type == EPP_JOIN) {
+				member_reply_err(m, EP_ETIMEDOUT, msg);
+				epd_member_remove(m, "join timed out");
+			}
+		}
+		return;
+	}
+	if (g->state != EPD_G_READY)
+		return;
+	uint64_t k = g->round + 1;
+	list_ranks(miss, sizeof(miss), g, not_arrived, &k);
+	/* Remote rail peers that never arrived (scale-out phase). */
+	size_t off = strlen(miss);
+	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++)
+		for (uint32_t n = 0; n < g->nnodes; n++) {
+			if (n == g->node_index ||
+			    g->rail_remote[l * g->nnodes + n] >= k)
+				continue;
+			int w = snprintf(miss + off, sizeof(miss) - off,
+					 "%s%u", off ? "," : "",
+					 n * g->shape.ranks_per_node + l);
+			if (w < 0 || (size_t)w >= sizeof(miss) - off)
+				break;
+			off += (size_t)w;
+		}
+	group_fail(g, EP_ETIMEDOUT,
+		   "barrier %lu timed out after %u ms; ranks never arrived: %s",
+		   (unsigned long)k, g->timeout_ms, miss);
+}
+
+static struct epd_group *group_create(struct epd_server *srv,
+				      const struct epp_join *j, char *err,
+				      size_t errlen, int *code)
+{
+	struct epd_group *g = calloc(1, sizeof(*g));
+	if (!g)
+		goto err_nomem;
+	g->srv = srv;
+	g->shape = *j;
+	g->id = ++srv->next_group_id;
+	g->epoch = srv->epoch;
+	g->nnodes = j->world_size / j->ranks_per_node;
+	g->node_index = j->rank / j->ranks_per_node;
+	g->timeout_ms = j->timeout_ms ? j->timeout_ms : srv->cfg.timeout_ms;
+	g->state = EPD_G_FORMING;
+	g->created_ns = epd_now_ns();
+	g->buf_fd = -1;
+	g->local = calloc(j->ranks_per_node, sizeof(*g->local));
+	g->rail_done = calloc(j->ranks_per_node, sizeof(*g->rail_done));
+	g->rail_remote = calloc((size_t)j->ranks_per_node * g->nnodes,
+				sizeof(*g->rail_remote));
+	if (!g->local || !g->rail_done || !g->rail_remote)
+		goto err_free;
+	*code = epd_buf_create(g);
+	if (*code) {
+		snprintf(err, errlen, "cannot create the group's buffer of "
+				      "%lu bytes",
+			 (unsigned long)epd_buf_size(j));
+		goto err_free_nocode;
+	}
+	uv_timer_init(srv->loop, &g->timer);
+	g->timer.data = g;
+	list_add_tail(&srv->groups, &g->node);
+	epd_info("group %s (id %lu) created: world %u, %u per node, node %u, "
+		 "%u experts, hidden %u, %u tokens, top-%u, timeout %u ms",
+		 g->shape.name, (unsigned long)g->id, j->world_size,
+		 j->ranks_per_node, g->node_index, j->num_experts, j->hidden,
+		 j->max_tokens, j->topk, g->timeout_ms);
+	return g;
+
+err_free:
+	*code = EP_ENOMEM;
+	snprintf(err, errlen, "out of memory");
+err_free_nocode:
+	if (g) {
+		free(g->local);
+		free(g->rail_done);
+		free(g->rail_remote);
+		free(g);
+	}
+	return NULL;
+err_nomem:
+	*code = EP_ENOMEM;
+	snprintf(err, errlen, "out of memory");
+	return NULL;
+}
+
+/* Does j describe the same group as g? */
+static int shape_check(const struct epd_group *g, const struct epp_join *j,
+		       char *err, size_t errlen)
+{
+	const struct epp_join *s = &g->shape;
+#define CHECK(f)                                                               \
+	if (s->f != j->f) {                                                    \
+		snprintf(err, errlen,                                          \
+			 "group %s has " #f " %u, this join says %u", s->name, \
+			 s->f, j->f);                                          \
+		return EP_EMISMATCH;                                           \
+	}
+	CHECK(world_size)
+	CHECK(ranks_per_node)
+	CHECK(num_experts)
+	CHECK(hidden)
+	CHECK(max_tokens)
+	CHECK(topk)
+	CHECK(dtype)
+#undef CHECK
+	uint32_t t = j->timeout_ms ? j->timeout_ms : g->srv->cfg.timeout_ms;
+	if (t != g->timeout_ms) {
+		snprintf(err, errlen, "group %s has timeout_ms %u, this join "
+				      "says %u",
+			 s->name, g->timeout_ms, t);
+		return EP_EMISMATCH;
+	}
+	if (j->rank / j->ranks_per_node != g->node_index) {
+		snprintf(err, errlen,
+			 "rank %u is on node %u, but this daemon serves node "
+			 "%u of group %s",
+			 j->rank, j->rank / j->ranks_per_node, g->node_index,
+			 s->name);
+		return EP_EMISMATCH;
+	}
+	return 0;
+}
+
+static void group_became_ready(struct epd_group *g)
+{
+	g->state = EPD_G_READY;
+	uv_timer_stop(&g->timer);
+	epd_info("group %s ready (%u local ranks)", g->shape.name, g->njoined);
+	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
+		struct epd_member *m = g->local[l];
+		if (m && m->pending_type == EPP_JOIN)
+			join_reply(m);
+	}
+}
+
+int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
+		   const struct epp_join *j)
+{
+	struct epd_server *srv = c->srv;
+	char err[512];
+	int code;
+	if (j->world_size != j->ranks_per_node) {
+		epd_client_error(c, req_id, EP_EUNSUPPORTED,
+				 "group %s spans %u nodes, but this daemon has "
+				 "no cluster configured",
+				 j->name, j->world_size / j->ranks_per_node);
+		return EP_EUNSUPPORTED;
+	}
+	struct epd_group *g = group_find(srv, j->name);
+	if (g) {
+		if (g->state == EPD_G_FAILED) {
+			epd_client_error(c, req_id, EP_EFAILED,
+					 "group %s failed (%s); it ends when "
+					 "its last rank leaves",
+					 g->shape.name, g->last_error);
+			return EP_EFAILED;
+		}
+		code = shape_check(g, j, err, sizeof(err));
+		if (code) {
+			epd_client_error(c, req_id, code, "%s", err);
+			return code;
+		}
+	} else {
+		g = group_create(srv, j, err, sizeof(err), &code);
+		if (!g) {
+			epd_client_error(c, req_id, code, "%s", err);
+			return code;
+		}
+	}
+	uint32_t l = j->rank % j->ranks_per_node;
+	if (g->local[l]) {
+		struct epd_member *o = g->local[l];
+		epd_client_error(c, req_id, EP_EDUPRANK,
+				 "rank %u of group %s is already joined by "
+				 "pid %d",
+				 j->rank, g->shape.name, (int)o->client->pid);
+		return EP_EDUPRANK;
+	}
+	struct epd_member *m = calloc(1, sizeof(*m));
+	if (!m) {
+		epd_client_error(c, req_id, EP_ENOMEM, "out of memory");
+		if (g->njoined == 0)
+			group_destroy(g);
+		return EP_ENOMEM;
+	}
+	m->client = c;
+	m->group = g;
+	m->rank = j->rank;
+	m->local = l;
+	m->barrier_seq = g->round;
+	m->pending_req = req_id;
+	m->pending_type = EPP_JOIN;
+	list_add_tail(&c->members, &m->cnode);
+	g->local[l] = m;
+	g->njoined++;
+	epd_info("group %s: rank %u joined (client %lu, pid %d), %u/%u local",
+		 g->shape.name, j->rank, (unsigned long)c->id, (int)c->pid,
+		 g->njoined, g->shape.ranks_per_node);
+	if (g->njoined == g->shape.ranks_per_node) {
+		group_became_ready(g);
+	} else {
+		if (flags & EPP_F_JOIN_NOWAIT)
+			join_reply(m);
+		if (g->njoined == 1 || !uv_is_active((uv_handle_t *)&g->timer))
+			uv_timer_start(&g->timer, group_timeout, g->timeout_ms,
+				       0);
+	}
+	return 0;
+}
+
+void epd_member_remove(struct epd_member *m, const char *why)
+{
+	struct epd_group *g = m->group;
+	struct epd_client *c = m->client;
+	g->local[m->local] = NULL;
+	g->njoined--;
+	list_del(&m->cnode);
+	epd_info("group %s: rank %u (pid %d) removed: %s", g->shape.name,
+		 m->rank, (int)c->pid, why);
+	if (g->state == EPD_G_READY)
+		group_fail(g, EP_EPEERLOST, "rank %u (pid %d) left the group: %s",
+			   m->rank, (int)c->pid, why);
+	free(m);
+	if (g->njoined == 0)
+		group_destroy(g);
+	else if (g->state == EPD_G_FORMING && !g->timer_closing &&
+		 !uv_is_active((uv_handle_t *)&g->timer))
+		uv_timer_start(&g->timer, group_timeout, g->timeout_ms, 0);
+}
+
+int epd_group_leave(struct epd_client *c, uint64_t req_id, uint64_t gid)
+{
+	struct epd_member *m = member_find(c, gid);
+	if (!m) {
+		epd_client_error(c, req_id, EP_ENOGROUP,
+				 "group id %lu is not joined on this "
+				 "connection",
+				 (unsigned long)gid);
+		return EP_ENOGROUP;
+	}
+	if (m->pending_req) {
+		epd_client_error(c, req_id, EP_EBUSY,
+				 "an operation of this rank is in flight");
+		return EP_EBUSY;
+	}
+	epd_member_remove(m, "left");
+	epd_client_send(c, EPP_OK, 0, req_id, NULL, 0, NULL, 0);
+	return 0;
+}
+
+/* Phase 1 of round k for local index l: the rail (the ranks with local index
+ * l on every node) has arrived. */
+static bool rail_arrived(struct epd_group *g, uint32_t l, uint64_t k)
+{
+	if (!g->local[l] || g->local[l]->barrier_seq < k)
+		return false;
+	for (uint32_t n = 0; n < g->nnodes; n++)
+		if (n != g->node_index && g->rail_remote[l * g->nnodes + n] < k)
+			return false;
+	return true;
+}
+
+static void barrier_progress(struct epd_group *g)
+{
+	uint64_t k = g->round + 1;
+	uint32_t rpn = g->shape.ranks_per_node;
+	/* Phase 1: scale-out (rail). */
+	for (uint32_t l = 0; l < rpn; l++)
+		if (g->rail_done[l] < k && rail_arrived(g, l, k))
+			g->rail_done[l] = k;
+	/* Phase 2: scale-up (node), only on completed phase-1 counters. */
+	for (uint32_t l = 0; l < rpn; l++)
+		if (g->rail_done[l] < k)
+			return;
+	g->round = k;
+	g->n_barrier++;
+	uv_timer_stop(&g->timer);
+	for (uint32_t l = 0; l < rpn; l++) {
+		struct epd_member *m = g->local[l];
+		if (m && m->pending_type == EPP_BARRIER)
+			member_reply_ok(m, NULL, 0);
+	}
+}
+
+int epd_group_barrier(struct epd_client *c, uint64_t req_id, uint64_t gid)
+{
+	struct epd_member *m = member_find(c, gid);
+	if (!m) {
+		epd_client_error(c, req_id, EP_ENOGROUP,
+				 "group id %lu is not joined on this "
+				 "connection",
+				 (unsigned long)gid);
+		return EP_ENOGROUP;
+	}
+	struct epd_group *g = m->group;
+	if (g->state == EPD_G_FAILED) {
+		g->n_errors++;
+		epd_client_error(c, req_id, g->fail_code, "group %s failed: %s",
+				 g->shape.name, g->last_error);
+		return g->fail_code;
+	}
+	if (g->state == EPD_G_FORMING) {
+		char miss[512];
+		list_ranks(miss, sizeof(miss), g, not_joined, NULL);
+		epd_client_error(c, req_id, EP_ENOTREADY,
+				 "group %s is not ready; ranks not joined: %s",
+				 g->shape.name, miss);
+		return EP_ENOTREADY;
+	}
+	if (m->pending_req) {
+		epd_client_error(c, req_id, EP_EBUSY,
+				 "an operation of rank %u is in flight",
+				 m->rank);
+		return EP_EBUSY;
+	}
+	m->barrier_seq++;
+	m->pending_req = req_id;
+	m->pending_type = EPP_BARRIER;
+	if (!uv_is_active((uv_handle_t *)&g->timer)) {
+		g->round_started_ns = epd_now_ns();
+		uv_timer_start(&g->timer, group_timeout, g->timeout_ms, 0);
+	}
+	barrier_progress(g);
+	return 0;
+}
+
+void epd_groups_shutdown(struct epd_server *srv)
+{
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &srv->groups)
+	{
+		struct epd_group *g = LIST_ENTRY(it, struct epd_group, node);
+		if (g->state != EPD_G_FAILED)
+			group_fail(g, EP_ESHUTDOWN, "daemon is shutting down");
+		for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
+			struct epd_member *m = g->local[l];
+			if (m && m->pending_req)
+				member_reply_err(m, EP_ESHUTDOWN,
+						 "daemon is shutting down");
+		}
+	}
+}

@@ -1,0 +1,34 @@
+/* SPDX-License-Identifier: MIT */
+/* Logging: lowercase messages, the observed cause; level set at run time. */
+#ifndef EPD_LOG_H
+#define EPD_LOG_H
+
+enum epd_log_level {
+	EPD_LOG_ERR = 3,
+	EPD_LOG_WARN = 4,
+	EPD_LOG_NOTICE = 5,
+	EPD_LOG_INFO = 6,
+	EPD_LOG_DEBUG = 7,
+};
+
+extern int epd_log_level;
+
+/* Parse "error|warning|notice|info|debug"; -1 if unknown. */
+int epd_log_parse_level(const char *s);
+const char *epd_log_level_name(int level);
+/* Prefix lines with <N> for the journal when stderr is the journal. */
+void epd_log_init(void);
+void epd_log(int level, const char *fmt, ...)
+	__attribute__((format(printf, 2, 3)));
+
+#define epd_err(...) epd_log(EPD_LOG_ERR, __VA_ARGS__)
+#define epd_warn(...) epd_log(EPD_LOG_WARN, __VA_ARGS__)
+#define epd_notice(...) epd_log(EPD_LOG_NOTICE, __VA_ARGS__)
+#define epd_info(...) epd_log(EPD_LOG_INFO, __VA_ARGS__)
+#define epd_debug(...)                                                         \
+	do {                                                                   \
+		if (epd_log_level >= EPD_LOG_DEBUG)                            \
+			epd_log(EPD_LOG_DEBUG, __VA_ARGS__);                   \
+	} while (0)
+
+#endif

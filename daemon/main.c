@@ -1,0 +1,100 @@
+/* SPDX-License-Identifier: MIT */
+/* epd: the expert-parallel communication daemon. */
+#include "epd.h"
+
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void usage(FILE *f)
+{
+	fprintf(f,
+		"usage: epd [options]\n"
+		"  -c, --config PATH     configuration file (default %s)\n"
+		"  -s, --socket PATH     control socket (default %s)\n"
+		"  -b, --backend NAME    auto, host or cuda\n"
+		"  -l, --log-level LVL   error, warning, notice, info, debug\n"
+		"  -o, --set KEY=VALUE   override a configuration key\n"
+		"  -t, --check-config    check the configuration and exit\n"
+		"  -V, --version         print the version and exit\n"
+		"  -h, --help            this text\n",
+		EPD_DEFAULT_CONFIG, EPD_DEFAULT_SOCKET);
+}
+
+int main(int argc, char **argv)
+{
+	static const struct option opts[] = {
+		{"config", required_argument, NULL, 'c'},
+		{"socket", required_argument, NULL, 's'},
+		{"backend", required_argument, NULL, 'b'},
+		{"log-level", required_argument, NULL, 'l'},
+		{"set", required_argument, NULL, 'o'},
+		{"check-config", no_argument, NULL, 't'},
+		{"version", no_argument, NULL, 'V'},
+		{"help", no_argument, NULL, 'h'},
+		{0},
+	};
+	const char *config = NULL;
+	char *over[64];
+	int nover = 0, opt;
+	bool check = false;
+
+	epd_log_init();
+	/* Command-line values override the file: collect them as key=value
+	 * and apply them after it. */
+	while ((opt = getopt_long(argc, argv, "c:s:b:l:o:tVh", opts, NULL)) !=
+	       -1) {
+		char kv[300];
+		const char *key = NULL;
+		switch (opt) {
+		case 'c': config = optarg; continue;
+		case 's': key = "socket"; break;
+		case 'b': key = "backend"; break;
+		case 'l': key = "log_level"; break;
+		case 'o': key = ""; break;
+		case 't': check = true; continue;
+		case 'V': printf("epd %s\n", PACKAGE_VERSION); return 0;
+		case 'h': usage(stdout); return 0;
+		default: usage(stderr); return 2;
+		}
+		if (nover == 64) {
+			fprintf(stderr, "epd: too many overrides\n");
+			return 2;
+		}
+		if (*key)
+			snprintf(kv, sizeof(kv), "%s=%s", key, optarg);
+		else
+			snprintf(kv, sizeof(kv), "%s", optarg);
+		over[nover++] = strdup(kv);
+	}
+	if (optind < argc) {
+		usage(stderr);
+		return 2;
+	}
+	struct epd_config cfg;
+	epd_config_defaults(&cfg);
+	if (epd_config_load(&cfg, config ? config : EPD_DEFAULT_CONFIG,
+			    config != NULL))
+		return 1;
+	for (int i = 0; i < nover; i++) {
+		if (epd_config_set(&cfg, over[i]))
+			return 2;
+		free(over[i]);
+	}
+	epd_log_level = cfg.log_level;
+	if (check) {
+		printf("configuration ok\n");
+		return 0;
+	}
+	uv_loop_t loop;
+	uv_loop_init(&loop);
+	struct epd_server srv;
+	if (epd_server_init(&srv, &loop, &cfg,
+			    config ? config : EPD_DEFAULT_CONFIG))
+		return 1;
+	epd_server_run(&srv);
+	uv_loop_close(&loop);
+	epd_notice("stopped");
+	return 0;
+}

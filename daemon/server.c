@@ -1,0 +1,259 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The server: the Unix socket listener (own or socket-activated), signals
+ * (TERM/INT stop, HUP reloads), systemd notifications, the backend choice.
+ */
+#include "epd.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#ifdef HAVE_LIBSYSTEMD
+#include <systemd/sd-daemon.h>
+#else
+static int sd_notifyf(int u, const char *f, ...)
+{
+	(void)u;
+	(void)f;
+	return 0;
+}
+static int sd_listen_fds(int u)
+{
+	(void)u;
+	return 0;
+}
+#define SD_LISTEN_FDS_START 3
+#endif
+
+uint64_t epd_now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void notify_status(struct epd_server *srv)
+{
+	unsigned nc = 0, ng = 0;
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &srv->clients) nc++;
+	LIST_FOREACH(it, tmp, &srv->groups) ng++;
+	sd_notifyf(0, "STATUS=backend %s, %u clients, %u groups", srv->backend,
+		   nc, ng);
+}
+
+static void on_listen(uv_poll_t *h, int status, int events)
+{
+	struct epd_server *srv = h->data;
+	(void)events;
+	if (status < 0) {
+		epd_err("listener: %s", uv_strerror(status));
+		return;
+	}
+	for (int i = 0; i < 64; i++) {
+		int fd = accept4(srv->listen_fd, NULL, NULL,
+				 SOCK_NONBLOCK | SOCK_CLOEXEC);
+		if (fd < 0) {
+			if (errno != EAGAIN && errno != EINTR)
+				epd_warn("accept: %m");
+			break;
+		}
+		epd_client_accept(srv, fd);
+	}
+	notify_status(srv);
+}
+
+static int listen_socket(struct epd_server *srv)
+{
+	const struct epd_config *cfg = &srv->cfg;
+	int n = sd_listen_fds(1);
+	if (n > 1) {
+		epd_err("socket activation passed %d sockets; expected one", n);
+		return -1;
+	}
+	if (n == 1) {
+		srv->listen_fd = SD_LISTEN_FDS_START;
+		srv->socket_activated = true;
+		fcntl(srv->listen_fd, F_SETFL,
+		      fcntl(srv->listen_fd, F_GETFL) | O_NONBLOCK);
+		epd_info("using the socket passed by systemd");
+		return 0;
+	}
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	if (strlen(cfg->socket_path) >= sizeof(sa.sun_path)) {
+		epd_err("socket path too long: %s", cfg->socket_path);
+		return -1;
+	}
+	strcpy(sa.sun_path, cfg->socket_path);
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+	if (fd < 0) {
+		epd_err("socket: %m");
+		return -1;
+	}
+	/* A stale socket file from a dead daemon is replaced; a live daemon's
+	 * is not. */
+	if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 ||
+	    errno == EAGAIN) {
+		epd_err("another daemon is listening on %s", cfg->socket_path);
+		close(fd);
+		return -1;
+	}
+	unlink(cfg->socket_path);
+	mode_t old = umask(0777 & ~cfg->socket_mode);
+	int rc = bind(fd, (struct sockaddr *)&sa, sizeof(sa));
+	umask(old);
+	if (rc) {
+		epd_err("bind %s: %m", cfg->socket_path);
+		close(fd);
+		return -1;
+	}
+	chmod(cfg->socket_path, cfg->socket_mode);
+	if (listen(fd, 128)) {
+		epd_err("listen %s: %m", cfg->socket_path);
+		close(fd);
+		unlink(cfg->socket_path);
+		return -1;
+	}
+	srv->listen_fd = fd;
+	srv->unlink_socket = true;
+	return 0;
+}
+
+static void on_stop_signal(uv_signal_t *h, int sig)
+{
+	struct epd_server *srv = h->data;
+	epd_notice("received %s, shutting down", strsignal(sig));
+	epd_server_stop(srv);
+}
+
+static void on_hup(uv_signal_t *h, int sig)
+{
+	struct epd_server *srv = h->data;
+	(void)sig;
+	sd_notifyf(0, "RELOADING=1\nMONOTONIC_USEC=%lu",
+		   (unsigned long)(epd_now_ns() / 1000));
+	struct epd_config c;
+	epd_config_defaults(&c);
+	if (srv->config_path[0] &&
+	    epd_config_load(&c, srv->config_path, false)) {
+		epd_err("reload of %s failed; keeping the running "
+			"configuration",
+			srv->config_path);
+	} else {
+		if (strcmp(c.socket_path, srv->cfg.socket_path))
+			epd_warn("socket path changes need a restart; still "
+				 "on %s",
+				 srv->cfg.socket_path);
+		/* What can change at run time. */
+		srv->cfg.log_level = c.log_level;
+		epd_log_level = c.log_level;
+		srv->cfg.timeout_ms = c.timeout_ms;
+		srv->cfg.frame_timeout_ms = c.frame_timeout_ms;
+		srv->cfg.nallow = c.nallow;
+		memcpy(srv->cfg.allow_uids, c.allow_uids,
+		       sizeof(c.allow_uids));
+		epd_notice("configuration reloaded from %s (log level %s, "
+			   "timeout %u ms)",
+			   srv->config_path,
+			   epd_log_level_name(epd_log_level),
+			   srv->cfg.timeout_ms);
+	}
+	sd_notifyf(0, "READY=1");
+	notify_status(srv);
+}
+
+static void choose_backend(struct epd_server *srv)
+{
+	srv->backend = "host";
+	if (!strcmp(srv->cfg.backend, "cuda"))
+		snprintf(srv->backend_reason, sizeof(srv->backend_reason),
+			 "cuda requested, but this build has no CUDA backend");
+	else if (!strcmp(srv->cfg.backend, "host"))
+		snprintf(srv->backend_reason, sizeof(srv->backend_reason),
+			 "host requested");
+	else
+		snprintf(srv->backend_reason, sizeof(srv->backend_reason),
+			 "no CUDA backend in this build");
+}
+
+int epd_server_init(struct epd_server *srv, uv_loop_t *loop,
+		    const struct epd_config *cfg, const char *config_path)
+{
+	memset(srv, 0, sizeof(*srv));
+	srv->loop = loop;
+	srv->cfg = *cfg;
+	snprintf(srv->config_path, sizeof(srv->config_path), "%s",
+		 config_path ? config_path : "");
+	srv->start_ns = epd_now_ns();
+	srv->epoch = (uint32_t)time(NULL);
+	srv->systemd = getenv("NOTIFY_SOCKET") != NULL;
+	LIST_INIT(&srv->clients);
+	LIST_INIT(&srv->groups);
+	choose_backend(srv);
+	if (!strcmp(cfg->backend, "cuda")) {
+		epd_err("%s", srv->backend_reason);
+		return -1;
+	}
+	if (listen_socket(srv))
+		return -1;
+	uv_poll_init(loop, &srv->listen_poll, srv->listen_fd);
+	srv->listen_poll.data = srv;
+	uv_poll_start(&srv->listen_poll, UV_READABLE, on_listen);
+	uv_signal_init(loop, &srv->sig_term);
+	uv_signal_init(loop, &srv->sig_int);
+	uv_signal_init(loop, &srv->sig_hup);
+	srv->sig_term.data = srv->sig_int.data = srv->sig_hup.data = srv;
+	uv_signal_start(&srv->sig_term, on_stop_signal, SIGTERM);
+	uv_signal_start(&srv->sig_int, on_stop_signal, SIGINT);
+	uv_signal_start(&srv->sig_hup, on_hup, SIGHUP);
+	epd_notice("epd %s listening on %s (backend %s: %s)", PACKAGE_VERSION,
+		   srv->socket_activated ? "(socket activation)"
+					 : cfg->socket_path,
+		   srv->backend, srv->backend_reason);
+	return 0;
+}
+
+int epd_server_run(struct epd_server *srv)
+{
+	sd_notifyf(0, "READY=1\nMAINPID=%d", (int)getpid());
+	notify_status(srv);
+	uv_run(srv->loop, UV_RUN_DEFAULT);
+	return 0;
+}
+
+void epd_server_stop(struct epd_server *srv)
+{
+	if (srv->stopping)
+		return;
+	srv->stopping = true;
+	sd_notifyf(0, "STOPPING=1");
+	uv_poll_stop(&srv->listen_poll);
+	uv_close((uv_handle_t *)&srv->listen_poll, NULL);
+	close(srv->listen_fd);
+	if (srv->unlink_socket)
+		unlink(srv->cfg.socket_path);
+	/* Pending ops fail with ESHUTDOWN; every rank is told. */
+	epd_groups_shutdown(srv);
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &srv->clients)
+	{
+		struct epd_client *c = LIST_ENTRY(it, struct epd_client, node);
+		uint8_t buf[128];
+		size_t n = epp_error_encode(EP_ESHUTDOWN,
+					    "daemon is shutting down", buf,
+					    sizeof(buf));
+		epd_client_send(c, EPP_NOTICE, 0, 0, buf, (uint32_t)n, NULL, 0);
+		epd_client_close(c, "daemon shutting down");
+	}
+	uv_close((uv_handle_t *)&srv->sig_term, NULL);
+	uv_close((uv_handle_t *)&srv->sig_int, NULL);
+	uv_close((uv_handle_t *)&srv->sig_hup, NULL);
+}

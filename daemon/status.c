@@ -1,0 +1,106 @@
+/* SPDX-License-Identifier: MIT */
+/* `epctl status`: the daemon, its clients and its groups as JSON. */
+#include "epd.h"
+
+#include <jansson.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static json_t *shape_json(const struct epp_join *s)
+{
+	return json_pack("{s:I, s:I, s:I, s:I, s:s}", "num_experts",
+			 (json_int_t)s->num_experts, "hidden",
+			 (json_int_t)s->hidden, "max_tokens_per_rank",
+			 (json_int_t)s->max_tokens, "topk",
+			 (json_int_t)s->topk, "dtype",
+			 s->dtype == EP_DTYPE_FP8 ? "fp8" : "bf16");
+}
+
+static json_t *group_json(struct epd_group *g)
+{
+	json_t *joined = json_array(), *missing = json_array();
+	uint32_t rpn = g->shape.ranks_per_node;
+	for (uint32_t l = 0; l < rpn; l++) {
+		json_int_t r = (json_int_t)(g->node_index * rpn + l);
+		json_array_append_new(g->local[l] ? joined : missing,
+				      json_integer(r));
+	}
+	json_t *o = json_pack(
+		"{s:s, s:I, s:I, s:s, s:I, s:I, s:I, s:I, s:o, s:o, s:I, "
+		"s:o, s:{s:I, s:I}, s:I}",
+		"name", g->shape.name, "id", (json_int_t)g->id, "epoch",
+		(json_int_t)g->epoch, "state", epd_group_state_name(g->state),
+		"world_size", (json_int_t)g->shape.world_size,
+		"ranks_per_node", (json_int_t)rpn, "node_index",
+		(json_int_t)g->node_index, "nodes", (json_int_t)g->nnodes,
+		"joined", joined, "missing", missing, "timeout_ms",
+		(json_int_t)g->timeout_ms, "shape", shape_json(&g->shape),
+		"ops", "barrier", (json_int_t)g->n_barrier, "errors",
+		(json_int_t)g->n_errors, "buffer_bytes",
+		(json_int_t)g->buf_size);
+	if (o && g->state == EPD_G_FAILED)
+		json_object_set_new(o, "last_error",
+				    json_pack("{s:i, s:s, s:s}", "code",
+					      g->fail_code, "name",
+					      ep_strerror(g->fail_code),
+					      "message", g->last_error));
+	else if (o)
+		json_object_set_new(o, "last_error", json_null());
+	return o;
+}
+
+static json_t *client_json(struct epd_client *c, uint64_t now)
+{
+	json_t *ms = json_array();
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &c->members)
+	{
+		struct epd_member *m = LIST_ENTRY(it, struct epd_member, cnode);
+		json_array_append_new(
+			ms, json_pack("{s:s, s:I, s:I, s:s}", "group",
+				      m->group->shape.name, "group_id",
+				      (json_int_t)m->group->id, "rank",
+				      (json_int_t)m->rank, "pending",
+				      m->pending_req
+					      ? epp_type_name(m->pending_type)
+					      : ""));
+	}
+	return json_pack("{s:I, s:i, s:I, s:s, s:f, s:o}", "id",
+			 (json_int_t)c->id, "pid", (int)c->pid, "uid",
+			 (json_int_t)c->uid, "name", c->name, "connected_s",
+			 (double)(now - c->connected_ns) / 1e9, "groups", ms);
+}
+
+char *epd_status_json(struct epd_server *srv)
+{
+	uint64_t now = epd_now_ns();
+	json_t *clients = json_array(), *groups = json_array();
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &srv->clients)
+	json_array_append_new(
+		clients, client_json(LIST_ENTRY(it, struct epd_client, node),
+				     now));
+	LIST_FOREACH(it, tmp, &srv->groups)
+	json_array_append_new(groups,
+			      group_json(LIST_ENTRY(it, struct epd_group,
+						    node)));
+	json_t *root = json_pack(
+		"{s:{s:s, s:i, s:f, s:s, s:s, s:s, s:b, s:s, s:I, s:I, s:I, "
+		"s:{s:i, s:i}}, s:o, s:o}",
+		"daemon", "version", PACKAGE_VERSION, "pid", (int)getpid(),
+		"uptime_s", (double)(now - srv->start_ns) / 1e9, "backend",
+		srv->backend, "backend_reason", srv->backend_reason, "socket",
+		srv->cfg.socket_path, "systemd", srv->systemd, "log_level",
+		epd_log_level_name(epd_log_level), "clients_accepted",
+		(json_int_t)srv->n_accepted, "clients_rejected",
+		(json_int_t)srv->n_rejected, "protocol_errors",
+		(json_int_t)srv->n_proto_errors, "protocol", "major",
+		EPP_VERSION_MAJOR, "minor", EPP_VERSION_MINOR, "clients",
+		clients, "groups", groups);
+	if (!root)
+		return NULL;
+	char *s = json_dumps(root, JSON_COMPACT);
+	json_decref(root);
+	return s;
+}

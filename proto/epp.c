@@ -1,0 +1,398 @@
+/* SPDX-License-Identifier: MIT */
+/* epp: frame header and payload codecs. */
+#include "epp.h"
+
+#include <stdio.h>
+#include <string.h>
+
+void epp_rd_init(struct epp_rd *r, const void *p, size_t len)
+{
+	r->p = p;
+	r->len = len;
+	r->off = 0;
+	r->err = false;
+}
+
+static const uint8_t *rd_take(struct epp_rd *r, size_t n)
+{
+	if (r->err || r->len - r->off < n) {
+		r->err = true;
+		return NULL;
+	}
+	const uint8_t *q = r->p + r->off;
+	r->off += n;
+	return q;
+}
+
+uint8_t epp_get_u8(struct epp_rd *r)
+{
+	const uint8_t *q = rd_take(r, 1);
+	return q ? q[0] : 0;
+}
+
+uint16_t epp_get_u16(struct epp_rd *r)
+{
+	const uint8_t *q = rd_take(r, 2);
+	return q ? (uint16_t)(q[0] | q[1] << 8) : 0;
+}
+
+uint32_t epp_get_u32(struct epp_rd *r)
+{
+	const uint8_t *q = rd_take(r, 4);
+	return q ? (uint32_t)q[0] | (uint32_t)q[1] << 8 | (uint32_t)q[2] << 16 |
+			   (uint32_t)q[3] << 24
+		 : 0;
+}
+
+uint64_t epp_get_u64(struct epp_rd *r)
+{
+	uint64_t lo = epp_get_u32(r);
+	return lo | (uint64_t)epp_get_u32(r) << 32;
+}
+
+void epp_get_str(struct epp_rd *r, char *dst, size_t cap)
+{
+	size_t n = epp_get_u16(r);
+	const uint8_t *q = rd_take(r, n);
+	if (!q || n >= cap || memchr(q, 0, n)) {
+		r->err = true;
+		if (cap)
+			dst[0] = 0;
+		return;
+	}
+	memcpy(dst, q, n);
+	dst[n] = 0;
+}
+
+int epp_rd_end(const struct epp_rd *r)
+{
+	return r->err || r->off != r->len ? EP_EPROTO : 0;
+}
+
+void epp_wr_init(struct epp_wr *w, void *p, size_t cap)
+{
+	w->p = p;
+	w->cap = cap;
+	w->off = 0;
+	w->err = false;
+}
+
+static uint8_t *wr_take(struct epp_wr *w, size_t n)
+{
+	if (w->err || w->cap - w->off < n) {
+		w->err = true;
+		return NULL;
+	}
+	uint8_t *q = w->p + w->off;
+	w->off += n;
+	return q;
+}
+
+void epp_put_u8(struct epp_wr *w, uint8_t v)
+{
+	uint8_t *q = wr_take(w, 1);
+	if (q)
+		q[0] = v;
+}
+
+void epp_put_u16(struct epp_wr *w, uint16_t v)
+{
+	uint8_t *q = wr_take(w, 2);
+	if (q) {
+		q[0] = (uint8_t)v;
+		q[1] = (uint8_t)(v >> 8);
+	}
+}
+
+void epp_put_u32(struct epp_wr *w, uint32_t v)
+{
+	uint8_t *q = wr_take(w, 4);
+	if (q)
+		for (int i = 0; i < 4; i++)
+			q[i] = (uint8_t)(v >> (8 * i));
+}
+
+void epp_put_u64(struct epp_wr *w, uint64_t v)
+{
+	epp_put_u32(w, (uint32_t)v);
+	epp_put_u32(w, (uint32_t)(v >> 32));
+}
+
+void epp_put_str(struct epp_wr *w, const char *s)
+{
+	size_t n = strnlen(s, 0xffff);
+	epp_put_u16(w, (uint16_t)n);
+	uint8_t *q = wr_take(w, n);
+	if (q)
+		memcpy(q, s, n);
+}
+
+void epp_hdr_init(struct epp_hdr *h, uint16_t type, uint64_t req_id)
+{
+	memset(h, 0, sizeof(*h));
+	h->magic = EPP_MAGIC;
+	h->ver_major = EPP_VERSION_MAJOR;
+	h->ver_minor = EPP_VERSION_MINOR;
+	h->type = type;
+	h->req_id = req_id;
+}
+
+void epp_hdr_encode(const struct epp_hdr *h, uint8_t out[EPP_HDR_SIZE])
+{
+	struct epp_wr w;
+	epp_wr_init(&w, out, EPP_HDR_SIZE);
+	epp_put_u32(&w, h->magic);
+	epp_put_u8(&w, h->ver_major);
+	epp_put_u8(&w, h->ver_minor);
+	epp_put_u16(&w, h->type);
+	epp_put_u16(&w, h->flags);
+	epp_put_u16(&w, h->nfds);
+	epp_put_u32(&w, h->length);
+	epp_put_u64(&w, h->req_id);
+}
+
+#define ERRF(...)                                                              \
+	do {                                                                   \
+		if (err)                                                       \
+			snprintf(err, errlen, __VA_ARGS__);                    \
+	} while (0)
+
+int epp_hdr_decode(const uint8_t in[EPP_HDR_SIZE], struct epp_hdr *h,
+		   char *err, size_t errlen)
+{
+	struct epp_rd r;
+	epp_rd_init(&r, in, EPP_HDR_SIZE);
+	h->magic = epp_get_u32(&r);
+	h->ver_major = epp_get_u8(&r);
+	h->ver_minor = epp_get_u8(&r);
+	h->type = epp_get_u16(&r);
+	h->flags = epp_get_u16(&r);
+	h->nfds = epp_get_u16(&r);
+	h->length = epp_get_u32(&r);
+	h->req_id = epp_get_u64(&r);
+	if (h->magic != EPP_MAGIC) {
+		ERRF("bad magic 0x%08x (expected 0x%08x)", h->magic, EPP_MAGIC);
+		return EP_EPROTO;
+	}
+	if (h->ver_major != EPP_VERSION_MAJOR) {
+		ERRF("protocol version %u.%u not supported (this side speaks "
+		     "%u.%u)",
+		     h->ver_major, h->ver_minor, EPP_VERSION_MAJOR,
+		     EPP_VERSION_MINOR);
+		return EP_EVERSION;
+	}
+	if (h->length > EPP_MAX_PAYLOAD) {
+		ERRF("frame length %u exceeds the maximum %u", h->length,
+		     EPP_MAX_PAYLOAD);
+		return EP_EPROTO;
+	}
+	if (h->nfds > EPP_MAX_FDS) {
+		ERRF("frame announces %u descriptors (maximum %u)", h->nfds,
+		     EPP_MAX_FDS);
+		return EP_EPROTO;
+	}
+	if (h->flags & ~EPP_F_ALL) {
+		ERRF("unknown flags 0x%x", h->flags & ~EPP_F_ALL);
+		return EP_EPROTO;
+	}
+	return 0;
+}
+
+const char *epp_type_name(uint16_t type)
+{
+	switch (type) {
+	case EPP_HELLO: return "hello";
+	case EPP_JOIN: return "join";
+	case EPP_LEAVE: return "leave";
+	case EPP_BARRIER: return "barrier";
+	case EPP_STATUS: return "status";
+	case EPP_OK: return "ok";
+	case EPP_ERROR: return "error";
+	case EPP_NOTICE: return "notice";
+	}
+	return "unknown";
+}
+
+bool epp_group_name_valid(const char *name)
+{
+	size_t n = strlen(name);
+	if (n == 0 || n > EP_GROUP_NAME_MAX)
+		return false;
+	for (size_t i = 0; i < n; i++) {
+		char c = name[i];
+		if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+		      (c >= '0' && c <= '9') || c == '_' || c == '.' ||
+		      c == ':' || c == '-'))
+			return false;
+	}
+	return true;
+}
+
+size_t epp_join_encode(const struct epp_join *j, uint8_t *out, size_t cap)
+{
+	struct epp_wr w;
+	epp_wr_init(&w, out, cap);
+	epp_put_str(&w, j->name);
+	epp_put_u32(&w, j->world_size);
+	epp_put_u32(&w, j->ranks_per_node);
+	epp_put_u32(&w, j->rank);
+	epp_put_u32(&w, j->num_experts);
+	epp_put_u32(&w, j->hidden);
+	epp_put_u32(&w, j->max_tokens);
+	epp_put_u32(&w, j->topk);
+	epp_put_u32(&w, j->dtype);
+	epp_put_u32(&w, j->timeout_ms);
+	return w.err ? 0 : w.off;
+}
+
+/* Limits of a group's shape; a JOIN outside them is refused. */
+#define EPP_MAX_WORLD 1024
+#define EPP_MAX_EXPERTS 4096
+#define EPP_MAX_HIDDEN 65536
+#define EPP_MAX_TOKENS 65536
+#define EPP_MAX_TOPK 32
+#define EPP_MAX_TIMEOUT_MS 3600000u
+
+int epp_join_decode(const uint8_t *p, size_t len, struct epp_join *j,
+		    char *err, size_t errlen)
+{
+	struct epp_rd r;
+	epp_rd_init(&r, p, len);
+	epp_get_str(&r, j->name, sizeof(j->name));
+	j->world_size = epp_get_u32(&r);
+	j->ranks_per_node = epp_get_u32(&r);
+	j->rank = epp_get_u32(&r);
+	j->num_experts = epp_get_u32(&r);
+	j->hidden = epp_get_u32(&r);
+	j->max_tokens = epp_get_u32(&r);
+	j->topk = epp_get_u32(&r);
+	j->dtype = epp_get_u32(&r);
+	j->timeout_ms = epp_get_u32(&r);
+	if (epp_rd_end(&r)) {
+		ERRF("malformed join payload (%zu bytes)", len);
+		return EP_EPROTO;
+	}
+	if (!epp_group_name_valid(j->name)) {
+		ERRF("group name must be 1..%d characters of [A-Za-z0-9_.:-]",
+		     EP_GROUP_NAME_MAX);
+		return EP_EINVAL;
+	}
+	if (j->world_size == 0 || j->world_size > EPP_MAX_WORLD) {
+		ERRF("world_size %u out of range 1..%u", j->world_size,
+		     EPP_MAX_WORLD);
+		return EP_EINVAL;
+	}
+	if (j->ranks_per_node == 0 || j->world_size % j->ranks_per_node) {
+		ERRF("ranks_per_node %u does not divide world_size %u",
+		     j->ranks_per_node, j->world_size);
+		return EP_EINVAL;
+	}
+	if (j->rank >= j->world_size) {
+		ERRF("rank %u out of range for world_size %u", j->rank,
+		     j->world_size);
+		return EP_EINVAL;
+	}
+	if (j->num_experts == 0 || j->num_experts > EPP_MAX_EXPERTS ||
+	    j->num_experts % j->world_size) {
+		ERRF("num_experts %u must be a positive multiple of world_size "
+		     "%u, at most %u",
+		     j->num_experts, j->world_size, EPP_MAX_EXPERTS);
+		return EP_EINVAL;
+	}
+	if (j->hidden == 0 || j->hidden % 128 || j->hidden > EPP_MAX_HIDDEN) {
+		ERRF("hidden %u must be a positive multiple of 128, at most %u",
+		     j->hidden, EPP_MAX_HIDDEN);
+		return EP_EINVAL;
+	}
+	if (j->max_tokens > EPP_MAX_TOKENS) {
+		ERRF("max_tokens_per_rank %u above %u", j->max_tokens,
+		     EPP_MAX_TOKENS);
+		return EP_EINVAL;
+	}
+	if (j->topk == 0 || j->topk > EPP_MAX_TOPK) {
+		ERRF("topk %u out of range 1..%u", j->topk, EPP_MAX_TOPK);
+		return EP_EINVAL;
+	}
+	if (j->dtype != EP_DTYPE_BF16 && j->dtype != EP_DTYPE_FP8) {
+		ERRF("unknown dtype %u", j->dtype);
+		return EP_EINVAL;
+	}
+	if (j->timeout_ms > EPP_MAX_TIMEOUT_MS) {
+		ERRF("timeout_ms %u above %u", j->timeout_ms,
+		     EPP_MAX_TIMEOUT_MS);
+		return EP_EINVAL;
+	}
+	return 0;
+}
+
+size_t epp_join_ok_encode(const struct epp_join_ok *j, uint8_t *out, size_t cap)
+{
+	struct epp_wr w;
+	epp_wr_init(&w, out, cap);
+	epp_put_u64(&w, j->group_id);
+	epp_put_u32(&w, j->epoch);
+	epp_put_u32(&w, j->node_index);
+	epp_put_u64(&w, j->buf_size);
+	epp_put_u32(&w, j->ready);
+	return w.err ? 0 : w.off;
+}
+
+int epp_join_ok_decode(const uint8_t *p, size_t len, struct epp_join_ok *j)
+{
+	struct epp_rd r;
+	epp_rd_init(&r, p, len);
+	j->group_id = epp_get_u64(&r);
+	j->epoch = epp_get_u32(&r);
+	j->node_index = epp_get_u32(&r);
+	j->buf_size = epp_get_u64(&r);
+	j->ready = epp_get_u32(&r);
+	return epp_rd_end(&r);
+}
+
+size_t epp_hello_ok_encode(const struct epp_hello_ok *h, uint8_t *out,
+			   size_t cap)
+{
+	struct epp_wr w;
+	epp_wr_init(&w, out, cap);
+	epp_put_u16(&w, h->major);
+	epp_put_u16(&w, h->minor);
+	epp_put_u64(&w, h->client_id);
+	epp_put_str(&w, h->daemon_version);
+	epp_put_str(&w, h->backend);
+	return w.err ? 0 : w.off;
+}
+
+int epp_hello_ok_decode(const uint8_t *p, size_t len, struct epp_hello_ok *h)
+{
+	struct epp_rd r;
+	epp_rd_init(&r, p, len);
+	h->major = epp_get_u16(&r);
+	h->minor = epp_get_u16(&r);
+	h->client_id = epp_get_u64(&r);
+	epp_get_str(&r, h->daemon_version, sizeof(h->daemon_version));
+	epp_get_str(&r, h->backend, sizeof(h->backend));
+	return epp_rd_end(&r);
+}
+
+size_t epp_error_encode(int code, const char *msg, uint8_t *out, size_t cap)
+{
+	struct epp_wr w;
+	char m[EPP_ERRMSG_MAX];
+	snprintf(m, sizeof(m), "%s", msg ? msg : "");
+	epp_wr_init(&w, out, cap);
+	epp_put_u32(&w, (uint32_t)code);
+	epp_put_str(&w, m);
+	return w.err ? 0 : w.off;
+}
+
+int epp_error_decode(const uint8_t *p, size_t len, int *code, char *msg,
+		     size_t cap)
+{
+	struct epp_rd r;
+	epp_rd_init(&r, p, len);
+	*code = (int)epp_get_u32(&r);
+	epp_get_str(&r, msg, cap);
+	if (*code >= 0)
+		return EP_EPROTO;
+	return epp_rd_end(&r);
+}

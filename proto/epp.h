@@ -1,0 +1,169 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * epp: the epd wire protocol, shared by epd, libep and epctl.
+ *
+ * A frame is a fixed 24-byte little-endian header followed by `length` bytes
+ * of payload. File descriptors travel with SCM_RIGHTS on the first byte of a
+ * frame; the header says how many (nfds).
+ *
+ *   off size field
+ *     0    4 magic      "EPD1" (0x31445045 little-endian)
+ *     4    1 ver_major  incompatible changes
+ *     5    1 ver_minor  compatible additions
+ *     6    2 type       enum epp_type
+ *     8    2 flags      EPP_F_*; unknown flags are an error
+ *    10    2 nfds       file descriptors attached (<= EPP_MAX_FDS)
+ *    12    4 length     payload bytes (<= EPP_MAX_PAYLOAD)
+ *    16    8 req_id     echoed in the reply; 0 for unsolicited notices
+ *
+ * Version history:
+ *   1.0  HELLO, JOIN, LEAVE, BARRIER, STATUS, OK, ERROR, NOTICE.
+ *
+ * Rules: a frame with a bad magic, a newer major version, a length over the
+ * maximum or an nfds that does not match the descriptors received cannot be
+ * trusted: the daemon replies ERROR and disconnects. A well-framed message of
+ * an unknown type or with a malformed payload gets an ERROR reply and the
+ * connection stays.
+ */
+#ifndef EPP_H
+#define EPP_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ep/ep.h"
+
+#define EPP_MAGIC 0x31445045u
+#define EPP_VERSION_MAJOR 1
+#define EPP_VERSION_MINOR 0
+#define EPP_HDR_SIZE 24
+#define EPP_MAX_PAYLOAD (1u << 20)
+#define EPP_MAX_FDS 4
+#define EPP_ERRMSG_MAX 1024
+
+enum epp_type {
+	EPP_HELLO = 1,   /* C->D: u16 major, u16 minor, str name */
+	EPP_JOIN = 2,    /* C->D: struct epp_join */
+	EPP_LEAVE = 3,   /* C->D: u64 group_id */
+	EPP_BARRIER = 4, /* C->D: u64 group_id */
+	EPP_STATUS = 5,  /* C->D: empty */
+	EPP_OK = 64,     /* D->C: reply; payload depends on the request */
+	EPP_ERROR = 65,  /* D->C: i32 code, str message */
+	EPP_NOTICE = 66, /* D->C: unsolicited; i32 code, str message */
+};
+
+enum epp_flags {
+	EPP_F_JOIN_NOWAIT = 0x1, /* JOIN: reply before the group is ready */
+	EPP_F_ALL = 0x1,
+};
+
+struct epp_hdr {
+	uint32_t magic;
+	uint8_t ver_major;
+	uint8_t ver_minor;
+	uint16_t type;
+	uint16_t flags;
+	uint16_t nfds;
+	uint32_t length;
+	uint64_t req_id;
+};
+
+/* JOIN request. */
+struct epp_join {
+	char name[EP_GROUP_NAME_MAX + 1];
+	uint32_t world_size, ranks_per_node, rank;
+	uint32_t num_experts, hidden, max_tokens, topk, dtype;
+	uint32_t timeout_ms;
+};
+
+/* OK reply to JOIN; one fd (the group's shared buffer) travels with it. */
+struct epp_join_ok {
+	uint64_t group_id;
+	uint32_t epoch;
+	uint32_t node_index;
+	uint64_t buf_size;
+	uint32_t ready;
+};
+
+/* OK reply to HELLO. */
+struct epp_hello_ok {
+	uint16_t major, minor;
+	uint64_t client_id;
+	char daemon_version[32];
+	char backend[16];
+};
+
+/* Little-endian cursor over a payload. A read past the end, or a string
+ * without its terminator, sets err; later reads return zeros. */
+struct epp_rd {
+	const uint8_t *p;
+	size_t len, off;
+	bool err;
+};
+
+struct epp_wr {
+	uint8_t *p;
+	size_t cap, off;
+	bool err; /* ran out of room */
+};
+
+void epp_rd_init(struct epp_rd *r, const void *p, size_t len);
+uint8_t epp_get_u8(struct epp_rd *r);
+uint16_t epp_get_u16(struct epp_rd *r);
+uint32_t epp_get_u32(struct epp_rd *r);
+uint64_t epp_get_u64(struct epp_rd *r);
+/* u16 length then bytes (no NUL on the wire); copied NUL-terminated into
+ * dst of size cap; longer than cap-1 sets err. */
+void epp_get_str(struct epp_rd *r, char *dst, size_t cap);
+/* 0 if every byte was consumed and no read failed, else EP_EPROTO. */
+int epp_rd_end(const struct epp_rd *r);
+
+void epp_wr_init(struct epp_wr *w, void *p, size_t cap);
+void epp_put_u8(struct epp_wr *w, uint8_t v);
+void epp_put_u16(struct epp_wr *w, uint16_t v);
+void epp_put_u32(struct epp_wr *w, uint32_t v);
+void epp_put_u64(struct epp_wr *w, uint64_t v);
+void epp_put_str(struct epp_wr *w, const char *s);
+
+/* Header. encode writes EPP_HDR_SIZE bytes. decode checks magic, major
+ * version, flags, nfds and length; on failure it returns a negative code and
+ * a message in err (which may be NULL). */
+void epp_hdr_encode(const struct epp_hdr *h, uint8_t out[EPP_HDR_SIZE]);
+int epp_hdr_decode(const uint8_t in[EPP_HDR_SIZE], struct epp_hdr *h,
+		   char *err, size_t errlen);
+void epp_hdr_init(struct epp_hdr *h, uint16_t type, uint64_t req_id);
+const char *epp_type_name(uint16_t type);
+
+/* Payload codecs. decode returns 0 or EP_EPROTO/EP_EINVAL with a message. */
+size_t epp_join_encode(const struct epp_join *j, uint8_t *out, size_t cap);
+int epp_join_decode(const uint8_t *p, size_t len, struct epp_join *j,
+		    char *err, size_t errlen);
+bool epp_group_name_valid(const char *name);
+size_t epp_join_ok_encode(const struct epp_join_ok *j, uint8_t *out, size_t cap);
+int epp_join_ok_decode(const uint8_t *p, size_t len, struct epp_join_ok *j);
+size_t epp_hello_ok_encode(const struct epp_hello_ok *h, uint8_t *out,
+			   size_t cap);
+int epp_hello_ok_decode(const uint8_t *p, size_t len, struct epp_hello_ok *h);
+size_t epp_error_encode(int code, const char *msg, uint8_t *out, size_t cap);
+int epp_error_decode(const uint8_t *p, size_t len, int *code, char *msg,
+		     size_t cap);
+
+/* Socket I/O with descriptors (blocking or not, as the socket is).
+ * epp_sendmsg: one sendmsg with fds attached; returns bytes sent or -errno.
+ * epp_recvmsg: one recvmsg; received fds are appended to fds[*nfds] up to
+ * fdcap (extra ones are closed and flagged with *truncated). */
+long epp_sendmsg(int fd, const void *buf, size_t len, const int *fds,
+		 unsigned nfds);
+long epp_recvmsg(int fd, void *buf, size_t len, int *fds, unsigned *nfds,
+		 unsigned fdcap, bool *truncated);
+
+/* Blocking helpers for clients: send a whole frame; receive a whole frame
+ * (payload malloc'd into *payload, caller frees) waiting at most timeout_ms
+ * (-1: forever). Return 0 or a negative code. */
+int epp_send_frame(int fd, const struct epp_hdr *h, const void *payload,
+		   const int *fds);
+int epp_recv_frame(int fd, struct epp_hdr *h, uint8_t **payload, int *fds,
+		   int timeout_ms, char *err, size_t errlen);
+
+#endif /* EPP_H */
