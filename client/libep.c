@@ -31,6 +31,27 @@ int ep__fail(int code, const char *fmt, ...)
 /* Margin over the daemon's own timeout before the client gives up on it. */
 #define CLIENT_MARGIN_MS 10000
 
+/* Read what the daemon already sent without waiting; note a shutdown. */
+static void drain_notices(ep_conn_t *c)
+{
+	for (;;) {
+		struct epp_hdr h;
+		uint8_t *p;
+		int fds[EPP_MAX_FDS];
+		if (epp_recv_frame(c->fd, &h, &p, fds, 0, NULL, 0))
+			return;
+		int code;
+		char msg[EPP_ERRMSG_MAX];
+		if (h.type == EPP_NOTICE &&
+		    !epp_error_decode(p, h.length, &code, msg, sizeof(msg)) &&
+		    code == EP_ESHUTDOWN)
+			c->shutdown = true;
+		for (unsigned i = 0; i < h.nfds; i++)
+			close(fds[i]);
+		free(p);
+	}
+}
+
 int ep__rpc(ep_conn_t *c, uint16_t type, uint16_t flags, const void *payload,
 	    uint32_t len, uint8_t **reply, uint32_t *rlen, int *fds,
 	    unsigned maxfds, int timeout_ms)
@@ -44,8 +65,11 @@ int ep__rpc(ep_conn_t *c, uint16_t type, uint16_t flags, const void *payload,
 	h.length = len;
 	int rc = epp_send_frame(c->fd, &h, payload, NULL);
 	if (rc) {
-		c->dead = rc;
-		return ep__fail(rc, "send to epd failed: %s", ep_strerror(rc));
+		/* A shutdown notice may be waiting behind the closed stream. */
+		drain_notices(c);
+		c->dead = c->shutdown ? EP_ESHUTDOWN : rc;
+		return ep__fail(c->dead, "send to epd failed: %s",
+				ep_strerror(c->dead));
 	}
 	for (;;) {
 		struct epp_hdr rh;

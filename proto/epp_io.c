@@ -129,9 +129,7 @@ static int read_full(int fd, uint8_t *buf, size_t len, int *fds,
 		int wait = -1;
 		if (deadline >= 0) {
 			long left = deadline - now_ms();
-			if (left <= 0)
-				return EP_ETIMEDOUT;
-			wait = (int)left;
+			wait = left > 0 ? (int)left : 0;
 		}
 		struct pollfd p = {.fd = fd, .events = POLLIN};
 		int pr = poll(&p, 1, wait);

@@ -1,0 +1,300 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Bad input over a raw socket: each malformed frame gets a precise error,
+ * and a bystander group of two ranks keeps running barriers throughout.
+ */
+#include "harness.h"
+#include "epp.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+static const struct th_daemon *D;
+
+static int raw_connect(void)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", D->sock);
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	TH_CHECK(fd >= 0, "socket");
+	TH_CHECK(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0,
+		 "connect: %s", strerror(errno));
+	return fd;
+}
+
+static void raw_send(int fd, const void *p, size_t n)
+{
+	TH_CHECK(write(fd, p, n) == (ssize_t)n, "write: %s", strerror(errno));
+}
+
+static void send_hdr(int fd, uint32_t magic, uint8_t major, uint16_t type,
+		     uint16_t flags, uint32_t len, uint64_t req,
+		     const void *payload)
+{
+	struct epp_hdr h;
+	epp_hdr_init(&h, type, req);
+	h.magic = magic;
+	h.ver_major = major;
+	h.flags = flags;
+	h.length = len;
+	uint8_t b[EPP_HDR_SIZE];
+	epp_hdr_encode(&h, b);
+	raw_send(fd, b, sizeof(b));
+	if (payload && len)
+		raw_send(fd, payload, len);
+}
+
+/* Read one frame; expect ERROR with `code` and message containing `frag`. */
+static void expect_error(int fd, uint64_t req, int code, const char *frag)
+{
+	struct epp_hdr h;
+	uint8_t *p;
+	char err[256];
+	int rc = epp_recv_frame(fd, &h, &p, NULL, 5000, err, sizeof(err));
+	TH_CHECK(rc == 0, "no reply: %s %s", ep_strerror(rc), err);
+	TH_CHECK(h.type == EPP_ERROR, "reply type %u, want error", h.type);
+	TH_CHECK(h.req_id == req, "reply req %lu, want %lu",
+		 (unsigned long)h.req_id, (unsigned long)req);
+	int got;
+	char msg[EPP_ERRMSG_MAX];
+	TH_OK(epp_error_decode(p, h.length, &got, msg, sizeof(msg)));
+	free(p);
+	TH_CHECK(got == code, "error %d (%s), want %d (%s): %s", got,
+		 ep_strerror(got), code, ep_strerror(code), msg);
+	TH_CHECK(strstr(msg, frag) != NULL, "message '%s' lacks '%s'", msg,
+		 frag);
+	printf("ok: %s -> %s\n", frag, msg);
+}
+
+/* The daemon closed this connection. */
+static void expect_closed(int fd)
+{
+	struct pollfd p = {.fd = fd, .events = POLLIN};
+	TH_CHECK(poll(&p, 1, 5000) == 1, "connection still open");
+	char b;
+	TH_CHECK(read(fd, &b, 1) <= 0, "more data after a fatal error");
+	close(fd);
+}
+
+/* The connection still works: a STATUS round trip. */
+static void expect_usable(int fd)
+{
+	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_STATUS, 0, 0, 99, NULL);
+	struct epp_hdr h;
+	uint8_t *p;
+	TH_OK(epp_recv_frame(fd, &h, &p, NULL, 5000, NULL, 0));
+	TH_CHECK(h.type == EPP_OK && h.req_id == 99, "status failed");
+	free(p);
+}
+
+struct bystander {
+	const struct th_daemon *d;
+	volatile int stop;
+	volatile uint64_t count[2];
+};
+
+static int bystander_rank(int rank, void *arg)
+{
+	struct bystander *b = arg;
+	ep_conn_t *c;
+	struct ep_group_config cfg = th_group("bystander", 2, (uint32_t)rank,
+					      20000);
+	ep_group_t *g = th_join(b->d, &cfg, &c);
+	/* Both stop at the same round: rank 0 decides, rank 1 follows. */
+	for (;;) {
+		TH_OK(ep_barrier(g));
+		b->count[rank]++;
+		if (rank == 0 && b->stop)
+			b->stop = 2;
+		TH_OK(ep_barrier(g));
+		if (b->stop == 2)
+			break;
+	}
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	return 0;
+}
+
+int main(void)
+{
+	th_init("bad input", 120);
+	struct th_daemon d;
+	th_daemon_start(&d, "-o", "frame_timeout_ms=300", NULL);
+	D = &d;
+	struct bystander *b = th_shared(sizeof(*b));
+	b->d = &d;
+	pid_t pids[2];
+	th_spawn(pids, 2, bystander_rank, b);
+	while (b->count[1] < 10)
+		th_sleep_ms(1);
+
+	int fd;
+	/* Bad magic: untrusted stream, error then disconnect. */
+	fd = raw_connect();
+	send_hdr(fd, 0xdeadbeef, EPP_VERSION_MAJOR, EPP_STATUS, 0, 0, 1, NULL);
+	expect_error(fd, 1, EP_EPROTO, "bad magic");
+	expect_closed(fd);
+
+	/* Newer major version. */
+	fd = raw_connect();
+	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR + 1, EPP_STATUS, 0, 0, 2,
+		 NULL);
+	expect_error(fd, 2, EP_EVERSION, "not supported");
+	expect_closed(fd);
+
+	/* Oversized length. */
+	fd = raw_connect();
+	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_JOIN, 0,
+		 EPP_MAX_PAYLOAD + 1, 3, NULL);
+	expect_error(fd, 3, EP_EPROTO, "exceeds the maximum");
+	expect_closed(fd);
+
+	/* Truncated frame: half a header, then silence. */
+	fd = raw_connect();
+	uint8_t half[10] = {0x45, 0x50, 0x44, 0x31, 1, 0, 5, 0, 0, 0};
+	raw_send(fd, half, sizeof(half));
+	expect_error(fd, 0, EP_EPROTO, "truncated frame");
+	expect_closed(fd);
+
+	/* Truncated payload: the header promises more than the client sends. */
+	fd = raw_connect();
+	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_JOIN, 0, 100, 4, NULL);
+	raw_send(fd, "abc", 3);
+	expect_error(fd, 0, EP_EPROTO, "truncated frame: 27 bytes");
+	expect_closed(fd);
+
+	/* Unknown type: an error, and the connection stays usable. */
+	fd = raw_connect();
+	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, 777, 0, 4, 5, "abcd");
+	expect_error(fd, 5, EP_EPROTO, "unknown message type 777");
+	expect_usable(fd);
+	/* Unknown flags. */
+	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_STATUS, 0x80, 0, 6,
+		 NULL);
+	expect_error(fd, 6, EP_EPROTO, "unknown flags");
+	expect_closed(fd);
+
+	/* Malformed payloads keep the connection. */
+	fd = raw_connect();
+	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_JOIN, 0, 5, 7, "\x03\x00"
+								      "abc");
+	expect_error(fd, 7, EP_EPROTO, "malformed join payload");
+	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_BARRIER, 0, 3, 8,
+		 "xyz");
+	expect_error(fd, 8, EP_EPROTO, "malformed barrier payload");
+	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_BARRIER, 0, 8, 9,
+		 "\x01\x02\x03\x04\x05\x06\x07\x08");
+	expect_error(fd, 9, EP_ENOGROUP, "not joined on this connection");
+	struct epp_join j = {.world_size = 4, .ranks_per_node = 4,
+			     .rank = 9, .num_experts = 8, .hidden = 256,
+			     .max_tokens = 8, .topk = 2, .dtype = 1};
+	strcpy(j.name, "g");
+	uint8_t jb[256];
+	size_t jn = epp_join_encode(&j, jb, sizeof(jb));
+	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_JOIN, 0, (uint32_t)jn,
+		 10, jb);
+	expect_error(fd, 10, EP_EINVAL, "rank 9 out of range");
+	j.rank = 0;
+	j.topk = 33;
+	jn = epp_join_encode(&j, jb, sizeof(jb));
+	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_JOIN, 0, (uint32_t)jn,
+		 11, jb);
+	expect_error(fd, 11, EP_EINVAL, "topk 33");
+	strcpy(j.name, "bad name!");
+	j.topk = 2;
+	jn = epp_join_encode(&j, jb, sizeof(jb));
+	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_JOIN, 0, (uint32_t)jn,
+		 12, jb);
+	expect_error(fd, 12, EP_EINVAL, "group name");
+	expect_usable(fd);
+	close(fd);
+
+	/* Descriptors from a client: refused, disconnect. */
+	fd = raw_connect();
+	{
+		struct epp_hdr h;
+		epp_hdr_init(&h, EPP_STATUS, 13);
+		uint8_t hb[EPP_HDR_SIZE];
+		epp_hdr_encode(&h, hb);
+		int devnull = 0;
+		TH_CHECK(epp_sendmsg(fd, hb, sizeof(hb), &devnull, 1) ==
+				 EPP_HDR_SIZE,
+			 "sendmsg");
+		expect_error(fd, 0, EP_EPROTO, "may not send descriptors");
+		expect_closed(fd);
+	}
+
+	/* Group-level errors through libep. */
+	ep_conn_t *c1, *c2, *c3;
+	ep_group_t *g1, *g2;
+	TH_OK(ep_connect(d.sock, &c1));
+	TH_OK(ep_connect(d.sock, &c2));
+	TH_OK(ep_connect(d.sock, &c3));
+	struct ep_group_config cfg = th_group("strict", 4, 0, 5000);
+	TH_OK(ep_join(c1, &cfg, EP_JOIN_NOWAIT, &g1));
+	/* Barrier before the group is ready. */
+	TH_EXPECT_RC(ep_barrier(g1), EP_ENOTREADY);
+	TH_CHECK(strstr(ep_errmsg(), "ranks not joined: 1,2,3"),
+		 "message: %s", ep_errmsg());
+	printf("ok: barrier before ready -> %s\n", ep_errmsg());
+	/* The same rank twice. */
+	TH_EXPECT_RC(ep_join(c2, &cfg, EP_JOIN_NOWAIT, &g2), EP_EDUPRANK);
+	printf("ok: second join of rank 0 -> %s\n", ep_errmsg());
+	/* A join that contradicts the group. */
+	cfg.rank = 1;
+	cfg.hidden = 512;
+	TH_EXPECT_RC(ep_join(c2, &cfg, EP_JOIN_NOWAIT, &g2), EP_EMISMATCH);
+	TH_CHECK(strstr(ep_errmsg(), "hidden 256"), "message: %s",
+		 ep_errmsg());
+	printf("ok: contradicting join -> %s\n", ep_errmsg());
+	cfg.hidden = 256;
+	cfg.dtype = EP_DTYPE_FP8;
+	TH_EXPECT_RC(ep_join(c2, &cfg, EP_JOIN_NOWAIT, &g2), EP_EMISMATCH);
+	cfg.dtype = EP_DTYPE_BF16;
+	cfg.world_size = 8;
+	cfg.ranks_per_node = 4;
+	TH_EXPECT_RC(ep_join(c3, &cfg, EP_JOIN_NOWAIT, &g2),
+		     EP_EUNSUPPORTED);
+	printf("ok: group spanning nodes without a cluster -> %s\n",
+	       ep_errmsg());
+	/* After all that, a correct join works. */
+	cfg = th_group("strict", 4, 1, 5000);
+	TH_OK(ep_join(c2, &cfg, EP_JOIN_NOWAIT, &g2));
+	TH_OK(ep_leave(g2));
+	TH_OK(ep_leave(g1));
+	ep_close(c1);
+	ep_close(c2);
+	ep_close(c3);
+
+	/* Garbage from many connections. */
+	unsigned seed = 12345;
+	for (int i = 0; i < 50; i++) {
+		fd = raw_connect();
+		uint8_t junk[200];
+		for (size_t k = 0; k < sizeof(junk); k++)
+			junk[k] = (uint8_t)(rand_r(&seed) >> 7);
+		if (i % 2) { /* a valid header, junk payload */
+			struct epp_hdr h;
+			epp_hdr_init(&h, (uint16_t)(1 + i % 6), (uint64_t)i);
+			h.length = 100;
+			epp_hdr_encode(&h, junk);
+		}
+		raw_send(fd, junk, sizeof(junk));
+		close(fd);
+	}
+
+	/* The bystanders never noticed. */
+	uint64_t before = b->count[0];
+	while (b->count[0] < before + 50)
+		th_sleep_ms(1);
+	b->stop = 1;
+	TH_CHECK(th_wait_all(pids, 2, 30) == 0, "a bystander rank failed");
+	printf("ok: bystander group ran %lu barriers undisturbed\n",
+	       (unsigned long)b->count[0]);
+	th_daemon_stop(&d);
+	return 0;
+}

@@ -1,0 +1,275 @@
+/* SPDX-License-Identifier: MIT */
+#include "harness.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static struct th_daemon *daemons[8];
+static int ndaemons;
+static pid_t main_pid;
+
+void th_daemon_dump_log(const struct th_daemon *d)
+{
+	FILE *f = fopen(d->log, "r");
+	if (!f)
+		return;
+	char line[1024];
+	fprintf(stderr, "---- %s ----\n", d->log);
+	while (fgets(line, sizeof(line), f))
+		fputs(line, stderr);
+	fprintf(stderr, "---- end ----\n");
+	fclose(f);
+}
+
+void th_fail_exit(void)
+{
+	if (getpid() == main_pid) {
+		for (int i = 0; i < ndaemons; i++) {
+			if (daemons[i]->pid > 0)
+				kill(daemons[i]->pid, SIGKILL);
+			th_daemon_dump_log(daemons[i]);
+		}
+	}
+	_exit(1);
+}
+
+static void on_alarm(int sig)
+{
+	(void)sig;
+	static const char msg[] = "test timed out (alarm)\n";
+	if (write(2, msg, sizeof(msg) - 1) < 0)
+		_exit(1);
+	th_fail_exit();
+}
+
+void th_init(const char *name, unsigned timeout_s)
+{
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	main_pid = getpid();
+	signal(SIGALRM, on_alarm);
+	signal(SIGPIPE, SIG_IGN);
+	alarm(timeout_s);
+	printf("# %s\n", name);
+}
+
+uint64_t th_now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void th_sleep_ms(unsigned ms)
+{
+	struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+	while (nanosleep(&ts, &ts) && errno == EINTR)
+		;
+}
+
+static const char *env_or(const char *k, const char *def)
+{
+	const char *v = getenv(k);
+	return v && *v ? v : def;
+}
+
+const char *th_epctl_bin(void)
+{
+	return env_or("EPCTL_BIN", "./epctl");
+}
+
+void th_daemon_start_in(struct th_daemon *d, const char *const *args)
+{
+	const char *bin = env_or("EPD_BIN", "./epd");
+	const char *argv[48];
+	int n = 0;
+	argv[n++] = bin;
+	argv[n++] = "--socket";
+	argv[n++] = d->sock;
+	argv[n++] = "--config";
+	argv[n++] = d->conf;
+	argv[n++] = "--log-level";
+	argv[n++] = env_or("EPD_TEST_LOG_LEVEL", "info");
+	for (int i = 0; args && args[i] && n < 46; i++)
+		argv[n++] = args[i];
+	argv[n] = NULL;
+	pid_t pid = fork();
+	TH_CHECK(pid >= 0, "fork: %s", strerror(errno));
+	if (pid == 0) {
+		int fd = open(d->log, O_WRONLY | O_CREAT | O_APPEND, 0644);
+		if (fd >= 0) {
+			dup2(fd, 1);
+			dup2(fd, 2);
+		}
+		alarm(0);
+		execv(bin, (char *const *)argv);
+		fprintf(stderr, "exec %s: %s\n", bin, strerror(errno));
+		_exit(127);
+	}
+	d->pid = pid;
+	bool known = false;
+	for (int i = 0; i < ndaemons; i++)
+		known |= daemons[i] == d;
+	if (!known && ndaemons < 8)
+		daemons[ndaemons++] = d;
+	/* Ready when a client can complete the hello. */
+	for (int i = 0; i < 500; i++) {
+		ep_conn_t *c;
+		if (ep_connect(d->sock, &c) == 0) {
+			ep_close(c);
+			return;
+		}
+		int st;
+		if (waitpid(pid, &st, WNOHANG) == pid) {
+			d->pid = 0;
+			TH_CHECK(0, "epd exited at start (status 0x%x)", st);
+		}
+		th_sleep_ms(10);
+	}
+	TH_CHECK(0, "epd did not come up on %s", d->sock);
+}
+
+void th_daemon_start(struct th_daemon *d, ...)
+{
+	const char *args[40];
+	int n = 0;
+	va_list ap;
+	va_start(ap, d);
+	for (const char *a; (a = va_arg(ap, const char *)) && n < 39;)
+		args[n++] = a;
+	va_end(ap);
+	args[n] = NULL;
+	memset(d, 0, sizeof(*d));
+	snprintf(d->dir, sizeof(d->dir), "%s/epdtest.XXXXXX",
+		 env_or("TMPDIR", "/tmp"));
+	TH_CHECK(mkdtemp(d->dir), "mkdtemp: %s", strerror(errno));
+	snprintf(d->sock, sizeof(d->sock), "%s/epd.sock", d->dir);
+	snprintf(d->log, sizeof(d->log), "%s/epd.log", d->dir);
+	snprintf(d->conf, sizeof(d->conf), "%s/epd.conf", d->dir);
+	FILE *f = fopen(d->conf, "w");
+	TH_CHECK(f, "cannot write %s", d->conf);
+	fprintf(f, "[epd]\n");
+	fclose(f);
+	th_daemon_start_in(d, args);
+}
+
+bool th_daemon_alive(struct th_daemon *d)
+{
+	int st;
+	if (d->pid <= 0)
+		return false;
+	if (waitpid(d->pid, &st, WNOHANG) == d->pid) {
+		d->pid = 0;
+		return false;
+	}
+	return true;
+}
+
+void th_daemon_stop(struct th_daemon *d)
+{
+	TH_CHECK(th_daemon_alive(d), "epd died before the end of the test");
+	kill(d->pid, SIGTERM);
+	int st = 0;
+	for (int i = 0; i < 1000; i++) {
+		if (waitpid(d->pid, &st, WNOHANG) == d->pid) {
+			d->pid = 0;
+			TH_CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0,
+				 "epd exit status 0x%x", st);
+			struct stat sb;
+			TH_CHECK(stat(d->sock, &sb) != 0,
+				 "socket %s left behind", d->sock);
+			return;
+		}
+		th_sleep_ms(10);
+	}
+	TH_CHECK(0, "epd did not stop within 10 s of SIGTERM");
+}
+
+void *th_shared(size_t size)
+{
+	void *p = mmap(NULL, size, PROT_READ | PROT_WRITE,
+		       MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	TH_CHECK(p != MAP_FAILED, "mmap: %s", strerror(errno));
+	memset(p, 0, size);
+	return p;
+}
+
+void th_spawn(pid_t *pids, int n, th_child_fn fn, void *arg)
+{
+	fflush(NULL);
+	for (int i = 0; i < n; i++) {
+		pid_t p = fork();
+		TH_CHECK(p >= 0, "fork: %s", strerror(errno));
+		if (p == 0) {
+			ndaemons = 0; /* children never kill the daemons */
+			main_pid = 0;
+			int rc = fn(i, arg);
+			fflush(NULL);
+			_exit(rc);
+		}
+		pids[i] = p;
+	}
+}
+
+int th_wait_all(const pid_t *pids, int n, unsigned timeout_s)
+{
+	int bad = 0;
+	uint64_t end = th_now_ns() + (uint64_t)timeout_s * 1000000000ull;
+	for (int i = 0; i < n; i++) {
+		int st;
+		for (;;) {
+			pid_t r = waitpid(pids[i], &st, WNOHANG);
+			if (r == pids[i])
+				break;
+			if (th_now_ns() > end) {
+				fprintf(stderr, "child %d (pid %d) hangs; "
+						"killing it\n",
+					i, (int)pids[i]);
+				kill(pids[i], SIGKILL);
+				waitpid(pids[i], &st, 0);
+				break;
+			}
+			th_sleep_ms(5);
+		}
+		if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+			fprintf(stderr, "child %d failed (status 0x%x)\n", i,
+				st);
+			bad++;
+		}
+	}
+	return bad;
+}
+
+struct ep_group_config th_group(const char *name, uint32_t world,
+				uint32_t rank, uint32_t timeout_ms)
+{
+	struct ep_group_config c = {
+		.name = name,
+		.world_size = world,
+		.ranks_per_node = world,
+		.rank = rank,
+		.num_experts = world * 4,
+		.hidden = 256,
+		.max_tokens_per_rank = 64,
+		.topk = 4,
+		.dtype = EP_DTYPE_BF16,
+		.timeout_ms = timeout_ms,
+	};
+	return c;
+}
+
+ep_group_t *th_join(const struct th_daemon *d, const struct ep_group_config *c,
+		    ep_conn_t **conn)
+{
+	ep_group_t *g;
+	TH_OK(ep_connect(d->sock, conn));
+	TH_OK(ep_join(*conn, c, 0, &g));
+	return g;
+}

@@ -1,0 +1,85 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Test harness: a private daemon per test (its own socket in a temporary
+ * directory), rank processes made with fork, shared memory for stamps, and
+ * checks that name the file and line. Every test has an alarm: no hang.
+ * Exit codes follow automake: 0 pass, 1 fail, 77 skip.
+ */
+#ifndef TH_HARNESS_H
+#define TH_HARNESS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/types.h>
+
+#include "ep/ep.h"
+
+#define TH_SKIP 77
+
+#define TH_CHECK(cond, ...)                                                    \
+	do {                                                                   \
+		if (!(cond)) {                                                 \
+			fprintf(stderr, "%s:%d: check failed: %s: ",          \
+				__FILE__, __LINE__, #cond);                    \
+			fprintf(stderr, __VA_ARGS__);                          \
+			fprintf(stderr, "\n");                                 \
+			th_fail_exit();                                        \
+		}                                                              \
+	} while (0)
+
+/* rc must equal want; prints both codes' names and ep_errmsg(). */
+#define TH_EXPECT_RC(rc, want)                                                 \
+	do {                                                                   \
+		int th_rc_ = (rc), th_want_ = (want);                          \
+		TH_CHECK(th_rc_ == th_want_, "got %d (%s), want %d (%s): %s", \
+			 th_rc_, ep_strerror(th_rc_), th_want_,                \
+			 ep_strerror(th_want_), ep_errmsg());                  \
+	} while (0)
+
+#define TH_OK(rc) TH_EXPECT_RC(rc, 0)
+
+struct th_daemon {
+	pid_t pid;
+	char dir[64];
+	char sock[108];
+	char log[192];
+	char conf[192];
+};
+
+/* Test start: alarm(timeout_s), line-buffered output. */
+void th_init(const char *name, unsigned timeout_s);
+void th_fail_exit(void) __attribute__((noreturn));
+uint64_t th_now_ns(void);
+void th_sleep_ms(unsigned ms);
+
+/* Start epd with extra arguments (NULL-terminated list of strings) and wait
+ * until it accepts connections. */
+void th_daemon_start(struct th_daemon *d, ...);
+/* Start it on an existing directory/socket (a restart). */
+void th_daemon_start_in(struct th_daemon *d, const char *const *args);
+/* SIGTERM and wait; checks a clean exit. */
+void th_daemon_stop(struct th_daemon *d);
+bool th_daemon_alive(struct th_daemon *d);
+void th_daemon_dump_log(const struct th_daemon *d);
+const char *th_epctl_bin(void);
+
+/* Shared anonymous memory visible to forked ranks. */
+void *th_shared(size_t size);
+
+/* Fork n children running fn(i, arg); exit status of fn is the child's. */
+typedef int (*th_child_fn)(int i, void *arg);
+void th_spawn(pid_t *pids, int n, th_child_fn fn, void *arg);
+/* Wait for the children; returns how many did not exit 0. */
+int th_wait_all(const pid_t *pids, int n, unsigned timeout_s);
+
+/* A default group config (small shape) for rank `rank` of `world`. */
+struct ep_group_config th_group(const char *name, uint32_t world,
+				uint32_t rank, uint32_t timeout_ms);
+
+/* Connect and join with retries of nothing: fails the test on error. */
+ep_group_t *th_join(const struct th_daemon *d, const struct ep_group_config *c,
+		    ep_conn_t **conn);
+
+#endif

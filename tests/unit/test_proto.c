@@ -1,0 +1,213 @@
+/* SPDX-License-Identifier: MIT */
+/* proto/: every header field and payload rule, round trips and rejections. */
+#include "harness.h"
+#include "epp.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+static void hdr_roundtrip(void)
+{
+	struct epp_hdr h, o;
+	epp_hdr_init(&h, EPP_JOIN, 0x0102030405060708ull);
+	h.flags = EPP_F_JOIN_NOWAIT;
+	h.nfds = 1;
+	h.length = 77;
+	uint8_t b[EPP_HDR_SIZE];
+	epp_hdr_encode(&h, b);
+	/* little-endian on the wire, whatever the host */
+	TH_CHECK(b[0] == 'E' && b[1] == 'P' && b[2] == 'D' && b[3] == '1',
+		 "magic bytes");
+	TH_CHECK(b[16] == 0x08 && b[23] == 0x01, "req_id byte order");
+	TH_OK(epp_hdr_decode(b, &o, NULL, 0));
+	TH_CHECK(!memcmp(&h, &o, sizeof(h)), "round trip");
+}
+
+static void hdr_rejects(void)
+{
+	struct epp_hdr h, o;
+	uint8_t b[EPP_HDR_SIZE];
+	char err[256];
+#define REJECT(field, value, code, frag)                                       \
+	do {                                                                   \
+		epp_hdr_init(&h, EPP_STATUS, 1);                               \
+		h.field = value;                                               \
+		epp_hdr_encode(&h, b);                                         \
+		TH_EXPECT_RC(epp_hdr_decode(b, &o, err, sizeof(err)), code);   \
+		TH_CHECK(strstr(err, frag), "message '%s' lacks '%s'", err,    \
+			 frag);                                                \
+	} while (0)
+	REJECT(magic, 0x31445046, EP_EPROTO, "bad magic");
+	REJECT(ver_major, 2, EP_EVERSION, "2.0 not supported");
+	REJECT(ver_major, 0, EP_EVERSION, "not supported");
+	REJECT(length, EPP_MAX_PAYLOAD + 1, EP_EPROTO, "exceeds");
+	REJECT(nfds, EPP_MAX_FDS + 1, EP_EPROTO, "descriptors");
+	REJECT(flags, 0x8000, EP_EPROTO, "unknown flags");
+	/* A newer minor version is accepted. */
+	epp_hdr_init(&h, EPP_STATUS, 1);
+	h.ver_minor = 200;
+	h.length = EPP_MAX_PAYLOAD;
+	epp_hdr_encode(&h, b);
+	TH_OK(epp_hdr_decode(b, &o, err, sizeof(err)));
+}
+
+static struct epp_join good_join(void)
+{
+	struct epp_join j = {.world_size = 8, .ranks_per_node = 4, .rank = 5,
+			     .num_experts = 256, .hidden = 7168,
+			     .max_tokens = 4096, .topk = 8,
+			     .dtype = EP_DTYPE_FP8, .timeout_ms = 100};
+	strcpy(j.name, "moe:0.layer-1_a");
+	return j;
+}
+
+static void join_codec(void)
+{
+	uint8_t b[256];
+	char err[256];
+	struct epp_join j = good_join(), o;
+	size_t n = epp_join_encode(&j, b, sizeof(b));
+	TH_CHECK(n > 0, "encode");
+	memset(&o, 0x5a, sizeof(o));
+	memset(o.name, 0, sizeof(o.name));
+	TH_OK(epp_join_decode(b, n, &o, err, sizeof(err)));
+	TH_CHECK(!memcmp(&j, &o, sizeof(j)), "round trip");
+	/* Every prefix is malformed, and so is one extra byte. */
+	for (size_t k = 0; k < n; k++)
+		TH_EXPECT_RC(epp_join_decode(b, k, &o, err, sizeof(err)),
+			     EP_EPROTO);
+	b[n] = 0;
+	TH_EXPECT_RC(epp_join_decode(b, n + 1, &o, err, sizeof(err)),
+		     EP_EPROTO);
+	/* Field rules. */
+#define BAD(stmt, frag)                                                        \
+	do {                                                                   \
+		j = good_join();                                               \
+		stmt;                                                          \
+		n = epp_join_encode(&j, b, sizeof(b));                         \
+		TH_EXPECT_RC(epp_join_decode(b, n, &o, err, sizeof(err)),      \
+			     EP_EINVAL);                                       \
+		TH_CHECK(strstr(err, frag), "%s: message '%s'", #stmt, err);   \
+	} while (0)
+	BAD(strcpy(j.name, ""), "group name");
+	BAD(strcpy(j.name, "a b"), "group name");
+	BAD(strcpy(j.name, "a/b"), "group name");
+	BAD(j.world_size = 0, "world_size 0");
+	BAD(j.world_size = 2000, "world_size 2000");
+	BAD(j.ranks_per_node = 3, "does not divide");
+	BAD(j.ranks_per_node = 0, "ranks_per_node 0");
+	BAD(j.rank = 8, "rank 8 out of range");
+	BAD(j.num_experts = 100, "multiple of world_size");
+	BAD(j.num_experts = 0, "num_experts 0");
+	BAD(j.hidden = 100, "multiple of 128");
+	BAD(j.hidden = 0, "hidden 0");
+	BAD(j.max_tokens = 1u << 20, "max_tokens_per_rank");
+	BAD(j.topk = 0, "topk 0");
+	BAD(j.topk = 33, "topk 33");
+	BAD(j.dtype = 3, "unknown dtype 3");
+	BAD(j.timeout_ms = 4000000, "timeout_ms");
+	/* A name with an embedded NUL or longer than the field. */
+	j = good_join();
+	n = epp_join_encode(&j, b, sizeof(b));
+	b[2 + 3] = 0;
+	TH_EXPECT_RC(epp_join_decode(b, n, &o, err, sizeof(err)), EP_EPROTO);
+	struct epp_wr w;
+	epp_wr_init(&w, b, sizeof(b));
+	char longname[100];
+	memset(longname, 'a', 99);
+	longname[99] = 0;
+	epp_put_str(&w, longname);
+	TH_EXPECT_RC(epp_join_decode(b, w.off + 40, &o, err, sizeof(err)),
+		     EP_EPROTO);
+}
+
+static void other_codecs(void)
+{
+	uint8_t b[2048];
+	struct epp_join_ok jo = {.group_id = 42, .epoch = 7, .node_index = 1,
+				 .buf_size = 1ull << 40, .ready = 1},
+			   jo2;
+	size_t n = epp_join_ok_encode(&jo, b, sizeof(b));
+	TH_OK(epp_join_ok_decode(b, n, &jo2));
+	TH_CHECK(!memcmp(&jo, &jo2, sizeof(jo)), "join_ok round trip");
+	TH_EXPECT_RC(epp_join_ok_decode(b, n - 1, &jo2), EP_EPROTO);
+
+	int code;
+	char msg[EPP_ERRMSG_MAX];
+	n = epp_error_encode(EP_EPEERLOST, "rank 3 died", b, sizeof(b));
+	TH_OK(epp_error_decode(b, n, &code, msg, sizeof(msg)));
+	TH_CHECK(code == EP_EPEERLOST && !strcmp(msg, "rank 3 died"), "error");
+	/* a non-negative code is not an error */
+	n = epp_error_encode(5, "x", b, sizeof(b));
+	TH_EXPECT_RC(epp_error_decode(b, n, &code, msg, sizeof(msg)),
+		     EP_EPROTO);
+	/* an over-long message is cut, not overflowed */
+	char big[3000];
+	memset(big, 'x', sizeof(big) - 1);
+	big[sizeof(big) - 1] = 0;
+	n = epp_error_encode(EP_EINVAL, big, b, sizeof(b));
+	TH_OK(epp_error_decode(b, n, &code, msg, sizeof(msg)));
+	TH_CHECK(strlen(msg) == EPP_ERRMSG_MAX - 1, "message length %zu",
+		 strlen(msg));
+	/* the writer refuses to overflow */
+	struct epp_wr w;
+	epp_wr_init(&w, b, 3);
+	epp_put_u32(&w, 1);
+	TH_CHECK(w.err && w.off == 0, "writer overflow");
+
+	TH_CHECK(strcmp(ep_strerror(EP_EPEERLOST), "unknown error"),
+		 "strerror of a private code");
+	TH_CHECK(!strcmp(ep_strerror(-ETIMEDOUT), strerror(ETIMEDOUT)),
+		 "strerror of an errno code");
+	TH_CHECK(!strcmp(ep_strerror(-5000), "unknown error"), "unknown");
+}
+
+/* Frames with descriptors over a socketpair, and the fd count check. */
+static void frames_with_fds(void)
+{
+	int sv[2];
+	TH_CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0, "socketpair");
+	struct epp_hdr h, o;
+	epp_hdr_init(&h, EPP_OK, 9);
+	h.length = 5;
+	h.nfds = 1;
+	int fd = dup(1);
+	TH_OK(epp_send_frame(sv[0], &h, "hello", &fd));
+	close(fd);
+	uint8_t *p;
+	int fds[EPP_MAX_FDS];
+	TH_OK(epp_recv_frame(sv[1], &o, &p, fds, 1000, NULL, 0));
+	TH_CHECK(o.req_id == 9 && !memcmp(p, "hello", 5), "frame");
+	TH_CHECK(fcntl(fds[0], F_GETFD) >= 0, "descriptor arrived");
+	close(fds[0]);
+	free(p);
+	/* announce one descriptor, send none */
+	TH_OK(epp_send_frame(sv[0], &h, "hello", NULL));
+	char err[128];
+	TH_EXPECT_RC(epp_recv_frame(sv[1], &o, &p, fds, 1000, err,
+				    sizeof(err)),
+		     EP_EPROTO);
+	TH_CHECK(strstr(err, "announced 1"), "%s", err);
+	/* nothing to read: timeout */
+	TH_EXPECT_RC(epp_recv_frame(sv[1], &o, &p, fds, 50, NULL, 0),
+		     EP_ETIMEDOUT);
+	close(sv[0]);
+	TH_EXPECT_RC(epp_recv_frame(sv[1], &o, &p, fds, 1000, NULL, 0),
+		     EP_ECONNRESET);
+	close(sv[1]);
+}
+
+int main(void)
+{
+	th_init("proto", 30);
+	hdr_roundtrip();
+	hdr_rejects();
+	join_codec();
+	other_codecs();
+	frames_with_fds();
+	printf("ok: proto\n");
+	return 0;
+}
