@@ -95,7 +95,7 @@ int epp_send_frame(int fd, const struct epp_hdr *h, const void *payload,
 	while (off < total) {
 		long n = epp_sendmsg(fd, buf + off, total - off,
 				     off == 0 ? fds : NULL,
-				     off == 0 ? h->nfds : 0);
+				     off == 0 && fds ? h->nfds : 0);
 		if (n == -EAGAIN) {
 			struct pollfd p = {.fd = fd, .events = POLLOUT};
 			poll(&p, 1, 1000);
