@@ -12,6 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 
+void (*th_daemon_child_hook)(void);
 static struct th_daemon *daemons[8];
 static int ndaemons;
 static pid_t main_pid;
@@ -109,6 +110,8 @@ void th_daemon_start_in(struct th_daemon *d, const char *const *args)
 			dup2(fd, 2);
 		}
 		alarm(0);
+		if (th_daemon_child_hook)
+			th_daemon_child_hook();
 		execv(bin, (char *const *)argv);
 		fprintf(stderr, "exec %s: %s\n", bin, strerror(errno));
 		_exit(127);

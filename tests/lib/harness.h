@@ -57,6 +57,9 @@ void th_sleep_ms(unsigned ms);
 /* Start epd with extra arguments (NULL-terminated list of strings) and wait
  * until it accepts connections. */
 void th_daemon_start(struct th_daemon *d, ...);
+/* Called in the daemon's child process just before exec (environment,
+ * inherited descriptors); NULL by default. */
+extern void (*th_daemon_child_hook)(void);
 /* Start it on an existing directory/socket (a restart). */
 void th_daemon_start_in(struct th_daemon *d, const char *const *args);
 /* SIGTERM and wait; checks a clean exit. */
