@@ -286,6 +286,7 @@ int ep_join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 	g->cfg = j;
 	g->buf_size = ok.buf_size;
 	g->timeout_ms = cfg->timeout_ms;
+
 	g->buf = mmap(NULL, g->buf_size, PROT_READ | PROT_WRITE, MAP_SHARED,
 		      fd, 0);
 	close(fd);
@@ -297,6 +298,13 @@ int ep_join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 		ep_leave(g);
 		return ep__fail(-e, "cannot map the group buffer: %s",
 				strerror(e));
+	}
+	if (epp_buf_layout(&j, &g->layout) || g->layout.total != ok.buf_size) {
+		ep_leave(g);
+		return ep__fail(EP_EPROTO,
+				"the daemon's buffer of %llu bytes does not "
+				"match this library's layout",
+				(unsigned long long)ok.buf_size);
 	}
 	*out = g;
 	return 0;

@@ -30,6 +30,7 @@ struct ep_group {
 	struct epp_join cfg;
 	void *buf;
 	size_t buf_size;
+	struct epp_buf layout;
 };
 
 int ep__fail(int code, const char *fmt, ...)

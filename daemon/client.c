@@ -250,6 +250,27 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 		if (!get_group_id(c, h, p, &gid))
 			epd_group_barrier(c, h->req_id, gid);
 		break;
+	case EPP_DISPATCH: {
+		struct epp_dispatch d;
+		if (epp_dispatch_decode(p, h->length, &d))
+			epd_client_error(c, h->req_id, EP_EPROTO,
+					 "malformed dispatch payload (%u "
+					 "bytes)",
+					 h->length);
+		else
+			epd_op_dispatch(c, h->req_id, &d);
+		break;
+	}
+	case EPP_COMBINE: {
+		struct epp_combine cb;
+		if (epp_combine_decode(p, h->length, &cb))
+			epd_client_error(c, h->req_id, EP_EPROTO,
+					 "malformed combine payload (%u bytes)",
+					 h->length);
+		else
+			epd_op_combine(c, h->req_id, &cb);
+		break;
+	}
 	case EPP_STATUS: {
 		if (h->length) {
 			epd_client_error(c, h->req_id, EP_EPROTO,

@@ -15,13 +15,16 @@
 #include <sys/types.h>
 #include <uv.h>
 
+#include "ek.h"
 #include "epp.h"
 #include "list.h"
 #include "log.h"
+#include "pool.h"
 
 #define EPD_DEFAULT_SOCKET "/run/epd/epd.sock"
 #define EPD_DEFAULT_CONFIG "/etc/epd/epd.conf"
 #define EPD_MAX_ALLOW 32
+#define EPD_MAX_HANDLES 32 /* dispatch routings a group keeps */
 
 struct epd_config {
 	char socket_path[108];
@@ -84,7 +87,10 @@ struct epd_member {
 	uint32_t rank, local;
 	uint64_t barrier_seq;  /* barriers entered (monotonic) */
 	uint64_t pending_req;  /* request in flight, 0 if none */
-	uint16_t pending_type; /* EPP_BARRIER, EPP_JOIN (waiting for ready) */
+	uint16_t pending_type; /* EPP_BARRIER, EPP_DISPATCH, EPP_COMBINE, or
+				  EPP_JOIN (waiting for ready) */
+	/* Parameters of the pending dispatch or combine. */
+	uint32_t op_tokens, op_flags, op_rows;
 };
 
 enum epd_group_state {
@@ -118,14 +124,31 @@ struct epd_group {
 	uint64_t *rail_remote;
 	uint64_t round_started_ns;
 
-	uv_timer_t timer; /* join or barrier timeout */
+	uv_timer_t timer; /* join or collective timeout */
 	bool timer_closing;
 
-	uint64_t n_barrier, n_errors;
+	/* The collective in progress: its type (0: none), how many local
+	 * ranks entered, and for dispatch/combine the handle they name. */
+	uint16_t coll_type;
+	uint32_t coll_arrived;
+	uint64_t coll_seq;
+	bool coll_cached;
+	bool busy;         /* a job runs on the data-path threads */
+	bool free_pending; /* destroyed while busy: the job frees it */
 
-	/* Backend buffer shared with the ranks. */
+	/* Routings of the last EPD_MAX_HANDLES dispatches, by seq. */
+	struct ek_route *routes[EPD_MAX_HANDLES];
+	uint64_t route_seq[EPD_MAX_HANDLES];
+	uint64_t next_seq;
+
+	uint64_t n_barrier, n_dispatch, n_combine, n_errors;
+	uint64_t bytes_moved;
+
+	/* Backend buffer shared with the ranks, and the daemon's mapping. */
 	int buf_fd;
 	uint64_t buf_size;
+	uint8_t *map;
+	struct epp_buf layout;
 };
 
 struct epd_server {
@@ -146,6 +169,7 @@ struct epd_server {
 	const char *backend;        /* "host" or "cuda" */
 	char backend_reason[128];
 	bool systemd;
+	struct epd_pool *pool;
 	uint64_t n_accepted, n_rejected, n_proto_errors;
 };
 
@@ -172,14 +196,32 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 		   const struct epp_join *j);
 int epd_group_leave(struct epd_client *c, uint64_t req_id, uint64_t gid);
 int epd_group_barrier(struct epd_client *c, uint64_t req_id, uint64_t gid);
+/* Shared by group.c and ops.c. */
+struct epd_member *epd_member_find(struct epd_client *c, uint64_t gid);
+void epd_group_fail(struct epd_group *g, int code, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+void epd_member_reply_ok(struct epd_member *m, const void *p, uint32_t len);
+void epd_member_reply_err(struct epd_member *m, int code, const char *msg);
+/* Checks common to every collective request; replies the error itself.
+ * Returns the member, or NULL. */
+struct epd_member *epd_coll_enter(struct epd_client *c, uint64_t req_id,
+				  uint64_t gid, uint16_t type);
+void epd_group_arm_timer(struct epd_group *g);
+/* Free what a group owns once no job uses it. */
+void epd_group_free(struct epd_group *g);
 /* A member goes away (leave or disconnect). */
 void epd_member_remove(struct epd_member *m, const char *why);
 /* Fail every group (daemon shutdown). */
 void epd_groups_shutdown(struct epd_server *srv);
 const char *epd_group_state_name(enum epd_group_state s);
 
+/* ops.c: dispatch and combine. */
+int epd_op_dispatch(struct epd_client *c, uint64_t req_id,
+		    const struct epp_dispatch *d);
+int epd_op_combine(struct epd_client *c, uint64_t req_id,
+		   const struct epp_combine *cb);
+
 /* buffers.c: the group's shared memory. */
-uint64_t epd_buf_size(const struct epp_join *shape);
 int epd_buf_create(struct epd_group *g);
 void epd_buf_destroy(struct epd_group *g);
 

@@ -34,7 +34,7 @@ static struct epd_group *group_find(struct epd_server *srv, const char *name)
 	return NULL;
 }
 
-static struct epd_member *member_find(struct epd_client *c, uint64_t gid)
+struct epd_member *epd_member_find(struct epd_client *c, uint64_t gid)
 {
 	struct list_node *it, *tmp;
 	LIST_FOREACH(it, tmp, &c->members)
@@ -46,14 +46,24 @@ static struct epd_member *member_find(struct epd_client *c, uint64_t gid)
 	return NULL;
 }
 
-static void group_timer_closed(uv_handle_t *h)
+void epd_group_free(struct epd_group *g)
 {
-	struct epd_group *g = h->data;
+	for (int i = 0; i < EPD_MAX_HANDLES; i++)
+		ek_route_free(g->routes[i]);
 	epd_buf_destroy(g);
 	free(g->local);
 	free(g->rail_done);
 	free(g->rail_remote);
 	free(g);
+}
+
+static void group_timer_closed(uv_handle_t *h)
+{
+	struct epd_group *g = h->data;
+	if (g->busy) /* the data-path job still reads the buffers */
+		g->free_pending = true;
+	else
+		epd_group_free(g);
 }
 
 static void group_destroy(struct epd_group *g)
@@ -66,7 +76,7 @@ static void group_destroy(struct epd_group *g)
 }
 
 /* Reply to a member's pending request and clear it. */
-static void member_reply_ok(struct epd_member *m, const void *p, uint32_t len)
+void epd_member_reply_ok(struct epd_member *m, const void *p, uint32_t len)
 {
 	uint64_t req = m->pending_req;
 	m->pending_req = 0;
@@ -74,7 +84,7 @@ static void member_reply_ok(struct epd_member *m, const void *p, uint32_t len)
 	epd_client_send(m->client, EPP_OK, 0, req, p, len, NULL, 0);
 }
 
-static void member_reply_err(struct epd_member *m, int code, const char *msg)
+void epd_member_reply_err(struct epd_member *m, int code, const char *msg)
 {
 	uint64_t req = m->pending_req;
 	m->pending_req = 0;
@@ -101,12 +111,9 @@ static void list_ranks(char *out, size_t cap, struct epd_group *g,
 	}
 }
 
-static void group_fail(struct epd_group *g, int code, const char *fmt, ...)
-	__attribute__((format(printf, 3, 4)));
-
 /* The group can no longer run collectives: every pending op fails with
  * `code`; later ops get the same code and message. */
-static void group_fail(struct epd_group *g, int code, const char *fmt, ...)
+void epd_group_fail(struct epd_group *g, int code, const char *fmt, ...)
 {
 	va_list ap;
 	va_start(ap, fmt);
@@ -114,6 +121,8 @@ static void group_fail(struct epd_group *g, int code, const char *fmt, ...)
 	va_end(ap);
 	g->state = EPD_G_FAILED;
 	g->fail_code = code;
+	g->coll_type = 0;
+	g->coll_arrived = 0;
 	epd_warn("group %s failed: %s", g->shape.name, g->last_error);
 	if (!g->timer_closing)
 		uv_timer_stop(&g->timer);
@@ -121,7 +130,7 @@ static void group_fail(struct epd_group *g, int code, const char *fmt, ...)
 		struct epd_member *m = g->local[l];
 		if (m && m->pending_req) {
 			g->n_errors++;
-			member_reply_err(m, code, g->last_error);
+			epd_member_reply_err(m, code, g->last_error);
 		}
 	}
 }
@@ -160,6 +169,11 @@ static bool not_arrived(struct epd_group *g, uint32_t l, void *arg)
 	return !g->local[l] || g->local[l]->barrier_seq < k;
 }
 
+static bool not_in_coll(struct epd_group *g, uint32_t l, void *arg)
+{
+	return !g->local[l] || g->local[l]->pending_type != *(uint16_t *)arg;
+}
+
 static void group_timeout(uv_timer_t *t)
 {
 	struct epd_group *g = t->data;
@@ -176,7 +190,7 @@ static void group_timeout(uv_timer_t *t)
 		for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
 			struct epd_member *m = g->local[l];
 			if (m && m->pending_type == EPP_JOIN) {
-				member_reply_err(m, EP_ETIMEDOUT, msg);
+				epd_member_reply_err(m, EP_ETIMEDOUT, msg);
 				epd_member_remove(m, "join timed out");
 			}
 		}
@@ -184,6 +198,15 @@ static void group_timeout(uv_timer_t *t)
 	}
 	if (g->state != EPD_G_READY)
 		return;
+	if (g->coll_type != EPP_BARRIER) {
+		uint16_t type = g->coll_type;
+		list_ranks(miss, sizeof(miss), g, not_in_coll, &type);
+		epd_group_fail(g, EP_ETIMEDOUT,
+			       "%s timed out after %u ms; ranks never arrived: "
+			       "%s",
+			       epp_type_name(type), g->timeout_ms, miss);
+		return;
+	}
 	uint64_t k = g->round + 1;
 	list_ranks(miss, sizeof(miss), g, not_arrived, &k);
 	/* Remote rail peers that never arrived (scale-out phase). */
@@ -200,7 +223,7 @@ static void group_timeout(uv_timer_t *t)
 				break;
 			off += (size_t)w;
 		}
-	group_fail(g, EP_ETIMEDOUT,
+	epd_group_fail(g, EP_ETIMEDOUT,
 		   "barrier %lu timed out after %u ms; ranks never arrived: %s",
 		   (unsigned long)k, g->timeout_ms, miss);
 }
@@ -230,9 +253,10 @@ static struct epd_group *group_create(struct epd_server *srv,
 		goto err_free;
 	*code = epd_buf_create(g);
 	if (*code) {
-		snprintf(err, errlen, "cannot create the group's buffer of "
-				      "%lu bytes",
-			 (unsigned long)epd_buf_size(j));
+		snprintf(err, errlen,
+			 "cannot create the group's buffer of %llu bytes: %s",
+			 (unsigned long long)g->layout.total,
+			 ep_strerror(*code));
 		goto err_free_nocode;
 	}
 	uv_timer_init(srv->loop, &g->timer);
@@ -397,7 +421,7 @@ void epd_member_remove(struct epd_member *m, const char *why)
 	epd_info("group %s: rank %u (pid %d) removed: %s", g->shape.name,
 		 m->rank, (int)c->pid, why);
 	if (g->state == EPD_G_READY)
-		group_fail(g, EP_EPEERLOST, "rank %u (pid %d) left the group: %s",
+		epd_group_fail(g, EP_EPEERLOST, "rank %u (pid %d) left the group: %s",
 			   m->rank, (int)c->pid, why);
 	free(m);
 	if (g->njoined == 0)
@@ -409,7 +433,7 @@ void epd_member_remove(struct epd_member *m, const char *why)
 
 int epd_group_leave(struct epd_client *c, uint64_t req_id, uint64_t gid)
 {
-	struct epd_member *m = member_find(c, gid);
+	struct epd_member *m = epd_member_find(c, gid);
 	if (!m) {
 		epd_client_error(c, req_id, EP_ENOGROUP,
 				 "group id %lu is not joined on this "
@@ -453,30 +477,41 @@ static void barrier_progress(struct epd_group *g)
 			return;
 	g->round = k;
 	g->n_barrier++;
+	g->coll_type = 0;
+	g->coll_arrived = 0;
 	uv_timer_stop(&g->timer);
 	for (uint32_t l = 0; l < rpn; l++) {
 		struct epd_member *m = g->local[l];
 		if (m && m->pending_type == EPP_BARRIER)
-			member_reply_ok(m, NULL, 0);
+			epd_member_reply_ok(m, NULL, 0);
 	}
 }
 
-int epd_group_barrier(struct epd_client *c, uint64_t req_id, uint64_t gid)
+void epd_group_arm_timer(struct epd_group *g)
 {
-	struct epd_member *m = member_find(c, gid);
+	if (!uv_is_active((uv_handle_t *)&g->timer)) {
+		g->round_started_ns = epd_now_ns();
+		uv_timer_start(&g->timer, group_timeout, g->timeout_ms, 0);
+	}
+}
+
+struct epd_member *epd_coll_enter(struct epd_client *c, uint64_t req_id,
+				  uint64_t gid, uint16_t type)
+{
+	struct epd_member *m = epd_member_find(c, gid);
 	if (!m) {
 		epd_client_error(c, req_id, EP_ENOGROUP,
 				 "group id %lu is not joined on this "
 				 "connection",
 				 (unsigned long)gid);
-		return EP_ENOGROUP;
+		return NULL;
 	}
 	struct epd_group *g = m->group;
 	if (g->state == EPD_G_FAILED) {
 		g->n_errors++;
 		epd_client_error(c, req_id, g->fail_code, "group %s failed: %s",
 				 g->shape.name, g->last_error);
-		return g->fail_code;
+		return NULL;
 	}
 	if (g->state == EPD_G_FORMING) {
 		char miss[512];
@@ -484,21 +519,42 @@ int epd_group_barrier(struct epd_client *c, uint64_t req_id, uint64_t gid)
 		epd_client_error(c, req_id, EP_ENOTREADY,
 				 "group %s is not ready; ranks not joined: %s",
 				 g->shape.name, miss);
-		return EP_ENOTREADY;
+		return NULL;
 	}
 	if (m->pending_req) {
 		epd_client_error(c, req_id, EP_EBUSY,
 				 "an operation of rank %u is in flight",
 				 m->rank);
-		return EP_EBUSY;
+		return NULL;
 	}
+	if (g->coll_type && g->coll_type != type) {
+		/* The ranks' programs disagree: nothing can complete. */
+		epd_client_error(c, req_id, EP_EMISMATCH,
+				 "rank %u called %s while other ranks of group "
+				 "%s are in %s",
+				 m->rank, epp_type_name(type), g->shape.name,
+				 epp_type_name(g->coll_type));
+		epd_group_fail(g, EP_EMISMATCH,
+			       "rank %u called %s while other ranks were in %s",
+			       m->rank, epp_type_name(type),
+			       epp_type_name(g->coll_type));
+		return NULL;
+	}
+	return m;
+}
+
+int epd_group_barrier(struct epd_client *c, uint64_t req_id, uint64_t gid)
+{
+	struct epd_member *m = epd_coll_enter(c, req_id, gid, EPP_BARRIER);
+	if (!m)
+		return EP_EINVAL;
+	struct epd_group *g = m->group;
+	g->coll_type = EPP_BARRIER;
+	g->coll_arrived++;
 	m->barrier_seq++;
 	m->pending_req = req_id;
 	m->pending_type = EPP_BARRIER;
-	if (!uv_is_active((uv_handle_t *)&g->timer)) {
-		g->round_started_ns = epd_now_ns();
-		uv_timer_start(&g->timer, group_timeout, g->timeout_ms, 0);
-	}
+	epd_group_arm_timer(g);
 	barrier_progress(g);
 	return 0;
 }
@@ -510,11 +566,11 @@ void epd_groups_shutdown(struct epd_server *srv)
 	{
 		struct epd_group *g = LIST_ENTRY(it, struct epd_group, node);
 		if (g->state != EPD_G_FAILED)
-			group_fail(g, EP_ESHUTDOWN, "daemon is shutting down");
+			epd_group_fail(g, EP_ESHUTDOWN, "daemon is shutting down");
 		for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
 			struct epd_member *m = g->local[l];
 			if (m && m->pending_req)
-				member_reply_err(m, EP_ESHUTDOWN,
+				epd_member_reply_err(m, EP_ESHUTDOWN,
 						 "daemon is shutting down");
 		}
 	}

@@ -202,8 +202,15 @@ int epd_server_init(struct epd_server *srv, uv_loop_t *loop,
 		epd_err("%s", srv->backend_reason);
 		return -1;
 	}
-	if (listen_socket(srv))
+	srv->pool = epd_pool_new(cfg->worker_threads);
+	if (!srv->pool) {
+		epd_err("cannot start the data-path threads");
 		return -1;
+	}
+	if (listen_socket(srv)) {
+		epd_pool_free(srv->pool);
+		return -1;
+	}
 	uv_poll_init(loop, &srv->listen_poll, srv->listen_fd);
 	srv->listen_poll.data = srv;
 	uv_poll_start(&srv->listen_poll, UV_READABLE, on_listen);
@@ -214,10 +221,13 @@ int epd_server_init(struct epd_server *srv, uv_loop_t *loop,
 	uv_signal_start(&srv->sig_term, on_stop_signal, SIGTERM);
 	uv_signal_start(&srv->sig_int, on_stop_signal, SIGINT);
 	uv_signal_start(&srv->sig_hup, on_hup, SIGHUP);
-	epd_notice("epd %s listening on %s (backend %s: %s)", PACKAGE_VERSION,
+	epd_notice("epd %s listening on %s (backend %s: %s; %u data-path "
+		   "threads)",
+		   PACKAGE_VERSION,
 		   srv->socket_activated ? "(socket activation)"
 					 : cfg->socket_path,
-		   srv->backend, srv->backend_reason);
+		   srv->backend, srv->backend_reason,
+		   epd_pool_size(srv->pool));
 	return 0;
 }
 
@@ -226,6 +236,8 @@ int epd_server_run(struct epd_server *srv)
 	sd_notifyf(0, "READY=1\nMAINPID=%d", (int)getpid());
 	notify_status(srv);
 	uv_run(srv->loop, UV_RUN_DEFAULT);
+	epd_pool_free(srv->pool);
+	srv->pool = NULL;
 	return 0;
 }
 

@@ -28,7 +28,7 @@ static json_t *group_json(struct epd_group *g)
 	}
 	json_t *o = json_pack(
 		"{s:s, s:I, s:I, s:s, s:I, s:I, s:I, s:I, s:o, s:o, s:I, "
-		"s:o, s:{s:I, s:I}, s:I}",
+		"s:o, s:{s:I, s:I, s:I, s:I, s:I}, s:I}",
 		"name", g->shape.name, "id", (json_int_t)g->id, "epoch",
 		(json_int_t)g->epoch, "state", epd_group_state_name(g->state),
 		"world_size", (json_int_t)g->shape.world_size,
@@ -36,8 +36,10 @@ static json_t *group_json(struct epd_group *g)
 		(json_int_t)g->node_index, "nodes", (json_int_t)g->nnodes,
 		"joined", joined, "missing", missing, "timeout_ms",
 		(json_int_t)g->timeout_ms, "shape", shape_json(&g->shape),
-		"ops", "barrier", (json_int_t)g->n_barrier, "errors",
-		(json_int_t)g->n_errors, "buffer_bytes",
+		"ops", "barrier", (json_int_t)g->n_barrier, "dispatch",
+		(json_int_t)g->n_dispatch, "combine", (json_int_t)g->n_combine,
+		"errors", (json_int_t)g->n_errors, "bytes_moved",
+		(json_int_t)g->bytes_moved, "buffer_bytes",
 		(json_int_t)g->buf_size);
 	if (o && g->state == EPD_G_FAILED)
 		json_object_set_new(o, "last_error",

@@ -206,6 +206,8 @@ const char *epp_type_name(uint16_t type)
 	case EPP_LEAVE: return "leave";
 	case EPP_BARRIER: return "barrier";
 	case EPP_STATUS: return "status";
+	case EPP_DISPATCH: return "dispatch";
+	case EPP_COMBINE: return "combine";
 	case EPP_OK: return "ok";
 	case EPP_ERROR: return "error";
 	case EPP_NOTICE: return "notice";
@@ -395,4 +397,130 @@ int epp_error_decode(const uint8_t *p, size_t len, int *code, char *msg,
 	if (*code >= 0)
 		return EP_EPROTO;
 	return epp_rd_end(&r);
+}
+
+static void put_handle(struct epp_wr *w, const struct epp_handle *h)
+{
+	epp_put_u64(w, h->group_id);
+	epp_put_u32(w, h->epoch);
+	epp_put_u64(w, h->seq);
+}
+
+static void get_handle(struct epp_rd *r, struct epp_handle *h)
+{
+	h->group_id = epp_get_u64(r);
+	h->epoch = epp_get_u32(r);
+	h->seq = epp_get_u64(r);
+}
+
+size_t epp_dispatch_encode(const struct epp_dispatch *d, uint8_t *out,
+			   size_t cap)
+{
+	struct epp_wr w;
+	epp_wr_init(&w, out, cap);
+	epp_put_u64(&w, d->group_id);
+	epp_put_u32(&w, d->num_tokens);
+	epp_put_u32(&w, d->hidden);
+	epp_put_u32(&w, d->dtype);
+	epp_put_u32(&w, d->topk);
+	epp_put_u32(&w, d->flags);
+	put_handle(&w, &d->handle);
+	return w.err ? 0 : w.off;
+}
+
+int epp_dispatch_decode(const uint8_t *p, size_t len, struct epp_dispatch *d)
+{
+	struct epp_rd r;
+	epp_rd_init(&r, p, len);
+	d->group_id = epp_get_u64(&r);
+	d->num_tokens = epp_get_u32(&r);
+	d->hidden = epp_get_u32(&r);
+	d->dtype = epp_get_u32(&r);
+	d->topk = epp_get_u32(&r);
+	d->flags = epp_get_u32(&r);
+	get_handle(&r, &d->handle);
+	return epp_rd_end(&r);
+}
+
+size_t epp_dispatch_ok_encode(const struct epp_dispatch_ok *d, uint8_t *out,
+			      size_t cap)
+{
+	struct epp_wr w;
+	epp_wr_init(&w, out, cap);
+	put_handle(&w, &d->handle);
+	epp_put_u32(&w, d->num_recv);
+	return w.err ? 0 : w.off;
+}
+
+int epp_dispatch_ok_decode(const uint8_t *p, size_t len,
+			   struct epp_dispatch_ok *d)
+{
+	struct epp_rd r;
+	epp_rd_init(&r, p, len);
+	get_handle(&r, &d->handle);
+	d->num_recv = epp_get_u32(&r);
+	return epp_rd_end(&r);
+}
+
+size_t epp_combine_encode(const struct epp_combine *c, uint8_t *out,
+			  size_t cap)
+{
+	struct epp_wr w;
+	epp_wr_init(&w, out, cap);
+	epp_put_u64(&w, c->group_id);
+	put_handle(&w, &c->handle);
+	epp_put_u32(&w, c->num_rows);
+	epp_put_u32(&w, c->hidden);
+	epp_put_u32(&w, c->flags);
+	return w.err ? 0 : w.off;
+}
+
+int epp_combine_decode(const uint8_t *p, size_t len, struct epp_combine *c)
+{
+	struct epp_rd r;
+	epp_rd_init(&r, p, len);
+	c->group_id = epp_get_u64(&r);
+	get_handle(&r, &c->handle);
+	c->num_rows = epp_get_u32(&r);
+	c->hidden = epp_get_u32(&r);
+	c->flags = epp_get_u32(&r);
+	return epp_rd_end(&r);
+}
+
+static uint64_t align_up(uint64_t v, uint64_t a)
+{
+	return (v + a - 1) / a * a;
+}
+
+int epp_buf_layout(const struct epp_join *s, struct epp_buf *b)
+{
+	const uint64_t T = s->max_tokens, H = s->hidden, K = s->topk;
+	const uint64_t R = (uint64_t)s->world_size * T;
+	uint64_t sizes[EPP_BUF_NFIELDS];
+	b->elt = s->dtype == EP_DTYPE_FP8 ? 1 : 2;
+	b->nscales = s->dtype == EP_DTYPE_FP8 ? s->hidden / 128 : 0;
+	b->max_tokens = s->max_tokens;
+	b->max_recv = R;
+	sizes[EPP_BUF_X] = T * H * b->elt;
+	sizes[EPP_BUF_X_SCALES] = T * b->nscales * 4;
+	sizes[EPP_BUF_TOPK_IDX] = T * K * 8;
+	sizes[EPP_BUF_TOPK_WEIGHTS] = T * K * 4;
+	sizes[EPP_BUF_RECV_X] = R * H * b->elt;
+	sizes[EPP_BUF_RECV_SCALES] = R * b->nscales * 4;
+	sizes[EPP_BUF_RECV_TOPK_IDX] = R * K * 8;
+	sizes[EPP_BUF_RECV_TOPK_WEIGHTS] = R * K * 4;
+	sizes[EPP_BUF_RECV_SRC] = R * 2 * 4;
+	sizes[EPP_BUF_RECV_PER_EXPERT] =
+		(uint64_t)(s->num_experts / s->world_size) * 4;
+	sizes[EPP_BUF_COMBINE_Y] = R * H * 2;
+	sizes[EPP_BUF_COMBINE_BIAS] = T * H * 2;
+	sizes[EPP_BUF_COMBINED] = T * H * 2;
+	uint64_t off = 0;
+	for (int i = 0; i < EPP_BUF_NFIELDS; i++) {
+		b->off[i] = off;
+		off = align_up(off + sizes[i], 4096);
+	}
+	b->rank_stride = align_up(off, 1u << 21);
+	b->total = EPP_BUF_HEADER + b->rank_stride * s->ranks_per_node;
+	return b->total > EPP_BUF_MAX ? EP_ETOOBIG : 0;
 }

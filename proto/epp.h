@@ -18,6 +18,7 @@
  *
  * Version history:
  *   1.0  HELLO, JOIN, LEAVE, BARRIER, STATUS, OK, ERROR, NOTICE.
+ *   1.1  DISPATCH, COMBINE; the group buffer layout (struct epp_buf).
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -36,7 +37,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 0
+#define EPP_VERSION_MINOR 1
 #define EPP_HDR_SIZE 24
 #define EPP_MAX_PAYLOAD (1u << 20)
 #define EPP_MAX_FDS 4
@@ -48,6 +49,8 @@ enum epp_type {
 	EPP_LEAVE = 3,   /* C->D: u64 group_id */
 	EPP_BARRIER = 4, /* C->D: u64 group_id */
 	EPP_STATUS = 5,  /* C->D: empty */
+	EPP_DISPATCH = 6, /* C->D: struct epp_dispatch; OK: epp_dispatch_ok */
+	EPP_COMBINE = 7,  /* C->D: struct epp_combine; OK: empty */
 	EPP_OK = 64,     /* D->C: reply; payload depends on the request */
 	EPP_ERROR = 65,  /* D->C: i32 code, str message */
 	EPP_NOTICE = 66, /* D->C: unsolicited; i32 code, str message */
@@ -93,6 +96,94 @@ struct epp_hello_ok {
 	char daemon_version[32];
 	char backend[16];
 };
+
+/* DISPATCH: the rank's inputs are in its send region of the group buffer. */
+#define EPP_DISPATCH_WEIGHTS 0x1 /* topk_weights are given */
+#define EPP_DISPATCH_CACHED 0x2  /* reuse the routing of `handle` */
+#define EPP_COMBINE_BIAS 0x1     /* add the bias region */
+
+/* A dispatch's routing, as the client holds it. */
+struct epp_handle {
+	uint64_t group_id;
+	uint32_t epoch;
+	uint64_t seq;
+};
+
+struct epp_dispatch {
+	uint64_t group_id;
+	uint32_t num_tokens, hidden, dtype, topk, flags;
+	struct epp_handle handle; /* with EPP_DISPATCH_CACHED */
+};
+
+struct epp_dispatch_ok {
+	struct epp_handle handle;
+	uint32_t num_recv;
+};
+
+struct epp_combine {
+	uint64_t group_id;
+	struct epp_handle handle;
+	uint32_t num_rows, hidden, flags;
+};
+
+size_t epp_dispatch_encode(const struct epp_dispatch *d, uint8_t *out,
+			   size_t cap);
+int epp_dispatch_decode(const uint8_t *p, size_t len, struct epp_dispatch *d);
+size_t epp_dispatch_ok_encode(const struct epp_dispatch_ok *d, uint8_t *out,
+			      size_t cap);
+int epp_dispatch_ok_decode(const uint8_t *p, size_t len,
+			   struct epp_dispatch_ok *d);
+size_t epp_combine_encode(const struct epp_combine *c, uint8_t *out,
+			  size_t cap);
+int epp_combine_decode(const uint8_t *p, size_t len, struct epp_combine *c);
+
+/*
+ * The group buffer: one shared mapping of buf_size bytes, a header page then
+ * one region per local rank (rank_stride bytes apart). Within a region, at
+ * the offsets below (all 4096-aligned; bytes):
+ *   send side   x [T_max, H] (2 bytes bf16, 1 byte fp8), x_scales
+ *               [T_max, H/128] f32 (fp8 only), topk_idx [T_max, K] i64,
+ *               topk_weights [T_max, K] f32
+ *   receive     recv_x [R_max, H], recv_scales [R_max, H/128] f32,
+ *               recv_topk_idx [R_max, K] i64, recv_topk_weights [R_max, K]
+ *               f32, recv_src [R_max, 2] i32 (source rank, source token),
+ *               recv_per_expert [E/W] i32
+ *   combine     combine_y [R_max, H] bf16, combine_bias [T_max, H] bf16,
+ *               combined [T_max, H] bf16
+ * R_max = W * T_max: every token of every rank could come here.
+ */
+enum epp_buf_field {
+	EPP_BUF_X,
+	EPP_BUF_X_SCALES,
+	EPP_BUF_TOPK_IDX,
+	EPP_BUF_TOPK_WEIGHTS,
+	EPP_BUF_RECV_X,
+	EPP_BUF_RECV_SCALES,
+	EPP_BUF_RECV_TOPK_IDX,
+	EPP_BUF_RECV_TOPK_WEIGHTS,
+	EPP_BUF_RECV_SRC,
+	EPP_BUF_RECV_PER_EXPERT,
+	EPP_BUF_COMBINE_Y,
+	EPP_BUF_COMBINE_BIAS,
+	EPP_BUF_COMBINED,
+	EPP_BUF_NFIELDS,
+};
+
+#define EPP_BUF_HEADER 4096u
+#define EPP_BUF_MAX (1ull << 42) /* refuse shapes past 4 TiB of mapping */
+
+struct epp_buf {
+	uint64_t off[EPP_BUF_NFIELDS]; /* within a rank's region */
+	uint64_t rank_stride;
+	uint64_t total;
+	uint32_t elt;          /* bytes per element of x: 2 or 1 */
+	uint32_t max_tokens;   /* T_max */
+	uint64_t max_recv;     /* R_max */
+	uint32_t nscales;      /* H/128 for fp8, else 0 */
+};
+
+/* Compute the layout from a (validated) join. 0, or EP_ETOOBIG. */
+int epp_buf_layout(const struct epp_join *shape, struct epp_buf *b);
 
 /* Little-endian cursor over a payload. A read past the end, or a string
  * without its terminator, sets err; later reads return zeros. */

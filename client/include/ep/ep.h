@@ -109,6 +109,106 @@ int ep_leave(ep_group_t *group);
  * Two sequential phases: the scale-out rail, then the node. */
 int ep_barrier(ep_group_t *group);
 
+/*
+ * Dispatch and combine (DeepEP normal-mode semantics, deterministic).
+ *
+ * Expert e lives on rank e / (num_experts / world). Dispatch sends each token
+ * once to every rank hosting one of its top-k experts; a rank receives rows
+ * ordered by source rank, then source token. recv_topk_idx holds local
+ * expert indices (-1 where the expert lives elsewhere); recv_topk_weights
+ * are masked the same way (0.0), or all 0.0 without topk_weights. Combine
+ * returns, for each token, bias + the rows of every rank it went to, summed
+ * in fp32 in ascending rank order and rounded once to bf16 (nearest even);
+ * zeros (plus bias) for tokens sent nowhere.
+ */
+
+/* A dispatch's routing, for combine and cached dispatch. A plain value:
+ * copy it freely. The daemon keeps the routings of a group's last 32
+ * dispatches; an older handle gets EP_ESTALE. */
+typedef struct ep_handle {
+	uint64_t group_id;
+	uint64_t seq;
+	uint32_t epoch;
+	uint32_t num_tokens; /* this rank's tokens in that dispatch */
+	uint32_t num_recv;   /* rows this rank received */
+} ep_handle_t;
+
+/* Zero-copy views of this rank's part of the group buffer. The send side
+ * and combine inputs are written by the rank; the rest is written by the
+ * daemon during an operation and read by the rank afterwards. */
+struct ep_buffers {
+	void *x;              /* [max_tokens, hidden] bf16 or fp8 */
+	float *x_scales;      /* [max_tokens, hidden/128] (fp8 only) */
+	int64_t *topk_idx;    /* [max_tokens, topk] */
+	float *topk_weights;  /* [max_tokens, topk] */
+	const void *recv_x;   /* [max_recv, hidden] */
+	const float *recv_x_scales;
+	const int64_t *recv_topk_idx;
+	const float *recv_topk_weights;
+	const int32_t *recv_src; /* [max_recv, 2]: source rank, source token */
+	const int32_t *num_recv_tokens_per_expert; /* [num_experts / world] */
+	uint16_t *combine_y;     /* [max_recv, hidden] bf16 */
+	uint16_t *combine_bias;  /* [max_tokens, hidden] bf16 */
+	const uint16_t *combined; /* [max_tokens, hidden] bf16 */
+	uint32_t max_tokens;
+	uint64_t max_recv;
+};
+
+int ep_get_buffers(ep_group_t *group, struct ep_buffers *out);
+
+/* Local: tokens per rank [world], tokens per expert [num_experts] and
+ * is_token_in_rank [num_tokens, world] (0/1) from topk_idx. */
+int ep_get_dispatch_layout(ep_group_t *group, const int64_t *topk_idx,
+			   uint32_t num_tokens, int32_t *num_tokens_per_rank,
+			   int32_t *num_tokens_per_expert,
+			   uint8_t *is_token_in_rank);
+
+#define EP_DISPATCH_WEIGHTS 0x1u /* topk_weights in the buffer are valid */
+#define EP_COMBINE_BIAS 0x1u     /* add combine_bias */
+
+/* Zero-copy dispatch of the first num_tokens rows of the send buffers.
+ * cached: reuse that handle's routing (topk_idx is not read; only recv_x
+ * and recv_x_scales are written). *handle receives the routing. */
+int ep_dispatch_inplace(ep_group_t *group, uint32_t num_tokens,
+			unsigned flags, const ep_handle_t *cached,
+			ep_handle_t *handle);
+/* Zero-copy combine of combine_y (handle->num_recv rows) into combined. */
+int ep_combine_inplace(ep_group_t *group, const ep_handle_t *handle,
+		       unsigned flags);
+
+struct ep_dispatch_in {
+	uint32_t num_tokens;
+	uint32_t hidden; /* must match the group */
+	ep_dtype_t dtype;
+	uint32_t topk;
+	const void *x;
+	const float *x_scales;      /* fp8 */
+	const int64_t *topk_idx;    /* unused for a cached dispatch */
+	const float *topk_weights;  /* may be NULL */
+};
+
+struct ep_dispatch_out {
+	uint64_t capacity; /* rows each array below holds */
+	void *recv_x;      /* any of these may be NULL: not copied */
+	float *recv_x_scales;
+	int64_t *recv_topk_idx;
+	float *recv_topk_weights;
+	int32_t *num_recv_tokens_per_expert;
+	uint32_t num_recv; /* set on return */
+};
+
+/* Dispatch with copies from and to caller arrays. More rows than capacity:
+ * EP_ETOOBIG (the dispatch happened; *handle is valid). */
+int ep_dispatch(ep_group_t *group, const struct ep_dispatch_in *in,
+		const ep_handle_t *cached, struct ep_dispatch_out *out,
+		ep_handle_t *handle);
+/* Combine y [num_rows, hidden] bf16 (num_rows = handle->num_recv) into
+ * out [handle->num_tokens, hidden] bf16; bias [num_tokens, hidden] or
+ * NULL. */
+int ep_combine(ep_group_t *group, const ep_handle_t *handle,
+	       const uint16_t *y, uint32_t num_rows, uint32_t hidden,
+	       const uint16_t *bias, uint16_t *out);
+
 /* The daemon's status (version, clients, groups) as a JSON document;
  * *json is malloc'd, the caller frees it. */
 int ep_daemon_status(ep_conn_t *conn, char **json);

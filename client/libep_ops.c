@@ -1,0 +1,263 @@
+/* SPDX-License-Identifier: MIT */
+/* libep: buffers, layout, dispatch and combine. */
+#include "libep_int.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "ek.h"
+
+static uint8_t *region(ep_group_t *g, int field)
+{
+	uint32_t l = g->cfg.rank % g->cfg.ranks_per_node;
+	return (uint8_t *)g->buf + EPP_BUF_HEADER +
+	       (uint64_t)l * g->layout.rank_stride + g->layout.off[field];
+}
+
+int ep_get_buffers(ep_group_t *g, struct ep_buffers *b)
+{
+	if (!g || !b)
+		return ep__fail(EP_EINVAL, "NULL argument");
+	b->x = region(g, EPP_BUF_X);
+	b->x_scales = g->layout.nscales ? (float *)region(g, EPP_BUF_X_SCALES)
+					: NULL;
+	b->topk_idx = (int64_t *)region(g, EPP_BUF_TOPK_IDX);
+	b->topk_weights = (float *)region(g, EPP_BUF_TOPK_WEIGHTS);
+	b->recv_x = region(g, EPP_BUF_RECV_X);
+	b->recv_x_scales = g->layout.nscales
+				   ? (float *)region(g, EPP_BUF_RECV_SCALES)
+				   : NULL;
+	b->recv_topk_idx = (int64_t *)region(g, EPP_BUF_RECV_TOPK_IDX);
+	b->recv_topk_weights = (float *)region(g, EPP_BUF_RECV_TOPK_WEIGHTS);
+	b->recv_src = (int32_t *)region(g, EPP_BUF_RECV_SRC);
+	b->num_recv_tokens_per_expert =
+		(int32_t *)region(g, EPP_BUF_RECV_PER_EXPERT);
+	b->combine_y = (uint16_t *)region(g, EPP_BUF_COMBINE_Y);
+	b->combine_bias = (uint16_t *)region(g, EPP_BUF_COMBINE_BIAS);
+	b->combined = (uint16_t *)region(g, EPP_BUF_COMBINED);
+	b->max_tokens = g->layout.max_tokens;
+	b->max_recv = g->layout.max_recv;
+	return 0;
+}
+
+static struct ek_shape shape_of(const ep_group_t *g)
+{
+	return (struct ek_shape){.world = g->cfg.world_size,
+				 .num_experts = g->cfg.num_experts,
+				 .hidden = g->cfg.hidden,
+				 .topk = g->cfg.topk,
+				 .elt = g->layout.elt,
+				 .nscales = g->layout.nscales};
+}
+
+int ep_get_dispatch_layout(ep_group_t *g, const int64_t *topk_idx,
+			   uint32_t num_tokens, int32_t *per_rank,
+			   int32_t *per_expert, uint8_t *in_rank)
+{
+	if (!g || (num_tokens && !topk_idx) || !per_rank || !per_expert ||
+	    (num_tokens && !in_rank))
+		return ep__fail(EP_EINVAL, "NULL argument");
+	struct ek_shape s = shape_of(g);
+	char err[256];
+	int rc = ek_validate_topk(&s, topk_idx, num_tokens, err, sizeof(err));
+	if (rc)
+		return ep__fail(rc, "%s", err);
+	ek_layout(&s, topk_idx, num_tokens, per_rank, per_expert, in_rank);
+	return 0;
+}
+
+static int check_handle(const ep_group_t *g, const ep_handle_t *h)
+{
+	if (h->group_id != g->id || h->epoch != g->epoch)
+		return ep__fail(EP_ESTALE,
+				"handle of group id %llu epoch %u used with "
+				"group id %llu epoch %u",
+				(unsigned long long)h->group_id, h->epoch,
+				(unsigned long long)g->id, g->epoch);
+	return 0;
+}
+
+int ep_dispatch_inplace(ep_group_t *g, uint32_t num_tokens, unsigned flags,
+			const ep_handle_t *cached, ep_handle_t *handle)
+{
+	if (!g || !handle)
+		return ep__fail(EP_EINVAL, "NULL argument");
+	if (flags & ~EP_DISPATCH_WEIGHTS)
+		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
+	if (num_tokens > g->cfg.max_tokens)
+		return ep__fail(EP_ETOOBIG,
+				"%u tokens exceed the group's maximum of %u",
+				num_tokens, g->cfg.max_tokens);
+	struct epp_dispatch d = {.group_id = g->id,
+				 .num_tokens = num_tokens,
+				 .hidden = g->cfg.hidden,
+				 .dtype = g->cfg.dtype,
+				 .topk = g->cfg.topk,
+				 .flags = flags & EP_DISPATCH_WEIGHTS
+						  ? EPP_DISPATCH_WEIGHTS
+						  : 0};
+	if (cached) {
+		int rc = check_handle(g, cached);
+		if (rc)
+			return rc;
+		d.flags |= EPP_DISPATCH_CACHED;
+		d.handle = (struct epp_handle){.group_id = cached->group_id,
+					       .epoch = cached->epoch,
+					       .seq = cached->seq};
+	}
+	uint8_t buf[128], *rep;
+	uint32_t rlen;
+	size_t n = epp_dispatch_encode(&d, buf, sizeof(buf));
+	pthread_mutex_lock(&g->conn->mu);
+	int rc = ep__rpc(g->conn, EPP_DISPATCH, 0, buf, (uint32_t)n, &rep,
+			 &rlen, NULL, 0, ep__group_op_timeout(g));
+	pthread_mutex_unlock(&g->conn->mu);
+	if (rc)
+		return rc;
+	struct epp_dispatch_ok ok;
+	rc = epp_dispatch_ok_decode(rep, rlen, &ok);
+	free(rep);
+	if (rc)
+		return ep__fail(EP_EPROTO, "malformed dispatch reply");
+	*handle = (ep_handle_t){.group_id = ok.handle.group_id,
+				.seq = ok.handle.seq,
+				.epoch = ok.handle.epoch,
+				.num_tokens = num_tokens,
+				.num_recv = ok.num_recv};
+	return 0;
+}
+
+int ep_combine_inplace(ep_group_t *g, const ep_handle_t *h, unsigned flags)
+{
+	if (!g || !h)
+		return ep__fail(EP_EINVAL, "NULL argument");
+	if (flags & ~EP_COMBINE_BIAS)
+		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
+	int rc = check_handle(g, h);
+	if (rc)
+		return rc;
+	struct epp_combine c = {.group_id = g->id,
+				.handle = {.group_id = h->group_id,
+					   .epoch = h->epoch,
+					   .seq = h->seq},
+				.num_rows = h->num_recv,
+				.hidden = g->cfg.hidden,
+				.flags = flags & EP_COMBINE_BIAS
+						 ? EPP_COMBINE_BIAS
+						 : 0};
+	uint8_t buf[128];
+	size_t n = epp_combine_encode(&c, buf, sizeof(buf));
+	pthread_mutex_lock(&g->conn->mu);
+	rc = ep__rpc(g->conn, EPP_COMBINE, 0, buf, (uint32_t)n, NULL, NULL,
+		     NULL, 0, ep__group_op_timeout(g));
+	pthread_mutex_unlock(&g->conn->mu);
+	return rc;
+}
+
+static int check_shape(const ep_group_t *g, uint32_t hidden,
+		       ep_dtype_t dtype, uint32_t topk)
+{
+	if (topk == 0 || topk > 32)
+		return ep__fail(EP_EINVAL, "topk %u out of range 1..32", topk);
+	if (hidden != g->cfg.hidden || (uint32_t)dtype != g->cfg.dtype ||
+	    topk != g->cfg.topk)
+		return ep__fail(EP_ESHAPE,
+				"hidden %u, dtype %u, top-%u do not match the "
+				"group's hidden %u, dtype %u, top-%u",
+				hidden, (unsigned)dtype, topk, g->cfg.hidden,
+				g->cfg.dtype, g->cfg.topk);
+	return 0;
+}
+
+int ep_dispatch(ep_group_t *g, const struct ep_dispatch_in *in,
+		const ep_handle_t *cached, struct ep_dispatch_out *out,
+		ep_handle_t *handle)
+{
+	if (!g || !in || !out || !handle)
+		return ep__fail(EP_EINVAL, "NULL argument");
+	int rc = check_shape(g, in->hidden, in->dtype, in->topk);
+	if (rc)
+		return rc;
+	const uint32_t T = in->num_tokens, H = g->cfg.hidden,
+		       K = g->cfg.topk;
+	if (T > g->cfg.max_tokens)
+		return ep__fail(EP_ETOOBIG,
+				"%u tokens exceed the group's maximum of %u", T,
+				g->cfg.max_tokens);
+	if (T && (!in->x || (g->layout.nscales && !in->x_scales) ||
+		  (!cached && !in->topk_idx)))
+		return ep__fail(EP_EINVAL, "x, x_scales (fp8) and topk_idx "
+					   "are required");
+	struct ep_buffers b;
+	ep_get_buffers(g, &b);
+	memcpy(b.x, in->x, (size_t)T * H * g->layout.elt);
+	if (g->layout.nscales)
+		memcpy(b.x_scales, in->x_scales,
+		       (size_t)T * g->layout.nscales * sizeof(float));
+	if (!cached) {
+		memcpy(b.topk_idx, in->topk_idx, (size_t)T * K * 8);
+		if (in->topk_weights)
+			memcpy(b.topk_weights, in->topk_weights,
+			       (size_t)T * K * 4);
+	}
+	rc = ep_dispatch_inplace(g, T,
+				 in->topk_weights ? EP_DISPATCH_WEIGHTS : 0,
+				 cached, handle);
+	if (rc)
+		return rc;
+	const uint64_t R = handle->num_recv;
+	out->num_recv = handle->num_recv;
+	if (R > out->capacity)
+		return ep__fail(EP_ETOOBIG,
+				"received %llu rows; the output holds %llu",
+				(unsigned long long)R,
+				(unsigned long long)out->capacity);
+	if (out->recv_x)
+		memcpy(out->recv_x, b.recv_x, R * H * g->layout.elt);
+	if (out->recv_x_scales && g->layout.nscales)
+		memcpy(out->recv_x_scales, b.recv_x_scales,
+		       R * g->layout.nscales * sizeof(float));
+	if (!cached) {
+		if (out->recv_topk_idx)
+			memcpy(out->recv_topk_idx, b.recv_topk_idx, R * K * 8);
+		if (out->recv_topk_weights)
+			memcpy(out->recv_topk_weights, b.recv_topk_weights,
+			       R * K * 4);
+		if (out->num_recv_tokens_per_expert)
+			memcpy(out->num_recv_tokens_per_expert,
+			       b.num_recv_tokens_per_expert,
+			       (size_t)(g->cfg.num_experts /
+					g->cfg.world_size) *
+				       4);
+	}
+	return 0;
+}
+
+int ep_combine(ep_group_t *g, const ep_handle_t *h, const uint16_t *y,
+	       uint32_t num_rows, uint32_t hidden, const uint16_t *bias,
+	       uint16_t *out)
+{
+	if (!g || !h || (num_rows && !y) || (h->num_tokens && !out))
+		return ep__fail(EP_EINVAL, "NULL argument");
+	if (hidden != g->cfg.hidden)
+		return ep__fail(EP_ESHAPE, "hidden %u, the group's is %u",
+				hidden, g->cfg.hidden);
+	if (num_rows != h->num_recv)
+		return ep__fail(EP_ESHAPE,
+				"combine of %u rows; the handle received %u",
+				num_rows, h->num_recv);
+	int rc = check_handle(g, h);
+	if (rc)
+		return rc;
+	struct ep_buffers b;
+	ep_get_buffers(g, &b);
+	const size_t H = hidden;
+	memcpy(b.combine_y, y, (size_t)num_rows * H * 2);
+	if (bias)
+		memcpy(b.combine_bias, bias, (size_t)h->num_tokens * H * 2);
+	rc = ep_combine_inplace(g, h, bias ? EP_COMBINE_BIAS : 0);
+	if (rc)
+		return rc;
+	memcpy(out, b.combined, (size_t)h->num_tokens * H * 2);
+	return 0;
+}

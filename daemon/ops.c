@@ -1,0 +1,468 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Dispatch and combine on the host backend. The loop thread checks each
+ * rank's request, waits until every local rank entered, then hands one job
+ * to a libuv work thread, which spreads it over the daemon's data-path pool.
+ * The loop never touches the data; replies go out from the after-work
+ * callback.
+ *
+ * Errors: a request that is wrong for one rank (too many tokens, wrong
+ * shape, stale handle) fails that rank alone, which has not entered. Ranks
+ * that disagree (different handles) fail the group. Bad contents found by
+ * the workers (an expert index out of range) fail the op for every rank and
+ * change nothing: validation runs before the first write.
+ */
+#include "epd.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TOKEN_CHUNK 64 /* tokens per work item */
+
+struct item {
+	uint32_t rank, t0, t1;
+};
+
+struct job {
+	uv_work_t req;
+	struct epd_group *g;
+	uint16_t type;
+	bool cached;
+	uint64_t seq;
+	struct ek_shape shape;
+	struct ek_rank_io *io; /* [rpn] */
+	uint32_t *num_tokens;  /* [rpn] */
+	struct ek_route *route;
+	bool own_route; /* a fresh dispatch's new routing */
+	struct item *items;
+	uint32_t nitems;
+	int *rank_rc; /* [rpn] validation results */
+	char (*rank_err)[256];
+	int rc;
+	char err[EPP_ERRMSG_MAX];
+	uint64_t bytes;
+};
+
+static struct ek_route *route_find(struct epd_group *g, uint64_t seq)
+{
+	if (seq == 0 || seq > g->next_seq ||
+	    g->next_seq - seq >= EPD_MAX_HANDLES)
+		return NULL;
+	uint64_t i = seq % EPD_MAX_HANDLES;
+	return g->route_seq[i] == seq ? g->routes[i] : NULL;
+}
+
+/* Is the handle usable with this group? Replies the error itself. */
+static bool handle_ok(struct epd_client *c, uint64_t req_id,
+		      struct epd_group *g, const struct epp_handle *h)
+{
+	if (h->group_id != g->id) {
+		epd_client_error(c, req_id, EP_ESTALE,
+				 "handle belongs to group id %llu, not to "
+				 "group %s (id %llu)",
+				 (unsigned long long)h->group_id, g->shape.name,
+				 (unsigned long long)g->id);
+		return false;
+	}
+	if (h->epoch != g->epoch) {
+		epd_client_error(c, req_id, EP_ESTALE,
+				 "handle from epoch %u; the group's epoch is %u",
+				 h->epoch, g->epoch);
+		return false;
+	}
+	if (!route_find(g, h->seq)) {
+		epd_client_error(c, req_id, EP_ESTALE,
+				 "handle %llu is unknown or was evicted (group "
+				 "%s keeps the last %d dispatches, newest %llu)",
+				 (unsigned long long)h->seq, g->shape.name,
+				 EPD_MAX_HANDLES,
+				 (unsigned long long)g->next_seq);
+		return false;
+	}
+	return true;
+}
+
+static uint8_t *region(struct epd_group *g, uint32_t l, int field)
+{
+	return g->map + EPP_BUF_HEADER + (uint64_t)l * g->layout.rank_stride +
+	       g->layout.off[field];
+}
+
+static void job_free(struct job *j)
+{
+	if (j->own_route)
+		ek_route_free(j->route);
+	free(j->io);
+	free(j->num_tokens);
+	free(j->items);
+	free(j->rank_rc);
+	free(j->rank_err);
+	free(j);
+}
+
+/* Work items: chunks of TOKEN_CHUNK tokens of every local rank. */
+static int make_items(struct job *j, uint32_t rpn)
+{
+	uint32_t n = 0;
+	for (uint32_t l = 0; l < rpn; l++)
+		n += (j->num_tokens[l] + TOKEN_CHUNK - 1) / TOKEN_CHUNK;
+	j->items = calloc(n ? n : 1, sizeof(*j->items));
+	if (!j->items)
+		return EP_ENOMEM;
+	n = 0;
+	for (uint32_t l = 0; l < rpn; l++)
+		for (uint32_t t = 0; t < j->num_tokens[l]; t += TOKEN_CHUNK) {
+			uint32_t e = t + TOKEN_CHUNK;
+			j->items[n++] = (struct item){
+				l, t, e < j->num_tokens[l] ? e : j->num_tokens[l]};
+		}
+	j->nitems = n;
+	return 0;
+}
+
+static void do_validate(void *arg, uint32_t l)
+{
+	struct job *j = arg;
+	j->rank_rc[l] = ek_validate_topk(&j->shape, j->io[l].topk_idx,
+					 j->num_tokens[l], j->rank_err[l],
+					 sizeof(j->rank_err[l]));
+}
+
+static void do_route(void *arg, uint32_t l)
+{
+	struct job *j = arg;
+	ek_route_source(&j->shape, j->route, l, j->io[l].topk_idx);
+}
+
+static void do_dispatch(void *arg, uint32_t i)
+{
+	struct job *j = arg;
+	const struct item *it = &j->items[i];
+	ek_dispatch_tokens(&j->shape, j->route, j->io, it->rank, it->t0,
+			   it->t1, j->cached);
+}
+
+static void do_per_expert(void *arg, uint32_t l)
+{
+	struct job *j = arg;
+	ek_recv_per_expert(&j->shape, j->route, j->io, l);
+}
+
+static void do_combine(void *arg, uint32_t i)
+{
+	struct job *j = arg;
+	const struct item *it = &j->items[i];
+	ek_combine_tokens(&j->shape, j->route, j->io, it->rank, it->t0,
+			  it->t1);
+}
+
+/* On a libuv work thread. */
+static void job_run(uv_work_t *req)
+{
+	struct job *j = req->data;
+	struct epd_pool *pool = j->g->srv->pool;
+	const uint32_t W = j->shape.world;
+	const uint64_t row = (uint64_t)j->shape.hidden * j->shape.elt +
+			     (uint64_t)j->shape.nscales * 4;
+	if (j->type == EPP_DISPATCH && !j->cached) {
+		epd_pool_run(pool, W, do_validate, j);
+		for (uint32_t l = 0; l < W; l++)
+			if (j->rank_rc[l]) {
+				j->rc = j->rank_rc[l];
+				snprintf(j->err, sizeof(j->err), "rank %u: %s",
+					 l, j->rank_err[l]);
+				return;
+			}
+		j->route = ek_route_new(W, j->num_tokens);
+		if (!j->route) {
+			j->rc = EP_ENOMEM;
+			snprintf(j->err, sizeof(j->err), "out of memory");
+			return;
+		}
+		j->own_route = true;
+		epd_pool_run(pool, W, do_route, j);
+		ek_route_finish(j->route);
+	}
+	if (make_items(j, W)) {
+		j->rc = EP_ENOMEM;
+		snprintf(j->err, sizeof(j->err), "out of memory");
+		return;
+	}
+	uint64_t rows = 0;
+	for (uint32_t d = 0; d < W; d++)
+		rows += j->route->num_recv[d];
+	if (j->type == EPP_DISPATCH) {
+		epd_pool_run(pool, j->nitems, do_dispatch, j);
+		if (!j->cached)
+			epd_pool_run(pool, W, do_per_expert, j);
+		/* each received row read once and written once */
+		j->bytes = 2 * rows * row;
+	} else {
+		epd_pool_run(pool, j->nitems, do_combine, j);
+		uint64_t tokens = 0;
+		for (uint32_t l = 0; l < W; l++)
+			tokens += j->num_tokens[l];
+		j->bytes = (rows + tokens) * j->shape.hidden * 2;
+	}
+}
+
+/* Back on the loop thread. */
+static void job_done(uv_work_t *req, int status)
+{
+	struct job *j = req->data;
+	struct epd_group *g = j->g;
+	g->busy = false;
+	if (g->free_pending) {
+		job_free(j);
+		epd_group_free(g);
+		return;
+	}
+	if (g->state != EPD_G_READY) {
+		/* failed while running: the ranks got the error already */
+		job_free(j);
+		return;
+	}
+	if (status < 0 && !j->rc) {
+		j->rc = EP_EBACKEND;
+		snprintf(j->err, sizeof(j->err), "work cancelled: %s",
+			 uv_strerror(status));
+	}
+	g->coll_type = 0;
+	g->coll_arrived = 0;
+	uint32_t rpn = g->shape.ranks_per_node;
+	if (j->rc) {
+		g->n_errors++;
+		for (uint32_t l = 0; l < rpn; l++)
+			if (g->local[l] && g->local[l]->pending_req)
+				epd_member_reply_err(g->local[l], j->rc,
+						     j->err);
+		job_free(j);
+		return;
+	}
+	g->bytes_moved += j->bytes;
+	struct epp_handle h = {.group_id = g->id, .epoch = g->epoch,
+			       .seq = j->seq};
+	if (j->type == EPP_DISPATCH) {
+		g->n_dispatch++;
+		if (!j->cached) {
+			h.seq = ++g->next_seq;
+			uint64_t i = h.seq % EPD_MAX_HANDLES;
+			ek_route_free(g->routes[i]);
+			g->routes[i] = j->route;
+			g->route_seq[i] = h.seq;
+			j->own_route = false;
+		}
+		for (uint32_t l = 0; l < rpn; l++) {
+			struct epp_dispatch_ok ok = {
+				.handle = h, .num_recv = j->route->num_recv[l]};
+			uint8_t buf[64];
+			size_t n = epp_dispatch_ok_encode(&ok, buf, sizeof(buf));
+			epd_member_reply_ok(g->local[l], buf, (uint32_t)n);
+		}
+	} else {
+		g->n_combine++;
+		for (uint32_t l = 0; l < rpn; l++)
+			epd_member_reply_ok(g->local[l], NULL, 0);
+	}
+	job_free(j);
+}
+
+static void job_submit(struct epd_group *g)
+{
+	uint32_t rpn = g->shape.ranks_per_node;
+	uv_timer_stop(&g->timer);
+	struct job *j = calloc(1, sizeof(*j));
+	if (!j)
+		goto err;
+	j->g = g;
+	j->type = g->coll_type;
+	j->cached = g->coll_cached;
+	j->seq = g->coll_seq;
+	j->shape = (struct ek_shape){.world = g->shape.world_size,
+				     .num_experts = g->shape.num_experts,
+				     .hidden = g->shape.hidden,
+				     .topk = g->shape.topk,
+				     .elt = g->layout.elt,
+				     .nscales = g->layout.nscales};
+	j->io = calloc(rpn, sizeof(*j->io));
+	j->num_tokens = calloc(rpn, sizeof(*j->num_tokens));
+	j->rank_rc = calloc(rpn, sizeof(*j->rank_rc));
+	j->rank_err = calloc(rpn, sizeof(*j->rank_err));
+	if (!j->io || !j->num_tokens || !j->rank_rc || !j->rank_err)
+		goto err;
+	for (uint32_t l = 0; l < rpn; l++) {
+		struct epd_member *m = g->local[l];
+		struct ek_rank_io *io = &j->io[l];
+		io->x = region(g, l, EPP_BUF_X);
+		io->x_scales = (float *)region(g, l, EPP_BUF_X_SCALES);
+		io->topk_idx = (int64_t *)region(g, l, EPP_BUF_TOPK_IDX);
+		io->topk_weights = m->op_flags & EPP_DISPATCH_WEIGHTS
+					   ? (float *)region(g, l,
+							     EPP_BUF_TOPK_WEIGHTS)
+					   : NULL;
+		io->recv_x = region(g, l, EPP_BUF_RECV_X);
+		io->recv_scales = (float *)region(g, l, EPP_BUF_RECV_SCALES);
+		io->recv_topk_idx = (int64_t *)region(g, l,
+						      EPP_BUF_RECV_TOPK_IDX);
+		io->recv_topk_weights =
+			(float *)region(g, l, EPP_BUF_RECV_TOPK_WEIGHTS);
+		io->recv_src = (int32_t *)region(g, l, EPP_BUF_RECV_SRC);
+		io->recv_per_expert =
+			(int32_t *)region(g, l, EPP_BUF_RECV_PER_EXPERT);
+		io->combine_y = (uint16_t *)region(g, l, EPP_BUF_COMBINE_Y);
+		bool bias = j->type == EPP_COMBINE &&
+			    (m->op_flags & EPP_COMBINE_BIAS);
+		io->combine_bias = bias ? (uint16_t *)region(
+						  g, l, EPP_BUF_COMBINE_BIAS)
+					: NULL;
+		io->combined = (uint16_t *)region(g, l, EPP_BUF_COMBINED);
+		io->num_tokens = m->op_tokens;
+		j->num_tokens[l] = m->op_tokens;
+	}
+	if (j->type == EPP_COMBINE || j->cached) {
+		j->route = route_find(g, j->seq);
+		/* the routing fixes the token counts */
+		for (uint32_t l = 0; l < rpn; l++)
+			j->num_tokens[l] = j->route->num_tokens[l];
+	}
+	j->req.data = j;
+	g->busy = true;
+	int rc = uv_queue_work(g->srv->loop, &j->req, job_run, job_done);
+	if (rc) {
+		g->busy = false;
+		goto err;
+	}
+	return;
+err:
+	if (j)
+		job_free(j);
+	epd_group_fail(g, EP_ENOMEM, "cannot start the %s job",
+		       epp_type_name(g->coll_type));
+}
+
+/* Common arrival: record, arm the timer, start when everyone is in. */
+static void arrive(struct epd_member *m, uint64_t req_id, uint16_t type)
+{
+	struct epd_group *g = m->group;
+	m->pending_req = req_id;
+	m->pending_type = type;
+	g->coll_type = type;
+	g->coll_arrived++;
+	if (g->coll_arrived == g->shape.ranks_per_node)
+		job_submit(g);
+	else
+		epd_group_arm_timer(g);
+}
+
+int epd_op_dispatch(struct epd_client *c, uint64_t req_id,
+		    const struct epp_dispatch *d)
+{
+	struct epd_member *m = epd_coll_enter(c, req_id, d->group_id,
+					      EPP_DISPATCH);
+	if (!m)
+		return EP_EINVAL;
+	struct epd_group *g = m->group;
+	const struct epp_join *s = &g->shape;
+	bool cached = d->flags & EPP_DISPATCH_CACHED;
+	if (d->flags & ~(EPP_DISPATCH_WEIGHTS | EPP_DISPATCH_CACHED)) {
+		epd_client_error(c, req_id, EP_EINVAL,
+				 "unknown dispatch flags 0x%x", d->flags);
+		return EP_EINVAL;
+	}
+	if (d->hidden != s->hidden || d->dtype != s->dtype ||
+	    d->topk != s->topk) {
+		epd_client_error(c, req_id, EP_ESHAPE,
+				 "dispatch of hidden %u, dtype %u, top-%u on "
+				 "group %s of hidden %u, dtype %u, top-%u",
+				 d->hidden, d->dtype, d->topk, s->name,
+				 s->hidden, s->dtype, s->topk);
+		return EP_ESHAPE;
+	}
+	if (d->num_tokens > s->max_tokens) {
+		epd_client_error(c, req_id, EP_ETOOBIG,
+				 "%u tokens exceed the group's maximum of %u "
+				 "per rank",
+				 d->num_tokens, s->max_tokens);
+		return EP_ETOOBIG;
+	}
+	if (cached) {
+		if (!handle_ok(c, req_id, g, &d->handle))
+			return EP_ESTALE;
+		const struct ek_route *r = route_find(g, d->handle.seq);
+		if (r->num_tokens[m->local] != d->num_tokens) {
+			epd_client_error(c, req_id, EP_ESHAPE,
+					 "cached dispatch of %u tokens with a "
+					 "handle of %u",
+					 d->num_tokens,
+					 r->num_tokens[m->local]);
+			return EP_ESHAPE;
+		}
+	}
+	/* Every rank must run the same kind of dispatch on one handle. */
+	uint64_t seq = cached ? d->handle.seq : 0;
+	if (g->coll_arrived && (g->coll_cached != cached || g->coll_seq != seq)) {
+		epd_client_error(c, req_id, EP_EMISMATCH,
+				 "rank %u's dispatch names another handle than "
+				 "the other ranks'",
+				 m->rank);
+		epd_group_fail(g, EP_EMISMATCH,
+			       "rank %u's dispatch names another handle",
+			       m->rank);
+		return EP_EMISMATCH;
+	}
+	g->coll_cached = cached;
+	g->coll_seq = seq;
+	m->op_tokens = d->num_tokens;
+	m->op_flags = d->flags;
+	arrive(m, req_id, EPP_DISPATCH);
+	return 0;
+}
+
+int epd_op_combine(struct epd_client *c, uint64_t req_id,
+		   const struct epp_combine *cb)
+{
+	struct epd_member *m = epd_coll_enter(c, req_id, cb->group_id,
+					      EPP_COMBINE);
+	if (!m)
+		return EP_EINVAL;
+	struct epd_group *g = m->group;
+	if (cb->flags & ~EPP_COMBINE_BIAS) {
+		epd_client_error(c, req_id, EP_EINVAL,
+				 "unknown combine flags 0x%x", cb->flags);
+		return EP_EINVAL;
+	}
+	if (cb->hidden != g->shape.hidden) {
+		epd_client_error(c, req_id, EP_ESHAPE,
+				 "combine of hidden %u on group %s of hidden %u",
+				 cb->hidden, g->shape.name, g->shape.hidden);
+		return EP_ESHAPE;
+	}
+	if (!handle_ok(c, req_id, g, &cb->handle))
+		return EP_ESTALE;
+	const struct ek_route *r = route_find(g, cb->handle.seq);
+	if (cb->num_rows != r->num_recv[m->local]) {
+		epd_client_error(c, req_id, EP_ESHAPE,
+				 "combine of %u rows; rank %u received %u in "
+				 "that dispatch",
+				 cb->num_rows, m->rank, r->num_recv[m->local]);
+		return EP_ESHAPE;
+	}
+	if (g->coll_arrived && g->coll_seq != cb->handle.seq) {
+		epd_client_error(c, req_id, EP_EMISMATCH,
+				 "rank %u combines handle %llu, the other "
+				 "ranks %llu",
+				 m->rank, (unsigned long long)cb->handle.seq,
+				 (unsigned long long)g->coll_seq);
+		epd_group_fail(g, EP_EMISMATCH,
+			       "rank %u combines another handle", m->rank);
+		return EP_EMISMATCH;
+	}
+	g->coll_seq = cb->handle.seq;
+	g->coll_cached = false;
+	m->op_tokens = r->num_tokens[m->local];
+	m->op_flags = cb->flags;
+	m->op_rows = cb->num_rows;
+	arrive(m, req_id, EPP_COMBINE);
+	return 0;
+}

@@ -1,0 +1,89 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * ek: the data-path kernels' interface, one per backend (host/, cuda/).
+ *
+ * Routing (DESIGN.md section 3): expert e lives on rank e / (E/W). Token t of
+ * source rank s goes once to every rank that hosts one of its experts. On a
+ * destination, rows are ordered by source rank, then source token; the row
+ * of (s, t) on d is slot[s][t*W + d] = offset[s][d] + the number of tokens
+ * of s before t that also go to d, with offset[s][d] the sum over s' < s of
+ * count[s'][d]. Prefix sums only: the result does not depend on scheduling.
+ */
+#ifndef EK_H
+#define EK_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+struct ek_shape {
+	uint32_t world;       /* ranks of the group */
+	uint32_t num_experts; /* E, a multiple of world */
+	uint32_t hidden;      /* H */
+	uint32_t topk;        /* K */
+	uint32_t elt;         /* bytes per element of x: 2 (bf16) or 1 (fp8) */
+	uint32_t nscales;     /* H/128 for fp8, else 0 */
+};
+
+/* One rank's view of its buffers (NULL where unused). */
+struct ek_rank_io {
+	const void *x;
+	const float *x_scales;
+	const int64_t *topk_idx;
+	const float *topk_weights; /* NULL: recv_topk_weights are zeros */
+	void *recv_x;
+	float *recv_scales;
+	int64_t *recv_topk_idx;
+	float *recv_topk_weights;
+	int32_t *recv_src;        /* [R, 2]: source rank, source token */
+	int32_t *recv_per_expert; /* [E/W] */
+	const uint16_t *combine_y;
+	const uint16_t *combine_bias; /* NULL: no bias */
+	uint16_t *combined;
+	uint32_t num_tokens;
+};
+
+/* The routing of one dispatch, for every rank of the group. */
+struct ek_route {
+	uint32_t world;
+	uint32_t *num_tokens; /* [W] */
+	int32_t **slot;       /* [W] arrays of [num_tokens[s] * W], -1: not sent */
+	uint32_t *count;      /* [W * W]: count[s*W + d] */
+	uint32_t *num_recv;   /* [W] */
+};
+
+struct ek_route *ek_route_new(uint32_t world, const uint32_t *num_tokens);
+void ek_route_free(struct ek_route *r);
+
+/* 0, or EP_EEXPERT with the first offending position in err. */
+int ek_validate_topk(const struct ek_shape *s, const int64_t *topk_idx,
+		     uint32_t num_tokens, char *err, size_t errlen);
+/* Per-source pass: fills slot[src] with per-destination ordinals and
+ * count[src*W + d]. Independent across sources. */
+void ek_route_source(const struct ek_shape *s, struct ek_route *r,
+		     uint32_t src, const int64_t *topk_idx);
+/* After every source: ordinals become rows, num_recv is filled. */
+void ek_route_finish(struct ek_route *r);
+
+/* Copy tokens [t0, t1) of source `src` to every destination. cached: x and
+ * scales only. io is indexed by rank. */
+void ek_dispatch_tokens(const struct ek_shape *s, const struct ek_route *r,
+			struct ek_rank_io *io, uint32_t src, uint32_t t0,
+			uint32_t t1, bool cached);
+/* recv_per_expert of destination d from its received rows. */
+void ek_recv_per_expert(const struct ek_shape *s, const struct ek_route *r,
+			struct ek_rank_io *io, uint32_t d);
+/* Combine tokens [t0, t1) of home rank h: fp32 accumulation starting from
+ * the bias (if any), then rows in ascending destination rank, one rounding
+ * to bf16 (nearest even). */
+void ek_combine_tokens(const struct ek_shape *s, const struct ek_route *r,
+		       struct ek_rank_io *io, uint32_t h, uint32_t t0,
+		       uint32_t t1);
+
+/* get_dispatch_layout, a local computation: per_rank [W], per_expert [E],
+ * in_rank [T, W] (0/1). */
+void ek_layout(const struct ek_shape *s, const int64_t *topk_idx,
+	       uint32_t num_tokens, int32_t *per_rank, int32_t *per_expert,
+	       uint8_t *in_rank);
+
+#endif

@@ -1,0 +1,259 @@
+/* SPDX-License-Identifier: MIT */
+/* Host backend kernels: routing, dispatch, combine and layout in plain C. */
+#if defined(__GNUC__) && !defined(__clang__)
+/* The copy and accumulate loops want the vectorizer whatever CFLAGS say. */
+#pragma GCC optimize("O3")
+#endif
+#include "ek.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ep/ep.h"
+
+static inline float bf16_to_f32(uint16_t v)
+{
+	uint32_t u = (uint32_t)v << 16;
+	float f;
+	memcpy(&f, &u, 4);
+	return f;
+}
+
+static inline uint16_t f32_to_bf16(float f)
+{
+	uint32_t u;
+	memcpy(&u, &f, 4);
+	if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN: keep it quiet */
+		return (uint16_t)((u >> 16) | 0x40);
+	u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+	return (uint16_t)(u >> 16);
+}
+
+struct ek_route *ek_route_new(uint32_t world, const uint32_t *num_tokens)
+{
+	struct ek_route *r = calloc(1, sizeof(*r));
+	if (!r)
+		return NULL;
+	r->world = world;
+	r->num_tokens = calloc(world, sizeof(*r->num_tokens));
+	r->slot = calloc(world, sizeof(*r->slot));
+	r->count = calloc((size_t)world * world, sizeof(*r->count));
+	r->num_recv = calloc(world, sizeof(*r->num_recv));
+	if (!r->num_tokens || !r->slot || !r->count || !r->num_recv)
+		goto err;
+	for (uint32_t s = 0; s < world; s++) {
+		r->num_tokens[s] = num_tokens[s];
+		r->slot[s] = malloc(((size_t)num_tokens[s] * world + 1) *
+				    sizeof(int32_t));
+		if (!r->slot[s])
+			goto err;
+	}
+	return r;
+err:
+	ek_route_free(r);
+	return NULL;
+}
+
+void ek_route_free(struct ek_route *r)
+{
+	if (!r)
+		return;
+	if (r->slot)
+		for (uint32_t s = 0; s < r->world; s++)
+			free(r->slot[s]);
+	free(r->slot);
+	free(r->num_tokens);
+	free(r->count);
+	free(r->num_recv);
+	free(r);
+}
+
+int ek_validate_topk(const struct ek_shape *s, const int64_t *topk_idx,
+		     uint32_t num_tokens, char *err, size_t errlen)
+{
+	const int64_t E = s->num_experts;
+	for (uint64_t i = 0; i < (uint64_t)num_tokens * s->topk; i++) {
+		int64_t e = topk_idx[i];
+		if (e < -1 || e >= E) {
+			snprintf(err, errlen,
+				 "expert index %lld at token %llu, k %llu is "
+				 "outside [-1, %lld)",
+				 (long long)e, (unsigned long long)(i / s->topk),
+				 (unsigned long long)(i % s->topk),
+				 (long long)E);
+			return EP_EEXPERT;
+		}
+	}
+	return 0;
+}
+
+void ek_route_source(const struct ek_shape *s, struct ek_route *r,
+		     uint32_t src, const int64_t *topk_idx)
+{
+	const uint32_t W = s->world, K = s->topk;
+	const uint32_t per = s->num_experts / W;
+	uint32_t *cnt = r->count + (size_t)src * W;
+	int32_t *slot = r->slot[src];
+	memset(cnt, 0, W * sizeof(*cnt));
+	for (uint32_t t = 0; t < r->num_tokens[src]; t++) {
+		int32_t *row = slot + (size_t)t * W;
+		for (uint32_t d = 0; d < W; d++)
+			row[d] = -1;
+		for (uint32_t k = 0; k < K; k++) {
+			int64_t e = topk_idx[(size_t)t * K + k];
+			if (e < 0)
+				continue;
+			uint32_t d = (uint32_t)(e / per);
+			if (row[d] < 0)
+				row[d] = (int32_t)cnt[d]++;
+		}
+	}
+}
+
+void ek_route_finish(struct ek_route *r)
+{
+	const uint32_t W = r->world;
+	for (uint32_t d = 0; d < W; d++) {
+		uint32_t off = 0;
+		for (uint32_t s = 0; s < W; s++) {
+			if (off) {
+				int32_t *slot = r->slot[s];
+				for (uint32_t t = 0; t < r->num_tokens[s]; t++)
+					if (slot[(size_t)t * W + d] >= 0)
+						slot[(size_t)t * W + d] +=
+							(int32_t)off;
+			}
+			off += r->count[(size_t)s * W + d];
+		}
+		r->num_recv[d] = off;
+	}
+}
+
+void ek_dispatch_tokens(const struct ek_shape *s, const struct ek_route *r,
+			struct ek_rank_io *io, uint32_t src, uint32_t t0,
+			uint32_t t1, bool cached)
+{
+	const uint32_t W = s->world, K = s->topk, per = s->num_experts / W;
+	const size_t row_bytes = (size_t)s->hidden * s->elt;
+	const struct ek_rank_io *in = &io[src];
+	for (uint32_t t = t0; t < t1; t++) {
+		const int32_t *slot = r->slot[src] + (size_t)t * W;
+		const uint8_t *x = (const uint8_t *)in->x + t * row_bytes;
+		for (uint32_t d = 0; d < W; d++) {
+			int32_t row = slot[d];
+			if (row < 0)
+				continue;
+			struct ek_rank_io *out = &io[d];
+			memcpy((uint8_t *)out->recv_x + (size_t)row * row_bytes,
+			       x, row_bytes);
+			if (s->nscales)
+				memcpy(out->recv_scales +
+					       (size_t)row * s->nscales,
+				       in->x_scales + (size_t)t * s->nscales,
+				       s->nscales * sizeof(float));
+			if (cached)
+				continue;
+			const int64_t *ti = in->topk_idx + (size_t)t * K;
+			int64_t *ri = out->recv_topk_idx + (size_t)row * K;
+			float *rw = out->recv_topk_weights + (size_t)row * K;
+			for (uint32_t k = 0; k < K; k++) {
+				int64_t e = ti[k];
+				bool local = e >= 0 && (uint32_t)(e / per) == d;
+				ri[k] = local ? e - (int64_t)d * per : -1;
+				rw[k] = local && in->topk_weights
+						? in->topk_weights[(size_t)t * K +
+								   k]
+						: 0.0f;
+			}
+			out->recv_src[(size_t)row * 2] = (int32_t)src;
+			out->recv_src[(size_t)row * 2 + 1] = (int32_t)t;
+		}
+	}
+}
+
+void ek_recv_per_expert(const struct ek_shape *s, const struct ek_route *r,
+			struct ek_rank_io *io, uint32_t d)
+{
+	const uint32_t K = s->topk, per = s->num_experts / s->world;
+	int32_t *pe = io[d].recv_per_expert;
+	memset(pe, 0, per * sizeof(*pe));
+	for (uint32_t row = 0; row < r->num_recv[d]; row++) {
+		const int64_t *ri = io[d].recv_topk_idx + (size_t)row * K;
+		/* count a row once per distinct local expert */
+		for (uint32_t k = 0; k < K; k++) {
+			if (ri[k] < 0)
+				continue;
+			bool dup = false;
+			for (uint32_t j = 0; j < k; j++)
+				dup |= ri[j] == ri[k];
+			if (!dup)
+				pe[ri[k]]++;
+		}
+	}
+}
+
+#define CHUNK 1024
+
+void ek_combine_tokens(const struct ek_shape *s, const struct ek_route *r,
+		       struct ek_rank_io *io, uint32_t h, uint32_t t0,
+		       uint32_t t1)
+{
+	const uint32_t W = s->world, H = s->hidden;
+	const struct ek_rank_io *home = &io[h];
+	float acc[CHUNK];
+	for (uint32_t t = t0; t < t1; t++) {
+		const int32_t *slot = r->slot[h] + (size_t)t * W;
+		uint16_t *out = home->combined + (size_t)t * H;
+		for (uint32_t c0 = 0; c0 < H; c0 += CHUNK) {
+			uint32_t n = H - c0 < CHUNK ? H - c0 : CHUNK;
+			if (home->combine_bias) {
+				const uint16_t *b = home->combine_bias +
+						    (size_t)t * H + c0;
+				for (uint32_t i = 0; i < n; i++)
+					acc[i] = bf16_to_f32(b[i]);
+			} else {
+				for (uint32_t i = 0; i < n; i++)
+					acc[i] = 0.0f;
+			}
+			for (uint32_t d = 0; d < W; d++) {
+				if (slot[d] < 0)
+					continue;
+				const uint16_t *y = io[d].combine_y +
+						    (size_t)slot[d] * H + c0;
+				for (uint32_t i = 0; i < n; i++)
+					acc[i] += bf16_to_f32(y[i]);
+			}
+			for (uint32_t i = 0; i < n; i++)
+				out[c0 + i] = f32_to_bf16(acc[i]);
+		}
+	}
+}
+
+void ek_layout(const struct ek_shape *s, const int64_t *topk_idx,
+	       uint32_t num_tokens, int32_t *per_rank, int32_t *per_expert,
+	       uint8_t *in_rank)
+{
+	const uint32_t W = s->world, K = s->topk, E = s->num_experts;
+	const uint32_t per = E / W;
+	memset(per_rank, 0, W * sizeof(*per_rank));
+	memset(per_expert, 0, E * sizeof(*per_expert));
+	memset(in_rank, 0, (size_t)num_tokens * W);
+	for (uint32_t t = 0; t < num_tokens; t++) {
+		const int64_t *ti = topk_idx + (size_t)t * K;
+		uint8_t *row = in_rank + (size_t)t * W;
+		for (uint32_t k = 0; k < K; k++) {
+			int64_t e = ti[k];
+			if (e < 0 || e >= E)
+				continue;
+			bool dup = false;
+			for (uint32_t j = 0; j < k; j++)
+				dup |= ti[j] == e;
+			if (!dup)
+				per_expert[e]++;
+			row[e / per] = 1;
+		}
+		for (uint32_t d = 0; d < W; d++)
+			per_rank[d] += row[d];
+	}
+}

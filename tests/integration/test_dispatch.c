@@ -1,0 +1,314 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Property test of layout, dispatch, cached dispatch and combine on the
+ * daemon, against the independent reference in tests/lib/ref.c, over fixed
+ * corner cases and fresh random shapes and routings. Every comparison is
+ * bitwise. Outputs are poisoned before each run, and what lies past the
+ * received rows must still be poison afterwards.
+ *
+ * EPD_TEST_SEED=N repeats a run; EPD_TEST_CASES=N sets the random cases.
+ */
+#include "harness.h"
+#include "ref.h"
+
+#include <string.h>
+#include <time.h>
+
+#define POISON 0xa5
+
+struct ctx {
+	const struct th_daemon *d;
+	struct ref_case c;
+	int index;
+};
+
+static bool all_poison(const void *p, size_t n)
+{
+	const uint8_t *b = p;
+	for (size_t i = 0; i < n; i++)
+		if (b[i] != POISON)
+			return false;
+	return true;
+}
+
+static void *poisoned(size_t n)
+{
+	void *p = malloc(n + 1);
+	TH_CHECK(p, "out of memory");
+	memset(p, POISON, n + 1);
+	return p;
+}
+
+/* Find the first differing element for a useful message. */
+#define SAME(got, want, n, what)                                               \
+	do {                                                                   \
+		size_t n_ = (n);                                               \
+		if (n_ && memcmp(got, want, n_)) {                             \
+			size_t i_ = 0;                                         \
+			while (((const uint8_t *)(got))[i_] ==                 \
+			       ((const uint8_t *)(want))[i_])                  \
+				i_++;                                          \
+			TH_CHECK(0, "case %d rank %d: %s differs at byte %zu", \
+				 x->index, r, what, i_);                       \
+		}                                                              \
+	} while (0)
+
+static int case_rank(int r, void *arg)
+{
+	struct ctx *x = arg;
+	const struct ref_case *c = &x->c;
+	const uint32_t W = c->world, H = c->hidden, K = c->topk,
+		       E = c->experts, elt = ref_elt(c), ns = H / 128;
+	const uint32_t per = E / W;
+	struct ref_inputs in[8], in2[8];
+	struct ref_recv exp[8], exp2[8];
+	for (uint32_t s = 0; s < W; s++) {
+		ref_gen_inputs(c, s, 0, &in[s]);
+		ref_gen_inputs(c, s, 1, &in2[s]); /* new data, same routing */
+	}
+	for (uint32_t d = 0; d < W; d++) {
+		ref_dispatch(c, in, d, &exp[d]);
+		ref_dispatch(c, in2, d, &exp2[d]);
+	}
+	char name[32];
+	snprintf(name, sizeof(name), "prop%d", x->index);
+	struct ep_group_config cfg = {
+		.name = name, .world_size = W, .ranks_per_node = W,
+		.rank = (uint32_t)r, .num_experts = E, .hidden = H,
+		.max_tokens_per_rank = c->max_tokens, .topk = K,
+		.dtype = (ep_dtype_t)c->dtype, .timeout_ms = 30000};
+	ep_conn_t *conn;
+	ep_group_t *g = th_join(x->d, &cfg, &conn);
+	const struct ref_inputs *me = &in[r];
+	const struct ref_recv *want = &exp[r];
+
+	/* Layout. */
+	int32_t *pr = malloc(W * 4), *pe = malloc(E * 4), *rpr = malloc(W * 4),
+		*rpe = malloc(E * 4);
+	uint8_t *ir = malloc((size_t)me->T * W + 1),
+		*rir = malloc((size_t)me->T * W + 1);
+	TH_OK(ep_get_dispatch_layout(g, me->topk, me->T, pr, pe, ir));
+	ref_layout(c, me, rpr, rpe, rir);
+	SAME(pr, rpr, W * 4, "num_tokens_per_rank");
+	SAME(pe, rpe, E * 4, "num_tokens_per_expert");
+	SAME(ir, rir, (size_t)me->T * W, "is_token_in_rank");
+
+	/* Dispatch, copy path, poisoned outputs. */
+	const uint64_t cap = (uint64_t)W * c->max_tokens;
+	struct ep_dispatch_in din = {
+		.num_tokens = me->T, .hidden = H, .dtype = (ep_dtype_t)c->dtype,
+		.topk = K, .x = me->x, .x_scales = me->scales,
+		.topk_idx = me->topk,
+		.topk_weights = c->weights ? me->weights : NULL};
+	struct ep_dispatch_out dout = {
+		.capacity = cap,
+		.recv_x = poisoned(cap * H * elt),
+		.recv_x_scales = poisoned(cap * ns * 4),
+		.recv_topk_idx = poisoned(cap * K * 8),
+		.recv_topk_weights = poisoned(cap * K * 4),
+		.num_recv_tokens_per_expert = poisoned(per * 4)};
+	ep_handle_t h;
+	TH_OK(ep_dispatch(g, &din, NULL, &dout, &h));
+	const uint64_t R = want->R;
+	TH_CHECK(dout.num_recv == R && h.num_recv == R,
+		 "case %d rank %d: received %u rows, want %llu", x->index, r,
+		 dout.num_recv, (unsigned long long)R);
+	TH_CHECK(h.num_tokens == me->T, "handle num_tokens");
+	SAME(dout.recv_x, want->x, R * H * elt, "recv_x");
+	TH_CHECK(all_poison((uint8_t *)dout.recv_x + R * H * elt,
+			    (cap - R) * H * elt),
+		 "case %d rank %d: recv_x written past row %llu", x->index, r,
+		 (unsigned long long)R);
+	if (c->dtype == EP_DTYPE_FP8)
+		SAME(dout.recv_x_scales, want->scales, R * ns * 4,
+		     "recv_x_scales");
+	SAME(dout.recv_topk_idx, want->topk, R * K * 8, "recv_topk_idx");
+	TH_CHECK(all_poison((uint8_t *)dout.recv_topk_idx + R * K * 8,
+			    (cap - R) * K * 8),
+		 "recv_topk_idx written past the rows");
+	SAME(dout.recv_topk_weights, want->weights, R * K * 4,
+	     "recv_topk_weights");
+	SAME(dout.num_recv_tokens_per_expert, want->per_expert, per * 4,
+	     "num_recv_tokens_per_expert");
+	struct ep_buffers b;
+	TH_OK(ep_get_buffers(g, &b));
+	SAME(b.recv_src, want->src, R * 8, "recv_src");
+
+	/* Run it again: identical bytes. */
+	struct ep_dispatch_out dout2 = dout;
+	dout2.recv_x = poisoned(cap * H * elt);
+	ep_handle_t h2;
+	TH_OK(ep_dispatch(g, &din, NULL, &dout2, &h2));
+	TH_CHECK(h2.seq == h.seq + 1 && h2.num_recv == h.num_recv,
+		 "second dispatch handle");
+	SAME(dout2.recv_x, dout.recv_x, R * H * elt, "recv_x of a rerun");
+
+	/* Cached dispatch of new data equals a fresh dispatch of it. */
+	struct ep_dispatch_in din2 = din;
+	din2.x = in2[r].x;
+	din2.x_scales = in2[r].scales;
+	memset(dout2.recv_x, POISON, cap * H * elt);
+	memset(dout2.recv_x_scales, POISON, cap * ns * 4);
+	ep_handle_t hc;
+	TH_OK(ep_dispatch(g, &din2, &h, &dout2, &hc));
+	TH_CHECK(hc.seq == h.seq && hc.num_recv == R, "cached handle");
+	SAME(dout2.recv_x, exp2[r].x, R * H * elt, "cached recv_x");
+	if (c->dtype == EP_DTYPE_FP8)
+		SAME(dout2.recv_x_scales, exp2[r].scales, R * ns * 4,
+		     "cached recv_x_scales");
+	struct ep_dispatch_out dout3 = dout;
+	dout3.recv_x = poisoned(cap * H * elt);
+	ep_handle_t h3;
+	TH_OK(ep_dispatch(g, &din2, NULL, &dout3, &h3));
+	SAME(dout3.recv_x, dout2.recv_x, R * H * elt,
+	     "fresh vs cached dispatch");
+
+	/* Combine of random rows (and bias) along the first handle. */
+	uint16_t *ys[8];
+	for (uint32_t d = 0; d < W; d++)
+		ys[d] = ref_gen_y(c, d, exp[d].R, 7);
+	uint16_t *out = poisoned((size_t)me->T * H * 2);
+	uint16_t *rout = malloc((size_t)me->T * H * 2 + 2);
+	TH_OK(ep_combine(g, &h, ys[r], (uint32_t)R, H,
+			 c->bias ? me->bias : NULL, out));
+	ref_combine(c, in, exp, ys, (uint32_t)r, rout);
+	SAME(out, rout, (size_t)me->T * H * 2, "combined");
+
+	/* Combine of the dispatched rows themselves: n copies of the token,
+	 * exact in fp32 for n <= 8, so one rounding gives bf16(n * x). */
+	if (c->dtype == EP_DTYPE_BF16 && !c->bias) {
+		uint16_t *back = poisoned((size_t)me->T * H * 2);
+		TH_OK(ep_combine(g, &h, (const uint16_t *)dout.recv_x,
+				 (uint32_t)R, H, NULL, back));
+		for (uint32_t t = 0; t < me->T; t++) {
+			int n = 0;
+			for (uint32_t d = 0; d < W; d++)
+				n += rir[(size_t)t * W + d];
+			for (uint32_t j = 0; j < H; j++) {
+				uint16_t xv;
+				memcpy(&xv, me->x + ((size_t)t * H + j) * 2, 2);
+				/* sent nowhere: +0, not n * x = -0 */
+				uint16_t wantv =
+					n ? ref_bf16((float)n * ref_f32(xv))
+					  : 0;
+				TH_CHECK(back[(size_t)t * H + j] == wantv,
+					 "case %d rank %d token %u: combine "
+					 "of %d copies gave 0x%04x, want "
+					 "0x%04x",
+					 x->index, r, t, n,
+					 back[(size_t)t * H + j], wantv);
+			}
+		}
+		free(back);
+	}
+
+	TH_OK(ep_leave(g));
+	ep_close(conn);
+	return 0;
+}
+
+static void run_case(const struct th_daemon *d, struct ctx *x)
+{
+	pid_t pids[8];
+	th_spawn(pids, (int)x->c.world, case_rank, x);
+	TH_CHECK(th_wait_all(pids, (int)x->c.world, 120) == 0,
+		 "case %d failed (seed %llu)", x->index,
+		 (unsigned long long)x->c.seed);
+}
+
+static uint64_t rs;
+static uint32_t rnd(uint32_t n)
+{
+	rs = rs * 6364136223846793005ull + 1442695040888963407ull;
+	return n ? (uint32_t)((rs >> 33) % n) : 0;
+}
+
+int main(void)
+{
+	th_init("dispatch/combine property test", 600);
+	const char *es = getenv("EPD_TEST_SEED");
+	uint64_t seed = es ? strtoull(es, NULL, 0) : (uint64_t)time(NULL);
+	int ncases = getenv("EPD_TEST_CASES") ? atoi(getenv("EPD_TEST_CASES"))
+					      : 30;
+	printf("seed %llu (EPD_TEST_SEED=%llu repeats this run)\n",
+	       (unsigned long long)seed, (unsigned long long)seed);
+	rs = seed;
+	struct th_daemon d;
+	th_daemon_start(&d, NULL);
+	struct ctx *x = th_shared(sizeof(*x));
+	x->d = &d;
+	struct ref_case fixed[] = {
+		/* world 1, nothing to send */
+		{.world = 1, .experts = 4, .hidden = 128, .topk = 2,
+		 .max_tokens = 16, .tokens = {0}, .dtype = EP_DTYPE_BF16},
+		/* every rank empty */
+		{.world = 8, .experts = 16, .hidden = 256, .topk = 4,
+		 .max_tokens = 32, .dtype = EP_DTYPE_BF16},
+		/* uneven T, with zero */
+		{.world = 4, .experts = 32, .hidden = 384, .topk = 6,
+		 .max_tokens = 512, .tokens = {0, 1, 300, 512},
+		 .dtype = EP_DTYPE_BF16, .weights = true, .bias = true},
+		/* all tokens to one expert */
+		{.world = 8, .experts = 64, .hidden = 256, .topk = 4,
+		 .max_tokens = 128, .tokens = {128, 7, 99, 0, 128, 64, 1, 33},
+		 .dtype = EP_DTYPE_BF16, .mode = REF_ONE_EXPERT, .special = 45,
+		 .weights = true},
+		/* no token to rank 3 */
+		{.world = 8, .experts = 64, .hidden = 128, .topk = 8,
+		 .max_tokens = 200, .tokens = {200, 150, 100, 50, 0, 10, 20, 30},
+		 .dtype = EP_DTYPE_BF16, .mode = REF_SKIP_RANK, .special = 3},
+		/* every entry -1: combine gives the bias */
+		{.world = 4, .experts = 8, .hidden = 128, .topk = 3,
+		 .max_tokens = 64, .tokens = {64, 3, 0, 17},
+		 .dtype = EP_DTYPE_BF16, .mode = REF_ALL_NONE, .bias = true},
+		/* fp8 with scales */
+		{.world = 8, .experts = 64, .hidden = 512, .topk = 8,
+		 .max_tokens = 256, .tokens = {256, 100, 3, 0, 256, 77, 9, 200},
+		 .dtype = EP_DTYPE_FP8, .weights = true, .bias = true},
+		/* DeepSeek-V3 hidden and top-8 of 256 experts */
+		{.world = 8, .experts = 256, .hidden = 7168, .topk = 8,
+		 .max_tokens = 64, .tokens = {64, 64, 64, 64, 64, 64, 64, 64},
+		 .dtype = EP_DTYPE_BF16, .weights = true},
+	};
+	int n = 0;
+	for (size_t i = 0; i < sizeof(fixed) / sizeof(fixed[0]); i++, n++) {
+		x->c = fixed[i];
+		x->c.seed = seed + (uint64_t)i;
+		x->index = n;
+		run_case(&d, x);
+		printf("ok: case %d (fixed): world %u E %u H %u K %u %s\n", n,
+		       x->c.world, x->c.experts, x->c.hidden, x->c.topk,
+		       x->c.dtype == EP_DTYPE_FP8 ? "fp8" : "bf16");
+	}
+	for (int i = 0; i < ncases; i++, n++) {
+		struct ref_case *c = &x->c;
+		memset(c, 0, sizeof(*c));
+		c->seed = seed * 1000003ull + (uint64_t)i;
+		c->world = 1 + rnd(8);
+		c->experts = c->world * (1u << rnd(6));
+		c->hidden = 128 * (1 + rnd(8));
+		c->topk = 1 + rnd(8);
+		c->max_tokens = 1 + rnd(512);
+		for (uint32_t r = 0; r < c->world; r++)
+			c->tokens[r] = rnd(4) == 0 ? 0 : rnd(c->max_tokens + 1);
+		c->dtype = rnd(3) == 0 ? EP_DTYPE_FP8 : EP_DTYPE_BF16;
+		c->weights = rnd(2);
+		c->bias = rnd(2);
+		uint32_t m = rnd(10);
+		c->mode = m < 7 ? REF_RANDOM : m < 8 ? REF_ONE_EXPERT
+					      : REF_SKIP_RANK;
+		c->special = c->mode == REF_ONE_EXPERT ? rnd(c->experts)
+						       : rnd(c->world);
+		x->index = n;
+		run_case(&d, x);
+		printf("ok: case %d: world %u E %u H %u K %u T_max %u %s "
+		       "mode %d%s%s\n",
+		       n, c->world, c->experts, c->hidden, c->topk,
+		       c->max_tokens, c->dtype == EP_DTYPE_FP8 ? "fp8" : "bf16",
+		       c->mode, c->weights ? " weights" : "",
+		       c->bias ? " bias" : "");
+	}
+	th_daemon_stop(&d);
+	printf("ok: %d cases bitwise equal to the reference\n", n);
+	return 0;
+}

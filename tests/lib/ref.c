@@ -1,0 +1,279 @@
+/* SPDX-License-Identifier: MIT */
+#include "ref.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ep/ep.h"
+
+/* splitmix64: a stream per (seed, rank, salt, purpose). */
+struct rng {
+	uint64_t s;
+};
+
+static uint64_t rnext(struct rng *r)
+{
+	uint64_t z = (r->s += 0x9e3779b97f4a7c15ull);
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
+static struct rng rstream(uint64_t seed, uint64_t a, uint64_t b, uint64_t c)
+{
+	struct rng r = {seed ^ (a * 0x1000003ull) ^ (b << 20) ^ (c << 40)};
+	rnext(&r);
+	return r;
+}
+
+float ref_f32(uint16_t b)
+{
+	uint32_t u = (uint32_t)b << 16;
+	float f;
+	memcpy(&f, &u, sizeof(f));
+	return f;
+}
+
+/* Round to nearest, ties to even, by looking at the dropped bits. */
+uint16_t ref_bf16(float f)
+{
+	uint32_t u;
+	memcpy(&u, &f, sizeof(u));
+	if (isnan(f))
+		return (uint16_t)((u >> 16) | 0x40);
+	uint32_t hi = u >> 16, lo = u & 0xffff;
+	if (lo > 0x8000 || (lo == 0x8000 && (hi & 1)))
+		hi++;
+	return (uint16_t)hi;
+}
+
+/* A finite bf16 of moderate magnitude (about 2^-7 .. 2^3). */
+static uint16_t rand_bf16(struct rng *r)
+{
+	uint64_t v = rnext(r);
+	uint16_t sign = (uint16_t)((v & 1) << 15);
+	uint16_t exp = (uint16_t)(120 + (v >> 1) % 11);
+	uint16_t man = (uint16_t)((v >> 8) & 0x7f);
+	return (uint16_t)(sign | exp << 7 | man);
+}
+
+uint32_t ref_elt(const struct ref_case *c)
+{
+	return c->dtype == EP_DTYPE_FP8 ? 1 : 2;
+}
+
+void ref_gen_inputs(const struct ref_case *c, uint32_t rank, uint64_t salt,
+		    struct ref_inputs *in)
+{
+	const uint32_t T = c->tokens[rank], H = c->hidden, K = c->topk;
+	const uint32_t E = c->experts, per = E / c->world;
+	struct rng r = rstream(c->seed, rank, salt, 1);
+	struct rng rt = rstream(c->seed, rank, 0, 2); /* routing: no salt */
+	in->T = T;
+	in->x = malloc((size_t)T * H * ref_elt(c) + 1);
+	in->scales = c->dtype == EP_DTYPE_FP8
+			     ? malloc((size_t)T * (H / 128) * 4 + 1)
+			     : NULL;
+	in->topk = malloc((size_t)T * K * 8 + 1);
+	in->weights = malloc((size_t)T * K * 4 + 1);
+	in->bias = malloc((size_t)T * H * 2 + 1);
+	for (size_t i = 0; i < (size_t)T * H; i++) {
+		if (c->dtype == EP_DTYPE_FP8) {
+			in->x[i] = (uint8_t)rnext(&r); /* any bits travel */
+		} else {
+			uint16_t v = rand_bf16(&r);
+			memcpy(in->x + 2 * i, &v, 2);
+		}
+	}
+	if (in->scales)
+		for (size_t i = 0; i < (size_t)T * (H / 128); i++)
+			in->scales[i] =
+				(float)(rnext(&r) % 100000) / 1000.0f + 0.001f;
+	for (size_t i = 0; i < (size_t)T * H; i++)
+		in->bias[i] = rand_bf16(&r);
+	for (size_t i = 0; i < (size_t)T * K; i++)
+		in->weights[i] = (float)(rnext(&r) % 1000) / 999.0f;
+	for (uint32_t t = 0; t < T; t++) {
+		int64_t *row = in->topk + (size_t)t * K;
+		for (uint32_t k = 0; k < K; k++) {
+			int64_t e = -1;
+			switch (c->mode) {
+			case REF_RANDOM:
+				if (rnext(&rt) % 7 == 0)
+					break;
+				/* distinct experts in a token, as a router
+				 * gives them */
+				for (int tries = 0; tries < 100; tries++) {
+					int64_t cand = (int64_t)(rnext(&rt) % E);
+					bool dup = false;
+					for (uint32_t j = 0; j < k; j++)
+						dup |= row[j] == cand;
+					if (!dup) {
+						e = cand;
+						break;
+					}
+				}
+				break;
+			case REF_ONE_EXPERT:
+				e = k == 0 ? (int64_t)c->special : -1;
+				break;
+			case REF_SKIP_RANK:
+				if (E == per) /* one rank only: nothing */
+					break;
+				for (;;) {
+					int64_t cand = (int64_t)(rnext(&rt) % E);
+					if (cand / per != c->special) {
+						e = cand;
+						break;
+					}
+				}
+				break;
+			case REF_ALL_NONE:
+				break;
+			}
+			row[k] = e;
+		}
+	}
+}
+
+void ref_free_inputs(struct ref_inputs *in)
+{
+	free(in->x);
+	free(in->scales);
+	free(in->topk);
+	free(in->weights);
+	free(in->bias);
+}
+
+static bool goes_to(const struct ref_case *c, const int64_t *row, uint32_t d)
+{
+	uint32_t per = c->experts / c->world;
+	for (uint32_t k = 0; k < c->topk; k++)
+		if (row[k] >= 0 && (uint32_t)(row[k] / per) == d)
+			return true;
+	return false;
+}
+
+void ref_dispatch(const struct ref_case *c, const struct ref_inputs *in,
+		  uint32_t d, struct ref_recv *out)
+{
+	const uint32_t H = c->hidden, K = c->topk, per = c->experts / c->world;
+	const size_t rowb = (size_t)H * ref_elt(c), ns = H / 128;
+	uint32_t R = 0;
+	for (uint32_t s = 0; s < c->world; s++)
+		for (uint32_t t = 0; t < in[s].T; t++)
+			R += goes_to(c, in[s].topk + (size_t)t * K, d);
+	out->R = R;
+	out->src = malloc((size_t)R * 8 + 1);
+	out->x = malloc(R * rowb + 1);
+	out->scales = malloc((size_t)R * ns * 4 + 1);
+	out->topk = malloc((size_t)R * K * 8 + 1);
+	out->weights = malloc((size_t)R * K * 4 + 1);
+	out->per_expert = calloc(per, 4);
+	uint32_t i = 0;
+	for (uint32_t s = 0; s < c->world; s++) {
+		for (uint32_t t = 0; t < in[s].T; t++) {
+			const int64_t *row = in[s].topk + (size_t)t * K;
+			if (!goes_to(c, row, d))
+				continue;
+			out->src[2 * i] = (int32_t)s;
+			out->src[2 * i + 1] = (int32_t)t;
+			memcpy(out->x + i * rowb, in[s].x + t * rowb, rowb);
+			if (c->dtype == EP_DTYPE_FP8)
+				memcpy(out->scales + i * ns,
+				       in[s].scales + t * ns, ns * 4);
+			for (uint32_t k = 0; k < K; k++) {
+				bool here = row[k] >= 0 &&
+					    (uint32_t)(row[k] / per) == d;
+				out->topk[(size_t)i * K + k] =
+					here ? row[k] - (int64_t)(d * per) : -1;
+				out->weights[(size_t)i * K + k] =
+					here && c->weights
+						? in[s].weights[(size_t)t * K +
+								k]
+						: 0.0f;
+			}
+			/* tokens per local expert, a token once per expert */
+			for (uint32_t j = 0; j < per; j++)
+				for (uint32_t k = 0; k < K; k++)
+					if (out->topk[(size_t)i * K + k] ==
+					    (int64_t)j) {
+						out->per_expert[j]++;
+						break;
+					}
+			i++;
+		}
+	}
+}
+
+void ref_free_recv(struct ref_recv *r)
+{
+	free(r->src);
+	free(r->x);
+	free(r->scales);
+	free(r->topk);
+	free(r->weights);
+	free(r->per_expert);
+}
+
+void ref_combine(const struct ref_case *c, const struct ref_inputs *in,
+		 const struct ref_recv *recv, uint16_t *const *y, uint32_t h,
+		 uint16_t *out)
+{
+	const uint32_t H = c->hidden;
+	for (uint32_t t = 0; t < in[h].T; t++) {
+		/* the row of (h, t) on each rank, -1 where it did not go */
+		int64_t at[8];
+		for (uint32_t d = 0; d < c->world; d++) {
+			at[d] = -1;
+			for (uint32_t i = 0; i < recv[d].R; i++)
+				if (recv[d].src[2 * i] == (int32_t)h &&
+				    recv[d].src[2 * i + 1] == (int32_t)t) {
+					at[d] = i;
+					break;
+				}
+		}
+		for (uint32_t j = 0; j < H; j++) {
+			float acc = c->bias ? ref_f32(in[h].bias[(size_t)t * H +
+								  j])
+					    : 0.0f;
+			for (uint32_t d = 0; d < c->world; d++)
+				if (at[d] >= 0)
+					acc += ref_f32(
+						y[d][(size_t)at[d] * H + j]);
+			out[(size_t)t * H + j] = ref_bf16(acc);
+		}
+	}
+}
+
+void ref_layout(const struct ref_case *c, const struct ref_inputs *in,
+		int32_t *per_rank, int32_t *per_expert, uint8_t *in_rank)
+{
+	const uint32_t K = c->topk;
+	memset(per_rank, 0, c->world * 4);
+	memset(per_expert, 0, c->experts * 4);
+	for (uint32_t t = 0; t < in->T; t++) {
+		const int64_t *row = in->topk + (size_t)t * K;
+		for (uint32_t d = 0; d < c->world; d++) {
+			in_rank[(size_t)t * c->world + d] = goes_to(c, row, d);
+			per_rank[d] += goes_to(c, row, d);
+		}
+		for (uint32_t e = 0; e < c->experts; e++)
+			for (uint32_t k = 0; k < K; k++)
+				if (row[k] == (int64_t)e) {
+					per_expert[e]++;
+					break;
+				}
+	}
+}
+
+uint16_t *ref_gen_y(const struct ref_case *c, uint32_t d, uint32_t R,
+		    uint64_t salt)
+{
+	struct rng r = rstream(c->seed, d, salt, 3);
+	uint16_t *y = malloc((size_t)R * c->hidden * 2 + 2);
+	for (size_t i = 0; i < (size_t)R * c->hidden; i++)
+		y[i] = rand_bf16(&r);
+	return y;
+}

@@ -1,0 +1,75 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * An independent reference for dispatch and combine, written from the
+ * definition (DESIGN.md section 3) as a plain all-to-all, sharing no code
+ * with kernels/. Inputs are generated from a seed, so every rank can build
+ * every other rank's inputs and the whole expected result.
+ */
+#ifndef TH_REF_H
+#define TH_REF_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+enum ref_mode {
+	REF_RANDOM,     /* experts at random, some -1 */
+	REF_ONE_EXPERT, /* every token to one expert */
+	REF_SKIP_RANK,  /* no token to one rank */
+	REF_ALL_NONE,   /* every entry -1 */
+};
+
+struct ref_case {
+	uint64_t seed;
+	uint32_t world, experts, hidden, topk, max_tokens;
+	uint32_t tokens[8]; /* per rank */
+	int dtype;          /* EP_DTYPE_BF16 or EP_DTYPE_FP8 */
+	enum ref_mode mode;
+	uint32_t special;   /* the expert of ONE_EXPERT, the rank of SKIP_RANK */
+	bool weights, bias;
+};
+
+/* Inputs of rank r (arrays sized by the case; caller frees with ref_free). */
+struct ref_inputs {
+	uint32_t T;
+	uint8_t *x;       /* [T, H * elt] */
+	float *scales;    /* [T, H/128] or NULL */
+	int64_t *topk;    /* [T, K] */
+	float *weights;   /* [T, K] */
+	uint16_t *bias;   /* [T, H] */
+};
+
+/* Expected dispatch result on rank d. */
+struct ref_recv {
+	uint32_t R;
+	int32_t *src;     /* [R, 2] */
+	uint8_t *x;       /* [R, H * elt] */
+	float *scales;    /* [R, H/128] */
+	int64_t *topk;    /* [R, K] */
+	float *weights;   /* [R, K] */
+	int32_t *per_expert; /* [E/W] */
+};
+
+uint32_t ref_elt(const struct ref_case *c);
+void ref_gen_inputs(const struct ref_case *c, uint32_t rank, uint64_t salt,
+		    struct ref_inputs *in);
+void ref_free_inputs(struct ref_inputs *in);
+/* The rows rank d receives, from every rank's inputs in[W]. */
+void ref_dispatch(const struct ref_case *c, const struct ref_inputs *in,
+		  uint32_t d, struct ref_recv *out);
+void ref_free_recv(struct ref_recv *r);
+/* Combine output of home rank h, given each rank's combine input y[d]
+ * ([R_d, H] bf16) and the expected receive lists recv[d]. */
+void ref_combine(const struct ref_case *c, const struct ref_inputs *in,
+		 const struct ref_recv *recv, uint16_t *const *y, uint32_t h,
+		 uint16_t *out);
+/* Layout of rank r's inputs. */
+void ref_layout(const struct ref_case *c, const struct ref_inputs *in,
+		int32_t *per_rank, int32_t *per_expert, uint8_t *in_rank);
+/* Random bf16 combine input for rank d, R rows. */
+uint16_t *ref_gen_y(const struct ref_case *c, uint32_t d, uint32_t R,
+		    uint64_t salt);
+/* float -> bf16, round to nearest even; bf16 -> float. */
+uint16_t ref_bf16(float f);
+float ref_f32(uint16_t b);
+
+#endif
