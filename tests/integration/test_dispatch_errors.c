@@ -1,0 +1,332 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Bad input to dispatch and combine: each gets its precise error, changes
+ * nothing, and the group (or at worst the daemon) goes on serving.
+ */
+#include "harness.h"
+#include "epp.h"
+
+#include <signal.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#define W 4
+#define H 256
+#define K 4
+#define E 16
+#define TMAX 32
+
+struct shared {
+	const struct th_daemon *d;
+	volatile int phase[W];
+	volatile int entered;
+	int code[W];
+	char msg[W][256];
+};
+
+static struct ep_group_config cfg_of(const char *name, int r)
+{
+	struct ep_group_config c = {
+		.name = name, .world_size = W, .ranks_per_node = W,
+		.rank = (uint32_t)r, .num_experts = E, .hidden = H,
+		.max_tokens_per_rank = TMAX, .topk = K,
+		.dtype = EP_DTYPE_BF16, .timeout_ms = 5000};
+	return c;
+}
+
+static void fill(ep_group_t *g, int r, uint32_t T)
+{
+	struct ep_buffers b;
+	TH_OK(ep_get_buffers(g, &b));
+	uint16_t *x = b.x;
+	for (uint32_t i = 0; i < T * H; i++)
+		x[i] = (uint16_t)(0x3f80 + ((i + (uint32_t)r) & 0x3f));
+	for (uint32_t i = 0; i < T * K; i++)
+		b.topk_idx[i] = (int64_t)((i * 7 + (uint32_t)r) % E);
+}
+
+/* Everyone dispatches; rank 2 names an expert out of range. */
+static int bad_expert_rank(int r, void *arg)
+{
+	struct shared *s = arg;
+	ep_conn_t *c;
+	struct ep_group_config cfg = cfg_of("bad", r);
+	ep_group_t *g = th_join(s->d, &cfg, &c);
+	struct ep_buffers b;
+	TH_OK(ep_get_buffers(g, &b));
+	ep_handle_t h, h0;
+	fill(g, r, 8);
+	TH_OK(ep_dispatch_inplace(g, 8, 0, NULL, &h0));
+	/* Poison what this rank received, then a bad dispatch. */
+	memset((void *)b.recv_x, 0x5a, h0.num_recv * H * 2);
+	if (r == 2)
+		b.topk_idx[5 * K + 1] = E; /* token 5, k 1 */
+	int rc = ep_dispatch_inplace(g, 8, 0, NULL, &h);
+	TH_EXPECT_RC(rc, EP_EEXPERT);
+	TH_CHECK(strstr(ep_errmsg(), "rank 2: expert index 16 at token 5, k 1"),
+		 "message: %s", ep_errmsg());
+	/* Nothing changed. */
+	const uint8_t *rx = b.recv_x;
+	for (size_t i = 0; i < (size_t)h0.num_recv * H * 2; i++)
+		TH_CHECK(rx[i] == 0x5a, "a failed dispatch wrote its output");
+	/* -2 is as wrong as E. */
+	if (r == 2)
+		b.topk_idx[5 * K + 1] = -2;
+	TH_EXPECT_RC(ep_dispatch_inplace(g, 8, 0, NULL, &h), EP_EEXPERT);
+	/* The group still works, and handle h0 still combines. */
+	if (r == 2)
+		b.topk_idx[5 * K + 1] = 3;
+	TH_OK(ep_dispatch_inplace(g, 8, 0, NULL, &h));
+	TH_CHECK(h.seq == h0.seq + 1, "failed dispatches took handles");
+	TH_OK(ep_combine_inplace(g, &h0, 0));
+	TH_OK(ep_barrier(g));
+	if (r == 0)
+		printf("ok: bad expert index -> every rank: %s\n",
+		       ep_errmsg()[0] ? ep_errmsg() : "EP_EEXPERT");
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	return 0;
+}
+
+/* Per-rank argument errors: that rank alone, before it enters. */
+static int arg_rank(int r, void *arg)
+{
+	struct shared *s = arg;
+	ep_conn_t *c;
+	struct ep_group_config cfg = cfg_of("args", r);
+	ep_group_t *g = th_join(s->d, &cfg, &c);
+	ep_handle_t h;
+	fill(g, r, 4);
+	TH_OK(ep_dispatch_inplace(g, 4, 0, NULL, &h));
+	if (r == 1) {
+		uint16_t x[H];
+		int64_t idx[K] = {0, 1, 2, 3};
+		struct ep_dispatch_out out = {.capacity = 0};
+		struct ep_dispatch_in in = {.num_tokens = 1, .hidden = H,
+					    .dtype = EP_DTYPE_BF16, .topk = K,
+					    .x = x, .topk_idx = idx};
+		ep_handle_t hh;
+		in.num_tokens = TMAX + 1;
+		TH_EXPECT_RC(ep_dispatch(g, &in, NULL, &out, &hh), EP_ETOOBIG);
+		TH_EXPECT_RC(ep_dispatch_inplace(g, TMAX + 1, 0, NULL, &hh),
+			     EP_ETOOBIG);
+		in.num_tokens = 1;
+		in.hidden = H + 128;
+		TH_EXPECT_RC(ep_dispatch(g, &in, NULL, &out, &hh), EP_ESHAPE);
+		in.hidden = H;
+		in.dtype = EP_DTYPE_FP8;
+		TH_EXPECT_RC(ep_dispatch(g, &in, NULL, &out, &hh), EP_ESHAPE);
+		in.dtype = EP_DTYPE_BF16;
+		in.topk = 33;
+		TH_EXPECT_RC(ep_dispatch(g, &in, NULL, &out, &hh), EP_EINVAL);
+		in.topk = 0;
+		TH_EXPECT_RC(ep_dispatch(g, &in, NULL, &out, &hh), EP_EINVAL);
+		in.topk = K - 1;
+		TH_EXPECT_RC(ep_dispatch(g, &in, NULL, &out, &hh), EP_ESHAPE);
+		/* a handle of another group or epoch */
+		ep_handle_t bad = h;
+		bad.group_id += 100;
+		TH_EXPECT_RC(ep_combine_inplace(g, &bad, 0), EP_ESTALE);
+		bad = h;
+		bad.epoch ^= 1;
+		TH_EXPECT_RC(ep_dispatch_inplace(g, 4, 0, &bad, &hh),
+			     EP_ESTALE);
+		/* combine with the wrong row count */
+		uint16_t y[4], o[4 * H];
+		TH_EXPECT_RC(ep_combine(g, &h, y, h.num_recv + 1, H, NULL, o),
+			     EP_ESHAPE);
+		printf("ok: too many tokens, wrong hidden/dtype/topk, foreign "
+		       "handle: errors for that rank alone\n");
+	}
+	/* Nobody entered a collective: the group goes on. */
+	TH_OK(ep_barrier(g));
+	/* 33 dispatches later the first handle is gone. */
+	ep_handle_t first = h;
+	for (int i = 0; i < 33; i++)
+		TH_OK(ep_dispatch_inplace(g, 4, 0, NULL, &h));
+	TH_EXPECT_RC(ep_combine_inplace(g, &first, 0), EP_ESTALE);
+	TH_CHECK(strstr(ep_errmsg(), "evicted"), "message: %s", ep_errmsg());
+	if (r == 0)
+		printf("ok: an evicted handle -> %s\n", ep_errmsg());
+	TH_OK(ep_combine_inplace(g, &h, 0));
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	return 0;
+}
+
+/* Ranks that disagree on the handle: the group fails with EP_EMISMATCH. */
+static int mismatch_rank(int r, void *arg)
+{
+	struct shared *s = arg;
+	ep_conn_t *c;
+	struct ep_group_config cfg = cfg_of("mismatch", r);
+	ep_group_t *g = th_join(s->d, &cfg, &c);
+	ep_handle_t h1, h2;
+	fill(g, r, 4);
+	TH_OK(ep_dispatch_inplace(g, 4, 0, NULL, &h1));
+	TH_OK(ep_dispatch_inplace(g, 4, 0, NULL, &h2));
+	/* rank 3 arrives last, with the other handle */
+	if (r == 3)
+		while (s->entered < 3)
+			th_sleep_ms(1);
+	else
+		__atomic_fetch_add(&s->entered, 1, __ATOMIC_SEQ_CST);
+	if (r != 3)
+		th_sleep_ms(10);
+	int rc = ep_combine_inplace(g, r == 3 ? &h1 : &h2, 0);
+	TH_EXPECT_RC(rc, EP_EMISMATCH);
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	return 0;
+}
+
+/* A rank killed in the middle: the others get peer-lost. */
+static int killed_rank(int r, void *arg)
+{
+	struct shared *s = arg;
+	ep_conn_t *c;
+	struct ep_group_config cfg = cfg_of("killed", r);
+	ep_group_t *g = th_join(s->d, &cfg, &c);
+	ep_handle_t h;
+	fill(g, r, 16);
+	TH_OK(ep_dispatch_inplace(g, 16, 0, NULL, &h));
+	if (r == 1) {
+		for (;;)
+			pause(); /* the parent kills this one */
+	}
+	__atomic_fetch_add(&s->entered, 1, __ATOMIC_SEQ_CST);
+	uint64_t t0 = th_now_ns();
+	int rc = ep_dispatch_inplace(g, 16, 0, NULL, &h);
+	TH_EXPECT_RC(rc, EP_EPEERLOST);
+	TH_CHECK(th_now_ns() - t0 < 4000000000ull, "peer loss took too long");
+	TH_EXPECT_RC(ep_combine_inplace(g, &h, 0), EP_EPEERLOST);
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	return 0;
+}
+
+/* A raw client: the daemon checks what libep would have refused. */
+static void raw_checks(const struct th_daemon *d)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	memcpy(sa.sun_path, d->sock, strlen(d->sock) + 1);
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	TH_CHECK(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0,
+		 "connect");
+	struct epp_join j = {.world_size = 1, .ranks_per_node = 1,
+			     .num_experts = 4, .hidden = 128,
+			     .max_tokens = 8, .topk = 2, .dtype = 1};
+	strcpy(j.name, "raw");
+	uint8_t buf[256], *p;
+	struct epp_hdr hd, rh;
+	epp_hdr_init(&hd, EPP_JOIN, 1);
+	hd.length = (uint32_t)epp_join_encode(&j, buf, sizeof(buf));
+	TH_OK(epp_send_frame(fd, &hd, buf, NULL));
+	int fds[EPP_MAX_FDS];
+	TH_OK(epp_recv_frame(fd, &rh, &p, fds, 5000, NULL, 0));
+	TH_CHECK(rh.type == EPP_OK && rh.nfds == 1, "join reply");
+	struct epp_join_ok jo;
+	TH_OK(epp_join_ok_decode(p, rh.length, &jo));
+	free(p);
+	close(fds[0]);
+	struct {
+		struct epp_dispatch d;
+		int code;
+		const char *frag;
+	} cases[] = {
+		{{.num_tokens = 9, .hidden = 128, .dtype = 1, .topk = 2},
+		 EP_ETOOBIG, "9 tokens exceed"},
+		{{.num_tokens = 1, .hidden = 256, .dtype = 1, .topk = 2},
+		 EP_ESHAPE, "hidden 256"},
+		{{.num_tokens = 1, .hidden = 128, .dtype = 2, .topk = 2},
+		 EP_ESHAPE, "dtype 2"},
+		{{.num_tokens = 1, .hidden = 128, .dtype = 1, .topk = 2,
+		  .flags = 0x80},
+		 EP_EINVAL, "unknown dispatch flags"},
+		{{.num_tokens = 1, .hidden = 128, .dtype = 1, .topk = 2,
+		  .flags = EPP_DISPATCH_CACHED, .handle = {.seq = 1}},
+		 EP_ESTALE, "handle belongs to group"},
+	};
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		cases[i].d.group_id = jo.group_id;
+		if (cases[i].d.flags & EPP_DISPATCH_CACHED)
+			cases[i].d.handle.group_id = jo.group_id + 1;
+		epp_hdr_init(&hd, EPP_DISPATCH, 10 + i);
+		hd.length = (uint32_t)epp_dispatch_encode(&cases[i].d, buf,
+							  sizeof(buf));
+		TH_OK(epp_send_frame(fd, &hd, buf, NULL));
+		TH_OK(epp_recv_frame(fd, &rh, &p, NULL, 5000, NULL, 0));
+		int code;
+		char msg[EPP_ERRMSG_MAX];
+		TH_CHECK(rh.type == EPP_ERROR && rh.req_id == 10 + i,
+			 "case %zu: reply type %u", i, rh.type);
+		TH_OK(epp_error_decode(p, rh.length, &code, msg, sizeof(msg)));
+		free(p);
+		TH_CHECK(code == cases[i].code && strstr(msg, cases[i].frag),
+			 "case %zu: %d %s", i, code, msg);
+		printf("ok: raw dispatch -> %s\n", msg);
+	}
+	/* A combine on a handle that never existed. */
+	struct epp_combine cb = {.group_id = jo.group_id,
+				 .handle = {.group_id = jo.group_id,
+					    .epoch = jo.epoch, .seq = 5},
+				 .hidden = 128};
+	epp_hdr_init(&hd, EPP_COMBINE, 30);
+	hd.length = (uint32_t)epp_combine_encode(&cb, buf, sizeof(buf));
+	TH_OK(epp_send_frame(fd, &hd, buf, NULL));
+	TH_OK(epp_recv_frame(fd, &rh, &p, NULL, 5000, NULL, 0));
+	TH_CHECK(rh.type == EPP_ERROR, "combine of an unknown handle");
+	free(p);
+	/* The world-1 group still dispatches. */
+	struct epp_dispatch ok = {.group_id = jo.group_id, .num_tokens = 0,
+				  .hidden = 128, .dtype = 1, .topk = 2};
+	epp_hdr_init(&hd, EPP_DISPATCH, 31);
+	hd.length = (uint32_t)epp_dispatch_encode(&ok, buf, sizeof(buf));
+	TH_OK(epp_send_frame(fd, &hd, buf, NULL));
+	TH_OK(epp_recv_frame(fd, &rh, &p, NULL, 5000, NULL, 0));
+	TH_CHECK(rh.type == EPP_OK, "a good dispatch after the bad ones");
+	free(p);
+	close(fd);
+}
+
+int main(void)
+{
+	th_init("dispatch/combine errors", 180);
+	struct th_daemon d;
+	th_daemon_start(&d, NULL);
+	struct shared *s = th_shared(sizeof(*s));
+	s->d = &d;
+	pid_t pids[W];
+
+	th_spawn(pids, W, bad_expert_rank, s);
+	TH_CHECK(th_wait_all(pids, W, 60) == 0, "bad expert case");
+	th_spawn(pids, W, arg_rank, s);
+	TH_CHECK(th_wait_all(pids, W, 60) == 0, "argument case");
+	th_spawn(pids, W, mismatch_rank, s);
+	TH_CHECK(th_wait_all(pids, W, 60) == 0, "mismatch case");
+	printf("ok: ranks combining different handles -> EP_EMISMATCH\n");
+
+	s->entered = 0;
+	th_spawn(pids, W, killed_rank, s);
+	while (s->entered < W - 1)
+		th_sleep_ms(1);
+	th_sleep_ms(100);
+	kill(pids[1], SIGKILL);
+	int bad = 0;
+	for (int i = 0; i < W; i++)
+		if (i != 1)
+			bad += th_wait_all(&pids[i], 1, 30);
+	th_wait_all(&pids[1], 1, 5);
+	TH_CHECK(bad == 0, "killed case");
+	printf("ok: a rank killed mid-dispatch -> peer lost for the others\n");
+
+	raw_checks(&d);
+
+	/* The daemon serves a new group after all that. */
+	th_spawn(pids, W, bad_expert_rank, s);
+	TH_CHECK(th_wait_all(pids, W, 60) == 0, "a new group after errors");
+	th_daemon_stop(&d);
+	return 0;
+}
