@@ -123,7 +123,9 @@ void epd_group_fail(struct epd_group *g, int code, const char *fmt, ...)
 	g->fail_code = code;
 	g->coll_type = 0;
 	g->coll_arrived = 0;
-	epd_warn("group %s failed: %s", g->shape.name, g->last_error);
+	/* A rank leaving is how jobs end: not worth a warning. */
+	epd_log(code == EP_EPEERLOST ? EPD_LOG_NOTICE : EPD_LOG_WARN,
+		"group %s failed: %s", g->shape.name, g->last_error);
 	if (!g->timer_closing)
 		uv_timer_stop(&g->timer);
 	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {

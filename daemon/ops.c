@@ -196,8 +196,11 @@ static void job_run(uv_work_t *req)
 		epd_pool_run(pool, j->nitems, do_dispatch, j);
 		if (!j->cached)
 			epd_pool_run(pool, W, do_per_expert, j);
-		/* each received row read once and written once */
-		j->bytes = 2 * rows * row;
+		/* each token read once, each received row written once */
+		uint64_t tokens = 0;
+		for (uint32_t l = 0; l < W; l++)
+			tokens += j->num_tokens[l];
+		j->bytes = (rows + tokens) * row;
 	} else {
 		epd_pool_run(pool, j->nitems, do_combine, j);
 		uint64_t tokens = 0;

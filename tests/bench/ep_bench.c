@@ -1,12 +1,17 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * ep-bench: N rank processes against a running epd. Reports barrier latency
- * (and, where the daemon supports them, dispatch and combine bandwidth as a
- * ratio to memcpy measured in the same run).
+ * ep-bench: N rank processes against a running epd. Reports dispatch and
+ * combine bandwidth (bytes read plus written per second) as a ratio to memcpy
+ * measured in the same run, with 1 thread and with as many threads as cores,
+ * and the barrier latency. Inputs are random (never zeros); the default shape
+ * is DeepSeek-V3's (hidden 7168, top-8 of 256 experts) with 512 tokens per
+ * rank to fit a small machine.
  */
 #include <errno.h>
 #include <getopt.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,17 +22,25 @@
 
 #include "ep/ep.h"
 
+#define MAX_SAMPLES 4096
+
 struct opts {
 	const char *sock;
 	const char *group;
 	int ranks;
 	int iters;
 	int linger_ms;
+	uint32_t tokens, hidden, topk, experts;
+	ep_dtype_t dtype;
+	int skip_ops;
 };
 
 struct shared {
-	double barrier_us[1024];
-	int failed;
+	double barrier_us[MAX_SAMPLES];
+	double dispatch_us[MAX_SAMPLES];
+	double combine_us[MAX_SAMPLES];
+	uint64_t recv_rows[1024];
+	int samples;
 };
 
 static uint64_t now_ns(void)
@@ -43,6 +56,20 @@ static int cmp_double(const void *a, const void *b)
 	return x < y ? -1 : x > y;
 }
 
+static double median(double *v, int n)
+{
+	qsort(v, (size_t)n, sizeof(double), cmp_double);
+	return n ? v[n / 2] : 0;
+}
+
+static uint64_t rng_next(uint64_t *s)
+{
+	uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
 #define FAIL(...)                                                              \
 	do {                                                                   \
 		fprintf(stderr, "ep-bench rank %d: ", rank);                   \
@@ -51,43 +78,115 @@ static int cmp_double(const void *a, const void *b)
 		return 1;                                                      \
 	} while (0)
 
+#define CALL(what, expr)                                                       \
+	do {                                                                   \
+		int rc_ = (expr);                                              \
+		if (rc_)                                                       \
+			FAIL("%s: %s: %s", what, ep_strerror(rc_),             \
+			     ep_errmsg());                                     \
+	} while (0)
+
+/* Random inputs in the zero-copy buffers: bf16 of moderate size (or fp8
+ * bytes with scales), distinct experts per token. */
+static void fill_inputs(ep_group_t *g, const struct opts *o, int rank)
+{
+	struct ep_buffers b;
+	ep_get_buffers(g, &b);
+	uint64_t s = 0x1234 + (uint64_t)rank * 7919;
+	size_t n = (size_t)o->tokens * o->hidden;
+	if (o->dtype == EP_DTYPE_FP8) {
+		uint8_t *x = b.x;
+		for (size_t i = 0; i < n; i++)
+			x[i] = (uint8_t)rng_next(&s);
+		for (size_t i = 0; i < (size_t)o->tokens * (o->hidden / 128);
+		     i++)
+			b.x_scales[i] = 1.0f + (float)(rng_next(&s) % 100);
+	} else {
+		uint16_t *x = b.x;
+		for (size_t i = 0; i < n; i++)
+			x[i] = (uint16_t)(0x3c00 + rng_next(&s) % 0x0800);
+	}
+	for (uint32_t t = 0; t < o->tokens; t++) {
+		int64_t *row = b.topk_idx + (size_t)t * o->topk;
+		for (uint32_t k = 0; k < o->topk; k++) {
+			int64_t e;
+			bool dup;
+			do {
+				e = (int64_t)(rng_next(&s) % o->experts);
+				dup = false;
+				for (uint32_t j = 0; j < k; j++)
+					dup |= row[j] == e;
+			} while (dup);
+			row[k] = e;
+		}
+		for (uint32_t k = 0; k < o->topk; k++)
+			b.topk_weights[(size_t)t * o->topk + k] = 1.0f / o->topk;
+	}
+}
+
 static int rank_main(int rank, const struct opts *o, struct shared *s)
 {
 	ep_conn_t *c;
 	ep_group_t *g;
-	int rc = ep_connect(o->sock, &c);
-	if (rc)
-		FAIL("connect: %s", ep_errmsg());
+	CALL("connect", ep_connect(o->sock, &c));
 	struct ep_group_config cfg = {
 		.name = o->group,
 		.world_size = (uint32_t)o->ranks,
 		.ranks_per_node = (uint32_t)o->ranks,
 		.rank = (uint32_t)rank,
-		.num_experts = (uint32_t)o->ranks * 4,
-		.hidden = 1024,
-		.max_tokens_per_rank = 256,
-		.topk = 4,
-		.dtype = EP_DTYPE_BF16,
+		.num_experts = o->experts,
+		.hidden = o->hidden,
+		.max_tokens_per_rank = o->tokens,
+		.topk = o->topk,
+		.dtype = o->dtype,
 	};
-	rc = ep_join(c, &cfg, 0, &g);
-	if (rc)
-		FAIL("join: %s: %s", ep_strerror(rc), ep_errmsg());
-	for (int i = 0; i < 50; i++)
-		if ((rc = ep_barrier(g)))
-			FAIL("barrier: %s: %s", ep_strerror(rc), ep_errmsg());
-	/* Batches of barriers; rank 0 records per-batch means. */
-	int batches = o->iters / 10 > 1024 ? 1024 : o->iters / 10;
-	if (batches < 1)
-		batches = 1;
-	for (int b = 0; b < batches; b++) {
-		uint64_t t0 = now_ns();
-		for (int i = 0; i < 10; i++)
-			if ((rc = ep_barrier(g)))
-				FAIL("barrier: %s: %s", ep_strerror(rc),
-				     ep_errmsg());
-		if (rank == 0)
-			s->barrier_us[b] = (double)(now_ns() - t0) / 10 / 1e3;
+	CALL("join", ep_join(c, &cfg, 0, &g));
+	int n = o->iters > MAX_SAMPLES ? MAX_SAMPLES : o->iters;
+	if (!o->skip_ops) {
+		ep_handle_t h;
+		struct ep_buffers b;
+		ep_get_buffers(g, &b);
+		fill_inputs(g, o, rank);
+		/* warm up: fault in the buffers */
+		for (int i = 0; i < 3; i++) {
+			CALL("dispatch", ep_dispatch_inplace(
+						 g, o->tokens,
+						 EP_DISPATCH_WEIGHTS, NULL, &h));
+			memcpy(b.combine_y, b.recv_x,
+			       o->dtype == EP_DTYPE_BF16
+				       ? (size_t)h.num_recv * o->hidden * 2
+				       : 0);
+			CALL("combine", ep_combine_inplace(g, &h, 0));
+		}
+		s->recv_rows[rank] = h.num_recv;
+		for (int i = 0; i < n; i++) {
+			CALL("barrier", ep_barrier(g));
+			uint64_t t0 = now_ns();
+			CALL("dispatch", ep_dispatch_inplace(
+						 g, o->tokens,
+						 EP_DISPATCH_WEIGHTS, NULL, &h));
+			uint64_t t1 = now_ns();
+			CALL("barrier", ep_barrier(g));
+			uint64_t t2 = now_ns();
+			CALL("combine", ep_combine_inplace(g, &h, 0));
+			uint64_t t3 = now_ns();
+			if (rank == 0) {
+				s->dispatch_us[i] = (double)(t1 - t0) / 1e3;
+				s->combine_us[i] = (double)(t3 - t2) / 1e3;
+			}
+		}
 	}
+	for (int i = 0; i < 50; i++)
+		CALL("barrier", ep_barrier(g));
+	for (int i = 0; i < n; i++) {
+		uint64_t t0 = now_ns();
+		for (int k = 0; k < 10; k++)
+			CALL("barrier", ep_barrier(g));
+		if (rank == 0)
+			s->barrier_us[i] = (double)(now_ns() - t0) / 10 / 1e3;
+	}
+	if (rank == 0)
+		s->samples = n;
 	if (rank == 0 && o->linger_ms) {
 		printf("holding the group for %d ms\n", o->linger_ms);
 		fflush(stdout);
@@ -100,37 +199,102 @@ static int rank_main(int rank, const struct opts *o, struct shared *s)
 	return 0;
 }
 
+struct copy_arg {
+	uint8_t *dst, *src;
+	size_t n;
+};
+
+static void *copy_thread(void *p)
+{
+	struct copy_arg *a = p;
+	memcpy(a->dst, a->src, a->n);
+	return NULL;
+}
+
+/* memcpy bandwidth (bytes read + written per second, GB/s) with nthreads,
+ * median of 7, over 256 MiB of random data. */
+static double memcpy_gbs(int nthreads)
+{
+	size_t n = 256u << 20;
+	uint8_t *src = malloc(n), *dst = malloc(n);
+	if (!src || !dst)
+		return 0;
+	uint64_t s = 42;
+	for (size_t i = 0; i < n; i += 8) {
+		uint64_t v = rng_next(&s);
+		memcpy(src + i, &v, 8);
+	}
+	memset(dst, 1, n);
+	double t[7];
+	for (int rep = 0; rep < 7; rep++) {
+		pthread_t th[64];
+		struct copy_arg a[64];
+		size_t per = n / (size_t)nthreads;
+		uint64_t t0 = now_ns();
+		for (int i = 0; i < nthreads; i++) {
+			a[i] = (struct copy_arg){dst + per * (size_t)i,
+						 src + per * (size_t)i, per};
+			pthread_create(&th[i], NULL, copy_thread, &a[i]);
+		}
+		for (int i = 0; i < nthreads; i++)
+			pthread_join(th[i], NULL);
+		t[rep] = (double)(now_ns() - t0) / 1e9;
+	}
+	double med = median(t, 7);
+	free(src);
+	free(dst);
+	return 2.0 * (double)n / med / 1e9;
+}
+
 static void usage(FILE *f)
 {
-	fprintf(f, "usage: ep-bench [-s SOCKET] [-n RANKS] [-i ITERS] "
-		   "[-g GROUP] [--linger-ms MS]\n");
+	fprintf(f,
+		"usage: ep-bench [-s SOCKET] [-n RANKS] [-i ITERS] [-g GROUP]\n"
+		"                [-T TOKENS] [-H HIDDEN] [-k TOPK] [-E EXPERTS]\n"
+		"                [--fp8] [--barrier-only] [--linger-ms MS]\n");
 }
 
 int main(int argc, char **argv)
 {
-	struct opts o = {.ranks = 8, .iters = 2000, .group = "bench"};
+	struct opts o = {.ranks = 8, .iters = 20, .group = "bench",
+			 .tokens = 512, .hidden = 7168, .topk = 8,
+			 .experts = 256, .dtype = EP_DTYPE_BF16};
 	static const struct option lo[] = {
 		{"socket", required_argument, NULL, 's'},
 		{"ranks", required_argument, NULL, 'n'},
 		{"iters", required_argument, NULL, 'i'},
 		{"group", required_argument, NULL, 'g'},
+		{"tokens", required_argument, NULL, 'T'},
+		{"hidden", required_argument, NULL, 'H'},
+		{"topk", required_argument, NULL, 'k'},
+		{"experts", required_argument, NULL, 'E'},
+		{"fp8", no_argument, NULL, 'F'},
+		{"barrier-only", no_argument, NULL, 'B'},
 		{"linger-ms", required_argument, NULL, 'L'},
 		{"help", no_argument, NULL, 'h'},
 		{0},
 	};
 	int opt;
-	while ((opt = getopt_long(argc, argv, "s:n:i:g:h", lo, NULL)) != -1) {
+	while ((opt = getopt_long(argc, argv, "s:n:i:g:T:H:k:E:h", lo, NULL)) !=
+	       -1) {
 		switch (opt) {
 		case 's': o.sock = optarg; break;
 		case 'n': o.ranks = atoi(optarg); break;
 		case 'i': o.iters = atoi(optarg); break;
 		case 'g': o.group = optarg; break;
+		case 'T': o.tokens = (uint32_t)atoi(optarg); break;
+		case 'H': o.hidden = (uint32_t)atoi(optarg); break;
+		case 'k': o.topk = (uint32_t)atoi(optarg); break;
+		case 'E': o.experts = (uint32_t)atoi(optarg); break;
+		case 'F': o.dtype = EP_DTYPE_FP8; break;
+		case 'B': o.skip_ops = 1; break;
 		case 'L': o.linger_ms = atoi(optarg); break;
 		case 'h': usage(stdout); return 0;
 		default: usage(stderr); return 2;
 		}
 	}
-	if (o.ranks < 1 || o.ranks > 1024 || o.iters < 10) {
+	if (o.ranks < 1 || o.ranks > 1024 || o.iters < 1 || o.tokens < 1 ||
+	    o.experts % (uint32_t)o.ranks) {
 		usage(stderr);
 		return 2;
 	}
@@ -139,6 +303,13 @@ int main(int argc, char **argv)
 	if (s == MAP_FAILED) {
 		perror("mmap");
 		return 1;
+	}
+	long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+	int nthr = ncpu > 64 ? 64 : ncpu < 1 ? 1 : (int)ncpu;
+	double mc1 = 0, mcn = 0;
+	if (!o.skip_ops) {
+		mc1 = memcpy_gbs(1);
+		mcn = memcpy_gbs(nthr);
 	}
 	pid_t pids[1024];
 	fflush(NULL);
@@ -161,11 +332,41 @@ int main(int argc, char **argv)
 		fprintf(stderr, "ep-bench: %d ranks failed\n", bad);
 		return 1;
 	}
-	int batches = o.iters / 10 > 1024 ? 1024 : o.iters / 10;
-	qsort(s->barrier_us, (size_t)batches, sizeof(double), cmp_double);
-	printf("barrier: %d ranks, %d barriers: median %.1f us, p10 %.1f us, "
-	       "p90 %.1f us per barrier\n",
-	       o.ranks, batches * 10, s->barrier_us[batches / 2],
-	       s->barrier_us[batches / 10], s->barrier_us[batches * 9 / 10]);
+	int n = s->samples;
+	if (!o.skip_ops) {
+		uint64_t rows = 0;
+		for (int r = 0; r < o.ranks; r++)
+			rows += s->recv_rows[r];
+		uint32_t elt = o.dtype == EP_DTYPE_FP8 ? 1 : 2;
+		double row = (double)o.hidden * elt +
+			     (o.dtype == EP_DTYPE_FP8 ? o.hidden / 128 * 4 : 0);
+		/* The fewest bytes: each input read once, each output
+		 * written once. dispatch reads every token, writes every
+		 * received row; combine reads every row, writes every token.
+		 */
+		double tokens = (double)o.tokens * o.ranks;
+		double dbytes = (tokens + (double)rows) * row;
+		double cbytes = ((double)rows + tokens) * o.hidden * 2;
+		double dt = median(s->dispatch_us, n),
+		       ct = median(s->combine_us, n);
+		printf("shape: %d ranks, %u tokens/rank, hidden %u, top-%u of "
+		       "%u experts, %s; %llu rows received in all\n",
+		       o.ranks, o.tokens, o.hidden, o.topk, o.experts,
+		       o.dtype == EP_DTYPE_FP8 ? "fp8" : "bf16",
+		       (unsigned long long)rows);
+		printf("memcpy ceiling (read+write): %.2f GB/s with 1 thread, "
+		       "%.2f GB/s with %d threads\n",
+		       mc1, mcn, nthr);
+		printf("dispatch: %9.1f us per call, %.2f GB/s, %.2f of memcpy "
+		       "(%d threads), %.2f of memcpy (1 thread)\n",
+		       dt, dbytes / dt / 1e3, dbytes / dt / 1e3 / mcn, nthr,
+		       dbytes / dt / 1e3 / mc1);
+		printf("combine:  %9.1f us per call, %.2f GB/s, %.2f of memcpy "
+		       "(%d threads), %.2f of memcpy (1 thread)\n",
+		       ct, cbytes / ct / 1e3, cbytes / ct / 1e3 / mcn, nthr,
+		       cbytes / ct / 1e3 / mc1);
+	}
+	printf("barrier: %d ranks, %d barriers: median %.1f us per barrier\n",
+	       o.ranks, n * 10, median(s->barrier_us, n));
 	return 0;
 }
