@@ -41,7 +41,7 @@ static void hdr_rejects(void)
 			 frag);                                                \
 	} while (0)
 	REJECT(magic, 0x31445046, EP_EPROTO, "bad magic");
-	REJECT(ver_major, 2, EP_EVERSION, "2.0 not supported");
+	REJECT(ver_major, 2, EP_EVERSION, "protocol version 2.");
 	REJECT(ver_major, 0, EP_EVERSION, "not supported");
 	REJECT(length, EPP_MAX_PAYLOAD + 1, EP_EPROTO, "exceeds");
 	REJECT(nfds, EPP_MAX_FDS + 1, EP_EPROTO, "descriptors");
