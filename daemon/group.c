@@ -433,16 +433,24 @@ void epd_member_remove(struct epd_member *m, const char *why)
 		uv_timer_start(&g->timer, group_timeout, g->timeout_ms, 0);
 }
 
-int epd_group_leave(struct epd_client *c, uint64_t req_id, uint64_t gid)
+/* The member of group gid on this connection, or an ENOGROUP reply. */
+static struct epd_member *member_lookup(struct epd_client *c, uint64_t req_id,
+					uint64_t gid)
 {
 	struct epd_member *m = epd_member_find(c, gid);
-	if (!m) {
+	if (!m)
 		epd_client_error(c, req_id, EP_ENOGROUP,
 				 "group id %lu is not joined on this "
 				 "connection",
 				 (unsigned long)gid);
+	return m;
+}
+
+int epd_group_leave(struct epd_client *c, uint64_t req_id, uint64_t gid)
+{
+	struct epd_member *m = member_lookup(c, req_id, gid);
+	if (!m)
 		return EP_ENOGROUP;
-	}
 	if (m->pending_req) {
 		epd_client_error(c, req_id, EP_EBUSY,
 				 "an operation of this rank is in flight");
@@ -500,14 +508,9 @@ void epd_group_arm_timer(struct epd_group *g)
 struct epd_member *epd_coll_enter(struct epd_client *c, uint64_t req_id,
 				  uint64_t gid, uint16_t type)
 {
-	struct epd_member *m = epd_member_find(c, gid);
-	if (!m) {
-		epd_client_error(c, req_id, EP_ENOGROUP,
-				 "group id %lu is not joined on this "
-				 "connection",
-				 (unsigned long)gid);
+	struct epd_member *m = member_lookup(c, req_id, gid);
+	if (!m)
 		return NULL;
-	}
 	struct epd_group *g = m->group;
 	if (g->state == EPD_G_FAILED) {
 		g->n_errors++;
