@@ -102,6 +102,19 @@ int ep__rpc(ep_conn_t *c, uint16_t type, uint16_t flags, const void *payload,
 				close(got[i]);
 			continue;
 		}
+		if (rh.type == EPP_ERROR && rh.req_id < h.req_id) {
+			/* a stream-ordered request failed (no one waits) */
+			int code;
+			char msg[EPP_ERRMSG_MAX];
+			if (!epp_error_decode(p, rh.length, &code, msg,
+					      sizeof(msg)) &&
+			    !c->async_err) {
+				c->async_err = code;
+				ep__fail(code, "%s", msg);
+			}
+			free(p);
+			continue;
+		}
 		if (rh.req_id != h.req_id) {
 			/* a reply to nothing we asked: the stream is off */
 			free(p);
@@ -210,6 +223,7 @@ int ep_connect(const char *path, ep_conn_t **out)
 
 static void group_free(ep_group_t *g)
 {
+	ep__cuda_unmap(g);
 	if (g->buf && g->buf != MAP_FAILED)
 		munmap(g->buf, g->buf_size);
 	list_del(&g->node);
@@ -233,7 +247,7 @@ int ep_join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 {
 	if (!c || !cfg || !out || !cfg->name)
 		return ep__fail(EP_EINVAL, "NULL argument");
-	if (flags & ~EP_JOIN_NOWAIT)
+	if (flags & ~(EP_JOIN_NOWAIT | EP_JOIN_CUDA))
 		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
 	struct epp_join j = {0};
 	if (strlen(cfg->name) > EP_GROUP_NAME_MAX)
@@ -249,22 +263,33 @@ int ep_join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 	j.topk = cfg->topk;
 	j.dtype = (uint32_t)cfg->dtype;
 	j.timeout_ms = cfg->timeout_ms;
+	if (flags & EP_JOIN_CUDA) {
+		if (flags & EP_JOIN_NOWAIT)
+			return ep__fail(EP_EINVAL, "a GPU rank's join waits "
+						   "for the group");
+		int rc = ep__cuda_prepare(cfg->cuda_device, j.gpu_uuid,
+					  &j.rank_flags);
+		if (rc)
+			return rc;
+	}
 	uint8_t buf[256];
 	size_t n = epp_join_encode(&j, buf, sizeof(buf));
 	ep_group_t *g = calloc(1, sizeof(*g));
 	if (!g)
 		return ep__fail(EP_ENOMEM, "out of memory");
+	g->cuda_device = -1;
 	/* The daemon bounds the wait for readiness by the group timeout; its
 	 * default is not known here, so allow the protocol maximum. */
 	int wait = (int)(cfg->timeout_ms ? cfg->timeout_ms : 3600000) +
 		   CLIENT_MARGIN_MS;
 	uint8_t *rep;
 	uint32_t rlen;
-	int fd;
+	int fds[2];
 	pthread_mutex_lock(&c->mu);
 	int rc = ep__rpc(c, EPP_JOIN,
 			 flags & EP_JOIN_NOWAIT ? EPP_F_JOIN_NOWAIT : 0, buf,
-			 (uint32_t)n, &rep, &rlen, &fd, 1, wait);
+			 (uint32_t)n, &rep, &rlen, fds, 2, wait);
+	int fd = fds[0];
 	pthread_mutex_unlock(&c->mu);
 	if (rc) {
 		free(g);
@@ -273,9 +298,12 @@ int ep_join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 	struct epp_join_ok ok;
 	rc = epp_join_ok_decode(rep, rlen, &ok);
 	free(rep);
-	if (rc || fd < 0) {
+	bool gpu = flags & EP_JOIN_CUDA;
+	if (rc || fd < 0 || (gpu != (fds[1] >= 0)) || (gpu && !ok.dev_size)) {
 		if (fd >= 0)
 			close(fd);
+		if (fds[1] >= 0)
+			close(fds[1]);
 		free(g);
 		return ep__fail(EP_EPROTO, "malformed join reply");
 	}
@@ -298,6 +326,13 @@ int ep_join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 		ep_leave(g);
 		return ep__fail(-e, "cannot map the group buffer: %s",
 				strerror(e));
+	}
+	g->cuda_device = gpu ? cfg->cuda_device : -1;
+	if (gpu && (rc = ep__cuda_map(g, fds[1], ok.dev_size))) {
+		char msg[EPP_ERRMSG_MAX];
+		snprintf(msg, sizeof(msg), "%s", ep_errmsg());
+		ep_leave(g);
+		return ep__fail(rc, "%s", msg);
 	}
 	if (epp_buf_layout(&j, &g->layout) || g->layout.total != ok.buf_size) {
 		ep_leave(g);

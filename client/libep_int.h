@@ -16,6 +16,7 @@ struct ep_conn {
 	uint64_t next_req;
 	uint64_t client_id;
 	int dead;      /* set once the stream is unusable */
+	int async_err; /* an error reply to a stream-ordered request */
 	bool shutdown; /* the daemon announced its shutdown */
 	char backend[16];
 	struct list_node groups;
@@ -31,7 +32,23 @@ struct ep_group {
 	void *buf;
 	size_t buf_size;
 	struct epp_buf layout;
+	/* GPU ranks */
+	int cuda_device;
+	uint64_t dev_ptr; /* CUdeviceptr of this rank's region */
+	uint64_t dev_handle;
+	size_t dev_size;
+	uint64_t sent; /* stream-ordered ops enqueued */
 };
+
+/* libep_cuda.c (stubs without CUDA). */
+/* Fill uuid and rank flags of device dev for a JOIN. */
+int ep__cuda_prepare(int dev, uint8_t uuid[16], uint32_t *rank_flags);
+/* Map the rank's region from fd (closed either way). */
+int ep__cuda_map(ep_group_t *g, int fd, uint64_t size);
+void ep__cuda_unmap(ep_group_t *g);
+/* Error word and completion counter of this rank in the control page. */
+int ep__ctl_error(const ep_group_t *g);
+uint64_t ep__ctl_completed(const ep_group_t *g);
 
 int ep__fail(int code, const char *fmt, ...)
 	__attribute__((format(printf, 2, 3)));

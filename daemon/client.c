@@ -222,6 +222,24 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 				 "daemon is shutting down");
 		return;
 	}
+	if ((h->flags & ~EPP_F_JOIN_NOWAIT) && h->type == EPP_JOIN) {
+		epd_client_error(c, h->req_id, EP_EPROTO,
+				 "flags 0x%x not valid for join", h->flags);
+		return;
+	}
+	if (h->type == EPP_BARRIER && h->flags == EPP_F_ASYNC) {
+		struct epp_rd r;
+		epp_rd_init(&r, p, h->length);
+		uint64_t g = epp_get_u64(&r), seq = epp_get_u64(&r);
+		if (epp_rd_end(&r))
+			epd_client_error(c, h->req_id, EP_EPROTO,
+					 "malformed stream-ordered barrier "
+					 "(%u bytes, expected 16)",
+					 h->length);
+		else
+			epd_group_barrier_async(c, h->req_id, g, seq);
+		return;
+	}
 	if (h->flags && h->type != EPP_JOIN) {
 		epd_client_error(c, h->req_id, EP_EPROTO,
 				 "flags 0x%x not valid for %s", h->flags,

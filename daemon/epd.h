@@ -47,6 +47,8 @@ int epd_config_set(struct epd_config *c, const char *kv);
 
 struct epd_server;
 struct epd_group;
+struct epd_cuda;
+struct epd_cuda_group;
 
 /* A queued outgoing frame. */
 struct epd_out {
@@ -91,6 +93,11 @@ struct epd_member {
 				  EPP_JOIN (waiting for ready) */
 	/* Parameters of the pending dispatch or combine. */
 	uint32_t op_tokens, op_flags, op_rows;
+	/* GPU ranks: the device (index into the daemon's list), MPS, and the
+	 * stream-ordered ops this rank asked for (monotonic). */
+	int cuda_dev;
+	bool mps;
+	uint64_t async_seq;
 };
 
 enum epd_group_state {
@@ -144,6 +151,9 @@ struct epd_group {
 	uint64_t n_barrier, n_dispatch, n_combine, n_errors;
 	uint64_t bytes_moved;
 
+	/* GPU group: device regions, streams, stream-ordered progress. */
+	struct epd_cuda_group *cu;
+
 	/* Backend buffer shared with the ranks, and the daemon's mapping. */
 	int buf_fd;
 	uint64_t buf_size;
@@ -167,9 +177,10 @@ struct epd_server {
 	uint64_t start_ns;
 	bool stopping;
 	const char *backend;        /* "host" or "cuda" */
-	char backend_reason[128];
+	char backend_reason[256];
 	bool systemd;
 	struct epd_pool *pool;
+	struct epd_cuda *cuda; /* NULL: host backend */
 	uint64_t n_accepted, n_rejected, n_proto_errors;
 };
 
@@ -196,6 +207,8 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 		   const struct epp_join *j);
 int epd_group_leave(struct epd_client *c, uint64_t req_id, uint64_t gid);
 int epd_group_barrier(struct epd_client *c, uint64_t req_id, uint64_t gid);
+int epd_group_barrier_async(struct epd_client *c, uint64_t req_id,
+			    uint64_t gid, uint64_t seq);
 /* Shared by group.c and ops.c. */
 struct epd_member *epd_member_find(struct epd_client *c, uint64_t gid);
 void epd_group_fail(struct epd_group *g, int code, const char *fmt, ...)
@@ -224,6 +237,28 @@ int epd_op_combine(struct epd_client *c, uint64_t req_id,
 /* buffers.c: the group's shared memory. */
 int epd_buf_create(struct epd_group *g);
 void epd_buf_destroy(struct epd_group *g);
+
+/* cuda.c: the CUDA backend (stubs without HAVE_CUDA). */
+/* Load the driver and find GPUs; 0 and srv->cuda set, or -1 with why. */
+int epd_cuda_init(struct epd_server *srv, char *why, size_t len);
+void epd_cuda_fini(struct epd_server *srv);
+/* A GPU rank joins g: its device region is made. Replies nothing. */
+int epd_cuda_add_rank(struct epd_group *g, struct epd_member *m,
+		      const struct epp_join *j, char *err, size_t errlen);
+void epd_cuda_remove_rank(struct epd_group *g, uint32_t l);
+/* A descriptor of rank l's region for the JOIN reply, and its size. */
+int epd_cuda_export(struct epd_group *g, uint32_t l, int *fd,
+		    uint64_t *size);
+/* Every local rank joined: streams and the control page mapping. */
+int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen);
+/* A stream-ordered barrier request (seq) from m. */
+void epd_cuda_barrier(struct epd_member *m, uint64_t req_id, uint64_t seq);
+/* The group failed: write errors to the control page, release every
+ * rank's stream. */
+void epd_cuda_group_failed(struct epd_group *g);
+void epd_cuda_group_free(struct epd_group *g);
+/* JSON of the devices (a jansson json_t *), or NULL. */
+void *epd_cuda_status(struct epd_server *srv);
 
 /* status.c: JSON text, malloc'd. */
 char *epd_status_json(struct epd_server *srv);

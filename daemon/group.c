@@ -50,6 +50,7 @@ void epd_group_free(struct epd_group *g)
 {
 	for (int i = 0; i < EPD_MAX_HANDLES; i++)
 		ek_route_free(g->routes[i]);
+	epd_cuda_group_free(g);
 	epd_buf_destroy(g);
 	free(g->local);
 	free(g->rail_done);
@@ -128,6 +129,7 @@ void epd_group_fail(struct epd_group *g, int code, const char *fmt, ...)
 		"group %s failed: %s", g->shape.name, g->last_error);
 	if (!g->timer_closing)
 		uv_timer_stop(&g->timer);
+	epd_cuda_group_failed(g);
 	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
 		struct epd_member *m = g->local[l];
 		if (m && m->pending_req) {
@@ -146,17 +148,28 @@ static void join_reply(struct epd_member *m)
 				 .buf_size = g->buf_size,
 				 .ready = g->state == EPD_G_READY};
 	uint8_t buf[64];
-	size_t n = epp_join_ok_encode(&ok, buf, sizeof(buf));
-	int fd = dup(g->buf_fd);
+	int fds[2] = {-1, -1};
 	uint64_t req = m->pending_req;
 	m->pending_req = 0;
 	m->pending_type = 0;
-	if (fd < 0) {
+	fds[0] = dup(g->buf_fd);
+	if (fds[0] < 0) {
 		epd_client_error(m->client, req, EP_ENOMEM,
 				 "cannot duplicate the buffer descriptor: %m");
 		return;
 	}
-	epd_client_send(m->client, EPP_OK, 0, req, buf, (uint32_t)n, &fd, 1);
+	if (g->cu) {
+		int rc = epd_cuda_export(g, m->local, &fds[1], &ok.dev_size);
+		if (rc) {
+			close(fds[0]);
+			epd_client_error(m->client, req, rc,
+					 "cannot export the rank's GPU region");
+			return;
+		}
+	}
+	size_t n = epp_join_ok_encode(&ok, buf, sizeof(buf));
+	epd_client_send(m->client, EPP_OK, 0, req, buf, (uint32_t)n, fds,
+			g->cu ? 2 : 1);
 }
 
 static bool not_joined(struct epd_group *g, uint32_t l, void *arg)
@@ -330,6 +343,19 @@ static void group_became_ready(struct epd_group *g)
 {
 	g->state = EPD_G_READY;
 	uv_timer_stop(&g->timer);
+	if (g->cu) {
+		char err[256];
+		int rc = epd_cuda_group_ready(g, err, sizeof(err));
+		if (rc) {
+			epd_group_fail(g, rc, "%s", err);
+			for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
+				struct epd_member *m = g->local[l];
+				if (m && m->pending_type == EPP_JOIN)
+					epd_member_reply_err(m, rc, err);
+			}
+			return;
+		}
+	}
 	epd_info("group %s ready (%u local ranks)", g->shape.name, g->njoined);
 	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
 		struct epd_member *m = g->local[l];
@@ -392,6 +418,26 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 	m->group = g;
 	m->rank = j->rank;
 	m->local = l;
+	m->cuda_dev = -1;
+	bool gpu = !epp_uuid_is_zero(j->gpu_uuid);
+	if (gpu != (g->cu != NULL) && g->njoined) {
+		free(m);
+		epd_client_error(c, req_id, EP_EMISMATCH,
+				 "group %s has %s ranks; this rank is a %s rank",
+				 g->shape.name, g->cu ? "GPU" : "host",
+				 gpu ? "GPU" : "host");
+		return EP_EMISMATCH;
+	}
+	if (gpu) {
+		code = epd_cuda_add_rank(g, m, j, err, sizeof(err));
+		if (code) {
+			free(m);
+			epd_client_error(c, req_id, code, "%s", err);
+			if (g->njoined == 0)
+				group_destroy(g);
+			return code;
+		}
+	}
 	m->barrier_seq = g->round;
 	m->pending_req = req_id;
 	m->pending_type = EPP_JOIN;
@@ -420,6 +466,7 @@ void epd_member_remove(struct epd_member *m, const char *why)
 	g->local[m->local] = NULL;
 	g->njoined--;
 	list_del(&m->cnode);
+	epd_cuda_remove_rank(g, m->local);
 	epd_info("group %s: rank %u (pid %d) removed: %s", g->shape.name,
 		 m->rank, (int)c->pid, why);
 	if (g->state == EPD_G_READY)
@@ -546,6 +593,33 @@ struct epd_member *epd_coll_enter(struct epd_client *c, uint64_t req_id,
 		return NULL;
 	}
 	return m;
+}
+
+int epd_group_barrier_async(struct epd_client *c, uint64_t req_id,
+			    uint64_t gid, uint64_t seq)
+{
+	struct epd_member *m = member_lookup(c, req_id, gid);
+	if (!m)
+		return EP_ENOGROUP;
+	struct epd_group *g = m->group;
+	if (!g->cu) {
+		epd_client_error(c, req_id, EP_EUNSUPPORTED,
+				 "group %s has host ranks: no stream-ordered "
+				 "barrier",
+				 g->shape.name);
+		return EP_EUNSUPPORTED;
+	}
+	/* A failed group already released the streams and wrote the error
+	 * to the control page; the rank reads it there. */
+	if (g->state == EPD_G_FAILED)
+		return g->fail_code;
+	if (g->state != EPD_G_READY) {
+		epd_client_error(c, req_id, EP_ENOTREADY,
+				 "group %s is not ready", g->shape.name);
+		return EP_ENOTREADY;
+	}
+	epd_cuda_barrier(m, req_id, seq);
+	return 0;
 }
 
 int epd_group_barrier(struct epd_client *c, uint64_t req_id, uint64_t gid)

@@ -170,18 +170,30 @@ static void on_hup(uv_signal_t *h, int sig)
 	notify_status(srv);
 }
 
-static void choose_backend(struct epd_server *srv)
+/* auto: CUDA when a driver and a GPU are there, else host, saying why. */
+static int choose_backend(struct epd_server *srv)
 {
+	const char *want = srv->cfg.backend;
 	srv->backend = "host";
-	if (!strcmp(srv->cfg.backend, "cuda"))
-		snprintf(srv->backend_reason, sizeof(srv->backend_reason),
-			 "cuda requested, but this build has no CUDA backend");
-	else if (!strcmp(srv->cfg.backend, "host"))
+	if (!strcmp(want, "host")) {
 		snprintf(srv->backend_reason, sizeof(srv->backend_reason),
 			 "host requested");
-	else
+		return 0;
+	}
+	char why[160];
+	if (epd_cuda_init(srv, why, sizeof(why)) == 0) {
+		srv->backend = "cuda";
 		snprintf(srv->backend_reason, sizeof(srv->backend_reason),
-			 "no CUDA backend in this build");
+			 "%s", why);
+		return 0;
+	}
+	snprintf(srv->backend_reason, sizeof(srv->backend_reason), "%s", why);
+	if (!strcmp(want, "cuda")) {
+		epd_err("backend cuda requested, but %s", why);
+		return -1;
+	}
+	epd_notice("no CUDA backend (%s): running the host backend", why);
+	return 0;
 }
 
 int epd_server_init(struct epd_server *srv, uv_loop_t *loop,
@@ -197,11 +209,8 @@ int epd_server_init(struct epd_server *srv, uv_loop_t *loop,
 	srv->systemd = getenv("NOTIFY_SOCKET") != NULL;
 	LIST_INIT(&srv->clients);
 	LIST_INIT(&srv->groups);
-	choose_backend(srv);
-	if (!strcmp(cfg->backend, "cuda")) {
-		epd_err("%s", srv->backend_reason);
+	if (choose_backend(srv))
 		return -1;
-	}
 	srv->pool = epd_pool_new(cfg->worker_threads);
 	if (!srv->pool) {
 		epd_err("cannot start the data-path threads");
@@ -236,6 +245,7 @@ int epd_server_run(struct epd_server *srv)
 	sd_notifyf(0, "READY=1\nMAINPID=%d", (int)getpid());
 	notify_status(srv);
 	uv_run(srv->loop, UV_RUN_DEFAULT);
+	epd_cuda_fini(srv);
 	epd_pool_free(srv->pool);
 	srv->pool = NULL;
 	return 0;

@@ -27,9 +27,10 @@ static json_t *group_json(struct epd_group *g)
 				      json_integer(r));
 	}
 	json_t *o = json_pack(
-		"{s:s, s:I, s:I, s:s, s:I, s:I, s:I, s:I, s:o, s:o, s:I, "
+		"{s:s, s:s, s:I, s:I, s:s, s:I, s:I, s:I, s:I, s:o, s:o, s:I, "
 		"s:o, s:{s:I, s:I, s:I, s:I, s:I}, s:I}",
-		"name", g->shape.name, "id", (json_int_t)g->id, "epoch",
+		"name", g->shape.name, "backend", g->cu ? "cuda" : "host", "id",
+		(json_int_t)g->id, "epoch",
 		(json_int_t)g->epoch, "state", epd_group_state_name(g->state),
 		"world_size", (json_int_t)g->shape.world_size,
 		"ranks_per_node", (json_int_t)rpn, "node_index",
@@ -60,13 +61,14 @@ static json_t *client_json(struct epd_client *c, uint64_t now)
 	{
 		struct epd_member *m = LIST_ENTRY(it, struct epd_member, cnode);
 		json_array_append_new(
-			ms, json_pack("{s:s, s:I, s:I, s:s}", "group",
+			ms, json_pack("{s:s, s:I, s:I, s:s, s:i, s:b}", "group",
 				      m->group->shape.name, "group_id",
 				      (json_int_t)m->group->id, "rank",
 				      (json_int_t)m->rank, "pending",
 				      m->pending_req
 					      ? epp_type_name(m->pending_type)
-					      : ""));
+					      : "",
+				      "gpu", m->cuda_dev, "mps", m->mps));
 	}
 	return json_pack("{s:I, s:i, s:I, s:s, s:f, s:o}", "id",
 			 (json_int_t)c->id, "pid", (int)c->pid, "uid",
@@ -102,6 +104,9 @@ char *epd_status_json(struct epd_server *srv)
 		clients, "groups", groups);
 	if (!root)
 		return NULL;
+	json_t *cu = epd_cuda_status(srv);
+	json_object_set_new(json_object_get(root, "daemon"), "cuda",
+			    cu ? cu : json_null());
 	char *s = json_dumps(root, JSON_COMPACT);
 	json_decref(root);
 	return s;

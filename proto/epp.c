@@ -244,7 +244,21 @@ size_t epp_join_encode(const struct epp_join *j, uint8_t *out, size_t cap)
 	epp_put_u32(&w, j->topk);
 	epp_put_u32(&w, j->dtype);
 	epp_put_u32(&w, j->timeout_ms);
+	/* 1.2: the GPU, for GPU ranks only (1.1 daemons read host joins) */
+	if (!epp_uuid_is_zero(j->gpu_uuid)) {
+		for (int i = 0; i < 16; i++)
+			epp_put_u8(&w, j->gpu_uuid[i]);
+		epp_put_u32(&w, j->rank_flags);
+	}
 	return w.err ? 0 : w.off;
+}
+
+bool epp_uuid_is_zero(const uint8_t uuid[16])
+{
+	for (int i = 0; i < 16; i++)
+		if (uuid[i])
+			return false;
+	return true;
 }
 
 /* Limits of a group's shape; a JOIN outside them is refused. */
@@ -270,6 +284,16 @@ int epp_join_decode(const uint8_t *p, size_t len, struct epp_join *j,
 	j->topk = epp_get_u32(&r);
 	j->dtype = epp_get_u32(&r);
 	j->timeout_ms = epp_get_u32(&r);
+	memset(j->gpu_uuid, 0, sizeof(j->gpu_uuid));
+	j->rank_flags = 0;
+	if (r.len - r.off == 20) {
+		for (int i = 0; i < 16; i++)
+			j->gpu_uuid[i] = epp_get_u8(&r);
+		j->rank_flags = epp_get_u32(&r);
+		if (epp_uuid_is_zero(j->gpu_uuid) ||
+		    (j->rank_flags & ~EPP_RANK_MPS))
+			r.err = true; /* a host rank sends no UUID at all */
+	}
 	if (epp_rd_end(&r)) {
 		ERRF("malformed join payload (%zu bytes)", len);
 		return EP_EPROTO;
@@ -336,6 +360,8 @@ size_t epp_join_ok_encode(const struct epp_join_ok *j, uint8_t *out, size_t cap)
 	epp_put_u32(&w, j->node_index);
 	epp_put_u64(&w, j->buf_size);
 	epp_put_u32(&w, j->ready);
+	if (j->dev_size)
+		epp_put_u64(&w, j->dev_size);
 	return w.err ? 0 : w.off;
 }
 
@@ -348,6 +374,7 @@ int epp_join_ok_decode(const uint8_t *p, size_t len, struct epp_join_ok *j)
 	j->node_index = epp_get_u32(&r);
 	j->buf_size = epp_get_u64(&r);
 	j->ready = epp_get_u32(&r);
+	j->dev_size = r.len - r.off == 8 ? epp_get_u64(&r) : 0;
 	return epp_rd_end(&r);
 }
 
@@ -497,6 +524,8 @@ int epp_buf_layout(const struct epp_join *s, struct epp_buf *b)
 	const uint64_t T = s->max_tokens, H = s->hidden, K = s->topk;
 	const uint64_t R = (uint64_t)s->world_size * T;
 	uint64_t sizes[EPP_BUF_NFIELDS];
+	if (s->ranks_per_node >= EPP_BUF_HEADER / EPP_CTL_SLOT)
+		return EP_ETOOBIG;
 	b->elt = s->dtype == EP_DTYPE_FP8 ? 1 : 2;
 	b->nscales = s->dtype == EP_DTYPE_FP8 ? s->hidden / 128 : 0;
 	b->max_tokens = s->max_tokens;

@@ -19,6 +19,10 @@
  * Version history:
  *   1.0  HELLO, JOIN, LEAVE, BARRIER, STATUS, OK, ERROR, NOTICE.
  *   1.1  DISPATCH, COMBINE; the group buffer layout (struct epp_buf).
+ *   1.2  JOIN may carry a CUDA device UUID (a GPU rank); its OK then carries
+ *        the device region size and a second descriptor (the rank's cuMem
+ *        region). BARRIER with EPP_F_ASYNC: stream-ordered, no reply on
+ *        success. The control page (struct epp_ctl) heads the group buffer.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -37,7 +41,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 1
+#define EPP_VERSION_MINOR 2
 #define EPP_HDR_SIZE 24
 #define EPP_MAX_PAYLOAD (1u << 20)
 #define EPP_MAX_FDS 4
@@ -58,7 +62,9 @@ enum epp_type {
 
 enum epp_flags {
 	EPP_F_JOIN_NOWAIT = 0x1, /* JOIN: reply before the group is ready */
-	EPP_F_ALL = 0x1,
+	EPP_F_ASYNC = 0x2,       /* BARRIER: stream-ordered; errors go to the
+				    control page, no reply on success */
+	EPP_F_ALL = 0x3,
 };
 
 struct epp_hdr {
@@ -78,16 +84,35 @@ struct epp_join {
 	uint32_t world_size, ranks_per_node, rank;
 	uint32_t num_experts, hidden, max_tokens, topk, dtype;
 	uint32_t timeout_ms;
+	uint8_t gpu_uuid[16]; /* all zero: a host rank */
+	uint32_t rank_flags;  /* EPP_RANK_*, with a UUID only */
 };
 
-/* OK reply to JOIN; one fd (the group's shared buffer) travels with it. */
+#define EPP_RANK_MPS 0x1 /* the rank's CUDA context runs under MPS */
+
+bool epp_uuid_is_zero(const uint8_t uuid[16]);
+
+/* OK reply to JOIN; the group's shared buffer travels with it, and for a
+ * GPU rank a second descriptor: its device region (dev_size bytes). */
 struct epp_join_ok {
 	uint64_t group_id;
 	uint32_t epoch;
 	uint32_t node_index;
 	uint64_t buf_size;
 	uint32_t ready;
+	uint64_t dev_size; /* 0: host group */
 };
+
+/* The control page heads the group buffer: one slot per local rank, written
+ * by the daemon (and its kernels, through a host mapping), read by the
+ * rank. Offsets in bytes within a slot. */
+#define EPP_CTL_SLOT 256u
+#define EPP_CTL_COMPLETED 0u /* u64: last stream-ordered op completed */
+#define EPP_CTL_ERR_CODE 8u  /* i32: asynchronous error, 0 if none */
+#define EPP_CTL_ERR_MSG 16u  /* NUL-terminated message */
+#define EPP_CTL_MSG_MAX (EPP_CTL_SLOT - EPP_CTL_ERR_MSG)
+/* The last slot is the group's: the device kernels' error word. */
+#define EPP_CTL_GROUP_SLOT (EPP_BUF_HEADER - EPP_CTL_SLOT)
 
 /* OK reply to HELLO. */
 struct epp_hello_ok {
@@ -169,7 +194,7 @@ enum epp_buf_field {
 	EPP_BUF_NFIELDS,
 };
 
-#define EPP_BUF_HEADER 4096u
+#define EPP_BUF_HEADER 65536u /* control page: 256 slots */
 #define EPP_BUF_MAX (1ull << 42) /* refuse shapes past 4 TiB of mapping */
 
 struct epp_buf {

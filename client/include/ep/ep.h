@@ -92,9 +92,12 @@ struct ep_group_config {
 	uint32_t topk;               /* 1..32 */
 	ep_dtype_t dtype;
 	uint32_t timeout_ms;         /* collective timeout; 0: daemon default */
+	int cuda_device;             /* with EP_JOIN_CUDA: the rank's GPU */
 };
 
 #define EP_JOIN_NOWAIT 0x1u /* return before every local rank joined */
+#define EP_JOIN_CUDA 0x2u   /* a GPU rank on cfg->cuda_device: the daemon
+			       keeps its buffers in that GPU's memory */
 
 /* Join (or create) a group. Blocks until every rank of this node joined
  * (or the timeout passed) unless flags has EP_JOIN_NOWAIT. */
@@ -212,6 +215,26 @@ int ep_combine(ep_group_t *group, const ep_handle_t *handle,
 /* The daemon's status (version, clients, groups) as a JSON document;
  * *json is malloc'd, the caller frees it. */
 int ep_daemon_status(ep_conn_t *conn, char **json);
+
+/*
+ * Stream-ordered operations (GPU ranks, EP_JOIN_CUDA). The call enqueues the
+ * op on `stream` (a CUstream or cudaStream_t; NULL is the legacy default
+ * stream) and returns without waiting: later work on the stream runs after
+ * the op. The CPU waits only when 1024 ops are still in flight. Errors are
+ * asynchronous: once a group fails (a rank died, a timeout), every rank's
+ * stream is released, and the error is returned by the next call and by
+ * ep_group_error() and ep_group_sync().
+ */
+int ep_barrier_stream(ep_group_t *group, void *stream);
+/* 0, or the group's asynchronous error (non-blocking). */
+int ep_group_error(ep_group_t *group);
+/* Wait until this rank's stream-ordered ops completed on the device (or the
+ * group failed, or the timeout passed); returns ep_group_error(). */
+int ep_group_sync(ep_group_t *group);
+/* This rank's region of device memory (CUdeviceptr) and its size; the
+ * group buffer's fields (struct ep_buffers) follow at ep_device_data_offset
+ * on GPU groups. 0 and NULL for host groups. */
+uint64_t ep_group_device_region(const ep_group_t *group, size_t *size);
 
 /* Identity of a joined group. */
 uint64_t ep_group_id(const ep_group_t *group);

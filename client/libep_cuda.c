@@ -1,0 +1,301 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * libep on GPU ranks: the rank's device region (imported from the daemon's
+ * exported cuMem allocation) and stream-ordered operations: on the rank's
+ * stream, "doorbell := k" then "wait until done >= k"; the daemon's stream
+ * does the rest. The control page (host memory shared with the daemon)
+ * carries completions and asynchronous errors.
+ */
+#include "libep_int.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_INFLIGHT 1024 /* as the daemon allows */
+
+static const uint8_t *ctl_slot(const ep_group_t *g)
+{
+	uint32_t l = g->cfg.rank % g->cfg.ranks_per_node;
+	return (const uint8_t *)g->buf + (size_t)l * EPP_CTL_SLOT;
+}
+
+int ep__ctl_error(const ep_group_t *g)
+{
+	return __atomic_load_n((const int32_t *)(ctl_slot(g) +
+						 EPP_CTL_ERR_CODE),
+			       __ATOMIC_ACQUIRE);
+}
+
+uint64_t ep__ctl_completed(const ep_group_t *g)
+{
+	return __atomic_load_n((const uint64_t *)(ctl_slot(g) +
+						  EPP_CTL_COMPLETED),
+			       __ATOMIC_ACQUIRE);
+}
+
+int ep_group_error(ep_group_t *g)
+{
+	if (!g)
+		return ep__fail(EP_EINVAL, "NULL group");
+	int e = g->buf ? ep__ctl_error(g) : 0;
+	if (e)
+		return ep__fail(e, "%.*s", (int)EPP_CTL_MSG_MAX,
+				(const char *)ctl_slot(g) + EPP_CTL_ERR_MSG);
+	if (g->conn->async_err)
+		return g->conn->async_err;
+	return 0;
+}
+
+/* The kernel stores 32-bit sequence numbers. */
+static uint64_t completed_full(const ep_group_t *g)
+{
+	uint64_t v = ep__ctl_completed(g) & 0xffffffffull;
+	uint64_t full = (g->sent & ~0xffffffffull) | v;
+	if (full > g->sent)
+		full -= 1ull << 32;
+	return full;
+}
+
+static uint64_t now_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+/* Wait until at most `behind` ops are incomplete. */
+static int wait_completed(ep_group_t *g, uint64_t behind)
+{
+	uint64_t end = now_ms() + (uint64_t)ep__group_op_timeout(g);
+	unsigned spins = 0;
+	while (g->sent - completed_full(g) > behind) {
+		int e = ep_group_error(g);
+		if (e)
+			return e;
+		if (now_ms() > end)
+			return ep__fail(EP_ETIMEDOUT,
+					"%llu stream-ordered ops still not "
+					"complete",
+					(unsigned long long)(g->sent -
+							     completed_full(g)));
+		if (++spins > 100)
+			usleep(20);
+	}
+	return ep_group_error(g);
+}
+
+int ep_group_sync(ep_group_t *g)
+{
+	if (!g)
+		return ep__fail(EP_EINVAL, "NULL group");
+	if (g->cuda_device < 0)
+		return 0;
+	return wait_completed(g, 0);
+}
+
+uint64_t ep_group_device_region(const ep_group_t *g, size_t *size)
+{
+	if (size)
+		*size = g ? g->dev_size : 0;
+	return g ? g->dev_ptr : 0;
+}
+
+#ifndef HAVE_CUDA
+
+int ep__cuda_prepare(int dev, uint8_t uuid[16], uint32_t *rank_flags)
+{
+	(void)dev, (void)uuid, (void)rank_flags;
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}
+
+int ep__cuda_map(ep_group_t *g, int fd, uint64_t size)
+{
+	(void)g, (void)size;
+	close(fd);
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}
+
+void ep__cuda_unmap(ep_group_t *g)
+{
+	(void)g;
+}
+
+int ep_barrier_stream(ep_group_t *g, void *stream)
+{
+	(void)g, (void)stream;
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}
+
+#else
+
+#include <pthread.h>
+
+#include "ekc.h"
+
+static struct ekc_driver drv;
+static int drv_rc = -1;
+static char drv_err[256];
+static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
+
+static void drv_load(void)
+{
+	drv_rc = ekc_load(&drv, drv_err, sizeof(drv_err));
+}
+
+static int driver(void)
+{
+	pthread_once(&drv_once, drv_load);
+	return drv_rc ? ep__fail(EP_EUNSUPPORTED, "%s", drv_err) : 0;
+}
+
+static int cufail(CUresult r, const char *what)
+{
+	char err[200];
+	ekc_fail(&drv, r, what, err, sizeof(err));
+	return ep__fail(EP_EBACKEND, "%s", err);
+}
+
+/* A context on dev current: the caller's if it is on dev, else the
+ * primary context (as the CUDA runtime would use). */
+static int ensure_ctx(int dev)
+{
+	CUcontext cur = NULL;
+	CUdevice d;
+	if (drv.cuCtxGetCurrent(&cur) == CUDA_SUCCESS && cur &&
+	    drv.cuCtxGetDevice(&d) == CUDA_SUCCESS && (int)d == dev)
+		return 0;
+	CUcontext pc;
+	CUresult r = drv.cuDeviceGet(&d, dev);
+	if (!r)
+		r = drv.cuDevicePrimaryCtxRetain(&pc, d);
+	if (!r)
+		r = drv.cuCtxSetCurrent(pc);
+	return r ? cufail(r, "making a context current") : 0;
+}
+
+int ep__cuda_prepare(int dev, uint8_t uuid[16], uint32_t *rank_flags)
+{
+	int rc = driver();
+	if (rc)
+		return rc;
+	CUdevice d;
+	CUresult r = drv.cuDeviceGet(&d, dev);
+	if (r)
+		return cufail(r, "cuDeviceGet");
+	CUuuid u;
+	r = drv.cuDeviceGetUuid(&u, d);
+	if (r)
+		return cufail(r, "cuDeviceGetUuid");
+	memcpy(uuid, u.bytes, 16);
+	if (rc = ensure_ctx(dev), rc)
+		return rc;
+	int mps = 0;
+	drv.cuDeviceGetAttribute(&mps, CU_DEVICE_ATTRIBUTE_MPS_ENABLED, d);
+	*rank_flags = mps ? EPP_RANK_MPS : 0;
+	return 0;
+}
+
+int ep__cuda_map(ep_group_t *g, int fd, uint64_t size)
+{
+	int rc = ensure_ctx(g->cuda_device);
+	if (rc) {
+		close(fd);
+		return rc;
+	}
+	CUmemGenericAllocationHandle h;
+	CUresult r = drv.cuMemImportFromShareableHandle(
+		&h, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+	close(fd);
+	if (r)
+		return cufail(r, "cuMemImportFromShareableHandle");
+	CUdeviceptr p;
+	r = drv.cuMemAddressReserve(&p, size, 0, 0, 0);
+	if (r) {
+		drv.cuMemRelease(h);
+		return cufail(r, "cuMemAddressReserve");
+	}
+	r = drv.cuMemMap(p, size, 0, h, 0);
+	if (r) {
+		drv.cuMemAddressFree(p, size);
+		drv.cuMemRelease(h);
+		return cufail(r, "cuMemMap");
+	}
+	CUmemAccessDesc a = {
+		.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE,
+			     .id = g->cuda_device},
+		.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+	r = drv.cuMemSetAccess(p, size, &a, 1);
+	if (r) {
+		drv.cuMemUnmap(p, size);
+		drv.cuMemAddressFree(p, size);
+		drv.cuMemRelease(h);
+		return cufail(r, "cuMemSetAccess");
+	}
+	g->dev_ptr = p;
+	g->dev_handle = h;
+	g->dev_size = size;
+	return 0;
+}
+
+void ep__cuda_unmap(ep_group_t *g)
+{
+	if (!g->dev_ptr)
+		return;
+	drv.cuMemUnmap(g->dev_ptr, g->dev_size);
+	drv.cuMemAddressFree(g->dev_ptr, g->dev_size);
+	drv.cuMemRelease(g->dev_handle);
+	g->dev_ptr = 0;
+}
+
+int ep_barrier_stream(ep_group_t *g, void *stream)
+{
+	if (!g)
+		return ep__fail(EP_EINVAL, "NULL group");
+	if (g->cuda_device < 0)
+		return ep__fail(EP_EUNSUPPORTED,
+				"not a GPU rank (join with EP_JOIN_CUDA)");
+	int rc = ep_group_error(g);
+	if (rc)
+		return rc;
+	if (g->sent - completed_full(g) >= MAX_INFLIGHT &&
+	    (rc = wait_completed(g, MAX_INFLIGHT - 1)))
+		return rc;
+	uint64_t k = g->sent + 1;
+	uint8_t buf[16];
+	struct epp_wr w;
+	epp_wr_init(&w, buf, sizeof(buf));
+	epp_put_u64(&w, g->id);
+	epp_put_u64(&w, k);
+	struct epp_hdr h;
+	ep_conn_t *c = g->conn;
+	pthread_mutex_lock(&c->mu);
+	if (c->dead) {
+		rc = c->dead;
+	} else {
+		epp_hdr_init(&h, EPP_BARRIER, ++c->next_req);
+		h.flags = EPP_F_ASYNC;
+		h.length = 16;
+		rc = epp_send_frame(c->fd, &h, buf, NULL);
+		if (rc)
+			c->dead = rc;
+	}
+	pthread_mutex_unlock(&c->mu);
+	if (rc)
+		return ep__fail(rc, "send to epd failed: %s", ep_strerror(rc));
+	CUstream s = (CUstream)stream;
+	CUresult r = drv.cuStreamWriteValue32(s, g->dev_ptr + EKC_DOORBELL,
+					      (cuuint32_t)k, 0);
+	if (!r)
+		r = drv.cuStreamWaitValue32(s, g->dev_ptr + EKC_DONE,
+					    (cuuint32_t)k,
+					    CU_STREAM_WAIT_VALUE_GEQ);
+	if (r)
+		return cufail(r, "enqueueing the barrier");
+	g->sent = k;
+	return 0;
+}
+
+#endif

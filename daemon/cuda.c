@@ -1,0 +1,729 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The CUDA backend: daemon-owned device regions (cuMem, exported as POSIX
+ * file descriptors), the group's stream, and stream-ordered barriers.
+ *
+ * A rank's op k is, on the rank's stream, "doorbell := k" then "wait until
+ * done >= k" (libep). Once every local rank asked for op k over the socket,
+ * the daemon's stream waits for every doorbell (cuStreamWaitValue32: a
+ * front-end wait, no SM spins while the ranks compute) and launches the
+ * barrier kernel, which runs both phases and writes done and a completion
+ * counter into the host-mapped control page. The loop polls that page while
+ * ops are in flight; an op older than the group's timeout is diagnosed from
+ * the doorbells (which ranks never rang) and the group fails: errors go to
+ * the control page, and every stream is released by writing doorbells and
+ * done words far ahead, from a second stream that nothing blocks.
+ */
+#include "epd.h"
+
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#ifndef HAVE_CUDA
+
+int epd_cuda_init(struct epd_server *srv, char *why, size_t len)
+{
+	(void)srv;
+	snprintf(why, len, "built without CUDA");
+	return -1;
+}
+void epd_cuda_fini(struct epd_server *srv) { (void)srv; }
+int epd_cuda_add_rank(struct epd_group *g, struct epd_member *m,
+		      const struct epp_join *j, char *err, size_t errlen)
+{
+	(void)g, (void)m, (void)j;
+	snprintf(err, errlen, "this epd has no CUDA backend");
+	return EP_EUNSUPPORTED;
+}
+void epd_cuda_remove_rank(struct epd_group *g, uint32_t l) { (void)g, (void)l; }
+int epd_cuda_export(struct epd_group *g, uint32_t l, int *fd, uint64_t *size)
+{
+	(void)g, (void)l, (void)fd, (void)size;
+	return EP_EUNSUPPORTED;
+}
+int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
+{
+	(void)g, (void)err, (void)errlen;
+	return EP_EUNSUPPORTED;
+}
+void epd_cuda_barrier(struct epd_member *m, uint64_t req_id, uint64_t seq)
+{
+	(void)m, (void)req_id, (void)seq;
+}
+void epd_cuda_group_failed(struct epd_group *g) { (void)g; }
+void epd_cuda_group_free(struct epd_group *g) { (void)g; }
+void *epd_cuda_status(struct epd_server *srv)
+{
+	(void)srv;
+	return NULL;
+}
+
+#else /* HAVE_CUDA */
+
+#include "ekc.h"
+
+#define MAX_DEV 16
+#define MAX_INFLIGHT 1024 /* stream-ordered ops a rank may have queued */
+#define POLL_MS 1
+
+struct cudev {
+	CUdevice dev;
+	CUcontext ctx; /* primary context, retained on first use */
+	CUmodule mod;
+	CUfunction barrier;
+	size_t gran;
+	uint8_t uuid[16];
+	char name[96];
+	int sms;
+	bool mps;
+};
+
+struct epd_cuda {
+	struct ekc_driver drv;
+	int ndev;
+	struct cudev dev[MAX_DEV];
+};
+
+struct epd_cuda_group {
+	struct epd_group *g;
+	CUmemGenericAllocationHandle *h; /* [rpn] */
+	CUdeviceptr *ptr;                /* [rpn] region base */
+	size_t size;                     /* per rank */
+	int dev0;                        /* where the group's kernels run */
+	CUstream stream, aux;
+	bool registered;
+	uint64_t enqueued;  /* ops on the device stream */
+	uint64_t completed; /* ops every rank saw complete */
+	uint64_t oldest_ns; /* when the oldest incomplete op was enqueued */
+	uint64_t enq_ns[MAX_INFLIGHT];
+	uint64_t wait_ns; /* since when some rank's request is missing */
+	uv_timer_t poll;
+	bool poll_closing;
+	bool released;
+};
+
+static struct ekc_driver *D;
+
+static int cu_err(CUresult r, const char *what, char *err, size_t errlen)
+{
+	int rc = ekc_fail(D, r, what, err, errlen);
+	epd_err("%s", err);
+	return rc;
+}
+
+/* Make dev's primary context current (retained once). */
+static int use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen)
+{
+	struct cudev *d = &cu->dev[i];
+	CUresult r;
+	if (!d->ctx) {
+		r = D->cuDevicePrimaryCtxRetain(&d->ctx, d->dev);
+		if (r)
+			return cu_err(r, "cuDevicePrimaryCtxRetain", err,
+				      errlen);
+		D->cuCtxSetCurrent(d->ctx);
+		r = D->cuModuleLoadData(&d->mod, ekc_fatbin);
+		if (!r)
+			r = D->cuModuleGetFunction(&d->barrier, d->mod,
+						   "ekc_barrier");
+		if (r) {
+			cu_err(r, "loading the kernels", err, errlen);
+			D->cuDevicePrimaryCtxRelease(d->dev);
+			d->ctx = NULL;
+			return EP_EBACKEND;
+		}
+		int mps = 0;
+		D->cuDeviceGetAttribute(&mps, CU_DEVICE_ATTRIBUTE_MPS_ENABLED,
+					d->dev);
+		d->mps = mps;
+	}
+	r = D->cuCtxSetCurrent(d->ctx);
+	return r ? cu_err(r, "cuCtxSetCurrent", err, errlen) : 0;
+}
+
+int epd_cuda_init(struct epd_server *srv, char *why, size_t len)
+{
+	struct epd_cuda *cu = calloc(1, sizeof(*cu));
+	if (!cu) {
+		snprintf(why, len, "out of memory");
+		return -1;
+	}
+	if (ekc_load(&cu->drv, why, len)) {
+		free(cu);
+		return -1;
+	}
+	D = &cu->drv;
+	int n = 0;
+	if (D->cuDeviceGetCount(&n) || n == 0) {
+		snprintf(why, len, "the CUDA driver sees no GPU");
+		free(cu);
+		D = NULL;
+		return -1;
+	}
+	cu->ndev = n > MAX_DEV ? MAX_DEV : n;
+	for (int i = 0; i < cu->ndev; i++) {
+		struct cudev *d = &cu->dev[i];
+		CUuuid u;
+		D->cuDeviceGet(&d->dev, i);
+		D->cuDeviceGetName(d->name, sizeof(d->name), d->dev);
+		D->cuDeviceGetUuid(&u, d->dev);
+		memcpy(d->uuid, u.bytes, 16);
+		D->cuDeviceGetAttribute(
+			&d->sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+			d->dev);
+		int mps = 0;
+		D->cuDeviceGetAttribute(&mps, CU_DEVICE_ATTRIBUTE_MPS_ENABLED,
+					d->dev);
+		d->mps = mps;
+		CUmemAllocationProp p = {
+			.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+			.requestedHandleTypes =
+				CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+			.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE,
+				     .id = i}};
+		D->cuMemGetAllocationGranularity(
+			&d->gran, &p, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED);
+		if (!d->gran)
+			d->gran = 2u << 20;
+	}
+	srv->cuda = cu;
+	snprintf(why, len, "%d GPU%s (%s), driver %d.%d%s", cu->ndev,
+		 cu->ndev > 1 ? "s" : "", cu->dev[0].name, D->version / 1000,
+		 D->version % 1000 / 10, cu->dev[0].mps ? ", MPS" : ", no MPS");
+	return 0;
+}
+
+void epd_cuda_fini(struct epd_server *srv)
+{
+	struct epd_cuda *cu = srv->cuda;
+	if (!cu)
+		return;
+	for (int i = 0; i < cu->ndev; i++)
+		if (cu->dev[i].ctx) {
+			D->cuCtxSetCurrent(cu->dev[i].ctx);
+			D->cuModuleUnload(cu->dev[i].mod);
+			D->cuDevicePrimaryCtxRelease(cu->dev[i].dev);
+		}
+	/* the driver library stays loaded: unloading it is not safe */
+	free(cu);
+	srv->cuda = NULL;
+}
+
+static int find_dev(struct epd_cuda *cu, const uint8_t uuid[16])
+{
+	for (int i = 0; i < cu->ndev; i++)
+		if (!memcmp(cu->dev[i].uuid, uuid, 16))
+			return i;
+	return -1;
+}
+
+static struct epd_cuda_group *cg_get(struct epd_group *g, char *err,
+				     size_t errlen)
+{
+	if (g->cu)
+		return g->cu;
+	uint32_t rpn = g->shape.ranks_per_node;
+	struct epd_cuda_group *c = calloc(1, sizeof(*c));
+	if (c) {
+		c->h = calloc(rpn, sizeof(*c->h));
+		c->ptr = calloc(rpn, sizeof(*c->ptr));
+	}
+	if (!c || !c->h || !c->ptr) {
+		if (c) {
+			free(c->h);
+			free(c->ptr);
+		}
+		free(c);
+		snprintf(err, errlen, "out of memory");
+		return NULL;
+	}
+	c->g = g;
+	c->dev0 = -1;
+	uv_timer_init(g->srv->loop, &c->poll);
+	c->poll.data = c;
+	g->cu = c;
+	return c;
+}
+
+int epd_cuda_add_rank(struct epd_group *g, struct epd_member *m,
+		      const struct epp_join *j, char *err, size_t errlen)
+{
+	struct epd_cuda *cu = g->srv->cuda;
+	if (!cu) {
+		snprintf(err, errlen, "this epd runs the host backend (%s)",
+			 g->srv->backend_reason);
+		return EP_EUNSUPPORTED;
+	}
+	int di = find_dev(cu, j->gpu_uuid);
+	if (di < 0) {
+		snprintf(err, errlen, "the rank's GPU is not visible to epd "
+				      "(check CUDA_VISIBLE_DEVICES)");
+		return EP_EINVAL;
+	}
+	struct epd_cuda_group *c = cg_get(g, err, errlen);
+	if (!c)
+		return EP_ENOMEM;
+	int rc = use_dev(cu, di, err, errlen);
+	if (rc)
+		return rc;
+	struct cudev *d = &cu->dev[di];
+	uint32_t l = m->local;
+	size_t want = EKC_CTRL_BYTES + g->layout.rank_stride;
+	size_t size = (want + d->gran - 1) / d->gran * d->gran;
+	if (c->size && c->size != size) {
+		snprintf(err, errlen, "GPUs of different allocation "
+				      "granularity in one group");
+		return EP_EUNSUPPORTED;
+	}
+	CUmemAllocationProp p = {
+		.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+		.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+		.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = di}};
+	CUmemGenericAllocationHandle h;
+	CUdeviceptr ptr = 0;
+	CUresult r = D->cuMemCreate(&h, size, &p, 0);
+	if (r) {
+		rc = ekc_fail(D, r, "cuMemCreate", err, errlen);
+		goto err;
+	}
+	r = D->cuMemAddressReserve(&ptr, size, d->gran, 0, 0);
+	if (r) {
+		rc = ekc_fail(D, r, "cuMemAddressReserve", err, errlen);
+		goto err_release;
+	}
+	r = D->cuMemMap(ptr, size, 0, h, 0);
+	if (r) {
+		rc = ekc_fail(D, r, "cuMemMap", err, errlen);
+		goto err_free;
+	}
+	/* Every GPU of the daemon that can reach it gets access, so the
+	 * group's kernels on any of them can work across the node. */
+	CUmemAccessDesc acc[MAX_DEV];
+	int nacc = 0;
+	for (int i = 0; i < cu->ndev; i++) {
+		int ok = i == di;
+		if (!ok)
+			D->cuDeviceCanAccessPeer(&ok, cu->dev[i].dev, d->dev);
+		if (ok)
+			acc[nacc++] = (CUmemAccessDesc){
+				.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE,
+					     .id = i},
+				.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+	}
+	r = D->cuMemSetAccess(ptr, size, acc, (size_t)nacc);
+	if (r) {
+		rc = ekc_fail(D, r, "cuMemSetAccess", err, errlen);
+		goto err_unmap;
+	}
+	r = D->cuMemsetD8(ptr, 0, EKC_CTRL_BYTES);
+	if (r) {
+		rc = ekc_fail(D, r, "cuMemsetD8", err, errlen);
+		goto err_unmap;
+	}
+	c->h[l] = h;
+	c->ptr[l] = ptr;
+	c->size = size;
+	m->cuda_dev = di;
+	m->mps = j->rank_flags & EPP_RANK_MPS;
+	epd_info("group %s: rank %u on GPU %d (%s), region of %zu MiB at "
+		 "0x%llx",
+		 g->shape.name, m->rank, di, d->name, size >> 20,
+		 (unsigned long long)ptr);
+	return 0;
+
+err_unmap:
+	D->cuMemUnmap(ptr, size);
+err_free:
+	D->cuMemAddressFree(ptr, size);
+err_release:
+	D->cuMemRelease(h);
+err:
+	epd_err("group %s: %s", g->shape.name, err);
+	return rc;
+}
+
+static void free_region(struct epd_cuda_group *c, uint32_t l)
+{
+	if (!c->ptr[l])
+		return;
+	D->cuMemUnmap(c->ptr[l], c->size);
+	D->cuMemAddressFree(c->ptr[l], c->size);
+	D->cuMemRelease(c->h[l]);
+	c->ptr[l] = 0;
+}
+
+void epd_cuda_remove_rank(struct epd_group *g, uint32_t l)
+{
+	/* While forming, a leaving rank's region goes; once ready, the group
+	 * fails and everything goes with it. */
+	if (g->cu && g->state == EPD_G_FORMING)
+		free_region(g->cu, l);
+}
+
+int epd_cuda_export(struct epd_group *g, uint32_t l, int *fd, uint64_t *size)
+{
+	struct epd_cuda_group *c = g->cu;
+	int v = -1;
+	CUresult r = D->cuMemExportToShareableHandle(
+		&v, c->h[l], CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+	if (r) {
+		char err[160];
+		return cu_err(r, "cuMemExportToShareableHandle", err,
+			      sizeof(err));
+	}
+	*fd = v;
+	*size = c->size;
+	return 0;
+}
+
+static uint8_t *slot(struct epd_group *g, uint32_t l)
+{
+	return g->map + (size_t)l * EPP_CTL_SLOT;
+}
+
+static volatile uint64_t *completed_word(struct epd_group *g, uint32_t l)
+{
+	return (volatile uint64_t *)(slot(g, l) + EPP_CTL_COMPLETED);
+}
+
+static volatile int32_t *group_error_word(struct epd_group *g)
+{
+	return (volatile int32_t *)(g->map + EPP_CTL_GROUP_SLOT);
+}
+
+static void poll_cb(uv_timer_t *t);
+static void poll_arm(struct epd_cuda_group *c);
+
+int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
+{
+	struct epd_cuda_group *c = g->cu;
+	struct epd_cuda *cu = g->srv->cuda;
+	uint32_t rpn = g->shape.ranks_per_node;
+	if (rpn > EKC_MAX_LOCAL) {
+		snprintf(err, errlen, "at most %d GPU ranks per node",
+			 EKC_MAX_LOCAL);
+		return EP_EUNSUPPORTED;
+	}
+	c->dev0 = g->local[0]->cuda_dev;
+	for (uint32_t l = 1; l < rpn; l++) {
+		int ok = 1, dl = g->local[l]->cuda_dev;
+		if (dl != c->dev0)
+			D->cuDeviceCanAccessPeer(&ok, cu->dev[c->dev0].dev,
+						 cu->dev[dl].dev);
+		if (!ok) {
+			snprintf(err, errlen, "GPU %d cannot reach GPU %d (no "
+					      "peer access)",
+				 c->dev0, dl);
+			return EP_EUNSUPPORTED;
+		}
+	}
+	int rc = use_dev(cu, c->dev0, err, errlen);
+	if (rc)
+		return rc;
+	CUresult r = D->cuMemHostRegister(g->map, EPP_BUF_HEADER,
+					  CU_MEMHOSTREGISTER_DEVICEMAP |
+						  CU_MEMHOSTREGISTER_PORTABLE);
+	if (r)
+		return cu_err(r, "cuMemHostRegister of the control page", err,
+			      errlen);
+	c->registered = true;
+	r = D->cuStreamCreate(&c->stream, CU_STREAM_NON_BLOCKING);
+	if (!r)
+		r = D->cuStreamCreate(&c->aux, CU_STREAM_NON_BLOCKING);
+	if (r)
+		return cu_err(r, "cuStreamCreate", err, errlen);
+	return 0;
+}
+
+static void poll_arm(struct epd_cuda_group *c)
+{
+	if (!c->poll_closing && !uv_is_active((uv_handle_t *)&c->poll))
+		uv_timer_start(&c->poll, poll_cb, POLL_MS, POLL_MS);
+}
+
+/* Enqueue every op that all local ranks asked for. */
+static void enqueue_ready(struct epd_group *g)
+{
+	struct epd_cuda_group *c = g->cu;
+	struct epd_cuda *cu = g->srv->cuda;
+	uint32_t rpn = g->shape.ranks_per_node;
+	uint64_t upto = UINT64_MAX;
+	for (uint32_t l = 0; l < rpn; l++)
+		if (g->local[l]->async_seq < upto)
+			upto = g->local[l]->async_seq;
+	if (upto <= c->enqueued)
+		return;
+	char err[256];
+	if (use_dev(cu, c->dev0, err, sizeof(err))) {
+		epd_group_fail(g, EP_EBACKEND, "%s", err);
+		return;
+	}
+	struct ekc_barrier_args a = {
+		.completed = (uint64_t *)(g->map + EPP_CTL_COMPLETED),
+		.completed_stride = EPP_CTL_SLOT / 8,
+		.error = (int32_t *)group_error_word(g),
+		.budget_ns = (uint64_t)g->timeout_ms * 1000000ull,
+		.rpn = rpn};
+	for (uint32_t l = 0; l < rpn; l++)
+		a.ctrl[l] = c->ptr[l];
+	void *params[] = {&a};
+	for (uint64_t k = c->enqueued + 1; k <= upto; k++) {
+		CUresult r = 0;
+		for (uint32_t l = 0; l < rpn && !r; l++)
+			r = D->cuStreamWaitValue32(c->stream,
+						   c->ptr[l] + EKC_DOORBELL,
+						   (cuuint32_t)k,
+						   CU_STREAM_WAIT_VALUE_GEQ);
+		a.seq = (uint32_t)k;
+		if (!r)
+			r = D->cuLaunchKernel(cu->dev[c->dev0].barrier, 1, 1, 1,
+					      (rpn + 31) / 32 * 32, 1, 1, 0,
+					      c->stream, params, NULL);
+		if (r) {
+			ekc_fail(D, r, "enqueueing a barrier", err,
+				 sizeof(err));
+			epd_group_fail(g, EP_EBACKEND, "%s", err);
+			return;
+		}
+		c->enq_ns[k % MAX_INFLIGHT] = epd_now_ns();
+		if (c->enqueued == c->completed)
+			c->oldest_ns = c->enq_ns[k % MAX_INFLIGHT];
+		c->enqueued = k;
+		g->n_barrier++;
+	}
+	c->wait_ns = 0;
+	poll_arm(c);
+}
+
+void epd_cuda_barrier(struct epd_member *m, uint64_t req_id, uint64_t seq)
+{
+	struct epd_group *g = m->group;
+	(void)req_id;
+	if (seq != m->async_seq + 1) {
+		epd_group_fail(g, EP_EPROTO,
+			       "rank %u sent stream-ordered op %llu after "
+			       "%llu",
+			       m->rank, (unsigned long long)seq,
+			       (unsigned long long)m->async_seq);
+		return;
+	}
+	if (seq > g->cu->completed + MAX_INFLIGHT) {
+		epd_group_fail(g, EP_EBUSY,
+			       "rank %u has more than %d stream-ordered ops "
+			       "in flight",
+			       m->rank, MAX_INFLIGHT);
+		return;
+	}
+	m->async_seq = seq;
+	enqueue_ready(g);
+	struct epd_cuda_group *c = g->cu;
+	if (g->state == EPD_G_READY && seq > c->enqueued && !c->wait_ns)
+		c->wait_ns = epd_now_ns();
+	else if (c->enqueued >= seq)
+		c->wait_ns = 0;
+	poll_arm(c);
+}
+
+/* Local ranks that have not asked for op k. */
+static void missing_requests(struct epd_group *g, uint64_t k, char *out,
+			     size_t cap)
+{
+	size_t off = 0;
+	out[0] = 0;
+	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
+		if (g->local[l]->async_seq >= k)
+			continue;
+		int n = snprintf(out + off, cap - off, "%s%u", off ? "," : "",
+				 g->node_index * g->shape.ranks_per_node + l);
+		if (n < 0 || (size_t)n >= cap - off)
+			break;
+		off += (size_t)n;
+	}
+}
+
+/* Names of local ranks whose doorbell is below k, read from the device on
+ * the aux stream (the main stream may be blocked on them). */
+static void missing_doorbells(struct epd_group *g, uint64_t k, char *out,
+			      size_t cap)
+{
+	struct epd_cuda_group *c = g->cu;
+	size_t off = 0;
+	out[0] = 0;
+	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
+		uint32_t v = 0;
+		if (D->cuMemcpyDtoH(&v, c->ptr[l] + EKC_DOORBELL, 4))
+			continue;
+		if ((int32_t)(v - (uint32_t)k) >= 0)
+			continue;
+		int n = snprintf(out + off, cap - off, "%s%u", off ? "," : "",
+				 g->node_index * g->shape.ranks_per_node + l);
+		if (n < 0 || (size_t)n >= cap - off)
+			break;
+		off += (size_t)n;
+	}
+}
+
+static void poll_cb(uv_timer_t *t)
+{
+	struct epd_cuda_group *c = t->data;
+	struct epd_group *g = c->g;
+	if (g->state != EPD_G_READY) {
+		uv_timer_stop(t);
+		return;
+	}
+	uint64_t done = UINT64_MAX;
+	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
+		uint64_t v = *completed_word(g, l);
+		/* the kernel writes 32-bit sequence numbers */
+		uint64_t full = (c->enqueued & ~0xffffffffull) | v;
+		if (full > c->enqueued)
+			full -= 1ull << 32;
+		if (full < done)
+			done = full;
+	}
+	if (done != UINT64_MAX && done > c->completed) {
+		c->completed = done;
+		c->oldest_ns = done < c->enqueued
+				       ? c->enq_ns[(done + 1) % MAX_INFLIGHT]
+				       : 0;
+	}
+	int32_t kerr = *group_error_word(g);
+	if (kerr) {
+		epd_group_fail(g, EP_ETIMEDOUT,
+			       "barrier %llu: the device wait for local rank "
+			       "%d timed out after %u ms",
+			       (unsigned long long)c->completed + 1, kerr - 1,
+			       g->timeout_ms);
+		return;
+	}
+	uint64_t now = epd_now_ns(), budget = (uint64_t)g->timeout_ms * 1000000ull;
+	if (c->wait_ns && now - c->wait_ns > budget) {
+		char miss[512];
+		uint64_t k = c->enqueued + 1;
+		missing_requests(g, k, miss, sizeof(miss));
+		epd_group_fail(g, EP_ETIMEDOUT,
+			       "barrier %llu timed out after %u ms; ranks never "
+			       "arrived: %s",
+			       (unsigned long long)k, g->timeout_ms, miss);
+		return;
+	}
+	if (c->completed == c->enqueued) {
+		if (!c->wait_ns)
+			uv_timer_stop(t);
+		return;
+	}
+	uint64_t age = now - c->oldest_ns;
+	if (age > (uint64_t)g->timeout_ms * 1000000ull) {
+		char miss[512];
+		uint64_t k = c->completed + 1;
+		missing_doorbells(g, k, miss, sizeof(miss));
+		epd_group_fail(g, EP_ETIMEDOUT,
+			       "barrier %llu timed out after %u ms on the "
+			       "device; ranks whose stream never arrived: %s",
+			       (unsigned long long)k, g->timeout_ms,
+			       *miss ? miss : "none (the daemon's stream)");
+	}
+}
+
+void epd_cuda_group_failed(struct epd_group *g)
+{
+	struct epd_cuda_group *c = g->cu;
+	if (!c || c->released)
+		return;
+	c->released = true;
+	uint32_t rpn = g->shape.ranks_per_node;
+	/* The error, for every rank's next call. */
+	for (uint32_t l = 0; l < rpn; l++) {
+		uint8_t *s = slot(g, l);
+		size_t n = strnlen(g->last_error, EPP_CTL_MSG_MAX - 1);
+		memcpy(s + EPP_CTL_ERR_MSG, g->last_error, n); /* cut */
+		s[EPP_CTL_ERR_MSG + n] = 0;
+		__atomic_store_n((int32_t *)(s + EPP_CTL_ERR_CODE),
+				 g->fail_code, __ATOMIC_RELEASE);
+	}
+	if (!c->stream)
+		return;
+	/* Release: every doorbell and done word far ahead of any op a rank
+	 * could have queued, from the aux stream. */
+	uint64_t top = c->enqueued;
+	for (uint32_t l = 0; l < rpn; l++)
+		if (g->local[l] && g->local[l]->async_seq > top)
+			top = g->local[l]->async_seq;
+	uint32_t far = (uint32_t)(top + MAX_INFLIGHT + (1u << 30));
+	char err[160];
+	if (use_dev(g->srv->cuda, c->dev0, err, sizeof(err)))
+		return;
+	for (uint32_t l = 0; l < rpn; l++) {
+		if (!c->ptr[l])
+			continue;
+		D->cuStreamWriteValue32(c->aux, c->ptr[l] + EKC_DOORBELL, far,
+					0);
+		D->cuStreamWriteValue32(c->aux, c->ptr[l] + EKC_DONE, far, 0);
+	}
+	epd_notice("group %s: released every rank's stream after: %s",
+		   g->shape.name, g->last_error);
+}
+
+static void poll_closed(uv_handle_t *h)
+{
+	free(h->data);
+}
+
+void epd_cuda_group_free(struct epd_group *g)
+{
+	struct epd_cuda_group *c = g->cu;
+	if (!c)
+		return;
+	char err[160];
+	if (g->srv->cuda && c->dev0 >= 0 &&
+	    !use_dev(g->srv->cuda, c->dev0, err, sizeof(err))) {
+		if (c->stream) {
+			/* released: the stream drains at once */
+			if (!c->released && c->enqueued > c->completed)
+				epd_cuda_group_failed(g);
+			D->cuStreamSynchronize(c->aux);
+			D->cuStreamSynchronize(c->stream);
+			D->cuStreamDestroy(c->stream);
+			D->cuStreamDestroy(c->aux);
+		}
+		if (c->registered)
+			D->cuMemHostUnregister(g->map);
+	}
+	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++)
+		free_region(c, l);
+	free(c->h);
+	free(c->ptr);
+	g->cu = NULL;
+	c->poll_closing = true;
+	uv_close((uv_handle_t *)&c->poll, poll_closed);
+}
+
+void *epd_cuda_status(struct epd_server *srv)
+{
+	struct epd_cuda *cu = srv->cuda;
+	if (!cu)
+		return NULL;
+	json_t *devs = json_array();
+	for (int i = 0; i < cu->ndev; i++) {
+		char u[48];
+		const uint8_t *b = cu->dev[i].uuid;
+		snprintf(u, sizeof(u),
+			 "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-"
+			 "%02x%02x%02x%02x%02x%02x",
+			 b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8],
+			 b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+		json_array_append_new(
+			devs, json_pack("{s:i, s:s, s:s, s:i, s:b, s:b}",
+					"index", i, "name", cu->dev[i].name,
+					"uuid", u, "sms", cu->dev[i].sms,
+					"mps", cu->dev[i].mps, "in_use",
+					cu->dev[i].ctx != NULL));
+	}
+	return json_pack("{s:i, s:o}", "driver_version", D->version, "devices",
+			 devs);
+}
+
+#endif /* HAVE_CUDA */

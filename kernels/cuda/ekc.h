@@ -1,0 +1,110 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * ekc: the CUDA side of the kernels interface, shared by epd and libep.
+ *
+ * The driver is reached through dlopen("libcuda.so.1") and cuGetProcAddress,
+ * never linked: one binary runs on machines with and without a GPU. Kernels
+ * are compiled ahead of time into a fatbin embedded in the binary and loaded
+ * with cuModuleLoadData (no run-time compilation, no CUDA runtime).
+ */
+#ifndef EKC_H
+#define EKC_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda.h>
+
+/* Every driver entry point epd and libep use. */
+#define EKC_FUNCS(X)                                                           \
+	X(cuInit)                                                              \
+	X(cuDriverGetVersion)                                                  \
+	X(cuGetErrorString)                                                    \
+	X(cuDeviceGetCount)                                                    \
+	X(cuDeviceGet)                                                         \
+	X(cuDeviceGetName)                                                     \
+	X(cuDeviceGetUuid)                                                     \
+	X(cuDeviceGetAttribute)                                                \
+	X(cuDeviceCanAccessPeer)                                               \
+	X(cuDevicePrimaryCtxRetain)                                            \
+	X(cuDevicePrimaryCtxRelease)                                           \
+	X(cuCtxSetCurrent)                                                     \
+	X(cuCtxGetCurrent)                                                     \
+	X(cuCtxGetDevice)                                                      \
+	X(cuMemGetAllocationGranularity)                                       \
+	X(cuMemCreate)                                                         \
+	X(cuMemRelease)                                                        \
+	X(cuMemAddressReserve)                                                 \
+	X(cuMemAddressFree)                                                    \
+	X(cuMemMap)                                                            \
+	X(cuMemUnmap)                                                          \
+	X(cuMemSetAccess)                                                      \
+	X(cuMemExportToShareableHandle)                                        \
+	X(cuMemImportFromShareableHandle)                                      \
+	X(cuMemHostRegister)                                                   \
+	X(cuMemHostUnregister)                                                 \
+	X(cuMemHostGetDevicePointer)                                           \
+	X(cuMemcpyHtoD)                                                        \
+	X(cuMemcpyDtoH)                                                        \
+	X(cuMemcpyDtoHAsync)                                                   \
+	X(cuMemsetD32)                                                         \
+	X(cuMemsetD32Async)                                                    \
+	X(cuMemsetD8)                                                          \
+	X(cuStreamCreate)                                                      \
+	X(cuStreamDestroy)                                                     \
+	X(cuStreamSynchronize)                                                 \
+	X(cuStreamQuery)                                                       \
+	X(cuStreamWaitValue32)                                                 \
+	X(cuStreamWriteValue32)                                                \
+	X(cuEventCreate)                                                       \
+	X(cuEventDestroy)                                                      \
+	X(cuEventRecord)                                                       \
+	X(cuEventSynchronize)                                                  \
+	X(cuEventElapsedTime)                                                  \
+	X(cuModuleLoadData)                                                    \
+	X(cuModuleUnload)                                                      \
+	X(cuModuleGetFunction)                                                 \
+	X(cuLaunchKernel)
+
+struct ekc_driver {
+	void *lib;
+	int version;
+#define EKC_MEMBER(f) __typeof__(f) *f;
+	EKC_FUNCS(EKC_MEMBER)
+#undef EKC_MEMBER
+};
+
+/* Load the driver once per process. 0, or -1 with why in err (no library,
+ * a missing symbol, cuInit failing: a machine without a usable GPU). */
+int ekc_load(struct ekc_driver *d, char *err, size_t errlen);
+
+/* "cuXxx failed: CUDA_ERROR_..." into err; returns EP_EBACKEND. */
+int ekc_fail(const struct ekc_driver *d, CUresult r, const char *what,
+	     char *err, size_t errlen);
+
+/* Layout of a rank's device region: control words, then the data fields of
+ * struct epp_buf at EKC_CTRL_BYTES. Words sit on separate 128-byte lines. */
+#define EKC_CTRL_BYTES 4096u
+#define EKC_DOORBELL 0u    /* u32: the rank's stream rang op k */
+#define EKC_DONE 128u      /* u32: op k finished for this rank */
+#define EKC_RAIL_DONE 256u /* u32: phase 1 of barrier k done */
+
+/* Kernel arguments of the barrier: pointers into each local rank's region. */
+#define EKC_MAX_LOCAL 64
+struct ekc_barrier_args {
+	CUdeviceptr ctrl[EKC_MAX_LOCAL]; /* region base of local rank l */
+	uint64_t *completed;             /* host-mapped, [rpn] stride words */
+	uint32_t completed_stride;       /* in uint64_t */
+	int32_t *error;                  /* host-mapped: set on a timeout */
+	uint64_t budget_ns;              /* wait budget of each phase */
+	uint32_t rpn;
+	uint32_t seq;
+	uint32_t nremote;                /* remote rail peers (0: one node) */
+};
+
+/* The fatbin of the kernels in kernels/cuda, embedded at build time. */
+extern const unsigned char ekc_fatbin[];
+extern const size_t ekc_fatbin_size;
+
+#endif

@@ -1,0 +1,336 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The stream-ordered device barrier on a GPU, with real rank processes that
+ * share one GPU (8 by default: EPD_GPU_RANKS).
+ *
+ * 1. Late rank: its stream is held at a gate (a wait on host memory) before
+ *    the barrier. While the gate is shut, no other rank's stream may pass
+ *    the barrier (each writes a "left" word to host memory right after it);
+ *    once it opens, all do. For every choice of late rank.
+ * 2. 10,000 back-to-back barriers per rank; a loop of 1000 timed with
+ *    events (device time per barrier); the round trip of one barrier on an
+ *    idle stream.
+ * 3. A rank killed while the others' streams wait: they get EP_EPEERLOST
+ *    and their streams are released. 4. A rank that never arrives: the
+ *    others get EP_ETIMEDOUT naming it. 5. A new group works afterwards.
+ *
+ * Exit 77 (skip) without a usable GPU.
+ */
+#include "ekc.h"
+#include "harness.h"
+
+#include <signal.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define MAXR 16
+#define DELAY_MS 50
+
+static struct ekc_driver drv;
+
+#define CU(call)                                                               \
+	do {                                                                   \
+		CUresult r_ = (call);                                          \
+		if (r_ != CUDA_SUCCESS) {                                      \
+			char e_[200];                                          \
+			ekc_fail(&drv, r_, #call, e_, sizeof(e_));             \
+			TH_CHECK(0, "%s", e_);                                 \
+		}                                                              \
+	} while (0)
+
+struct shared {
+	const struct th_daemon *d;
+	int ranks;
+	volatile uint32_t gate[MAXR];         /* host memory the GPU waits on */
+	volatile uint32_t left[MAXR][MAXR];   /* written by rank streams */
+	volatile int enqueued[MAXR];
+	volatile int entered;
+	volatile int release;
+	double us_per_barrier, roundtrip_us, b10k_us;
+	int mps;
+	char msg[MAXR][256];
+	int code[MAXR];
+};
+
+/* Children: CUDA is initialized after fork, in each rank. */
+static CUstream rank_cuda(struct shared *s, CUdeviceptr *dev_shared)
+{
+	char err[256];
+	TH_CHECK(ekc_load(&drv, err, sizeof(err)) == 0, "%s", err);
+	CUdevice dev;
+	CUcontext ctx;
+	CU(drv.cuDeviceGet(&dev, 0));
+	CU(drv.cuDevicePrimaryCtxRetain(&ctx, dev));
+	CU(drv.cuCtxSetCurrent(ctx));
+	/* The shared page is mapped at the same address in every rank. */
+	uintptr_t page = (uintptr_t)s & ~(uintptr_t)4095;
+	size_t len = ((uintptr_t)(s + 1) - page + 4095) & ~(size_t)4095;
+	CU(drv.cuMemHostRegister((void *)page, len,
+				 CU_MEMHOSTREGISTER_DEVICEMAP |
+					 CU_MEMHOSTREGISTER_PORTABLE));
+	CU(drv.cuMemHostGetDevicePointer(dev_shared, (void *)s, 0));
+	CUstream st;
+	CU(drv.cuStreamCreate(&st, CU_STREAM_NON_BLOCKING));
+	return st;
+}
+
+static ep_group_t *gpu_join(struct shared *s, const char *name, int rank,
+			    int world, uint32_t timeout_ms, ep_conn_t **c)
+{
+	struct ep_group_config cfg = th_group(name, (uint32_t)world,
+					      (uint32_t)rank, timeout_ms);
+	cfg.cuda_device = 0;
+	ep_group_t *g;
+	TH_OK(ep_connect(s->d->sock, c));
+	TH_OK(ep_join(*c, &cfg, EP_JOIN_CUDA, &g));
+	return g;
+}
+
+#define DEV(field) (sdev + ((uintptr_t)(field) - (uintptr_t)s))
+
+static int late_rank(int rank, void *arg)
+{
+	struct shared *s = arg;
+	CUdeviceptr sdev;
+	CUstream st = rank_cuda(s, &sdev);
+	ep_conn_t *c;
+	ep_group_t *g = gpu_join(s, "glate", rank, s->ranks, 20000, &c);
+	for (int late = 0; late < s->ranks; late++) {
+		if (rank == late)
+			CU(drv.cuStreamWaitValue32(st, DEV(&s->gate[late]), 1,
+						   CU_STREAM_WAIT_VALUE_GEQ));
+		TH_OK(ep_barrier_stream(g, st));
+		CU(drv.cuStreamWriteValue32(st, DEV(&s->left[late][rank]), 1,
+					    0));
+		__atomic_fetch_add(&s->enqueued[late], 1, __ATOMIC_SEQ_CST);
+	}
+	CU(drv.cuStreamSynchronize(st));
+	TH_OK(ep_group_sync(g));
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	return 0;
+}
+
+static void check_late(struct shared *s)
+{
+	pid_t pids[MAXR];
+	th_spawn(pids, s->ranks, late_rank, s);
+	for (int late = 0; late < s->ranks; late++) {
+		while (s->enqueued[late] < s->ranks)
+			th_sleep_ms(1);
+		th_sleep_ms(DELAY_MS);
+		for (int r = 0; r < s->ranks; r++)
+			TH_CHECK(!s->left[late][r],
+				 "late rank %d still gated, but rank %d's "
+				 "stream left the barrier",
+				 late, r);
+		s->gate[late] = 1; /* the late rank enters */
+		uint64_t end = th_now_ns() + 10000000000ull;
+		for (int r = 0; r < s->ranks; r++)
+			while (!s->left[late][r]) {
+				TH_CHECK(th_now_ns() < end,
+					 "rank %d never left barrier %d", r,
+					 late);
+				th_sleep_ms(1);
+			}
+	}
+	TH_CHECK(th_wait_all(pids, s->ranks, 60) == 0, "a rank failed");
+	printf("ok: device barrier, %d ranks on one GPU: with each late rank "
+	       "gated for %d ms nobody left; all left once it entered\n",
+	       s->ranks, DELAY_MS);
+}
+
+static int loop_rank(int rank, void *arg)
+{
+	struct shared *s = arg;
+	CUdeviceptr sdev;
+	CUstream st = rank_cuda(s, &sdev);
+	ep_conn_t *c;
+	ep_group_t *g = gpu_join(s, "gloop", rank, s->ranks, 20000, &c);
+	CUevent e0, e1;
+	CU(drv.cuEventCreate(&e0, 0));
+	CU(drv.cuEventCreate(&e1, 0));
+	/* 10,000 back-to-back */
+	CU(drv.cuEventRecord(e0, st));
+	for (int i = 0; i < 10000; i++)
+		TH_OK(ep_barrier_stream(g, st));
+	CU(drv.cuEventRecord(e1, st));
+	CU(drv.cuStreamSynchronize(st));
+	TH_OK(ep_group_sync(g));
+	float ms;
+	CU(drv.cuEventElapsedTime(&ms, e0, e1));
+	if (rank == 0)
+		s->b10k_us = ms * 1000.0 / 10000;
+	/* a loop of 1000, device time */
+	CU(drv.cuEventRecord(e0, st));
+	for (int i = 0; i < 1000; i++)
+		TH_OK(ep_barrier_stream(g, st));
+	CU(drv.cuEventRecord(e1, st));
+	CU(drv.cuStreamSynchronize(st));
+	CU(drv.cuEventElapsedTime(&ms, e0, e1));
+	if (rank == 0)
+		s->us_per_barrier = ms * 1000.0 / 1000;
+	/* one barrier on idle streams: median of 101 round trips */
+	double rt[101];
+	for (int i = 0; i < 101; i++) {
+		TH_OK(ep_barrier(g)); /* line the ranks up on the host */
+		CU(drv.cuEventRecord(e0, st));
+		TH_OK(ep_barrier_stream(g, st));
+		CU(drv.cuEventRecord(e1, st));
+		CU(drv.cuStreamSynchronize(st));
+		CU(drv.cuEventElapsedTime(&ms, e0, e1));
+		rt[i] = ms * 1000.0;
+	}
+	for (int i = 0; i < 101; i++)
+		for (int j = i + 1; j < 101; j++)
+			if (rt[j] < rt[i]) {
+				double t = rt[i];
+				rt[i] = rt[j];
+				rt[j] = t;
+			}
+	if (rank == 0) {
+		s->roundtrip_us = rt[50];
+		char *js;
+		TH_OK(ep_daemon_status(c, &js));
+		s->mps = strstr(js, "\"mps\":true") != NULL;
+		TH_CHECK(strstr(js, "\"backend\":\"cuda\""), "status: %s", js);
+		free(js);
+	}
+	TH_OK(ep_group_sync(g));
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	return 0;
+}
+
+/* 3 and 4: victim 1 is killed, or victim 3 stays idle. */
+struct fail_arg {
+	struct shared *s;
+	const char *name;
+	int victim;
+};
+static struct fail_arg FA;
+
+static int fail_rank(int rank, void *arg)
+{
+	(void)arg;
+	struct shared *s = FA.s;
+	CUdeviceptr sdev;
+	CUstream st = rank_cuda(s, &sdev);
+	ep_conn_t *c;
+	ep_group_t *g = gpu_join(s, FA.name, rank, 4, 2000, &c);
+	TH_OK(ep_barrier_stream(g, st));
+	TH_OK(ep_group_sync(g));
+	if (rank == FA.victim) {
+		while (!s->release)
+			th_sleep_ms(5);
+		return 0;
+	}
+	__atomic_fetch_add(&s->entered, 1, __ATOMIC_SEQ_CST);
+	uint64_t t0 = th_now_ns();
+	TH_OK(ep_barrier_stream(g, st));
+	int rc = ep_group_sync(g);
+	s->code[rank] = rc;
+	snprintf(s->msg[rank], sizeof(s->msg[rank]), "%s", ep_errmsg());
+	/* the stream was released: it drains */
+	CU(drv.cuStreamSynchronize(st));
+	TH_CHECK(th_now_ns() - t0 < 10000000000ull, "took too long");
+	/* later calls report the same error without enqueuing */
+	TH_EXPECT_RC(ep_barrier_stream(g, st), rc);
+	ep_leave(g);
+	ep_close(c);
+	return 0;
+}
+
+static void check_failure(struct shared *s, const char *name, int victim,
+			  bool kill_it, int want)
+{
+	FA = (struct fail_arg){s, name, victim};
+	s->entered = 0;
+	s->release = 0;
+	memset(s->code, 0, sizeof(s->code));
+	pid_t pids[4];
+	th_spawn(pids, 4, fail_rank, NULL);
+	while (s->entered < 3)
+		th_sleep_ms(2);
+	th_sleep_ms(200);
+	if (kill_it)
+		kill(pids[victim], SIGKILL);
+	int bad = 0;
+	for (int i = 0; i < 4; i++)
+		if (i != victim)
+			bad += th_wait_all(&pids[i], 1, 30);
+	s->release = 1;
+	th_wait_all(&pids[victim], 1, 30);
+	TH_CHECK(bad == 0, "%s: a rank failed", name);
+	for (int r = 0; r < 4; r++) {
+		if (r == victim)
+			continue;
+		TH_EXPECT_RC(s->code[r], want);
+		char frag[16];
+		snprintf(frag, sizeof(frag), "%d", victim);
+		TH_CHECK(strstr(s->msg[r], frag), "message lacks rank %d: %s",
+			 victim, s->msg[r]);
+	}
+	printf("ok: %s -> %s: %s\n", name, ep_strerror(want), s->msg[0]);
+}
+
+static int probe(int i, void *arg)
+{
+	(void)i, (void)arg;
+	char err[256];
+	if (ekc_load(&drv, err, sizeof(err))) {
+		printf("skip: %s\n", err);
+		return TH_SKIP;
+	}
+	int n = 0;
+	if (drv.cuDeviceGetCount(&n) || n < 1) {
+		printf("skip: no GPU\n");
+		return TH_SKIP;
+	}
+	return 0;
+}
+
+int main(void)
+{
+	th_init("gpu: stream-ordered device barrier", 300);
+	/* Probe in a child: the parent never initializes CUDA. */
+	pid_t p;
+	th_spawn(&p, 1, probe, NULL);
+	int st;
+	waitpid(p, &st, 0);
+	if (!WIFEXITED(st) || WEXITSTATUS(st) == TH_SKIP)
+		return TH_SKIP;
+	TH_CHECK(WEXITSTATUS(st) == 0, "probe failed");
+
+	struct th_daemon d;
+	th_daemon_start(&d, "--backend", "cuda", NULL);
+	struct shared *s = th_shared(sizeof(*s));
+	s->d = &d;
+	s->ranks = getenv("EPD_GPU_RANKS") ? atoi(getenv("EPD_GPU_RANKS")) : 8;
+	TH_CHECK(s->ranks >= 2 && s->ranks <= MAXR, "EPD_GPU_RANKS");
+
+	check_late(s);
+
+	pid_t pids[MAXR];
+	th_spawn(pids, s->ranks, loop_rank, s);
+	TH_CHECK(th_wait_all(pids, s->ranks, 120) == 0, "loop failed");
+	printf("ok: 10000 back-to-back barriers, %d ranks: %.2f us each\n",
+	       s->ranks, s->b10k_us);
+	printf("perf: device barrier, %d ranks, one GPU, %s: %.2f us per "
+	       "barrier in a loop of 1000 (device time); one barrier on an "
+	       "idle stream: %.1f us round trip (median of 101)\n",
+	       s->ranks, s->mps ? "MPS" : "no MPS", s->us_per_barrier,
+	       s->roundtrip_us);
+
+	check_failure(s, "gkill", 1, true, EP_EPEERLOST);
+	check_failure(s, "gabsent", 3, false, EP_ETIMEDOUT);
+
+	/* the daemon serves a new group */
+	memset((void *)s->left, 0, sizeof(s->left));
+	memset((void *)s->gate, 0, sizeof(s->gate));
+	memset((void *)s->enqueued, 0, sizeof(s->enqueued));
+	check_late(s);
+	th_daemon_stop(&d);
+	return 0;
+}
