@@ -95,6 +95,7 @@ struct epd_cuda_group {
 	int dev0;                        /* where the group's kernels run */
 	CUstream stream, aux;
 	bool registered;
+	CUdeviceptr ctl_dev; /* the control page, as the GPU sees it */
 	uint64_t enqueued;  /* ops on the device stream */
 	uint64_t completed; /* ops every rank saw complete */
 	uint64_t oldest_ns; /* when the oldest incomplete op was enqueued */
@@ -430,6 +431,9 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 		return cu_err(r, "cuMemHostRegister of the control page", err,
 			      errlen);
 	c->registered = true;
+	r = D->cuMemHostGetDevicePointer(&c->ctl_dev, g->map, 0);
+	if (r)
+		return cu_err(r, "cuMemHostGetDevicePointer", err, errlen);
 	r = D->cuStreamCreate(&c->stream, CU_STREAM_NON_BLOCKING);
 	if (!r)
 		r = D->cuStreamCreate(&c->aux, CU_STREAM_NON_BLOCKING);
@@ -462,9 +466,11 @@ static void enqueue_ready(struct epd_group *g)
 		return;
 	}
 	struct ekc_barrier_args a = {
-		.completed = (uint64_t *)(g->map + EPP_CTL_COMPLETED),
+		.completed = (uint64_t *)(uintptr_t)(c->ctl_dev +
+						     EPP_CTL_COMPLETED),
 		.completed_stride = EPP_CTL_SLOT / 8,
-		.error = (int32_t *)group_error_word(g),
+		.error = (int32_t *)(uintptr_t)(c->ctl_dev +
+						EPP_CTL_GROUP_SLOT),
 		.budget_ns = (uint64_t)g->timeout_ms * 1000000ull,
 		.rpn = rpn};
 	for (uint32_t l = 0; l < rpn; l++)
