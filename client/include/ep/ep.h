@@ -228,8 +228,8 @@ int ep_daemon_status(ep_conn_t *conn, char **json);
 int ep_barrier_stream(ep_group_t *group, void *stream);
 /* 0, or the group's asynchronous error (non-blocking). */
 int ep_group_error(ep_group_t *group);
-/* Wait until this rank's stream-ordered ops completed on the device (or the
- * group failed, or the timeout passed); returns ep_group_error(). */
+/* Wait until this rank's stream-ordered ops completed on the device: 0.
+ * If the group failed (or the timeout passed) first, its error. */
 int ep_group_sync(ep_group_t *group);
 /* This rank's region of device memory (CUdeviceptr) and its size; the
  * group buffer's fields (struct ep_buffers) follow at ep_device_data_offset
