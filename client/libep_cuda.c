@@ -36,6 +36,28 @@ uint64_t ep__ctl_completed(const ep_group_t *g)
 			       __ATOMIC_ACQUIRE);
 }
 
+/* An op that failed alone (the group goes on), reported once. */
+static int op_error(ep_group_t *g)
+{
+	if (!g->buf || g->cuda_device < 0)
+		return 0;
+	const uint8_t *sl = ctl_slot(g);
+	uint64_t seq = __atomic_load_n((const uint64_t *)(sl +
+							  EPP_CTL_OP_ERR_SEQ),
+				       __ATOMIC_ACQUIRE);
+	if (seq <= g->op_err_seen || seq > g->sent)
+		return 0;
+	g->op_err_seen = seq;
+	int code = *(const int32_t *)(sl + EPP_CTL_OP_ERR_CODE);
+	uint64_t pos = *(const uint64_t *)(sl + EPP_CTL_OP_ERR_POS);
+	return ep__fail(code,
+			"op %llu changed nothing: expert index out of range "
+			"at rank %llu, token %llu, k %llu",
+			(unsigned long long)seq, (unsigned long long)(pos >> 48),
+			(unsigned long long)((pos >> 16) & 0xffffffffull),
+			(unsigned long long)(pos & 0xffff));
+}
+
 int ep_group_error(ep_group_t *g)
 {
 	if (!g)
@@ -46,7 +68,7 @@ int ep_group_error(ep_group_t *g)
 				(const char *)ctl_slot(g) + EPP_CTL_ERR_MSG);
 	if (g->conn->async_err)
 		return g->conn->async_err;
-	return 0;
+	return op_error(g);
 }
 
 /* The kernel stores 32-bit sequence numbers. */
@@ -74,9 +96,9 @@ static int wait_completed(ep_group_t *g, uint64_t behind)
 	uint64_t end = now_ms() + (uint64_t)ep__group_op_timeout(g);
 	unsigned spins = 0;
 	while (g->sent - completed_full(g) > behind) {
-		int e = ep_group_error(g);
+		int e = ep__ctl_error(g);
 		if (e)
-			return e;
+			return ep_group_error(g);
 		if (now_ms() > end)
 			return ep__fail(EP_ETIMEDOUT,
 					"%llu stream-ordered ops still not "
@@ -95,7 +117,8 @@ int ep_group_sync(ep_group_t *g)
 		return ep__fail(EP_EINVAL, "NULL group");
 	if (g->cuda_device < 0)
 		return 0;
-	return wait_completed(g, 0);
+	int rc = wait_completed(g, 0);
+	return rc ? rc : op_error(g);
 }
 
 uint64_t ep_group_device_region(const ep_group_t *g, size_t *size)
@@ -129,6 +152,28 @@ int ep_barrier_stream(ep_group_t *g, void *stream)
 {
 	(void)g, (void)stream;
 	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}
+
+int ep_dispatch_stream(ep_group_t *g, uint32_t num_tokens, unsigned flags,
+		       const ep_handle_t *cached, void *stream,
+		       ep_handle_t *handle)
+{
+	(void)g, (void)num_tokens, (void)flags, (void)cached, (void)stream;
+	(void)handle;
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}
+
+int ep_combine_stream(ep_group_t *g, const ep_handle_t *h, unsigned flags,
+		      void *stream)
+{
+	(void)g, (void)h, (void)flags, (void)stream;
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}
+
+int ep_dispatch_recv_count(ep_group_t *g, ep_handle_t *h)
+{
+	(void)g, (void)h;
+	return 0; /* host dispatches return their count */
 }
 
 #else
@@ -252,24 +297,27 @@ void ep__cuda_unmap(ep_group_t *g)
 	g->dev_ptr = 0;
 }
 
-int ep_barrier_stream(ep_group_t *g, void *stream)
+/* A stream-ordered op: payload (+ seq) to the daemon, then doorbell and
+ * wait on the stream. Returns 0 and the op's seq in *seq. */
+static int async_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
+		    uint32_t len, void *stream, uint64_t *seq)
 {
 	if (!g)
 		return ep__fail(EP_EINVAL, "NULL group");
 	if (g->cuda_device < 0)
 		return ep__fail(EP_EUNSUPPORTED,
 				"not a GPU rank (join with EP_JOIN_CUDA)");
-	int rc = ep_group_error(g);
+	int rc = ep__ctl_error(g) ? ep_group_error(g) : 0;
 	if (rc)
 		return rc;
-	if (g->sent - completed_full(g) >= MAX_INFLIGHT &&
-	    (rc = wait_completed(g, MAX_INFLIGHT - 1)))
+	if (g->sent - completed_full(g) >= MAX_INFLIGHT - 1 &&
+	    (rc = wait_completed(g, MAX_INFLIGHT - 2)))
 		return rc;
 	uint64_t k = g->sent + 1;
-	uint8_t buf[16];
+	uint8_t buf[192];
+	memcpy(buf, payload, len);
 	struct epp_wr w;
-	epp_wr_init(&w, buf, sizeof(buf));
-	epp_put_u64(&w, g->id);
+	epp_wr_init(&w, buf + len, 8);
 	epp_put_u64(&w, k);
 	struct epp_hdr h;
 	ep_conn_t *c = g->conn;
@@ -277,9 +325,9 @@ int ep_barrier_stream(ep_group_t *g, void *stream)
 	if (c->dead) {
 		rc = c->dead;
 	} else {
-		epp_hdr_init(&h, EPP_BARRIER, ++c->next_req);
+		epp_hdr_init(&h, type, ++c->next_req);
 		h.flags = EPP_F_ASYNC;
-		h.length = 16;
+		h.length = len + 8;
 		rc = epp_send_frame(c->fd, &h, buf, NULL);
 		if (rc)
 			c->dead = rc;
@@ -295,8 +343,121 @@ int ep_barrier_stream(ep_group_t *g, void *stream)
 					    (cuuint32_t)k,
 					    CU_STREAM_WAIT_VALUE_GEQ);
 	if (r)
-		return cufail(r, "enqueueing the barrier");
+		return cufail(r, "enqueueing on the stream");
 	g->sent = k;
+	*seq = k;
+	return 0;
+}
+
+int ep_barrier_stream(ep_group_t *g, void *stream)
+{
+	uint8_t buf[8];
+	struct epp_wr w;
+	uint64_t seq;
+	if (!g)
+		return ep__fail(EP_EINVAL, "NULL group");
+	epp_wr_init(&w, buf, sizeof(buf));
+	epp_put_u64(&w, g->id);
+	return async_op(g, EPP_BARRIER, buf, 8, stream, &seq);
+}
+
+int ep_dispatch_stream(ep_group_t *g, uint32_t num_tokens, unsigned flags,
+		       const ep_handle_t *cached, void *stream,
+		       ep_handle_t *handle)
+{
+	if (!g || !handle)
+		return ep__fail(EP_EINVAL, "NULL argument");
+	if (flags & ~EP_DISPATCH_WEIGHTS)
+		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
+	if (num_tokens > g->cfg.max_tokens)
+		return ep__fail(EP_ETOOBIG,
+				"%u tokens exceed the group's maximum of %u",
+				num_tokens, g->cfg.max_tokens);
+	struct epp_dispatch d = {.group_id = g->id,
+				 .num_tokens = num_tokens,
+				 .hidden = g->cfg.hidden,
+				 .dtype = g->cfg.dtype,
+				 .topk = g->cfg.topk,
+				 .flags = flags & EP_DISPATCH_WEIGHTS
+						  ? EPP_DISPATCH_WEIGHTS
+						  : 0};
+	if (cached) {
+		int rc = ep__check_handle(g, cached);
+		if (rc)
+			return rc;
+		if (cached->num_tokens != num_tokens)
+			return ep__fail(EP_ESHAPE,
+					"cached dispatch of %u tokens with a "
+					"handle of %u",
+					num_tokens, cached->num_tokens);
+		d.flags |= EPP_DISPATCH_CACHED;
+		d.handle = (struct epp_handle){.group_id = cached->group_id,
+					       .epoch = cached->epoch,
+					       .seq = cached->seq};
+	}
+	uint8_t buf[128];
+	size_t n = epp_dispatch_encode(&d, buf, sizeof(buf));
+	uint64_t seq;
+	int rc = async_op(g, EPP_DISPATCH, buf, (uint32_t)n, stream, &seq);
+	if (rc)
+		return rc;
+	*handle = (ep_handle_t){.group_id = g->id,
+				.seq = cached ? cached->seq : seq,
+				.epoch = g->epoch,
+				.num_tokens = num_tokens,
+				.num_recv = UINT32_MAX};
+	g->last_dispatch = seq;
+	return 0;
+}
+
+int ep_combine_stream(ep_group_t *g, const ep_handle_t *h, unsigned flags,
+		      void *stream)
+{
+	if (!g || !h)
+		return ep__fail(EP_EINVAL, "NULL argument");
+	if (flags & ~EP_COMBINE_BIAS)
+		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
+	int rc = ep__check_handle(g, h);
+	if (rc)
+		return rc;
+	struct epp_combine c = {.group_id = g->id,
+				.handle = {.group_id = h->group_id,
+					   .epoch = h->epoch,
+					   .seq = h->seq},
+				.num_rows = h->num_recv,
+				.hidden = g->cfg.hidden,
+				.flags = flags & EP_COMBINE_BIAS
+						 ? EPP_COMBINE_BIAS
+						 : 0};
+	uint8_t buf[128];
+	size_t n = epp_combine_encode(&c, buf, sizeof(buf));
+	uint64_t seq;
+	return async_op(g, EPP_COMBINE, buf, (uint32_t)n, stream, &seq);
+}
+
+int ep_dispatch_recv_count(ep_group_t *g, ep_handle_t *h)
+{
+	if (!g || !h)
+		return ep__fail(EP_EINVAL, "NULL argument");
+	if (g->cuda_device < 0)
+		return 0; /* host dispatches return their count */
+	/* The count of the most recent dispatch (fresh or cached) of h's
+	 * routing is in the control page once it completed. */
+	int rc = wait_completed(g, g->sent - g->last_dispatch);
+	if (rc)
+		return rc;
+	const uint8_t *sl = ctl_slot(g);
+	uint64_t seq = __atomic_load_n((const uint64_t *)(sl +
+							  EPP_CTL_RECV_SEQ),
+				       __ATOMIC_ACQUIRE);
+	if ((uint32_t)seq != (uint32_t)g->last_dispatch)
+		return ep__fail(EP_EINVAL,
+				"the count of a dispatch is known only until "
+				"the next dispatch");
+	rc = op_error(g);
+	if (rc)
+		return rc;
+	h->num_recv = (uint32_t)*(const uint64_t *)(sl + EPP_CTL_RECV);
 	return 0;
 }
 

@@ -38,6 +38,8 @@ struct ep_group {
 	uint64_t dev_handle;
 	size_t dev_size;
 	uint64_t sent; /* stream-ordered ops enqueued */
+	uint64_t op_err_seen; /* last op error reported */
+	uint64_t last_dispatch; /* seq of the last dispatch op */
 };
 
 /* libep_cuda.c (stubs without CUDA). */
@@ -48,6 +50,9 @@ int ep__cuda_map(ep_group_t *g, int fd, uint64_t size);
 void ep__cuda_unmap(ep_group_t *g);
 /* Error word and completion counter of this rank in the control page. */
 int ep__ctl_error(const ep_group_t *g);
+int ep__check_handle(const ep_group_t *g, const ep_handle_t *h);
+/* A GPU rank's buffers follow the control words in its region. */
+#define EP__DEV_DATA 4096u
 uint64_t ep__ctl_completed(const ep_group_t *g);
 
 int ep__fail(int code, const char *fmt, ...)

@@ -7,8 +7,13 @@
 
 #include "ek.h"
 
+/* A field of this rank's buffers: in the shared host buffer, or for a GPU
+ * rank a device address in its region (after the control words). */
 static uint8_t *region(ep_group_t *g, int field)
 {
+	if (g->dev_ptr)
+		return (uint8_t *)(uintptr_t)(g->dev_ptr + EP__DEV_DATA +
+					      g->layout.off[field]);
 	uint32_t l = g->cfg.rank % g->cfg.ranks_per_node;
 	return (uint8_t *)g->buf + EPP_BUF_HEADER +
 	       (uint64_t)l * g->layout.rank_stride + g->layout.off[field];
@@ -66,7 +71,7 @@ int ep_get_dispatch_layout(ep_group_t *g, const int64_t *topk_idx,
 	return 0;
 }
 
-static int check_handle(const ep_group_t *g, const ep_handle_t *h)
+int ep__check_handle(const ep_group_t *g, const ep_handle_t *h)
 {
 	if (h->group_id != g->id || h->epoch != g->epoch)
 		return ep__fail(EP_ESTALE,
@@ -82,6 +87,10 @@ int ep_dispatch_inplace(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 {
 	if (!g || !handle)
 		return ep__fail(EP_EINVAL, "NULL argument");
+	if (g->dev_ptr)
+		return ep__fail(EP_EUNSUPPORTED,
+				"a GPU rank dispatches on a stream "
+				"(ep_dispatch_stream)");
 	if (flags & ~EP_DISPATCH_WEIGHTS)
 		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
 	if (num_tokens > g->cfg.max_tokens)
@@ -97,7 +106,7 @@ int ep_dispatch_inplace(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 						  ? EPP_DISPATCH_WEIGHTS
 						  : 0};
 	if (cached) {
-		int rc = check_handle(g, cached);
+		int rc = ep__check_handle(g, cached);
 		if (rc)
 			return rc;
 		d.flags |= EPP_DISPATCH_CACHED;
@@ -131,9 +140,13 @@ int ep_combine_inplace(ep_group_t *g, const ep_handle_t *h, unsigned flags)
 {
 	if (!g || !h)
 		return ep__fail(EP_EINVAL, "NULL argument");
+	if (g->dev_ptr)
+		return ep__fail(EP_EUNSUPPORTED,
+				"a GPU rank combines on a stream "
+				"(ep_combine_stream)");
 	if (flags & ~EP_COMBINE_BIAS)
 		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
-	int rc = check_handle(g, h);
+	int rc = ep__check_handle(g, h);
 	if (rc)
 		return rc;
 	struct epp_combine c = {.group_id = g->id,
@@ -175,6 +188,10 @@ int ep_dispatch(ep_group_t *g, const struct ep_dispatch_in *in,
 {
 	if (!g || !in || !out || !handle)
 		return ep__fail(EP_EINVAL, "NULL argument");
+	if (g->dev_ptr)
+		return ep__fail(EP_EUNSUPPORTED,
+				"a GPU rank dispatches on a stream "
+				"(ep_dispatch_stream)");
 	int rc = check_shape(g, in->hidden, in->dtype, in->topk);
 	if (rc)
 		return rc;
@@ -239,6 +256,10 @@ int ep_combine(ep_group_t *g, const ep_handle_t *h, const uint16_t *y,
 {
 	if (!g || !h || (num_rows && !y) || (h->num_tokens && !out))
 		return ep__fail(EP_EINVAL, "NULL argument");
+	if (g->dev_ptr)
+		return ep__fail(EP_EUNSUPPORTED,
+				"a GPU rank combines on a stream "
+				"(ep_combine_stream)");
 	if (hidden != g->cfg.hidden)
 		return ep__fail(EP_ESHAPE, "hidden %u, the group's is %u",
 				hidden, g->cfg.hidden);
@@ -246,7 +267,7 @@ int ep_combine(ep_group_t *g, const ep_handle_t *h, const uint16_t *y,
 		return ep__fail(EP_ESHAPE,
 				"combine of %u rows; the handle received %u",
 				num_rows, h->num_recv);
-	int rc = check_handle(g, h);
+	int rc = ep__check_handle(g, h);
 	if (rc)
 		return rc;
 	struct ep_buffers b;

@@ -210,6 +210,54 @@ static int get_group_id(struct epd_client *c, const struct epp_hdr *h,
 	return 0;
 }
 
+/* Stream-ordered requests: the usual payload, then u64 seq. */
+static void handle_async(struct epd_client *c, const struct epp_hdr *h,
+			 const uint8_t *p)
+{
+	struct epd_aop op = {.type = h->type};
+	uint64_t gid = 0;
+	int bad = 0;
+	if (h->length < 8) {
+		bad = 1;
+	} else {
+		struct epp_rd r;
+		epp_rd_init(&r, p + h->length - 8, 8);
+		op.seq = epp_get_u64(&r);
+		uint32_t n = h->length - 8;
+		if (h->type == EPP_BARRIER) {
+			epp_rd_init(&r, p, n);
+			gid = epp_get_u64(&r);
+			bad = epp_rd_end(&r);
+		} else if (h->type == EPP_DISPATCH) {
+			struct epp_dispatch d;
+			bad = epp_dispatch_decode(p, n, &d);
+			gid = d.group_id;
+			op.tokens = d.num_tokens;
+			op.flags = d.flags;
+			op.handle = d.flags & EPP_DISPATCH_CACHED ? d.handle.seq
+								  : 0;
+		} else if (h->type == EPP_COMBINE) {
+			struct epp_combine cb;
+			bad = epp_combine_decode(p, n, &cb);
+			gid = cb.group_id;
+			op.flags = cb.flags;
+			op.handle = cb.handle.seq;
+		} else {
+			epd_client_error(c, h->req_id, EP_EPROTO,
+					 "%s cannot be stream-ordered",
+					 epp_type_name(h->type));
+			return;
+		}
+	}
+	if (bad) {
+		epd_client_error(c, h->req_id, EP_EPROTO,
+				 "malformed stream-ordered %s (%u bytes)",
+				 epp_type_name(h->type), h->length);
+		return;
+	}
+	epd_group_async(c, h->req_id, gid, &op);
+}
+
 static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 			 const uint8_t *p)
 {
@@ -227,17 +275,8 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 				 "flags 0x%x not valid for join", h->flags);
 		return;
 	}
-	if (h->type == EPP_BARRIER && h->flags == EPP_F_ASYNC) {
-		struct epp_rd r;
-		epp_rd_init(&r, p, h->length);
-		uint64_t g = epp_get_u64(&r), seq = epp_get_u64(&r);
-		if (epp_rd_end(&r))
-			epd_client_error(c, h->req_id, EP_EPROTO,
-					 "malformed stream-ordered barrier "
-					 "(%u bytes, expected 16)",
-					 h->length);
-		else
-			epd_group_barrier_async(c, h->req_id, g, seq);
+	if (h->flags == EPP_F_ASYNC) {
+		handle_async(c, h, p);
 		return;
 	}
 	if (h->flags && h->type != EPP_JOIN) {

@@ -87,6 +87,10 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 	} else if (!strcmp(key, "allow_users")) {
 		if (parse_allow(c, v))
 			return -2;
+	} else if (!strcmp(key, "cuda_sms")) {
+		if (parse_u32(v, 0, 1024, 10, &u))
+			return -2;
+		c->cuda_sms = u;
 	} else if (!strcmp(key, "worker_threads")) {
 		if (parse_u32(v, 0, 256, 10, &u))
 			return -2;

@@ -49,9 +49,9 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 	(void)g, (void)err, (void)errlen;
 	return EP_EUNSUPPORTED;
 }
-void epd_cuda_barrier(struct epd_member *m, uint64_t req_id, uint64_t seq)
+void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
 {
-	(void)m, (void)req_id, (void)seq;
+	(void)m, (void)op;
 }
 void epd_cuda_group_failed(struct epd_group *g) { (void)g; }
 void epd_cuda_group_free(struct epd_group *g) { (void)g; }
@@ -73,7 +73,7 @@ struct cudev {
 	CUdevice dev;
 	CUcontext ctx; /* primary context, retained on first use */
 	CUmodule mod;
-	CUfunction barrier;
+	CUfunction barrier, count, scan, slot, copy, per_expert, combine;
 	size_t gran;
 	uint8_t uuid[16];
 	char name[96];
@@ -101,6 +101,15 @@ struct epd_cuda_group {
 	uint64_t oldest_ns; /* when the oldest incomplete op was enqueued */
 	uint64_t enq_ns[MAX_INFLIGHT];
 	uint64_t wait_ns; /* since when some rank's request is missing */
+	/* dispatch scratch (daemon-only device memory) */
+	CUdeviceptr mask, blk, base, err;
+	uint32_t tmax, nblk_max;
+	struct route {
+		uint64_t seq; /* the dispatch op; 0: empty */
+		uint32_t tokens[EKC_MAX_LOCAL];
+		CUdeviceptr slot, recv;
+	} routes[EPD_MAX_HANDLES];
+	uint64_t ndisp;
 	uv_timer_t poll;
 	bool poll_closing;
 	bool released;
@@ -127,9 +136,19 @@ static int use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen)
 				      errlen);
 		D->cuCtxSetCurrent(d->ctx);
 		r = D->cuModuleLoadData(&d->mod, ekc_fatbin);
-		if (!r)
-			r = D->cuModuleGetFunction(&d->barrier, d->mod,
-						   "ekc_barrier");
+		struct {
+			CUfunction *f;
+			const char *name;
+		} fns[] = {{&d->barrier, "ekc_barrier"},
+			   {&d->count, "ekc_count"},
+			   {&d->scan, "ekc_scan"},
+			   {&d->slot, "ekc_slot"},
+			   {&d->copy, "ekc_copy"},
+			   {&d->per_expert, "ekc_per_expert"},
+			   {&d->combine, "ekc_combine"}};
+		for (size_t f = 0; !r && f < sizeof(fns) / sizeof(fns[0]); f++)
+			r = D->cuModuleGetFunction(fns[f].f, d->mod,
+						   fns[f].name);
 		if (r) {
 			cu_err(r, "loading the kernels", err, errlen);
 			D->cuDevicePrimaryCtxRelease(d->dev);
@@ -324,6 +343,12 @@ int epd_cuda_add_rank(struct epd_group *g, struct epd_member *m,
 		rc = ekc_fail(D, r, "cuMemsetD8", err, errlen);
 		goto err_unmap;
 	}
+	m->aq = calloc(MAX_INFLIGHT, sizeof(*m->aq));
+	if (!m->aq) {
+		snprintf(err, errlen, "out of memory");
+		rc = EP_ENOMEM;
+		goto err_unmap;
+	}
 	c->h[l] = h;
 	c->ptr[l] = ptr;
 	c->size = size;
@@ -439,6 +464,26 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 		r = D->cuStreamCreate(&c->aux, CU_STREAM_NON_BLOCKING);
 	if (r)
 		return cu_err(r, "cuStreamCreate", err, errlen);
+	/* Dispatch scratch: masks, block counts and bases, the error word,
+	 * and a routing (slots, receive counts) per kept handle. */
+	c->tmax = g->shape.max_tokens ? g->shape.max_tokens : 1;
+	c->nblk_max = (c->tmax + 255) / 256;
+	size_t W = rpn;
+	r = D->cuMemAlloc(&c->mask, W * c->tmax * 8);
+	if (!r)
+		r = D->cuMemAlloc(&c->blk, W * c->nblk_max * W * 4);
+	if (!r)
+		r = D->cuMemAlloc(&c->base, W * c->nblk_max * W * 4);
+	if (!r)
+		r = D->cuMemAlloc(&c->err, 8);
+	for (int i = 0; !r && i < EPD_MAX_HANDLES; i++) {
+		r = D->cuMemAlloc(&c->routes[i].slot, W * c->tmax * W * 4);
+		if (!r)
+			r = D->cuMemAlloc(&c->routes[i].recv, W * 4);
+	}
+	if (r)
+		return cu_err(r, "allocating the dispatch scratch", err,
+			      errlen);
 	return 0;
 }
 
@@ -446,6 +491,136 @@ static void poll_arm(struct epd_cuda_group *c)
 {
 	if (!c->poll_closing && !uv_is_active((uv_handle_t *)&c->poll))
 		uv_timer_start(&c->poll, poll_cb, POLL_MS, POLL_MS);
+}
+
+static struct route *route_find(struct epd_cuda_group *c, uint64_t seq)
+{
+	for (int i = 0; i < EPD_MAX_HANDLES; i++)
+		if (c->routes[i].seq == seq && seq)
+			return &c->routes[i];
+	return NULL;
+}
+
+static CUresult launch(struct epd_cuda_group *c, CUfunction f, unsigned gx,
+		       unsigned gy, unsigned bx, void *args)
+{
+	void *params[] = {args};
+	return D->cuLaunchKernel(f, gx, gy ? gy : 1, 1, bx, 1, 1, 0, c->stream,
+				 params, NULL);
+}
+
+/* Dispatch or combine k on the group's stream (the doorbells are waited
+ * for already). Returns a driver error, or 0. */
+static CUresult enqueue_data(struct epd_group *g, uint64_t k,
+			     struct epd_aop *const *ops, const char **what)
+{
+	struct epd_cuda_group *c = g->cu;
+	struct cudev *d = &g->srv->cuda->dev[c->dev0];
+	const uint32_t W = g->shape.ranks_per_node;
+	const struct epd_aop *op0 = ops[0];
+	struct ekc_disp_args a = {
+		.W = W, .H = g->shape.hidden, .K = g->shape.topk,
+		.E = g->shape.num_experts, .elt = g->layout.elt,
+		.nscales = g->layout.nscales, .Tmax = c->tmax,
+		.nblk_max = c->nblk_max, .seq = (uint32_t)k,
+		.mask = (uint64_t *)(uintptr_t)c->mask,
+		.blk = (uint32_t *)(uintptr_t)c->blk,
+		.base = (uint32_t *)(uintptr_t)c->base,
+		.err = (unsigned long long *)(uintptr_t)c->err,
+		.host_ctl = (void *)(uintptr_t)c->ctl_dev};
+	for (uint32_t l = 0; l < W; l++) {
+		a.region[l] = c->ptr[l];
+		if (ops[l]->flags & EPP_DISPATCH_WEIGHTS &&
+		    ops[l]->type == EPP_DISPATCH)
+			a.weights_mask |= 1ull << l;
+		if (ops[l]->flags & EPP_COMBINE_BIAS &&
+		    ops[l]->type == EPP_COMBINE)
+			a.bias_mask |= 1ull << l;
+	}
+	for (int f = 0; f < EKC_F_N; f++)
+		a.off[f] = EKC_CTRL_BYTES + g->layout.off[f];
+	bool fresh = op0->type == EPP_DISPATCH &&
+		     !(op0->flags & EPP_DISPATCH_CACHED);
+	struct route *rt;
+	if (fresh) {
+		/* the oldest routing makes room */
+		rt = &c->routes[c->ndisp++ % EPD_MAX_HANDLES];
+		rt->seq = k;
+		for (uint32_t l = 0; l < W; l++)
+			rt->tokens[l] = ops[l]->tokens;
+	} else {
+		rt = route_find(c, op0->handle); /* ops_agree checked it */
+		if (!rt)
+			return CUDA_ERROR_INVALID_VALUE;
+	}
+	memcpy(a.tokens, rt->tokens, sizeof(a.tokens));
+	a.slot = (int32_t *)(uintptr_t)rt->slot;
+	a.recv = (uint32_t *)(uintptr_t)rt->recv;
+	a.cached = !fresh;
+	unsigned sms = g->srv->cfg.cuda_sms && (int)g->srv->cfg.cuda_sms < d->sms
+			       ? g->srv->cfg.cuda_sms
+			       : (unsigned)d->sms;
+	CUresult r;
+	if (op0->type == EPP_COMBINE) {
+		*what = "combine";
+		return launch(c, d->combine, sms * 4, 1, 256, &a);
+	}
+	*what = "dispatch";
+	r = D->cuMemsetD32Async(c->err, 0xffffffffu, 2, c->stream);
+	if (!r && fresh)
+		r = launch(c, d->count, c->nblk_max, W, 256, &a);
+	if (!r)
+		r = launch(c, d->scan, 1, 1, (W + 31) / 32 * 32, &a);
+	if (!r && fresh)
+		r = launch(c, d->slot, c->nblk_max, W, 256, &a);
+	if (!r)
+		r = launch(c, d->copy, sms * 4, 1, 256, &a);
+	if (!r && fresh)
+		r = launch(c, d->per_expert, 8, W, 256, &a);
+	return r;
+}
+
+/* Do the ranks' ops k agree? Fails the group if not. */
+static bool ops_agree(struct epd_group *g, uint64_t k,
+		      struct epd_aop *const *ops)
+{
+	const uint32_t W = g->shape.ranks_per_node;
+	for (uint32_t l = 1; l < W; l++) {
+		const char *why = NULL;
+		if (ops[l]->type != ops[0]->type)
+			why = "another operation";
+		else if (ops[l]->type != EPP_BARRIER &&
+			 ((ops[l]->flags ^ ops[0]->flags) &
+			  EPP_DISPATCH_CACHED &&
+			  ops[l]->type == EPP_DISPATCH))
+			why = "a cached dispatch while others dispatch afresh";
+		else if (ops[l]->handle != ops[0]->handle)
+			why = "another handle";
+		if (why) {
+			epd_group_fail(g, EP_EMISMATCH,
+				       "op %llu: rank %u asked for %s than rank "
+				       "%u (%s vs %s)",
+				       (unsigned long long)k,
+				       g->local[l]->rank, why,
+				       g->local[0]->rank,
+				       epp_type_name(ops[l]->type),
+				       epp_type_name(ops[0]->type));
+			return false;
+		}
+	}
+	if (ops[0]->type != EPP_BARRIER &&
+	    (ops[0]->type == EPP_COMBINE ||
+	     (ops[0]->flags & EPP_DISPATCH_CACHED)) &&
+	    !route_find(g->cu, ops[0]->handle)) {
+		epd_group_fail(g, EP_ESTALE,
+			       "op %llu: handle %llu is unknown or was evicted "
+			       "(the group keeps the last %d dispatches)",
+			       (unsigned long long)k,
+			       (unsigned long long)ops[0]->handle,
+			       EPD_MAX_HANDLES);
+		return false;
+	}
+	return true;
 }
 
 /* Enqueue every op that all local ranks asked for. */
@@ -475,39 +650,51 @@ static void enqueue_ready(struct epd_group *g)
 		.rpn = rpn};
 	for (uint32_t l = 0; l < rpn; l++)
 		a.ctrl[l] = c->ptr[l];
-	void *params[] = {&a};
+	struct epd_aop *ops[EKC_MAX_LOCAL];
 	for (uint64_t k = c->enqueued + 1; k <= upto; k++) {
+		for (uint32_t l = 0; l < rpn; l++)
+			ops[l] = &g->local[l]->aq[k % MAX_INFLIGHT];
+		if (!ops_agree(g, k, ops))
+			return;
 		CUresult r = 0;
+		const char *what = "barrier";
 		for (uint32_t l = 0; l < rpn && !r; l++)
 			r = D->cuStreamWaitValue32(c->stream,
 						   c->ptr[l] + EKC_DOORBELL,
 						   (cuuint32_t)k,
 						   CU_STREAM_WAIT_VALUE_GEQ);
+		if (!r && ops[0]->type != EPP_BARRIER)
+			r = enqueue_data(g, k, ops, &what);
+		/* Every op ends with the barrier kernel: it releases the ranks
+		 * and publishes completion, after the data in stream order. */
 		a.seq = (uint32_t)k;
 		if (!r)
-			r = D->cuLaunchKernel(cu->dev[c->dev0].barrier, 1, 1, 1,
-					      (rpn + 31) / 32 * 32, 1, 1, 0,
-					      c->stream, params, NULL);
+			r = launch(c, cu->dev[c->dev0].barrier, 1, 1,
+				   (rpn + 31) / 32 * 32, &a);
 		if (r) {
-			ekc_fail(D, r, "enqueueing a barrier", err,
-				 sizeof(err));
-			epd_group_fail(g, EP_EBACKEND, "%s", err);
+			ekc_fail(D, r, what, err, sizeof(err));
+			epd_group_fail(g, EP_EBACKEND, "enqueueing op %llu: %s",
+				       (unsigned long long)k, err);
 			return;
 		}
 		c->enq_ns[k % MAX_INFLIGHT] = epd_now_ns();
 		if (c->enqueued == c->completed)
 			c->oldest_ns = c->enq_ns[k % MAX_INFLIGHT];
 		c->enqueued = k;
-		g->n_barrier++;
+		switch (ops[0]->type) {
+		case EPP_BARRIER: g->n_barrier++; break;
+		case EPP_DISPATCH: g->n_dispatch++; break;
+		case EPP_COMBINE: g->n_combine++; break;
+		}
 	}
 	c->wait_ns = 0;
 	poll_arm(c);
 }
 
-void epd_cuda_barrier(struct epd_member *m, uint64_t req_id, uint64_t seq)
+void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
 {
 	struct epd_group *g = m->group;
-	(void)req_id;
+	uint64_t seq = op->seq;
 	if (seq != m->async_seq + 1) {
 		epd_group_fail(g, EP_EPROTO,
 			       "rank %u sent stream-ordered op %llu after "
@@ -516,13 +703,14 @@ void epd_cuda_barrier(struct epd_member *m, uint64_t req_id, uint64_t seq)
 			       (unsigned long long)m->async_seq);
 		return;
 	}
-	if (seq > g->cu->completed + MAX_INFLIGHT) {
+	if (seq > g->cu->completed + MAX_INFLIGHT - 1) {
 		epd_group_fail(g, EP_EBUSY,
 			       "rank %u has more than %d stream-ordered ops "
 			       "in flight",
 			       m->rank, MAX_INFLIGHT);
 		return;
 	}
+	m->aq[seq % MAX_INFLIGHT] = *op;
 	m->async_seq = seq;
 	enqueue_ready(g);
 	struct epd_cuda_group *c = g->cu;
@@ -697,6 +885,16 @@ void epd_cuda_group_free(struct epd_group *g)
 		}
 		if (c->registered)
 			D->cuMemHostUnregister(g->map);
+	}
+	CUdeviceptr scratch[] = {c->mask, c->blk, c->base, c->err};
+	for (size_t i = 0; i < sizeof(scratch) / sizeof(scratch[0]); i++)
+		if (scratch[i])
+			D->cuMemFree(scratch[i]);
+	for (int i = 0; i < EPD_MAX_HANDLES; i++) {
+		if (c->routes[i].slot)
+			D->cuMemFree(c->routes[i].slot);
+		if (c->routes[i].recv)
+			D->cuMemFree(c->routes[i].recv);
 	}
 	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++)
 		free_region(c, l);

@@ -36,6 +36,7 @@ struct epd_config {
 	unsigned nallow;           /* 0: anyone who can open the socket */
 	uid_t allow_uids[EPD_MAX_ALLOW];
 	unsigned worker_threads;   /* data-path threads; 0: one per core */
+	unsigned cuda_sms;         /* SMs for dispatch/combine; 0: all */
 };
 
 void epd_config_defaults(struct epd_config *c);
@@ -81,6 +82,15 @@ struct epd_client {
 	struct list_node members; /* struct epd_member.cnode */
 };
 
+struct epd_client;
+/* A stream-ordered op a GPU rank asked for. */
+struct epd_aop {
+	uint64_t seq;
+	uint64_t handle; /* cached dispatch, combine: the dispatch's seq */
+	uint32_t tokens, flags;
+	uint16_t type; /* EPP_BARRIER, EPP_DISPATCH, EPP_COMBINE */
+};
+
 /* A rank of a group, as joined through one client connection. */
 struct epd_member {
 	struct list_node cnode; /* in client->members */
@@ -98,6 +108,7 @@ struct epd_member {
 	int cuda_dev;
 	bool mps;
 	uint64_t async_seq;
+	struct epd_aop *aq; /* ring of the rank's ops not yet enqueued */
 };
 
 enum epd_group_state {
@@ -207,8 +218,8 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 		   const struct epp_join *j);
 int epd_group_leave(struct epd_client *c, uint64_t req_id, uint64_t gid);
 int epd_group_barrier(struct epd_client *c, uint64_t req_id, uint64_t gid);
-int epd_group_barrier_async(struct epd_client *c, uint64_t req_id,
-			    uint64_t gid, uint64_t seq);
+int epd_group_async(struct epd_client *c, uint64_t req_id, uint64_t gid,
+		    const struct epd_aop *op);
 /* Shared by group.c and ops.c. */
 struct epd_member *epd_member_find(struct epd_client *c, uint64_t gid);
 void epd_group_fail(struct epd_group *g, int code, const char *fmt, ...)
@@ -251,8 +262,8 @@ int epd_cuda_export(struct epd_group *g, uint32_t l, int *fd,
 		    uint64_t *size);
 /* Every local rank joined: streams and the control page mapping. */
 int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen);
-/* A stream-ordered barrier request (seq) from m. */
-void epd_cuda_barrier(struct epd_member *m, uint64_t req_id, uint64_t seq);
+/* A stream-ordered op from m (checked against the group by the caller). */
+void epd_cuda_op(struct epd_member *m, const struct epd_aop *op);
 /* The group failed: write errors to the control page, release every
  * rank's stream. */
 void epd_cuda_group_failed(struct epd_group *g);

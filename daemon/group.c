@@ -472,6 +472,7 @@ void epd_member_remove(struct epd_member *m, const char *why)
 	if (g->state == EPD_G_READY)
 		epd_group_fail(g, EP_EPEERLOST, "rank %u (pid %d) left the group: %s",
 			   m->rank, (int)c->pid, why);
+	free(m->aq);
 	free(m);
 	if (g->njoined == 0)
 		group_destroy(g);
@@ -595,8 +596,8 @@ struct epd_member *epd_coll_enter(struct epd_client *c, uint64_t req_id,
 	return m;
 }
 
-int epd_group_barrier_async(struct epd_client *c, uint64_t req_id,
-			    uint64_t gid, uint64_t seq)
+int epd_group_async(struct epd_client *c, uint64_t req_id, uint64_t gid,
+		    const struct epd_aop *op)
 {
 	struct epd_member *m = member_lookup(c, req_id, gid);
 	if (!m)
@@ -605,7 +606,7 @@ int epd_group_barrier_async(struct epd_client *c, uint64_t req_id,
 	if (!g->cu) {
 		epd_client_error(c, req_id, EP_EUNSUPPORTED,
 				 "group %s has host ranks: no stream-ordered "
-				 "barrier",
+				 "operations",
 				 g->shape.name);
 		return EP_EUNSUPPORTED;
 	}
@@ -618,7 +619,16 @@ int epd_group_barrier_async(struct epd_client *c, uint64_t req_id,
 				 "group %s is not ready", g->shape.name);
 		return EP_ENOTREADY;
 	}
-	epd_cuda_barrier(m, req_id, seq);
+	/* libep checks these; a request past them cannot be skipped in a
+	 * pipeline, so the group fails. */
+	const struct epp_join *s = &g->shape;
+	if (op->type == EPP_DISPATCH && op->tokens > s->max_tokens) {
+		epd_group_fail(g, EP_ETOOBIG,
+			       "rank %u dispatched %u tokens; the maximum is %u",
+			       m->rank, op->tokens, s->max_tokens);
+		return EP_ETOOBIG;
+	}
+	epd_cuda_op(m, op);
 	return 0;
 }
 

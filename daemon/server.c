@@ -157,6 +157,7 @@ static void on_hup(uv_signal_t *h, int sig)
 		epd_log_level = c.log_level;
 		srv->cfg.timeout_ms = c.timeout_ms;
 		srv->cfg.frame_timeout_ms = c.frame_timeout_ms;
+		srv->cfg.cuda_sms = c.cuda_sms;
 		srv->cfg.nallow = c.nallow;
 		memcpy(srv->cfg.allow_uids, c.allow_uids,
 		       sizeof(c.allow_uids));

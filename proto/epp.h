@@ -107,9 +107,14 @@ struct epp_join_ok {
  * by the daemon (and its kernels, through a host mapping), read by the
  * rank. Offsets in bytes within a slot. */
 #define EPP_CTL_SLOT 256u
-#define EPP_CTL_COMPLETED 0u /* u64: last stream-ordered op completed */
-#define EPP_CTL_ERR_CODE 8u  /* i32: asynchronous error, 0 if none */
-#define EPP_CTL_ERR_MSG 16u  /* NUL-terminated message */
+#define EPP_CTL_COMPLETED 0u   /* u64: last stream-ordered op completed */
+#define EPP_CTL_ERR_CODE 8u    /* i32: the group's error, 0 if none */
+#define EPP_CTL_OP_ERR_CODE 12u /* i32: error of one op (group goes on) */
+#define EPP_CTL_OP_ERR_SEQ 16u /* u64: that op */
+#define EPP_CTL_RECV 24u       /* u64: rows received by a dispatch */
+#define EPP_CTL_RECV_SEQ 32u   /* u64: that dispatch */
+#define EPP_CTL_OP_ERR_POS 40u /* u64: (rank << 48 | token << 16 | k) */
+#define EPP_CTL_ERR_MSG 48u    /* NUL-terminated message of the group */
 #define EPP_CTL_MSG_MAX (EPP_CTL_SLOT - EPP_CTL_ERR_MSG)
 /* The last slot is the group's: the device kernels' error word. */
 #define EPP_CTL_GROUP_SLOT (EPP_BUF_HEADER - EPP_CTL_SLOT)

@@ -65,7 +65,11 @@
 	X(cuModuleLoadData)                                                    \
 	X(cuModuleUnload)                                                      \
 	X(cuModuleGetFunction)                                                 \
-	X(cuLaunchKernel)
+	X(cuLaunchKernel)                                                      \
+	X(cuMemAlloc)                                                          \
+	X(cuMemFree)                                                           \
+	X(cuMemcpyHtoDAsync)                                                   \
+	X(cuMemcpyDtoD)
 
 struct ekc_driver {
 	void *lib;
@@ -101,6 +105,53 @@ struct ekc_barrier_args {
 	uint32_t rpn;
 	uint32_t seq;
 	uint32_t nremote;                /* remote rail peers (0: one node) */
+};
+
+/* Fields of a rank's region, as in enum epp_buf_field (same order). */
+enum {
+	EKC_F_X,
+	EKC_F_SCALES,
+	EKC_F_TOPK,
+	EKC_F_WEIGHTS,
+	EKC_F_RECV_X,
+	EKC_F_RECV_SCALES,
+	EKC_F_RECV_TOPK,
+	EKC_F_RECV_WEIGHTS,
+	EKC_F_RECV_SRC,
+	EKC_F_RECV_PE,
+	EKC_F_Y,
+	EKC_F_BIAS,
+	EKC_F_OUT,
+	EKC_F_N,
+};
+
+/* Control page slot (see proto/epp.h; repeated here for device code). */
+#define EKC_CTL_SLOT 256u
+#define EKC_CTL_OP_ERR_CODE 12u
+#define EKC_CTL_OP_ERR_SEQ 16u
+#define EKC_CTL_RECV 24u
+#define EKC_CTL_RECV_SEQ 32u
+#define EKC_CTL_OP_ERR_POS 40u
+#define EKC_EEXPERT (-1012) /* EP_EEXPERT */
+
+/* Dispatch and combine arguments. Pointers are device addresses; off[]
+ * are offsets from a region's base. */
+struct ekc_disp_args {
+	CUdeviceptr region[EKC_MAX_LOCAL];
+	uint64_t off[EKC_F_N];
+	uint32_t tokens[EKC_MAX_LOCAL]; /* T of each rank (the handle's) */
+	uint64_t weights_mask;          /* ranks that gave topk_weights */
+	uint64_t bias_mask;             /* combine: ranks that gave a bias */
+	uint64_t *mask;    /* [W][Tmax] destination bit masks */
+	uint32_t *blk;     /* [W][nblk_max][W] block counts */
+	uint32_t *base;    /* [W][nblk_max][W] block bases */
+	uint32_t *recv;    /* [W] rows received */
+	int32_t *slot;     /* [W][Tmax][W] the handle's routing */
+	unsigned long long *err; /* first bad (s, t, k), or ~0 */
+	void *host_ctl;    /* control page (device view), slots of 256 B */
+	uint32_t W, H, K, E, elt, nscales, Tmax, nblk_max;
+	uint32_t seq;
+	uint32_t cached;
 };
 
 /* The fatbin of the kernels in kernels/cuda, embedded at build time. */

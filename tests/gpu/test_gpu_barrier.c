@@ -16,8 +16,7 @@
  *
  * Exit 77 (skip) without a usable GPU.
  */
-#include "ekc.h"
-#include "harness.h"
+#include "gpu_util.h"
 
 #include <signal.h>
 #include <string.h>
@@ -26,18 +25,6 @@
 
 #define MAXR 16
 #define DELAY_MS 50
-
-static struct ekc_driver drv;
-
-#define CU(call)                                                               \
-	do {                                                                   \
-		CUresult r_ = (call);                                          \
-		if (r_ != CUDA_SUCCESS) {                                      \
-			char e_[200];                                          \
-			ekc_fail(&drv, r_, #call, e_, sizeof(e_));             \
-			TH_CHECK(0, "%s", e_);                                 \
-		}                                                              \
-	} while (0)
 
 struct shared {
 	const struct th_daemon *d;
@@ -56,23 +43,7 @@ struct shared {
 /* Children: CUDA is initialized after fork, in each rank. */
 static CUstream rank_cuda(struct shared *s, CUdeviceptr *dev_shared)
 {
-	char err[256];
-	TH_CHECK(ekc_load(&drv, err, sizeof(err)) == 0, "%s", err);
-	CUdevice dev;
-	CUcontext ctx;
-	CU(drv.cuDeviceGet(&dev, 0));
-	CU(drv.cuDevicePrimaryCtxRetain(&ctx, dev));
-	CU(drv.cuCtxSetCurrent(ctx));
-	/* The shared page is mapped at the same address in every rank. */
-	uintptr_t page = (uintptr_t)s & ~(uintptr_t)4095;
-	size_t len = ((uintptr_t)(s + 1) - page + 4095) & ~(size_t)4095;
-	CU(drv.cuMemHostRegister((void *)page, len,
-				 CU_MEMHOSTREGISTER_DEVICEMAP |
-					 CU_MEMHOSTREGISTER_PORTABLE));
-	CU(drv.cuMemHostGetDevicePointer(dev_shared, (void *)s, 0));
-	CUstream st;
-	CU(drv.cuStreamCreate(&st, CU_STREAM_NON_BLOCKING));
-	return st;
+	return tg_rank_init(s, sizeof(*s), dev_shared);
 }
 
 static ep_group_t *gpu_join(struct shared *s, const char *name, int rank,
@@ -98,14 +69,14 @@ static int late_rank(int rank, void *arg)
 	ep_group_t *g = gpu_join(s, "glate", rank, s->ranks, 20000, &c);
 	for (int late = 0; late < s->ranks; late++) {
 		if (rank == late)
-			CU(drv.cuStreamWaitValue32(st, DEV(&s->gate[late]), 1,
+			CU(tg_drv.cuStreamWaitValue32(st, DEV(&s->gate[late]), 1,
 						   CU_STREAM_WAIT_VALUE_GEQ));
 		TH_OK(ep_barrier_stream(g, st));
-		CU(drv.cuStreamWriteValue32(st, DEV(&s->left[late][rank]), 1,
+		CU(tg_drv.cuStreamWriteValue32(st, DEV(&s->left[late][rank]), 1,
 					    0));
 		__atomic_fetch_add(&s->enqueued[late], 1, __ATOMIC_SEQ_CST);
 	}
-	CU(drv.cuStreamSynchronize(st));
+	CU(tg_drv.cuStreamSynchronize(st));
 	TH_OK(ep_group_sync(g));
 	TH_OK(ep_leave(g));
 	ep_close(c);
@@ -149,37 +120,37 @@ static int loop_rank(int rank, void *arg)
 	ep_conn_t *c;
 	ep_group_t *g = gpu_join(s, "gloop", rank, s->ranks, 20000, &c);
 	CUevent e0, e1;
-	CU(drv.cuEventCreate(&e0, 0));
-	CU(drv.cuEventCreate(&e1, 0));
+	CU(tg_drv.cuEventCreate(&e0, 0));
+	CU(tg_drv.cuEventCreate(&e1, 0));
 	/* 10,000 back-to-back */
-	CU(drv.cuEventRecord(e0, st));
+	CU(tg_drv.cuEventRecord(e0, st));
 	for (int i = 0; i < 10000; i++)
 		TH_OK(ep_barrier_stream(g, st));
-	CU(drv.cuEventRecord(e1, st));
-	CU(drv.cuStreamSynchronize(st));
+	CU(tg_drv.cuEventRecord(e1, st));
+	CU(tg_drv.cuStreamSynchronize(st));
 	TH_OK(ep_group_sync(g));
 	float ms;
-	CU(drv.cuEventElapsedTime(&ms, e0, e1));
+	CU(tg_drv.cuEventElapsedTime(&ms, e0, e1));
 	if (rank == 0)
 		s->b10k_us = ms * 1000.0 / 10000;
 	/* a loop of 1000, device time */
-	CU(drv.cuEventRecord(e0, st));
+	CU(tg_drv.cuEventRecord(e0, st));
 	for (int i = 0; i < 1000; i++)
 		TH_OK(ep_barrier_stream(g, st));
-	CU(drv.cuEventRecord(e1, st));
-	CU(drv.cuStreamSynchronize(st));
-	CU(drv.cuEventElapsedTime(&ms, e0, e1));
+	CU(tg_drv.cuEventRecord(e1, st));
+	CU(tg_drv.cuStreamSynchronize(st));
+	CU(tg_drv.cuEventElapsedTime(&ms, e0, e1));
 	if (rank == 0)
 		s->us_per_barrier = ms * 1000.0 / 1000;
 	/* one barrier on idle streams: median of 101 round trips */
 	double rt[101];
 	for (int i = 0; i < 101; i++) {
 		TH_OK(ep_barrier(g)); /* line the ranks up on the host */
-		CU(drv.cuEventRecord(e0, st));
+		CU(tg_drv.cuEventRecord(e0, st));
 		TH_OK(ep_barrier_stream(g, st));
-		CU(drv.cuEventRecord(e1, st));
-		CU(drv.cuStreamSynchronize(st));
-		CU(drv.cuEventElapsedTime(&ms, e0, e1));
+		CU(tg_drv.cuEventRecord(e1, st));
+		CU(tg_drv.cuStreamSynchronize(st));
+		CU(tg_drv.cuEventElapsedTime(&ms, e0, e1));
 		rt[i] = ms * 1000.0;
 	}
 	for (int i = 0; i < 101; i++)
@@ -233,7 +204,7 @@ static int fail_rank(int rank, void *arg)
 	s->code[rank] = rc;
 	snprintf(s->msg[rank], sizeof(s->msg[rank]), "%s", ep_errmsg());
 	/* the stream was released: it drains */
-	CU(drv.cuStreamSynchronize(st));
+	CU(tg_drv.cuStreamSynchronize(st));
 	TH_CHECK(th_now_ns() - t0 < 10000000000ull, "took too long");
 	/* later calls report the same error without enqueuing */
 	TH_EXPECT_RC(ep_barrier_stream(g, st), rc);
@@ -275,34 +246,11 @@ static void check_failure(struct shared *s, const char *name, int victim,
 	printf("ok: %s -> %s: %s\n", name, ep_strerror(want), s->msg[0]);
 }
 
-static int probe(int i, void *arg)
-{
-	(void)i, (void)arg;
-	char err[256];
-	if (ekc_load(&drv, err, sizeof(err))) {
-		printf("skip: %s\n", err);
-		return TH_SKIP;
-	}
-	int n = 0;
-	if (drv.cuDeviceGetCount(&n) || n < 1) {
-		printf("skip: no GPU\n");
-		return TH_SKIP;
-	}
-	return 0;
-}
-
 int main(void)
 {
 	th_init("gpu: stream-ordered device barrier", 300);
-	/* Probe in a child: the parent never initializes CUDA. */
-	pid_t p;
-	th_spawn(&p, 1, probe, NULL);
-	int st;
-	waitpid(p, &st, 0);
-	if (!WIFEXITED(st) || WEXITSTATUS(st) == TH_SKIP)
+	if (tg_probe())
 		return TH_SKIP;
-	TH_CHECK(WEXITSTATUS(st) == 0, "probe failed");
-
 	struct th_daemon d;
 	th_daemon_start(&d, "--backend", "cuda", NULL);
 	struct shared *s = th_shared(sizeof(*s));

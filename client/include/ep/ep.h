@@ -226,6 +226,20 @@ int ep_daemon_status(ep_conn_t *conn, char **json);
  * ep_group_error() and ep_group_sync().
  */
 int ep_barrier_stream(ep_group_t *group, void *stream);
+/* Stream-ordered dispatch of the first num_tokens rows of the device send
+ * buffers (ep_get_buffers on a GPU group gives device addresses), and
+ * combine of combine_y into combined. *handle is filled at once; its
+ * num_recv is unknown (UINT32_MAX) until ep_dispatch_recv_count. A bad
+ * expert index fails that op alone, changing nothing; the error comes back
+ * from ep_group_sync and ep_group_error. */
+int ep_dispatch_stream(ep_group_t *group, uint32_t num_tokens, unsigned flags,
+		       const ep_handle_t *cached, void *stream,
+		       ep_handle_t *handle);
+int ep_combine_stream(ep_group_t *group, const ep_handle_t *handle,
+		      unsigned flags, void *stream);
+/* The rows this rank received in that dispatch: the CPU waits for it (as
+ * DeepEP's CPU sync does). Without waiting, size outputs for max_recv. */
+int ep_dispatch_recv_count(ep_group_t *group, ep_handle_t *handle);
 /* 0, or the group's asynchronous error (non-blocking). */
 int ep_group_error(ep_group_t *group);
 /* Wait until this rank's stream-ordered ops completed on the device: 0.

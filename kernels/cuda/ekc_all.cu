@@ -1,0 +1,4 @@
+// SPDX-License-Identifier: MIT
+// One translation unit for the fatbin: every kernel epd loads.
+#include "ekc_barrier.cu"
+#include "ekc_dispatch.cu"

@@ -1,0 +1,357 @@
+// SPDX-License-Identifier: MIT
+// Dispatch and combine on the GPU, run by epd on its stream after every
+// local rank's doorbell. Same semantics, bit for bit, as kernels/host:
+// placement from prefix sums (block counts, a scan, ballots inside a
+// block), never from atomics; combine accumulates in fp32 from the bias in
+// ascending rank order and rounds once to bf16 (nearest even).
+//
+//   ekc_count       masks and per-block destination counts; validation
+//   ekc_scan        block bases per (source, block, destination), receive
+//                   counts, per-expert counters cleared
+//   ekc_slot        slot[s][t][d]: the row of (s, t) on d, or -1
+//   ekc_copy        rows, scales, local top-k, weights, sources (warp/token)
+//   ekc_per_expert  received rows per local expert
+//   ekc_combine     warp per home token, 16-byte vectors
+#include <stdint.h>
+
+#include "ekc.h"
+
+#define TPB 256 // tokens per block in count and slot
+
+__device__ static inline uint8_t *field(const struct ekc_disp_args &a,
+					uint32_t rank, int f)
+{
+	return (uint8_t *)a.region[rank] + a.off[f];
+}
+
+__device__ static inline bool has_error(const struct ekc_disp_args &a)
+{
+	return *(volatile unsigned long long *)a.err != ~0ull;
+}
+
+extern "C" __global__ void __launch_bounds__(TPB)
+	ekc_count(struct ekc_disp_args a)
+{
+	const uint32_t s = blockIdx.y, b = blockIdx.x;
+	const uint32_t t = b * TPB + threadIdx.x;
+	const uint32_t T = a.tokens[s], W = a.W, K = a.K, per = a.E / a.W;
+	if (b >= (T + TPB - 1) / TPB)
+		return; // uniform for the block
+	uint64_t mask = 0;
+	if (t < T) {
+		const int64_t *ti = (const int64_t *)field(a, s, EKC_F_TOPK) +
+				    (uint64_t)t * K;
+		for (uint32_t k = 0; k < K; k++) {
+			int64_t e = ti[k];
+			if (e < -1 || e >= (int64_t)a.E) {
+				// the lowest (rank, token, k) wins: deterministic
+				unsigned long long p =
+					((unsigned long long)s << 48) |
+					((unsigned long long)t << 16) | k;
+				atomicMin(a.err, p);
+				continue;
+			}
+			if (e >= 0)
+				mask |= 1ull << (uint32_t)(e / per);
+		}
+		a.mask[(uint64_t)s * a.Tmax + t] = mask;
+	}
+	uint32_t *blk = a.blk + ((uint64_t)s * a.nblk_max + b) * W;
+	for (uint32_t d = 0; d < W; d++) {
+		int n = __syncthreads_count((int)((mask >> d) & 1));
+		if (threadIdx.x == 0)
+			blk[d] = (uint32_t)n;
+	}
+}
+
+// One thread per destination: a scan over (source, block) in order.
+extern "C" __global__ void ekc_scan(struct ekc_disp_args a)
+{
+	const uint32_t d = threadIdx.x;
+	if (d >= a.W)
+		return;
+	uint32_t run = 0;
+	if (!a.cached) {
+		for (uint32_t s = 0; s < a.W; s++) {
+			uint32_t nblk = (a.tokens[s] + TPB - 1) / TPB;
+			for (uint32_t b = 0; b < nblk; b++) {
+				uint64_t i =
+					((uint64_t)s * a.nblk_max + b) * a.W + d;
+				a.base[i] = run;
+				run += a.blk[i];
+			}
+		}
+		a.recv[d] = run;
+		int32_t *pe = (int32_t *)field(a, d, EKC_F_RECV_PE);
+		for (uint32_t j = 0; j < a.E / a.W; j++)
+			pe[j] = 0;
+	} else {
+		run = a.recv[d];
+	}
+	// For the rank's CPU (control page): its count, and a bad expert
+	// index anywhere (the op changes nothing; the group goes on). The
+	// finishing kernel publishes completion after these, in stream order.
+	uint8_t *h = (uint8_t *)a.host_ctl + (uint64_t)d * EKC_CTL_SLOT;
+	unsigned long long err = *(volatile unsigned long long *)a.err;
+	*(volatile uint64_t *)(h + EKC_CTL_RECV) = err != ~0ull ? 0 : run;
+	if (err != ~0ull) {
+		*(volatile uint64_t *)(h + EKC_CTL_OP_ERR_POS) = err;
+		*(volatile int32_t *)(h + EKC_CTL_OP_ERR_CODE) = EKC_EEXPERT;
+		__threadfence_system();
+		*(volatile uint64_t *)(h + EKC_CTL_OP_ERR_SEQ) = a.seq;
+	}
+	__threadfence_system();
+	*(volatile uint64_t *)(h + EKC_CTL_RECV_SEQ) = a.seq;
+}
+
+extern "C" __global__ void __launch_bounds__(TPB)
+	ekc_slot(struct ekc_disp_args a)
+{
+	__shared__ uint32_t warp_cnt[TPB / 32][EKC_MAX_LOCAL];
+	const uint32_t s = blockIdx.y, b = blockIdx.x;
+	const uint32_t t = b * TPB + threadIdx.x;
+	const uint32_t T = a.tokens[s], W = a.W;
+	if (b >= (T + TPB - 1) / TPB)
+		return; // uniform for the block
+	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+	const uint32_t below = (1u << lane) - 1;
+	const uint64_t mask = t < T ? a.mask[(uint64_t)s * a.Tmax + t] : 0;
+	for (uint32_t d = 0; d < W; d++) {
+		uint32_t bal = __ballot_sync(0xffffffffu, (mask >> d) & 1);
+		if (lane == 0)
+			warp_cnt[warp][d] = __popc(bal);
+	}
+	__syncthreads();
+	const uint32_t *base = a.base + ((uint64_t)s * a.nblk_max + b) * W;
+	int32_t *slot = a.slot + ((uint64_t)s * a.Tmax + t) * W;
+	for (uint32_t d = 0; d < W; d++) {
+		uint32_t bit = (mask >> d) & 1;
+		uint32_t bal = __ballot_sync(0xffffffffu, bit);
+		if (t >= T)
+			continue;
+		if (!bit) {
+			slot[d] = -1;
+			continue;
+		}
+		uint32_t before = 0;
+		for (uint32_t w = 0; w < warp; w++)
+			before += warp_cnt[w][d];
+		slot[d] = (int32_t)(base[d] + before + __popc(bal & below));
+	}
+}
+
+// A warp per source token: read its row once, write it to every
+// destination. 16-byte vectors, four in flight per lane.
+extern "C" __global__ void ekc_copy(struct ekc_disp_args a)
+{
+	if (has_error(a))
+		return; // a bad expert index: change nothing
+	const uint32_t lane = threadIdx.x & 31;
+	const uint32_t W = a.W, K = a.K, per = a.E / a.W;
+	const uint64_t nvec = (uint64_t)a.H * a.elt / 16;
+	uint64_t total = 0;
+	for (uint32_t s = 0; s < W; s++)
+		total += a.tokens[s];
+	const uint64_t warps = (uint64_t)gridDim.x * (blockDim.x / 32);
+	for (uint64_t g = (uint64_t)blockIdx.x * (blockDim.x / 32) +
+			  (threadIdx.x >> 5);
+	     g < total; g += warps) {
+		uint32_t s = 0;
+		uint64_t t = g;
+		while (t >= a.tokens[s]) {
+			t -= a.tokens[s];
+			s++;
+		}
+		const int32_t *slot = a.slot + ((uint64_t)s * a.Tmax + t) * W;
+		const uint4 *src = (const uint4 *)(field(a, s, EKC_F_X) +
+						   t * nvec * 16);
+		uint4 *dst[8];
+		uint32_t nd = 0, d0 = 0;
+		// destinations in groups of 8 (registers, no local memory)
+		for (d0 = 0; d0 < W; d0 += 8) {
+			nd = 0;
+#pragma unroll
+			for (uint32_t j = 0; j < 8; j++) {
+				uint32_t d = d0 + j;
+				int32_t r = d < W ? slot[d] : -1;
+				dst[j] = r >= 0 ? (uint4 *)(field(a, d,
+								  EKC_F_RECV_X) +
+							    (uint64_t)r * nvec * 16)
+						: nullptr;
+				nd += r >= 0;
+			}
+			if (!nd)
+				continue;
+			for (uint64_t v = lane; v < nvec; v += 32 * 4) {
+				uint4 x[4];
+#pragma unroll
+				for (int u = 0; u < 4; u++)
+					if (v + 32 * u < nvec)
+						x[u] = __ldg(src + v + 32 * u);
+#pragma unroll
+				for (uint32_t j = 0; j < 8; j++) {
+					if (!dst[j])
+						continue;
+#pragma unroll
+					for (int u = 0; u < 4; u++)
+						if (v + 32 * u < nvec)
+							dst[j][v + 32 * u] = x[u];
+				}
+			}
+		}
+		// scales, top-k, weights, source: small, a few lanes
+		const float *sc = (const float *)field(a, s, EKC_F_SCALES) +
+				  t * a.nscales;
+		const int64_t *ti = (const int64_t *)field(a, s, EKC_F_TOPK) +
+				    t * K;
+		const float *tw = (const float *)field(a, s, EKC_F_WEIGHTS) +
+				  t * K;
+		bool wts = (a.weights_mask >> s) & 1;
+		for (uint32_t d = 0; d < W; d++) {
+			int32_t r = slot[d];
+			if (r < 0)
+				continue;
+			float *rs = (float *)field(a, d, EKC_F_RECV_SCALES) +
+				    (uint64_t)r * a.nscales;
+			for (uint32_t i = lane; i < a.nscales; i += 32)
+				rs[i] = sc[i];
+			if (a.cached)
+				continue;
+			int64_t *ri = (int64_t *)field(a, d, EKC_F_RECV_TOPK) +
+				      (uint64_t)r * K;
+			float *rw = (float *)field(a, d, EKC_F_RECV_WEIGHTS) +
+				    (uint64_t)r * K;
+			for (uint32_t k = lane; k < K; k += 32) {
+				int64_t e = ti[k];
+				bool local = e >= 0 && (uint32_t)(e / per) == d;
+				ri[k] = local ? e - (int64_t)d * per : -1;
+				rw[k] = local && wts ? tw[k] : 0.0f;
+			}
+			if (lane == 0) {
+				int32_t *rsrc = (int32_t *)field(a, d,
+								EKC_F_RECV_SRC) +
+						(uint64_t)r * 2;
+				rsrc[0] = (int32_t)s;
+				rsrc[1] = (int32_t)t;
+			}
+		}
+	}
+}
+
+// Received rows per local expert, a row once per distinct expert.
+extern "C" __global__ void ekc_per_expert(struct ekc_disp_args a)
+{
+	if (has_error(a))
+		return;
+	const uint32_t d = blockIdx.y, K = a.K;
+	const uint32_t R = a.recv[d];
+	const int64_t *ri = (const int64_t *)field(a, d, EKC_F_RECV_TOPK);
+	int32_t *pe = (int32_t *)field(a, d, EKC_F_RECV_PE);
+	for (uint32_t r = blockIdx.x * blockDim.x + threadIdx.x; r < R;
+	     r += gridDim.x * blockDim.x) {
+		const int64_t *row = ri + (uint64_t)r * K;
+		for (uint32_t k = 0; k < K; k++) {
+			if (row[k] < 0)
+				continue;
+			bool dup = false;
+			for (uint32_t j = 0; j < k; j++)
+				dup |= row[j] == row[k];
+			if (!dup)
+				atomicAdd(&pe[row[k]], 1); // a count: order-free
+		}
+	}
+}
+
+__device__ static inline float bf16_f32(uint32_t bits16)
+{
+	return __uint_as_float(bits16 << 16);
+}
+
+__device__ static inline uint32_t f32_bf16(float f)
+{
+	uint32_t u = __float_as_uint(f);
+	uint32_t rne = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+	uint32_t qnan = (u >> 16) | 0x40u;
+	return ((u & 0x7fffffffu) > 0x7f800000u ? qnan : rne) & 0xffffu;
+}
+
+// A warp per home token; each lane 8 channels (16 bytes) at a time. The
+// rows of all destinations are loaded first (in flight together), then
+// added in ascending rank order: the order of the sums is fixed.
+extern "C" __global__ void ekc_combine(struct ekc_disp_args a)
+{
+	const uint32_t lane = threadIdx.x & 31, W = a.W, H = a.H;
+	const uint64_t nvec = H / 8;
+	uint64_t total = 0;
+	for (uint32_t s = 0; s < W; s++)
+		total += a.tokens[s];
+	const uint64_t warps = (uint64_t)gridDim.x * (blockDim.x / 32);
+	for (uint64_t g = (uint64_t)blockIdx.x * (blockDim.x / 32) +
+			  (threadIdx.x >> 5);
+	     g < total; g += warps) {
+		uint32_t h = 0;
+		uint64_t t = g;
+		while (t >= a.tokens[h]) {
+			t -= a.tokens[h];
+			h++;
+		}
+		const int32_t *slot = a.slot + ((uint64_t)h * a.Tmax + t) * W;
+		const uint4 *bias = (a.bias_mask >> h) & 1
+					    ? (const uint4 *)field(a, h, EKC_F_BIAS) +
+						      t * nvec
+					    : nullptr;
+		uint4 *out = (uint4 *)field(a, h, EKC_F_OUT) + t * nvec;
+		for (uint64_t v = lane; v < nvec; v += 32) {
+			float acc[8];
+			if (bias) {
+				uint4 q = bias[v];
+				uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+				for (int i = 0; i < 4; i++) {
+					acc[2 * i] = bf16_f32(w[i] & 0xffffu);
+					acc[2 * i + 1] = bf16_f32(w[i] >> 16);
+				}
+			} else {
+#pragma unroll
+				for (int i = 0; i < 8; i++)
+					acc[i] = 0.0f;
+			}
+			for (uint32_t d0 = 0; d0 < W; d0 += 8) {
+				uint4 y[8];
+				bool on[8];
+#pragma unroll
+				for (uint32_t j = 0; j < 8; j++) {
+					uint32_t d = d0 + j;
+					int32_t r = d < W ? slot[d] : -1;
+					on[j] = r >= 0;
+					if (on[j])
+						y[j] = __ldg((const uint4 *)field(
+								     a, d, EKC_F_Y) +
+							     (uint64_t)r * nvec + v);
+				}
+#pragma unroll
+				for (uint32_t j = 0; j < 8; j++) {
+					if (!on[j])
+						continue;
+					uint32_t w[4] = {y[j].x, y[j].y, y[j].z,
+							 y[j].w};
+#pragma unroll
+					for (int i = 0; i < 4; i++) {
+						acc[2 * i] = __fadd_rn(
+							acc[2 * i],
+							bf16_f32(w[i] & 0xffffu));
+						acc[2 * i + 1] = __fadd_rn(
+							acc[2 * i + 1],
+							bf16_f32(w[i] >> 16));
+					}
+				}
+			}
+			uint4 o;
+			o.x = f32_bf16(acc[0]) | f32_bf16(acc[1]) << 16;
+			o.y = f32_bf16(acc[2]) | f32_bf16(acc[3]) << 16;
+			o.z = f32_bf16(acc[4]) | f32_bf16(acc[5]) << 16;
+			o.w = f32_bf16(acc[6]) | f32_bf16(acc[7]) << 16;
+			out[v] = o;
+		}
+	}
+}

@@ -1,0 +1,244 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * bench_gpu: dispatch and combine on the CUDA backend, DeepSeek-V3 shape
+ * (8 ranks on one GPU, 4096 tokens per rank, hidden 7168, top-8 of 256
+ * experts), bf16 and fp8, with the daemon's kernels on all SMs and on 16,
+ * 32 and 66. Reports time per call (device time on rank 0's stream, ranks
+ * lined up by a device barrier first), GB/s counting the fewest bytes (each
+ * input read once, each output written once) and the ratio to a
+ * device-to-device copy measured in the same run. Random inputs.
+ *
+ * EPD_BENCH_TOKENS, EPD_BENCH_ITERS override; EPD_BENCH_REF=file holds a
+ * reference's "dispatch_ms combine_ms" to print the speed-up over it.
+ */
+#include "gpu_util.h"
+
+#include <string.h>
+
+#define W 8
+
+struct shared {
+	const struct th_daemon *d;
+	uint32_t T, H, K, E;
+	int fp8, iters;
+	uint64_t recv[W];
+	double disp_ms[64], comb_ms[64];
+	double d2d_gbs;
+};
+
+static uint64_t rng(uint64_t *s)
+{
+	uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
+static int cmpd(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n)
+{
+	qsort(v, (size_t)n, sizeof(double), cmpd);
+	return v[n / 2];
+}
+
+static double d2d(void)
+{
+	size_t n = 2ull << 30;
+	CUdeviceptr a, b;
+	CU(tg_drv.cuMemAlloc(&a, n));
+	CU(tg_drv.cuMemAlloc(&b, n));
+	CU(tg_drv.cuMemsetD32(a, 0x3f803f80, n / 4));
+	CUevent e0, e1;
+	CU(tg_drv.cuEventCreate(&e0, 0));
+	CU(tg_drv.cuEventCreate(&e1, 0));
+	double t[9];
+	for (int i = 0; i < 9; i++) {
+		CU(tg_drv.cuEventRecord(e0, 0));
+		CU(tg_drv.cuMemcpyDtoD(b, a, n));
+		CU(tg_drv.cuEventRecord(e1, 0));
+		CU(tg_drv.cuEventSynchronize(e1));
+		float ms;
+		CU(tg_drv.cuEventElapsedTime(&ms, e0, e1));
+		t[i] = ms;
+	}
+	CU(tg_drv.cuMemFree(a));
+	CU(tg_drv.cuMemFree(b));
+	return 2.0 * (double)n / (median(t, 9) / 1e3) / 1e9;
+}
+
+static int rank_main(int r, void *arg)
+{
+	struct shared *s = arg;
+	CUstream st = tg_rank_init(NULL, 0, NULL);
+	const uint32_t T = s->T, H = s->H, K = s->K, E = s->E;
+	const uint32_t elt = s->fp8 ? 1 : 2, ns = s->fp8 ? H / 128 : 0;
+	struct ep_group_config cfg = {
+		.name = "bench", .world_size = W, .ranks_per_node = W,
+		.rank = (uint32_t)r, .num_experts = E, .hidden = H,
+		.max_tokens_per_rank = T, .topk = K,
+		.dtype = s->fp8 ? EP_DTYPE_FP8 : EP_DTYPE_BF16,
+		.timeout_ms = 60000, .cuda_device = 0};
+	ep_conn_t *c;
+	ep_group_t *g;
+	TH_OK(ep_connect(s->d->sock, &c));
+	TH_OK(ep_join(c, &cfg, EP_JOIN_CUDA, &g));
+	struct ep_buffers b;
+	TH_OK(ep_get_buffers(g, &b));
+	/* random inputs: moderate bf16 values (or fp8 bytes and scales),
+	 * distinct experts per token */
+	uint64_t seed = 77 + (uint64_t)r;
+	size_t nx = (size_t)T * H;
+	uint8_t *x = malloc(nx * elt);
+	for (size_t i = 0; i < nx; i++) {
+		uint64_t v = rng(&seed);
+		if (s->fp8)
+			x[i] = (uint8_t)v;
+		else
+			((uint16_t *)x)[i] = (uint16_t)(0x3c00 + v % 0x800);
+	}
+	int64_t *idx = malloc((size_t)T * K * 8);
+	float *w = malloc((size_t)T * K * 4), *sc = malloc((size_t)T * ns * 4 + 4);
+	for (uint32_t t = 0; t < T; t++)
+		for (uint32_t k = 0; k < K; k++) {
+			int64_t e;
+			bool dup;
+			do {
+				e = (int64_t)(rng(&seed) % E);
+				dup = false;
+				for (uint32_t j = 0; j < k; j++)
+					dup |= idx[(size_t)t * K + j] == e;
+			} while (dup);
+			idx[(size_t)t * K + k] = e;
+			w[(size_t)t * K + k] = 1.0f / (float)K;
+		}
+	for (size_t i = 0; i < (size_t)T * ns; i++)
+		sc[i] = 1.0f + (float)(rng(&seed) % 100);
+	CU(tg_drv.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)b.x, x, nx * elt));
+	CU(tg_drv.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)b.topk_idx, idx,
+			       (size_t)T * K * 8));
+	CU(tg_drv.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)b.topk_weights, w,
+			       (size_t)T * K * 4));
+	if (ns)
+		CU(tg_drv.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)b.x_scales, sc,
+				       (size_t)T * ns * 4));
+	/* y for combine: random bf16 rows, all of them */
+	uint64_t maxr = (uint64_t)W * T;
+	uint16_t *y = malloc(maxr * H * 2);
+	for (size_t i = 0; i < maxr * H; i++)
+		y[i] = (uint16_t)(0x3c00 + rng(&seed) % 0x800);
+	CU(tg_drv.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)b.combine_y, y,
+			       maxr * H * 2));
+	free(y);
+	ep_handle_t h;
+	for (int i = 0; i < 3; i++) {
+		TH_OK(ep_dispatch_stream(g, T, EP_DISPATCH_WEIGHTS, NULL, st,
+					 &h));
+		TH_OK(ep_combine_stream(g, &h, 0, st));
+	}
+	TH_OK(ep_dispatch_stream(g, T, EP_DISPATCH_WEIGHTS, NULL, st, &h));
+	TH_OK(ep_dispatch_recv_count(g, &h));
+	s->recv[r] = h.num_recv;
+	CUevent ev[4];
+	for (int i = 0; i < 4; i++)
+		CU(tg_drv.cuEventCreate(&ev[i], 0));
+	for (int i = 0; i < s->iters; i++) {
+		TH_OK(ep_barrier_stream(g, st));
+		CU(tg_drv.cuEventRecord(ev[0], st));
+		TH_OK(ep_dispatch_stream(g, T, EP_DISPATCH_WEIGHTS, NULL, st,
+					 &h));
+		CU(tg_drv.cuEventRecord(ev[1], st));
+		TH_OK(ep_barrier_stream(g, st));
+		CU(tg_drv.cuEventRecord(ev[2], st));
+		TH_OK(ep_combine_stream(g, &h, 0, st));
+		CU(tg_drv.cuEventRecord(ev[3], st));
+		CU(tg_drv.cuStreamSynchronize(st));
+		if (r == 0) {
+			float a, bb;
+			CU(tg_drv.cuEventElapsedTime(&a, ev[0], ev[1]));
+			CU(tg_drv.cuEventElapsedTime(&bb, ev[2], ev[3]));
+			s->disp_ms[i] = a;
+			s->comb_ms[i] = bb;
+		}
+	}
+	TH_OK(ep_group_sync(g));
+	TH_OK(ep_barrier(g));
+	if (r == 0)
+		s->d2d_gbs = d2d();
+	TH_OK(ep_barrier(g));
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	return 0;
+}
+
+int main(void)
+{
+	th_init("gpu: dispatch/combine benchmark", 550);
+	if (tg_probe())
+		return TH_SKIP;
+	struct shared *s = th_shared(sizeof(*s));
+	s->T = getenv("EPD_BENCH_TOKENS") ? (uint32_t)atoi(getenv(
+						    "EPD_BENCH_TOKENS"))
+					  : 4096;
+	s->iters = getenv("EPD_BENCH_ITERS") ? atoi(getenv("EPD_BENCH_ITERS"))
+					     : 20;
+	if (s->iters > 64)
+		s->iters = 64;
+	s->H = 7168;
+	s->K = 8;
+	s->E = 256;
+	double ref_d = 0, ref_c = 0;
+	if (getenv("EPD_BENCH_REF")) {
+		FILE *f = fopen(getenv("EPD_BENCH_REF"), "r");
+		if (f) {
+			if (fscanf(f, "%lf %lf", &ref_d, &ref_c) != 2)
+				ref_d = ref_c = 0;
+			fclose(f);
+		}
+	}
+	const char *sms[] = {"0", "16", "32", "66"};
+	for (int fp8 = 0; fp8 < 2; fp8++) {
+		for (int i = 0; i < 4; i++) {
+			if (fp8 && i) /* fp8 at all SMs only */
+				break;
+			char kv[32];
+			snprintf(kv, sizeof(kv), "cuda_sms=%s", sms[i]);
+			struct th_daemon d;
+			th_daemon_start(&d, "--backend", "cuda", "-o", kv, NULL);
+			s->d = &d;
+			s->fp8 = fp8;
+			pid_t pids[W];
+			th_spawn(pids, W, rank_main, s);
+			TH_CHECK(th_wait_all(pids, W, 300) == 0, "a rank failed");
+			th_daemon_stop(&d);
+			uint64_t rows = 0;
+			for (int r = 0; r < W; r++)
+				rows += s->recv[r];
+			double tokens = (double)s->T * W;
+			double row = (double)s->H * (fp8 ? 1 : 2) +
+				     (fp8 ? s->H / 128 * 4 : 0);
+			double db = (tokens + (double)rows) * row;
+			double cb = (tokens + (double)rows) * s->H * 2;
+			double dm = median(s->disp_ms, s->iters),
+			       cm = median(s->comb_ms, s->iters);
+			double dg = db / (dm / 1e3) / 1e9,
+			       cg = cb / (cm / 1e3) / 1e9;
+			printf("perf: %s, SMs %s: dispatch %.3f ms, %.0f GB/s, "
+			       "%.2f of D2D copy; combine %.3f ms, %.0f GB/s, "
+			       "%.2f of D2D copy (D2D %.0f GB/s; %llu rows)\n",
+			       fp8 ? "fp8" : "bf16", i ? sms[i] : "all(132)",
+			       dm, dg, dg / s->d2d_gbs, cm, cg, cg / s->d2d_gbs,
+			       s->d2d_gbs, (unsigned long long)rows);
+			if (!fp8 && i == 0 && ref_d > 0)
+				printf("perf: speed-up over the PyTorch "
+				       "reference on this GPU: dispatch %.1fx, "
+				       "combine %.1fx\n",
+				       ref_d / dm, ref_c / cm);
+		}
+	}
+	return 0;
+}

@@ -1,0 +1,57 @@
+/* SPDX-License-Identifier: MIT */
+#include "gpu_util.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+struct ekc_driver tg_drv;
+
+CUstream tg_rank_init(void *p, size_t len, CUdeviceptr *dev)
+{
+	char err[256];
+	TH_CHECK(ekc_load(&tg_drv, err, sizeof(err)) == 0, "%s", err);
+	CUdevice d;
+	CUcontext ctx;
+	CU(tg_drv.cuDeviceGet(&d, 0));
+	CU(tg_drv.cuDevicePrimaryCtxRetain(&ctx, d));
+	CU(tg_drv.cuCtxSetCurrent(ctx));
+	if (p) {
+		uintptr_t page = (uintptr_t)p & ~(uintptr_t)4095;
+		size_t n = ((uintptr_t)p + len - page + 4095) & ~(size_t)4095;
+		CU(tg_drv.cuMemHostRegister((void *)page, n,
+					    CU_MEMHOSTREGISTER_DEVICEMAP |
+						    CU_MEMHOSTREGISTER_PORTABLE));
+		CU(tg_drv.cuMemHostGetDevicePointer(dev, p, 0));
+	}
+	CUstream st;
+	CU(tg_drv.cuStreamCreate(&st, CU_STREAM_NON_BLOCKING));
+	return st;
+}
+
+static int probe(int i, void *arg)
+{
+	(void)i, (void)arg;
+	char err[256];
+	if (ekc_load(&tg_drv, err, sizeof(err))) {
+		printf("skip: %s\n", err);
+		return TH_SKIP;
+	}
+	int n = 0;
+	if (tg_drv.cuDeviceGetCount(&n) || n < 1) {
+		printf("skip: no GPU\n");
+		return TH_SKIP;
+	}
+	return 0;
+}
+
+int tg_probe(void)
+{
+	pid_t p;
+	int st;
+	th_spawn(&p, 1, probe, NULL);
+	waitpid(p, &st, 0);
+	if (!WIFEXITED(st) || WEXITSTATUS(st) == TH_SKIP)
+		return TH_SKIP;
+	TH_CHECK(WEXITSTATUS(st) == 0, "GPU probe failed");
+	return 0;
+}

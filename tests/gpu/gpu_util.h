@@ -1,0 +1,30 @@
+/* SPDX-License-Identifier: MIT */
+/* GPU test helpers: the driver (through ekc), a rank's context and stream,
+ * shared host memory the GPU can reach, a skip probe. */
+#ifndef TG_GPU_UTIL_H
+#define TG_GPU_UTIL_H
+
+#include "ekc.h"
+#include "harness.h"
+
+extern struct ekc_driver tg_drv;
+
+#define CU(call)                                                               \
+	do {                                                                   \
+		CUresult r_ = (call);                                          \
+		if (r_ != CUDA_SUCCESS) {                                      \
+			char e_[200];                                          \
+			ekc_fail(&tg_drv, r_, #call, e_, sizeof(e_));          \
+			TH_CHECK(0, "%s", e_);                                 \
+		}                                                              \
+	} while (0)
+
+/* In a rank (after fork): driver, primary context of GPU 0, the shared
+ * block [p, p+len) registered for the GPU (its device address in *dev),
+ * and a non-blocking stream. */
+CUstream tg_rank_init(void *p, size_t len, CUdeviceptr *dev);
+/* In the parent: 0 if a GPU is usable (probed in a child, so the parent
+ * never initializes CUDA), else TH_SKIP. */
+int tg_probe(void);
+
+#endif

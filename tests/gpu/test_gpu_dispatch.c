@@ -1,0 +1,370 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Dispatch, cached dispatch and combine on the CUDA backend, compared
+ * bitwise with the host backend (a second daemon, the same fresh inputs)
+ * and with the independent reference, over corner cases and random shapes.
+ *
+ * Stream order: each rank's upload of its inputs is held on its stream
+ * behind a gate (a wait on host memory) that its CPU opens only after the
+ * dispatch is enqueued; outputs are poisoned first and every byte is
+ * checked, the rows past the received count still poisoned.
+ *
+ * EPD_TEST_SEED repeats a run; EPD_TEST_CASES sets the random cases.
+ * Exit 77 without a GPU.
+ */
+#include "gpu_util.h"
+#include "ref.h"
+
+#include <string.h>
+#include <time.h>
+
+#define POISON 0xa5
+
+struct ctx {
+	const struct th_daemon *gpu, *host;
+	struct ref_case c;
+	int index;
+	int bad_rank; /* >= 0: that rank sends a bad expert index first */
+	volatile uint32_t gate[8];
+};
+
+static void *poisoned(size_t n)
+{
+	void *p = malloc(n + 1);
+	TH_CHECK(p, "out of memory");
+	memset(p, POISON, n + 1);
+	return p;
+}
+
+static bool all_poison(const void *p, size_t n)
+{
+	const uint8_t *b = p;
+	for (size_t i = 0; i < n; i++)
+		if (b[i] != POISON)
+			return false;
+	return true;
+}
+
+#define SAME(got, want, n, what)                                               \
+	do {                                                                   \
+		size_t n_ = (n);                                               \
+		if (n_ && memcmp(got, want, n_)) {                             \
+			size_t i_ = 0;                                         \
+			while (((const uint8_t *)(got))[i_] ==                 \
+			       ((const uint8_t *)(want))[i_])                  \
+				i_++;                                          \
+			TH_CHECK(0, "case %d rank %d: %s differs at byte %zu", \
+				 x->index, r, what, i_);                       \
+		}                                                              \
+	} while (0)
+
+static CUdeviceptr dptr(const void *p)
+{
+	return (CUdeviceptr)(uintptr_t)p;
+}
+
+static int case_rank(int r, void *arg)
+{
+	struct ctx *x = arg;
+	const struct ref_case *c = &x->c;
+	const uint32_t W = c->world, H = c->hidden, K = c->topk,
+		       E = c->experts, elt = ref_elt(c), ns = H / 128;
+	const uint32_t per = E / W;
+	CUdeviceptr gdev;
+	CUstream st = tg_rank_init((void *)x->gate, sizeof(x->gate), &gdev);
+	struct ref_inputs in[8], in2[8];
+	struct ref_recv exp[8], exp2[8];
+	for (uint32_t s = 0; s < W; s++) {
+		ref_gen_inputs(c, s, 0, &in[s]);
+		ref_gen_inputs(c, s, 1, &in2[s]);
+	}
+	for (uint32_t d = 0; d < W; d++) {
+		ref_dispatch(c, in, d, &exp[d]);
+		ref_dispatch(c, in2, d, &exp2[d]);
+	}
+	const struct ref_inputs *me = &in[r];
+	const uint64_t R = exp[r].R, cap = (uint64_t)W * c->max_tokens;
+	char name[32];
+	snprintf(name, sizeof(name), "gd%d", x->index);
+	struct ep_group_config cfg = {
+		.name = name, .world_size = W, .ranks_per_node = W,
+		.rank = (uint32_t)r, .num_experts = E, .hidden = H,
+		.max_tokens_per_rank = c->max_tokens, .topk = K,
+		.dtype = (ep_dtype_t)c->dtype, .timeout_ms = 30000,
+		.cuda_device = 0};
+	ep_conn_t *hc, *gc;
+	ep_group_t *hg, *g;
+	/* The host backend: the same inputs through the copy path. */
+	hg = th_join(x->host, &cfg, &hc);
+	struct ep_dispatch_in din = {
+		.num_tokens = me->T, .hidden = H, .dtype = (ep_dtype_t)c->dtype,
+		.topk = K, .x = me->x, .x_scales = me->scales,
+		.topk_idx = me->topk,
+		.topk_weights = c->weights ? me->weights : NULL};
+	struct ep_dispatch_out hout = {
+		.capacity = cap, .recv_x = poisoned(cap * H * elt),
+		.recv_x_scales = poisoned(cap * ns * 4),
+		.recv_topk_idx = poisoned(cap * K * 8),
+		.recv_topk_weights = poisoned(cap * K * 4),
+		.num_recv_tokens_per_expert = poisoned(per * 4)};
+	ep_handle_t hh;
+	TH_OK(ep_dispatch(hg, &din, NULL, &hout, &hh));
+
+	/* The CUDA backend. */
+	TH_OK(ep_connect(x->gpu->sock, &gc));
+	TH_OK(ep_join(gc, &cfg, EP_JOIN_CUDA, &g));
+	struct ep_buffers b;
+	TH_OK(ep_get_buffers(g, &b));
+	/* poison every output on the device */
+	CU(tg_drv.cuMemsetD8(dptr(b.recv_x), POISON, cap * H * elt));
+	if (ns)
+		CU(tg_drv.cuMemsetD8(dptr(b.recv_x_scales), POISON,
+				     cap * ns * 4));
+	CU(tg_drv.cuMemsetD8(dptr(b.recv_topk_idx), POISON, cap * K * 8));
+	CU(tg_drv.cuMemsetD8(dptr(b.recv_topk_weights), POISON, cap * K * 4));
+	CU(tg_drv.cuMemsetD8(dptr(b.recv_src), POISON, cap * 8));
+	CU(tg_drv.cuMemsetD8(dptr(b.num_recv_tokens_per_expert), POISON,
+			     per * 4));
+	CU(tg_drv.cuMemsetD8(dptr(b.combined), POISON,
+			     (size_t)c->max_tokens * H * 2));
+
+	if (x->bad_rank >= 0) {
+		/* one bad expert index anywhere: every rank's op fails and
+		 * nothing changes */
+		int64_t *bad = malloc((size_t)me->T * K * 8 + 8);
+		memcpy(bad, me->topk, (size_t)me->T * K * 8);
+		if (r == x->bad_rank && me->T)
+			bad[K - 1] = E;
+		CU(tg_drv.cuMemcpyHtoD(dptr(b.topk_idx), bad,
+				       (size_t)me->T * K * 8));
+		ep_handle_t hb;
+		TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &hb));
+		CU(tg_drv.cuStreamSynchronize(st));
+		TH_EXPECT_RC(ep_group_sync(g), EP_EEXPERT);
+		free(bad);
+		uint8_t *chk = malloc(cap * H * elt);
+		CU(tg_drv.cuMemcpyDtoH(chk, dptr(b.recv_x), cap * H * elt));
+		TH_CHECK(all_poison(chk, cap * H * elt),
+			 "a failed dispatch wrote recv_x");
+		free(chk);
+	}
+
+	/* Upload behind a gate, dispatch, download: all on the stream. */
+	CU(tg_drv.cuStreamWaitValue32(st, gdev + (uintptr_t)&x->gate[r] -
+						  (uintptr_t)x->gate,
+				      1, CU_STREAM_WAIT_VALUE_GEQ));
+	CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.x), me->x, (size_t)me->T * H * elt,
+				    st));
+	if (ns)
+		CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.x_scales), me->scales,
+					    (size_t)me->T * ns * 4, st));
+	CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.topk_idx), me->topk,
+				    (size_t)me->T * K * 8, st));
+	CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.topk_weights), me->weights,
+				    (size_t)me->T * K * 4, st));
+	ep_handle_t h;
+	TH_OK(ep_dispatch_stream(g, me->T,
+				 c->weights ? EP_DISPATCH_WEIGHTS : 0, NULL,
+				 st, &h));
+	uint8_t *gx = poisoned(cap * H * elt);
+	float *gs = poisoned(cap * ns * 4);
+	int64_t *gi = poisoned(cap * K * 8);
+	float *gw = poisoned(cap * K * 4);
+	int32_t *gsrc = poisoned(cap * 8), *gpe = poisoned(per * 4);
+	CU(tg_drv.cuMemcpyDtoHAsync(gx, dptr(b.recv_x), cap * H * elt, st));
+	if (ns)
+		CU(tg_drv.cuMemcpyDtoHAsync(gs, dptr(b.recv_x_scales),
+					    cap * ns * 4, st));
+	CU(tg_drv.cuMemcpyDtoHAsync(gi, dptr(b.recv_topk_idx), cap * K * 8,
+				    st));
+	CU(tg_drv.cuMemcpyDtoHAsync(gw, dptr(b.recv_topk_weights),
+				    cap * K * 4, st));
+	CU(tg_drv.cuMemcpyDtoHAsync(gsrc, dptr(b.recv_src), cap * 8, st));
+	CU(tg_drv.cuMemcpyDtoHAsync(gpe, dptr(b.num_recv_tokens_per_expert),
+				    per * 4, st));
+	th_sleep_ms(5);
+	x->gate[r] = 1; /* only now may the upload start */
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_OK(ep_group_sync(g));
+	TH_OK(ep_dispatch_recv_count(g, &h));
+	TH_CHECK(h.num_recv == R && hh.num_recv == R,
+		 "case %d rank %d: received %u (host %u), want %llu", x->index,
+		 r, h.num_recv, hh.num_recv, (unsigned long long)R);
+	SAME(gx, hout.recv_x, R * H * elt, "recv_x vs host backend");
+	SAME(gx, exp[r].x, R * H * elt, "recv_x vs reference");
+	TH_CHECK(all_poison(gx + R * H * elt, (cap - R) * H * elt),
+		 "case %d rank %d: recv_x written past row %llu", x->index, r,
+		 (unsigned long long)R);
+	if (ns)
+		SAME(gs, hout.recv_x_scales, R * ns * 4, "recv_x_scales");
+	SAME(gi, hout.recv_topk_idx, R * K * 8, "recv_topk_idx");
+	TH_CHECK(all_poison((uint8_t *)gi + R * K * 8, (cap - R) * K * 8),
+		 "recv_topk_idx written past the rows");
+	SAME(gw, hout.recv_topk_weights, R * K * 4, "recv_topk_weights");
+	SAME(gsrc, exp[r].src, R * 8, "recv_src");
+	SAME(gpe, hout.num_recv_tokens_per_expert, per * 4,
+	     "num_recv_tokens_per_expert");
+
+	/* Again: identical bytes. Then cached dispatch of new data equals a
+	 * fresh dispatch of it (and the host backend's). */
+	ep_handle_t h2, hc2, h3;
+	TH_OK(ep_dispatch_stream(g, me->T, c->weights ? EP_DISPATCH_WEIGHTS : 0,
+				 NULL, st, &h2));
+	uint8_t *gx2 = poisoned(cap * H * elt);
+	CU(tg_drv.cuMemcpyDtoHAsync(gx2, dptr(b.recv_x), R * H * elt, st));
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_OK(ep_group_sync(g));
+	SAME(gx2, gx, R * H * elt, "recv_x of a rerun");
+	CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.x), in2[r].x,
+				    (size_t)me->T * H * elt, st));
+	if (ns)
+		CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.x_scales), in2[r].scales,
+					    (size_t)me->T * ns * 4, st));
+	TH_OK(ep_dispatch_stream(g, me->T, 0, &h, st, &hc2));
+	TH_CHECK(hc2.seq == h.seq, "cached handle");
+	memset(gx2, POISON, cap * H * elt);
+	CU(tg_drv.cuMemcpyDtoHAsync(gx2, dptr(b.recv_x), R * H * elt, st));
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_OK(ep_group_sync(g));
+	SAME(gx2, exp2[r].x, R * H * elt, "cached recv_x vs reference");
+	TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &h3));
+	uint8_t *gx3 = poisoned(cap * H * elt);
+	CU(tg_drv.cuMemcpyDtoHAsync(gx3, dptr(b.recv_x), R * H * elt, st));
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_OK(ep_group_sync(g));
+	SAME(gx3, gx2, R * H * elt, "fresh vs cached dispatch");
+
+	/* Combine of random rows (and bias) along the first handle, against
+	 * the host backend and the reference. */
+	uint16_t *ys[8];
+	for (uint32_t d = 0; d < W; d++)
+		ys[d] = ref_gen_y(c, d, exp[d].R, 7);
+	uint16_t *hcomb = poisoned((size_t)me->T * H * 2);
+	TH_OK(ep_combine(hg, &hh, ys[r], (uint32_t)R, H,
+			 c->bias ? me->bias : NULL, hcomb));
+	uint16_t *rcomb = malloc((size_t)me->T * H * 2 + 2);
+	ref_combine(c, in, exp, ys, (uint32_t)r, rcomb);
+	CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.combine_y), ys[r], R * H * 2, st));
+	CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.combine_bias), me->bias,
+				    (size_t)me->T * H * 2, st));
+	TH_OK(ep_combine_stream(g, &h, c->bias ? EP_COMBINE_BIAS : 0, st));
+	uint16_t *gcomb = poisoned((size_t)c->max_tokens * H * 2);
+	CU(tg_drv.cuMemcpyDtoHAsync(gcomb, dptr(b.combined),
+				    (size_t)c->max_tokens * H * 2, st));
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_OK(ep_group_sync(g));
+	SAME(gcomb, hcomb, (size_t)me->T * H * 2, "combined vs host backend");
+	SAME(gcomb, rcomb, (size_t)me->T * H * 2, "combined vs reference");
+	TH_CHECK(all_poison((uint8_t *)gcomb + (size_t)me->T * H * 2,
+			    (size_t)(c->max_tokens - me->T) * H * 2),
+		 "combined written past the tokens");
+
+	TH_OK(ep_group_sync(g));
+	TH_OK(ep_barrier(g)); /* nobody leaves while others work */
+	TH_OK(ep_leave(g));
+	TH_OK(ep_leave(hg));
+	ep_close(gc);
+	ep_close(hc);
+	return 0;
+}
+
+static uint64_t rs;
+static uint32_t rnd(uint32_t n)
+{
+	rs = rs * 6364136223846793005ull + 1442695040888963407ull;
+	return n ? (uint32_t)((rs >> 33) % n) : 0;
+}
+
+static void run_case(struct ctx *x)
+{
+	pid_t pids[8];
+	memset((void *)x->gate, 0, sizeof(x->gate));
+	th_spawn(pids, (int)x->c.world, case_rank, x);
+	TH_CHECK(th_wait_all(pids, (int)x->c.world, 120) == 0,
+		 "case %d failed (seed %llu)", x->index,
+		 (unsigned long long)x->c.seed);
+	printf("ok: case %d: world %u E %u H %u K %u T_max %u %s mode %d%s%s "
+	       "-- GPU == host backend == reference\n",
+	       x->index, x->c.world, x->c.experts, x->c.hidden, x->c.topk,
+	       x->c.max_tokens, x->c.dtype == EP_DTYPE_FP8 ? "fp8" : "bf16",
+	       x->c.mode, x->c.weights ? " weights" : "",
+	       x->c.bias ? " bias" : "");
+}
+
+int main(void)
+{
+	th_init("gpu: dispatch/combine, bitwise against the host backend", 500);
+	if (tg_probe())
+		return TH_SKIP;
+	const char *es = getenv("EPD_TEST_SEED");
+	uint64_t seed = es ? strtoull(es, NULL, 0) : (uint64_t)time(NULL);
+	int ncases = getenv("EPD_TEST_CASES") ? atoi(getenv("EPD_TEST_CASES"))
+					      : 12;
+	printf("seed %llu\n", (unsigned long long)seed);
+	rs = seed;
+	struct th_daemon gpu, host;
+	th_daemon_start(&gpu, "--backend", "cuda", NULL);
+	th_daemon_start(&host, "--backend", "host", NULL);
+	struct ctx *x = th_shared(sizeof(*x));
+	x->gpu = &gpu;
+	x->host = &host;
+	x->bad_rank = -1;
+	struct ref_case fixed[] = {
+		{.world = 4, .experts = 32, .hidden = 384, .topk = 6,
+		 .max_tokens = 512, .tokens = {0, 1, 300, 512},
+		 .dtype = EP_DTYPE_BF16, .weights = true, .bias = true},
+		{.world = 8, .experts = 64, .hidden = 256, .topk = 4,
+		 .max_tokens = 128, .tokens = {128, 7, 99, 0, 128, 64, 1, 33},
+		 .dtype = EP_DTYPE_BF16, .mode = REF_ONE_EXPERT, .special = 45,
+		 .weights = true},
+		{.world = 8, .experts = 64, .hidden = 128, .topk = 8,
+		 .max_tokens = 200, .tokens = {200, 150, 100, 50, 0, 10, 20, 30},
+		 .dtype = EP_DTYPE_BF16, .mode = REF_SKIP_RANK, .special = 3},
+		{.world = 4, .experts = 8, .hidden = 128, .topk = 3,
+		 .max_tokens = 64, .tokens = {64, 3, 0, 17},
+		 .dtype = EP_DTYPE_BF16, .mode = REF_ALL_NONE, .bias = true},
+		{.world = 8, .experts = 64, .hidden = 512, .topk = 8,
+		 .max_tokens = 256, .tokens = {256, 100, 3, 0, 256, 77, 9, 200},
+		 .dtype = EP_DTYPE_FP8, .weights = true, .bias = true},
+		{.world = 8, .experts = 256, .hidden = 7168, .topk = 8,
+		 .max_tokens = 300, .tokens = {300, 299, 257, 256, 255, 1, 0, 300},
+		 .dtype = EP_DTYPE_BF16, .weights = true},
+	};
+	int n = 0;
+	for (size_t i = 0; i < sizeof(fixed) / sizeof(fixed[0]); i++, n++) {
+		x->c = fixed[i];
+		x->c.seed = seed + (uint64_t)i;
+		x->index = n;
+		x->bad_rank = i == 0 ? 2 : -1; /* and a bad expert first */
+		run_case(x);
+	}
+	x->bad_rank = -1;
+	for (int i = 0; i < ncases; i++, n++) {
+		struct ref_case *c = &x->c;
+		memset(c, 0, sizeof(*c));
+		c->seed = seed * 1000003ull + (uint64_t)i;
+		c->world = 1 + rnd(8);
+		c->experts = c->world * (1u << rnd(6));
+		c->hidden = 128 * (1 + rnd(8));
+		c->topk = 1 + rnd(8);
+		c->max_tokens = 1 + rnd(600);
+		for (uint32_t r = 0; r < c->world; r++)
+			c->tokens[r] = rnd(4) == 0 ? 0 : rnd(c->max_tokens + 1);
+		c->dtype = rnd(3) == 0 ? EP_DTYPE_FP8 : EP_DTYPE_BF16;
+		c->weights = rnd(2);
+		c->bias = rnd(2);
+		uint32_t m = rnd(10);
+		c->mode = m < 7 ? REF_RANDOM : m < 8 ? REF_ONE_EXPERT
+					      : REF_SKIP_RANK;
+		c->special = c->mode == REF_ONE_EXPERT ? rnd(c->experts)
+						       : rnd(c->world);
+		x->index = n;
+		run_case(x);
+	}
+	th_daemon_stop(&gpu);
+	th_daemon_stop(&host);
+	printf("ok: %d cases, CUDA backend bitwise equal to the host backend "
+	       "and the reference\n",
+	       n);
+	return 0;
+}
