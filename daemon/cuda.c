@@ -60,6 +60,11 @@ void *epd_cuda_status(struct epd_server *srv)
 	(void)srv;
 	return NULL;
 }
+void *epd_cuda_group_status(struct epd_group *g)
+{
+	(void)g;
+	return NULL;
+}
 
 #else /* HAVE_CUDA */
 
@@ -110,6 +115,10 @@ struct epd_cuda_group {
 		CUdeviceptr slot, recv;
 	} routes[EPD_MAX_HANDLES];
 	uint64_t ndisp;
+	/* device time of the last dispatch and combine kernels */
+	CUevent ev[2][2];
+	uint64_t ev_seq[2];
+	double last_us[2];
 	uv_timer_t poll;
 	bool poll_closing;
 	bool released;
@@ -484,6 +493,10 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 	if (r)
 		return cu_err(r, "allocating the dispatch scratch", err,
 			      errlen);
+	for (int i = 0; !r && i < 4; i++)
+		r = D->cuEventCreate(&c->ev[i / 2][i % 2], CU_EVENT_DEFAULT);
+	if (r)
+		return cu_err(r, "cuEventCreate", err, errlen);
 	return 0;
 }
 
@@ -561,9 +574,16 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 			       ? g->srv->cfg.cuda_sms
 			       : (unsigned)d->sms;
 	CUresult r;
+	int which = op0->type == EPP_COMBINE;
+	CUevent *ev = c->ev[which];
+	r = D->cuEventRecord(ev[0], c->stream);
+	if (r)
+		return r;
+	c->ev_seq[which] = k;
 	if (op0->type == EPP_COMBINE) {
 		*what = "combine";
-		return launch(c, d->combine, sms * 4, 1, 256, &a);
+		r = launch(c, d->combine, sms * 4, 1, 256, &a);
+		return r ? r : D->cuEventRecord(ev[1], c->stream);
 	}
 	*what = "dispatch";
 	r = D->cuMemsetD32Async(c->err, 0xffffffffu, 2, c->stream);
@@ -577,7 +597,7 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 		r = launch(c, d->copy, sms * 4, 1, 256, &a);
 	if (!r && fresh)
 		r = launch(c, d->per_expert, 8, W, 256, &a);
-	return r;
+	return r ? r : D->cuEventRecord(ev[1], c->stream);
 }
 
 /* Do the ranks' ops k agree? Fails the group if not. */
@@ -784,6 +804,16 @@ static void poll_cb(uv_timer_t *t)
 				       ? c->enq_ns[(done + 1) % MAX_INFLIGHT]
 				       : 0;
 	}
+	/* device time of the last completed dispatch and combine */
+	for (int i = 0; i < 2; i++) {
+		float ms;
+		if (c->ev_seq[i] && c->ev_seq[i] <= c->completed &&
+		    D->cuEventElapsedTime(&ms, c->ev[i][0], c->ev[i][1]) ==
+			    CUDA_SUCCESS) {
+			c->last_us[i] = ms * 1000.0;
+			c->ev_seq[i] = 0;
+		}
+	}
 	int32_t kerr = *group_error_word(g);
 	if (kerr) {
 		epd_group_fail(g, EP_ETIMEDOUT,
@@ -886,6 +916,9 @@ void epd_cuda_group_free(struct epd_group *g)
 		if (c->registered)
 			D->cuMemHostUnregister(g->map);
 	}
+	for (int i = 0; i < 4; i++)
+		if (c->ev[i / 2][i % 2])
+			D->cuEventDestroy(c->ev[i / 2][i % 2]);
 	CUdeviceptr scratch[] = {c->mask, c->blk, c->base, c->err};
 	for (size_t i = 0; i < sizeof(scratch) / sizeof(scratch[0]); i++)
 		if (scratch[i])
@@ -903,6 +936,18 @@ void epd_cuda_group_free(struct epd_group *g)
 	g->cu = NULL;
 	c->poll_closing = true;
 	uv_close((uv_handle_t *)&c->poll, poll_closed);
+}
+
+void *epd_cuda_group_status(struct epd_group *g)
+{
+	struct epd_cuda_group *c = g->cu;
+	if (!c)
+		return NULL;
+	return json_pack("{s:i, s:I, s:I, s:f, s:f}", "gpu", c->dev0,
+			 "ops_enqueued", (json_int_t)c->enqueued,
+			 "ops_completed", (json_int_t)c->completed,
+			 "last_dispatch_us", c->last_us[0], "last_combine_us",
+			 c->last_us[1]);
 }
 
 void *epd_cuda_status(struct epd_server *srv)

@@ -270,6 +270,7 @@ void epd_cuda_group_failed(struct epd_group *g);
 void epd_cuda_group_free(struct epd_group *g);
 /* JSON of the devices (a jansson json_t *), or NULL. */
 void *epd_cuda_status(struct epd_server *srv);
+void *epd_cuda_group_status(struct epd_group *g);
 
 /* status.c: JSON text, malloc'd. */
 char *epd_status_json(struct epd_server *srv);

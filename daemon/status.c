@@ -50,6 +50,9 @@ static json_t *group_json(struct epd_group *g)
 					      "message", g->last_error));
 	else if (o)
 		json_object_set_new(o, "last_error", json_null());
+	json_t *cu = epd_cuda_group_status(g);
+	if (o && cu)
+		json_object_set_new(o, "cuda", cu);
 	return o;
 }
 

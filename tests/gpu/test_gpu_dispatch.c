@@ -68,7 +68,8 @@ static int case_rank(int r, void *arg)
 	struct ctx *x = arg;
 	const struct ref_case *c = &x->c;
 	const uint32_t W = c->world, H = c->hidden, K = c->topk,
-		       E = c->experts, elt = ref_elt(c), ns = H / 128;
+		       E = c->experts, elt = ref_elt(c);
+	const uint32_t ns = c->dtype == EP_DTYPE_FP8 ? H / 128 : 0;
 	const uint32_t per = E / W;
 	CUdeviceptr gdev;
 	CUstream st = tg_rank_init((void *)x->gate, sizeof(x->gate), &gdev);
@@ -103,7 +104,7 @@ static int case_rank(int r, void *arg)
 		.topk_weights = c->weights ? me->weights : NULL};
 	struct ep_dispatch_out hout = {
 		.capacity = cap, .recv_x = poisoned(cap * H * elt),
-		.recv_x_scales = poisoned(cap * ns * 4),
+		.recv_x_scales = poisoned(cap * ns * 4 + 4),
 		.recv_topk_idx = poisoned(cap * K * 8),
 		.recv_topk_weights = poisoned(cap * K * 4),
 		.num_recv_tokens_per_expert = poisoned(per * 4)};
