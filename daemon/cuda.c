@@ -80,6 +80,7 @@ struct cudev {
 	CUmodule mod;
 	CUfunction barrier, count, scan, slot, copy, per_expert, combine;
 	size_t gran;
+	int occ_copy, occ_combine; /* resident blocks per SM */
 	uint8_t uuid[16];
 	char name[96];
 	int sms;
@@ -168,6 +169,16 @@ static int use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen)
 		D->cuDeviceGetAttribute(&mps, CU_DEVICE_ATTRIBUTE_MPS_ENABLED,
 					d->dev);
 		d->mps = mps;
+		/* A grid of exactly the resident blocks: no second, partial
+		 * wave behind the grid-stride loops. */
+		if (D->cuOccupancyMaxActiveBlocksPerMultiprocessor(
+			    &d->occ_copy, d->copy, 256, 0) ||
+		    d->occ_copy < 1)
+			d->occ_copy = 1;
+		if (D->cuOccupancyMaxActiveBlocksPerMultiprocessor(
+			    &d->occ_combine, d->combine, 256, 0) ||
+		    d->occ_combine < 1)
+			d->occ_combine = 1;
 	}
 	r = D->cuCtxSetCurrent(d->ctx);
 	return r ? cu_err(r, "cuCtxSetCurrent", err, errlen) : 0;
@@ -582,7 +593,8 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 	c->ev_seq[which] = k;
 	if (op0->type == EPP_COMBINE) {
 		*what = "combine";
-		r = launch(c, d->combine, sms * 4, 1, 256, &a);
+		r = launch(c, d->combine, sms * (unsigned)d->occ_combine, 1,
+			   256, &a);
 		return r ? r : D->cuEventRecord(ev[1], c->stream);
 	}
 	*what = "dispatch";
@@ -590,13 +602,13 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 	if (!r && fresh)
 		r = launch(c, d->count, c->nblk_max, W, 256, &a);
 	if (!r)
-		r = launch(c, d->scan, 1, 1, (W + 31) / 32 * 32, &a);
+		r = launch(c, d->scan, 1, 1, 1024, &a);
 	if (!r && fresh)
 		r = launch(c, d->slot, c->nblk_max, W, 256, &a);
 	if (!r)
-		r = launch(c, d->copy, sms * 4, 1, 256, &a);
+		r = launch(c, d->copy, sms * (unsigned)d->occ_copy, 1, 256, &a);
 	if (!r && fresh)
-		r = launch(c, d->per_expert, 8, W, 256, &a);
+		r = launch(c, d->per_expert, 16, W, 256, &a);
 	return r ? r : D->cuEventRecord(ev[1], c->stream);
 }
 

@@ -69,7 +69,8 @@
 	X(cuMemAlloc)                                                          \
 	X(cuMemFree)                                                           \
 	X(cuMemcpyHtoDAsync)                                                   \
-	X(cuMemcpyDtoD)
+	X(cuMemcpyDtoD)                                                        \
+	X(cuOccupancyMaxActiveBlocksPerMultiprocessor)
 
 struct ekc_driver {
 	void *lib;

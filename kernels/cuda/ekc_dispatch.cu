@@ -64,30 +64,46 @@ extern "C" __global__ void __launch_bounds__(TPB)
 	}
 }
 
-// One thread per destination: a scan over (source, block) in order.
-extern "C" __global__ void ekc_scan(struct ekc_disp_args a)
+// One block: the block counts are staged through shared memory in chunks
+// (read in parallel), and thread d scans its column in (source, block)
+// order. No chain of dependent global loads.
+#define SCAN_CHUNK 8192
+extern "C" __global__ void __launch_bounds__(1024) ekc_scan(struct ekc_disp_args a)
 {
-	const uint32_t d = threadIdx.x;
-	if (d >= a.W)
-		return;
+	__shared__ uint32_t cnt[SCAN_CHUNK];
+	const uint32_t d = threadIdx.x, W = a.W;
 	uint32_t run = 0;
 	if (!a.cached) {
-		for (uint32_t s = 0; s < a.W; s++) {
-			uint32_t nblk = (a.tokens[s] + TPB - 1) / TPB;
-			for (uint32_t b = 0; b < nblk; b++) {
-				uint64_t i =
-					((uint64_t)s * a.nblk_max + b) * a.W + d;
-				a.base[i] = run;
-				run += a.blk[i];
-			}
+		// the (s, b) pairs in order, as rows of W counts
+		const uint64_t rows = (uint64_t)W * a.nblk_max;
+		const uint32_t per_chunk = SCAN_CHUNK / W;
+		for (uint64_t r0 = 0; r0 < rows; r0 += per_chunk) {
+			uint64_t nr = rows - r0 < per_chunk ? rows - r0 : per_chunk;
+			__syncthreads();
+			for (uint64_t i = threadIdx.x; i < nr * W; i += blockDim.x)
+				cnt[i] = a.blk[r0 * W + i];
+			__syncthreads();
+			if (d < W)
+				for (uint64_t r = 0; r < nr; r++) {
+					uint32_t s = (uint32_t)((r0 + r) / a.nblk_max);
+					uint32_t b = (uint32_t)((r0 + r) % a.nblk_max);
+					if (b >= (a.tokens[s] + TPB - 1) / TPB)
+						continue;
+					a.base[(r0 + r) * W + d] = run;
+					run += cnt[r * W + d];
+				}
 		}
-		a.recv[d] = run;
-		int32_t *pe = (int32_t *)field(a, d, EKC_F_RECV_PE);
-		for (uint32_t j = 0; j < a.E / a.W; j++)
-			pe[j] = 0;
-	} else {
+		if (d < W) {
+			a.recv[d] = run;
+			int32_t *pe = (int32_t *)field(a, d, EKC_F_RECV_PE);
+			for (uint32_t j = 0; j < a.E / W; j++)
+				pe[j] = 0;
+		}
+	} else if (d < W) {
 		run = a.recv[d];
 	}
+	if (d >= W)
+		return;
 	// For the rank's CPU (control page): its count, and a bad expert
 	// index anywhere (the op changes nothing; the group goes on). The
 	// finishing kernel publishes completion after these, in stream order.
@@ -142,7 +158,8 @@ extern "C" __global__ void __launch_bounds__(TPB)
 
 // A warp per source token: read its row once, write it to every
 // destination. 16-byte vectors, four in flight per lane.
-extern "C" __global__ void ekc_copy(struct ekc_disp_args a)
+extern "C" __global__ void __launch_bounds__(256, 4)
+	ekc_copy(struct ekc_disp_args a)
 {
 	if (has_error(a))
 		return; // a bad expert index: change nothing
@@ -238,15 +255,20 @@ extern "C" __global__ void ekc_copy(struct ekc_disp_args a)
 	}
 }
 
-// Received rows per local expert, a row once per distinct expert.
+// Received rows per local expert, a row once per distinct expert: a
+// histogram per block in shared memory, then one atomic per counter.
+#define PE_MAX 4096
 extern "C" __global__ void ekc_per_expert(struct ekc_disp_args a)
 {
+	__shared__ int32_t hist[PE_MAX];
 	if (has_error(a))
 		return;
-	const uint32_t d = blockIdx.y, K = a.K;
+	const uint32_t d = blockIdx.y, K = a.K, per = a.E / a.W;
 	const uint32_t R = a.recv[d];
+	for (uint32_t j = threadIdx.x; j < per; j += blockDim.x)
+		hist[j] = 0;
+	__syncthreads();
 	const int64_t *ri = (const int64_t *)field(a, d, EKC_F_RECV_TOPK);
-	int32_t *pe = (int32_t *)field(a, d, EKC_F_RECV_PE);
 	for (uint32_t r = blockIdx.x * blockDim.x + threadIdx.x; r < R;
 	     r += gridDim.x * blockDim.x) {
 		const int64_t *row = ri + (uint64_t)r * K;
@@ -257,9 +279,14 @@ extern "C" __global__ void ekc_per_expert(struct ekc_disp_args a)
 			for (uint32_t j = 0; j < k; j++)
 				dup |= row[j] == row[k];
 			if (!dup)
-				atomicAdd(&pe[row[k]], 1); // a count: order-free
+				atomicAdd(&hist[row[k]], 1);
 		}
 	}
+	__syncthreads();
+	int32_t *pe = (int32_t *)field(a, d, EKC_F_RECV_PE);
+	for (uint32_t j = threadIdx.x; j < per; j += blockDim.x)
+		if (hist[j])
+			atomicAdd(&pe[j], hist[j]); // a count: order-free
 }
 
 __device__ static inline float bf16_f32(uint32_t bits16)
@@ -278,7 +305,8 @@ __device__ static inline uint32_t f32_bf16(float f)
 // A warp per home token; each lane 8 channels (16 bytes) at a time. The
 // rows of all destinations are loaded first (in flight together), then
 // added in ascending rank order: the order of the sums is fixed.
-extern "C" __global__ void ekc_combine(struct ekc_disp_args a)
+extern "C" __global__ void __launch_bounds__(256)
+	ekc_combine(struct ekc_disp_args a)
 {
 	const uint32_t lane = threadIdx.x & 31, W = a.W, H = a.H;
 	const uint64_t nvec = H / 8;

@@ -58,6 +58,15 @@ static bool all_poison(const void *p, size_t n)
 		}                                                              \
 	} while (0)
 
+/* Async copies need pinned host memory: from pageable memory they block
+ * the CPU until the stream reaches them, and the stream waits on a gate
+ * that this CPU opens afterwards. */
+static void pin(void *p, size_t n)
+{
+	if (n)
+		CU(tg_drv.cuMemHostRegister(p, n, 0));
+}
+
 static CUdeviceptr dptr(const void *p)
 {
 	return (CUdeviceptr)(uintptr_t)p;
@@ -150,6 +159,15 @@ static int case_rank(int r, void *arg)
 		free(chk);
 	}
 
+	pin(me->x, (size_t)me->T * H * elt);
+	if (ns)
+		pin(me->scales, (size_t)me->T * ns * 4);
+	pin(me->topk, (size_t)me->T * K * 8);
+	pin(me->weights, (size_t)me->T * K * 4);
+	pin(me->bias, (size_t)me->T * H * 2);
+	pin(in2[r].x, (size_t)me->T * H * elt);
+	if (ns)
+		pin(in2[r].scales, (size_t)me->T * ns * 4);
 	/* Upload behind a gate, dispatch, download: all on the stream. */
 	CU(tg_drv.cuStreamWaitValue32(st, gdev + (uintptr_t)&x->gate[r] -
 						  (uintptr_t)x->gate,
@@ -172,6 +190,13 @@ static int case_rank(int r, void *arg)
 	int64_t *gi = poisoned(cap * K * 8);
 	float *gw = poisoned(cap * K * 4);
 	int32_t *gsrc = poisoned(cap * 8), *gpe = poisoned(per * 4);
+	pin(gx, cap * H * elt);
+	if (ns)
+		pin(gs, cap * ns * 4);
+	pin(gi, cap * K * 8);
+	pin(gw, cap * K * 4);
+	pin(gsrc, cap * 8);
+	pin(gpe, per * 4);
 	CU(tg_drv.cuMemcpyDtoHAsync(gx, dptr(b.recv_x), cap * H * elt, st));
 	if (ns)
 		CU(tg_drv.cuMemcpyDtoHAsync(gs, dptr(b.recv_x_scales),
@@ -212,6 +237,7 @@ static int case_rank(int r, void *arg)
 	TH_OK(ep_dispatch_stream(g, me->T, c->weights ? EP_DISPATCH_WEIGHTS : 0,
 				 NULL, st, &h2));
 	uint8_t *gx2 = poisoned(cap * H * elt);
+	pin(gx2, cap * H * elt);
 	CU(tg_drv.cuMemcpyDtoHAsync(gx2, dptr(b.recv_x), R * H * elt, st));
 	CU(tg_drv.cuStreamSynchronize(st));
 	TH_OK(ep_group_sync(g));
@@ -230,6 +256,7 @@ static int case_rank(int r, void *arg)
 	SAME(gx2, exp2[r].x, R * H * elt, "cached recv_x vs reference");
 	TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &h3));
 	uint8_t *gx3 = poisoned(cap * H * elt);
+	pin(gx3, cap * H * elt);
 	CU(tg_drv.cuMemcpyDtoHAsync(gx3, dptr(b.recv_x), R * H * elt, st));
 	CU(tg_drv.cuStreamSynchronize(st));
 	TH_OK(ep_group_sync(g));
@@ -245,11 +272,13 @@ static int case_rank(int r, void *arg)
 			 c->bias ? me->bias : NULL, hcomb));
 	uint16_t *rcomb = malloc((size_t)me->T * H * 2 + 2);
 	ref_combine(c, in, exp, ys, (uint32_t)r, rcomb);
+	pin(ys[r], R * H * 2);
 	CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.combine_y), ys[r], R * H * 2, st));
 	CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.combine_bias), me->bias,
 				    (size_t)me->T * H * 2, st));
 	TH_OK(ep_combine_stream(g, &h, c->bias ? EP_COMBINE_BIAS : 0, st));
 	uint16_t *gcomb = poisoned((size_t)c->max_tokens * H * 2);
+	pin(gcomb, (size_t)c->max_tokens * H * 2);
 	CU(tg_drv.cuMemcpyDtoHAsync(gcomb, dptr(b.combined),
 				    (size_t)c->max_tokens * H * 2, st));
 	CU(tg_drv.cuStreamSynchronize(st));
