@@ -690,19 +690,32 @@ static void enqueue_ready(struct epd_group *g)
 			return;
 		CUresult r = 0;
 		const char *what = "barrier";
-		for (uint32_t l = 0; l < rpn && !r; l++)
-			r = D->cuStreamWaitValue32(c->stream,
-						   c->ptr[l] + EKC_DOORBELL,
-						   (cuuint32_t)k,
-						   CU_STREAM_WAIT_VALUE_GEQ);
-		if (!r && ops[0]->type != EPP_BARRIER)
+		bool data = ops[0]->type != EPP_BARRIER;
+		unsigned bthreads = (rpn + 31) / 32 * 32;
+		a.seq = (uint32_t)k;
+		if (!cu->dev[c->dev0].mps) {
+			/* Without MPS a spinning kernel would hold the GPU's
+			 * time slice from the ranks: wait in the front end. */
+			for (uint32_t l = 0; l < rpn && !r; l++)
+				r = D->cuStreamWaitValue32(
+					c->stream, c->ptr[l] + EKC_DOORBELL,
+					(cuuint32_t)k, CU_STREAM_WAIT_VALUE_GEQ);
+		} else if (data) {
+			/* Under MPS the barrier kernel itself polls the
+			 * doorbells: one launch instead of one driver call per
+			 * rank. Here it only waits, before the data kernels. */
+			a.release = 0;
+			r = launch(c, cu->dev[c->dev0].barrier, 1, 1, bthreads,
+				   &a);
+		}
+		if (!r && data)
 			r = enqueue_data(g, k, ops, &what);
 		/* Every op ends with the barrier kernel: it releases the ranks
 		 * and publishes completion, after the data in stream order. */
-		a.seq = (uint32_t)k;
+		a.release = 1;
 		if (!r)
-			r = launch(c, cu->dev[c->dev0].barrier, 1, 1,
-				   (rpn + 31) / 32 * 32, &a);
+			r = launch(c, cu->dev[c->dev0].barrier, 1, 1, bthreads,
+				   &a);
 		if (r) {
 			ekc_fail(D, r, what, err, sizeof(err));
 			epd_group_fail(g, EP_EBACKEND, "enqueueing op %llu: %s",

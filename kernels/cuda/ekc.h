@@ -106,6 +106,7 @@ struct ekc_barrier_args {
 	uint32_t rpn;
 	uint32_t seq;
 	uint32_t nremote;                /* remote rail peers (0: one node) */
+	uint32_t release;                /* 0: only wait (before data kernels) */
 };
 
 /* Fields of a rank's region, as in enum epp_buf_field (same order). */

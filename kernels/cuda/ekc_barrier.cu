@@ -72,6 +72,8 @@ extern "C" __global__ void ekc_barrier(struct ekc_barrier_args a)
 			return;
 		}
 	}
+	if (!a.release)
+		return; // an entry wait before data kernels
 	__threadfence_system();
 	atomicMax_system(done, k);
 	// Completion for the daemon and the rank's flow control (host memory).

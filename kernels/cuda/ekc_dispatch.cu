@@ -216,41 +216,46 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 				}
 			}
 		}
-		// scales, top-k, weights, source: small, a few lanes
+		// scales, top-k, weights, source: (destination, item) pairs
+		// spread over the lanes
 		const float *sc = (const float *)field(a, s, EKC_F_SCALES) +
 				  t * a.nscales;
+		for (uint32_t i = lane; i < W * a.nscales; i += 32) {
+			uint32_t d = i / a.nscales, j = i % a.nscales;
+			int32_t r = slot[d];
+			if (r >= 0)
+				((float *)field(a, d, EKC_F_RECV_SCALES))
+					[(uint64_t)r * a.nscales + j] = sc[j];
+		}
+		if (a.cached)
+			continue;
 		const int64_t *ti = (const int64_t *)field(a, s, EKC_F_TOPK) +
 				    t * K;
 		const float *tw = (const float *)field(a, s, EKC_F_WEIGHTS) +
 				  t * K;
-		bool wts = (a.weights_mask >> s) & 1;
-		for (uint32_t d = 0; d < W; d++) {
+		const bool wts = (a.weights_mask >> s) & 1;
+		for (uint32_t i = lane; i < W * K; i += 32) {
+			uint32_t d = i / K, k = i % K;
 			int32_t r = slot[d];
 			if (r < 0)
 				continue;
-			float *rs = (float *)field(a, d, EKC_F_RECV_SCALES) +
-				    (uint64_t)r * a.nscales;
-			for (uint32_t i = lane; i < a.nscales; i += 32)
-				rs[i] = sc[i];
-			if (a.cached)
+			int64_t e = ti[k];
+			bool local = e >= 0 && (uint32_t)(e / per) == d;
+			((int64_t *)field(a, d, EKC_F_RECV_TOPK))
+				[(uint64_t)r * K + k] =
+					local ? e - (int64_t)d * per : -1;
+			((float *)field(a, d, EKC_F_RECV_WEIGHTS))
+				[(uint64_t)r * K + k] =
+					local && wts ? tw[k] : 0.0f;
+		}
+		for (uint32_t d = lane; d < W; d += 32) {
+			int32_t r = slot[d];
+			if (r < 0)
 				continue;
-			int64_t *ri = (int64_t *)field(a, d, EKC_F_RECV_TOPK) +
-				      (uint64_t)r * K;
-			float *rw = (float *)field(a, d, EKC_F_RECV_WEIGHTS) +
-				    (uint64_t)r * K;
-			for (uint32_t k = lane; k < K; k += 32) {
-				int64_t e = ti[k];
-				bool local = e >= 0 && (uint32_t)(e / per) == d;
-				ri[k] = local ? e - (int64_t)d * per : -1;
-				rw[k] = local && wts ? tw[k] : 0.0f;
-			}
-			if (lane == 0) {
-				int32_t *rsrc = (int32_t *)field(a, d,
-								EKC_F_RECV_SRC) +
-						(uint64_t)r * 2;
-				rsrc[0] = (int32_t)s;
-				rsrc[1] = (int32_t)t;
-			}
+			int32_t *rsrc = (int32_t *)field(a, d, EKC_F_RECV_SRC) +
+					(uint64_t)r * 2;
+			rsrc[0] = (int32_t)s;
+			rsrc[1] = (int32_t)t;
 		}
 	}
 }

@@ -15,6 +15,7 @@
 #include "gpu_util.h"
 #include "ref.h"
 
+#include <signal.h>
 #include <string.h>
 #include <time.h>
 
@@ -298,6 +299,87 @@ static int case_rank(int r, void *arg)
 	return 0;
 }
 
+/* A rank killed, or stalled, while the others' dispatch waits for it. */
+struct fail {
+	const struct th_daemon *gpu;
+	int victim, kill;
+	volatile int entered, release;
+	int code[4];
+	char msg[4][256];
+};
+
+static int fail_rank(int r, void *arg)
+{
+	struct fail *f = arg;
+	CUstream st = tg_rank_init(NULL, 0, NULL);
+	struct ep_group_config cfg = {
+		.name = f->kill ? "gkilled" : "gstalled", .world_size = 4,
+		.ranks_per_node = 4, .rank = (uint32_t)r, .num_experts = 16,
+		.hidden = 1024, .max_tokens_per_rank = 256, .topk = 4,
+		.dtype = EP_DTYPE_BF16, .timeout_ms = 2000, .cuda_device = 0};
+	ep_conn_t *c;
+	ep_group_t *g;
+	TH_OK(ep_connect(f->gpu->sock, &c));
+	TH_OK(ep_join(c, &cfg, EP_JOIN_CUDA, &g));
+	struct ep_buffers b;
+	TH_OK(ep_get_buffers(g, &b));
+	int64_t idx[256 * 4];
+	for (int i = 0; i < 256 * 4; i++)
+		idx[i] = (i * 5 + r) % 16;
+	CU(tg_drv.cuMemcpyHtoD(dptr(b.topk_idx), idx, sizeof(idx)));
+	ep_handle_t h;
+	TH_OK(ep_dispatch_stream(g, 256, 0, NULL, st, &h));
+	TH_OK(ep_group_sync(g));
+	if (r == f->victim) {
+		/* killed here, or alive but never dispatching again */
+		while (!f->release)
+			th_sleep_ms(5);
+		return 0;
+	}
+	__atomic_fetch_add(&f->entered, 1, __ATOMIC_SEQ_CST);
+	uint64_t t0 = th_now_ns();
+	TH_OK(ep_dispatch_stream(g, 256, 0, NULL, st, &h));
+	f->code[r] = ep_group_sync(g);
+	snprintf(f->msg[r], sizeof(f->msg[r]), "%s", ep_errmsg());
+	CU(tg_drv.cuStreamSynchronize(st)); /* released */
+	TH_CHECK(th_now_ns() - t0 < 10000000000ull, "took too long");
+	TH_EXPECT_RC(ep_combine_stream(g, &h, 0, st), f->code[r]);
+	ep_leave(g);
+	ep_close(c);
+	return 0;
+}
+
+static void check_fail(const struct th_daemon *gpu, bool kill_it)
+{
+	struct fail *f = th_shared(sizeof(*f));
+	f->gpu = gpu;
+	f->victim = 2;
+	f->kill = kill_it;
+	pid_t pids[4];
+	th_spawn(pids, 4, fail_rank, f);
+	while (f->entered < 3)
+		th_sleep_ms(2);
+	th_sleep_ms(200);
+	if (kill_it)
+		kill(pids[2], SIGKILL);
+	int bad = 0;
+	for (int i = 0; i < 4; i++)
+		if (i != 2)
+			bad += th_wait_all(&pids[i], 1, 30);
+	f->release = 1;
+	th_wait_all(&pids[2], 1, 30);
+	TH_CHECK(bad == 0, "a rank failed");
+	int want = kill_it ? EP_EPEERLOST : EP_ETIMEDOUT;
+	for (int r = 0; r < 4; r++)
+		if (r != 2) {
+			TH_EXPECT_RC(f->code[r], want);
+			TH_CHECK(strstr(f->msg[r], "2"), "message: %s",
+				 f->msg[r]);
+		}
+	printf("ok: a rank %s mid-dispatch -> %s: %s\n",
+	       kill_it ? "killed" : "stalled", ep_strerror(want), f->msg[0]);
+}
+
 static uint64_t rs;
 static uint32_t rnd(uint32_t n)
 {
@@ -391,6 +473,12 @@ int main(void)
 		x->index = n;
 		run_case(x);
 	}
+	check_fail(&gpu, true);
+	check_fail(&gpu, false);
+	/* the daemon still serves: one more case */
+	x->c = fixed[1];
+	x->index = n++;
+	run_case(x);
 	th_daemon_stop(&gpu);
 	th_daemon_stop(&host);
 	printf("ok: %d cases, CUDA backend bitwise equal to the host backend "
