@@ -24,7 +24,7 @@ struct shared {
 	int fp8, iters;
 	uint64_t recv[W];
 	double disp_ms[64], comb_ms[64];
-	double d2d_gbs;
+	double d2d_gbs, fill_gbs;
 	double kdisp_us, kcomb_us; /* the daemon's kernels alone */
 };
 
@@ -71,6 +71,30 @@ static double d2d(void)
 	CU(tg_drv.cuMemFree(a));
 	CU(tg_drv.cuMemFree(b));
 	return 2.0 * (double)n / (median(t, 9) / 1e3) / 1e9;
+}
+
+/* Write-only ceiling: a fill of 2 GiB (dispatch writes ~5 rows per token
+ * it reads, so its mix sits between a copy and a fill). */
+static double fill(void)
+{
+	size_t n = 2ull << 30;
+	CUdeviceptr a;
+	CU(tg_drv.cuMemAlloc(&a, n));
+	CUevent e0, e1;
+	CU(tg_drv.cuEventCreate(&e0, 0));
+	CU(tg_drv.cuEventCreate(&e1, 0));
+	double t[9];
+	for (int i = 0; i < 9; i++) {
+		CU(tg_drv.cuEventRecord(e0, 0));
+		CU(tg_drv.cuMemsetD32(a, 0x3f800000u + (unsigned)i, n / 4));
+		CU(tg_drv.cuEventRecord(e1, 0));
+		CU(tg_drv.cuEventSynchronize(e1));
+		float ms;
+		CU(tg_drv.cuEventElapsedTime(&ms, e0, e1));
+		t[i] = ms;
+	}
+	CU(tg_drv.cuMemFree(a));
+	return (double)n / (median(t, 9) / 1e3) / 1e9;
 }
 
 static int rank_main(int r, void *arg)
@@ -179,6 +203,7 @@ static int rank_main(int r, void *arg)
 			s->kcomb_us = atof(p + 18);
 		free(js);
 		s->d2d_gbs = d2d();
+		s->fill_gbs = fill();
 	}
 	TH_OK(ep_barrier(g));
 	TH_OK(ep_leave(g));
@@ -212,9 +237,12 @@ int main(void)
 		}
 	}
 	const char *sms[] = {"0", "16", "32", "66"};
+	int only = getenv("EPD_BENCH_ONLY") != NULL; /* bf16, all SMs */
 	for (int fp8 = 0; fp8 < 2; fp8++) {
 		for (int i = 0; i < 4; i++) {
-			if (fp8 && i) /* fp8 at all SMs only */
+			if ((fp8 || only) && i) /* fp8 at all SMs only */
+				break;
+			if (only && fp8)
 				break;
 			char kv[32];
 			snprintf(kv, sizeof(kv), "cuda_sms=%s", sms[i]);
@@ -244,6 +272,10 @@ int main(void)
 			       fp8 ? "fp8" : "bf16", i ? sms[i] : "all(132)",
 			       dm, dg, dg / s->d2d_gbs, cm, cg, cg / s->d2d_gbs,
 			       s->d2d_gbs, (unsigned long long)rows);
+			if (i == 0)
+				printf("perf: ceilings: D2D copy %.0f GB/s "
+				       "(read+write), fill %.0f GB/s (write)\n",
+				       s->d2d_gbs, s->fill_gbs);
 			printf("perf: %s, SMs %s, the daemon's kernels alone "
 			       "(last call): dispatch %.0f us, %.2f of D2D; "
 			       "combine %.0f us, %.2f of D2D\n",
