@@ -116,6 +116,14 @@ struct epd_cuda_group {
 		CUdeviceptr slot, recv;
 	} routes[EPD_MAX_HANDLES];
 	uint64_t ndisp;
+	/* Several GPUs: each pushes its own ranks' tokens (dispatch) and pulls
+	 * its own ranks' tokens (combine); devs[0] is dev0, whose stream
+	 * orders everything. */
+	int ndevs;
+	int devs[MAX_DEV];
+	uint64_t dev_mask[MAX_DEV];
+	CUstream dstream[MAX_DEV];
+	CUevent ev_in, ev_out[MAX_DEV];
 	/* device time of the last dispatch and combine kernels */
 	CUevent ev[2][2];
 	uint64_t ev_seq[2];
@@ -466,10 +474,53 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 			return EP_EUNSUPPORTED;
 		}
 	}
-	int rc = use_dev(cu, c->dev0, err, errlen);
+	/* The GPUs of the group, dev0 first, and their ranks. */
+	c->ndevs = 0;
+	for (uint32_t l = 0; l < rpn; l++) {
+		int dl = g->local[l]->cuda_dev, i;
+		for (i = 0; i < c->ndevs && c->devs[i] != dl; i++)
+			;
+		if (i == c->ndevs) {
+			c->devs[c->ndevs++] = dl;
+			c->dev_mask[i] = 0;
+		}
+		c->dev_mask[i] |= 1ull << l;
+	}
+	int rc;
+	for (int i = 0; i < c->ndevs && c->ndevs > 1; i++) {
+		if ((rc = use_dev(cu, c->devs[i], err, errlen)))
+			return rc;
+		for (int j = 0; j < c->ndevs; j++) {
+			if (j == i)
+				continue;
+			if ((rc = use_dev(cu, c->devs[j], err, errlen)))
+				return rc;
+			D->cuCtxSetCurrent(cu->dev[c->devs[i]].ctx);
+			CUresult pr = D->cuCtxEnablePeerAccess(
+				cu->dev[c->devs[j]].ctx, 0);
+			if (pr && pr != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)
+				return cu_err(pr, "cuCtxEnablePeerAccess", err,
+					      errlen);
+		}
+		if (i == 0)
+			continue;
+		D->cuCtxSetCurrent(cu->dev[c->devs[i]].ctx);
+		CUresult er = D->cuStreamCreate(&c->dstream[i],
+						CU_STREAM_NON_BLOCKING);
+		if (!er)
+			er = D->cuEventCreate(&c->ev_out[i],
+					      CU_EVENT_DISABLE_TIMING);
+		if (er)
+			return cu_err(er, "a stream on another GPU", err,
+				      errlen);
+	}
+	rc = use_dev(cu, c->dev0, err, errlen);
 	if (rc)
 		return rc;
-	CUresult r = D->cuMemHostRegister(g->map, EPP_BUF_HEADER,
+	CUresult r = D->cuEventCreate(&c->ev_in, CU_EVENT_DISABLE_TIMING);
+	if (r)
+		return cu_err(r, "cuEventCreate", err, errlen);
+	r = D->cuMemHostRegister(g->map, EPP_BUF_HEADER,
 					  CU_MEMHOSTREGISTER_DEVICEMAP |
 						  CU_MEMHOSTREGISTER_PORTABLE);
 	if (r)
@@ -533,6 +584,48 @@ static CUresult launch(struct epd_cuda_group *c, CUfunction f, unsigned gx,
 				 params, NULL);
 }
 
+/* The other GPUs' part of a copy or combine: each waits for dev0's
+ * stream so far, works on its own ranks (rank_mask), and is joined back
+ * by join_devs. a->rank_mask is left for dev0's own part. */
+static CUresult spread(struct epd_group *g, struct ekc_disp_args *a,
+		       unsigned sms_cap, bool combine)
+{
+	struct epd_cuda_group *c = g->cu;
+	struct epd_cuda *cu = g->srv->cuda;
+	if (c->ndevs == 1)
+		return 0;
+	CUresult r = D->cuEventRecord(c->ev_in, c->stream);
+	for (int i = 1; !r && i < c->ndevs; i++) {
+		struct cudev *d = &cu->dev[c->devs[i]];
+		D->cuCtxSetCurrent(d->ctx);
+		struct ekc_disp_args b = *a;
+		b.rank_mask = c->dev_mask[i];
+		unsigned sms = sms_cap < (unsigned)d->sms ? sms_cap
+							  : (unsigned)d->sms;
+		void *params[] = {&b};
+		r = D->cuStreamWaitEvent(c->dstream[i], c->ev_in, 0);
+		if (!r)
+			r = D->cuLaunchKernel(
+				combine ? d->combine : d->copy,
+				sms * (unsigned)(combine ? d->occ_combine
+							 : d->occ_copy),
+				1, 1, 256, 1, 1, 0, c->dstream[i], params, NULL);
+		if (!r)
+			r = D->cuEventRecord(c->ev_out[i], c->dstream[i]);
+	}
+	D->cuCtxSetCurrent(cu->dev[c->dev0].ctx);
+	return r;
+}
+
+/* dev0's stream waits for every other GPU's part. */
+static CUresult join_devs(struct epd_cuda_group *c)
+{
+	CUresult r = 0;
+	for (int i = 1; !r && i < c->ndevs; i++)
+		r = D->cuStreamWaitEvent(c->stream, c->ev_out[i], 0);
+	return r;
+}
+
 /* Dispatch or combine k on the group's stream (the doorbells are waited
  * for already). Returns a driver error, or 0. */
 static CUresult enqueue_data(struct epd_group *g, uint64_t k,
@@ -591,10 +684,17 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 	if (r)
 		return r;
 	c->ev_seq[which] = k;
+	a.rank_mask = c->dev_mask[0];
+	if (c->ndevs == 1)
+		a.rank_mask = W >= 64 ? ~0ull : (1ull << W) - 1;
 	if (op0->type == EPP_COMBINE) {
 		*what = "combine";
-		r = launch(c, d->combine, sms * (unsigned)d->occ_combine, 1,
-			   256, &a);
+		r = spread(g, &a, sms, true);
+		if (!r)
+			r = launch(c, d->combine, sms * (unsigned)d->occ_combine,
+				   1, 256, &a);
+		if (!r)
+			r = join_devs(c);
 		return r ? r : D->cuEventRecord(ev[1], c->stream);
 	}
 	*what = "dispatch";
@@ -606,7 +706,11 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 	if (!r && fresh)
 		r = launch(c, d->slot, c->nblk_max, W, 256, &a);
 	if (!r)
+		r = spread(g, &a, sms, false);
+	if (!r)
 		r = launch(c, d->copy, sms * (unsigned)d->occ_copy, 1, 256, &a);
+	if (!r)
+		r = join_devs(c);
 	if (!r && fresh)
 		r = launch(c, d->per_expert, 16, W, 256, &a);
 	return r ? r : D->cuEventRecord(ev[1], c->stream);
@@ -944,6 +1048,18 @@ void epd_cuda_group_free(struct epd_group *g)
 	for (int i = 0; i < 4; i++)
 		if (c->ev[i / 2][i % 2])
 			D->cuEventDestroy(c->ev[i / 2][i % 2]);
+	if (c->ev_in)
+		D->cuEventDestroy(c->ev_in);
+	for (int i = 1; i < c->ndevs; i++) {
+		if (!c->dstream[i])
+			continue;
+		D->cuCtxSetCurrent(g->srv->cuda->dev[c->devs[i]].ctx);
+		D->cuStreamSynchronize(c->dstream[i]);
+		D->cuStreamDestroy(c->dstream[i]);
+		D->cuEventDestroy(c->ev_out[i]);
+	}
+	if (c->dev0 >= 0 && g->srv->cuda)
+		D->cuCtxSetCurrent(g->srv->cuda->dev[c->dev0].ctx);
 	CUdeviceptr scratch[] = {c->mask, c->blk, c->base, c->err};
 	for (size_t i = 0; i < sizeof(scratch) / sizeof(scratch[0]); i++)
 		if (scratch[i])
@@ -968,7 +1084,8 @@ void *epd_cuda_group_status(struct epd_group *g)
 	struct epd_cuda_group *c = g->cu;
 	if (!c)
 		return NULL;
-	return json_pack("{s:i, s:I, s:I, s:f, s:f}", "gpu", c->dev0,
+	return json_pack("{s:i, s:i, s:I, s:I, s:f, s:f}", "gpu", c->dev0,
+			 "gpus", c->ndevs,
 			 "ops_enqueued", (json_int_t)c->enqueued,
 			 "ops_completed", (json_int_t)c->completed,
 			 "last_dispatch_us", c->last_us[0], "last_combine_us",

@@ -70,7 +70,9 @@
 	X(cuMemFree)                                                           \
 	X(cuMemcpyHtoDAsync)                                                   \
 	X(cuMemcpyDtoD)                                                        \
-	X(cuOccupancyMaxActiveBlocksPerMultiprocessor)
+	X(cuOccupancyMaxActiveBlocksPerMultiprocessor)                         \
+	X(cuStreamWaitEvent)                                                   \
+	X(cuCtxEnablePeerAccess)
 
 struct ekc_driver {
 	void *lib;
@@ -143,6 +145,8 @@ struct ekc_disp_args {
 	uint64_t off[EKC_F_N];
 	uint32_t tokens[EKC_MAX_LOCAL]; /* T of each rank (the handle's) */
 	uint64_t weights_mask;          /* ranks that gave topk_weights */
+	uint64_t rank_mask;             /* copy: sources, combine: homes this
+					   launch handles (its GPU's ranks) */
 	uint64_t bias_mask;             /* combine: ranks that gave a bias */
 	uint64_t *mask;    /* [W][Tmax] destination bit masks */
 	uint32_t *blk;     /* [W][nblk_max][W] block counts */

@@ -168,16 +168,21 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 	const uint64_t nvec = (uint64_t)a.H * a.elt / 16;
 	uint64_t total = 0;
 	for (uint32_t s = 0; s < W; s++)
-		total += a.tokens[s];
+		if ((a.rank_mask >> s) & 1)
+			total += a.tokens[s];
 	const uint64_t warps = (uint64_t)gridDim.x * (blockDim.x / 32);
 	for (uint64_t g = (uint64_t)blockIdx.x * (blockDim.x / 32) +
 			  (threadIdx.x >> 5);
 	     g < total; g += warps) {
+		// the g-th token of this launch's sources (its GPU's ranks)
 		uint32_t s = 0;
 		uint64_t t = g;
-		while (t >= a.tokens[s]) {
+		for (;; s++) {
+			if (!((a.rank_mask >> s) & 1))
+				continue;
+			if (t < a.tokens[s])
+				break;
 			t -= a.tokens[s];
-			s++;
 		}
 		const int32_t *slot = a.slot + ((uint64_t)s * a.Tmax + t) * W;
 		const uint4 *src = (const uint4 *)(field(a, s, EKC_F_X) +
@@ -317,16 +322,21 @@ extern "C" __global__ void __launch_bounds__(256)
 	const uint64_t nvec = H / 8;
 	uint64_t total = 0;
 	for (uint32_t s = 0; s < W; s++)
-		total += a.tokens[s];
+		if ((a.rank_mask >> s) & 1)
+			total += a.tokens[s];
 	const uint64_t warps = (uint64_t)gridDim.x * (blockDim.x / 32);
 	for (uint64_t g = (uint64_t)blockIdx.x * (blockDim.x / 32) +
 			  (threadIdx.x >> 5);
 	     g < total; g += warps) {
+		// the g-th token of this launch's home ranks
 		uint32_t h = 0;
 		uint64_t t = g;
-		while (t >= a.tokens[h]) {
+		for (;; h++) {
+			if (!((a.rank_mask >> h) & 1))
+				continue;
+			if (t < a.tokens[h])
+				break;
 			t -= a.tokens[h];
-			h++;
 		}
 		const int32_t *slot = a.slot + ((uint64_t)h * a.Tmax + t) * W;
 		const uint4 *bias = (a.bias_mask >> h) & 1

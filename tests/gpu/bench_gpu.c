@@ -16,13 +16,14 @@
 #include <string.h>
 #include <unistd.h>
 
-#define W 8
+#define MAXW 8
+static int W = 8; /* EPD_BENCH_RANKS */
 
 struct shared {
 	const struct th_daemon *d;
 	uint32_t T, H, K, E;
 	int fp8, iters;
-	uint64_t recv[W];
+	uint64_t recv[MAXW];
 	double disp_ms[64], comb_ms[64];
 	double d2d_gbs, fill_gbs;
 	double kdisp_us, kcomb_us; /* the daemon's kernels alone */
@@ -100,15 +101,17 @@ static double fill(void)
 static int rank_main(int r, void *arg)
 {
 	struct shared *s = arg;
-	CUstream st = tg_rank_init(NULL, 0, NULL);
+	int gpu;
+	CUstream st = tg_rank_init(r, &gpu, NULL, 0, NULL);
 	const uint32_t T = s->T, H = s->H, K = s->K, E = s->E;
 	const uint32_t elt = s->fp8 ? 1 : 2, ns = s->fp8 ? H / 128 : 0;
 	struct ep_group_config cfg = {
-		.name = "bench", .world_size = W, .ranks_per_node = W,
+		.name = "bench", .world_size = (uint32_t)W,
+		.ranks_per_node = (uint32_t)W,
 		.rank = (uint32_t)r, .num_experts = E, .hidden = H,
 		.max_tokens_per_rank = T, .topk = K,
 		.dtype = s->fp8 ? EP_DTYPE_FP8 : EP_DTYPE_BF16,
-		.timeout_ms = 60000, .cuda_device = 0};
+		.timeout_ms = 60000, .cuda_device = gpu};
 	ep_conn_t *c;
 	ep_group_t *g;
 	TH_OK(ep_connect(s->d->sock, &c));
@@ -224,6 +227,9 @@ int main(void)
 					     : 20;
 	if (s->iters > 64)
 		s->iters = 64;
+	if (getenv("EPD_BENCH_RANKS"))
+		W = atoi(getenv("EPD_BENCH_RANKS"));
+	TH_CHECK(W >= 1 && W <= MAXW && 256 % W == 0, "EPD_BENCH_RANKS");
 	s->H = 7168;
 	s->K = 8;
 	s->E = 256;
@@ -250,7 +256,7 @@ int main(void)
 			th_daemon_start(&d, "--backend", "cuda", "-o", kv, NULL);
 			s->d = &d;
 			s->fp8 = fp8;
-			pid_t pids[W];
+			pid_t pids[MAXW];
 			th_spawn(pids, W, rank_main, s);
 			TH_CHECK(th_wait_all(pids, W, 300) == 0, "a rank failed");
 			th_daemon_stop(&d);
@@ -258,6 +264,19 @@ int main(void)
 			for (int r = 0; r < W; r++)
 				rows += s->recv[r];
 			double tokens = (double)s->T * W;
+			/* one rank per GPU when spread: per-GPU share */
+			int ngpu = getenv("EPD_GPU_SPREAD") ? W : 1;
+			double rowb = (double)s->H * (fp8 ? 1 : 2) +
+				      (fp8 ? s->H / 128 * 4 : 0);
+			printf("perf: per GPU (%d GPU%s): dispatch %.0f GB/s, "
+			       "combine %.0f GB/s\n",
+			       ngpu, ngpu > 1 ? "s" : "",
+			       (tokens + (double)rows) * rowb /
+				       (median(s->disp_ms, s->iters) / 1e3) /
+				       1e9 / ngpu,
+			       (tokens + (double)rows) * s->H * 2 /
+				       (median(s->comb_ms, s->iters) / 1e3) /
+				       1e9 / ngpu);
 			double row = (double)s->H * (fp8 ? 1 : 2) +
 				     (fp8 ? s->H / 128 * 4 : 0);
 			double db = (tokens + (double)rows) * row;
@@ -266,7 +285,8 @@ int main(void)
 			       cm = median(s->comb_ms, s->iters);
 			double dg = db / (dm / 1e3) / 1e9,
 			       cg = cb / (cm / 1e3) / 1e9;
-			printf("perf: %s, SMs %s: dispatch %.3f ms, %.0f GB/s, "
+			printf("perf: %d ranks, ", W);
+			printf("%s, SMs %s: dispatch %.3f ms, %.0f GB/s, "
 			       "%.2f of D2D copy; combine %.3f ms, %.0f GB/s, "
 			       "%.2f of D2D copy (D2D %.0f GB/s; %llu rows)\n",
 			       fp8 ? "fp8" : "bf16", i ? sms[i] : "all(132)",

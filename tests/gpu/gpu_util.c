@@ -6,19 +6,27 @@
 
 struct ekc_driver tg_drv;
 
-CUstream tg_rank_init(void *p, size_t len, CUdeviceptr *dev)
+CUstream tg_rank_init(int rank, int *gpu, void *p, size_t len,
+		      CUdeviceptr *dev)
 {
 	char err[256];
 	TH_CHECK(ekc_load(&tg_drv, err, sizeof(err)) == 0, "%s", err);
+	int n = 1, which = 0;
+	CU(tg_drv.cuDeviceGetCount(&n));
+	const char *sp = getenv("EPD_GPU_SPREAD");
+	if (sp && *sp == '1' && n > 0)
+		which = rank % n;
+	if (gpu)
+		*gpu = which;
 	CUdevice d;
 	CUcontext ctx;
-	CU(tg_drv.cuDeviceGet(&d, 0));
+	CU(tg_drv.cuDeviceGet(&d, which));
 	CU(tg_drv.cuDevicePrimaryCtxRetain(&ctx, d));
 	CU(tg_drv.cuCtxSetCurrent(ctx));
 	if (p) {
 		uintptr_t page = (uintptr_t)p & ~(uintptr_t)4095;
-		size_t n = ((uintptr_t)p + len - page + 4095) & ~(size_t)4095;
-		CU(tg_drv.cuMemHostRegister((void *)page, n,
+		size_t sz = ((uintptr_t)p + len - page + 4095) & ~(size_t)4095;
+		CU(tg_drv.cuMemHostRegister((void *)page, sz,
 					    CU_MEMHOSTREGISTER_DEVICEMAP |
 						    CU_MEMHOSTREGISTER_PORTABLE));
 		CU(tg_drv.cuMemHostGetDevicePointer(dev, p, 0));

@@ -19,10 +19,12 @@ extern struct ekc_driver tg_drv;
 		}                                                              \
 	} while (0)
 
-/* In a rank (after fork): driver, primary context of GPU 0, the shared
- * block [p, p+len) registered for the GPU (its device address in *dev),
- * and a non-blocking stream. */
-CUstream tg_rank_init(void *p, size_t len, CUdeviceptr *dev);
+/* In a rank (after fork): driver, primary context of its GPU (GPU 0, or
+ * rank % GPUs with EPD_GPU_SPREAD=1; in *gpu), the shared block
+ * [p, p+len) registered for the GPU (its device address in *dev), and a
+ * non-blocking stream. */
+CUstream tg_rank_init(int rank, int *gpu, void *p, size_t len,
+		      CUdeviceptr *dev);
 /* In the parent: 0 if a GPU is usable (probed in a child, so the parent
  * never initializes CUDA), else TH_SKIP. */
 int tg_probe(void);

@@ -41,9 +41,10 @@ struct shared {
 };
 
 /* Children: CUDA is initialized after fork, in each rank. */
-static CUstream rank_cuda(struct shared *s, CUdeviceptr *dev_shared)
+static int my_gpu;
+static CUstream rank_cuda(struct shared *s, int rank, CUdeviceptr *dev_shared)
 {
-	return tg_rank_init(s, sizeof(*s), dev_shared);
+	return tg_rank_init(rank, &my_gpu, s, sizeof(*s), dev_shared);
 }
 
 static ep_group_t *gpu_join(struct shared *s, const char *name, int rank,
@@ -51,7 +52,7 @@ static ep_group_t *gpu_join(struct shared *s, const char *name, int rank,
 {
 	struct ep_group_config cfg = th_group(name, (uint32_t)world,
 					      (uint32_t)rank, timeout_ms);
-	cfg.cuda_device = 0;
+	cfg.cuda_device = my_gpu;
 	ep_group_t *g;
 	TH_OK(ep_connect(s->d->sock, c));
 	TH_OK(ep_join(*c, &cfg, EP_JOIN_CUDA, &g));
@@ -64,7 +65,7 @@ static int late_rank(int rank, void *arg)
 {
 	struct shared *s = arg;
 	CUdeviceptr sdev;
-	CUstream st = rank_cuda(s, &sdev);
+	CUstream st = rank_cuda(s, rank, &sdev);
 	ep_conn_t *c;
 	ep_group_t *g = gpu_join(s, "glate", rank, s->ranks, 20000, &c);
 	for (int late = 0; late < s->ranks; late++) {
@@ -116,7 +117,7 @@ static int loop_rank(int rank, void *arg)
 {
 	struct shared *s = arg;
 	CUdeviceptr sdev;
-	CUstream st = rank_cuda(s, &sdev);
+	CUstream st = rank_cuda(s, rank, &sdev);
 	ep_conn_t *c;
 	ep_group_t *g = gpu_join(s, "gloop", rank, s->ranks, 20000, &c);
 	CUevent e0, e1;
@@ -187,7 +188,7 @@ static int fail_rank(int rank, void *arg)
 	(void)arg;
 	struct shared *s = FA.s;
 	CUdeviceptr sdev;
-	CUstream st = rank_cuda(s, &sdev);
+	CUstream st = rank_cuda(s, rank, &sdev);
 	ep_conn_t *c;
 	ep_group_t *g = gpu_join(s, FA.name, rank, 4, 2000, &c);
 	TH_OK(ep_barrier_stream(g, st));

@@ -82,7 +82,9 @@ static int case_rank(int r, void *arg)
 	const uint32_t ns = c->dtype == EP_DTYPE_FP8 ? H / 128 : 0;
 	const uint32_t per = E / W;
 	CUdeviceptr gdev;
-	CUstream st = tg_rank_init((void *)x->gate, sizeof(x->gate), &gdev);
+	int gpu;
+	CUstream st = tg_rank_init(r, &gpu, (void *)x->gate, sizeof(x->gate),
+				   &gdev);
 	struct ref_inputs in[8], in2[8];
 	struct ref_recv exp[8], exp2[8];
 	for (uint32_t s = 0; s < W; s++) {
@@ -102,7 +104,7 @@ static int case_rank(int r, void *arg)
 		.rank = (uint32_t)r, .num_experts = E, .hidden = H,
 		.max_tokens_per_rank = c->max_tokens, .topk = K,
 		.dtype = (ep_dtype_t)c->dtype, .timeout_ms = 30000,
-		.cuda_device = 0};
+		.cuda_device = gpu};
 	ep_conn_t *hc, *gc;
 	ep_group_t *hg, *g;
 	/* The host backend: the same inputs through the copy path. */
@@ -311,12 +313,13 @@ struct fail {
 static int fail_rank(int r, void *arg)
 {
 	struct fail *f = arg;
-	CUstream st = tg_rank_init(NULL, 0, NULL);
+	int gpu;
+	CUstream st = tg_rank_init(r, &gpu, NULL, 0, NULL);
 	struct ep_group_config cfg = {
 		.name = f->kill ? "gkilled" : "gstalled", .world_size = 4,
 		.ranks_per_node = 4, .rank = (uint32_t)r, .num_experts = 16,
 		.hidden = 1024, .max_tokens_per_rank = 256, .topk = 4,
-		.dtype = EP_DTYPE_BF16, .timeout_ms = 2000, .cuda_device = 0};
+		.dtype = EP_DTYPE_BF16, .timeout_ms = 2000, .cuda_device = gpu};
 	ep_conn_t *c;
 	ep_group_t *g;
 	TH_OK(ep_connect(f->gpu->sock, &c));
