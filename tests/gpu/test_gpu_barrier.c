@@ -108,9 +108,11 @@ static void check_late(struct shared *s)
 			}
 	}
 	TH_CHECK(th_wait_all(pids, s->ranks, 60) == 0, "a rank failed");
-	printf("ok: device barrier, %d ranks on one GPU: with each late rank "
+	printf("ok: device barrier, %d ranks (%s): with each late rank "
 	       "gated for %d ms nobody left; all left once it entered\n",
-	       s->ranks, DELAY_MS);
+	       s->ranks,
+	       getenv("EPD_GPU_SPREAD") ? "spread over the GPUs" : "one GPU",
+	       DELAY_MS);
 }
 
 static int loop_rank(int rank, void *arg)
@@ -266,11 +268,12 @@ int main(void)
 	TH_CHECK(th_wait_all(pids, s->ranks, 120) == 0, "loop failed");
 	printf("ok: 10000 back-to-back barriers, %d ranks: %.2f us each\n",
 	       s->ranks, s->b10k_us);
-	printf("perf: device barrier, %d ranks, one GPU, %s: %.2f us per "
+	printf("perf: device barrier, %d ranks, %s, %s: %.2f us per "
 	       "barrier in a loop of 1000 (device time); one barrier on an "
 	       "idle stream: %.1f us round trip (median of 101)\n",
-	       s->ranks, s->mps ? "MPS" : "no MPS", s->us_per_barrier,
-	       s->roundtrip_us);
+	       s->ranks,
+	       getenv("EPD_GPU_SPREAD") ? "spread over the GPUs" : "one GPU",
+	       s->mps ? "MPS" : "no MPS", s->us_per_barrier, s->roundtrip_us);
 
 	check_failure(s, "gkill", 1, true, EP_EPEERLOST);
 	check_failure(s, "gabsent", 3, false, EP_ETIMEDOUT);
