@@ -674,6 +674,7 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 	a.slot = (int32_t *)(uintptr_t)rt->slot;
 	a.recv = (uint32_t *)(uintptr_t)rt->recv;
 	a.cached = !fresh;
+	a.wait = d->mps; /* the kernels wait for the doorbells themselves */
 	unsigned sms = g->srv->cfg.cuda_sms && (int)g->srv->cfg.cuda_sms < d->sms
 			       ? g->srv->cfg.cuda_sms
 			       : (unsigned)d->sms;
@@ -711,8 +712,7 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 		r = launch(c, d->copy, sms * (unsigned)d->occ_copy, 1, 256, &a);
 	if (!r)
 		r = join_devs(c);
-	if (!r && fresh)
-		r = launch(c, d->per_expert, 16, W, 256, &a);
+	/* per-expert counts are made by ekc_copy */
 	return r ? r : D->cuEventRecord(ev[1], c->stream);
 }
 
@@ -804,14 +804,10 @@ static void enqueue_ready(struct epd_group *g)
 				r = D->cuStreamWaitValue32(
 					c->stream, c->ptr[l] + EKC_DOORBELL,
 					(cuuint32_t)k, CU_STREAM_WAIT_VALUE_GEQ);
-		} else if (data) {
-			/* Under MPS the barrier kernel itself polls the
-			 * doorbells: one launch instead of one driver call per
-			 * rank. Here it only waits, before the data kernels. */
-			a.release = 0;
-			r = launch(c, cu->dev[c->dev0].barrier, 1, 1, bthreads,
-				   &a);
 		}
+		/* Under MPS the kernels poll the doorbells themselves: the
+		 * barrier kernel for a barrier, count/scan/combine for data
+		 * (no launch and no driver call per rank just to wait). */
 		if (!r && data)
 			r = enqueue_data(g, k, ops, &what);
 		/* Every op ends with the barrier kernel: it releases the ranks

@@ -158,6 +158,7 @@ struct ekc_disp_args {
 	uint32_t W, H, K, E, elt, nscales, Tmax, nblk_max;
 	uint32_t seq;
 	uint32_t cached;
+	uint32_t wait; /* kernels wait for the doorbells themselves (MPS) */
 };
 
 /* The fatbin of the kernels in kernels/cuda, embedded at build time. */

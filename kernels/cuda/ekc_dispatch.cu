@@ -29,6 +29,21 @@ __device__ static inline bool has_error(const struct ekc_disp_args &a)
 	return *(volatile unsigned long long *)a.err != ~0ull;
 }
 
+// Under MPS no front-end wait precedes the data kernels: a kernel waits
+// for the doorbells of the ranks it reads (inputs) or writes (outputs).
+// No budget here: a rank that never rings is found by the daemon's poll,
+// which fails the group and rings every doorbell far ahead.
+__device__ static inline void wait_doorbell(const struct ekc_disp_args &a,
+					    uint32_t rank)
+{
+	const volatile uint32_t *db =
+		(const volatile uint32_t *)((uint8_t *)a.region[rank] +
+					    EKC_DOORBELL);
+	while ((int32_t)(*db - a.seq) < 0)
+		;
+	__threadfence();
+}
+
 extern "C" __global__ void __launch_bounds__(TPB)
 	ekc_count(struct ekc_disp_args a)
 {
@@ -37,6 +52,11 @@ extern "C" __global__ void __launch_bounds__(TPB)
 	const uint32_t T = a.tokens[s], W = a.W, K = a.K, per = a.E / a.W;
 	if (b >= (T + TPB - 1) / TPB)
 		return; // uniform for the block
+	if (a.wait) {
+		if (threadIdx.x == 0)
+			wait_doorbell(a, s); // this block reads rank s's input
+		__syncthreads();
+	}
 	uint64_t mask = 0;
 	if (t < T) {
 		const int64_t *ti = (const int64_t *)field(a, s, EKC_F_TOPK) +
@@ -73,6 +93,13 @@ extern "C" __global__ void __launch_bounds__(1024) ekc_scan(struct ekc_disp_args
 	__shared__ uint32_t cnt[SCAN_CHUNK];
 	const uint32_t d = threadIdx.x, W = a.W;
 	uint32_t run = 0;
+	if (a.wait) {
+		// the first kernel that writes outputs: every rank must have
+		// reached this op (done with the last op's outputs)
+		if (d < W)
+			wait_doorbell(a, d);
+		__syncthreads();
+	}
 	if (!a.cached) {
 		// the (s, b) pairs in order, as rows of W counts
 		const uint64_t rows = (uint64_t)W * a.nblk_max;
@@ -252,6 +279,16 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 			((float *)field(a, d, EKC_F_RECV_WEIGHTS))
 				[(uint64_t)r * K + k] =
 					local && wts ? tw[k] : 0.0f;
+			if (!local)
+				continue;
+			// the row counts once per distinct local expert
+			bool dup = false;
+			for (uint32_t j = 0; j < k; j++)
+				dup |= ti[j] == e;
+			if (!dup)
+				atomicAdd((int32_t *)field(a, d, EKC_F_RECV_PE) +
+						  (e - (int64_t)d * per),
+					  1); // a count: order-free
 		}
 		for (uint32_t d = lane; d < W; d += 32) {
 			int32_t r = slot[d];
@@ -320,6 +357,11 @@ extern "C" __global__ void __launch_bounds__(256)
 {
 	const uint32_t lane = threadIdx.x & 31, W = a.W, H = a.H;
 	const uint64_t nvec = H / 8;
+	if (a.wait) {
+		for (uint32_t d = threadIdx.x; d < W; d += blockDim.x)
+			wait_doorbell(a, d);
+		__syncthreads();
+	}
 	uint64_t total = 0;
 	for (uint32_t s = 0; s < W; s++)
 		if ((a.rank_mask >> s) & 1)
