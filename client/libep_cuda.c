@@ -367,38 +367,14 @@ int ep_dispatch_stream(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 {
 	if (!g || !handle)
 		return ep__fail(EP_EINVAL, "NULL argument");
-	if (flags & ~EP_DISPATCH_WEIGHTS)
-		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
-	if (num_tokens > g->cfg.max_tokens)
-		return ep__fail(EP_ETOOBIG,
-				"%u tokens exceed the group's maximum of %u",
-				num_tokens, g->cfg.max_tokens);
-	struct epp_dispatch d = {.group_id = g->id,
-				 .num_tokens = num_tokens,
-				 .hidden = g->cfg.hidden,
-				 .dtype = g->cfg.dtype,
-				 .topk = g->cfg.topk,
-				 .flags = flags & EP_DISPATCH_WEIGHTS
-						  ? EPP_DISPATCH_WEIGHTS
-						  : 0};
-	if (cached) {
-		int rc = ep__check_handle(g, cached);
-		if (rc)
-			return rc;
-		if (cached->num_tokens != num_tokens)
-			return ep__fail(EP_ESHAPE,
-					"cached dispatch of %u tokens with a "
-					"handle of %u",
-					num_tokens, cached->num_tokens);
-		d.flags |= EPP_DISPATCH_CACHED;
-		d.handle = (struct epp_handle){.group_id = cached->group_id,
-					       .epoch = cached->epoch,
-					       .seq = cached->seq};
-	}
+	struct epp_dispatch d;
+	int rc = ep__dispatch_request(g, num_tokens, flags, cached, &d);
+	if (rc)
+		return rc;
 	uint8_t buf[128];
 	size_t n = epp_dispatch_encode(&d, buf, sizeof(buf));
 	uint64_t seq;
-	int rc = async_op(g, EPP_DISPATCH, buf, (uint32_t)n, stream, &seq);
+	rc = async_op(g, EPP_DISPATCH, buf, (uint32_t)n, stream, &seq);
 	if (rc)
 		return rc;
 	*handle = (ep_handle_t){.group_id = g->id,

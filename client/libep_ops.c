@@ -82,6 +82,41 @@ int ep__check_handle(const ep_group_t *g, const ep_handle_t *h)
 	return 0;
 }
 
+/* The DISPATCH request of this rank, checked as the daemon will. */
+int ep__dispatch_request(ep_group_t *g, uint32_t num_tokens, unsigned flags,
+			 const ep_handle_t *cached, struct epp_dispatch *d)
+{
+	if (flags & ~EP_DISPATCH_WEIGHTS)
+		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
+	if (num_tokens > g->cfg.max_tokens)
+		return ep__fail(EP_ETOOBIG,
+				"%u tokens exceed the group's maximum of %u",
+				num_tokens, g->cfg.max_tokens);
+	*d = (struct epp_dispatch){.group_id = g->id,
+				   .num_tokens = num_tokens,
+				   .hidden = g->cfg.hidden,
+				   .dtype = g->cfg.dtype,
+				   .topk = g->cfg.topk,
+				   .flags = flags & EP_DISPATCH_WEIGHTS
+						    ? EPP_DISPATCH_WEIGHTS
+						    : 0};
+	if (cached) {
+		int rc = ep__check_handle(g, cached);
+		if (rc)
+			return rc;
+		if (cached->num_tokens != num_tokens)
+			return ep__fail(EP_ESHAPE,
+					"cached dispatch of %u tokens with a "
+					"handle of %u",
+					num_tokens, cached->num_tokens);
+		d->flags |= EPP_DISPATCH_CACHED;
+		d->handle = (struct epp_handle){.group_id = cached->group_id,
+						.epoch = cached->epoch,
+						.seq = cached->seq};
+	}
+	return 0;
+}
+
 int ep_dispatch_inplace(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 			const ep_handle_t *cached, ep_handle_t *handle)
 {
@@ -91,35 +126,16 @@ int ep_dispatch_inplace(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 		return ep__fail(EP_EUNSUPPORTED,
 				"a GPU rank dispatches on a stream "
 				"(ep_dispatch_stream)");
-	if (flags & ~EP_DISPATCH_WEIGHTS)
-		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
-	if (num_tokens > g->cfg.max_tokens)
-		return ep__fail(EP_ETOOBIG,
-				"%u tokens exceed the group's maximum of %u",
-				num_tokens, g->cfg.max_tokens);
-	struct epp_dispatch d = {.group_id = g->id,
-				 .num_tokens = num_tokens,
-				 .hidden = g->cfg.hidden,
-				 .dtype = g->cfg.dtype,
-				 .topk = g->cfg.topk,
-				 .flags = flags & EP_DISPATCH_WEIGHTS
-						  ? EPP_DISPATCH_WEIGHTS
-						  : 0};
-	if (cached) {
-		int rc = ep__check_handle(g, cached);
-		if (rc)
-			return rc;
-		d.flags |= EPP_DISPATCH_CACHED;
-		d.handle = (struct epp_handle){.group_id = cached->group_id,
-					       .epoch = cached->epoch,
-					       .seq = cached->seq};
-	}
+	struct epp_dispatch d;
+	int rc = ep__dispatch_request(g, num_tokens, flags, cached, &d);
+	if (rc)
+		return rc;
 	uint8_t buf[128], *rep;
 	uint32_t rlen;
 	size_t n = epp_dispatch_encode(&d, buf, sizeof(buf));
 	pthread_mutex_lock(&g->conn->mu);
-	int rc = ep__rpc(g->conn, EPP_DISPATCH, 0, buf, (uint32_t)n, &rep,
-			 &rlen, NULL, 0, ep__group_op_timeout(g));
+	rc = ep__rpc(g->conn, EPP_DISPATCH, 0, buf, (uint32_t)n, &rep, &rlen,
+		     NULL, 0, ep__group_op_timeout(g));
 	pthread_mutex_unlock(&g->conn->mu);
 	if (rc)
 		return rc;

@@ -29,6 +29,32 @@ __device__ static inline bool has_error(const struct ekc_disp_args &a)
 	return *(volatile unsigned long long *)a.err != ~0ull;
 }
 
+// Tokens of the ranks in rank_mask (one GPU's ranks): how many, and the
+// g-th of them as (rank, token).
+__device__ static inline uint64_t masked_total(const struct ekc_disp_args &a)
+{
+	uint64_t total = 0;
+	for (uint32_t s = 0; s < a.W; s++)
+		if ((a.rank_mask >> s) & 1)
+			total += a.tokens[s];
+	return total;
+}
+
+__device__ static inline uint32_t masked_token(const struct ekc_disp_args &a,
+					       uint64_t g, uint64_t *t)
+{
+	uint32_t s = 0;
+	for (;; s++) {
+		if (!((a.rank_mask >> s) & 1))
+			continue;
+		if (g < a.tokens[s])
+			break;
+		g -= a.tokens[s];
+	}
+	*t = g;
+	return s;
+}
+
 // Under MPS no front-end wait precedes the data kernels: a kernel waits
 // for the doorbells of the ranks it reads (inputs) or writes (outputs).
 // No budget here: a rank that never rings is found by the daemon's poll,
@@ -193,24 +219,13 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 	const uint32_t lane = threadIdx.x & 31;
 	const uint32_t W = a.W, K = a.K, per = a.E / a.W;
 	const uint64_t nvec = (uint64_t)a.H * a.elt / 16;
-	uint64_t total = 0;
-	for (uint32_t s = 0; s < W; s++)
-		if ((a.rank_mask >> s) & 1)
-			total += a.tokens[s];
+	const uint64_t total = masked_total(a);
 	const uint64_t warps = (uint64_t)gridDim.x * (blockDim.x / 32);
 	for (uint64_t g = (uint64_t)blockIdx.x * (blockDim.x / 32) +
 			  (threadIdx.x >> 5);
 	     g < total; g += warps) {
-		// the g-th token of this launch's sources (its GPU's ranks)
-		uint32_t s = 0;
-		uint64_t t = g;
-		for (;; s++) {
-			if (!((a.rank_mask >> s) & 1))
-				continue;
-			if (t < a.tokens[s])
-				break;
-			t -= a.tokens[s];
-		}
+		uint64_t t;
+		const uint32_t s = masked_token(a, g, &t); // a source
 		const int32_t *slot = a.slot + ((uint64_t)s * a.Tmax + t) * W;
 		const uint4 *src = (const uint4 *)(field(a, s, EKC_F_X) +
 						   t * nvec * 16);
@@ -362,24 +377,13 @@ extern "C" __global__ void __launch_bounds__(256)
 			wait_doorbell(a, d);
 		__syncthreads();
 	}
-	uint64_t total = 0;
-	for (uint32_t s = 0; s < W; s++)
-		if ((a.rank_mask >> s) & 1)
-			total += a.tokens[s];
+	const uint64_t total = masked_total(a);
 	const uint64_t warps = (uint64_t)gridDim.x * (blockDim.x / 32);
 	for (uint64_t g = (uint64_t)blockIdx.x * (blockDim.x / 32) +
 			  (threadIdx.x >> 5);
 	     g < total; g += warps) {
-		// the g-th token of this launch's home ranks
-		uint32_t h = 0;
-		uint64_t t = g;
-		for (;; h++) {
-			if (!((a.rank_mask >> h) & 1))
-				continue;
-			if (t < a.tokens[h])
-				break;
-			t -= a.tokens[h];
-		}
+		uint64_t t;
+		const uint32_t h = masked_token(a, g, &t); // a home rank
 		const int32_t *slot = a.slot + ((uint64_t)h * a.Tmax + t) * W;
 		const uint4 *bias = (a.bias_mask >> h) & 1
 					    ? (const uint4 *)field(a, h, EKC_F_BIAS) +

@@ -216,12 +216,7 @@ static void run_case(const struct th_daemon *d, struct ctx *x)
 		 (unsigned long long)x->c.seed);
 }
 
-static uint64_t rs;
-static uint32_t rnd(uint32_t n)
-{
-	rs = rs * 6364136223846793005ull + 1442695040888963407ull;
-	return n ? (uint32_t)((rs >> 33) % n) : 0;
-}
+static uint64_t rs; /* the random series */
 
 int main(void)
 {
@@ -282,23 +277,7 @@ int main(void)
 	}
 	for (int i = 0; i < ncases; i++, n++) {
 		struct ref_case *c = &x->c;
-		memset(c, 0, sizeof(*c));
-		c->seed = seed * 1000003ull + (uint64_t)i;
-		c->world = 1 + rnd(8);
-		c->experts = c->world * (1u << rnd(6));
-		c->hidden = 128 * (1 + rnd(8));
-		c->topk = 1 + rnd(8);
-		c->max_tokens = 1 + rnd(512);
-		for (uint32_t r = 0; r < c->world; r++)
-			c->tokens[r] = rnd(4) == 0 ? 0 : rnd(c->max_tokens + 1);
-		c->dtype = rnd(3) == 0 ? EP_DTYPE_FP8 : EP_DTYPE_BF16;
-		c->weights = rnd(2);
-		c->bias = rnd(2);
-		uint32_t m = rnd(10);
-		c->mode = m < 7 ? REF_RANDOM : m < 8 ? REF_ONE_EXPERT
-					      : REF_SKIP_RANK;
-		c->special = c->mode == REF_ONE_EXPERT ? rnd(c->experts)
-						       : rnd(c->world);
+		ref_random_case(c, &rs, seed, i, 512);
 		x->index = n;
 		run_case(&d, x);
 		printf("ok: case %d: world %u E %u H %u K %u T_max %u %s "

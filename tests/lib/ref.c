@@ -277,3 +277,30 @@ uint16_t *ref_gen_y(const struct ref_case *c, uint32_t d, uint32_t R,
 		y[i] = rand_bf16(&r);
 	return y;
 }
+
+static uint32_t lcg(uint64_t *rs, uint32_t n)
+{
+	*rs = *rs * 6364136223846793005ull + 1442695040888963407ull;
+	return n ? (uint32_t)((*rs >> 33) % n) : 0;
+}
+
+void ref_random_case(struct ref_case *c, uint64_t *rs, uint64_t seed, int i,
+		     uint32_t max_tokens)
+{
+	memset(c, 0, sizeof(*c));
+	c->seed = seed * 1000003ull + (uint64_t)i;
+	c->world = 1 + lcg(rs, 8);
+	c->experts = c->world * (1u << lcg(rs, 6));
+	c->hidden = 128 * (1 + lcg(rs, 8));
+	c->topk = 1 + lcg(rs, 8);
+	c->max_tokens = 1 + lcg(rs, max_tokens);
+	for (uint32_t r = 0; r < c->world; r++)
+		c->tokens[r] = lcg(rs, 4) == 0 ? 0 : lcg(rs, c->max_tokens + 1);
+	c->dtype = lcg(rs, 3) == 0 ? EP_DTYPE_FP8 : EP_DTYPE_BF16;
+	c->weights = lcg(rs, 2);
+	c->bias = lcg(rs, 2);
+	uint32_t m = lcg(rs, 10);
+	c->mode = m < 7 ? REF_RANDOM : m < 8 ? REF_ONE_EXPERT : REF_SKIP_RANK;
+	c->special = c->mode == REF_ONE_EXPERT ? lcg(rs, c->experts)
+					       : lcg(rs, c->world);
+}

@@ -50,6 +50,13 @@ struct ref_recv {
 };
 
 uint32_t ref_elt(const struct ref_case *c);
+/* Case i of a random series: world 1..8, experts a power-of-two multiple of
+ * the world, hidden 128..1024, top-1..8, T_max 1..max_tokens with uneven T
+ * (a quarter of them 0), a third fp8, weights and bias at random, mostly
+ * random routing, else all-to-one-expert or a skipped rank. *rs is the
+ * series' state, seeded by the caller. */
+void ref_random_case(struct ref_case *c, uint64_t *rs, uint64_t seed, int i,
+		     uint32_t max_tokens);
 void ref_gen_inputs(const struct ref_case *c, uint32_t rank, uint64_t salt,
 		    struct ref_inputs *in);
 void ref_free_inputs(struct ref_inputs *in);
