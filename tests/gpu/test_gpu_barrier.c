@@ -235,7 +235,7 @@ static void check_failure(struct shared *s, const char *name, int victim,
 		if (i != victim)
 			bad += th_wait_all(&pids[i], 1, 30);
 	s->release = 1;
-	th_wait_all(&pids[victim], 1, 30);
+	th_reap(pids[victim], 30);
 	TH_CHECK(bad == 0, "%s: a rank failed", name);
 	for (int r = 0; r < 4; r++) {
 		if (r == victim)

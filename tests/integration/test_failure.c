@@ -117,7 +117,7 @@ static struct shared *run(const struct th_daemon *d, th_child_fn fn,
 		bad += th_wait_all(&pids[i], 1, 30);
 	}
 	s->release = 1;
-	th_wait_all(&pids[victim], 1, 30);
+	th_reap(pids[victim], 30);
 	TH_CHECK(bad == 0, "a rank failed");
 	return s;
 }

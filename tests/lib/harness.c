@@ -250,6 +250,20 @@ int th_wait_all(const pid_t *pids, int n, unsigned timeout_s)
 	return bad;
 }
 
+void th_reap(pid_t pid, unsigned timeout_s)
+{
+	int st;
+	uint64_t end = th_now_ns() + (uint64_t)timeout_s * 1000000000ull;
+	while (waitpid(pid, &st, WNOHANG) != pid) {
+		if (th_now_ns() > end) {
+			kill(pid, SIGKILL);
+			waitpid(pid, &st, 0);
+			return;
+		}
+		th_sleep_ms(5);
+	}
+}
+
 struct ep_group_config th_group(const char *name, uint32_t world,
 				uint32_t rank, uint32_t timeout_ms)
 {

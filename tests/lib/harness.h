@@ -77,6 +77,9 @@ void th_spawn(pid_t *pids, int n, th_child_fn fn, void *arg);
 /* Wait for the children; returns how many did not exit 0. */
 int th_wait_all(const pid_t *pids, int n, unsigned timeout_s);
 
+/* Reap a child whose exit is not judged (a victim the test killed). */
+void th_reap(pid_t pid, unsigned timeout_s);
+
 /* A default group config (small shape) for rank `rank` of `world`. */
 struct ep_group_config th_group(const char *name, uint32_t world,
 				uint32_t rank, uint32_t timeout_ms);
