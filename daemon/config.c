@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 void epd_config_defaults(struct epd_config *c)
 {
@@ -20,6 +21,10 @@ void epd_config_defaults(struct epd_config *c)
 	c->timeout_ms = 30000;
 	c->frame_timeout_ms = 5000;
 	c->worker_threads = 0;
+	gethostname(c->node_name, sizeof(c->node_name) - 1);
+	snprintf(c->transport, sizeof(c->transport), "auto");
+	c->heartbeat_ms = 500;
+	c->heartbeat_miss = 4;
 }
 
 static int parse_u32(const char *v, uint32_t min, uint32_t max, int base,
@@ -91,6 +96,31 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 		if (parse_u32(v, 0, 1024, 10, &u))
 			return -2;
 		c->cuda_sms = u;
+	} else if (!strcmp(key, "node_name")) {
+		if (!*v || strlen(v) >= sizeof(c->node_name))
+			return -2;
+		snprintf(c->node_name, sizeof(c->node_name), "%s", v);
+	} else if (!strcmp(key, "peers")) {
+		if (strlen(v) >= sizeof(c->peers))
+			return -2;
+		snprintf(c->peers, sizeof(c->peers), "%s", v);
+	} else if (!strcmp(key, "cluster_key_file")) {
+		if (strlen(v) >= sizeof(c->cluster_key_file))
+			return -2;
+		snprintf(c->cluster_key_file, sizeof(c->cluster_key_file),
+			 "%s", v);
+	} else if (!strcmp(key, "transport")) {
+		if (strcmp(v, "auto") && strcmp(v, "tcp") && strcmp(v, "rdma"))
+			return -2;
+		snprintf(c->transport, sizeof(c->transport), "%s", v);
+	} else if (!strcmp(key, "heartbeat_ms")) {
+		if (parse_u32(v, 10, 60000, 10, &u))
+			return -2;
+		c->heartbeat_ms = u;
+	} else if (!strcmp(key, "heartbeat_miss")) {
+		if (parse_u32(v, 2, 100, 10, &u))
+			return -2;
+		c->heartbeat_miss = u;
 	} else if (!strcmp(key, "worker_threads")) {
 		if (parse_u32(v, 0, 256, 10, &u))
 			return -2;

@@ -37,6 +37,12 @@ struct epd_config {
 	uid_t allow_uids[EPD_MAX_ALLOW];
 	unsigned worker_threads;   /* data-path threads; 0: one per core */
 	unsigned cuda_sms;         /* SMs for dispatch/combine; 0: all */
+	/* Cluster (empty peers: a single node). */
+	char node_name[64];
+	char peers[2048];          /* "name@host:port, ..." all nodes, ordered */
+	char cluster_key_file[256];
+	char transport[8];         /* auto|tcp|rdma */
+	uint32_t heartbeat_ms, heartbeat_miss;
 };
 
 void epd_config_defaults(struct epd_config *c);
@@ -50,6 +56,7 @@ struct epd_server;
 struct epd_group;
 struct epd_cuda;
 struct epd_cuda_group;
+struct epd_cluster;
 
 /* A queued outgoing frame. */
 struct epd_out {
@@ -192,6 +199,7 @@ struct epd_server {
 	bool systemd;
 	struct epd_pool *pool;
 	struct epd_cuda *cuda; /* NULL: host backend */
+	struct epd_cluster *cluster; /* NULL: a single node */
 	uint64_t n_accepted, n_rejected, n_proto_errors;
 };
 
@@ -271,6 +279,23 @@ void epd_cuda_group_free(struct epd_group *g);
 /* JSON of the devices (a jansson json_t *), or NULL. */
 void *epd_cuda_status(struct epd_server *srv);
 void *epd_cuda_group_status(struct epd_group *g);
+
+/* cluster.c: other nodes over tcp (nothing without `peers`). */
+int epd_cluster_init(struct epd_server *srv, char *err, size_t errlen);
+void epd_cluster_stop(struct epd_server *srv);
+void epd_cluster_free(struct epd_server *srv);
+int epd_cluster_self(const struct epd_server *srv);
+int epd_cluster_size(const struct epd_server *srv);
+/* Tell the group's rail peers that local index l entered barrier seq; a
+ * down node fails the group (then EP_EPEERLOST is returned). */
+int epd_cluster_send_arrival(struct epd_group *g, uint32_t l, uint64_t seq);
+void epd_cluster_stash(struct epd_server *srv, const char *name,
+		       uint32_t node, uint32_t l, uint64_t seq);
+void epd_cluster_unstash(struct epd_group *g);
+void *epd_cluster_status(struct epd_server *srv);
+/* group.c: a rail peer on another node entered barrier seq. */
+void epd_group_remote_arrival(struct epd_server *srv, const char *name,
+			      uint32_t node, uint32_t l, uint64_t seq);
 
 /* status.c: JSON text, malloc'd. */
 char *epd_status_json(struct epd_server *srv);

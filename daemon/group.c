@@ -277,6 +277,7 @@ static struct epd_group *group_create(struct epd_server *srv,
 	uv_timer_init(srv->loop, &g->timer);
 	g->timer.data = g;
 	list_add_tail(&srv->groups, &g->node);
+	epd_cluster_unstash(g); /* rail peers may have arrived already */
 	epd_info("group %s (id %lu) created: world %u, %u per node, node %u, "
 		 "%u experts, hidden %u, %u tokens, top-%u, timeout %u ms",
 		 g->shape.name, (unsigned long)g->id, j->world_size,
@@ -370,12 +371,37 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 	struct epd_server *srv = c->srv;
 	char err[512];
 	int code;
-	if (j->world_size != j->ranks_per_node) {
-		epd_client_error(c, req_id, EP_EUNSUPPORTED,
-				 "group %s spans %u nodes, but this daemon has "
-				 "no cluster configured",
-				 j->name, j->world_size / j->ranks_per_node);
-		return EP_EUNSUPPORTED;
+	uint32_t nnodes = j->world_size / j->ranks_per_node;
+	if (nnodes > 1) {
+		int self = epd_cluster_self(srv);
+		if (!srv->cluster) {
+			epd_client_error(c, req_id, EP_EUNSUPPORTED,
+					 "group %s spans %u nodes, but this "
+					 "daemon has no cluster configured",
+					 j->name, nnodes);
+			return EP_EUNSUPPORTED;
+		}
+		if ((int)nnodes > epd_cluster_size(srv)) {
+			epd_client_error(c, req_id, EP_EINVAL,
+					 "group %s spans %u nodes; the cluster "
+					 "has %d",
+					 j->name, nnodes, epd_cluster_size(srv));
+			return EP_EINVAL;
+		}
+		if ((int)(j->rank / j->ranks_per_node) != self) {
+			epd_client_error(c, req_id, EP_EMISMATCH,
+					 "rank %u lives on node %u; this daemon "
+					 "is node %d",
+					 j->rank, j->rank / j->ranks_per_node,
+					 self);
+			return EP_EMISMATCH;
+		}
+		if (!epp_uuid_is_zero(j->gpu_uuid)) {
+			epd_client_error(c, req_id, EP_EUNSUPPORTED,
+					 "GPU groups across nodes are not "
+					 "implemented yet");
+			return EP_EUNSUPPORTED;
+		}
 	}
 	struct epd_group *g = group_find(srv, j->name);
 	if (g) {
@@ -643,9 +669,30 @@ int epd_group_barrier(struct epd_client *c, uint64_t req_id, uint64_t gid)
 	m->barrier_seq++;
 	m->pending_req = req_id;
 	m->pending_type = EPP_BARRIER;
+	/* Phase 1 needs the rail: tell the other nodes of the group. */
+	if (g->nnodes > 1 &&
+	    epd_cluster_send_arrival(g, m->local, m->barrier_seq))
+		return EP_EPEERLOST; /* the group failed and replied */
 	epd_group_arm_timer(g);
 	barrier_progress(g);
 	return 0;
+}
+
+void epd_group_remote_arrival(struct epd_server *srv, const char *name,
+			      uint32_t node, uint32_t l, uint64_t seq)
+{
+	struct epd_group *g = group_find(srv, name);
+	if (!g) {
+		epd_cluster_stash(srv, name, node, l, seq);
+		return;
+	}
+	if (node >= g->nnodes || l >= g->shape.ranks_per_node)
+		return;
+	uint64_t *c = &g->rail_remote[l * g->nnodes + node];
+	if (seq > *c)
+		*c = seq;
+	if (g->state == EPD_G_READY)
+		barrier_progress(g);
 }
 
 void epd_groups_shutdown(struct epd_server *srv)

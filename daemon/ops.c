@@ -368,6 +368,12 @@ int epd_op_dispatch(struct epd_client *c, uint64_t req_id,
 	struct epd_group *g = m->group;
 	const struct epp_join *s = &g->shape;
 	bool cached = d->flags & EPP_DISPATCH_CACHED;
+	if (g->nnodes > 1) {
+		epd_client_error(c, req_id, EP_EUNSUPPORTED,
+				 "dispatch and combine across nodes are not "
+				 "implemented yet");
+		return EP_EUNSUPPORTED;
+	}
 	if (d->flags & ~(EPP_DISPATCH_WEIGHTS | EPP_DISPATCH_CACHED)) {
 		epd_client_error(c, req_id, EP_EINVAL,
 				 "unknown dispatch flags 0x%x", d->flags);
@@ -430,6 +436,12 @@ int epd_op_combine(struct epd_client *c, uint64_t req_id,
 	if (!m)
 		return EP_EINVAL;
 	struct epd_group *g = m->group;
+	if (g->nnodes > 1) {
+		epd_client_error(c, req_id, EP_EUNSUPPORTED,
+				 "dispatch and combine across nodes are not "
+				 "implemented yet");
+		return EP_EUNSUPPORTED;
+	}
 	if (cb->flags & ~EPP_COMBINE_BIAS) {
 		epd_client_error(c, req_id, EP_EINVAL,
 				 "unknown combine flags 0x%x", cb->flags);

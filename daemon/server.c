@@ -221,6 +221,15 @@ int epd_server_init(struct epd_server *srv, uv_loop_t *loop,
 		epd_pool_free(srv->pool);
 		return -1;
 	}
+	char err[256];
+	if (epd_cluster_init(srv, err, sizeof(err))) {
+		epd_err("%s", err);
+		close(srv->listen_fd);
+		if (srv->unlink_socket)
+			unlink(srv->cfg.socket_path);
+		epd_pool_free(srv->pool);
+		return -1;
+	}
 	uv_poll_init(loop, &srv->listen_poll, srv->listen_fd);
 	srv->listen_poll.data = srv;
 	uv_poll_start(&srv->listen_poll, UV_READABLE, on_listen);
@@ -246,6 +255,7 @@ int epd_server_run(struct epd_server *srv)
 	sd_notifyf(0, "READY=1\nMAINPID=%d", (int)getpid());
 	notify_status(srv);
 	uv_run(srv->loop, UV_RUN_DEFAULT);
+	epd_cluster_free(srv);
 	epd_cuda_fini(srv);
 	epd_pool_free(srv->pool);
 	srv->pool = NULL;
@@ -265,6 +275,7 @@ void epd_server_stop(struct epd_server *srv)
 		unlink(srv->cfg.socket_path);
 	/* Pending ops fail with ESHUTDOWN; every rank is told. */
 	epd_groups_shutdown(srv);
+	epd_cluster_stop(srv);
 	struct list_node *it, *tmp;
 	LIST_FOREACH(it, tmp, &srv->clients)
 	{

@@ -110,6 +110,8 @@ char *epd_status_json(struct epd_server *srv)
 	json_t *cu = epd_cuda_status(srv);
 	json_object_set_new(json_object_get(root, "daemon"), "cuda",
 			    cu ? cu : json_null());
+	json_t *cl = epd_cluster_status(srv);
+	json_object_set_new(root, "cluster", cl ? cl : json_null());
 	char *s = json_dumps(root, JSON_COMPACT);
 	json_decref(root);
 	return s;

@@ -208,6 +208,10 @@ const char *epp_type_name(uint16_t type)
 	case EPP_STATUS: return "status";
 	case EPP_DISPATCH: return "dispatch";
 	case EPP_COMBINE: return "combine";
+	case EPP_PEER_HELLO: return "peer-hello";
+	case EPP_PEER_AUTH: return "peer-auth";
+	case EPP_PEER_HEARTBEAT: return "peer-heartbeat";
+	case EPP_PEER_BARRIER: return "peer-barrier";
 	case EPP_OK: return "ok";
 	case EPP_ERROR: return "error";
 	case EPP_NOTICE: return "notice";

@@ -23,6 +23,8 @@
  *        the device region size and a second descriptor (the rank's cuMem
  *        region). BARRIER with EPP_F_ASYNC: stream-ordered, no reply on
  *        success. The control page (struct epp_ctl) heads the group buffer.
+ *   1.3  Daemon-to-daemon frames on the peer port: PEER_HELLO, PEER_AUTH,
+ *        PEER_HEARTBEAT, PEER_BARRIER (same header).
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -41,7 +43,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 2
+#define EPP_VERSION_MINOR 3
 #define EPP_HDR_SIZE 24
 #define EPP_MAX_PAYLOAD (1u << 20)
 #define EPP_MAX_FDS 4
@@ -55,6 +57,12 @@ enum epp_type {
 	EPP_STATUS = 5,  /* C->D: empty */
 	EPP_DISPATCH = 6, /* C->D: struct epp_dispatch; OK: epp_dispatch_ok */
 	EPP_COMBINE = 7,  /* C->D: struct epp_combine; OK: empty */
+	/* Between daemons (peer port). */
+	EPP_PEER_HELLO = 32,     /* u16 major, u16 minor, str node, u32 index,
+				    32-byte nonce */
+	EPP_PEER_AUTH = 33,      /* 32-byte HMAC(key, peer nonce || node) */
+	EPP_PEER_HEARTBEAT = 34, /* u64 view epoch */
+	EPP_PEER_BARRIER = 35,   /* str group, u32 local index, u64 seq */
 	EPP_OK = 64,     /* D->C: reply; payload depends on the request */
 	EPP_ERROR = 65,  /* D->C: i32 code, str message */
 	EPP_NOTICE = 66, /* D->C: unsolicited; i32 code, str message */

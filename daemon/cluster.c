@@ -1,0 +1,765 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The cluster: daemons of other nodes, over the tcp transport (libuv).
+ *
+ * Every node lists all nodes in the same order (`peers`); a node's index is
+ * its place there. One connection per pair: the lower index connects. Both
+ * ends send PEER_HELLO (protocol version, name, index, a fresh nonce); each
+ * answers with PEER_AUTH = HMAC-SHA256(cluster key, the other's nonce || its
+ * own name), so each proves knowledge of the key without sending it, and a
+ * replayed AUTH fails against a new nonce. A node is up once the other's
+ * AUTH checks out; a wrong key, a newer major version, an unknown name or
+ * garbage are logged and the connection closed. Heartbeats every
+ * heartbeat_ms; a node silent for heartbeat_miss beats is down. Every change
+ * advances the view epoch; groups spanning a down node fail with peer-lost.
+ * The lower index reconnects, so a node can leave, restart and rejoin
+ * without restarting the others.
+ *
+ * Barrier arrivals travel as PEER_BARRIER to the rail peers (same local
+ * index on the other nodes of the group) and feed the group's rail
+ * counters (group.c).
+ */
+#include "epd.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <sodium.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define MAX_NODES 64
+#define NONCE 32
+#define MAC 32
+#define MAX_EARLY 1024
+
+enum { NODE_DOWN, NODE_UP, NODE_SELF };
+
+struct pconn {
+	uv_tcp_t tcp;
+	struct list_node node; /* in cluster->conns */
+	struct epd_cluster *cl;
+	int peer;  /* node index once its HELLO arrived, else -1 */
+	int target; /* outgoing: the node we dialled */
+	uint64_t born_ns;
+	uint8_t *rbuf;
+	size_t rlen, rcap;
+	bool got_hello, authed, closing;
+	uint8_t nonce[NONCE], peer_nonce[NONCE];
+	char addr[64];
+	uv_connect_t creq;
+};
+
+struct cnode {
+	char name[64];
+	char host[64];
+	int port;
+	int state;
+	struct pconn *conn; /* authenticated, or being dialled */
+	uint64_t last_rx_ns, since_ns;
+	uint64_t downs;
+	uint64_t next_dial_ns, backoff_ns; /* redial a failing node slower */
+	char why[128];
+};
+
+struct early {
+	char name[EP_GROUP_NAME_MAX + 1];
+	uint32_t node, l;
+	uint64_t seq;
+};
+
+struct epd_cluster {
+	struct epd_server *srv;
+	int self, n;
+	struct cnode node[MAX_NODES];
+	uint8_t key[32];
+	uv_tcp_t listener;
+	uv_timer_t tick;
+	struct list_node conns;
+	uint64_t epoch, rejected;
+	struct early early[MAX_EARLY];
+	int nearly;
+};
+
+static void conn_close(struct pconn *c, const char *why);
+
+static int parse_peers(struct epd_cluster *cl, const char *spec,
+		       const char *self, char *err, size_t errlen)
+{
+	char buf[2048];
+	snprintf(buf, sizeof(buf), "%s", spec);
+	cl->n = 0;
+	cl->self = -1;
+	for (char *save, *t = strtok_r(buf, ", ", &save); t;
+	     t = strtok_r(NULL, ", ", &save)) {
+		char *at = strchr(t, '@'), *colon = strrchr(t, ':');
+		if (!at || !colon || colon < at || cl->n == MAX_NODES) {
+			snprintf(err, errlen, "peers: '%s' is not name@host:port",
+				 t);
+			return -1;
+		}
+		struct cnode *nd = &cl->node[cl->n];
+		*at = *colon = 0;
+		snprintf(nd->name, sizeof(nd->name), "%s", t);
+		snprintf(nd->host, sizeof(nd->host), "%s", at + 1);
+		nd->port = atoi(colon + 1);
+		if (nd->port <= 0 || nd->port > 65535) {
+			snprintf(err, errlen, "peers: bad port for %s", t);
+			return -1;
+		}
+		for (int i = 0; i < cl->n; i++)
+			if (!strcmp(cl->node[i].name, nd->name)) {
+				snprintf(err, errlen, "peers: %s listed twice",
+					 nd->name);
+				return -1;
+			}
+		if (!strcmp(nd->name, self))
+			cl->self = cl->n;
+		cl->n++;
+	}
+	if (cl->self < 0) {
+		snprintf(err, errlen, "node_name '%s' is not in peers", self);
+		return -1;
+	}
+	return 0;
+}
+
+static int load_key(struct epd_cluster *cl, const char *path, char *err,
+		    size_t errlen)
+{
+	uint8_t buf[4096];
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0) {
+		snprintf(err, errlen, "cluster key %s: %s", path,
+			 strerror(errno));
+		return -1;
+	}
+	ssize_t n = read(fd, buf, sizeof(buf));
+	close(fd);
+	if (n < 16) {
+		snprintf(err, errlen, "cluster key %s: need at least 16 bytes",
+			 path);
+		return -1;
+	}
+	/* the file's bytes, whatever their form, give a 32-byte key */
+	crypto_generichash(cl->key, sizeof(cl->key), buf, (size_t)n, NULL, 0);
+	sodium_memzero(buf, sizeof(buf));
+	return 0;
+}
+
+static int resolve(const char *host, int port, struct sockaddr_storage *sa)
+{
+	if (!uv_ip4_addr(host, port, (struct sockaddr_in *)sa))
+		return 0;
+	if (!uv_ip6_addr(host, port, (struct sockaddr_in6 *)sa))
+		return 0;
+	return -1;
+}
+
+/* ---- frames ---- */
+
+struct wreq {
+	uv_write_t req;
+	uint8_t data[];
+};
+
+static void write_done(uv_write_t *req, int status)
+{
+	(void)status;
+	free(req);
+}
+
+static void conn_send(struct pconn *c, uint16_t type, const void *p,
+		      uint32_t len)
+{
+	if (c->closing)
+		return;
+	struct wreq *w = malloc(sizeof(*w) + EPP_HDR_SIZE + len);
+	if (!w) {
+		conn_close(c, "out of memory");
+		return;
+	}
+	struct epp_hdr h;
+	epp_hdr_init(&h, type, 0);
+	h.length = len;
+	epp_hdr_encode(&h, w->data);
+	if (len)
+		memcpy(w->data + EPP_HDR_SIZE, p, len);
+	uv_buf_t b = uv_buf_init((char *)w->data, EPP_HDR_SIZE + len);
+	if (uv_write(&w->req, (uv_stream_t *)&c->tcp, &b, 1, write_done)) {
+		free(w);
+		conn_close(c, "write failed");
+	}
+}
+
+static void send_hello(struct pconn *c)
+{
+	struct epd_cluster *cl = c->cl;
+	uint8_t buf[256];
+	struct epp_wr w;
+	randombytes_buf(c->nonce, NONCE);
+	epp_wr_init(&w, buf, sizeof(buf));
+	epp_put_u16(&w, EPP_VERSION_MAJOR);
+	epp_put_u16(&w, EPP_VERSION_MINOR);
+	epp_put_str(&w, cl->node[cl->self].name);
+	epp_put_u32(&w, (uint32_t)cl->self);
+	for (int i = 0; i < NONCE; i++)
+		epp_put_u8(&w, c->nonce[i]);
+	conn_send(c, EPP_PEER_HELLO, buf, (uint32_t)w.off);
+}
+
+/* HMAC(key, nonce || name) */
+static void proof(const struct epd_cluster *cl, const uint8_t *nonce,
+		  const char *name, uint8_t out[MAC])
+{
+	crypto_auth_hmacsha256_state st;
+	crypto_auth_hmacsha256_init(&st, cl->key, sizeof(cl->key));
+	crypto_auth_hmacsha256_update(&st, nonce, NONCE);
+	crypto_auth_hmacsha256_update(&st, (const uint8_t *)name,
+				      strlen(name));
+	crypto_auth_hmacsha256_final(&st, out);
+}
+
+static void fail_groups(struct epd_cluster *cl, int n, const char *why)
+{
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &cl->srv->groups)
+	{
+		struct epd_group *g = LIST_ENTRY(it, struct epd_group, node);
+		if (g->nnodes > 1 && (uint32_t)n < g->nnodes &&
+		    g->state != EPD_G_FAILED)
+			epd_group_fail(g, EP_EPEERLOST,
+				       "node %s (index %d) is down: %s",
+				       cl->node[n].name, n, why);
+	}
+}
+
+static void node_down(struct epd_cluster *cl, int n, const char *why)
+{
+	struct cnode *nd = &cl->node[n];
+	nd->state = NODE_DOWN;
+	nd->downs++;
+	nd->since_ns = epd_now_ns();
+	snprintf(nd->why, sizeof(nd->why), "%s", why);
+	cl->epoch++;
+	epd_warn("node %s (index %d) down: %s; view epoch %llu", nd->name, n,
+		 why, (unsigned long long)cl->epoch);
+	fail_groups(cl, n, why);
+}
+
+static void node_up(struct pconn *c)
+{
+	struct epd_cluster *cl = c->cl;
+	struct cnode *nd = &cl->node[c->peer];
+	if (nd->conn && nd->conn != c)
+		conn_close(nd->conn, "replaced by a new connection");
+	nd->conn = c;
+	nd->state = NODE_UP;
+	nd->last_rx_ns = nd->since_ns = epd_now_ns();
+	nd->why[0] = 0;
+	nd->backoff_ns = 0;
+	cl->epoch++;
+	epd_notice("node %s (index %d) up at %s; view epoch %llu", nd->name,
+		   c->peer, c->addr, (unsigned long long)cl->epoch);
+}
+
+static void reject(struct pconn *c, const char *fmt, ...)
+	__attribute__((format(printf, 2, 3)));
+
+static void reject(struct pconn *c, const char *fmt, ...)
+{
+	char msg[256];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	c->cl->rejected++;
+	epd_warn("peer connection %s rejected: %s", c->addr, msg);
+	conn_close(c, msg);
+}
+
+static void on_hello(struct pconn *c, const uint8_t *p, uint32_t len)
+{
+	struct epd_cluster *cl = c->cl;
+	struct epp_rd r;
+	char name[64];
+	epp_rd_init(&r, p, len);
+	uint16_t major = epp_get_u16(&r), minor = epp_get_u16(&r);
+	epp_get_str(&r, name, sizeof(name));
+	uint32_t idx = epp_get_u32(&r);
+	for (int i = 0; i < NONCE; i++)
+		c->peer_nonce[i] = epp_get_u8(&r);
+	if (epp_rd_end(&r))
+		return reject(c, "malformed hello");
+	if (major != EPP_VERSION_MAJOR)
+		return reject(c, "it speaks protocol %u.%u, this node %u.%u",
+			      major, minor, EPP_VERSION_MAJOR,
+			      EPP_VERSION_MINOR);
+	if (idx >= (uint32_t)cl->n || (int)idx == cl->self ||
+	    strcmp(cl->node[idx].name, name))
+		return reject(c, "node '%s' (index %u) is not in peers", name,
+			      idx);
+	if (c->target >= 0 ? (int)idx != c->target : (int)idx > cl->self)
+		return reject(c, "node %s dialled the wrong way", name);
+	c->peer = (int)idx;
+	c->got_hello = true;
+	uint8_t mac[MAC];
+	proof(cl, c->peer_nonce, cl->node[cl->self].name, mac);
+	conn_send(c, EPP_PEER_AUTH, mac, MAC);
+}
+
+static void on_auth(struct pconn *c, const uint8_t *p, uint32_t len)
+{
+	struct epd_cluster *cl = c->cl;
+	if (!c->got_hello || len != MAC)
+		return reject(c, "authentication out of order");
+	uint8_t want[MAC];
+	proof(cl, c->nonce, cl->node[c->peer].name, want);
+	if (crypto_verify_32(want, p))
+		return reject(c, "node %s: wrong cluster key",
+			      cl->node[c->peer].name);
+	c->authed = true;
+	node_up(c);
+}
+
+static void on_barrier(struct pconn *c, const uint8_t *p, uint32_t len)
+{
+	struct epp_rd r;
+	char name[EP_GROUP_NAME_MAX + 1];
+	epp_rd_init(&r, p, len);
+	epp_get_str(&r, name, sizeof(name));
+	uint32_t l = epp_get_u32(&r);
+	uint64_t seq = epp_get_u64(&r);
+	if (epp_rd_end(&r))
+		return reject(c, "malformed barrier");
+	epd_group_remote_arrival(c->cl->srv, name, (uint32_t)c->peer, l, seq);
+}
+
+static void conn_frame(struct pconn *c, const struct epp_hdr *h,
+		       const uint8_t *p)
+{
+	if (c->authed)
+		c->cl->node[c->peer].last_rx_ns = epd_now_ns();
+	switch (h->type) {
+	case EPP_PEER_HELLO:
+		if (c->got_hello)
+			return reject(c, "second hello");
+		return on_hello(c, p, h->length);
+	case EPP_PEER_AUTH:
+		if (c->authed)
+			return reject(c, "second authentication");
+		return on_auth(c, p, h->length);
+	case EPP_PEER_HEARTBEAT:
+	case EPP_PEER_BARRIER:
+		if (!c->authed)
+			return reject(c, "%s before authentication",
+				      epp_type_name(h->type));
+		if (h->type == EPP_PEER_BARRIER)
+			on_barrier(c, p, h->length);
+		return;
+	default:
+		return reject(c, "unexpected %s frame (type %u)",
+			      epp_type_name(h->type), h->type);
+	}
+}
+
+static void conn_alloc(uv_handle_t *hd, size_t want, uv_buf_t *b)
+{
+	struct pconn *c = hd->data;
+	(void)want;
+	if (c->rcap - c->rlen < 4096) {
+		size_t ncap = c->rcap ? c->rcap * 2 : 8192;
+		uint8_t *nb = realloc(c->rbuf, ncap);
+		if (!nb) {
+			*b = uv_buf_init(NULL, 0);
+			return;
+		}
+		c->rbuf = nb;
+		c->rcap = ncap;
+	}
+	*b = uv_buf_init((char *)c->rbuf + c->rlen, c->rcap - c->rlen);
+}
+
+static void conn_read(uv_stream_t *s, ssize_t n, const uv_buf_t *b)
+{
+	struct pconn *c = s->data;
+	(void)b;
+	if (n < 0) {
+		conn_close(c, n == UV_EOF ? "connection closed" : uv_strerror(n));
+		return;
+	}
+	c->rlen += (size_t)n;
+	size_t off = 0;
+	while (!c->closing && c->rlen - off >= EPP_HDR_SIZE) {
+		struct epp_hdr h;
+		char err[160];
+		if (epp_hdr_decode(c->rbuf + off, &h, err, sizeof(err))) {
+			reject(c, "%s", err);
+			return;
+		}
+		if (h.length > 65536) {
+			reject(c, "peer frame of %u bytes", h.length);
+			return;
+		}
+		if (c->rlen - off < EPP_HDR_SIZE + h.length)
+			break;
+		conn_frame(c, &h, c->rbuf + off + EPP_HDR_SIZE);
+		off += EPP_HDR_SIZE + h.length;
+	}
+	if (c->closing)
+		return;
+	memmove(c->rbuf, c->rbuf + off, c->rlen - off);
+	c->rlen -= off;
+}
+
+static void conn_freed(uv_handle_t *hd)
+{
+	struct pconn *c = hd->data;
+	free(c->rbuf);
+	free(c);
+}
+
+static void conn_close(struct pconn *c, const char *why)
+{
+	if (c->closing)
+		return;
+	c->closing = true;
+	struct epd_cluster *cl = c->cl;
+	list_del(&c->node);
+	int n = c->peer >= 0 ? c->peer : c->target;
+	if (c->target >= 0 && !c->authed) {
+		/* a dial that failed: try again later, slower each time */
+		struct cnode *t = &cl->node[c->target];
+		uint64_t beat = (uint64_t)cl->srv->cfg.heartbeat_ms * 1000000ull;
+		t->backoff_ns = t->backoff_ns ? t->backoff_ns * 2 : beat;
+		if (t->backoff_ns > 5000000000ull)
+			t->backoff_ns = 5000000000ull;
+		t->next_dial_ns = epd_now_ns() + t->backoff_ns;
+		snprintf(t->why, sizeof(t->why), "%s", why);
+	}
+	if (n >= 0 && cl->node[n].conn == c) {
+		cl->node[n].conn = NULL;
+		if (cl->node[n].state == NODE_UP)
+			node_down(cl, n, why);
+	}
+	uv_close((uv_handle_t *)&c->tcp, conn_freed);
+}
+
+static struct pconn *conn_new(struct epd_cluster *cl)
+{
+	struct pconn *c = calloc(1, sizeof(*c));
+	if (!c)
+		return NULL;
+	c->cl = cl;
+	c->peer = c->target = -1;
+	c->born_ns = epd_now_ns();
+	uv_tcp_init(cl->srv->loop, &c->tcp);
+	c->tcp.data = c;
+	uv_tcp_nodelay(&c->tcp, 1);
+	list_add_tail(&cl->conns, &c->node);
+	return c;
+}
+
+static void on_accept(uv_stream_t *ls, int status)
+{
+	struct epd_cluster *cl = ls->data;
+	if (status < 0)
+		return;
+	struct pconn *c = conn_new(cl);
+	if (!c)
+		return;
+	if (uv_accept(ls, (uv_stream_t *)&c->tcp)) {
+		conn_close(c, "accept failed");
+		return;
+	}
+	struct sockaddr_storage sa;
+	int len = sizeof(sa);
+	if (!uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&sa, &len)) {
+		char ip[48];
+		uv_ip_name((struct sockaddr *)&sa, ip, sizeof(ip));
+		snprintf(c->addr, sizeof(c->addr), "%s:%d", ip,
+			 ntohs(((struct sockaddr_in *)&sa)->sin_port));
+	}
+	uv_read_start((uv_stream_t *)&c->tcp, conn_alloc, conn_read);
+	send_hello(c);
+}
+
+static void on_connect(uv_connect_t *req, int status)
+{
+	struct pconn *c = req->data;
+	if (status < 0) {
+		epd_debug("dialling node %s: %s", c->cl->node[c->target].name,
+			  uv_strerror(status));
+		conn_close(c, uv_strerror(status));
+		return;
+	}
+	if (c->closing)
+		return;
+	uv_read_start((uv_stream_t *)&c->tcp, conn_alloc, conn_read);
+	send_hello(c);
+}
+
+static void dial(struct epd_cluster *cl, int n)
+{
+	struct cnode *nd = &cl->node[n];
+	struct sockaddr_storage sa;
+	if (resolve(nd->host, nd->port, &sa)) {
+		epd_err("node %s: host '%s' is not an IP address", nd->name,
+			nd->host);
+		return;
+	}
+	struct pconn *c = conn_new(cl);
+	if (!c)
+		return;
+	c->target = n;
+	snprintf(c->addr, sizeof(c->addr), "%s:%d", nd->host, nd->port);
+	nd->conn = c;
+	c->creq.data = c;
+	if (uv_tcp_connect(&c->creq, &c->tcp, (struct sockaddr *)&sa,
+			   on_connect))
+		conn_close(c, "connect failed");
+}
+
+static void on_tick(uv_timer_t *t)
+{
+	struct epd_cluster *cl = t->data;
+	const struct epd_config *cfg = &cl->srv->cfg;
+	uint64_t now = epd_now_ns();
+	uint64_t silent = (uint64_t)cfg->heartbeat_ms * cfg->heartbeat_miss *
+			  1000000ull;
+	uint8_t buf[8];
+	struct epp_wr w;
+	epp_wr_init(&w, buf, sizeof(buf));
+	epp_put_u64(&w, cl->epoch);
+	/* handshakes that never finish */
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &cl->conns)
+	{
+		struct pconn *c = LIST_ENTRY(it, struct pconn, node);
+		if (!c->authed && now - c->born_ns > silent)
+			reject(c, "no handshake within %u ms",
+			       (unsigned)(silent / 1000000));
+	}
+	for (int n = 0; n < cl->n; n++) {
+		struct cnode *nd = &cl->node[n];
+		if (n == cl->self)
+			continue;
+		if (nd->state == NODE_UP && now - nd->last_rx_ns > silent) {
+			char why[64];
+			snprintf(why, sizeof(why), "silent for %u ms",
+				 (unsigned)((now - nd->last_rx_ns) / 1000000));
+			conn_close(nd->conn, why);
+			continue;
+		}
+		if (nd->state == NODE_UP)
+			conn_send(nd->conn, EPP_PEER_HEARTBEAT, buf, 8);
+		else if (n > cl->self && !nd->conn && now >= nd->next_dial_ns)
+			dial(cl, n);
+	}
+}
+
+int epd_cluster_init(struct epd_server *srv, char *err, size_t errlen)
+{
+	const struct epd_config *cfg = &srv->cfg;
+	if (!cfg->peers[0])
+		return 0;
+	if (!strcmp(cfg->transport, "rdma")) {
+		snprintf(err, errlen, "transport rdma is not implemented yet; "
+				      "use tcp (or auto)");
+		return -1;
+	}
+	if (sodium_init() < 0) {
+		snprintf(err, errlen, "libsodium failed to initialize");
+		return -1;
+	}
+	struct epd_cluster *cl = calloc(1, sizeof(*cl));
+	if (!cl) {
+		snprintf(err, errlen, "out of memory");
+		return -1;
+	}
+	cl->srv = srv;
+	LIST_INIT(&cl->conns);
+	if (parse_peers(cl, cfg->peers, cfg->node_name, err, errlen))
+		goto err;
+	if (!cfg->cluster_key_file[0]) {
+		snprintf(err, errlen, "peers given but no cluster_key_file");
+		goto err;
+	}
+	if (load_key(cl, cfg->cluster_key_file, err, errlen))
+		goto err;
+	cl->node[cl->self].state = NODE_SELF;
+	struct sockaddr_storage sa;
+	struct cnode *me = &cl->node[cl->self];
+	if (resolve(me->host, me->port, &sa)) {
+		snprintf(err, errlen, "host '%s' of this node is not an IP "
+				      "address",
+			 me->host);
+		goto err;
+	}
+	uv_tcp_init(srv->loop, &cl->listener);
+	cl->listener.data = cl;
+	int rc = uv_tcp_bind(&cl->listener, (struct sockaddr *)&sa, 0);
+	if (!rc)
+		rc = uv_listen((uv_stream_t *)&cl->listener, 64, on_accept);
+	if (rc) {
+		snprintf(err, errlen, "peer port %s:%d: %s", me->host,
+			 me->port, uv_strerror(rc));
+		uv_close((uv_handle_t *)&cl->listener, NULL);
+		goto err;
+	}
+	uv_timer_init(srv->loop, &cl->tick);
+	cl->tick.data = cl;
+	uv_timer_start(&cl->tick, on_tick, 1, cfg->heartbeat_ms);
+	srv->cluster = cl;
+	epd_notice("cluster: node %s, index %d of %d, tcp on %s:%d, "
+		   "heartbeat %u ms x %u",
+		   me->name, cl->self, cl->n, me->host, me->port,
+		   cfg->heartbeat_ms, cfg->heartbeat_miss);
+	return 0;
+err:
+	free(cl);
+	return -1;
+}
+
+void epd_cluster_stop(struct epd_server *srv)
+{
+	struct epd_cluster *cl = srv->cluster;
+	if (!cl)
+		return;
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &cl->conns)
+	{
+		struct pconn *c = LIST_ENTRY(it, struct pconn, node);
+		c->cl->node[c->peer >= 0 ? c->peer : c->target].state =
+			NODE_DOWN; /* no group failures while stopping */
+		conn_close(c, "daemon stopping");
+	}
+	uv_close((uv_handle_t *)&cl->listener, NULL);
+	uv_close((uv_handle_t *)&cl->tick, NULL);
+}
+
+void epd_cluster_free(struct epd_server *srv)
+{
+	free(srv->cluster);
+	srv->cluster = NULL;
+}
+
+int epd_cluster_self(const struct epd_server *srv)
+{
+	return srv->cluster ? srv->cluster->self : 0;
+}
+
+int epd_cluster_size(const struct epd_server *srv)
+{
+	return srv->cluster ? srv->cluster->n : 1;
+}
+
+int epd_cluster_send_arrival(struct epd_group *g, uint32_t l, uint64_t seq)
+{
+	struct epd_cluster *cl = g->srv->cluster;
+	uint8_t buf[128];
+	struct epp_wr w;
+	epp_wr_init(&w, buf, sizeof(buf));
+	epp_put_str(&w, g->shape.name);
+	epp_put_u32(&w, l);
+	epp_put_u64(&w, seq);
+	for (uint32_t n = 0; n < g->nnodes; n++) {
+		if ((int)n == cl->self)
+			continue;
+		struct cnode *nd = &cl->node[n];
+		if (nd->state != NODE_UP) {
+			epd_group_fail(g, EP_EPEERLOST,
+				       "node %s (index %u) is down%s%s",
+				       nd->name, n, nd->why[0] ? ": " : "",
+				       nd->why);
+			return EP_EPEERLOST;
+		}
+		conn_send(nd->conn, EPP_PEER_BARRIER, buf, (uint32_t)w.off);
+	}
+	return 0;
+}
+
+/* Arrivals for a group this node has not created yet: kept until it is. */
+void epd_cluster_stash(struct epd_server *srv, const char *name,
+		       uint32_t node, uint32_t l, uint64_t seq)
+{
+	struct epd_cluster *cl = srv->cluster;
+	for (int i = 0; i < cl->nearly; i++) {
+		struct early *e = &cl->early[i];
+		if (e->node == node && e->l == l && !strcmp(e->name, name)) {
+			if (seq > e->seq)
+				e->seq = seq;
+			return;
+		}
+	}
+	if (cl->nearly == MAX_EARLY) {
+		epd_warn("dropping an early barrier arrival for %s: %d kept",
+			 name, MAX_EARLY);
+		return;
+	}
+	struct early *e = &cl->early[cl->nearly++];
+	snprintf(e->name, sizeof(e->name), "%s", name);
+	e->node = node;
+	e->l = l;
+	e->seq = seq;
+}
+
+void epd_cluster_unstash(struct epd_group *g)
+{
+	struct epd_cluster *cl = g->srv->cluster;
+	if (!cl)
+		return;
+	for (int i = 0; i < cl->nearly;) {
+		struct early *e = &cl->early[i];
+		if (strcmp(e->name, g->shape.name)) {
+			i++;
+			continue;
+		}
+		if (e->node < g->nnodes && e->l < g->shape.ranks_per_node) {
+			uint64_t *c = &g->rail_remote[e->l * g->nnodes +
+						      e->node];
+			if (e->seq > *c)
+				*c = e->seq;
+		}
+		cl->early[i] = cl->early[--cl->nearly];
+	}
+}
+
+void *epd_cluster_status(struct epd_server *srv)
+{
+	struct epd_cluster *cl = srv->cluster;
+	if (!cl)
+		return NULL;
+	json_t *peers = json_array();
+	char row[MAX_NODES + 1];
+	uint64_t now = epd_now_ns();
+	for (int n = 0; n < cl->n; n++) {
+		struct cnode *nd = &cl->node[n];
+		const char *st = nd->state == NODE_SELF ? "self"
+				 : nd->state == NODE_UP ? "up"
+							: "down";
+		row[n] = nd->state == NODE_SELF ? 'S'
+			 : nd->state == NODE_UP ? 'U'
+						: 'D';
+		char addr[80];
+		snprintf(addr, sizeof(addr), "%s:%d", nd->host, nd->port);
+		json_array_append_new(
+			peers,
+			json_pack("{s:i, s:s, s:s, s:s, s:I, s:f, s:s}", "index",
+				  n, "name", nd->name, "addr", addr, "state",
+				  st, "downs", (json_int_t)nd->downs,
+				  "since_s",
+				  nd->since_ns ? (double)(now - nd->since_ns) /
+							 1e9
+					       : 0.0,
+				  "last_error", nd->why));
+	}
+	row[cl->n] = 0;
+	return json_pack("{s:s, s:i, s:i, s:I, s:s, s:s, s:I, s:o}", "node",
+			 cl->node[cl->self].name, "index", cl->self, "nodes",
+			 cl->n, "view_epoch", (json_int_t)cl->epoch,
+			 "transport", "tcp", "row", row, "rejected",
+			 (json_int_t)cl->rejected, "peers", peers);
+}
