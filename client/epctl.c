@@ -81,6 +81,27 @@ static void print_status(json_t *root)
 	       jstr(d, "log_level"),
 	       json_is_true(json_object_get(d, "systemd")) ? ", under systemd"
 							   : "");
+	json_t *cl = json_object_get(root, "cluster");
+	if (json_is_object(cl)) {
+		size_t i;
+		json_t *p;
+		printf("cluster: node %s (index %lld of %lld), view epoch %lld, "
+		       "%s, rejected %lld\n  peers: %s  (S self, U up, D "
+		       "down)\n",
+		       jstr(cl, "node"), jint(cl, "index"), jint(cl, "nodes"),
+		       jint(cl, "view_epoch"), jstr(cl, "transport"),
+		       jint(cl, "rejected"), jstr(cl, "row"));
+		json_array_foreach(json_object_get(cl, "peers"), i, p)
+		{
+			if (!strcmp(jstr(p, "state"), "self"))
+				continue;
+			printf("  %-12s %-22s %-5s downs %lld%s%s\n",
+			       jstr(p, "name"), jstr(p, "addr"),
+			       jstr(p, "state"), jint(p, "downs"),
+			       *jstr(p, "last_error") ? ", last: " : "",
+			       jstr(p, "last_error"));
+		}
+	}
 	json_t *clients = json_object_get(root, "clients");
 	printf("\nclients: %zu connected (accepted %lld, rejected %lld, "
 	       "protocol errors %lld)\n",
