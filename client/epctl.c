@@ -91,6 +91,15 @@ static void print_status(json_t *root)
 		       jstr(cl, "node"), jint(cl, "index"), jint(cl, "nodes"),
 		       jint(cl, "view_epoch"), jstr(cl, "transport"),
 		       jint(cl, "rejected"), jstr(cl, "row"));
+		json_t *row;
+		printf("  connectivity (row: that node's view):\n");
+		json_array_foreach(json_object_get(cl, "matrix"), i, row)
+		{
+			json_t *pi = json_array_get(json_object_get(cl, "peers"),
+						    i);
+			printf("    %-12s %s  epoch %lld\n", jstr(pi, "name"),
+			       json_string_value(row), jint(pi, "view_epoch"));
+		}
 		json_array_foreach(json_object_get(cl, "peers"), i, p)
 		{
 			if (!strcmp(jstr(p, "state"), "self"))

@@ -61,6 +61,8 @@ struct cnode {
 	uint64_t last_rx_ns, since_ns;
 	uint64_t downs;
 	uint64_t next_dial_ns, backoff_ns; /* redial a failing node slower */
+	char row[MAX_NODES + 1]; /* its view of the cluster (heartbeats) */
+	uint64_t epoch;          /* and its view epoch */
 	char why[128];
 };
 
@@ -337,6 +339,20 @@ static void on_barrier(struct pconn *c, const uint8_t *p, uint32_t len)
 	epd_group_remote_arrival(c->cl->srv, name, (uint32_t)c->peer, l, seq);
 }
 
+static void on_heartbeat(struct pconn *c, const uint8_t *p, uint32_t len)
+{
+	struct cnode *nd = &c->cl->node[c->peer];
+	struct epp_rd r;
+	char row[MAX_NODES + 1];
+	epp_rd_init(&r, p, len);
+	uint64_t epoch = epp_get_u64(&r);
+	epp_get_str(&r, row, sizeof(row));
+	if (epp_rd_end(&r) || strlen(row) != (size_t)c->cl->n)
+		return reject(c, "malformed heartbeat");
+	nd->epoch = epoch;
+	memcpy(nd->row, row, sizeof(row));
+}
+
 static void conn_frame(struct pconn *c, const struct epp_hdr *h,
 		       const uint8_t *p)
 {
@@ -358,6 +374,8 @@ static void conn_frame(struct pconn *c, const struct epp_hdr *h,
 				      epp_type_name(h->type));
 		if (h->type == EPP_PEER_BARRIER)
 			on_barrier(c, p, h->length);
+		else
+			on_heartbeat(c, p, h->length);
 		return;
 	default:
 		return reject(c, "unexpected %s frame (type %u)",
@@ -522,6 +540,16 @@ static void dial(struct epd_cluster *cl, int n)
 		conn_close(c, "connect failed");
 }
 
+/* This node's row of the matrix: S self, U up, D down. */
+static void my_row(const struct epd_cluster *cl, char *row)
+{
+	for (int n = 0; n < cl->n; n++)
+		row[n] = cl->node[n].state == NODE_SELF ? 'S'
+			 : cl->node[n].state == NODE_UP ? 'U'
+							: 'D';
+	row[cl->n] = 0;
+}
+
 static void on_tick(uv_timer_t *t)
 {
 	struct epd_cluster *cl = t->data;
@@ -529,10 +557,13 @@ static void on_tick(uv_timer_t *t)
 	uint64_t now = epd_now_ns();
 	uint64_t silent = (uint64_t)cfg->heartbeat_ms * cfg->heartbeat_miss *
 			  1000000ull;
-	uint8_t buf[8];
+	uint8_t buf[8 + 2 + MAX_NODES];
+	char row[MAX_NODES + 1];
 	struct epp_wr w;
+	my_row(cl, row);
 	epp_wr_init(&w, buf, sizeof(buf));
 	epp_put_u64(&w, cl->epoch);
+	epp_put_str(&w, row);
 	/* handshakes that never finish */
 	struct list_node *it, *tmp;
 	LIST_FOREACH(it, tmp, &cl->conns)
@@ -554,7 +585,8 @@ static void on_tick(uv_timer_t *t)
 			continue;
 		}
 		if (nd->state == NODE_UP)
-			conn_send(nd->conn, EPP_PEER_HEARTBEAT, buf, 8);
+			conn_send(nd->conn, EPP_PEER_HEARTBEAT, buf,
+				  (uint32_t)w.off);
 		else if (n > cl->self && !nd->conn && now >= nd->next_dial_ns)
 			dial(cl, n);
 	}
@@ -732,9 +764,23 @@ void *epd_cluster_status(struct epd_server *srv)
 	struct epd_cluster *cl = srv->cluster;
 	if (!cl)
 		return NULL;
-	json_t *peers = json_array();
+	json_t *peers = json_array(), *matrix = json_array();
 	char row[MAX_NODES + 1];
 	uint64_t now = epd_now_ns();
+	/* one row per node: ours now, the others' from their last beat
+	 * ('?' where none came) */
+	for (int n = 0; n < cl->n; n++) {
+		char r[MAX_NODES + 1];
+		if (n == cl->self)
+			my_row(cl, r);
+		else if (cl->node[n].state == NODE_UP && cl->node[n].row[0])
+			memcpy(r, cl->node[n].row, sizeof(r));
+		else {
+			memset(r, '?', (size_t)cl->n);
+			r[cl->n] = 0;
+		}
+		json_array_append_new(matrix, json_string(r));
+	}
 	for (int n = 0; n < cl->n; n++) {
 		struct cnode *nd = &cl->node[n];
 		const char *st = nd->state == NODE_SELF ? "self"
@@ -747,9 +793,12 @@ void *epd_cluster_status(struct epd_server *srv)
 		snprintf(addr, sizeof(addr), "%s:%d", nd->host, nd->port);
 		json_array_append_new(
 			peers,
-			json_pack("{s:i, s:s, s:s, s:s, s:I, s:f, s:s}", "index",
-				  n, "name", nd->name, "addr", addr, "state",
-				  st, "downs", (json_int_t)nd->downs,
+			json_pack("{s:i, s:s, s:s, s:s, s:I, s:I, s:f, s:s}",
+				  "index", n, "name", nd->name, "addr", addr,
+				  "state", st, "view_epoch",
+				  (json_int_t)(n == cl->self ? cl->epoch
+							     : nd->epoch),
+				  "downs", (json_int_t)nd->downs,
 				  "since_s",
 				  nd->since_ns ? (double)(now - nd->since_ns) /
 							 1e9
@@ -757,9 +806,16 @@ void *epd_cluster_status(struct epd_server *srv)
 				  "last_error", nd->why));
 	}
 	row[cl->n] = 0;
-	return json_pack("{s:s, s:i, s:i, s:I, s:s, s:s, s:I, s:o}", "node",
-			 cl->node[cl->self].name, "index", cl->self, "nodes",
-			 cl->n, "view_epoch", (json_int_t)cl->epoch,
+	return json_pack("{s:s, s:i, s:i, s:I, s:s, s:s, s:I, s:o, s:o}",
+			 "node", cl->node[cl->self].name, "index", cl->self,
+			 "nodes", cl->n, "view_epoch", (json_int_t)cl->epoch,
 			 "transport", "tcp", "row", row, "rejected",
-			 (json_int_t)cl->rejected, "peers", peers);
+			 (json_int_t)cl->rejected, "peers", peers, "matrix",
+			 matrix);
+}
+
+const char *epd_cluster_node_name(const struct epd_server *srv, uint32_t n)
+{
+	struct epd_cluster *cl = srv->cluster;
+	return cl && (int)n < cl->n ? cl->node[n].name : "local";
 }

@@ -293,6 +293,7 @@ void epd_cluster_stash(struct epd_server *srv, const char *name,
 		       uint32_t node, uint32_t l, uint64_t seq);
 void epd_cluster_unstash(struct epd_group *g);
 void *epd_cluster_status(struct epd_server *srv);
+const char *epd_cluster_node_name(const struct epd_server *srv, uint32_t n);
 /* group.c: a rail peer on another node entered barrier seq. */
 void epd_group_remote_arrival(struct epd_server *srv, const char *name,
 			      uint32_t node, uint32_t l, uint64_t seq);

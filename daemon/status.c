@@ -50,6 +50,14 @@ static json_t *group_json(struct epd_group *g)
 					      "message", g->last_error));
 	else if (o)
 		json_object_set_new(o, "last_error", json_null());
+	json_t *spans = json_array();
+	for (uint32_t n = 0; n < g->nnodes; n++)
+		json_array_append_new(
+			spans, json_string(epd_cluster_node_name(g->srv, n)));
+	if (o)
+		json_object_set_new(o, "spans", spans);
+	else
+		json_decref(spans);
 	json_t *cu = epd_cuda_group_status(g);
 	if (o && cu)
 		json_object_set_new(o, "cuda", cu);

@@ -371,7 +371,21 @@ int main(void)
 	for (int i = 0; i < NODES; i++)
 		start_node(i, keyfile, true);
 	wait_all_up();
-	printf("ok: 3 daemons see each other (view rows SUU, USU, UUS)\n");
+	/* the full matrix, from every node's heartbeats */
+	for (int t = 0;; t++) {
+		json_t *cl = cluster_of(0);
+		json_t *m = json_object_get(cl, "matrix");
+		bool ok = json_array_size(m) == 3 &&
+			  !strcmp(json_string_value(json_array_get(m, 0)), "SUU") &&
+			  !strcmp(json_string_value(json_array_get(m, 1)), "USU") &&
+			  !strcmp(json_string_value(json_array_get(m, 2)), "UUS");
+		json_decref(cl);
+		if (ok)
+			break;
+		TH_CHECK(t < 200, "node 0 never saw the full matrix");
+		th_sleep_ms(10);
+	}
+	printf("ok: 3 daemons see each other; node 0's matrix: SUU/USU/UUS\n");
 
 	check_late(2, 2);
 	check_late(3, 2);
