@@ -173,11 +173,12 @@ static void write_done(uv_write_t *req, int status)
 	free(req);
 }
 
-static void conn_send(struct pconn *c, uint16_t type, const void *p,
-		      uint32_t len)
+static void conn_send2(struct pconn *c, uint16_t type, const void *a,
+		       size_t na, const void *b2, size_t nb)
 {
 	if (c->closing)
 		return;
+	uint32_t len = (uint32_t)(na + nb);
 	struct wreq *w = malloc(sizeof(*w) + EPP_HDR_SIZE + len);
 	if (!w) {
 		conn_close(c, "out of memory");
@@ -187,13 +188,21 @@ static void conn_send(struct pconn *c, uint16_t type, const void *p,
 	epp_hdr_init(&h, type, 0);
 	h.length = len;
 	epp_hdr_encode(&h, w->data);
-	if (len)
-		memcpy(w->data + EPP_HDR_SIZE, p, len);
+	if (na)
+		memcpy(w->data + EPP_HDR_SIZE, a, na);
+	if (nb)
+		memcpy(w->data + EPP_HDR_SIZE + na, b2, nb);
 	uv_buf_t b = uv_buf_init((char *)w->data, EPP_HDR_SIZE + len);
 	if (uv_write(&w->req, (uv_stream_t *)&c->tcp, &b, 1, write_done)) {
 		free(w);
 		conn_close(c, "write failed");
 	}
+}
+
+static void conn_send(struct pconn *c, uint16_t type, const void *p,
+		      uint32_t len)
+{
+	conn_send2(c, type, p, len, NULL, 0);
 }
 
 static void send_hello(struct pconn *c)
@@ -367,6 +376,31 @@ static void conn_frame(struct pconn *c, const struct epp_hdr *h,
 		if (c->authed)
 			return reject(c, "second authentication");
 		return on_auth(c, p, h->length);
+	case EPP_PEER_GFAIL: {
+		if (!c->authed)
+			return reject(c, "%s before authentication",
+				      epp_type_name(h->type));
+		struct epp_rd r;
+		char name[EP_GROUP_NAME_MAX + 1], msg[EPP_ERRMSG_MAX];
+		epp_rd_init(&r, p, h->length);
+		epp_get_str(&r, name, sizeof(name));
+		int code = (int)epp_get_u32(&r);
+		epp_get_str(&r, msg, sizeof(msg));
+		uint64_t round = epp_get_u64(&r), xops = epp_get_u64(&r);
+		if (epp_rd_end(&r) || code >= 0)
+			return reject(c, "malformed group failure");
+		epd_group_remote_failure(c->cl->srv, name, (uint32_t)c->peer,
+					 code, msg, round, xops);
+		return;
+	}
+	case EPP_PEER_XMETA:
+	case EPP_PEER_XROWS:
+		if (!c->authed)
+			return reject(c, "%s before authentication",
+				      epp_type_name(h->type));
+		epd_xop_frame(c->cl->srv, h->type, (uint32_t)c->peer, p,
+			      h->length);
+		return;
 	case EPP_PEER_HEARTBEAT:
 	case EPP_PEER_BARRIER:
 		if (!c->authed)
@@ -417,9 +451,15 @@ static void conn_read(uv_stream_t *s, ssize_t n, const uv_buf_t *b)
 			reject(c, "%s", err);
 			return;
 		}
-		if (h.length > 65536) {
-			reject(c, "peer frame of %u bytes", h.length);
-			return;
+		if (EPP_HDR_SIZE + h.length > c->rcap) {
+			uint8_t *nb = realloc(c->rbuf, EPP_HDR_SIZE + h.length +
+							       4096);
+			if (!nb) {
+				conn_close(c, "out of memory");
+				return;
+			}
+			c->rbuf = nb;
+			c->rcap = EPP_HDR_SIZE + h.length + 4096;
 		}
 		if (c->rlen - off < EPP_HDR_SIZE + h.length)
 			break;
@@ -812,6 +852,38 @@ void *epd_cluster_status(struct epd_server *srv)
 			 "transport", "tcp", "row", row, "rejected",
 			 (json_int_t)cl->rejected, "peers", peers, "matrix",
 			 matrix);
+}
+
+void epd_cluster_group_failed(struct epd_group *g, int code, const char *msg)
+{
+	struct epd_cluster *cl = g->srv->cluster;
+	uint8_t buf[EPP_ERRMSG_MAX + 128];
+	struct epp_wr w;
+	if (!cl)
+		return;
+	epp_wr_init(&w, buf, sizeof(buf));
+	epp_put_str(&w, g->shape.name);
+	epp_put_u32(&w, (uint32_t)code);
+	epp_put_str(&w, msg);
+	/* How far this node got: the barriers it completed (every local rank
+	 * entered them, so their arrivals went out) and the data ops it
+	 * completed (their rows went out). The others may finish up to there;
+	 * a rank that died never entered the next round. */
+	epp_put_u64(&w, g->round);
+	epp_put_u64(&w, g->xop_next);
+	for (uint32_t n = 0; n < g->nnodes; n++)
+		if ((int)n != cl->self && cl->node[n].state == NODE_UP)
+			conn_send(cl->node[n].conn, EPP_PEER_GFAIL, buf,
+				  (uint32_t)w.off);
+}
+
+void epd_cluster_send2(struct epd_group *g, uint32_t n, uint16_t type,
+		       const void *a, size_t na, const void *b, size_t nb)
+{
+	struct epd_cluster *cl = g->srv->cluster;
+	if (!cl || (int)n >= cl->n || cl->node[n].state != NODE_UP)
+		return;
+	conn_send2(cl->node[n].conn, type, a, na, b, nb);
 }
 
 const char *epd_cluster_node_name(const struct epd_server *srv, uint32_t n)

@@ -57,6 +57,7 @@ struct epd_group;
 struct epd_cuda;
 struct epd_cuda_group;
 struct epd_cluster;
+struct epd_xop;
 
 /* A queued outgoing frame. */
 struct epd_out {
@@ -169,6 +170,20 @@ struct epd_group {
 	uint64_t n_barrier, n_dispatch, n_combine, n_errors;
 	uint64_t bytes_moved;
 
+	/* Across nodes: dispatches and combines by op number (the same on
+	 * every node of the group); xop_next is this node's next one, and
+	 * another node may be up to EPD_XOPS - 1 ahead. */
+#define EPD_XOPS 4
+	struct epd_xop *xop[EPD_XOPS];
+	uint64_t xop_next;
+	bool failing_remote; /* the failure being recorded came from a peer */
+	/* The group failed on another node, after its ranks entered barrier
+	 * round_limit and it completed xop_limit data ops: work up to there
+	 * can still finish here; anything beyond fails with rfail_code. */
+	int rfail_code;
+	uint64_t rfail_round, rfail_xop;
+	char rfail_msg[EPP_ERRMSG_MAX];
+
 	/* GPU group: device regions, streams, stream-ordered progress. */
 	struct epd_cuda_group *cu;
 
@@ -228,7 +243,8 @@ int epd_group_leave(struct epd_client *c, uint64_t req_id, uint64_t gid);
 int epd_group_barrier(struct epd_client *c, uint64_t req_id, uint64_t gid);
 int epd_group_async(struct epd_client *c, uint64_t req_id, uint64_t gid,
 		    const struct epd_aop *op);
-/* Shared by group.c and ops.c. */
+/* Shared by group.c, ops.c and xnode.c. */
+struct epd_group *epd_group_find(struct epd_server *srv, const char *name);
 struct epd_member *epd_member_find(struct epd_client *c, uint64_t gid);
 void epd_group_fail(struct epd_group *g, int code, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
@@ -252,6 +268,21 @@ int epd_op_dispatch(struct epd_client *c, uint64_t req_id,
 		    const struct epp_dispatch *d);
 int epd_op_combine(struct epd_client *c, uint64_t req_id,
 		   const struct epp_combine *cb);
+
+/* ops.c, shared with xnode.c */
+struct ek_route *epd_route_find(struct epd_group *g, uint64_t seq);
+uint8_t *epd_region(struct epd_group *g, uint32_t l, int field);
+void epd_ops_finish(struct epd_group *g, uint16_t type, bool cached,
+		    uint64_t seq, struct ek_route **route, int rc,
+		    const char *err, uint64_t bytes);
+
+/* xnode.c: dispatch and combine across nodes. */
+void epd_xop_start(struct epd_group *g);
+void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
+		   const uint8_t *p, uint32_t len);
+void epd_xop_drop(struct epd_group *g);
+/* The group became ready here: frames that came before it, now. */
+void epd_xop_replay(struct epd_group *g);
 
 /* buffers.c: the group's shared memory. */
 int epd_buf_create(struct epd_group *g);
@@ -289,11 +320,23 @@ int epd_cluster_size(const struct epd_server *srv);
 /* Tell the group's rail peers that local index l entered barrier seq; a
  * down node fails the group (then EP_EPEERLOST is returned). */
 int epd_cluster_send_arrival(struct epd_group *g, uint32_t l, uint64_t seq);
+/* A frame to node n of the cluster, payload = a || b (silently dropped if
+ * the node is down: the group fails through the membership). */
+void epd_cluster_send2(struct epd_group *g, uint32_t n, uint16_t type,
+		       const void *a, size_t na, const void *b, size_t nb);
 void epd_cluster_stash(struct epd_server *srv, const char *name,
 		       uint32_t node, uint32_t l, uint64_t seq);
 void epd_cluster_unstash(struct epd_group *g);
 void *epd_cluster_status(struct epd_server *srv);
 const char *epd_cluster_node_name(const struct epd_server *srv, uint32_t n);
+/* Tell the group's other nodes it failed here. */
+void epd_cluster_group_failed(struct epd_group *g, int code, const char *msg);
+/* group.c: the group failed on another node (see rfail_*). */
+void epd_group_remote_failure(struct epd_server *srv, const char *name,
+			      uint32_t node, int code, const char *msg,
+			      uint64_t round, uint64_t xops);
+/* Apply a remote failure if the work now asked for is beyond it. */
+bool epd_group_remote_check(struct epd_group *g);
 /* group.c: a rail peer on another node entered barrier seq. */
 void epd_group_remote_arrival(struct epd_server *srv, const char *name,
 			      uint32_t node, uint32_t l, uint64_t seq);

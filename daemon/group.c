@@ -22,7 +22,7 @@ const char *epd_group_state_name(enum epd_group_state s)
 	return "?";
 }
 
-static struct epd_group *group_find(struct epd_server *srv, const char *name)
+struct epd_group *epd_group_find(struct epd_server *srv, const char *name)
 {
 	struct list_node *it, *tmp;
 	LIST_FOREACH(it, tmp, &srv->groups)
@@ -51,6 +51,7 @@ void epd_group_free(struct epd_group *g)
 	for (int i = 0; i < EPD_MAX_HANDLES; i++)
 		ek_route_free(g->routes[i]);
 	epd_cuda_group_free(g);
+	epd_xop_drop(g);
 	epd_buf_destroy(g);
 	free(g->local);
 	free(g->rail_done);
@@ -117,9 +118,15 @@ static void list_ranks(char *out, size_t cap, struct epd_group *g,
 void epd_group_fail(struct epd_group *g, int code, const char *fmt, ...)
 {
 	va_list ap;
+	bool remote = g->failing_remote;
+	g->failing_remote = false;
 	va_start(ap, fmt);
 	vsnprintf(g->last_error, sizeof(g->last_error), fmt, ap);
 	va_end(ap);
+	/* The group's other nodes learn it at once, not at their timeout
+	 * (a failure that came from another node is not sent back). */
+	if (g->nnodes > 1 && !remote && g->state != EPD_G_FAILED)
+		epd_cluster_group_failed(g, code, g->last_error);
 	g->state = EPD_G_FAILED;
 	g->fail_code = code;
 	g->coll_type = 0;
@@ -130,6 +137,7 @@ void epd_group_fail(struct epd_group *g, int code, const char *fmt, ...)
 	if (!g->timer_closing)
 		uv_timer_stop(&g->timer);
 	epd_cuda_group_failed(g);
+	epd_xop_drop(g); /* a running job is dropped when it ends */
 	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
 		struct epd_member *m = g->local[l];
 		if (m && m->pending_req) {
@@ -213,6 +221,13 @@ static void group_timeout(uv_timer_t *t)
 	}
 	if (g->state != EPD_G_READY)
 		return;
+	if (g->coll_type != EPP_BARRIER && g->nnodes > 1) {
+		epd_group_fail(g, EP_ETIMEDOUT,
+			       "%s timed out after %u ms waiting for the other "
+			       "nodes of the group",
+			       epp_type_name(g->coll_type), g->timeout_ms);
+		return;
+	}
 	if (g->coll_type != EPP_BARRIER) {
 		uint16_t type = g->coll_type;
 		list_ranks(miss, sizeof(miss), g, not_in_coll, &type);
@@ -358,6 +373,8 @@ static void group_became_ready(struct epd_group *g)
 		}
 	}
 	epd_info("group %s ready (%u local ranks)", g->shape.name, g->njoined);
+	if (g->nnodes > 1)
+		epd_xop_replay(g);
 	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
 		struct epd_member *m = g->local[l];
 		if (m && m->pending_type == EPP_JOIN)
@@ -403,7 +420,7 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 			return EP_EUNSUPPORTED;
 		}
 	}
-	struct epd_group *g = group_find(srv, j->name);
+	struct epd_group *g = epd_group_find(srv, j->name);
 	if (g) {
 		if (g->state == EPD_G_FAILED) {
 			epd_client_error(c, req_id, EP_EFAILED,
@@ -671,17 +688,55 @@ int epd_group_barrier(struct epd_client *c, uint64_t req_id, uint64_t gid)
 	m->pending_type = EPP_BARRIER;
 	/* Phase 1 needs the rail: tell the other nodes of the group. */
 	if (g->nnodes > 1 &&
-	    epd_cluster_send_arrival(g, m->local, m->barrier_seq))
+	    (epd_group_remote_check(g) ||
+	     epd_cluster_send_arrival(g, m->local, m->barrier_seq)))
 		return EP_EPEERLOST; /* the group failed and replied */
 	epd_group_arm_timer(g);
 	barrier_progress(g);
 	return 0;
 }
 
+bool epd_group_remote_check(struct epd_group *g)
+{
+	if (!g->rfail_code || g->state == EPD_G_FAILED)
+		return false;
+	bool past = false;
+	/* a barrier beyond the rounds the failed node entered */
+	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++)
+		if (g->local[l] && g->local[l]->pending_type == EPP_BARRIER &&
+		    g->local[l]->barrier_seq > g->rfail_round)
+			past = true;
+	/* a data op past the ones it completed */
+	if (g->coll_type && g->coll_type != EPP_BARRIER &&
+	    g->xop_next >= g->rfail_xop)
+		past = true;
+	if (!past)
+		return false;
+	g->failing_remote = true;
+	epd_group_fail(g, g->rfail_code, "%s", g->rfail_msg);
+	return true;
+}
+
+void epd_group_remote_failure(struct epd_server *srv, const char *name,
+			      uint32_t node, int code, const char *msg,
+			      uint64_t round, uint64_t xops)
+{
+	struct epd_group *g = epd_group_find(srv, name);
+	if (!g || g->state == EPD_G_FAILED || node >= g->nnodes ||
+	    g->rfail_code)
+		return;
+	g->rfail_code = code;
+	g->rfail_round = round;
+	g->rfail_xop = xops;
+	snprintf(g->rfail_msg, sizeof(g->rfail_msg), "on node %s: %s",
+		 epd_cluster_node_name(srv, node), msg);
+	epd_group_remote_check(g);
+}
+
 void epd_group_remote_arrival(struct epd_server *srv, const char *name,
 			      uint32_t node, uint32_t l, uint64_t seq)
 {
-	struct epd_group *g = group_find(srv, name);
+	struct epd_group *g = epd_group_find(srv, name);
 	if (!g) {
 		epd_cluster_stash(srv, name, node, l, seq);
 		return;

@@ -44,7 +44,7 @@ struct job {
 	uint64_t bytes;
 };
 
-static struct ek_route *route_find(struct epd_group *g, uint64_t seq)
+struct ek_route *epd_route_find(struct epd_group *g, uint64_t seq)
 {
 	if (seq == 0 || seq > g->next_seq ||
 	    g->next_seq - seq >= EPD_MAX_HANDLES)
@@ -71,7 +71,7 @@ static bool handle_ok(struct epd_client *c, uint64_t req_id,
 				 h->epoch, g->epoch);
 		return false;
 	}
-	if (!route_find(g, h->seq)) {
+	if (!epd_route_find(g, h->seq)) {
 		epd_client_error(c, req_id, EP_ESTALE,
 				 "handle %llu is unknown or was evicted (group "
 				 "%s keeps the last %d dispatches, newest %llu)",
@@ -83,7 +83,7 @@ static bool handle_ok(struct epd_client *c, uint64_t req_id,
 	return true;
 }
 
-static uint8_t *region(struct epd_group *g, uint32_t l, int field)
+uint8_t *epd_region(struct epd_group *g, uint32_t l, int field)
 {
 	return g->map + EPP_BUF_HEADER + (uint64_t)l * g->layout.rank_stride +
 	       g->layout.off[field];
@@ -210,6 +210,53 @@ static void job_run(uv_work_t *req)
 	}
 }
 
+/* The end of a dispatch or combine on this node: replies to the local
+ * ranks, and for a fresh dispatch the routing goes into the handle ring
+ * (*route is taken then). Shared by the one-node and cross-node paths. */
+void epd_ops_finish(struct epd_group *g, uint16_t type, bool cached,
+		    uint64_t seq, struct ek_route **route, int rc,
+		    const char *err, uint64_t bytes)
+{
+	g->coll_type = 0;
+	g->coll_arrived = 0;
+	uint32_t rpn = g->shape.ranks_per_node;
+	if (rc) {
+		g->n_errors++;
+		for (uint32_t l = 0; l < rpn; l++)
+			if (g->local[l] && g->local[l]->pending_req)
+				epd_member_reply_err(g->local[l], rc, err);
+		return;
+	}
+	g->bytes_moved += bytes;
+	struct epp_handle h = {.group_id = g->id, .epoch = g->epoch,
+			       .seq = seq};
+	if (type == EPP_DISPATCH) {
+		g->n_dispatch++;
+		struct ek_route *r = *route;
+		if (!cached) {
+			h.seq = ++g->next_seq;
+			uint64_t i = h.seq % EPD_MAX_HANDLES;
+			ek_route_free(g->routes[i]);
+			g->routes[i] = r;
+			g->route_seq[i] = h.seq;
+			*route = NULL;
+		}
+		for (uint32_t l = 0; l < rpn; l++) {
+			/* routings are indexed by global rank */
+			struct epp_dispatch_ok ok = {
+				.handle = h,
+				.num_recv = r->num_recv[g->node_index * rpn + l]};
+			uint8_t buf[64];
+			size_t n = epp_dispatch_ok_encode(&ok, buf, sizeof(buf));
+			epd_member_reply_ok(g->local[l], buf, (uint32_t)n);
+		}
+	} else {
+		g->n_combine++;
+		for (uint32_t l = 0; l < rpn; l++)
+			epd_member_reply_ok(g->local[l], NULL, 0);
+	}
+}
+
 /* Back on the loop thread. */
 static void job_done(uv_work_t *req, int status)
 {
@@ -231,43 +278,11 @@ static void job_done(uv_work_t *req, int status)
 		snprintf(j->err, sizeof(j->err), "work cancelled: %s",
 			 uv_strerror(status));
 	}
-	g->coll_type = 0;
-	g->coll_arrived = 0;
-	uint32_t rpn = g->shape.ranks_per_node;
-	if (j->rc) {
-		g->n_errors++;
-		for (uint32_t l = 0; l < rpn; l++)
-			if (g->local[l] && g->local[l]->pending_req)
-				epd_member_reply_err(g->local[l], j->rc,
-						     j->err);
-		job_free(j);
-		return;
-	}
-	g->bytes_moved += j->bytes;
-	struct epp_handle h = {.group_id = g->id, .epoch = g->epoch,
-			       .seq = j->seq};
-	if (j->type == EPP_DISPATCH) {
-		g->n_dispatch++;
-		if (!j->cached) {
-			h.seq = ++g->next_seq;
-			uint64_t i = h.seq % EPD_MAX_HANDLES;
-			ek_route_free(g->routes[i]);
-			g->routes[i] = j->route;
-			g->route_seq[i] = h.seq;
-			j->own_route = false;
-		}
-		for (uint32_t l = 0; l < rpn; l++) {
-			struct epp_dispatch_ok ok = {
-				.handle = h, .num_recv = j->route->num_recv[l]};
-			uint8_t buf[64];
-			size_t n = epp_dispatch_ok_encode(&ok, buf, sizeof(buf));
-			epd_member_reply_ok(g->local[l], buf, (uint32_t)n);
-		}
-	} else {
-		g->n_combine++;
-		for (uint32_t l = 0; l < rpn; l++)
-			epd_member_reply_ok(g->local[l], NULL, 0);
-	}
+	struct ek_route *r = j->route;
+	epd_ops_finish(g, j->type, j->cached, j->seq, &r, j->rc, j->err,
+		       j->bytes);
+	if (j->own_route && !r)
+		j->own_route = false; /* the ring has it now */
 	job_free(j);
 }
 
@@ -297,34 +312,34 @@ static void job_submit(struct epd_group *g)
 	for (uint32_t l = 0; l < rpn; l++) {
 		struct epd_member *m = g->local[l];
 		struct ek_rank_io *io = &j->io[l];
-		io->x = region(g, l, EPP_BUF_X);
-		io->x_scales = (float *)region(g, l, EPP_BUF_X_SCALES);
-		io->topk_idx = (int64_t *)region(g, l, EPP_BUF_TOPK_IDX);
+		io->x = epd_region(g, l, EPP_BUF_X);
+		io->x_scales = (float *)epd_region(g, l, EPP_BUF_X_SCALES);
+		io->topk_idx = (int64_t *)epd_region(g, l, EPP_BUF_TOPK_IDX);
 		io->topk_weights = m->op_flags & EPP_DISPATCH_WEIGHTS
-					   ? (float *)region(g, l,
+					   ? (float *)epd_region(g, l,
 							     EPP_BUF_TOPK_WEIGHTS)
 					   : NULL;
-		io->recv_x = region(g, l, EPP_BUF_RECV_X);
-		io->recv_scales = (float *)region(g, l, EPP_BUF_RECV_SCALES);
-		io->recv_topk_idx = (int64_t *)region(g, l,
+		io->recv_x = epd_region(g, l, EPP_BUF_RECV_X);
+		io->recv_scales = (float *)epd_region(g, l, EPP_BUF_RECV_SCALES);
+		io->recv_topk_idx = (int64_t *)epd_region(g, l,
 						      EPP_BUF_RECV_TOPK_IDX);
 		io->recv_topk_weights =
-			(float *)region(g, l, EPP_BUF_RECV_TOPK_WEIGHTS);
-		io->recv_src = (int32_t *)region(g, l, EPP_BUF_RECV_SRC);
+			(float *)epd_region(g, l, EPP_BUF_RECV_TOPK_WEIGHTS);
+		io->recv_src = (int32_t *)epd_region(g, l, EPP_BUF_RECV_SRC);
 		io->recv_per_expert =
-			(int32_t *)region(g, l, EPP_BUF_RECV_PER_EXPERT);
-		io->combine_y = (uint16_t *)region(g, l, EPP_BUF_COMBINE_Y);
+			(int32_t *)epd_region(g, l, EPP_BUF_RECV_PER_EXPERT);
+		io->combine_y = (uint16_t *)epd_region(g, l, EPP_BUF_COMBINE_Y);
 		bool bias = j->type == EPP_COMBINE &&
 			    (m->op_flags & EPP_COMBINE_BIAS);
-		io->combine_bias = bias ? (uint16_t *)region(
+		io->combine_bias = bias ? (uint16_t *)epd_region(
 						  g, l, EPP_BUF_COMBINE_BIAS)
 					: NULL;
-		io->combined = (uint16_t *)region(g, l, EPP_BUF_COMBINED);
+		io->combined = (uint16_t *)epd_region(g, l, EPP_BUF_COMBINED);
 		io->num_tokens = m->op_tokens;
 		j->num_tokens[l] = m->op_tokens;
 	}
 	if (j->type == EPP_COMBINE || j->cached) {
-		j->route = route_find(g, j->seq);
+		j->route = epd_route_find(g, j->seq);
 		/* the routing fixes the token counts */
 		for (uint32_t l = 0; l < rpn; l++)
 			j->num_tokens[l] = j->route->num_tokens[l];
@@ -352,10 +367,14 @@ static void arrive(struct epd_member *m, uint64_t req_id, uint16_t type)
 	m->pending_type = type;
 	g->coll_type = type;
 	g->coll_arrived++;
-	if (g->coll_arrived == g->shape.ranks_per_node)
-		job_submit(g);
-	else
+	if (g->nnodes > 1 && epd_group_remote_check(g))
+		return; /* failed on another node before this op */
+	if (g->coll_arrived < g->shape.ranks_per_node)
 		epd_group_arm_timer(g);
+	else if (g->nnodes > 1)
+		epd_xop_start(g); /* the other nodes take part */
+	else
+		job_submit(g);
 }
 
 int epd_op_dispatch(struct epd_client *c, uint64_t req_id,
@@ -368,12 +387,6 @@ int epd_op_dispatch(struct epd_client *c, uint64_t req_id,
 	struct epd_group *g = m->group;
 	const struct epp_join *s = &g->shape;
 	bool cached = d->flags & EPP_DISPATCH_CACHED;
-	if (g->nnodes > 1) {
-		epd_client_error(c, req_id, EP_EUNSUPPORTED,
-				 "dispatch and combine across nodes are not "
-				 "implemented yet");
-		return EP_EUNSUPPORTED;
-	}
 	if (d->flags & ~(EPP_DISPATCH_WEIGHTS | EPP_DISPATCH_CACHED)) {
 		epd_client_error(c, req_id, EP_EINVAL,
 				 "unknown dispatch flags 0x%x", d->flags);
@@ -398,13 +411,12 @@ int epd_op_dispatch(struct epd_client *c, uint64_t req_id,
 	if (cached) {
 		if (!handle_ok(c, req_id, g, &d->handle))
 			return EP_ESTALE;
-		const struct ek_route *r = route_find(g, d->handle.seq);
-		if (r->num_tokens[m->local] != d->num_tokens) {
+		const struct ek_route *r = epd_route_find(g, d->handle.seq);
+		if (r->num_tokens[m->rank] != d->num_tokens) {
 			epd_client_error(c, req_id, EP_ESHAPE,
 					 "cached dispatch of %u tokens with a "
 					 "handle of %u",
-					 d->num_tokens,
-					 r->num_tokens[m->local]);
+					 d->num_tokens, r->num_tokens[m->rank]);
 			return EP_ESHAPE;
 		}
 	}
@@ -436,12 +448,6 @@ int epd_op_combine(struct epd_client *c, uint64_t req_id,
 	if (!m)
 		return EP_EINVAL;
 	struct epd_group *g = m->group;
-	if (g->nnodes > 1) {
-		epd_client_error(c, req_id, EP_EUNSUPPORTED,
-				 "dispatch and combine across nodes are not "
-				 "implemented yet");
-		return EP_EUNSUPPORTED;
-	}
 	if (cb->flags & ~EPP_COMBINE_BIAS) {
 		epd_client_error(c, req_id, EP_EINVAL,
 				 "unknown combine flags 0x%x", cb->flags);
@@ -455,12 +461,12 @@ int epd_op_combine(struct epd_client *c, uint64_t req_id,
 	}
 	if (!handle_ok(c, req_id, g, &cb->handle))
 		return EP_ESTALE;
-	const struct ek_route *r = route_find(g, cb->handle.seq);
-	if (cb->num_rows != r->num_recv[m->local]) {
+	const struct ek_route *r = epd_route_find(g, cb->handle.seq);
+	if (cb->num_rows != r->num_recv[m->rank]) {
 		epd_client_error(c, req_id, EP_ESHAPE,
 				 "combine of %u rows; rank %u received %u in "
 				 "that dispatch",
-				 cb->num_rows, m->rank, r->num_recv[m->local]);
+				 cb->num_rows, m->rank, r->num_recv[m->rank]);
 		return EP_ESHAPE;
 	}
 	if (g->coll_arrived && g->coll_seq != cb->handle.seq) {
@@ -475,7 +481,7 @@ int epd_op_combine(struct epd_client *c, uint64_t req_id,
 	}
 	g->coll_seq = cb->handle.seq;
 	g->coll_cached = false;
-	m->op_tokens = r->num_tokens[m->local];
+	m->op_tokens = r->num_tokens[m->rank];
 	m->op_flags = cb->flags;
 	m->op_rows = cb->num_rows;
 	arrive(m, req_id, EPP_COMBINE);

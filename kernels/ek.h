@@ -66,7 +66,9 @@ void ek_route_source(const struct ek_shape *s, struct ek_route *r,
 void ek_route_finish(struct ek_route *r);
 
 /* Copy tokens [t0, t1) of source `src` to every destination. cached: x and
- * scales only. io is indexed by rank. */
+ * scales only. io is indexed by rank. A destination with recv_x NULL is
+ * skipped (another node's); a source with x NULL gets only its metadata
+ * written (its rows come from another node). */
 void ek_dispatch_tokens(const struct ek_shape *s, const struct ek_route *r,
 			struct ek_rank_io *io, uint32_t src, uint32_t t0,
 			uint32_t t1, bool cached);

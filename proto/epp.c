@@ -212,6 +212,9 @@ const char *epp_type_name(uint16_t type)
 	case EPP_PEER_AUTH: return "peer-auth";
 	case EPP_PEER_HEARTBEAT: return "peer-heartbeat";
 	case EPP_PEER_BARRIER: return "peer-barrier";
+	case EPP_PEER_XMETA: return "peer-routing";
+	case EPP_PEER_XROWS: return "peer-rows";
+	case EPP_PEER_GFAIL: return "peer-group-failed";
 	case EPP_OK: return "ok";
 	case EPP_ERROR: return "error";
 	case EPP_NOTICE: return "notice";

@@ -24,7 +24,8 @@
  *        region). BARRIER with EPP_F_ASYNC: stream-ordered, no reply on
  *        success. The control page (struct epp_ctl) heads the group buffer.
  *   1.3  Daemon-to-daemon frames on the peer port: PEER_HELLO, PEER_AUTH,
- *        PEER_HEARTBEAT, PEER_BARRIER (same header).
+ *        PEER_HEARTBEAT, PEER_BARRIER, PEER_XMETA, PEER_XROWS, PEER_GFAIL
+ *        (same header).
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -63,6 +64,12 @@ enum epp_type {
 	EPP_PEER_AUTH = 33,      /* 32-byte HMAC(key, peer nonce || node) */
 	EPP_PEER_HEARTBEAT = 34, /* u64 view epoch */
 	EPP_PEER_BARRIER = 35,   /* str group, u32 local index, u64 seq */
+	EPP_PEER_XMETA = 36,     /* str group, u64 op, u32 rank, u32 tokens,
+				    u32 flags, i64 topk[T*K], f32 w[T*K] */
+	EPP_PEER_XROWS = 37,     /* str group, u64 op, u16 type, u64 handle,
+				    u32 n, n x (u32 rank, u32 slot, row) */
+	EPP_PEER_GFAIL = 38,     /* str group, i32 code, str message, u64 last
+				    barrier entered, u64 data ops completed */
 	EPP_OK = 64,     /* D->C: reply; payload depends on the request */
 	EPP_ERROR = 65,  /* D->C: i32 code, str message */
 	EPP_NOTICE = 66, /* D->C: unsolicited; i32 code, str message */

@@ -129,19 +129,27 @@ void ek_dispatch_tokens(const struct ek_shape *s, const struct ek_route *r,
 	const struct ek_rank_io *in = &io[src];
 	for (uint32_t t = t0; t < t1; t++) {
 		const int32_t *slot = r->slot[src] + (size_t)t * W;
-		const uint8_t *x = (const uint8_t *)in->x + t * row_bytes;
 		for (uint32_t d = 0; d < W; d++) {
 			int32_t row = slot[d];
-			if (row < 0)
-				continue;
 			struct ek_rank_io *out = &io[d];
-			memcpy((uint8_t *)out->recv_x + (size_t)row * row_bytes,
-			       x, row_bytes);
-			if (s->nscales)
-				memcpy(out->recv_scales +
-					       (size_t)row * s->nscales,
-				       in->x_scales + (size_t)t * s->nscales,
-				       s->nscales * sizeof(float));
+			/* a destination on another node: its daemon writes */
+			if (row < 0 || !out->recv_x)
+				continue;
+			/* a source on another node: its rows arrive over the
+			 * transport; the metadata is made here */
+			if (in->x) {
+				const uint8_t *x =
+					(const uint8_t *)in->x + t * row_bytes;
+				memcpy((uint8_t *)out->recv_x +
+					       (size_t)row * row_bytes,
+				       x, row_bytes);
+				if (s->nscales)
+					memcpy(out->recv_scales +
+						       (size_t)row * s->nscales,
+					       in->x_scales +
+						       (size_t)t * s->nscales,
+					       s->nscales * sizeof(float));
+			}
 			if (cached)
 				continue;
 			const int64_t *ti = in->topk_idx + (size_t)t * K;

@@ -8,11 +8,13 @@
  */
 #include "harness.h"
 #include "epp.h"
+#include "ref.h"
 
 #include <jansson.h>
 #include <signal.h>
 #include <string.h>
 #include <errno.h>
+#include <time.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -224,6 +226,173 @@ static void check_node_loss(void)
 	printf("ok: the node restarted and rejoined\n");
 }
 
+/* Dispatch, cached dispatch and combine across nodes, bitwise against the
+ * reference for the same global inputs (a one-node run of the same case
+ * gives the same bytes: test_dispatch checks that side). */
+struct xcase {
+	struct ref_case c;
+	int nodes, rpn, bad_rank;
+	char name[32];
+};
+
+#define XSAME(got, want, n, what)                                              \
+	TH_CHECK((n) == 0 || !memcmp(got, want, n), "%s rank %d: %s differs", \
+		 x->name, r, what)
+
+static int xrank(int r, void *arg)
+{
+	struct xcase *x = arg;
+	const struct ref_case *c = &x->c;
+	const uint32_t W = c->world, H = c->hidden, K = c->topk,
+		       E = c->experts, elt = ref_elt(c);
+	const uint32_t ns = c->dtype == EP_DTYPE_FP8 ? H / 128 : 0;
+	struct ref_inputs in[8], in2[8];
+	struct ref_recv exp[8], exp2[8];
+	for (uint32_t q = 0; q < W; q++) {
+		ref_gen_inputs(c, q, 0, &in[q]);
+		ref_gen_inputs(c, q, 1, &in2[q]);
+	}
+	for (uint32_t d = 0; d < W; d++) {
+		ref_dispatch(c, in, d, &exp[d]);
+		ref_dispatch(c, in2, d, &exp2[d]);
+	}
+	struct ep_group_config cfg = {
+		.name = x->name, .world_size = W,
+		.ranks_per_node = (uint32_t)x->rpn, .rank = (uint32_t)r,
+		.num_experts = E, .hidden = H,
+		.max_tokens_per_rank = c->max_tokens, .topk = K,
+		.dtype = (ep_dtype_t)c->dtype, .timeout_ms = 20000};
+	ep_conn_t *conn;
+	ep_group_t *g;
+	TH_OK(ep_connect(D[r / x->rpn].sock, &conn));
+	TH_OK(ep_join(conn, &cfg, 0, &g));
+	const struct ref_inputs *me = &in[r];
+	const uint64_t cap = (uint64_t)W * c->max_tokens, R = exp[r].R;
+	struct ep_dispatch_in din = {
+		.num_tokens = me->T, .hidden = H, .dtype = (ep_dtype_t)c->dtype,
+		.topk = K, .x = me->x, .x_scales = me->scales,
+		.topk_idx = me->topk,
+		.topk_weights = c->weights ? me->weights : NULL};
+	struct ep_dispatch_out dout = {
+		.capacity = cap, .recv_x = calloc(cap * H * elt + 1, 1),
+		.recv_x_scales = calloc(cap * ns * 4 + 4, 1),
+		.recv_topk_idx = calloc(cap * K * 8 + 8, 1),
+		.recv_topk_weights = calloc(cap * K * 4 + 4, 1),
+		.num_recv_tokens_per_expert = calloc(E / W * 4 + 4, 1)};
+	ep_handle_t h, hc;
+	if (x->bad_rank >= 0) {
+		/* a bad expert on one node fails the op on every node */
+		int64_t *bad = malloc((size_t)me->T * K * 8 + 8);
+		memcpy(bad, me->topk, (size_t)me->T * K * 8);
+		if (r == x->bad_rank)
+			bad[0] = -7;
+		struct ep_dispatch_in bin = din;
+		bin.topk_idx = bad;
+		TH_EXPECT_RC(ep_dispatch(g, &bin, NULL, &dout, &h), EP_EEXPERT);
+		free(bad);
+	}
+	TH_OK(ep_dispatch(g, &din, NULL, &dout, &h));
+	TH_CHECK(dout.num_recv == R, "%s rank %d: %u rows, want %llu",
+		 x->name, r, dout.num_recv, (unsigned long long)R);
+	XSAME(dout.recv_x, exp[r].x, R * H * elt, "recv_x");
+	if (ns)
+		XSAME(dout.recv_x_scales, exp[r].scales, R * ns * 4, "scales");
+	XSAME(dout.recv_topk_idx, exp[r].topk, R * K * 8, "recv_topk_idx");
+	XSAME(dout.recv_topk_weights, exp[r].weights, R * K * 4,
+	      "recv_topk_weights");
+	XSAME(dout.num_recv_tokens_per_expert, exp[r].per_expert, E / W * 4,
+	      "num_recv_tokens_per_expert");
+	struct ep_buffers b;
+	TH_OK(ep_get_buffers(g, &b));
+	XSAME(b.recv_src, exp[r].src, R * 8, "recv_src");
+	/* cached dispatch of new data */
+	struct ep_dispatch_in din2 = din;
+	din2.x = in2[r].x;
+	din2.x_scales = in2[r].scales;
+	TH_OK(ep_dispatch(g, &din2, &h, &dout, &hc));
+	XSAME(dout.recv_x, exp2[r].x, R * H * elt, "cached recv_x");
+	/* combine of random rows (and bias) along the first handle */
+	uint16_t *ys[8];
+	for (uint32_t d = 0; d < W; d++)
+		ys[d] = ref_gen_y(c, d, exp[d].R, 7);
+	uint16_t *out = calloc((size_t)me->T * H * 2 + 2, 1),
+		 *want = calloc((size_t)me->T * H * 2 + 2, 1);
+	TH_OK(ep_combine(g, &h, ys[r], (uint32_t)R, H,
+			 c->bias ? me->bias : NULL, out));
+	ref_combine(c, in, exp, ys, (uint32_t)r, want);
+	XSAME(out, want, (size_t)me->T * H * 2, "combined");
+	TH_OK(ep_barrier(g));
+	TH_OK(ep_leave(g));
+	ep_close(conn);
+	return 0;
+}
+
+static void check_xdispatch(int nodes, int rpn, struct ref_case c, int bad)
+{
+	struct xcase *x = th_shared(sizeof(*x));
+	x->c = c;
+	x->c.world = (uint32_t)(nodes * rpn);
+	x->nodes = nodes;
+	x->rpn = rpn;
+	x->bad_rank = bad;
+	snprintf(x->name, sizeof(x->name), "xd%dx%d", nodes, rpn);
+	pid_t pids[MAXW];
+	th_spawn(pids, nodes * rpn, xrank, x);
+	TH_CHECK(th_wait_all(pids, nodes * rpn, 60) == 0,
+		 "%s failed (seed %llu)", x->name,
+		 (unsigned long long)x->c.seed);
+	printf("ok: dispatch, cached dispatch, combine over %d nodes x %d "
+	       "ranks (%s%s): bitwise equal to the reference\n",
+	       nodes, rpn, c.dtype == EP_DTYPE_FP8 ? "fp8" : "bf16",
+	       bad >= 0 ? ", after a bad expert failed the op everywhere" : "");
+}
+
+/* A rank dies on node 1: the ranks on node 0 learn it at once. */
+static int rank_loss_rank(int rank, void *arg)
+{
+	struct late *s = arg;
+	ep_conn_t *c;
+	ep_group_t *g = join(s, rank, &c, 20000);
+	TH_OK(ep_barrier(g));
+	if (rank == 3)
+		for (;;)
+			pause(); /* killed */
+	__atomic_fetch_add(&s->entered, 1, __ATOMIC_SEQ_CST);
+	uint64_t t0 = th_now_ns();
+	s->codes[rank] = ep_barrier(g);
+	snprintf(s->msgs[rank], sizeof(s->msgs[rank]), "%s", ep_errmsg());
+	TH_CHECK(th_now_ns() - t0 < 3000000000ull,
+		 "rank %d learnt of the loss after %.0f ms", rank,
+		 (double)(th_now_ns() - t0) / 1e6);
+	ep_leave(g);
+	ep_close(c);
+	return 0;
+}
+
+static void check_remote_rank_loss(void)
+{
+	struct late *s = th_shared(sizeof(*s));
+	s->nodes = 2;
+	s->rpn = 2;
+	snprintf(s->name, sizeof(s->name), "rloss");
+	pid_t pids[4];
+	th_spawn(pids, 4, rank_loss_rank, s);
+	while (s->entered < 3)
+		th_sleep_ms(2);
+	th_sleep_ms(100);
+	kill(pids[3], SIGKILL);
+	TH_CHECK(th_wait_all(pids, 3, 30) == 0, "a rank failed");
+	th_reap(pids[3], 5);
+	for (int r = 0; r < 3; r++)
+		TH_EXPECT_RC(s->codes[r], EP_EPEERLOST);
+	TH_CHECK(strstr(s->msgs[0], "on node n1") &&
+			 strstr(s->msgs[0], "rank 3"),
+		 "message: %s", s->msgs[0]);
+	printf("ok: a rank killed on node 1 -> ranks on node 0 get peer "
+	       "lost at once: %s\n",
+	       s->msgs[0]);
+}
+
 /* A hung daemon (SIGSTOP) closes nothing: only the missed heartbeats tell
  * (100 ms x 5 here). */
 static void check_silent_node(void)
@@ -390,6 +559,26 @@ int main(void)
 	check_late(2, 2);
 	check_late(3, 2);
 	check_late(2, 4);
+	uint64_t seed = (uint64_t)time(NULL);
+	printf("seed %llu\n", (unsigned long long)seed);
+	struct ref_case c1 = {.seed = seed, .experts = 16, .hidden = 256,
+			      .topk = 4, .max_tokens = 96,
+			      .tokens = {96, 0, 37, 96, 5, 64},
+			      .dtype = EP_DTYPE_BF16, .weights = true,
+			      .bias = true};
+	check_xdispatch(2, 2, c1, 3);
+	struct ref_case c2 = {.seed = seed + 1, .experts = 24, .hidden = 384,
+			      .topk = 6, .max_tokens = 64,
+			      .tokens = {64, 17, 0, 64, 33, 1},
+			      .dtype = EP_DTYPE_FP8, .weights = true};
+	check_xdispatch(3, 2, c2, -1);
+	struct ref_case c3 = {.seed = seed + 2, .experts = 64, .hidden = 512,
+			      .topk = 8, .max_tokens = 40,
+			      .tokens = {40, 40, 3, 0, 40, 12, 7, 40},
+			      .dtype = EP_DTYPE_BF16, .mode = REF_ONE_EXPERT,
+			      .special = 9, .bias = true};
+	check_xdispatch(2, 4, c3, -1);
+	check_remote_rank_loss();
 	check_node_loss();
 	check_late(3, 2); /* a new group across all nodes after the rejoin */
 	check_silent_node();

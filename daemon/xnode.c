@@ -1,0 +1,713 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Dispatch and combine for groups that span nodes (host backend, through
+ * the cluster's transport).
+ *
+ * Every node computes the same global routing (prefix sums over every
+ * rank's counts), so slots agree without any agreement protocol:
+ *  - dispatch: once the local ranks arrived, each node sends its ranks'
+ *    topk_idx (and weights) to the group's other nodes (XMETA). With all of
+ *    them, a job validates every rank's experts (a bad index fails the op on
+ *    every node alike), routes, copies local rows, writes the metadata of
+ *    rows that come from other nodes, and packs its rows for other nodes as
+ *    (destination, slot, row) records (XROWS). The op ends when the job is
+ *    done and every expected row arrived.
+ *  - combine: the routing is the handle's. A job packs the rows whose home
+ *    is on another node; a home stages the rows it receives at their slots
+ *    in a per-destination buffer, so the one-node accumulation runs
+ *    unchanged, in ascending rank order: the same bits as on one node.
+ * Collectives are numbered per group on every node alike (op ids); a
+ * node that is ahead may send combine rows early, which are staged.
+ *
+ * The tcp transport copies received rows on the loop thread; an rdma
+ * transport would write them in place.
+ */
+#include "epd.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define FRAME_MAX (512u << 10) /* row records per XROWS frame */
+
+struct outbuf {
+	uint8_t *p;
+	size_t len, cap;
+	uint32_t count;
+};
+
+struct epd_xop {
+	struct epd_group *g;
+	uint64_t id;
+	uint16_t type;
+	bool cached, started, job_running, job_done, stage2;
+	uint64_t handle;
+	uint32_t W;
+	uint32_t *tokens, *flags;
+	uint8_t *have; /* [W]: the routing (or arrival) of that rank came */
+	int64_t **topk;  /* [W]; remote ones malloc'd */
+	float **weights; /* [W]; remote ones malloc'd or NULL */
+	uint32_t meta_have, meta_need;
+	uint64_t rows_expected, rows_got;
+	struct ek_route *route; /* fresh dispatch: owned until finish */
+	bool own_route;
+	uint16_t **staging; /* combine: [W], remote destinations */
+	struct outbuf *out; /* [nnodes] */
+	uv_work_t req;
+	int rc;
+	char err[EPP_ERRMSG_MAX];
+	uint64_t bytes;
+};
+
+static void xop_free(struct epd_xop *x)
+{
+	if (!x)
+		return;
+	/* local sources' topk stay in their buffers (NULL here) */
+	for (uint32_t s = 0; s < x->W; s++) {
+		if (x->topk)
+			free(x->topk[s]);
+		if (x->weights)
+			free(x->weights[s]);
+		if (x->staging)
+			free(x->staging[s]);
+	}
+	if (x->out)
+		for (uint32_t n = 0; n < x->g->nnodes; n++)
+			free(x->out[n].p);
+	if (x->own_route)
+		ek_route_free(x->route);
+	free(x->tokens);
+	free(x->flags);
+	free(x->topk);
+	free(x->weights);
+	free(x->staging);
+	free(x->have);
+	free(x->out);
+	free(x);
+}
+
+void epd_xop_drop(struct epd_group *g)
+{
+	for (int i = 0; i < EPD_XOPS; i++)
+		if (g->xop[i] && !g->xop[i]->job_running) {
+			xop_free(g->xop[i]);
+			g->xop[i] = NULL;
+		}
+}
+
+static struct epd_xop *xop_cur(struct epd_group *g)
+{
+	struct epd_xop *x = g->xop[g->xop_next % EPD_XOPS];
+	return x && x->id == g->xop_next ? x : NULL;
+}
+
+/* The op numbered id: this node's next, or one of the few after it that a
+ * node ahead of this one already works on. */
+static struct epd_xop *xop_get(struct epd_group *g, uint64_t id,
+			       uint16_t type)
+{
+	if (id < g->xop_next || id >= g->xop_next + EPD_XOPS)
+		return NULL;
+	struct epd_xop **slot = &g->xop[id % EPD_XOPS];
+	if (*slot)
+		return (*slot)->id == id ? *slot : NULL;
+	struct epd_xop *x = calloc(1, sizeof(*x));
+	uint32_t W = g->shape.world_size;
+	if (!x)
+		return NULL;
+	x->g = g;
+	x->id = id;
+	x->type = type;
+	x->W = W;
+	x->tokens = calloc(W, sizeof(*x->tokens));
+	x->flags = calloc(W, sizeof(*x->flags));
+	x->topk = calloc(W, sizeof(*x->topk));
+	x->weights = calloc(W, sizeof(*x->weights));
+	x->staging = calloc(W, sizeof(*x->staging));
+	x->have = calloc(W, 1);
+	x->out = calloc(g->nnodes, sizeof(*x->out));
+	if (!x->tokens || !x->flags || !x->topk || !x->weights ||
+	    !x->staging || !x->have || !x->out) {
+		xop_free(x);
+		return NULL;
+	}
+	x->meta_need = (g->nnodes - 1) * g->shape.ranks_per_node;
+	*slot = x;
+	return x;
+}
+
+/* The current op is over: the next one becomes current. */
+static void xop_retire(struct epd_group *g, struct epd_xop *x)
+{
+	g->xop[x->id % EPD_XOPS] = NULL;
+	g->xop_next++;
+}
+
+static bool is_local(const struct epd_group *g, uint32_t rank)
+{
+	return rank / g->shape.ranks_per_node == g->node_index;
+}
+
+static uint32_t lidx(const struct epd_group *g, uint32_t rank)
+{
+	return rank % g->shape.ranks_per_node;
+}
+
+static void out_put(struct outbuf *o, const void *p, size_t n)
+{
+	if (o->cap - o->len < n) {
+		size_t ncap = o->cap ? o->cap * 2 : 1 << 16;
+		while (ncap - o->len < n)
+			ncap *= 2;
+		uint8_t *np = realloc(o->p, ncap);
+		if (!np)
+			abort(); /* a packing buffer: no way to go on */
+		o->p = np;
+		o->cap = ncap;
+	}
+	memcpy(o->p + o->len, p, n);
+	o->len += n;
+}
+
+static void out_record(struct outbuf *o, uint32_t d, uint32_t slot,
+		       const void *a, size_t na, const void *b, size_t nb)
+{
+	uint32_t hdr[2] = {d, slot};
+	out_put(o, hdr, 8);
+	out_put(o, a, na);
+	if (nb)
+		out_put(o, b, nb);
+	o->count++;
+}
+
+static size_t row_bytes(const struct epd_group *g, uint16_t type)
+{
+	return type == EPP_DISPATCH
+		       ? (size_t)g->shape.hidden * g->layout.elt +
+				 (size_t)g->layout.nscales * 4
+		       : (size_t)g->shape.hidden * 2;
+}
+
+static struct ek_shape shape_of(const struct epd_group *g)
+{
+	return (struct ek_shape){.world = g->shape.world_size,
+				 .num_experts = g->shape.num_experts,
+				 .hidden = g->shape.hidden,
+				 .topk = g->shape.topk,
+				 .elt = g->layout.elt,
+				 .nscales = g->layout.nscales};
+}
+
+/* io by global rank: local ranks' buffers; other nodes' sources carry
+ * their META (topk, weights) and no x; other nodes' destinations nothing,
+ * or for combine the staged rows. */
+static struct ek_rank_io *make_io(struct epd_xop *x)
+{
+	struct epd_group *g = x->g;
+	struct ek_rank_io *io = calloc(x->W, sizeof(*io));
+	if (!io)
+		return NULL;
+	for (uint32_t s = 0; s < x->W; s++) {
+		struct ek_rank_io *o = &io[s];
+		if (!is_local(g, s)) {
+			o->topk_idx = x->topk[s];
+			o->topk_weights = x->weights[s];
+			o->combine_y = x->staging[s];
+			continue;
+		}
+		uint32_t l = lidx(g, s);
+		o->x = epd_region(g, l, EPP_BUF_X);
+		o->x_scales = (float *)epd_region(g, l, EPP_BUF_X_SCALES);
+		o->topk_idx = (int64_t *)epd_region(g, l, EPP_BUF_TOPK_IDX);
+		o->topk_weights =
+			x->flags[s] & EPP_DISPATCH_WEIGHTS &&
+					x->type == EPP_DISPATCH
+				? (float *)epd_region(g, l,
+						      EPP_BUF_TOPK_WEIGHTS)
+				: NULL;
+		o->recv_x = epd_region(g, l, EPP_BUF_RECV_X);
+		o->recv_scales = (float *)epd_region(g, l, EPP_BUF_RECV_SCALES);
+		o->recv_topk_idx = (int64_t *)epd_region(g, l,
+							 EPP_BUF_RECV_TOPK_IDX);
+		o->recv_topk_weights = (float *)epd_region(
+			g, l, EPP_BUF_RECV_TOPK_WEIGHTS);
+		o->recv_src = (int32_t *)epd_region(g, l, EPP_BUF_RECV_SRC);
+		o->recv_per_expert =
+			(int32_t *)epd_region(g, l, EPP_BUF_RECV_PER_EXPERT);
+		o->combine_y = (uint16_t *)epd_region(g, l, EPP_BUF_COMBINE_Y);
+		o->combine_bias = x->flags[s] & EPP_COMBINE_BIAS &&
+						  x->type == EPP_COMBINE
+					  ? (uint16_t *)epd_region(
+						    g, l, EPP_BUF_COMBINE_BIAS)
+					  : NULL;
+		o->combined = (uint16_t *)epd_region(g, l, EPP_BUF_COMBINED);
+		o->num_tokens = x->tokens[s];
+	}
+	return io;
+}
+
+/* On a work thread. */
+static void xjob_run(uv_work_t *req)
+{
+	struct epd_xop *x = req->data;
+	struct epd_group *g = x->g;
+	struct ek_shape sh = shape_of(g);
+	const uint32_t W = x->W, rpn = g->shape.ranks_per_node;
+	struct ek_rank_io *io = make_io(x);
+	if (!io) {
+		x->rc = EP_ENOMEM;
+		snprintf(x->err, sizeof(x->err), "out of memory");
+		return;
+	}
+	const size_t rb = row_bytes(g, x->type);
+	if (x->type == EPP_COMBINE && x->stage2) {
+		/* every remote row is staged: accumulate as on one node */
+		for (uint32_t l = 0; l < rpn; l++) {
+			uint32_t h = g->node_index * rpn + l;
+			ek_combine_tokens(&sh, x->route, io, h, 0,
+					  x->route->num_tokens[h]);
+			x->bytes += (uint64_t)x->route->num_tokens[h] * rb;
+		}
+		free(io);
+		return;
+	}
+	if (x->type == EPP_DISPATCH && !x->cached) {
+		for (uint32_t s = 0; s < W; s++) {
+			char err[256];
+			int rc = ek_validate_topk(&sh, io[s].topk_idx,
+						  x->tokens[s], err,
+						  sizeof(err));
+			if (rc) {
+				x->rc = rc;
+				snprintf(x->err, sizeof(x->err), "rank %u: %s",
+					 s, err);
+				free(io);
+				return;
+			}
+		}
+		x->route = ek_route_new(W, x->tokens);
+		if (!x->route) {
+			x->rc = EP_ENOMEM;
+			snprintf(x->err, sizeof(x->err), "out of memory");
+			free(io);
+			return;
+		}
+		x->own_route = true;
+		for (uint32_t s = 0; s < W; s++)
+			ek_route_source(&sh, x->route, s, io[s].topk_idx);
+		ek_route_finish(x->route);
+	}
+	const struct ek_route *r = x->route;
+	if (x->type == EPP_DISPATCH) {
+		for (uint32_t s = 0; s < W; s++)
+			ek_dispatch_tokens(&sh, r, io, s, 0, x->tokens[s],
+					   x->cached);
+		if (!x->cached)
+			for (uint32_t l = 0; l < rpn; l++)
+				ek_recv_per_expert(&sh, r, io,
+						   g->node_index * rpn + l);
+		/* local sources' rows for other nodes' destinations */
+		const size_t xb = (size_t)g->shape.hidden * g->layout.elt;
+		for (uint32_t l = 0; l < rpn; l++) {
+			uint32_t s = g->node_index * rpn + l;
+			for (uint32_t t = 0; t < x->tokens[s]; t++)
+				for (uint32_t d = 0; d < W; d++) {
+					int32_t slot = r->slot[s][(size_t)t * W +
+								  d];
+					if (slot < 0 || is_local(g, d))
+						continue;
+					out_record(&x->out[d / rpn], d,
+						   (uint32_t)slot,
+						   (uint8_t *)io[s].x + t * xb,
+						   xb,
+						   io[s].x_scales +
+							   (size_t)t *
+								   g->layout.nscales,
+						   (size_t)g->layout.nscales * 4);
+					x->bytes += 2 * rb;
+				}
+		}
+		/* rows from other nodes' sources for this node's ranks */
+		for (uint32_t s = 0; s < W; s++)
+			for (uint32_t l = 0; !is_local(g, s) && l < rpn; l++)
+				x->rows_expected +=
+					r->count[(size_t)s * W +
+						 g->node_index * rpn + l];
+	} else {
+		/* rows of this node's destinations whose home is elsewhere,
+		 * and the rows this node's homes expect from elsewhere */
+		for (uint32_t s = 0; s < W; s++) {
+			for (uint32_t t = 0; t < r->num_tokens[s]; t++)
+				for (uint32_t d = 0; d < W; d++) {
+					int32_t slot = r->slot[s][(size_t)t * W +
+								  d];
+					if (slot < 0 ||
+					    is_local(g, s) == is_local(g, d))
+						continue;
+					if (is_local(g, s)) {
+						x->rows_expected++;
+						continue;
+					}
+					out_record(&x->out[s / rpn], d,
+						   (uint32_t)slot,
+						   io[d].combine_y +
+							   (size_t)slot *
+								   g->shape.hidden,
+						   rb, NULL, 0);
+					x->bytes += rb;
+				}
+		}
+	}
+	free(io);
+}
+
+static void xop_submit(struct epd_xop *x);
+
+/* Send the packed rows, chunked into frames. */
+static void send_rows(struct epd_xop *x)
+{
+	struct epd_group *g = x->g;
+	const size_t rec = 8 + row_bytes(g, x->type);
+	for (uint32_t n = 0; n < g->nnodes; n++) {
+		struct outbuf *o = &x->out[n];
+		uint32_t per = (uint32_t)(FRAME_MAX / rec);
+		if (per == 0)
+			per = 1;
+		for (uint32_t i = 0; i < o->count; i += per) {
+			uint32_t k = o->count - i < per ? o->count - i : per;
+			uint8_t head[128];
+			struct epp_wr w;
+			epp_wr_init(&w, head, sizeof(head));
+			epp_put_str(&w, g->shape.name);
+			epp_put_u64(&w, x->id);
+			epp_put_u16(&w, x->type);
+			epp_put_u64(&w, x->handle);
+			epp_put_u32(&w, k);
+			epd_cluster_send2(g, n, EPP_PEER_XROWS, head, w.off,
+					  o->p + i * rec, k * rec);
+		}
+	}
+}
+
+static void xop_check(struct epd_group *g)
+{
+	struct epd_xop *x = xop_cur(g);
+	if (!x || !x->job_done || x->rows_got < x->rows_expected)
+		return;
+	if (x->type == EPP_COMBINE && !x->stage2) {
+		x->stage2 = true;
+		x->job_done = false;
+		xop_submit(x);
+		return;
+	}
+	struct ek_route *r = x->route;
+	xop_retire(g, x);
+	epd_ops_finish(g, x->type, x->cached, x->handle, &r, x->rc, x->err,
+		       x->bytes);
+	if (x->own_route && !r)
+		x->own_route = false;
+	xop_free(x);
+}
+
+static void xjob_done(uv_work_t *req, int status)
+{
+	struct epd_xop *x = req->data;
+	struct epd_group *g = x->g;
+	x->job_running = false;
+	g->busy = false;
+	if (g->free_pending) {
+		g->xop[x->id % EPD_XOPS] = NULL;
+		xop_free(x);
+		epd_group_free(g);
+		return;
+	}
+	if (g->state != EPD_G_READY) {
+		epd_xop_drop(g);
+		return;
+	}
+	if (status < 0 && !x->rc) {
+		x->rc = EP_EBACKEND;
+		snprintf(x->err, sizeof(x->err), "work cancelled");
+	}
+	if (x->rc) {
+		/* every node reaches the same verdict: nothing was sent */
+		xop_retire(g, x);
+		epd_ops_finish(g, x->type, x->cached, x->handle, NULL, x->rc,
+			       x->err, 0);
+		xop_free(x);
+		xop_check(g); /* the next op may be complete already */
+		return;
+	}
+	if (!x->stage2)
+		send_rows(x);
+	x->job_done = true;
+	xop_check(g);
+}
+
+static void xop_submit(struct epd_xop *x)
+{
+	struct epd_group *g = x->g;
+	x->req.data = x;
+	x->job_running = true;
+	g->busy = true;
+	if (uv_queue_work(g->srv->loop, &x->req, xjob_run, xjob_done)) {
+		x->job_running = false;
+		g->busy = false;
+		epd_group_fail(g, EP_ENOMEM, "cannot start the %s job",
+			       epp_type_name(x->type));
+	}
+}
+
+/* Every local rank of g entered a dispatch or combine. */
+void epd_xop_start(struct epd_group *g)
+{
+	/* the group's timer keeps running: the other nodes must answer */
+	struct epd_xop *x = xop_get(g, g->xop_next, g->coll_type);
+	if (!x || x->type != g->coll_type) {
+		epd_group_fail(g, EP_EMISMATCH,
+			       "%s %llu: the other nodes run another "
+			       "operation",
+			       epp_type_name(g->coll_type),
+			       (unsigned long long)g->xop_next);
+		return;
+	}
+	const uint32_t rpn = g->shape.ranks_per_node;
+	x->started = true;
+	x->cached = g->coll_cached;
+	x->handle = g->coll_seq;
+	if (x->type == EPP_COMBINE || x->cached) {
+		struct ek_route *r = epd_route_find(g, x->handle);
+		x->route = r; /* the ring's: not owned */
+		memcpy(x->tokens, r->num_tokens, x->W * sizeof(uint32_t));
+	}
+	for (uint32_t l = 0; l < rpn; l++) {
+		uint32_t s = g->node_index * rpn + l;
+		struct epd_member *m = g->local[l];
+		if (x->type == EPP_DISPATCH && !x->cached)
+			x->tokens[s] = m->op_tokens;
+		x->flags[s] = m->op_flags;
+	}
+	if (x->type == EPP_COMBINE) {
+		/* rows that arrive early are staged: no need to wait */
+		xop_submit(x);
+		return;
+	}
+	/* A dispatch writes into the other nodes' receive buffers: it may
+	 * start only once every rank arrived (done reading the last results).
+	 * So every node sends its ranks' routing inputs (for a cached
+	 * dispatch just the arrival: the routing is the handle's). */
+	const uint32_t K = g->shape.topk;
+	if ((size_t)g->shape.max_tokens * K * 12 + 256 > EPP_MAX_PAYLOAD) {
+		epd_group_fail(g, EP_ETOOBIG,
+			       "routing of %u tokens x top-%u does not fit one "
+			       "frame between nodes",
+			       g->shape.max_tokens, K);
+		return;
+	}
+	for (uint32_t l = 0; l < rpn; l++) {
+		uint32_t s = g->node_index * rpn + l;
+		uint8_t head[128];
+		struct epp_wr w;
+		epp_wr_init(&w, head, sizeof(head));
+		epp_put_str(&w, g->shape.name);
+		epp_put_u64(&w, x->id);
+		epp_put_u32(&w, s);
+		epp_put_u32(&w, x->tokens[s]);
+		epp_put_u32(&w, x->flags[s]);
+		size_t nt = x->cached ? 0 : (size_t)x->tokens[s] * K;
+		const void *tk = epd_region(g, l, EPP_BUF_TOPK_IDX);
+		const void *wt = epd_region(g, l, EPP_BUF_TOPK_WEIGHTS);
+		bool wts = !x->cached && (x->flags[s] & EPP_DISPATCH_WEIGHTS);
+		/* topk then weights: contiguous in one frame */
+		uint8_t *body = malloc(nt * 12 + 1);
+		if (!body) {
+			epd_group_fail(g, EP_ENOMEM, "out of memory");
+			return;
+		}
+		memcpy(body, tk, nt * 8);
+		if (wts)
+			memcpy(body + nt * 8, wt, nt * 4);
+		for (uint32_t n = 0; n < g->nnodes; n++)
+			if (n != g->node_index)
+				epd_cluster_send2(g, n, EPP_PEER_XMETA, head,
+						  w.off, body,
+						  nt * (wts ? 12 : 8));
+		free(body);
+	}
+	if (x->meta_have == x->meta_need)
+		xop_submit(x);
+}
+
+/* Frames for a group that is not ready on this node yet (its ranks are
+ * still joining here): kept, within a bound, and replayed once it is. */
+#define STASH_MAX (256ull << 20)
+
+struct stashed {
+	struct list_node node;
+	char name[EP_GROUP_NAME_MAX + 1];
+	uint16_t type;
+	uint32_t from, len;
+	uint8_t data[];
+};
+
+static struct list_node stash = {&stash, &stash};
+static uint64_t stash_bytes;
+
+static void stash_frame(const char *name, uint16_t type, uint32_t from,
+			const uint8_t *p, uint32_t len)
+{
+	struct stashed *e = malloc(sizeof(*e) + len);
+	if (!e || stash_bytes + len > STASH_MAX) {
+		free(e);
+		epd_warn("cross-node %s for group %s dropped: %llu bytes are "
+			 "already kept for groups not ready here",
+			 epp_type_name(type), name,
+			 (unsigned long long)stash_bytes);
+		return;
+	}
+	snprintf(e->name, sizeof(e->name), "%s", name);
+	e->type = type;
+	e->from = from;
+	e->len = len;
+	memcpy(e->data, p, len);
+	stash_bytes += len;
+	list_add_tail(&stash, &e->node);
+}
+
+void epd_xop_replay(struct epd_group *g)
+{
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &stash)
+	{
+		struct stashed *e = LIST_ENTRY(it, struct stashed, node);
+		if (strcmp(e->name, g->shape.name))
+			continue;
+		list_del(&e->node);
+		stash_bytes -= e->len;
+		if (g->state == EPD_G_READY)
+			epd_xop_frame(g->srv, e->type, e->from, e->data,
+				      e->len);
+		free(e);
+	}
+}
+
+/* A frame of a cross-node op from node `from`. */
+void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
+		   const uint8_t *p, uint32_t len)
+{
+	struct epp_rd r;
+	char name[EP_GROUP_NAME_MAX + 1];
+	epp_rd_init(&r, p, len);
+	epp_get_str(&r, name, sizeof(name));
+	uint64_t id = epp_get_u64(&r);
+	struct epd_group *g = epd_group_find(srv, name);
+	if (!r.err && (!g || g->state == EPD_G_FORMING)) {
+		stash_frame(name, type, from, p, len);
+		return;
+	}
+	if (r.err || g->state != EPD_G_READY || from >= g->nnodes) {
+		epd_warn("cross-node %s for group %s (op %llu) from node %u "
+			 "dropped: the group failed or the frame is malformed",
+			 epp_type_name(type), name, (unsigned long long)id,
+			 from);
+		return;
+	}
+	const uint32_t rpn = g->shape.ranks_per_node, K = g->shape.topk;
+	if (type == EPP_PEER_XMETA) {
+		uint32_t s = epp_get_u32(&r), T = epp_get_u32(&r),
+			 fl = epp_get_u32(&r);
+		struct epd_xop *x = xop_get(g, id, EPP_DISPATCH);
+		bool cached = fl & EPP_DISPATCH_CACHED;
+		size_t nt = cached ? 0 : (size_t)T * K;
+		bool wts = !cached && (fl & EPP_DISPATCH_WEIGHTS);
+		if (!x || r.err || s >= g->shape.world_size || s / rpn != from ||
+		    T > g->shape.max_tokens || x->have[s] ||
+		    len - r.off != nt * (wts ? 12 : 8)) {
+			epd_group_fail(g, EP_EPROTO,
+				       "node %u sent a malformed or unexpected "
+				       "routing for op %llu",
+				       from, (unsigned long long)id);
+			return;
+		}
+		x->have[s] = 1;
+		if (cached) { /* the arrival of a cached dispatch */
+			if (++x->meta_have == x->meta_need && x->started)
+				xop_submit(x);
+			return;
+		}
+		x->tokens[s] = T;
+		x->flags[s] = fl;
+		x->topk[s] = malloc(nt * 8 + 8);
+		x->weights[s] = wts ? malloc(nt * 4 + 4) : NULL;
+		if (!x->topk[s] || (wts && !x->weights[s])) {
+			epd_group_fail(g, EP_ENOMEM, "out of memory");
+			return;
+		}
+		memcpy(x->topk[s], p + r.off, nt * 8);
+		if (wts)
+			memcpy(x->weights[s], p + r.off + nt * 8, nt * 4);
+		if (++x->meta_have == x->meta_need && x->started)
+			xop_submit(x);
+		return;
+	}
+	/* XROWS */
+	uint16_t otype = epp_get_u16(&r);
+	uint64_t handle = epp_get_u64(&r);
+	uint32_t k = epp_get_u32(&r);
+	struct epd_xop *x = xop_get(g, id, otype);
+	const size_t rb = row_bytes(g, otype), rec = 8 + rb;
+	if (!x || r.err || x->type != otype ||
+	    (otype == EPP_DISPATCH && !x->started) ||
+	    len - r.off != (size_t)k * rec) {
+		epd_group_fail(g, EP_EPROTO,
+			       "node %u sent unexpected rows for op %llu", from,
+			       (unsigned long long)id);
+		return;
+	}
+	const uint8_t *q = p + r.off;
+	struct ek_route *route = x->route
+					 ? x->route
+					 : epd_route_find(g, handle);
+	for (uint32_t i = 0; i < k; i++, q += rec) {
+		uint32_t d, slot;
+		memcpy(&d, q, 4);
+		memcpy(&slot, q + 4, 4);
+		if (otype == EPP_DISPATCH) {
+			if (!is_local(g, d) || slot >= g->layout.max_recv)
+				goto bad;
+			uint32_t l = lidx(g, d);
+			size_t xb = (size_t)g->shape.hidden * g->layout.elt;
+			memcpy(epd_region(g, l, EPP_BUF_RECV_X) +
+				       (size_t)slot * xb,
+			       q + 8, xb);
+			if (g->layout.nscales)
+				memcpy(epd_region(g, l, EPP_BUF_RECV_SCALES) +
+					       (size_t)slot * g->layout.nscales *
+						       4,
+				       q + 8 + xb,
+				       (size_t)g->layout.nscales * 4);
+		} else {
+			/* staged at its slot on destination d (elsewhere) */
+			if (is_local(g, d) || !route ||
+			    slot >= route->num_recv[d])
+				goto bad;
+			if (!x->staging[d]) {
+				x->staging[d] = malloc(
+					(size_t)route->num_recv[d] * rb + 2);
+				if (!x->staging[d]) {
+					epd_group_fail(g, EP_ENOMEM,
+						       "out of memory");
+					return;
+				}
+			}
+			memcpy((uint8_t *)x->staging[d] + (size_t)slot * rb,
+			       q + 8, rb);
+		}
+		x->rows_got++;
+	}
+	xop_check(g);
+	return;
+bad:
+	epd_group_fail(g, EP_EPROTO, "node %u sent a row out of range", from);
+}
