@@ -395,6 +395,7 @@ static void conn_frame(struct pconn *c, const struct epp_hdr *h,
 	}
 	case EPP_PEER_XMETA:
 	case EPP_PEER_XROWS:
+	case EPP_PEER_GSHAPE:
 		if (!c->authed)
 			return reject(c, "%s before authentication",
 				      epp_type_name(h->type));

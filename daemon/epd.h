@@ -281,8 +281,10 @@ void epd_xop_start(struct epd_group *g);
 void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 		   const uint8_t *p, uint32_t len);
 void epd_xop_drop(struct epd_group *g);
-/* The group became ready here: frames that came before it, now. */
+/* The group became ready here: frames that came before it, now; and its
+ * shape to the other nodes, which check theirs against it. */
 void epd_xop_replay(struct epd_group *g);
+void epd_xop_announce(struct epd_group *g);
 
 /* buffers.c: the group's shared memory. */
 int epd_buf_create(struct epd_group *g);

@@ -373,8 +373,10 @@ static void group_became_ready(struct epd_group *g)
 		}
 	}
 	epd_info("group %s ready (%u local ranks)", g->shape.name, g->njoined);
-	if (g->nnodes > 1)
+	if (g->nnodes > 1) {
+		epd_xop_announce(g);
 		epd_xop_replay(g);
+	}
 	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
 		struct epd_member *m = g->local[l];
 		if (m && m->pending_type == EPP_JOIN)

@@ -592,6 +592,62 @@ void epd_xop_replay(struct epd_group *g)
 	}
 }
 
+static void put_shape(struct epp_wr *w, const struct epd_group *g)
+{
+	const struct epp_join *j = &g->shape;
+	uint32_t v[] = {j->world_size, j->ranks_per_node, j->num_experts,
+			j->hidden, j->max_tokens, j->topk, j->dtype,
+			g->timeout_ms};
+	for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++)
+		epp_put_u32(w, v[i]);
+}
+
+/* The group became ready here: its shape to the group's other nodes, which
+ * compare it with theirs. */
+void epd_xop_announce(struct epd_group *g)
+{
+	uint8_t buf[192];
+	struct epp_wr w;
+	epp_wr_init(&w, buf, sizeof(buf));
+	epp_put_str(&w, g->shape.name);
+	epp_put_u64(&w, 0);
+	put_shape(&w, g);
+	for (uint32_t n = 0; n < g->nnodes; n++)
+		if (n != g->node_index)
+			epd_cluster_send2(g, n, EPP_PEER_GSHAPE, buf, w.off,
+					  NULL, 0);
+}
+
+static void check_shape(struct epd_group *g, uint32_t from,
+			const uint8_t *p, uint32_t len)
+{
+	uint8_t mine[64];
+	struct epp_wr w;
+	epp_wr_init(&w, mine, sizeof(mine));
+	put_shape(&w, g);
+	static const char *const names[] = {
+		"world_size", "ranks_per_node", "num_experts", "hidden",
+		"max_tokens", "topk", "dtype", "timeout_ms"};
+	if (len != w.off) {
+		epd_group_fail(g, EP_EPROTO, "node %u sent a malformed shape",
+			       from);
+		return;
+	}
+	for (int i = 0; i < 8; i++) {
+		uint32_t a, b;
+		memcpy(&a, mine + 4 * i, 4);
+		memcpy(&b, p + 4 * i, 4);
+		if (a != b) {
+			epd_group_fail(g, EP_EMISMATCH,
+				       "node %s joined group %s with %s %u; "
+				       "this node has %u",
+				       epd_cluster_node_name(g->srv, from),
+				       g->shape.name, names[i], b, a);
+			return;
+		}
+	}
+}
+
 /* A frame of a cross-node op from node `from`. */
 void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 		   const uint8_t *p, uint32_t len)
@@ -614,6 +670,10 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 		return;
 	}
 	const uint32_t rpn = g->shape.ranks_per_node, K = g->shape.topk;
+	if (type == EPP_PEER_GSHAPE) {
+		check_shape(g, from, p + r.off, len - (uint32_t)r.off);
+		return;
+	}
 	if (type == EPP_PEER_XMETA) {
 		uint32_t s = epp_get_u32(&r), T = epp_get_u32(&r),
 			 fl = epp_get_u32(&r);

@@ -24,8 +24,8 @@
  *        region). BARRIER with EPP_F_ASYNC: stream-ordered, no reply on
  *        success. The control page (struct epp_ctl) heads the group buffer.
  *   1.3  Daemon-to-daemon frames on the peer port: PEER_HELLO, PEER_AUTH,
- *        PEER_HEARTBEAT, PEER_BARRIER, PEER_XMETA, PEER_XROWS, PEER_GFAIL
- *        (same header).
+ *        PEER_HEARTBEAT, PEER_BARRIER, PEER_XMETA, PEER_XROWS, PEER_GFAIL,
+ *        PEER_GSHAPE (same header).
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -70,6 +70,9 @@ enum epp_type {
 				    u32 n, n x (u32 rank, u32 slot, row) */
 	EPP_PEER_GFAIL = 38,     /* str group, i32 code, str message, u64 last
 				    barrier entered, u64 data ops completed */
+	EPP_PEER_GSHAPE = 39,    /* str group, u64 op (0), then the group's
+				    world, rpn, experts, hidden, max tokens,
+				    top-k, dtype, timeout (u32 each) */
 	EPP_OK = 64,     /* D->C: reply; payload depends on the request */
 	EPP_ERROR = 65,  /* D->C: i32 code, str message */
 	EPP_NOTICE = 66, /* D->C: unsolicited; i32 code, str message */

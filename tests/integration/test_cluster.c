@@ -393,6 +393,52 @@ static void check_remote_rank_loss(void)
 	       s->msgs[0]);
 }
 
+/* Node 1's ranks join with another hidden: every rank gets EP_EMISMATCH. */
+static int shape_rank(int rank, void *arg)
+{
+	struct late *s = arg;
+	ep_conn_t *c;
+	struct ep_group_config cfg = th_group(s->name, 4, (uint32_t)rank,
+					      5000);
+	cfg.ranks_per_node = 2;
+	if (rank >= 2)
+		cfg.hidden = 512;
+	ep_group_t *g;
+	TH_OK(ep_connect(D[rank / 2].sock, &c));
+	/* found at the join (when the other node's shape arrived first) or
+	 * at the first collective */
+	int rc = ep_join(c, &cfg, 0, &g);
+	if (!rc) {
+		rc = ep_barrier(g);
+		snprintf(s->msgs[rank], sizeof(s->msgs[rank]), "%s",
+			 ep_errmsg());
+		ep_leave(g);
+	} else {
+		snprintf(s->msgs[rank], sizeof(s->msgs[rank]), "%s",
+			 ep_errmsg());
+	}
+	s->codes[rank] = rc;
+	ep_close(c);
+	return 0;
+}
+
+static void check_shape_mismatch(void)
+{
+	struct late *s = th_shared(sizeof(*s));
+	snprintf(s->name, sizeof(s->name), "shapes");
+	pid_t pids[4];
+	th_spawn(pids, 4, shape_rank, s);
+	TH_CHECK(th_wait_all(pids, 4, 30) == 0, "a rank failed");
+	for (int r = 0; r < 4; r++) {
+		TH_EXPECT_RC(s->codes[r], EP_EMISMATCH);
+		TH_CHECK(strstr(s->msgs[r], "hidden"), "message: %s",
+			 s->msgs[r]);
+	}
+	printf("ok: nodes that disagree on a group's shape: every rank gets "
+	       "mismatch: %s\n",
+	       s->msgs[0]);
+}
+
 /* A hung daemon (SIGSTOP) closes nothing: only the missed heartbeats tell
  * (100 ms x 5 here). */
 static void check_silent_node(void)
@@ -578,6 +624,7 @@ int main(void)
 			      .dtype = EP_DTYPE_BF16, .mode = REF_ONE_EXPERT,
 			      .special = 9, .bias = true};
 	check_xdispatch(2, 4, c3, -1);
+	check_shape_mismatch();
 	check_remote_rank_loss();
 	check_node_loss();
 	check_late(3, 2); /* a new group across all nodes after the rejoin */
