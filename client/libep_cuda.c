@@ -391,20 +391,10 @@ int ep_combine_stream(ep_group_t *g, const ep_handle_t *h, unsigned flags,
 {
 	if (!g || !h)
 		return ep__fail(EP_EINVAL, "NULL argument");
-	if (flags & ~EP_COMBINE_BIAS)
-		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
-	int rc = ep__check_handle(g, h);
+	struct epp_combine c;
+	int rc = ep__combine_request(g, h, flags, &c);
 	if (rc)
 		return rc;
-	struct epp_combine c = {.group_id = g->id,
-				.handle = {.group_id = h->group_id,
-					   .epoch = h->epoch,
-					   .seq = h->seq},
-				.num_rows = h->num_recv,
-				.hidden = g->cfg.hidden,
-				.flags = flags & EP_COMBINE_BIAS
-						 ? EPP_COMBINE_BIAS
-						 : 0};
 	uint8_t buf[128];
 	size_t n = epp_combine_encode(&c, buf, sizeof(buf));
 	uint64_t seq;

@@ -51,6 +51,8 @@ void ep__cuda_unmap(ep_group_t *g);
 /* Error word and completion counter of this rank in the control page. */
 int ep__ctl_error(const ep_group_t *g);
 int ep__check_handle(const ep_group_t *g, const ep_handle_t *h);
+int ep__combine_request(ep_group_t *g, const ep_handle_t *h, unsigned flags,
+			struct epp_combine *c);
 int ep__dispatch_request(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 			 const ep_handle_t *cached, struct epp_dispatch *d);
 /* A GPU rank's buffers follow the control words in its region. */

@@ -117,6 +117,27 @@ int ep__dispatch_request(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 	return 0;
 }
 
+/* The COMBINE request of this rank, checked as the daemon will. */
+int ep__combine_request(ep_group_t *g, const ep_handle_t *h, unsigned flags,
+			struct epp_combine *c)
+{
+	if (flags & ~EP_COMBINE_BIAS)
+		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
+	int rc = ep__check_handle(g, h);
+	if (rc)
+		return rc;
+	*c = (struct epp_combine){.group_id = g->id,
+				  .handle = {.group_id = h->group_id,
+					     .epoch = h->epoch,
+					     .seq = h->seq},
+				  .num_rows = h->num_recv,
+				  .hidden = g->cfg.hidden,
+				  .flags = flags & EP_COMBINE_BIAS
+						   ? EPP_COMBINE_BIAS
+						   : 0};
+	return 0;
+}
+
 int ep_dispatch_inplace(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 			const ep_handle_t *cached, ep_handle_t *handle)
 {
@@ -160,20 +181,10 @@ int ep_combine_inplace(ep_group_t *g, const ep_handle_t *h, unsigned flags)
 		return ep__fail(EP_EUNSUPPORTED,
 				"a GPU rank combines on a stream "
 				"(ep_combine_stream)");
-	if (flags & ~EP_COMBINE_BIAS)
-		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
-	int rc = ep__check_handle(g, h);
+	struct epp_combine c;
+	int rc = ep__combine_request(g, h, flags, &c);
 	if (rc)
 		return rc;
-	struct epp_combine c = {.group_id = g->id,
-				.handle = {.group_id = h->group_id,
-					   .epoch = h->epoch,
-					   .seq = h->seq},
-				.num_rows = h->num_recv,
-				.hidden = g->cfg.hidden,
-				.flags = flags & EP_COMBINE_BIAS
-						 ? EPP_COMBINE_BIAS
-						 : 0};
 	uint8_t buf[128];
 	size_t n = epp_combine_encode(&c, buf, sizeof(buf));
 	pthread_mutex_lock(&g->conn->mu);

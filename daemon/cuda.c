@@ -866,43 +866,19 @@ void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
 	poll_arm(c);
 }
 
-/* Local ranks that have not asked for op k. */
-static void missing_requests(struct epd_group *g, uint64_t k, char *out,
-			     size_t cap)
+static bool no_request(struct epd_group *g, uint32_t l, void *arg)
 {
-	size_t off = 0;
-	out[0] = 0;
-	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
-		if (g->local[l]->async_seq >= k)
-			continue;
-		int n = snprintf(out + off, cap - off, "%s%u", off ? "," : "",
-				 g->node_index * g->shape.ranks_per_node + l);
-		if (n < 0 || (size_t)n >= cap - off)
-			break;
-		off += (size_t)n;
-	}
+	return g->local[l]->async_seq < *(uint64_t *)arg;
 }
 
-/* Names of local ranks whose doorbell is below k, read from the device on
- * the aux stream (the main stream may be blocked on them). */
-static void missing_doorbells(struct epd_group *g, uint64_t k, char *out,
-			      size_t cap)
+/* the doorbell read from the device on the aux stream (the main stream
+ * may be blocked on it) */
+static bool no_doorbell(struct epd_group *g, uint32_t l, void *arg)
 {
-	struct epd_cuda_group *c = g->cu;
-	size_t off = 0;
-	out[0] = 0;
-	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
-		uint32_t v = 0;
-		if (D->cuMemcpyDtoH(&v, c->ptr[l] + EKC_DOORBELL, 4))
-			continue;
-		if ((int32_t)(v - (uint32_t)k) >= 0)
-			continue;
-		int n = snprintf(out + off, cap - off, "%s%u", off ? "," : "",
-				 g->node_index * g->shape.ranks_per_node + l);
-		if (n < 0 || (size_t)n >= cap - off)
-			break;
-		off += (size_t)n;
-	}
+	uint32_t v = 0;
+	if (D->cuMemcpyDtoH(&v, g->cu->ptr[l] + EKC_DOORBELL, 4))
+		return false;
+	return (int32_t)(v - (uint32_t)*(uint64_t *)arg) < 0;
 }
 
 static void poll_cb(uv_timer_t *t)
@@ -952,7 +928,7 @@ static void poll_cb(uv_timer_t *t)
 	if (c->wait_ns && now - c->wait_ns > budget) {
 		char miss[512];
 		uint64_t k = c->enqueued + 1;
-		missing_requests(g, k, miss, sizeof(miss));
+		epd_list_ranks(miss, sizeof(miss), g, no_request, &k);
 		epd_group_fail(g, EP_ETIMEDOUT,
 			       "barrier %llu timed out after %u ms; ranks never "
 			       "arrived: %s",
@@ -968,7 +944,7 @@ static void poll_cb(uv_timer_t *t)
 	if (age > (uint64_t)g->timeout_ms * 1000000ull) {
 		char miss[512];
 		uint64_t k = c->completed + 1;
-		missing_doorbells(g, k, miss, sizeof(miss));
+		epd_list_ranks(miss, sizeof(miss), g, no_doorbell, &k);
 		epd_group_fail(g, EP_ETIMEDOUT,
 			       "barrier %llu timed out after %u ms on the "
 			       "device; ranks whose stream never arrived: %s",

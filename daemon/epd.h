@@ -245,6 +245,9 @@ int epd_group_async(struct epd_client *c, uint64_t req_id, uint64_t gid,
 		    const struct epd_aop *op);
 /* Shared by group.c, ops.c and xnode.c. */
 struct epd_group *epd_group_find(struct epd_server *srv, const char *name);
+void epd_list_ranks(char *out, size_t cap, struct epd_group *g,
+		    bool (*missing)(struct epd_group *, uint32_t l, void *),
+		    void *arg);
 struct epd_member *epd_member_find(struct epd_client *c, uint64_t gid);
 void epd_group_fail(struct epd_group *g, int code, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));

@@ -94,10 +94,11 @@ void epd_member_reply_err(struct epd_member *m, int code, const char *msg)
 	epd_client_error(m->client, req, code, "%s", msg);
 }
 
-/* Ranks (global) of this node that have not reached `pred`. */
-static void list_ranks(char *out, size_t cap, struct epd_group *g,
-		       bool (*missing)(struct epd_group *, uint32_t l, void *),
-		       void *arg)
+/* The global ranks of this node's local indices for which missing() holds,
+ * as "3,5,7". */
+void epd_list_ranks(char *out, size_t cap, struct epd_group *g,
+		    bool (*missing)(struct epd_group *, uint32_t l, void *),
+		    void *arg)
 {
 	size_t off = 0;
 	out[0] = 0;
@@ -203,7 +204,7 @@ static void group_timeout(uv_timer_t *t)
 	char miss[512];
 	if (g->state == EPD_G_FORMING) {
 		/* Joiners waiting for readiness give up and are removed. */
-		list_ranks(miss, sizeof(miss), g, not_joined, NULL);
+		epd_list_ranks(miss, sizeof(miss), g, not_joined, NULL);
 		char msg[700];
 		snprintf(msg, sizeof(msg),
 			 "group %s not ready after %u ms; ranks never joined: "
@@ -230,7 +231,7 @@ static void group_timeout(uv_timer_t *t)
 	}
 	if (g->coll_type != EPP_BARRIER) {
 		uint16_t type = g->coll_type;
-		list_ranks(miss, sizeof(miss), g, not_in_coll, &type);
+		epd_list_ranks(miss, sizeof(miss), g, not_in_coll, &type);
 		epd_group_fail(g, EP_ETIMEDOUT,
 			       "%s timed out after %u ms; ranks never arrived: "
 			       "%s",
@@ -238,7 +239,7 @@ static void group_timeout(uv_timer_t *t)
 		return;
 	}
 	uint64_t k = g->round + 1;
-	list_ranks(miss, sizeof(miss), g, not_arrived, &k);
+	epd_list_ranks(miss, sizeof(miss), g, not_arrived, &k);
 	/* Remote rail peers that never arrived (scale-out phase). */
 	size_t off = strlen(miss);
 	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++)
@@ -613,7 +614,7 @@ struct epd_member *epd_coll_enter(struct epd_client *c, uint64_t req_id,
 	}
 	if (g->state == EPD_G_FORMING) {
 		char miss[512];
-		list_ranks(miss, sizeof(miss), g, not_joined, NULL);
+		epd_list_ranks(miss, sizeof(miss), g, not_joined, NULL);
 		epd_client_error(c, req_id, EP_ENOTREADY,
 				 "group %s is not ready; ranks not joined: %s",
 				 g->shape.name, miss);
