@@ -28,6 +28,7 @@ __all__ = ["connect", "Error", "Conn", "Group", "Handle", "DispatchResult",
 BF16 = 1
 FP8 = 2
 JOIN_NOWAIT = 1
+JOIN_CUDA = 2
 DISPATCH_WEIGHTS = 1
 COMBINE_BIAS = 1
 
@@ -85,6 +86,24 @@ class _DispatchOut(ctypes.Structure):
                 ("num_recv", ctypes.c_uint32)]
 
 
+class _Buffers(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_void_p) for n in (
+        "x", "x_scales", "topk_idx", "topk_weights", "recv_x",
+        "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src",
+        "num_recv_tokens_per_expert", "combine_y", "combine_bias",
+        "combined")] + [("max_tokens", ctypes.c_uint32),
+                        ("max_recv", ctypes.c_uint64)]
+
+
+class _DeviceArray:
+    """Device memory of the group, for torch.as_tensor (zero copy)."""
+
+    def __init__(self, ptr, shape, typestr):
+        self.__cuda_array_interface__ = {
+            "shape": tuple(shape), "typestr": typestr, "data": (ptr, False),
+            "version": 3, "strides": None}
+
+
 _lib.ep_strerror.restype = ctypes.c_char_p
 _lib.ep_errmsg.restype = ctypes.c_char_p
 _lib.ep_connect.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
@@ -104,6 +123,17 @@ _lib.ep_dispatch.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DispatchIn),
 _lib.ep_combine.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle),
                             ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32,
                             ctypes.c_void_p, ctypes.c_void_p]
+_lib.ep_get_buffers.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Buffers)]
+_lib.ep_barrier_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+_lib.ep_dispatch_stream.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
+                                    ctypes.c_uint, ctypes.POINTER(Handle),
+                                    ctypes.c_void_p, ctypes.POINTER(Handle)]
+_lib.ep_combine_stream.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle),
+                                   ctypes.c_uint, ctypes.c_void_p]
+_lib.ep_dispatch_recv_count.argtypes = [ctypes.c_void_p,
+                                        ctypes.POINTER(Handle)]
+for _f in ("ep_group_sync", "ep_group_error"):
+    getattr(_lib, _f).argtypes = [ctypes.c_void_p]
 _libc = ctypes.CDLL(None)
 _libc.free.argtypes = [ctypes.c_void_p]
 
@@ -202,6 +232,62 @@ class Group:
             recv_topk_weights=cut(rw, R * K * 4 if not as_numpy else R * K),
             num_recv_tokens_per_expert=re_)
 
+    # ---- GPU ranks (joined with cuda_device): stream-ordered, zero copy ----
+
+    _TYPES = {"bf16": ("<i2", 2), "fp8": ("|u1", 1), "int64": ("<i8", 8),
+              "float32": ("<f4", 4), "int32": ("<i4", 4)}
+
+    def tensor(self, field, shape, dtype):
+        """A torch tensor over a field of this rank's device buffers (names
+        as in struct ep_buffers: x, topk_idx, recv_x, combine_y, ...);
+        bf16 fields come back as torch.bfloat16."""
+        import torch
+        b = _Buffers()
+        _check(_lib.ep_get_buffers(self._g, ctypes.byref(b)))
+        ptr = getattr(b, field)
+        if not ptr:
+            raise ValueError(f"no field {field} in this group")
+        typestr, _ = self._TYPES[dtype]
+        t = torch.as_tensor(_DeviceArray(ptr, shape, typestr), device="cuda")
+        return t.view(torch.bfloat16) if dtype == "bf16" else t
+
+    @staticmethod
+    def _stream(stream):
+        if stream is None:
+            return None  # the legacy default stream
+        return stream if isinstance(stream, int) else stream.cuda_stream
+
+    def barrier_stream(self, stream=None):
+        _check(_lib.ep_barrier_stream(self._g, self._stream(stream)))
+
+    def dispatch_stream(self, num_tokens, stream=None, weights=False,
+                        handle=None):
+        """Enqueue a dispatch of the first num_tokens rows of the x,
+        topk_idx (and topk_weights) buffers; returns its Handle at once."""
+        h = Handle()
+        _check(_lib.ep_dispatch_stream(
+            self._g, num_tokens, DISPATCH_WEIGHTS if weights else 0,
+            ctypes.byref(handle) if handle else None, self._stream(stream),
+            ctypes.byref(h)))
+        return h
+
+    def combine_stream(self, handle, stream=None, bias=False):
+        _check(_lib.ep_combine_stream(self._g, ctypes.byref(handle),
+                                      COMBINE_BIAS if bias else 0,
+                                      self._stream(stream)))
+
+    def recv_count(self, handle):
+        """Rows received by that dispatch (the CPU waits for it)."""
+        _check(_lib.ep_dispatch_recv_count(self._g, ctypes.byref(handle)))
+        return handle.num_recv
+
+    def sync(self):
+        _check(_lib.ep_group_sync(self._g))
+
+    def error(self):
+        rc = _lib.ep_group_error(self._g)
+        return Error(rc, _lib.ep_errmsg().decode()) if rc else None
+
     def combine(self, y, handle, bias=None, as_numpy=False):
         H = self.cfg["hidden"]
         py, k1 = _ptr(y, handle.num_recv * H * 2, "y")
@@ -222,7 +308,9 @@ class Conn:
 
     def join(self, name, world_size, ranks_per_node, rank, num_experts,
              hidden, max_tokens_per_rank, topk, dtype=BF16, timeout_ms=0,
-             wait=True):
+             wait=True, cuda_device=None):
+        """cuda_device: a GPU rank on that device (its buffers in GPU
+        memory; use the *_stream methods and Group.tensor)."""
         cfg = dict(name=name, world_size=world_size,
                    ranks_per_node=ranks_per_node, rank=rank,
                    num_experts=num_experts, hidden=hidden,
@@ -230,10 +318,13 @@ class Conn:
                    dtype=dtype, timeout_ms=timeout_ms)
         gc = _GroupConfig(name.encode(), world_size, ranks_per_node, rank,
                           num_experts, hidden, max_tokens_per_rank, topk,
-                          dtype, timeout_ms, 0)
+                          dtype, timeout_ms,
+                          0 if cuda_device is None else cuda_device)
+        flags = (0 if wait else JOIN_NOWAIT) | \
+            (JOIN_CUDA if cuda_device is not None else 0)
         g = ctypes.c_void_p()
-        _check(_lib.ep_join(self._c, ctypes.byref(gc),
-                            0 if wait else JOIN_NOWAIT, ctypes.byref(g)))
+        _check(_lib.ep_join(self._c, ctypes.byref(gc), flags,
+                            ctypes.byref(g)))
         return Group(self, g, cfg)
 
     def status(self):
