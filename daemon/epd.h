@@ -215,6 +215,9 @@ struct epd_server {
 	struct epd_pool *pool;
 	struct epd_cuda *cuda; /* NULL: host backend */
 	struct epd_cluster *cluster; /* NULL: a single node */
+	/* Cross-node frames for groups not ready here yet (xnode.c). */
+	struct list_node xstash;
+	uint64_t xstash_bytes;
 	uint64_t n_accepted, n_rejected, n_proto_errors;
 };
 
@@ -288,6 +291,7 @@ void epd_xop_drop(struct epd_group *g);
  * shape to the other nodes, which check theirs against it. */
 void epd_xop_replay(struct epd_group *g);
 void epd_xop_announce(struct epd_group *g);
+void epd_xop_stash_free(struct epd_server *srv);
 
 /* buffers.c: the group's shared memory. */
 int epd_buf_create(struct epd_group *g);

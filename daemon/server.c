@@ -210,6 +210,7 @@ int epd_server_init(struct epd_server *srv, uv_loop_t *loop,
 	srv->systemd = getenv("NOTIFY_SOCKET") != NULL;
 	LIST_INIT(&srv->clients);
 	LIST_INIT(&srv->groups);
+	LIST_INIT(&srv->xstash);
 	if (choose_backend(srv))
 		return -1;
 	srv->pool = epd_pool_new(cfg->worker_threads);
@@ -255,6 +256,7 @@ int epd_server_run(struct epd_server *srv)
 	sd_notifyf(0, "READY=1\nMAINPID=%d", (int)getpid());
 	notify_status(srv);
 	uv_run(srv->loop, UV_RUN_DEFAULT);
+	epd_xop_stash_free(srv);
 	epd_cluster_free(srv);
 	epd_cuda_fini(srv);
 	epd_pool_free(srv->pool);

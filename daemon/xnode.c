@@ -551,19 +551,17 @@ struct stashed {
 	uint8_t data[];
 };
 
-static struct list_node stash = {&stash, &stash};
-static uint64_t stash_bytes;
-
-static void stash_frame(const char *name, uint16_t type, uint32_t from,
-			const uint8_t *p, uint32_t len)
+static void stash_frame(struct epd_server *srv, const char *name,
+			uint16_t type, uint32_t from, const uint8_t *p,
+			uint32_t len)
 {
 	struct stashed *e = malloc(sizeof(*e) + len);
-	if (!e || stash_bytes + len > STASH_MAX) {
+	if (!e || srv->xstash_bytes + len > STASH_MAX) {
 		free(e);
 		epd_warn("cross-node %s for group %s dropped: %llu bytes are "
 			 "already kept for groups not ready here",
 			 epp_type_name(type), name,
-			 (unsigned long long)stash_bytes);
+			 (unsigned long long)srv->xstash_bytes);
 		return;
 	}
 	snprintf(e->name, sizeof(e->name), "%s", name);
@@ -571,20 +569,32 @@ static void stash_frame(const char *name, uint16_t type, uint32_t from,
 	e->from = from;
 	e->len = len;
 	memcpy(e->data, p, len);
-	stash_bytes += len;
-	list_add_tail(&stash, &e->node);
+	srv->xstash_bytes += len;
+	list_add_tail(&srv->xstash, &e->node);
+}
+
+void epd_xop_stash_free(struct epd_server *srv)
+{
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &srv->xstash)
+	{
+		list_del(it);
+		free(LIST_ENTRY(it, struct stashed, node));
+	}
+	srv->xstash_bytes = 0;
 }
 
 void epd_xop_replay(struct epd_group *g)
 {
 	struct list_node *it, *tmp;
-	LIST_FOREACH(it, tmp, &stash)
+	struct epd_server *srv = g->srv;
+	LIST_FOREACH(it, tmp, &srv->xstash)
 	{
 		struct stashed *e = LIST_ENTRY(it, struct stashed, node);
 		if (strcmp(e->name, g->shape.name))
 			continue;
 		list_del(&e->node);
-		stash_bytes -= e->len;
+		srv->xstash_bytes -= e->len;
 		if (g->state == EPD_G_READY)
 			epd_xop_frame(g->srv, e->type, e->from, e->data,
 				      e->len);
@@ -659,7 +669,7 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 	uint64_t id = epp_get_u64(&r);
 	struct epd_group *g = epd_group_find(srv, name);
 	if (!r.err && (!g || g->state == EPD_G_FORMING)) {
-		stash_frame(name, type, from, p, len);
+		stash_frame(srv, name, type, from, p, len);
 		return;
 	}
 	if (r.err || g->state != EPD_G_READY || from >= g->nnodes) {
