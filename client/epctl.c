@@ -145,9 +145,11 @@ static void print_status(json_t *root)
 	json_t *groups = json_object_get(root, "groups");
 	printf("\ngroups: %zu\n", json_array_size(groups));
 	if (json_array_size(groups))
-		printf("  %-16s %5s %-8s %5s %-8s %-16s %-16s %9s %6s\n",
-		       "NAME", "ID", "STATE", "WORLD", "NODE", "JOINED",
-		       "MISSING", "BARRIERS", "ERRORS");
+		printf("  %-16s %5s %-8s %-5s %5s %-8s %-16s %-16s %8s %8s "
+		       "%8s %6s\n",
+		       "NAME", "ID", "STATE", "BACKEND", "WORLD", "NODE",
+		       "JOINED", "MISSING", "BARRIERS", "DISPATCH", "COMBINE",
+		       "ERRORS");
 	json_array_foreach(groups, i, g)
 	{
 		char joined[64], missing[64], node[24];
@@ -157,10 +159,12 @@ static void print_status(json_t *root)
 		snprintf(node, sizeof(node), "%lld/%lld", jint(g, "node_index"),
 			 jint(g, "nodes"));
 		json_t *ops = json_object_get(g, "ops");
-		printf("  %-16s %5lld %-8s %5lld %-8s %-16s %-16s %9lld %6lld\n",
+		printf("  %-16s %5lld %-8s %-5s %5lld %-8s %-16s %-16s %8lld "
+		       "%8lld %8lld %6lld\n",
 		       jstr(g, "name"), jint(g, "id"), jstr(g, "state"),
-		       jint(g, "world_size"), node, joined, missing,
-		       jint(ops, "barrier"), jint(ops, "errors"));
+		       jstr(g, "backend"), jint(g, "world_size"), node, joined,
+		       missing, jint(ops, "barrier"), jint(ops, "dispatch"),
+		       jint(ops, "combine"), jint(ops, "errors"));
 		json_t *le = json_object_get(g, "last_error");
 		if (json_is_object(le))
 			printf("    last error: %s: %s\n", jstr(le, "name"),
