@@ -11,6 +11,8 @@
 #include "ref.h"
 
 #include <jansson.h>
+#include <poll.h>
+#include <sodium.h>
 #include <signal.h>
 #include <string.h>
 #include <errno.h>
@@ -564,9 +566,141 @@ static void check_bad_peers(void)
 	       "port: rejected, the cluster undisturbed\n");
 }
 
+/* Impersonate node n2 with the real key: node 0 dials n2's port. */
+static int fake_n2(void)
+{
+	int ls = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+	setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+	struct sockaddr_in sa = {.sin_family = AF_INET,
+				 .sin_port = htons((uint16_t)(base_port + 2))};
+	inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+	TH_CHECK(bind(ls, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
+			 listen(ls, 4) == 0,
+		 "listen on n2's port: %s", strerror(errno));
+	/* nodes 0 and 1 both dial n2: keep node 0's connection */
+	struct epp_hdr h;
+	uint8_t *pl, their[32], mine[32] = {1, 2, 3};
+	int fd = -1;
+	for (int tries = 0; fd < 0 && tries < 20; tries++) {
+		struct pollfd p = {.fd = ls, .events = POLLIN};
+		TH_CHECK(poll(&p, 1, 10000) == 1, "node 0 never dialled n2");
+		int c = accept(ls, NULL, NULL);
+		if (epp_recv_frame(c, &h, &pl, NULL, 5000, NULL, 0)) {
+			close(c);
+			continue;
+		}
+		struct epp_rd r;
+		char name[64];
+		epp_rd_init(&r, pl, h.length);
+		epp_get_u16(&r);
+		epp_get_u16(&r);
+		epp_get_str(&r, name, sizeof(name));
+		uint32_t idx = epp_get_u32(&r);
+		if (h.type == EPP_PEER_HELLO && idx == 0 && h.length >= 32) {
+			memcpy(their, pl + h.length - 32, 32);
+			fd = c;
+		} else {
+			close(c);
+		}
+		free(pl);
+	}
+	close(ls);
+	TH_CHECK(fd >= 0, "no hello from node 0");
+	uint8_t b[256];
+	struct epp_wr w;
+	epp_wr_init(&w, b, sizeof(b));
+	epp_put_u16(&w, EPP_VERSION_MAJOR);
+	epp_put_u16(&w, EPP_VERSION_MINOR);
+	epp_put_str(&w, "n2");
+	epp_put_u32(&w, 2);
+	for (int i = 0; i < 32; i++)
+		epp_put_u8(&w, mine[i]);
+	epp_hdr_init(&h, EPP_PEER_HELLO, 0);
+	h.length = (uint32_t)w.off;
+	TH_OK(epp_send_frame(fd, &h, b, NULL));
+	/* the proof: HMAC(key, their nonce || "n2") */
+	uint8_t raw[4096], key[32], mac[32];
+	FILE *f = fopen(keyfile, "r");
+	size_t n = fread(raw, 1, sizeof(raw), f);
+	fclose(f);
+	crypto_generichash(key, 32, raw, n, NULL, 0);
+	crypto_auth_hmacsha256_state st;
+	crypto_auth_hmacsha256_init(&st, key, 32);
+	crypto_auth_hmacsha256_update(&st, their, 32);
+	crypto_auth_hmacsha256_update(&st, (const uint8_t *)"n2", 2);
+	crypto_auth_hmacsha256_final(&st, mac);
+	epp_hdr_init(&h, EPP_PEER_AUTH, 0);
+	h.length = 32;
+	TH_OK(epp_send_frame(fd, &h, mac, NULL));
+	return fd;
+}
+
+static void send_peer(int fd, uint16_t type, const void *p, size_t n)
+{
+	struct epp_hdr h;
+	epp_hdr_init(&h, type, 0);
+	h.length = (uint32_t)n;
+	epp_send_frame(fd, &h, p, NULL);
+}
+
+/* Malformed frames from an authenticated peer: each is rejected (the
+ * connection dropped); node 0 keeps serving and node 1 stays up. */
+static void check_bad_member(void)
+{
+	th_daemon_stop(&D[2]);
+	wait_row(0, "SUD");
+	uint8_t b[512];
+	struct epp_wr w;
+	const char *what[] = {"malformed barrier", "group failure with code 0",
+			      "rows for a group not here (kept, bounded)",
+			      "unexpected frame"};
+	for (int i = 0; i < 4; i++) {
+		int fd = fake_n2();
+		wait_row(0, "SUU"); /* the impostor is a member */
+		epp_wr_init(&w, b, sizeof(b));
+		uint16_t type = EPP_PEER_BARRIER;
+		if (i == 0) {
+			epp_put_str(&w, "x");
+			epp_put_u32(&w, 0); /* no seq */
+		} else if (i == 1) {
+			type = EPP_PEER_GFAIL;
+			epp_put_str(&w, "x");
+			epp_put_u32(&w, 0); /* a non-negative "error" */
+			epp_put_str(&w, "m");
+			epp_put_u64(&w, 0);
+			epp_put_u64(&w, 0);
+		} else if (i == 2) {
+			type = EPP_PEER_XROWS;
+			epp_put_str(&w, "ghost");
+			epp_put_u64(&w, 0);
+			epp_put_u16(&w, EPP_DISPATCH);
+			epp_put_u64(&w, 0);
+			epp_put_u32(&w, 1000000); /* far more rows than sent */
+		} else {
+			type = EPP_JOIN; /* a client frame on the peer port */
+		}
+		send_peer(fd, type, b, w.off);
+		if (i != 2) {
+			expect_dropped(fd);
+			wait_row(0, "SUD");
+		} else {
+			/* kept for a group that may come: the peer stays */
+			close(fd);
+			wait_row(0, "SUD");
+		}
+		wait_row(1, "USD");
+		printf("ok: an authenticated peer's %s: handled, node 0 "
+		       "serving\n",
+		       what[i]);
+	}
+	start_node(2, keyfile, false);
+	wait_all_up();
+}
+
 int main(void)
 {
 	th_init("cluster: tcp membership and the barrier across nodes", 240);
+	TH_CHECK(sodium_init() >= 0, "libsodium");
 	base_port = 20000 + (int)(getpid() % 15000) * 3;
 	snprintf(peers, sizeof(peers),
 		 "n0@127.0.0.1:%d, n1@127.0.0.1:%d, n2@127.0.0.1:%d",
@@ -631,6 +765,7 @@ int main(void)
 	check_silent_node();
 	check_wrong_key();
 	check_bad_peers();
+	check_bad_member();
 	check_late(2, 2);
 	for (int i = 0; i < NODES; i++)
 		th_daemon_stop(&D[i]);
