@@ -248,13 +248,10 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 				continue;
 			for (uint64_t v = lane; v < nvec; v += 32 * 4) {
 				uint4 x[4];
-				// Streaming hints: a source row is read once and
-				// the destinations are not read back soon, so
-				// neither should displace what L2 holds.
 #pragma unroll
 				for (int u = 0; u < 4; u++)
 					if (v + 32 * u < nvec)
-						x[u] = __ldcs(src + v + 32 * u);
+						x[u] = __ldg(src + v + 32 * u);
 #pragma unroll
 				for (uint32_t j = 0; j < 8; j++) {
 					if (!dst[j])
@@ -262,8 +259,7 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 #pragma unroll
 					for (int u = 0; u < 4; u++)
 						if (v + 32 * u < nvec)
-							__stcs(dst[j] + v + 32 * u,
-							       x[u]);
+							dst[j][v + 32 * u] = x[u];
 				}
 			}
 		}
@@ -418,9 +414,9 @@ extern "C" __global__ void __launch_bounds__(256)
 					int32_t r = d < W ? slot[d] : -1;
 					on[j] = r >= 0;
 					if (on[j])
-						y[j] = __ldcs((const uint4 *)field(
-								      a, d, EKC_F_Y) +
-							      (uint64_t)r * nvec + v);
+						y[j] = __ldg((const uint4 *)field(
+								     a, d, EKC_F_Y) +
+							     (uint64_t)r * nvec + v);
 				}
 #pragma unroll
 				for (uint32_t j = 0; j < 8; j++) {
@@ -444,7 +440,7 @@ extern "C" __global__ void __launch_bounds__(256)
 			o.y = f32_bf16(acc[2]) | f32_bf16(acc[3]) << 16;
 			o.z = f32_bf16(acc[4]) | f32_bf16(acc[5]) << 16;
 			o.w = f32_bf16(acc[6]) | f32_bf16(acc[7]) << 16;
-			__stcs(out + v, o);
+			out[v] = o;
 		}
 	}
 }
