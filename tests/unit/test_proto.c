@@ -132,7 +132,12 @@ static void other_codecs(void)
 			   jo2;
 	size_t n = epp_join_ok_encode(&jo, b, sizeof(b));
 	TH_OK(epp_join_ok_decode(b, n, &jo2));
-	TH_CHECK(!memcmp(&jo, &jo2, sizeof(jo)), "join_ok round trip");
+	/* field by field: the struct has padding after ready */
+	TH_CHECK(jo2.group_id == jo.group_id && jo2.epoch == jo.epoch &&
+			 jo2.node_index == jo.node_index &&
+			 jo2.buf_size == jo.buf_size && jo2.ready == jo.ready &&
+			 jo2.dev_size == jo.dev_size,
+		 "join_ok round trip");
 	TH_EXPECT_RC(epp_join_ok_decode(b, n - 1, &jo2), EP_EPROTO);
 
 	int code;
