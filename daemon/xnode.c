@@ -213,7 +213,9 @@ static struct ek_rank_io *make_io(struct epd_xop *x)
 		if (!is_local(g, s)) {
 			o->topk_idx = x->topk[s];
 			o->topk_weights = x->weights[s];
-			o->combine_y = x->staging[s];
+			/* staged rows are complete only in stage 2; before,
+			 * the loop thread may still be filling staging[] */
+			o->combine_y = x->stage2 ? x->staging[s] : NULL;
 			continue;
 		}
 		uint32_t l = lidx(g, s);
@@ -393,7 +395,19 @@ static void send_rows(struct epd_xop *x)
 static void xop_check(struct epd_group *g)
 {
 	struct epd_xop *x = xop_cur(g);
-	if (!x || !x->job_done || x->rows_got < x->rows_expected)
+	if (!x || !x->job_done)
+		return;
+	if (x->rows_got > x->rows_expected) {
+		/* rows that came while the job counted what to expect */
+		epd_group_fail(g, EP_EPROTO,
+			       "op %llu received %llu rows from other nodes, "
+			       "%llu expected",
+			       (unsigned long long)x->id,
+			       (unsigned long long)x->rows_got,
+			       (unsigned long long)x->rows_expected);
+		return;
+	}
+	if (x->rows_got < x->rows_expected)
 		return;
 	if (x->type == EPP_COMBINE && !x->stage2) {
 		x->stage2 = true;
@@ -735,10 +749,21 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 			       (unsigned long long)id);
 		return;
 	}
+	/* Every expected row has come (stage 2 of a combine runs on them),
+	 * or, once the job counted them, more rows than expected. */
+	if (x->stage2 ||
+	    (x->job_done && x->rows_got + k > x->rows_expected)) {
+		epd_group_fail(g, EP_EPROTO,
+			       "node %u sent more rows than op %llu expects",
+			       from, (unsigned long long)id);
+		return;
+	}
 	const uint8_t *q = p + r.off;
-	struct ek_route *route = x->route
-					 ? x->route
-					 : epd_route_find(g, handle);
+	/* Only a combine's rows need the routing. A fresh dispatch's job may
+	 * be building x->route on a work thread right now: not read here. */
+	struct ek_route *route = NULL;
+	if (otype == EPP_COMBINE)
+		route = x->route ? x->route : epd_route_find(g, handle);
 	for (uint32_t i = 0; i < k; i++, q += rec) {
 		uint32_t d, slot;
 		memcpy(&d, q, 4);

@@ -196,7 +196,10 @@ void ek_recv_per_expert(const struct ek_shape *s, const struct ek_route *r,
 /* Written so that the compiler vectorizes every inner loop (checked with
  * -fopt-info-vec): the accumulator is punned through a union, and the NaN
  * case of the rounding is a select, not a branch. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+/* Not under ThreadSanitizer: the ifunc resolver of the clones runs during
+ * relocation, before the TSan runtime is up, and crashes the process. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+	!defined(__SANITIZE_THREAD__)
 __attribute__((target_clones("avx2", "default")))
 #endif
 void ek_combine_tokens(const struct ek_shape *s, const struct ek_route *r,
