@@ -207,6 +207,89 @@ static int killed_rank(int r, void *arg)
 	return 0;
 }
 
+/* A rank that stays connected but never enters the dispatch: the others get
+ * EP_ETIMEDOUT naming it after the group's timeout (not a hang); the group
+ * is failed for everyone, a rejoin under its name is refused while a rank
+ * is still in it, and once all left the name serves a new group. */
+#define STALL_MS 300
+static int stalled_rank(int r, void *arg)
+{
+	struct shared *s = arg;
+	ep_conn_t *c;
+	struct ep_group_config cfg = cfg_of("stall", r);
+	cfg.timeout_ms = STALL_MS;
+	ep_group_t *g = th_join(s->d, &cfg, &c);
+	ep_handle_t h;
+	fill(g, r, 8);
+	TH_OK(ep_dispatch_inplace(g, 8, 0, NULL, &h));
+	if (r == 2) {
+		/* stalls: alive, connected, never calling */
+		while (s->entered < W - 1)
+			th_sleep_ms(1);
+		/* what it calls next fails with the group's error */
+		TH_EXPECT_RC(ep_dispatch_inplace(g, 8, 0, NULL, &h),
+			     EP_ETIMEDOUT);
+		TH_CHECK(strstr(ep_errmsg(), "failed"), "message: %s",
+			 ep_errmsg());
+		s->phase[2] = 1;
+		while (s->phase[0] != 1)
+			th_sleep_ms(1);
+		TH_OK(ep_leave(g));
+		ep_close(c);
+		s->phase[2] = 2;
+		return 0;
+	}
+	uint64_t t0 = th_now_ns();
+	int rc = ep_dispatch_inplace(g, 8, 0, NULL, &h);
+	uint64_t dt = th_now_ns() - t0;
+	TH_EXPECT_RC(rc, EP_ETIMEDOUT);
+	TH_CHECK(strstr(ep_errmsg(), "ranks never arrived: 2"), "message: %s",
+		 ep_errmsg());
+	TH_CHECK(dt >= (STALL_MS - 50) * 1000000ull && dt < 3000000000ull,
+		 "timed out after %llu ms, the timeout is %u ms",
+		 (unsigned long long)(dt / 1000000), STALL_MS);
+	/* the failed group refuses every later op */
+	TH_EXPECT_RC(ep_combine_inplace(g, &h, 0), EP_ETIMEDOUT);
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	__atomic_fetch_add(&s->entered, 1, __ATOMIC_SEQ_CST);
+	if (r != 0)
+		return 0;
+	printf("ok: a stalled rank -> the others get EP_ETIMEDOUT naming it "
+	       "after %llu ms (timeout %u ms)\n",
+	       (unsigned long long)(dt / 1000000), STALL_MS);
+	/* rank 2 is still in the failed group: a new rank 0 is refused */
+	while (s->phase[2] != 1)
+		th_sleep_ms(1);
+	ep_group_t *g2;
+	TH_OK(ep_connect(s->d->sock, &c));
+	TH_EXPECT_RC(ep_join(c, &cfg, 0, &g2), EP_EFAILED);
+	TH_CHECK(strstr(ep_errmsg(), "last rank leaves"), "message: %s",
+		 ep_errmsg());
+	printf("ok: joining a failed group -> %s\n", ep_errmsg());
+	ep_close(c);
+	s->phase[0] = 1;
+	while (s->phase[2] != 2)
+		th_sleep_ms(1);
+	/* everyone left: the name is free for a new group (world 4, so a
+	 * join without waiting succeeds and leaves) */
+	TH_OK(ep_connect(s->d->sock, &c));
+	TH_OK(ep_join(c, &cfg, EP_JOIN_NOWAIT, &g2));
+	/* a rank that joins it with another timeout is refused */
+	ep_conn_t *c1;
+	ep_group_t *g1;
+	struct ep_group_config other = cfg_of("stall", 1);
+	other.timeout_ms = STALL_MS + 1;
+	TH_OK(ep_connect(s->d->sock, &c1));
+	TH_EXPECT_RC(ep_join(c1, &other, EP_JOIN_NOWAIT, &g1), EP_EMISMATCH);
+	TH_CHECK(strstr(ep_errmsg(), "timeout_ms 300"), "message: %s",
+		 ep_errmsg());
+	ep_close(c1);
+	TH_OK(ep_leave(g2));
+	ep_close(c);
+	return 0;
+}
+
 /* A raw client: the daemon checks what libep would have refused. */
 static void raw_checks(const struct th_daemon *d)
 {
@@ -321,6 +404,11 @@ int main(void)
 	th_reap(pids[1], 5);
 	TH_CHECK(bad == 0, "killed case");
 	printf("ok: a rank killed mid-dispatch -> peer lost for the others\n");
+
+	memset((void *)s->phase, 0, sizeof(s->phase));
+	s->entered = 0;
+	th_spawn(pids, W, stalled_rank, s);
+	TH_CHECK(th_wait_all(pids, W, 60) == 0, "stalled rank case");
 
 	raw_checks(&d);
 
