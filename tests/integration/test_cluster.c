@@ -697,6 +697,91 @@ static void check_bad_member(void)
 	wait_all_up();
 }
 
+/* Joins that cannot fit the cluster: refused with the reason. */
+static void check_bad_joins(void)
+{
+	ep_conn_t *c;
+	ep_group_t *g;
+	TH_OK(ep_connect(D[0].sock, &c));
+	struct ep_group_config cfg = th_group("toobig", 8, 0, 2000);
+	cfg.ranks_per_node = 2; /* 4 nodes; the cluster has 3 */
+	TH_EXPECT_RC(ep_join(c, &cfg, EP_JOIN_NOWAIT, &g), EP_EINVAL);
+	TH_CHECK(strstr(ep_errmsg(), "spans 4 nodes; the cluster has 3"),
+		 "message: %s", ep_errmsg());
+	printf("ok: a group wider than the cluster -> %s\n", ep_errmsg());
+	cfg = th_group("elsewhere", 4, 2, 2000);
+	cfg.ranks_per_node = 2; /* rank 2 lives on node 1 */
+	TH_EXPECT_RC(ep_join(c, &cfg, EP_JOIN_NOWAIT, &g), EP_EMISMATCH);
+	TH_CHECK(strstr(ep_errmsg(), "rank 2 lives on node 1"), "message: %s",
+		 ep_errmsg());
+	printf("ok: a rank joining another node's daemon -> %s\n",
+	       ep_errmsg());
+	ep_close(c);
+}
+
+#define XSTALL_MS 400
+static int xstall_rank(int rank, void *arg)
+{
+	struct late *s = arg;
+	ep_conn_t *c;
+	ep_group_t *g = join(s, rank, &c, XSTALL_MS);
+	TH_OK(ep_barrier(g));
+	ep_handle_t h;
+	if (rank >= 2) {
+		/* node 1's ranks stall: connected, never dispatching */
+		while (s->entered < 2)
+			th_sleep_ms(1);
+		int rc = ep_dispatch_inplace(g, 0, 0, NULL, &h);
+		s->codes[rank] = rc;
+		snprintf(s->msgs[rank], sizeof(s->msgs[rank]), "%s",
+			 ep_errmsg());
+		TH_CHECK(rc < 0, "node 1's rank %d: dispatch on a group that "
+			 "failed on node 0 succeeded", rank);
+		ep_leave(g);
+		ep_close(c);
+		return 0;
+	}
+	struct ep_buffers b;
+	TH_OK(ep_get_buffers(g, &b));
+	uint16_t *x = b.x;
+	for (uint32_t i = 0; i < 4 * 256; i++)
+		x[i] = (uint16_t)(0x3f80 + (i & 0x3f));
+	for (uint32_t i = 0; i < 4 * 4; i++)
+		b.topk_idx[i] = (int64_t)((i * 5 + (uint32_t)rank) % 16);
+	uint64_t t0 = th_now_ns();
+	int rc = ep_dispatch_inplace(g, 4, 0, NULL, &h);
+	uint64_t dt = th_now_ns() - t0;
+	TH_EXPECT_RC(rc, EP_ETIMEDOUT);
+	TH_CHECK(strstr(ep_errmsg(), "waiting for the other nodes"),
+		 "message: %s", ep_errmsg());
+	TH_CHECK(dt >= (XSTALL_MS - 50) * 1000000ull && dt < 5000000000ull,
+		 "timed out after %llu ms; the timeout is %u ms",
+		 (unsigned long long)(dt / 1000000), XSTALL_MS);
+	s->enter[0][rank] = dt;
+	__atomic_fetch_add(&s->entered, 1, __ATOMIC_SEQ_CST);
+	ep_leave(g);
+	ep_close(c);
+	return 0;
+}
+
+/* A node whose ranks never enter a dispatch: the other node's ranks get
+ * EP_ETIMEDOUT after the group's timeout, not a hang, and the stalled
+ * node's ranks learn that the group failed. */
+static void check_remote_stall(void)
+{
+	struct late *s = th_shared(sizeof(*s));
+	s->nodes = 2;
+	s->rpn = 2;
+	snprintf(s->name, sizeof(s->name), "xstall");
+	pid_t pids[4];
+	th_spawn(pids, 4, xstall_rank, s);
+	TH_CHECK(th_wait_all(pids, 4, 60) == 0, "remote stall case");
+	printf("ok: node 1 stalls a dispatch -> node 0's ranks get "
+	       "EP_ETIMEDOUT after %llu ms (timeout %u); node 1's ranks: %s\n",
+	       (unsigned long long)(s->enter[0][0] / 1000000), XSTALL_MS,
+	       s->msgs[2]);
+}
+
 int main(void)
 {
 	th_init("cluster: tcp membership and the barrier across nodes", 240);
@@ -758,6 +843,8 @@ int main(void)
 			      .dtype = EP_DTYPE_BF16, .mode = REF_ONE_EXPERT,
 			      .special = 9, .bias = true};
 	check_xdispatch(2, 4, c3, -1);
+	check_bad_joins();
+	check_remote_stall();
 	check_shape_mismatch();
 	check_remote_rank_loss();
 	check_node_loss();
