@@ -8,6 +8,7 @@
 
 #include <errno.h>
 #include <poll.h>
+#include <stdbool.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -269,6 +270,94 @@ int main(void)
 	ep_close(c1);
 	ep_close(c2);
 	ep_close(c3);
+
+	/* Stream-ordered frames (EPP_F_ASYNC) are for GPU groups only. */
+	fd = raw_connect();
+	{
+		struct epp_join hj = {.world_size = 1, .ranks_per_node = 1,
+				      .num_experts = 4, .hidden = 128,
+				      .max_tokens = 8, .topk = 2, .dtype = 1};
+		strcpy(hj.name, "hostonly");
+		uint8_t buf[256], *p;
+		struct epp_hdr rh;
+		size_t n = epp_join_encode(&hj, buf, sizeof(buf));
+		send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_JOIN, 0,
+			 (uint32_t)n, 20, buf);
+		int fds[EPP_MAX_FDS];
+		TH_OK(epp_recv_frame(fd, &rh, &p, fds, 5000, NULL, 0));
+		TH_CHECK(rh.type == EPP_OK && rh.nfds == 1, "join reply");
+		struct epp_join_ok jo;
+		TH_OK(epp_join_ok_decode(p, rh.length, &jo));
+		free(p);
+		close(fds[0]);
+		struct epp_wr w;
+		epp_wr_init(&w, buf, sizeof(buf));
+		epp_put_u64(&w, jo.group_id);
+		epp_put_u64(&w, 1); /* the stream sequence */
+		send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_BARRIER,
+			 EPP_F_ASYNC, (uint32_t)w.off, 21, buf);
+		expect_error(fd, 21, EP_EUNSUPPORTED,
+			     "no stream-ordered operations");
+		send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_BARRIER,
+			 EPP_F_ASYNC, 4, 22, buf);
+		expect_error(fd, 22, EP_EPROTO, "malformed stream-ordered");
+		send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_STATUS,
+			 EPP_F_ASYNC, 8, 23, buf);
+		expect_error(fd, 23, EP_EPROTO, "cannot be stream-ordered");
+		send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_JOIN,
+			 EPP_F_ASYNC, (uint32_t)n, 24, buf);
+		expect_error(fd, 24, EP_EPROTO, "not valid for join");
+		expect_usable(fd);
+	}
+	close(fd);
+
+	/* A client that sends requests and never reads the replies: dropped
+	 * once its queued replies pass the bound; nobody else notices. */
+	fd = raw_connect();
+	{
+		int small = 4096;
+		setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+		uint8_t req[EPP_HDR_SIZE * 256];
+		for (int i = 0; i < 256; i++) {
+			struct epp_hdr h;
+			epp_hdr_init(&h, EPP_STATUS, (uint64_t)(1000 + i));
+			epp_hdr_encode(&h, req + i * EPP_HDR_SIZE);
+		}
+		long sent = 0;
+		bool dropped = false;
+		while (sent < 200000 && !dropped) {
+			ssize_t k = send(fd, req, sizeof(req), MSG_NOSIGNAL);
+			if (k < 0) {
+				TH_CHECK(errno == EPIPE || errno == ECONNRESET,
+					 "send: %s", strerror(errno));
+				dropped = true;
+			} else {
+				TH_CHECK(k == (ssize_t)sizeof(req),
+					 "short send");
+				sent += 256;
+			}
+		}
+		/* Drain: some replies, then the end of the connection. */
+		long got = 0;
+		uint8_t rb[65536];
+		for (;;) {
+			struct pollfd pf = {.fd = fd, .events = POLLIN};
+			TH_CHECK(poll(&pf, 1, 10000) == 1,
+				 "the daemon neither answered nor closed a "
+				 "client that reads nothing");
+			ssize_t k = read(fd, rb, sizeof(rb));
+			if (k <= 0)
+				break;
+			got += k;
+		}
+		TH_CHECK(got < sent * 64,
+			 "all %ld replies came (%ld bytes): never dropped", sent,
+			 got);
+		printf("ok: a client that reads nothing: dropped after %ld "
+		       "requests (%ld bytes of replies reached it)\n",
+		       sent, got);
+		close(fd);
+	}
 
 	/* Garbage from many connections. */
 	unsigned seed = 12345;
