@@ -141,6 +141,12 @@ static int ini_cb(void *user, const char *section, const char *name,
 		  const char *value)
 {
 	struct load_ctx *l = user;
+	if (!*section) {
+		epd_err("%s: '%s' is outside a section (keys go under [epd])",
+			l->path, name);
+		l->bad = 1;
+		return 1;
+	}
 	if (strcmp(section, "epd")) {
 		epd_err("%s: unknown section [%s]", l->path, section);
 		l->bad = 1;

@@ -170,6 +170,81 @@ static void check_creds(const struct th_daemon *d)
 	printf("ok: a uid outside allow_users is refused\n");
 }
 
+/* Configurations epd must refuse, each with a message naming the fault;
+ * it exits non-zero and leaves no socket behind. */
+static void check_bad_configs(const char *dir)
+{
+	const char *epd = getenv("EPD_BIN") ? getenv("EPD_BIN") : "./epd";
+	char key[512];
+	snprintf(key, sizeof(key), "%s/k", dir);
+	FILE *f = fopen(key, "w");
+	TH_CHECK(f, "key file");
+	fputs("a-test-cluster-key\n", f);
+	fclose(f);
+	struct {
+		const char *text, *args, *frag;
+	} cases[] = {
+		{"[other]\nx = 1\n", "-t", "unknown section [other]"},
+		{"[epd]\nfrobnicate = 1\n", "-t", "unknown key 'frobnicate'"},
+		{"[epd]\ntimeout_ms = 0\n", "-t",
+		 "bad value '0' for 'timeout_ms'"},
+		{"[epd]\nbackend = quantum\n", "-t",
+		 "bad value 'quantum' for 'backend'"},
+		{"[epd]\ntransport = carrier-pigeon\n", "-t",
+		 "bad value 'carrier-pigeon' for 'transport'"},
+		{"[epd\nlog_level = info\n", "-t", "syntax error"},
+		{"log_level = info\n", "-t", "outside a section"},
+		{"[epd]\n", "-t -o timeout_ms", "is not key=value"},
+		{"[epd]\n", "-t -o heartbeat_miss=1", "bad value '1'"},
+		{"[epd]\nnode_name = a\npeers = a@127.0.0.1:1, b\n"
+		 "cluster_key_file = %s\n",
+		 "", "'b' is not name@host:port"},
+		{"[epd]\nnode_name = c\npeers = a@127.0.0.1:1, "
+		 "b@127.0.0.1:2\ncluster_key_file = %s\n",
+		 "", "node_name"},
+		{"[epd]\nnode_name = a\npeers = a@127.0.0.1:1, "
+		 "b@127.0.0.1:2\n",
+		 "", "no cluster_key_file"},
+		{"[epd]\nnode_name = a\npeers = a@127.0.0.1:1, "
+		 "b@127.0.0.1:2\ncluster_key_file = %s\ntransport = rdma\n",
+		 "", "transport rdma is not implemented"},
+	};
+	char conf[512], sock[512], cmd[2048], out[4096], text[1024];
+	snprintf(conf, sizeof(conf), "%s/bad.conf", dir);
+	snprintf(sock, sizeof(sock), "%s/bad.sock", dir);
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		snprintf(text, sizeof(text), cases[i].text, key);
+		f = fopen(conf, "w");
+		TH_CHECK(f, "config file");
+		fputs(text, f);
+		fclose(f);
+		snprintf(cmd, sizeof(cmd), "%s -s %s -c %s %s 2>&1", epd, sock,
+			 conf, cases[i].args);
+		int rc = run_cmd(cmd, out, sizeof(out));
+		TH_CHECK(rc != 0, "case %zu: epd accepted:\n%s", i, text);
+		TH_CHECK(strstr(out, cases[i].frag), "case %zu: '%s' not in: %s",
+			 i, cases[i].frag, out);
+		struct stat sb;
+		TH_CHECK(stat(sock, &sb) != 0, "case %zu: socket left behind",
+			 i);
+		/* the line that says it */
+		char *line = strstr(out, cases[i].frag);
+		while (line > out && line[-1] != '\n')
+			line--;
+		char *nl = strchr(line, '\n');
+		if (nl)
+			*nl = 0;
+		printf("ok: refused (exit %d): %s\n", rc, line);
+	}
+	/* A missing file given with -c is an error too. */
+	snprintf(cmd, sizeof(cmd), "%s -s %s -c %s/none.conf -t 2>&1", epd,
+		 sock, dir);
+	TH_CHECK(run_cmd(cmd, out, sizeof(out)) != 0 &&
+			 strstr(out, "cannot open config"),
+		 "missing config: %s", out);
+	printf("ok: a missing config file -> refused\n");
+}
+
 int main(void)
 {
 	th_init("daemon: epctl, reload, credentials, shutdown", 120);
@@ -194,6 +269,7 @@ int main(void)
 	printf("ok: a second daemon on a live socket refuses to start\n");
 
 	check_shutdown(&d);
+	check_bad_configs(d.dir);
 
 	/* A stale socket file (its daemon died) is replaced at start. */
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
