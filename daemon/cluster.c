@@ -24,6 +24,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
+#include <netdb.h>
 #include <sodium.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -61,6 +62,8 @@ struct cnode {
 	uint64_t last_rx_ns, since_ns;
 	uint64_t downs;
 	uint64_t next_dial_ns, backoff_ns; /* redial a failing node slower */
+	uv_getaddrinfo_t gai; /* resolving host (a name, not an address) */
+	bool resolving;
 	char row[MAX_NODES + 1]; /* its view of the cluster (heartbeats) */
 	uint64_t epoch;          /* and its view epoch */
 	char why[128];
@@ -83,6 +86,7 @@ struct epd_cluster {
 	uint64_t epoch, rejected;
 	struct early early[MAX_EARLY];
 	int nearly;
+	bool stopping;
 };
 
 static void conn_close(struct pconn *c, const char *why);
@@ -151,6 +155,7 @@ static int load_key(struct epd_cluster *cl, const char *path, char *err,
 	return 0;
 }
 
+/* An IP address literal; -1 for a name. */
 static int resolve(const char *host, int port, struct sockaddr_storage *sa)
 {
 	if (!uv_ip4_addr(host, port, (struct sockaddr_in *)sa))
@@ -159,6 +164,29 @@ static int resolve(const char *host, int port, struct sockaddr_storage *sa)
 		return 0;
 	return -1;
 }
+
+/* The first address of a resolved name, with the port set. */
+static int first_addr(const struct addrinfo *ai, int port,
+		      struct sockaddr_storage *sa)
+{
+	for (; ai; ai = ai->ai_next) {
+		if (ai->ai_family == AF_INET) {
+			memcpy(sa, ai->ai_addr, sizeof(struct sockaddr_in));
+			((struct sockaddr_in *)sa)->sin_port = htons(port);
+			return 0;
+		}
+		if (ai->ai_family == AF_INET6) {
+			memcpy(sa, ai->ai_addr, sizeof(struct sockaddr_in6));
+			((struct sockaddr_in6 *)sa)->sin6_port =
+				htons(port);
+			return 0;
+		}
+	}
+	return -1;
+}
+
+static const struct addrinfo resolve_hints = {.ai_socktype = SOCK_STREAM,
+					      .ai_flags = AI_ADDRCONFIG};
 
 /* ---- frames ---- */
 
@@ -560,15 +588,80 @@ static void on_connect(uv_connect_t *req, int status)
 	send_hello(c);
 }
 
+static void dial_addr(struct epd_cluster *cl, int n,
+		      const struct sockaddr_storage *sa);
+
+struct resolving {
+	uv_getaddrinfo_t req;
+	struct epd_cluster *cl;
+	int n;
+};
+
+/* A peer named by host name is resolved anew at every dial, so a node
+ * that comes back at another address is found. */
+static void on_resolved(uv_getaddrinfo_t *req, int status,
+			struct addrinfo *res)
+{
+	struct resolving *r = req->data;
+	struct epd_cluster *cl = r->cl;
+	struct cnode *nd = &cl->node[r->n];
+	nd->resolving = false;
+	struct sockaddr_storage sa;
+	int rc = status ? status : first_addr(res, nd->port, &sa);
+	uv_freeaddrinfo(res);
+	if (cl->stopping || nd->conn || nd->state == NODE_UP) {
+		free(r);
+		return;
+	}
+	if (rc) {
+		epd_warn("node %s: cannot resolve host '%s': %s", nd->name,
+			 nd->host,
+			 status ? uv_strerror(status) : "no IPv4/IPv6 address");
+		free(r);
+		/* the tick tries again, more slowly each time */
+		nd->backoff_ns = nd->backoff_ns ? nd->backoff_ns * 2
+						: 100000000ull;
+		if (nd->backoff_ns > 5000000000ull)
+			nd->backoff_ns = 5000000000ull;
+		nd->next_dial_ns = epd_now_ns() + nd->backoff_ns;
+		return;
+	}
+	int n = r->n;
+	free(r);
+	dial_addr(cl, n, &sa);
+}
+
 static void dial(struct epd_cluster *cl, int n)
 {
 	struct cnode *nd = &cl->node[n];
 	struct sockaddr_storage sa;
-	if (resolve(nd->host, nd->port, &sa)) {
-		epd_err("node %s: host '%s' is not an IP address", nd->name,
-			nd->host);
+	if (!resolve(nd->host, nd->port, &sa)) {
+		dial_addr(cl, n, &sa);
 		return;
 	}
+	if (nd->resolving)
+		return;
+	struct resolving *r = malloc(sizeof(*r));
+	if (!r)
+		return;
+	r->cl = cl;
+	r->n = n;
+	r->req.data = r;
+	int rc = uv_getaddrinfo(cl->srv->loop, &r->req, on_resolved, nd->host,
+				NULL, &resolve_hints);
+	if (rc) {
+		epd_warn("node %s: cannot resolve host '%s': %s", nd->name,
+			 nd->host, uv_strerror(rc));
+		free(r);
+		return;
+	}
+	nd->resolving = true;
+}
+
+static void dial_addr(struct epd_cluster *cl, int n,
+		      const struct sockaddr_storage *sa)
+{
+	struct cnode *nd = &cl->node[n];
 	struct pconn *c = conn_new(cl);
 	if (!c)
 		return;
@@ -576,7 +669,7 @@ static void dial(struct epd_cluster *cl, int n)
 	snprintf(c->addr, sizeof(c->addr), "%s:%d", nd->host, nd->port);
 	nd->conn = c;
 	c->creq.data = c;
-	if (uv_tcp_connect(&c->creq, &c->tcp, (struct sockaddr *)&sa,
+	if (uv_tcp_connect(&c->creq, &c->tcp, (const struct sockaddr *)sa,
 			   on_connect))
 		conn_close(c, "connect failed");
 }
@@ -666,10 +759,19 @@ int epd_cluster_init(struct epd_server *srv, char *err, size_t errlen)
 	struct sockaddr_storage sa;
 	struct cnode *me = &cl->node[cl->self];
 	if (resolve(me->host, me->port, &sa)) {
-		snprintf(err, errlen, "host '%s' of this node is not an IP "
-				      "address",
-			 me->host);
-		goto err;
+		/* a name: resolved once, here, to the address to listen on */
+		struct addrinfo *res = NULL;
+		int rc = getaddrinfo(me->host, NULL, &resolve_hints, &res);
+		if (rc || first_addr(res, me->port, &sa)) {
+			snprintf(err, errlen,
+				 "host '%s' of this node does not resolve: %s",
+				 me->host,
+				 rc ? gai_strerror(rc) : "no IPv4/IPv6 address");
+			if (res)
+				freeaddrinfo(res);
+			goto err;
+		}
+		freeaddrinfo(res);
 	}
 	uv_tcp_init(srv->loop, &cl->listener);
 	cl->listener.data = cl;
@@ -701,6 +803,7 @@ void epd_cluster_stop(struct epd_server *srv)
 	struct epd_cluster *cl = srv->cluster;
 	if (!cl)
 		return;
+	cl->stopping = true; /* pending name lookups end without dialling */
 	struct list_node *it, *tmp;
 	LIST_FOREACH(it, tmp, &cl->conns)
 	{

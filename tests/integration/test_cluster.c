@@ -788,7 +788,7 @@ int main(void)
 	TH_CHECK(sodium_init() >= 0, "libsodium");
 	base_port = 20000 + (int)(getpid() % 15000) * 3;
 	snprintf(peers, sizeof(peers),
-		 "n0@127.0.0.1:%d, n1@127.0.0.1:%d, n2@127.0.0.1:%d",
+		 "n0@127.0.0.1:%d, n1@localhost:%d, n2@127.0.0.1:%d",
 		 base_port, base_port + 1, base_port + 2);
 	char kdir[64];
 	snprintf(kdir, sizeof(kdir), "%s/epdkeys.XXXXXX",
