@@ -493,15 +493,20 @@ static void check_wrong_key(void)
 	wait_all_up();
 }
 
-static int raw_peer(void)
+static int raw_peer_of(int node)
 {
 	int fd = socket(AF_INET, SOCK_STREAM, 0);
 	struct sockaddr_in sa = {.sin_family = AF_INET,
-				 .sin_port = htons((uint16_t)base_port)};
+				 .sin_port = htons((uint16_t)(base_port + node))};
 	inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
 	TH_CHECK(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0,
 		 "connect to the peer port");
 	return fd;
+}
+
+static int raw_peer(void)
+{
+	return raw_peer_of(0);
 }
 
 static void expect_dropped(int fd)
@@ -564,6 +569,71 @@ static void check_bad_peers(void)
 	wait_all_up(); /* nothing else disturbed */
 	printf("ok: wrong version, garbage and an unknown node on the peer "
 	       "port: rejected, the cluster undisturbed\n");
+
+	/* Posing as n1 towards n2 (which n1 dials): a hello, then frames
+	 * without the proof of the key. Dropped; the real n1 stays. */
+	epp_wr_init(&w, p, sizeof(p));
+	epp_put_u16(&w, EPP_VERSION_MAJOR);
+	epp_put_u16(&w, EPP_VERSION_MINOR);
+	epp_put_str(&w, "n1");
+	epp_put_u32(&w, 1);
+	for (int i = 0; i < 32; i++)
+		epp_put_u8(&w, (uint8_t)i);
+	const size_t hello_len = w.off;
+	uint8_t hello[128];
+	memcpy(hello, p, hello_len);
+	const uint16_t before_auth[] = {EPP_PEER_BARRIER, EPP_PEER_XROWS,
+					EPP_PEER_HEARTBEAT, EPP_PEER_HELLO};
+	const char *what[] = {"a barrier", "rows", "a heartbeat",
+			      "a second hello"};
+	for (int i = 0; i < 4; i++) {
+		fd = raw_peer_of(2);
+		epp_hdr_init(&h, EPP_PEER_HELLO, 0);
+		h.length = (uint32_t)hello_len;
+		epp_hdr_encode(&h, hb);
+		TH_CHECK(write(fd, hb, sizeof(hb)) == sizeof(hb) &&
+				 write(fd, hello, hello_len) ==
+					 (ssize_t)hello_len,
+			 "write");
+		/* the frame: a plausible body (the hello again) */
+		epp_hdr_init(&h, before_auth[i], 0);
+		h.length = (uint32_t)hello_len;
+		epp_hdr_encode(&h, hb);
+		TH_CHECK(write(fd, hb, sizeof(hb)) == sizeof(hb) &&
+				 write(fd, hello, hello_len) ==
+					 (ssize_t)hello_len,
+			 "write");
+		expect_dropped(fd);
+		wait_row(2, "UUS");
+		printf("ok: %s before the key proof: dropped, n1 stays up "
+		       "on n2\n",
+		       what[i]);
+	}
+	/* each for its own reason, in n2's log */
+	int why[2] = {0, 0};
+	FILE *f = fopen(D[2].log, "r");
+	char line[512];
+	while (f && fgets(line, sizeof(line), f)) {
+		why[0] += strstr(line, "before authentication") != NULL;
+		why[1] += strstr(line, "second hello") != NULL;
+	}
+	if (f)
+		fclose(f);
+	TH_CHECK(why[0] >= 3 && why[1] >= 1,
+		 "n2 logged %d 'before authentication', %d 'second hello'",
+		 why[0], why[1]);
+	/* Silence after connecting: dropped after heartbeat_ms x miss. */
+	fd = raw_peer();
+	uint64_t t0 = th_now_ns();
+	expect_dropped(fd);
+	uint64_t ms = (th_now_ns() - t0) / 1000000;
+	TH_CHECK(ms >= 400 && ms < 5000,
+		 "a silent connection dropped after %llu ms (want ~500)",
+		 (unsigned long long)ms);
+	printf("ok: a connection that never says hello: dropped after %llu "
+	       "ms\n",
+	       (unsigned long long)ms);
+	wait_all_up();
 }
 
 /* Impersonate node n2 with the real key: node 0 dials n2's port. */
