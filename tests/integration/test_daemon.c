@@ -7,6 +7,7 @@
 #include "harness.h"
 
 #include <jansson.h>
+#include <pthread.h>
 #include <signal.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -170,6 +171,76 @@ static void check_creds(const struct th_daemon *d)
 	printf("ok: a uid outside allow_users is refused\n");
 }
 
+/* One connection shared by threads (ep.h: calls are serialized inside the
+ * handle): every thread's status round trips come back whole and to it, and
+ * each thread's ep_errmsg() is its own. Under ThreadSanitizer (scripts/test)
+ * this also checks libep's locking. */
+struct shared_conn {
+	ep_conn_t *c;
+	int id, ok;
+	char why[300];
+};
+
+static void *status_thread(void *arg)
+{
+	struct shared_conn *t = arg;
+	for (int i = 0; i < 200; i++) {
+		char *js = NULL;
+		int rc = ep_daemon_status(t->c, &js);
+		if (rc) {
+			snprintf(t->why, sizeof(t->why), "status %d: %s", rc,
+				 ep_errmsg());
+			return NULL;
+		}
+		json_t *root = json_loads(js, 0, NULL);
+		free(js);
+		if (!root || !json_object_get(root, "daemon")) {
+			snprintf(t->why, sizeof(t->why), "status reply %d "
+				 "is not the daemon's JSON", i);
+			json_decref(root);
+			return NULL;
+		}
+		json_decref(root);
+		if (t->id == 0 && i % 50 == 0) {
+			/* an error in this thread only */
+			if (ep_barrier(NULL) != EP_EINVAL ||
+			    !strstr(ep_errmsg(), "NULL group")) {
+				snprintf(t->why, sizeof(t->why),
+					 "own error message: '%s'",
+					 ep_errmsg());
+				return NULL;
+			}
+		} else if (t->id != 0 && ep_errmsg()[0]) {
+			snprintf(t->why, sizeof(t->why),
+				 "another thread's message: '%s'", ep_errmsg());
+			return NULL;
+		}
+	}
+	t->ok = 1;
+	return NULL;
+}
+
+static void check_threads(const struct th_daemon *d)
+{
+	ep_conn_t *c;
+	TH_OK(ep_connect(d->sock, &c));
+	pthread_t th[4];
+	struct shared_conn t[4];
+	for (int i = 0; i < 4; i++) {
+		t[i] = (struct shared_conn){.c = c, .id = i};
+		TH_CHECK(!pthread_create(&th[i], NULL, status_thread, &t[i]),
+			 "pthread_create");
+	}
+	for (int i = 0; i < 4; i++) {
+		pthread_join(th[i], NULL);
+		TH_CHECK(t[i].ok, "thread %d on a shared connection: %s", i,
+			 t[i].why);
+	}
+	ep_close(c);
+	printf("ok: 4 threads x 200 status round trips on one connection; "
+	       "error messages stay per thread\n");
+}
+
 /* Configurations epd must refuse, each with a message naming the fault;
  * it exits non-zero and leaves no socket behind. */
 static void check_bad_configs(const char *dir)
@@ -256,6 +327,7 @@ int main(void)
 	TH_CHECK(stat(d.sock, &sb) == 0 && (sb.st_mode & 0777) == 0666,
 		 "socket mode %o", sb.st_mode & 0777);
 	check_epctl(&d);
+	check_threads(&d);
 	check_creds(&d);
 	check_reload(&d);
 
