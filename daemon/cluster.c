@@ -192,13 +192,17 @@ static const struct addrinfo resolve_hints = {.ai_socktype = SOCK_STREAM,
 
 struct wreq {
 	uv_write_t req;
+	struct epd_sref *ref; /* a body sent in place, or NULL */
 	uint8_t data[];
 };
 
 static void write_done(uv_write_t *req, int status)
 {
+	struct wreq *w = (struct wreq *)req;
 	(void)status;
-	free(req);
+	if (w->ref)
+		epd_sref_put(w->ref);
+	free(w);
 }
 
 static void conn_send2(struct pconn *c, uint16_t type, const void *a,
@@ -212,6 +216,7 @@ static void conn_send2(struct pconn *c, uint16_t type, const void *a,
 		conn_close(c, "out of memory");
 		return;
 	}
+	w->ref = NULL;
 	struct epp_hdr h;
 	epp_hdr_init(&h, type, 0);
 	h.length = len;
@@ -222,6 +227,36 @@ static void conn_send2(struct pconn *c, uint16_t type, const void *a,
 		memcpy(w->data + EPP_HDR_SIZE + na, b2, nb);
 	uv_buf_t b = uv_buf_init((char *)w->data, EPP_HDR_SIZE + len);
 	if (uv_write(&w->req, (uv_stream_t *)&c->tcp, &b, 1, write_done)) {
+		free(w);
+		conn_close(c, "write failed");
+	}
+}
+
+/* Header and a copied; b written from where it is, ref held until done. */
+static void conn_send_ref(struct pconn *c, uint16_t type, const void *a,
+			  size_t na, const void *b2, size_t nb,
+			  struct epd_sref *ref)
+{
+	if (c->closing)
+		return;
+	struct wreq *w = malloc(sizeof(*w) + EPP_HDR_SIZE + na);
+	if (!w) {
+		conn_close(c, "out of memory");
+		return;
+	}
+	struct epp_hdr h;
+	epp_hdr_init(&h, type, 0);
+	h.length = (uint32_t)(na + nb);
+	epp_hdr_encode(&h, w->data);
+	if (na)
+		memcpy(w->data + EPP_HDR_SIZE, a, na);
+	w->ref = ref;
+	ref->refs++;
+	uv_buf_t b[2] = {uv_buf_init((char *)w->data,
+				     (unsigned)(EPP_HDR_SIZE + na)),
+			 uv_buf_init((char *)b2, (unsigned)nb)};
+	if (uv_write(&w->req, (uv_stream_t *)&c->tcp, b, 2, write_done)) {
+		ref->refs--;
 		free(w);
 		conn_close(c, "write failed");
 	}
@@ -495,8 +530,8 @@ static void conn_read(uv_stream_t *s, ssize_t n, const uv_buf_t *b)
 		conn_frame(c, &h, c->rbuf + off + EPP_HDR_SIZE);
 		off += EPP_HDR_SIZE + h.length;
 	}
-	if (c->closing)
-		return;
+	if (c->closing || off == 0)
+		return; /* a frame still arriving stays where it is */
 	memmove(c->rbuf, c->rbuf + off, c->rlen - off);
 	c->rlen -= off;
 }
@@ -988,6 +1023,16 @@ void epd_cluster_send2(struct epd_group *g, uint32_t n, uint16_t type,
 	if (!cl || (int)n >= cl->n || cl->node[n].state != NODE_UP)
 		return;
 	conn_send2(cl->node[n].conn, type, a, na, b, nb);
+}
+
+void epd_cluster_send_ref(struct epd_group *g, uint32_t n, uint16_t type,
+			  const void *a, size_t na, const void *b, size_t nb,
+			  struct epd_sref *ref)
+{
+	struct epd_cluster *cl = g->srv->cluster;
+	if (!cl || (int)n >= cl->n || cl->node[n].state != NODE_UP)
+		return;
+	conn_send_ref(cl->node[n].conn, type, a, na, b, nb, ref);
 }
 
 const char *epd_cluster_node_name(const struct epd_server *srv, uint32_t n)

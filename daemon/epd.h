@@ -176,6 +176,7 @@ struct epd_group {
 #define EPD_XOPS 4
 	struct epd_xop *xop[EPD_XOPS];
 	uint64_t xop_next;
+	size_t xout_hint; /* bytes packed for one node by the last op */
 	bool failing_remote; /* the failure being recorded came from a peer */
 	/* The group failed on another node, after its ranks entered barrier
 	 * round_limit and it completed xop_limit data ops: work up to there
@@ -218,6 +219,7 @@ struct epd_server {
 	/* Cross-node frames for groups not ready here yet (xnode.c). */
 	struct list_node xstash;
 	uint64_t xstash_bytes;
+	struct epd_xbufs *xbufs; /* large buffers kept between ops (xnode.c) */
 	uint64_t n_accepted, n_rejected, n_proto_errors;
 };
 
@@ -292,6 +294,16 @@ void epd_xop_drop(struct epd_group *g);
 void epd_xop_replay(struct epd_group *g);
 void epd_xop_announce(struct epd_group *g);
 void epd_xop_stash_free(struct epd_server *srv);
+void epd_xbufs_free(struct epd_server *srv);
+/* A packed buffer shared by the frames that send it (loop thread only):
+ * back to the pool when the last write completed. */
+struct epd_sref {
+	struct epd_server *srv;
+	uint8_t *p;
+	size_t cap;
+	int refs;
+};
+void epd_sref_put(struct epd_sref *r);
 
 /* buffers.c: the group's shared memory. */
 int epd_buf_create(struct epd_group *g);
@@ -333,6 +345,10 @@ int epd_cluster_send_arrival(struct epd_group *g, uint32_t l, uint64_t seq);
  * the node is down: the group fails through the membership). */
 void epd_cluster_send2(struct epd_group *g, uint32_t n, uint16_t type,
 		       const void *a, size_t na, const void *b, size_t nb);
+/* The same, b sent in place (no copy) and held through ref until written. */
+void epd_cluster_send_ref(struct epd_group *g, uint32_t n, uint16_t type,
+			  const void *a, size_t na, const void *b, size_t nb,
+			  struct epd_sref *ref);
 void epd_cluster_stash(struct epd_server *srv, const char *name,
 		       uint32_t node, uint32_t l, uint64_t seq);
 void epd_cluster_unstash(struct epd_group *g);

@@ -257,6 +257,7 @@ int epd_server_run(struct epd_server *srv)
 	notify_status(srv);
 	uv_run(srv->loop, UV_RUN_DEFAULT);
 	epd_xop_stash_free(srv);
+	epd_xbufs_free(srv);
 	epd_cluster_free(srv);
 	epd_cuda_fini(srv);
 	epd_pool_free(srv->pool);

@@ -7,8 +7,10 @@
  * is DeepSeek-V3's (hidden 7168, top-8 of 256 experts) with 512 tokens per
  * rank to fit a small machine.
  */
+#include <arpa/inet.h>
 #include <errno.h>
 #include <getopt.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdbool.h>
@@ -16,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -24,8 +27,12 @@
 
 #define MAX_SAMPLES 4096
 
+#define MAX_NODES 16
+
 struct opts {
 	const char *sock;
+	const char *socks[MAX_NODES]; /* -s a,b,...: one daemon per node */
+	int nodes, world;
 	const char *group;
 	int ranks;
 	int iters;
@@ -40,6 +47,7 @@ struct shared {
 	double dispatch_us[MAX_SAMPLES];
 	double combine_us[MAX_SAMPLES];
 	uint64_t recv_rows[1024];
+	uint64_t xrows[1024]; /* rows each rank sends to other nodes */
 	int samples;
 };
 
@@ -88,8 +96,10 @@ static uint64_t rng_next(uint64_t *s)
 
 /* Random inputs in the zero-copy buffers: bf16 of moderate size (or fp8
  * bytes with scales), distinct experts per token. */
-static void fill_inputs(ep_group_t *g, const struct opts *o, int rank)
+static uint64_t fill_inputs(ep_group_t *g, const struct opts *o, int rank)
 {
+	uint64_t xrows = 0;
+	const uint32_t epr = o->experts / (uint32_t)o->world;
 	struct ep_buffers b;
 	ep_get_buffers(g, &b);
 	uint64_t s = 0x1234 + (uint64_t)rank * 7919;
@@ -121,17 +131,27 @@ static void fill_inputs(ep_group_t *g, const struct opts *o, int rank)
 		}
 		for (uint32_t k = 0; k < o->topk; k++)
 			b.topk_weights[(size_t)t * o->topk + k] = 1.0f / o->topk;
+		/* distinct destination ranks on other nodes */
+		for (uint32_t k = 0; k < o->topk; k++) {
+			uint32_t d = (uint32_t)row[k] / epr;
+			bool seen = false;
+			for (uint32_t j = 0; j < k; j++)
+				seen |= (uint32_t)row[j] / epr == d;
+			if (!seen && (int)d / o->ranks != rank / o->ranks)
+				xrows++;
+		}
 	}
+	return xrows;
 }
 
 static int rank_main(int rank, const struct opts *o, struct shared *s)
 {
 	ep_conn_t *c;
 	ep_group_t *g;
-	CALL("connect", ep_connect(o->sock, &c));
+	CALL("connect", ep_connect(o->socks[rank / o->ranks], &c));
 	struct ep_group_config cfg = {
 		.name = o->group,
-		.world_size = (uint32_t)o->ranks,
+		.world_size = (uint32_t)o->world,
 		.ranks_per_node = (uint32_t)o->ranks,
 		.rank = (uint32_t)rank,
 		.num_experts = o->experts,
@@ -146,7 +166,7 @@ static int rank_main(int rank, const struct opts *o, struct shared *s)
 		ep_handle_t h;
 		struct ep_buffers b;
 		ep_get_buffers(g, &b);
-		fill_inputs(g, o, rank);
+		s->xrows[rank] = fill_inputs(g, o, rank);
 		/* warm up: fault in the buffers */
 		for (int i = 0; i < 3; i++) {
 			CALL("dispatch", ep_dispatch_inplace(
@@ -246,10 +266,64 @@ static double memcpy_gbs(int nthreads)
 	return 2.0 * (double)n / med / 1e9;
 }
 
+/* Loopback TCP (the tcp transport's path between daemons on one machine):
+ * one connection, 512 MiB one way, GB/s of payload moved. */
+struct tcp_arg {
+	int fd;
+	size_t n;
+};
+
+static void *tcp_writer(void *p)
+{
+	struct tcp_arg *a = p;
+	static uint8_t buf[1 << 20];
+	memset(buf, 0x5a, sizeof(buf));
+	for (size_t off = 0; off < a->n;) {
+		ssize_t k = write(a->fd, buf, sizeof(buf));
+		if (k <= 0)
+			break;
+		off += (size_t)k;
+	}
+	return NULL;
+}
+
+static double tcp_loopback_gbs(void)
+{
+	int ls = socket(AF_INET, SOCK_STREAM, 0);
+	struct sockaddr_in sa = {.sin_family = AF_INET,
+				 .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+	socklen_t len = sizeof(sa);
+	if (ls < 0 || bind(ls, (struct sockaddr *)&sa, sizeof(sa)) ||
+	    listen(ls, 1) || getsockname(ls, (struct sockaddr *)&sa, &len))
+		return 0;
+	int w = socket(AF_INET, SOCK_STREAM, 0);
+	if (connect(w, (struct sockaddr *)&sa, sizeof(sa)))
+		return 0;
+	int r = accept(ls, NULL, NULL);
+	close(ls);
+	struct tcp_arg a = {.fd = w, .n = 512u << 20};
+	static uint8_t buf[1 << 20];
+	pthread_t th;
+	uint64_t t0 = now_ns();
+	pthread_create(&th, NULL, tcp_writer, &a);
+	size_t got = 0;
+	while (got < a.n) {
+		ssize_t k = read(r, buf, sizeof(buf));
+		if (k <= 0)
+			break;
+		got += (size_t)k;
+	}
+	double t = (double)(now_ns() - t0) / 1e9;
+	pthread_join(th, NULL);
+	close(w);
+	close(r);
+	return (double)got / t / 1e9;
+}
+
 static void usage(FILE *f)
 {
 	fprintf(f,
-		"usage: ep-bench [-s SOCKET] [-n RANKS] [-i ITERS] [-g GROUP]\n"
+		"usage: ep-bench [-s SOCKET[,SOCKET...]] [-n RANKS] [-i ITERS] [-g GROUP]\n"
 		"                [-T TOKENS] [-H HIDDEN] [-k TOPK] [-E EXPERTS]\n"
 		"                [--fp8] [--barrier-only] [--linger-ms MS]\n");
 }
@@ -293,8 +367,18 @@ int main(int argc, char **argv)
 		default: usage(stderr); return 2;
 		}
 	}
-	if (o.ranks < 1 || o.ranks > 1024 || o.iters < 1 || o.tokens < 1 ||
-	    o.experts % (uint32_t)o.ranks) {
+	/* -s a,b,...: daemons of a cluster, -n ranks on each */
+	static char socks[4096];
+	snprintf(socks, sizeof(socks), "%s", o.sock ? o.sock : "");
+	o.nodes = 0;
+	for (char *save, *t = strtok_r(socks, ",", &save);
+	     t && o.nodes < MAX_NODES; t = strtok_r(NULL, ",", &save))
+		o.socks[o.nodes++] = t;
+	if (o.nodes == 0)
+		o.socks[o.nodes++] = NULL; /* $EPD_SOCKET or the default */
+	o.world = o.ranks * o.nodes;
+	if (o.ranks < 1 || o.world > 1024 || o.iters < 1 || o.tokens < 1 ||
+	    o.experts % (uint32_t)o.world) {
 		usage(stderr);
 		return 2;
 	}
@@ -306,14 +390,16 @@ int main(int argc, char **argv)
 	}
 	long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
 	int nthr = ncpu > 64 ? 64 : ncpu < 1 ? 1 : (int)ncpu;
-	double mc1 = 0, mcn = 0;
+	double mc1 = 0, mcn = 0, tcp = 0;
 	if (!o.skip_ops) {
 		mc1 = memcpy_gbs(1);
 		mcn = memcpy_gbs(nthr);
+		if (o.nodes > 1)
+			tcp = tcp_loopback_gbs();
 	}
 	pid_t pids[1024];
 	fflush(NULL);
-	for (int r = 0; r < o.ranks; r++) {
+	for (int r = 0; r < o.world; r++) {
 		pids[r] = fork();
 		if (pids[r] < 0) {
 			perror("fork");
@@ -323,7 +409,7 @@ int main(int argc, char **argv)
 			_exit(rank_main(r, &o, s));
 	}
 	int bad = 0;
-	for (int r = 0; r < o.ranks; r++) {
+	for (int r = 0; r < o.world; r++) {
 		int st;
 		waitpid(pids[r], &st, 0);
 		bad += !WIFEXITED(st) || WEXITSTATUS(st);
@@ -334,9 +420,11 @@ int main(int argc, char **argv)
 	}
 	int n = s->samples;
 	if (!o.skip_ops) {
-		uint64_t rows = 0;
-		for (int r = 0; r < o.ranks; r++)
+		uint64_t rows = 0, xrows = 0;
+		for (int r = 0; r < o.world; r++) {
 			rows += s->recv_rows[r];
+			xrows += s->xrows[r];
+		}
 		uint32_t elt = o.dtype == EP_DTYPE_FP8 ? 1 : 2;
 		double row = (double)o.hidden * elt +
 			     (o.dtype == EP_DTYPE_FP8 ? o.hidden / 128 * 4 : 0);
@@ -344,15 +432,16 @@ int main(int argc, char **argv)
 		 * written once. dispatch reads every token, writes every
 		 * received row; combine reads every row, writes every token.
 		 */
-		double tokens = (double)o.tokens * o.ranks;
+		double tokens = (double)o.tokens * o.world;
 		double dbytes = (tokens + (double)rows) * row;
 		double cbytes = ((double)rows + tokens) * o.hidden * 2;
 		double dt = median(s->dispatch_us, n),
 		       ct = median(s->combine_us, n);
-		printf("shape: %d ranks, %u tokens/rank, hidden %u, top-%u of "
-		       "%u experts, %s; %llu rows received in all\n",
-		       o.ranks, o.tokens, o.hidden, o.topk, o.experts,
-		       o.dtype == EP_DTYPE_FP8 ? "fp8" : "bf16",
+		printf("shape: %d ranks (%d nodes x %d), %u tokens/rank, hidden "
+		       "%u, top-%u of %u experts, %s; %llu rows received in "
+		       "all\n",
+		       o.world, o.nodes, o.ranks, o.tokens, o.hidden, o.topk,
+		       o.experts, o.dtype == EP_DTYPE_FP8 ? "fp8" : "bf16",
 		       (unsigned long long)rows);
 		printf("memcpy ceiling (read+write): %.2f GB/s with 1 thread, "
 		       "%.2f GB/s with %d threads\n",
@@ -365,8 +454,21 @@ int main(int argc, char **argv)
 		       "(%d threads), %.2f of memcpy (1 thread)\n",
 		       ct, cbytes / ct / 1e3, cbytes / ct / 1e3 / mcn, nthr,
 		       cbytes / ct / 1e3 / mc1);
+		if (o.nodes > 1) {
+			/* rows that cross nodes, each way, against the
+			 * loopback TCP ceiling of this run */
+			double xb = (double)xrows * row, xc = (double)xrows *
+							       o.hidden * 2;
+			printf("between nodes: %llu rows per call; loopback tcp "
+			       "ceiling %.2f GB/s (one connection)\n",
+			       (unsigned long long)xrows, tcp);
+			printf("dispatch: %.2f GB/s between nodes, %.2f of "
+			       "the tcp ceiling; combine: %.2f GB/s, %.2f\n",
+			       xb / dt / 1e3, xb / dt / 1e3 / tcp,
+			       xc / ct / 1e3, xc / ct / 1e3 / tcp);
+		}
 	}
 	printf("barrier: %d ranks, %d barriers: median %.1f us per barrier\n",
-	       o.ranks, n * 10, median(s->barrier_us, n));
+	       o.world, n * 10, median(s->barrier_us, n));
 	return 0;
 }
