@@ -86,11 +86,13 @@ static void print_status(json_t *root)
 		size_t i;
 		json_t *p;
 		printf("cluster: node %s (index %lld of %lld), view epoch %lld, "
-		       "%s, rejected %lld\n  peers: %s  (S self, U up, D "
-		       "down)\n",
+		       "%s, rejected %lld, %.1f MiB of row buffers kept\n"
+		       "  peers: %s  (S self, U up, D down)\n",
 		       jstr(cl, "node"), jint(cl, "index"), jint(cl, "nodes"),
 		       jint(cl, "view_epoch"), jstr(cl, "transport"),
-		       jint(cl, "rejected"), jstr(cl, "row"));
+		       jint(cl, "rejected"),
+		       (double)jint(cl, "pooled_bytes") / 1048576.0,
+		       jstr(cl, "row"));
 		json_t *row;
 		printf("  connectivity (row: that node's view):\n");
 		json_array_foreach(json_object_get(cl, "matrix"), i, row)

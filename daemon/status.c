@@ -119,6 +119,10 @@ char *epd_status_json(struct epd_server *srv)
 	json_object_set_new(json_object_get(root, "daemon"), "cuda",
 			    cu ? cu : json_null());
 	json_t *cl = epd_cluster_status(srv);
+	if (cl)
+		json_object_set_new(cl, "pooled_bytes",
+				    json_integer((json_int_t)
+							 epd_xbufs_bytes(srv)));
 	json_object_set_new(root, "cluster", cl ? cl : json_null());
 	char *s = json_dumps(root, JSON_COMPACT);
 	json_decref(root);

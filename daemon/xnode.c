@@ -119,6 +119,11 @@ void epd_xbufs_free(struct epd_server *srv)
 	srv->xbufs = NULL;
 }
 
+size_t epd_xbufs_bytes(const struct epd_server *srv)
+{
+	return srv->xbufs ? srv->xbufs->bytes : 0;
+}
+
 void epd_sref_put(struct epd_sref *r)
 {
 	if (--r->refs)

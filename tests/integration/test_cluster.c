@@ -913,6 +913,14 @@ int main(void)
 			      .dtype = EP_DTYPE_BF16, .mode = REF_ONE_EXPERT,
 			      .special = 9, .bias = true};
 	check_xdispatch(2, 4, c3, -1);
+	/* the row packs and staging buffers stay for the next op */
+	json_t *pc = cluster_of(0);
+	json_int_t kept = json_integer_value(json_object_get(pc, "pooled_bytes"));
+	json_decref(pc);
+	TH_CHECK(kept > 0, "node 0 kept no row buffers after dispatches");
+	printf("ok: node 0 keeps %lld bytes of row buffers for the next "
+	       "ops\n",
+	       (long long)kept);
 	check_bad_joins();
 	check_remote_stall();
 	check_shape_mismatch();
