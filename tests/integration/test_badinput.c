@@ -278,18 +278,10 @@ int main(void)
 				      .num_experts = 4, .hidden = 128,
 				      .max_tokens = 8, .topk = 2, .dtype = 1};
 		strcpy(hj.name, "hostonly");
-		uint8_t buf[256], *p;
-		struct epp_hdr rh;
-		size_t n = epp_join_encode(&hj, buf, sizeof(buf));
-		send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_JOIN, 0,
-			 (uint32_t)n, 20, buf);
-		int fds[EPP_MAX_FDS];
-		TH_OK(epp_recv_frame(fd, &rh, &p, fds, 5000, NULL, 0));
-		TH_CHECK(rh.type == EPP_OK && rh.nfds == 1, "join reply");
+		uint8_t buf[256];
 		struct epp_join_ok jo;
-		TH_OK(epp_join_ok_decode(p, rh.length, &jo));
-		free(p);
-		close(fds[0]);
+		th_raw_join(fd, &hj, 20, &jo);
+		size_t n = epp_join_encode(&hj, buf, sizeof(buf));
 		struct epp_wr w;
 		epp_wr_init(&w, buf, sizeof(buf));
 		epp_put_u64(&w, jo.group_id);

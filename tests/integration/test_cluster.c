@@ -14,6 +14,7 @@
 #include <poll.h>
 #include <sodium.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <string.h>
 #include <errno.h>
 #include <time.h>
@@ -94,6 +95,21 @@ struct late {
 	char msgs[MAXW][256];
 };
 
+/* Shared state of one scenario: a group of nodes x rpn ranks. */
+static struct late *late_new(int nodes, int rpn, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+static struct late *late_new(int nodes, int rpn, const char *fmt, ...)
+{
+	struct late *s = th_shared(sizeof(*s));
+	s->nodes = nodes;
+	s->rpn = rpn;
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(s->name, sizeof(s->name), fmt, ap);
+	va_end(ap);
+	return s;
+}
+
 static ep_group_t *join(struct late *s, int rank, ep_conn_t **c,
 			uint32_t timeout_ms)
 {
@@ -129,10 +145,7 @@ static int late_rank(int rank, void *arg)
 
 static void check_late(int nodes, int rpn)
 {
-	struct late *s = th_shared(sizeof(*s));
-	s->nodes = nodes;
-	s->rpn = rpn;
-	snprintf(s->name, sizeof(s->name), "x%dx%d", nodes, rpn);
+	struct late *s = late_new(nodes, rpn, "x%dx%d", nodes, rpn);
 	int world = nodes * rpn;
 	pid_t pids[MAXW];
 	th_spawn(pids, world, late_rank, s);
@@ -188,10 +201,7 @@ static int lost_rank(int rank, void *arg)
 
 static void check_node_loss(void)
 {
-	struct late *s = th_shared(sizeof(*s));
-	s->nodes = 2;
-	s->rpn = 2;
-	snprintf(s->name, sizeof(s->name), "lost");
+	struct late *s = late_new(2, 2, "lost");
 	pid_t pids[4];
 	th_spawn(pids, 4, lost_rank, s);
 	while (s->entered < 2)
@@ -373,10 +383,7 @@ static int rank_loss_rank(int rank, void *arg)
 
 static void check_remote_rank_loss(void)
 {
-	struct late *s = th_shared(sizeof(*s));
-	s->nodes = 2;
-	s->rpn = 2;
-	snprintf(s->name, sizeof(s->name), "rloss");
+	struct late *s = late_new(2, 2, "rloss");
 	pid_t pids[4];
 	th_spawn(pids, 4, rank_loss_rank, s);
 	while (s->entered < 3)
@@ -839,10 +846,7 @@ static int xstall_rank(int rank, void *arg)
  * node's ranks learn that the group failed. */
 static void check_remote_stall(void)
 {
-	struct late *s = th_shared(sizeof(*s));
-	s->nodes = 2;
-	s->rpn = 2;
-	snprintf(s->name, sizeof(s->name), "xstall");
+	struct late *s = late_new(2, 2, "xstall");
 	pid_t pids[4];
 	th_spawn(pids, 4, xstall_rank, s);
 	TH_CHECK(th_wait_all(pids, 4, 60) == 0, "remote stall case");

@@ -304,16 +304,8 @@ static void raw_checks(const struct th_daemon *d)
 	strcpy(j.name, "raw");
 	uint8_t buf[256], *p;
 	struct epp_hdr hd, rh;
-	epp_hdr_init(&hd, EPP_JOIN, 1);
-	hd.length = (uint32_t)epp_join_encode(&j, buf, sizeof(buf));
-	TH_OK(epp_send_frame(fd, &hd, buf, NULL));
-	int fds[EPP_MAX_FDS];
-	TH_OK(epp_recv_frame(fd, &rh, &p, fds, 5000, NULL, 0));
-	TH_CHECK(rh.type == EPP_OK && rh.nfds == 1, "join reply");
 	struct epp_join_ok jo;
-	TH_OK(epp_join_ok_decode(p, rh.length, &jo));
-	free(p);
-	close(fds[0]);
+	th_raw_join(fd, &j, 1, &jo);
 	struct {
 		struct epp_dispatch d;
 		int code;

@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 #include "harness.h"
+#include "epp.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -289,4 +290,21 @@ ep_group_t *th_join(const struct th_daemon *d, const struct ep_group_config *c,
 	TH_OK(ep_connect(d->sock, conn));
 	TH_OK(ep_join(*conn, c, 0, &g));
 	return g;
+}
+
+void th_raw_join(int fd, const struct epp_join *j, uint64_t req,
+		 struct epp_join_ok *ok)
+{
+	uint8_t buf[512], *p;
+	struct epp_hdr hd, rh;
+	epp_hdr_init(&hd, EPP_JOIN, req);
+	hd.length = (uint32_t)epp_join_encode(j, buf, sizeof(buf));
+	TH_OK(epp_send_frame(fd, &hd, buf, NULL));
+	int fds[EPP_MAX_FDS];
+	TH_OK(epp_recv_frame(fd, &rh, &p, fds, 5000, NULL, 0));
+	TH_CHECK(rh.type == EPP_OK && rh.nfds == 1 && rh.req_id == req,
+		 "join reply: type %u, %u descriptors", rh.type, rh.nfds);
+	TH_OK(epp_join_ok_decode(p, rh.length, ok));
+	free(p);
+	close(fds[0]);
 }

@@ -85,6 +85,14 @@ struct ep_group_config th_group(const char *name, uint32_t world,
 				uint32_t rank, uint32_t timeout_ms);
 
 /* Connect and join with retries of nothing: fails the test on error. */
+/* A JOIN sent on a raw socket (tests that speak the protocol themselves):
+ * checks the OK reply with the buffer descriptor, closes the descriptor,
+ * and returns the decoded reply. */
+struct epp_join;
+struct epp_join_ok;
+void th_raw_join(int fd, const struct epp_join *j, uint64_t req,
+		 struct epp_join_ok *ok);
+
 ep_group_t *th_join(const struct th_daemon *d, const struct ep_group_config *c,
 		    ep_conn_t **conn);
 
