@@ -295,6 +295,8 @@ void epd_xop_replay(struct epd_group *g);
 void epd_xop_announce(struct epd_group *g);
 void epd_xop_stash_free(struct epd_server *srv);
 void epd_xbufs_free(struct epd_server *srv);
+/* Free the kept buffers once no group spans nodes. */
+void epd_xbufs_trim(struct epd_server *srv);
 size_t epd_xbufs_bytes(const struct epd_server *srv); /* kept for reuse */
 /* A packed buffer shared by the frames that send it (loop thread only):
  * back to the pool when the last write completed. */

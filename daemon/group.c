@@ -52,6 +52,7 @@ void epd_group_free(struct epd_group *g)
 		ek_route_free(g->routes[i]);
 	epd_cuda_group_free(g);
 	epd_xop_drop(g);
+	epd_xbufs_trim(g->srv);
 	epd_buf_destroy(g);
 	free(g->local);
 	free(g->rail_done);

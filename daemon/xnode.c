@@ -80,10 +80,26 @@ static uint8_t *xbuf_get(struct epd_server *srv, size_t want, size_t *cap)
 	return p;
 }
 
+/* Whether a group spanning nodes is still here (buffers worth keeping). */
+static bool any_xgroup(struct epd_server *srv)
+{
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &srv->groups)
+	{
+		if (LIST_ENTRY(it, struct epd_group, node)->nnodes > 1)
+			return true;
+	}
+	return false;
+}
+
 static void xbuf_put(struct epd_server *srv, uint8_t *p, size_t cap)
 {
 	if (!p)
 		return;
+	if (!any_xgroup(srv)) {
+		free(p); /* the last one is gone: nothing to keep for */
+		return;
+	}
 	if (!srv->xbufs)
 		srv->xbufs = calloc(1, sizeof(*srv->xbufs));
 	struct epd_xbufs *b = srv->xbufs;
@@ -108,6 +124,14 @@ static void xbuf_put(struct epd_server *srv, uint8_t *p, size_t cap)
 	b->s[b->n].cap = cap;
 	b->n++;
 	b->bytes += cap;
+}
+
+void epd_xbufs_trim(struct epd_server *srv)
+{
+	if (srv->xbufs && !any_xgroup(srv)) {
+		epd_xbufs_free(srv);
+		epd_info("no group spans nodes any more: row buffers freed");
+	}
 }
 
 void epd_xbufs_free(struct epd_server *srv)

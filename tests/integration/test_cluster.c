@@ -245,6 +245,7 @@ struct xcase {
 	struct ref_case c;
 	int nodes, rpn, bad_rank;
 	char name[32];
+	long long kept; /* node 0's kept row buffers, seen by rank 0 */
 };
 
 #define XSAME(got, want, n, what)                                              \
@@ -334,6 +335,19 @@ static int xrank(int r, void *arg)
 	ref_combine(c, in, exp, ys, (uint32_t)r, want);
 	XSAME(out, want, (size_t)me->T * H * 2, "combined");
 	TH_OK(ep_barrier(g));
+	if (r == 0) {
+		/* while the group lives, its node keeps the row buffers */
+		char *js;
+		TH_OK(ep_daemon_status(conn, &js));
+		json_t *root = json_loads(js, 0, NULL);
+		free(js);
+		json_int_t kept = json_integer_value(json_object_get(
+			json_object_get(root, "cluster"), "pooled_bytes"));
+		json_decref(root);
+		TH_CHECK(kept > 0, "node 0 kept no row buffers between ops");
+		x->kept = kept;
+	}
+	TH_OK(ep_barrier(g));
 	TH_OK(ep_leave(g));
 	ep_close(conn);
 	return 0;
@@ -354,9 +368,11 @@ static void check_xdispatch(int nodes, int rpn, struct ref_case c, int bad)
 		 "%s failed (seed %llu)", x->name,
 		 (unsigned long long)x->c.seed);
 	printf("ok: dispatch, cached dispatch, combine over %d nodes x %d "
-	       "ranks (%s%s): bitwise equal to the reference\n",
+	       "ranks (%s%s): bitwise equal to the reference; node 0 kept "
+	       "%lld bytes of row buffers between ops\n",
 	       nodes, rpn, c.dtype == EP_DTYPE_FP8 ? "fp8" : "bf16",
-	       bad >= 0 ? ", after a bad expert failed the op everywhere" : "");
+	       bad >= 0 ? ", after a bad expert failed the op everywhere" : "",
+	       x->kept);
 }
 
 /* A rank dies on node 1: the ranks on node 0 learn it at once. */
@@ -917,14 +933,21 @@ int main(void)
 			      .dtype = EP_DTYPE_BF16, .mode = REF_ONE_EXPERT,
 			      .special = 9, .bias = true};
 	check_xdispatch(2, 4, c3, -1);
-	/* the row packs and staging buffers stay for the next op */
-	json_t *pc = cluster_of(0);
-	json_int_t kept = json_integer_value(json_object_get(pc, "pooled_bytes"));
-	json_decref(pc);
-	TH_CHECK(kept > 0, "node 0 kept no row buffers after dispatches");
-	printf("ok: node 0 keeps %lld bytes of row buffers for the next "
-	       "ops\n",
-	       (long long)kept);
+	/* no group spans nodes any more: the kept buffers are freed */
+	for (int t = 0;; t++) {
+		json_t *pc = cluster_of(0);
+		json_int_t kept =
+			json_integer_value(json_object_get(pc, "pooled_bytes"));
+		json_decref(pc);
+		if (kept == 0)
+			break;
+		TH_CHECK(t < 300, "node 0 still keeps %lld bytes of row "
+			 "buffers with no group across nodes",
+			 (long long)kept);
+		th_sleep_ms(10);
+	}
+	printf("ok: row buffers kept between ops, freed with the last group "
+	       "across nodes\n");
 	check_bad_joins();
 	check_remote_stall();
 	check_shape_mismatch();
