@@ -437,10 +437,11 @@ int main(int argc, char **argv)
 		double cbytes = ((double)rows + tokens) * o.hidden * 2;
 		double dt = median(s->dispatch_us, n),
 		       ct = median(s->combine_us, n);
-		printf("shape: %d ranks (%d nodes x %d), %u tokens/rank, hidden "
-		       "%u, top-%u of %u experts, %s; %llu rows received in "
-		       "all\n",
-		       o.world, o.nodes, o.ranks, o.tokens, o.hidden, o.topk,
+		printf("shape: %d ranks (%d node%s x %d), %u tokens/rank, "
+		       "hidden %u, top-%u of %u experts, %s; %llu rows "
+		       "received in all\n",
+		       o.world, o.nodes, o.nodes > 1 ? "s" : "", o.ranks,
+		       o.tokens, o.hidden, o.topk,
 		       o.experts, o.dtype == EP_DTYPE_FP8 ? "fp8" : "bf16",
 		       (unsigned long long)rows);
 		printf("memcpy ceiling (read+write): %.2f GB/s with 1 thread, "
