@@ -507,6 +507,10 @@ static void conn_read(uv_stream_t *s, ssize_t n, const uv_buf_t *b)
 		return;
 	}
 	c->rlen += (size_t)n;
+	/* any bytes show the peer alive, also the middle of a long frame
+	 * (heartbeats queue behind rows on this connection) */
+	if (c->authed)
+		c->cl->node[c->peer].last_rx_ns = epd_now_ns();
 	size_t off = 0;
 	while (!c->closing && c->rlen - off >= EPP_HDR_SIZE) {
 		struct epp_hdr h;
