@@ -62,8 +62,7 @@ struct cnode {
 	uint64_t last_rx_ns, since_ns;
 	uint64_t downs;
 	uint64_t next_dial_ns, backoff_ns; /* redial a failing node slower */
-	uv_getaddrinfo_t gai; /* resolving host (a name, not an address) */
-	bool resolving;
+	bool resolving; /* its host name is being looked up */
 	char row[MAX_NODES + 1]; /* its view of the cluster (heartbeats) */
 	uint64_t epoch;          /* and its view epoch */
 	char why[128];
@@ -205,41 +204,16 @@ static void write_done(uv_write_t *req, int status)
 	free(w);
 }
 
-static void conn_send2(struct pconn *c, uint16_t type, const void *a,
-		       size_t na, const void *b2, size_t nb)
+/* One frame. Header and a are copied into the write request; b is copied
+ * too, or with ref written from where it is, ref held until it is sent. */
+static void conn_write(struct pconn *c, uint16_t type, const void *a,
+		       size_t na, const void *b2, size_t nb,
+		       struct epd_sref *ref)
 {
 	if (c->closing)
 		return;
-	uint32_t len = (uint32_t)(na + nb);
-	struct wreq *w = malloc(sizeof(*w) + EPP_HDR_SIZE + len);
-	if (!w) {
-		conn_close(c, "out of memory");
-		return;
-	}
-	w->ref = NULL;
-	struct epp_hdr h;
-	epp_hdr_init(&h, type, 0);
-	h.length = len;
-	epp_hdr_encode(&h, w->data);
-	if (na)
-		memcpy(w->data + EPP_HDR_SIZE, a, na);
-	if (nb)
-		memcpy(w->data + EPP_HDR_SIZE + na, b2, nb);
-	uv_buf_t b = uv_buf_init((char *)w->data, EPP_HDR_SIZE + len);
-	if (uv_write(&w->req, (uv_stream_t *)&c->tcp, &b, 1, write_done)) {
-		free(w);
-		conn_close(c, "write failed");
-	}
-}
-
-/* Header and a copied; b written from where it is, ref held until done. */
-static void conn_send_ref(struct pconn *c, uint16_t type, const void *a,
-			  size_t na, const void *b2, size_t nb,
-			  struct epd_sref *ref)
-{
-	if (c->closing)
-		return;
-	struct wreq *w = malloc(sizeof(*w) + EPP_HDR_SIZE + na);
+	const size_t copied = na + (ref ? 0 : nb);
+	struct wreq *w = malloc(sizeof(*w) + EPP_HDR_SIZE + copied);
 	if (!w) {
 		conn_close(c, "out of memory");
 		return;
@@ -250,13 +224,18 @@ static void conn_send_ref(struct pconn *c, uint16_t type, const void *a,
 	epp_hdr_encode(&h, w->data);
 	if (na)
 		memcpy(w->data + EPP_HDR_SIZE, a, na);
+	if (nb && !ref)
+		memcpy(w->data + EPP_HDR_SIZE + na, b2, nb);
 	w->ref = ref;
-	ref->refs++;
+	if (ref)
+		ref->refs++;
 	uv_buf_t b[2] = {uv_buf_init((char *)w->data,
-				     (unsigned)(EPP_HDR_SIZE + na)),
+				     (unsigned)(EPP_HDR_SIZE + copied)),
 			 uv_buf_init((char *)b2, (unsigned)nb)};
-	if (uv_write(&w->req, (uv_stream_t *)&c->tcp, b, 2, write_done)) {
-		ref->refs--;
+	if (uv_write(&w->req, (uv_stream_t *)&c->tcp, b, ref && nb ? 2 : 1,
+		     write_done)) {
+		if (ref)
+			ref->refs--;
 		free(w);
 		conn_close(c, "write failed");
 	}
@@ -265,7 +244,7 @@ static void conn_send_ref(struct pconn *c, uint16_t type, const void *a,
 static void conn_send(struct pconn *c, uint16_t type, const void *p,
 		      uint32_t len)
 {
-	conn_send2(c, type, p, len, NULL, 0);
+	conn_write(c, type, p, len, NULL, 0, NULL);
 }
 
 static void send_hello(struct pconn *c)
@@ -540,6 +519,15 @@ static void conn_read(uv_stream_t *s, ssize_t n, const uv_buf_t *b)
 	c->rlen -= off;
 }
 
+/* Dial node nd again later, later each time (from first_ns to 5 s). */
+static void dial_later(struct cnode *nd, uint64_t first_ns)
+{
+	nd->backoff_ns = nd->backoff_ns ? nd->backoff_ns * 2 : first_ns;
+	if (nd->backoff_ns > 5000000000ull)
+		nd->backoff_ns = 5000000000ull;
+	nd->next_dial_ns = epd_now_ns() + nd->backoff_ns;
+}
+
 static void conn_freed(uv_handle_t *hd)
 {
 	struct pconn *c = hd->data;
@@ -558,11 +546,7 @@ static void conn_close(struct pconn *c, const char *why)
 	if (c->target >= 0 && !c->authed) {
 		/* a dial that failed: try again later, slower each time */
 		struct cnode *t = &cl->node[c->target];
-		uint64_t beat = (uint64_t)cl->srv->cfg.heartbeat_ms * 1000000ull;
-		t->backoff_ns = t->backoff_ns ? t->backoff_ns * 2 : beat;
-		if (t->backoff_ns > 5000000000ull)
-			t->backoff_ns = 5000000000ull;
-		t->next_dial_ns = epd_now_ns() + t->backoff_ns;
+		dial_later(t, (uint64_t)cl->srv->cfg.heartbeat_ms * 1000000ull);
 		snprintf(t->why, sizeof(t->why), "%s", why);
 	}
 	if (n >= 0 && cl->node[n].conn == c) {
@@ -657,12 +641,7 @@ static void on_resolved(uv_getaddrinfo_t *req, int status,
 			 nd->host,
 			 status ? uv_strerror(status) : "no IPv4/IPv6 address");
 		free(r);
-		/* the tick tries again, more slowly each time */
-		nd->backoff_ns = nd->backoff_ns ? nd->backoff_ns * 2
-						: 100000000ull;
-		if (nd->backoff_ns > 5000000000ull)
-			nd->backoff_ns = 5000000000ull;
-		nd->next_dial_ns = epd_now_ns() + nd->backoff_ns;
+		dial_later(nd, 100000000ull); /* 100 ms, then slower */
 		return;
 	}
 	int n = r->n;
@@ -1020,23 +999,14 @@ void epd_cluster_group_failed(struct epd_group *g, int code, const char *msg)
 				  (uint32_t)w.off);
 }
 
-void epd_cluster_send2(struct epd_group *g, uint32_t n, uint16_t type,
-		       const void *a, size_t na, const void *b, size_t nb)
+void epd_cluster_send(struct epd_group *g, uint32_t n, uint16_t type,
+		      const void *a, size_t na, const void *b, size_t nb,
+		      struct epd_sref *ref)
 {
 	struct epd_cluster *cl = g->srv->cluster;
 	if (!cl || (int)n >= cl->n || cl->node[n].state != NODE_UP)
 		return;
-	conn_send2(cl->node[n].conn, type, a, na, b, nb);
-}
-
-void epd_cluster_send_ref(struct epd_group *g, uint32_t n, uint16_t type,
-			  const void *a, size_t na, const void *b, size_t nb,
-			  struct epd_sref *ref)
-{
-	struct epd_cluster *cl = g->srv->cluster;
-	if (!cl || (int)n >= cl->n || cl->node[n].state != NODE_UP)
-		return;
-	conn_send_ref(cl->node[n].conn, type, a, na, b, nb, ref);
+	conn_write(cl->node[n].conn, type, a, na, b, nb, ref);
 }
 
 const char *epd_cluster_node_name(const struct epd_server *srv, uint32_t n)

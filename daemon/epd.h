@@ -346,12 +346,11 @@ int epd_cluster_size(const struct epd_server *srv);
 int epd_cluster_send_arrival(struct epd_group *g, uint32_t l, uint64_t seq);
 /* A frame to node n of the cluster, payload = a || b (silently dropped if
  * the node is down: the group fails through the membership). */
-void epd_cluster_send2(struct epd_group *g, uint32_t n, uint16_t type,
-		       const void *a, size_t na, const void *b, size_t nb);
-/* The same, b sent in place (no copy) and held through ref until written. */
-void epd_cluster_send_ref(struct epd_group *g, uint32_t n, uint16_t type,
-			  const void *a, size_t na, const void *b, size_t nb,
-			  struct epd_sref *ref);
+/* A frame to node n of g's cluster (dropped if n is not up): a copied, b
+ * copied too, or with ref sent in place and held until written. */
+void epd_cluster_send(struct epd_group *g, uint32_t n, uint16_t type,
+		      const void *a, size_t na, const void *b, size_t nb,
+		      struct epd_sref *ref);
 void epd_cluster_stash(struct epd_server *srv, const char *name,
 		       uint32_t node, uint32_t l, uint64_t seq);
 void epd_cluster_unstash(struct epd_group *g);

@@ -528,14 +528,10 @@ static void send_rows(struct epd_xop *x)
 			epp_put_u16(&w, x->type);
 			epp_put_u64(&w, x->handle);
 			epp_put_u32(&w, k);
-			if (ref)
-				epd_cluster_send_ref(g, n, EPP_PEER_XROWS, head,
-						     w.off, ref->p + i * rec,
-						     k * rec, ref);
-			else /* out of memory for the ref: copy */
-				epd_cluster_send2(g, n, EPP_PEER_XROWS, head,
-						  w.off, o->p + i * rec,
-						  k * rec);
+			/* without a ref (out of memory) the frame copies */
+			epd_cluster_send(g, n, EPP_PEER_XROWS, head, w.off,
+					 (ref ? ref->p : o->p) + i * rec,
+					 k * rec, ref);
 		}
 		if (ref)
 			epd_sref_put(ref);
@@ -708,9 +704,9 @@ void epd_xop_start(struct epd_group *g)
 			memcpy(body + nt * 8, wt, nt * 4);
 		for (uint32_t n = 0; n < g->nnodes; n++)
 			if (n != g->node_index)
-				epd_cluster_send2(g, n, EPP_PEER_XMETA, head,
-						  w.off, body,
-						  nt * (wts ? 12 : 8));
+				epd_cluster_send(g, n, EPP_PEER_XMETA, head,
+						 w.off, body,
+						 nt * (wts ? 12 : 8), NULL);
 		free(body);
 	}
 	if (x->meta_have == x->meta_need)
@@ -802,8 +798,8 @@ void epd_xop_announce(struct epd_group *g)
 	put_shape(&w, g);
 	for (uint32_t n = 0; n < g->nnodes; n++)
 		if (n != g->node_index)
-			epd_cluster_send2(g, n, EPP_PEER_GSHAPE, buf, w.off,
-					  NULL, 0);
+			epd_cluster_send(g, n, EPP_PEER_GSHAPE, buf, w.off,
+					 NULL, 0, NULL);
 }
 
 static void check_shape(struct epd_group *g, uint32_t from,

@@ -10,7 +10,7 @@
 #include <string.h>
 
 #define DELAY_MS 40
-#define MAXW 8
+#define MAXW TH_MAXW
 #define LOOPS 1000
 
 struct late_shared {
@@ -27,14 +27,7 @@ static int late_rank(int rank, void *arg)
 	struct ep_group_config cfg = th_group(s->name, (uint32_t)s->world,
 					      (uint32_t)rank, 20000);
 	ep_group_t *g = th_join(s->d, &cfg, &c);
-	for (int late = 0; late < s->world; late++) {
-		TH_OK(ep_barrier(g)); /* line up */
-		if (rank == late)
-			th_sleep_ms(DELAY_MS);
-		s->enter[late][rank] = th_now_ns();
-		TH_OK(ep_barrier(g));
-		s->leave[late][rank] = th_now_ns();
-	}
+	th_late_rounds(g, rank, s->world, DELAY_MS, s->enter, s->leave);
 	TH_OK(ep_barrier(g));
 	TH_OK(ep_leave(g));
 	ep_close(c);

@@ -26,7 +26,7 @@
 
 #define NODES 3
 #define DELAY_MS 40
-#define MAXW 8
+#define MAXW TH_MAXW
 
 static struct th_daemon D[NODES];
 static char peers[256], keyfile[160], badkey[160];
@@ -137,14 +137,7 @@ static int late_rank(int rank, void *arg)
 	int world = s->nodes * s->rpn;
 	ep_conn_t *c;
 	ep_group_t *g = join(s, rank, &c, 20000);
-	for (int late = 0; late < world; late++) {
-		TH_OK(ep_barrier(g));
-		if (rank == late)
-			th_sleep_ms(DELAY_MS);
-		s->enter[late][rank] = th_now_ns();
-		TH_OK(ep_barrier(g));
-		s->leave[late][rank] = th_now_ns();
-	}
+	th_late_rounds(g, rank, world, DELAY_MS, s->enter, s->leave);
 	TH_OK(ep_barrier(g));
 	TH_OK(ep_leave(g));
 	ep_close(c);

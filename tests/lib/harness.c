@@ -308,3 +308,16 @@ void th_raw_join(int fd, const struct epp_join *j, uint64_t req,
 	free(p);
 	close(fds[0]);
 }
+
+void th_late_rounds(ep_group_t *g, int rank, int world, unsigned delay_ms,
+		    uint64_t enter[][TH_MAXW], uint64_t leave[][TH_MAXW])
+{
+	for (int late = 0; late < world; late++) {
+		TH_OK(ep_barrier(g)); /* line up */
+		if (rank == late)
+			th_sleep_ms(delay_ms);
+		enter[late][rank] = th_now_ns();
+		TH_OK(ep_barrier(g));
+		leave[late][rank] = th_now_ns();
+	}
+}

@@ -93,6 +93,14 @@ struct epp_join_ok;
 void th_raw_join(int fd, const struct epp_join *j, uint64_t req,
 		 struct epp_join_ok *ok);
 
+/* The late-rank rounds of the barrier tests (one node or several): for
+ * each late in [0, world) the ranks line up in a barrier, rank late sleeps
+ * delay_ms, and every rank stamps entering and leaving the next barrier in
+ * enter[late][rank] and leave[late][rank] (CLOCK_MONOTONIC, one machine). */
+#define TH_MAXW 8
+void th_late_rounds(ep_group_t *g, int rank, int world, unsigned delay_ms,
+		    uint64_t enter[][TH_MAXW], uint64_t leave[][TH_MAXW]);
+
 ep_group_t *th_join(const struct th_daemon *d, const struct ep_group_config *c,
 		    ep_conn_t **conn);
 
