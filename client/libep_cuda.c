@@ -297,8 +297,49 @@ void ep__cuda_unmap(ep_group_t *g)
 	g->dev_ptr = 0;
 }
 
-/* A stream-ordered op: payload (+ seq) to the daemon, then doorbell and
- * wait on the stream. Returns 0 and the op's seq in *seq. */
+/* Does the daemon run this group's barriers with a resident kernel? */
+static bool fast_barrier(const ep_group_t *g)
+{
+	return __atomic_load_n((const uint32_t *)((const uint8_t *)g->buf +
+						  EPP_CTL_GROUP_SLOT +
+						  EPP_CTL_FEATURES),
+			       __ATOMIC_ACQUIRE) &
+	       EPP_FEAT_FAST_BARRIER;
+}
+
+/* The op's frame to the daemon: payload, then its number k. */
+static int send_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
+		   uint32_t len, uint64_t k)
+{
+	uint8_t buf[192];
+	memcpy(buf, payload, len);
+	struct epp_wr w;
+	epp_wr_init(&w, buf + len, 8);
+	epp_put_u64(&w, k);
+	struct epp_hdr h;
+	ep_conn_t *c = g->conn;
+	int rc;
+	pthread_mutex_lock(&c->mu);
+	if (c->dead) {
+		rc = c->dead;
+	} else {
+		epp_hdr_init(&h, type, ++c->next_req);
+		h.flags = EPP_F_ASYNC;
+		h.length = len + 8;
+		rc = epp_send_frame(c->fd, &h, buf, NULL);
+		if (rc)
+			c->dead = rc;
+	}
+	pthread_mutex_unlock(&c->mu);
+	if (rc)
+		return ep__fail(rc, "send to epd failed: %s", ep_strerror(rc));
+	return 0;
+}
+
+/* A stream-ordered op: its frame to the daemon, then doorbell and wait on
+ * the stream. A barrier of a group with the resident barrier kernel (type
+ * 0) sends no frame: it rings that kernel's doorbell. Returns 0 and the
+ * op's number in *seq. */
 static int async_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 		    uint32_t len, void *stream, uint64_t *seq)
 {
@@ -314,30 +355,12 @@ static int async_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 	    (rc = wait_completed(g, MAX_INFLIGHT - 2)))
 		return rc;
 	uint64_t k = g->sent + 1;
-	uint8_t buf[192];
-	memcpy(buf, payload, len);
-	struct epp_wr w;
-	epp_wr_init(&w, buf + len, 8);
-	epp_put_u64(&w, k);
-	struct epp_hdr h;
-	ep_conn_t *c = g->conn;
-	pthread_mutex_lock(&c->mu);
-	if (c->dead) {
-		rc = c->dead;
-	} else {
-		epp_hdr_init(&h, type, ++c->next_req);
-		h.flags = EPP_F_ASYNC;
-		h.length = len + 8;
-		rc = epp_send_frame(c->fd, &h, buf, NULL);
-		if (rc)
-			c->dead = rc;
-	}
-	pthread_mutex_unlock(&c->mu);
-	if (rc)
-		return ep__fail(rc, "send to epd failed: %s", ep_strerror(rc));
+	if (type && (rc = send_op(g, type, payload, len, k)))
+		return rc;
 	CUstream s = (CUstream)stream;
-	CUresult r = drv.cuStreamWriteValue32(s, g->dev_ptr + EKC_DOORBELL,
-					      (cuuint32_t)k, 0);
+	CUresult r = drv.cuStreamWriteValue32(
+		s, g->dev_ptr + (type ? EKC_DOORBELL : EKC_BAR_DOORBELL),
+		(cuuint32_t)k, 0);
 	if (!r)
 		r = drv.cuStreamWaitValue32(s, g->dev_ptr + EKC_DONE,
 					    (cuuint32_t)k,
@@ -358,6 +381,8 @@ int ep_barrier_stream(ep_group_t *g, void *stream)
 		return ep__fail(EP_EINVAL, "NULL group");
 	epp_wr_init(&w, buf, sizeof(buf));
 	epp_put_u64(&w, g->id);
+	if (g->buf && g->cuda_device >= 0 && fast_barrier(g))
+		return async_op(g, 0, NULL, 0, stream, &seq);
 	return async_op(g, EPP_BARRIER, buf, 8, stream, &seq);
 }
 

@@ -78,7 +78,9 @@ struct cudev {
 	CUdevice dev;
 	CUcontext ctx; /* primary context, retained on first use */
 	CUmodule mod;
-	CUfunction barrier, count, scan, slot, copy, per_expert, combine;
+	CUfunction barrier, fastbar, count, scan, slot, copy, per_expert,
+		combine;
+	int nfb; /* resident barrier kernels running here (one warp each) */
 	size_t gran;
 	int occ_copy, occ_combine; /* resident blocks per SM */
 	uint8_t uuid[16];
@@ -106,6 +108,7 @@ struct epd_cuda_group {
 	uint64_t completed; /* ops every rank saw complete */
 	uint64_t oldest_ns; /* when the oldest incomplete op was enqueued */
 	uint64_t enq_ns[MAX_INFLIGHT];
+	bool enq_fast[MAX_INFLIGHT]; /* op run by the resident barrier */
 	uint64_t wait_ns; /* since when some rank's request is missing */
 	/* dispatch scratch (daemon-only device memory) */
 	CUdeviceptr mask, blk, base, err;
@@ -129,8 +132,14 @@ struct epd_cuda_group {
 	uint64_t ev_seq[2];
 	double last_us[2];
 	uv_timer_t poll;
-	bool poll_closing;
+	bool poll_closing, poll_slow;
 	bool released;
+	/* The resident barrier kernel (under MPS), on its own stream; its
+	 * state in daemon-private pinned host memory. */
+	CUstream fbstream;
+	struct ekc_fastbar_host *fb;
+	uint64_t fb_counted; /* its barriers already in g->n_barrier */
+	bool fb_launched;
 };
 
 static struct ekc_driver *D;
@@ -158,6 +167,7 @@ static int use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen)
 			CUfunction *f;
 			const char *name;
 		} fns[] = {{&d->barrier, "ekc_barrier"},
+			   {&d->fastbar, "ekc_fastbar"},
 			   {&d->count, "ekc_count"},
 			   {&d->scan, "ekc_scan"},
 			   {&d->slot, "ekc_slot"},
@@ -451,6 +461,111 @@ static volatile int32_t *group_error_word(struct epd_group *g)
 static void poll_cb(uv_timer_t *t);
 static void poll_arm(struct epd_cuda_group *c);
 
+/* Under MPS (every GPU of the group, every rank), unless configured off:
+ * the resident barrier kernel, and the feature bit that tells libep to
+ * ring it instead of sending barriers. Without MPS a spinning kernel would
+ * hold the GPU's time slice from the ranks' contexts. */
+static int fastbar_start(struct epd_group *g, char *err, size_t errlen)
+{
+	struct epd_cuda_group *c = g->cu;
+	struct epd_cuda *cu = g->srv->cuda;
+	struct cudev *d = &cu->dev[c->dev0];
+	uint32_t rpn = g->shape.ranks_per_node;
+	if (g->srv->cfg.cuda_no_resident || g->nnodes > 1)
+		return 0;
+	for (int i = 0; i < c->ndevs; i++)
+		if (!cu->dev[c->devs[i]].mps)
+			return 0;
+	for (uint32_t l = 0; l < rpn; l++)
+		if (!g->local[l]->mps)
+			return 0;
+	void *hp = NULL;
+	CUdeviceptr hd = 0;
+	CUresult r = D->cuMemHostAlloc(&hp, sizeof(*c->fb),
+				       CU_MEMHOSTALLOC_DEVICEMAP |
+					       CU_MEMHOSTALLOC_PORTABLE);
+	if (r)
+		return cu_err(r, "cuMemHostAlloc for the resident barrier",
+			      err, errlen);
+	c->fb = hp;
+	memset(hp, 0, sizeof(*c->fb));
+	r = D->cuMemHostGetDevicePointer(&hd, hp, 0);
+	if (!r)
+		r = D->cuStreamCreate(&c->fbstream, CU_STREAM_NON_BLOCKING);
+	if (r)
+		return cu_err(r, "setting up the resident barrier", err,
+			      errlen);
+	struct ekc_fastbar_args a = {
+		.completed = (uint64_t *)(uintptr_t)(c->ctl_dev +
+						     EPP_CTL_COMPLETED),
+		.completed_stride = EPP_CTL_SLOT / 8,
+		.rpn = rpn,
+		.host = (struct ekc_fastbar_host *)(uintptr_t)hd,
+		.budget_ns = (uint64_t)g->timeout_ms * 1000000ull,
+		.last = c->enqueued};
+	for (uint32_t l = 0; l < rpn; l++)
+		a.ctrl[l] = c->ptr[l];
+	void *params[] = {&a};
+	r = D->cuLaunchKernel(d->fastbar, 1, 1, 1, 32, 1, 1, 0, c->fbstream,
+			      params, NULL);
+	if (r)
+		return cu_err(r, "launching the resident barrier", err,
+			      errlen);
+	d->nfb++;
+	c->fb_launched = true;
+	__atomic_store_n((uint32_t *)(g->map + EPP_CTL_GROUP_SLOT +
+				      EPP_CTL_FEATURES),
+			 EPP_FEAT_FAST_BARRIER, __ATOMIC_RELEASE);
+	epd_info("group %s: resident barrier kernel on GPU %d (MPS)",
+		 g->shape.name, c->dev0);
+	poll_arm(c);
+	return 0;
+}
+
+/* End the resident barrier (group failed or freed): it polls the stop
+ * word while idle and while waiting. */
+static void fastbar_stop(struct epd_cuda_group *c)
+{
+	if (c->fb)
+		__atomic_store_n(&c->fb->stop, 1, __ATOMIC_RELEASE);
+}
+
+/* The newest op known: enqueued, or released by the resident barrier. */
+static uint64_t known_top(const struct epd_cuda_group *c)
+{
+	uint64_t t = c->enqueued;
+	if (c->fb) {
+		uint64_t f = __atomic_load_n(&c->fb->last, __ATOMIC_ACQUIRE);
+		if (f > t)
+			t = f;
+	}
+	return t;
+}
+
+/* A 32-bit sequence number written by a kernel, widened near ref. */
+static uint64_t widen(uint32_t v, uint64_t ref)
+{
+	return ref + (uint64_t)(int64_t)(int32_t)(v - (uint32_t)ref);
+}
+
+/* Ops every rank saw complete, from the control page. */
+static void refresh_completed(struct epd_group *g)
+{
+	struct epd_cuda_group *c = g->cu;
+	uint64_t ref = known_top(c), done = UINT64_MAX;
+	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
+		uint64_t v = widen((uint32_t)*completed_word(g, l), ref);
+		if (v < done)
+			done = v;
+	}
+	if (done != UINT64_MAX && done > c->completed && done <= ref) {
+		c->completed = done;
+		c->oldest_ns = done < c->enqueued
+				       ? c->enq_ns[(done + 1) % MAX_INFLIGHT]
+				       : 0;
+	}
+}
+
 int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 {
 	struct epd_cuda_group *c = g->cu;
@@ -559,13 +674,16 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 		r = D->cuEventCreate(&c->ev[i / 2][i % 2], CU_EVENT_DEFAULT);
 	if (r)
 		return cu_err(r, "cuEventCreate", err, errlen);
-	return 0;
+	return fastbar_start(g, err, errlen);
 }
 
 static void poll_arm(struct epd_cuda_group *c)
 {
-	if (!c->poll_closing && !uv_is_active((uv_handle_t *)&c->poll))
+	if (!c->poll_closing &&
+	    (c->poll_slow || !uv_is_active((uv_handle_t *)&c->poll))) {
 		uv_timer_start(&c->poll, poll_cb, POLL_MS, POLL_MS);
+		c->poll_slow = false;
+	}
 }
 
 static struct route *route_find(struct epd_cuda_group *c, uint64_t seq)
@@ -624,6 +742,18 @@ static CUresult join_devs(struct epd_cuda_group *c)
 	for (int i = 1; !r && i < c->ndevs; i++)
 		r = D->cuStreamWaitEvent(c->stream, c->ev_out[i], 0);
 	return r;
+}
+
+/* The blocks of a grid-stride data kernel: exactly the resident ones, less
+ * one per resident barrier warp when all SMs are used (that warp takes a
+ * block's registers on its SM, and one block left over would run as a
+ * second wave, doubling the kernel's time). */
+static unsigned grid(const struct cudev *d, unsigned sms, unsigned occ)
+{
+	unsigned n = sms * occ;
+	if ((int)sms >= d->sms && d->nfb > 0)
+		n = n > (unsigned)d->nfb ? n - (unsigned)d->nfb : 1;
+	return n;
 }
 
 /* Dispatch or combine k on the group's stream (the doorbells are waited
@@ -692,8 +822,9 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 		*what = "combine";
 		r = spread(g, &a, sms, true);
 		if (!r)
-			r = launch(c, d->combine, sms * (unsigned)d->occ_combine,
-				   1, 256, &a);
+			r = launch(c, d->combine,
+				   grid(d, sms, (unsigned)d->occ_combine), 1, 256,
+				   &a);
 		if (!r)
 			r = join_devs(c);
 		return r ? r : D->cuEventRecord(ev[1], c->stream);
@@ -709,7 +840,8 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 	if (!r)
 		r = spread(g, &a, sms, false);
 	if (!r)
-		r = launch(c, d->copy, sms * (unsigned)d->occ_copy, 1, 256, &a);
+		r = launch(c, d->copy, grid(d, sms, (unsigned)d->occ_copy), 1,
+			   256, &a);
 	if (!r)
 		r = join_devs(c);
 	/* per-expert counts are made by ekc_copy */
@@ -723,7 +855,8 @@ static bool ops_agree(struct epd_group *g, uint64_t k,
 	const uint32_t W = g->shape.ranks_per_node;
 	for (uint32_t l = 1; l < W; l++) {
 		const char *why = NULL;
-		if (ops[l]->type != ops[0]->type)
+		if (ops[l]->type != ops[0]->type ||
+		    ops[l]->fast != ops[0]->fast)
 			why = "another operation";
 		else if (ops[l]->type != EPP_BARRIER &&
 			 ((ops[l]->flags ^ ops[0]->flags) &
@@ -788,10 +921,25 @@ static void enqueue_ready(struct epd_group *g)
 		a.ctrl[l] = c->ptr[l];
 	struct epd_aop *ops[EKC_MAX_LOCAL];
 	for (uint64_t k = c->enqueued + 1; k <= upto; k++) {
-		for (uint32_t l = 0; l < rpn; l++)
+		/* a number a rank skipped: a barrier it rang on the device */
+		struct epd_aop gap = {.seq = k, .type = EPP_BARRIER,
+				      .fast = true};
+		for (uint32_t l = 0; l < rpn; l++) {
 			ops[l] = &g->local[l]->aq[k % MAX_INFLIGHT];
+			if (ops[l]->seq != k)
+				ops[l] = &gap;
+		}
 		if (!ops_agree(g, k, ops))
 			return;
+		c->enq_fast[k % MAX_INFLIGHT] = ops[0]->fast;
+		if (ops[0]->fast) {
+			/* the resident kernel runs it (and counts it) */
+			c->enq_ns[k % MAX_INFLIGHT] = epd_now_ns();
+			if (c->enqueued <= c->completed)
+				c->oldest_ns = c->enq_ns[k % MAX_INFLIGHT];
+			c->enqueued = k;
+			continue;
+		}
 		CUresult r = 0;
 		const char *what = "barrier";
 		bool data = ops[0]->type != EPP_BARRIER;
@@ -823,7 +971,7 @@ static void enqueue_ready(struct epd_group *g)
 			return;
 		}
 		c->enq_ns[k % MAX_INFLIGHT] = epd_now_ns();
-		if (c->enqueued == c->completed)
+		if (c->enqueued <= c->completed)
 			c->oldest_ns = c->enq_ns[k % MAX_INFLIGHT];
 		c->enqueued = k;
 		switch (ops[0]->type) {
@@ -839,8 +987,11 @@ static void enqueue_ready(struct epd_group *g)
 void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
 {
 	struct epd_group *g = m->group;
+	struct epd_cuda_group *c = g->cu;
 	uint64_t seq = op->seq;
-	if (seq != m->async_seq + 1) {
+	/* With the resident barrier, the numbers a rank skips are barriers
+	 * it rang on the device. */
+	if (seq != m->async_seq + 1 && !(c->fb && seq > m->async_seq)) {
 		epd_group_fail(g, EP_EPROTO,
 			       "rank %u sent stream-ordered op %llu after "
 			       "%llu",
@@ -848,7 +999,10 @@ void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
 			       (unsigned long long)m->async_seq);
 		return;
 	}
-	if (seq > g->cu->completed + MAX_INFLIGHT - 1) {
+	refresh_completed(g);
+	const struct epd_aop *old = &m->aq[seq % MAX_INFLIGHT];
+	if (seq > c->completed + MAX_INFLIGHT - 1 ||
+	    (old->seq > c->enqueued && old->seq != seq)) {
 		epd_group_fail(g, EP_EBUSY,
 			       "rank %u has more than %d stream-ordered ops "
 			       "in flight",
@@ -856,14 +1010,20 @@ void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
 		return;
 	}
 	m->aq[seq % MAX_INFLIGHT] = *op;
+	m->aq[seq % MAX_INFLIGHT].fast = false;
 	m->async_seq = seq;
 	enqueue_ready(g);
-	struct epd_cuda_group *c = g->cu;
 	if (g->state == EPD_G_READY && seq > c->enqueued && !c->wait_ns)
 		c->wait_ns = epd_now_ns();
 	else if (c->enqueued >= seq)
 		c->wait_ns = 0;
 	poll_arm(c);
+}
+
+static bool in_mask(struct epd_group *g, uint32_t l, void *arg)
+{
+	(void)g;
+	return (*(uint64_t *)arg >> l) & 1;
 }
 
 static bool no_request(struct epd_group *g, uint32_t l, void *arg)
@@ -889,21 +1049,33 @@ static void poll_cb(uv_timer_t *t)
 		uv_timer_stop(t);
 		return;
 	}
-	uint64_t done = UINT64_MAX;
-	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
-		uint64_t v = *completed_word(g, l);
-		/* the kernel writes 32-bit sequence numbers */
-		uint64_t full = (c->enqueued & ~0xffffffffull) | v;
-		if (full > c->enqueued)
-			full -= 1ull << 32;
-		if (full < done)
-			done = full;
-	}
-	if (done != UINT64_MAX && done > c->completed) {
-		c->completed = done;
-		c->oldest_ns = done < c->enqueued
-				       ? c->enq_ns[(done + 1) % MAX_INFLIGHT]
-				       : 0;
+	refresh_completed(g);
+	if (c->fb) {
+		uint32_t st = __atomic_load_n(&c->fb->state, __ATOMIC_ACQUIRE);
+		uint64_t n = __atomic_load_n(&c->fb->count, __ATOMIC_RELAXED);
+		g->n_barrier += n - c->fb_counted;
+		c->fb_counted = n;
+		if (st == EKC_FB_TIMEOUT || st == EKC_FB_MISMATCH) {
+			char miss[512];
+			uint64_t mask = c->fb->missing;
+			uint64_t k = widen(c->fb->seq, known_top(c));
+			epd_list_ranks(miss, sizeof(miss), g, in_mask, &mask);
+			if (st == EKC_FB_TIMEOUT)
+				epd_group_fail(g, EP_ETIMEDOUT,
+					       "barrier %llu timed out after "
+					       "%u ms on the device; ranks "
+					       "whose stream never arrived: %s",
+					       (unsigned long long)k,
+					       g->timeout_ms, miss);
+			else
+				epd_group_fail(g, EP_EMISMATCH,
+					       "barrier %llu: ranks %s rang "
+					       "another op number (their "
+					       "streams ordered ops "
+					       "differently)",
+					       (unsigned long long)k, miss);
+			return;
+		}
 	}
 	/* device time of the last completed dispatch and combine */
 	for (int i = 0; i < 2; i++) {
@@ -935,11 +1107,21 @@ static void poll_cb(uv_timer_t *t)
 			       (unsigned long long)k, g->timeout_ms, miss);
 		return;
 	}
-	if (c->completed == c->enqueued) {
-		if (!c->wait_ns)
+	if (c->completed >= c->enqueued) {
+		if (c->wait_ns)
+			return;
+		if (!c->fb) {
 			uv_timer_stop(t);
+		} else if (!c->poll_slow) {
+			/* the resident barrier's errors and counts */
+			uv_timer_start(t, poll_cb, 20, 20);
+			c->poll_slow = true;
+		}
 		return;
 	}
+	/* the resident kernel times its own barriers out */
+	if (c->enq_fast[(c->completed + 1) % MAX_INFLIGHT])
+		return;
 	uint64_t age = now - c->oldest_ns;
 	if (age > (uint64_t)g->timeout_ms * 1000000ull) {
 		char miss[512];
@@ -969,11 +1151,12 @@ void epd_cuda_group_failed(struct epd_group *g)
 		__atomic_store_n((int32_t *)(s + EPP_CTL_ERR_CODE),
 				 g->fail_code, __ATOMIC_RELEASE);
 	}
+	fastbar_stop(c);
 	if (!c->stream)
 		return;
 	/* Release: every doorbell and done word far ahead of any op a rank
 	 * could have queued, from the aux stream. */
-	uint64_t top = c->enqueued;
+	uint64_t top = known_top(c);
 	for (uint32_t l = 0; l < rpn; l++)
 		if (g->local[l] && g->local[l]->async_seq > top)
 			top = g->local[l]->async_seq;
@@ -986,6 +1169,8 @@ void epd_cuda_group_failed(struct epd_group *g)
 			continue;
 		D->cuStreamWriteValue32(c->aux, c->ptr[l] + EKC_DOORBELL, far,
 					0);
+		D->cuStreamWriteValue32(c->aux, c->ptr[l] + EKC_BAR_DOORBELL,
+					far, 0);
 		D->cuStreamWriteValue32(c->aux, c->ptr[l] + EKC_DONE, far, 0);
 	}
 	epd_notice("group %s: released every rank's stream after: %s",
@@ -1009,6 +1194,13 @@ void epd_cuda_group_free(struct epd_group *g)
 			/* released: the stream drains at once */
 			if (!c->released && c->enqueued > c->completed)
 				epd_cuda_group_failed(g);
+			fastbar_stop(c);
+			if (c->fbstream) {
+				D->cuStreamSynchronize(c->fbstream);
+				D->cuStreamDestroy(c->fbstream);
+			}
+			if (c->fb_launched)
+				g->srv->cuda->dev[c->dev0].nfb--;
 			D->cuStreamSynchronize(c->aux);
 			D->cuStreamSynchronize(c->stream);
 			D->cuStreamDestroy(c->stream);
@@ -1016,6 +1208,8 @@ void epd_cuda_group_free(struct epd_group *g)
 		}
 		if (c->registered)
 			D->cuMemHostUnregister(g->map);
+		if (c->fb)
+			D->cuMemFreeHost(c->fb);
 	}
 	for (int i = 0; i < 4; i++)
 		if (c->ev[i / 2][i % 2])
@@ -1056,8 +1250,9 @@ void *epd_cuda_group_status(struct epd_group *g)
 	struct epd_cuda_group *c = g->cu;
 	if (!c)
 		return NULL;
-	return json_pack("{s:i, s:i, s:I, s:I, s:f, s:f}", "gpu", c->dev0,
-			 "gpus", c->ndevs,
+	return json_pack("{s:i, s:i, s:b, s:I, s:I, s:f, s:f}", "gpu",
+			 c->dev0, "gpus", c->ndevs, "resident_barrier",
+			 c->fb_launched,
 			 "ops_enqueued", (json_int_t)c->enqueued,
 			 "ops_completed", (json_int_t)c->completed,
 			 "last_dispatch_us", c->last_us[0], "last_combine_us",

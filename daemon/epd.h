@@ -37,6 +37,7 @@ struct epd_config {
 	uid_t allow_uids[EPD_MAX_ALLOW];
 	unsigned worker_threads;   /* data-path threads; 0: one per core */
 	unsigned cuda_sms;         /* SMs for dispatch/combine; 0: all */
+	bool cuda_no_resident;     /* no resident barrier kernel under MPS */
 	/* Cluster (empty peers: a single node). */
 	char node_name[64];
 	char peers[2048];          /* "name@host:port, ..." all nodes, ordered */
@@ -97,6 +98,7 @@ struct epd_aop {
 	uint64_t handle; /* cached dispatch, combine: the dispatch's seq */
 	uint32_t tokens, flags;
 	uint16_t type; /* EPP_BARRIER, EPP_DISPATCH, EPP_COMBINE */
+	bool fast;     /* a barrier run by the resident kernel (no frame) */
 };
 
 /* A rank of a group, as joined through one client connection. */

@@ -26,6 +26,11 @@
  *   1.3  Daemon-to-daemon frames on the peer port: PEER_HELLO, PEER_AUTH,
  *        PEER_HEARTBEAT, PEER_BARRIER, PEER_XMETA, PEER_XROWS, PEER_GFAIL,
  *        PEER_GSHAPE (same header).
+ *   1.4  The group slot of the control page carries feature bits
+ *        (EPP_CTL_FEATURES). With EPP_FEAT_FAST_BARRIER a GPU rank's
+ *        stream-ordered barrier sends no frame: it rings the device
+ *        doorbell of a barrier kernel resident for the group's life, and
+ *        the op numbers the daemon sees may skip those barriers.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -44,7 +49,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 3
+#define EPP_VERSION_MINOR 4
 #define EPP_HDR_SIZE 24
 #define EPP_MAX_PAYLOAD (1u << 20)
 #define EPP_MAX_FDS 4
@@ -134,8 +139,11 @@ struct epp_join_ok {
 #define EPP_CTL_OP_ERR_POS 40u /* u64: (rank << 48 | token << 16 | k) */
 #define EPP_CTL_ERR_MSG 48u    /* NUL-terminated message of the group */
 #define EPP_CTL_MSG_MAX (EPP_CTL_SLOT - EPP_CTL_ERR_MSG)
-/* The last slot is the group's: the device kernels' error word. */
+/* The last slot is the group's: the device kernels' error word (i32 at 0),
+ * then the group's features (u32 at EPP_CTL_FEATURES), set before READY. */
 #define EPP_CTL_GROUP_SLOT (EPP_BUF_HEADER - EPP_CTL_SLOT)
+#define EPP_CTL_FEATURES 8u
+#define EPP_FEAT_FAST_BARRIER 1u /* barriers by device doorbell alone */
 
 /* OK reply to HELLO. */
 struct epp_hello_ok {

@@ -72,7 +72,9 @@
 	X(cuMemcpyDtoD)                                                        \
 	X(cuOccupancyMaxActiveBlocksPerMultiprocessor)                         \
 	X(cuStreamWaitEvent)                                                   \
-	X(cuCtxEnablePeerAccess)
+	X(cuCtxEnablePeerAccess)                                               \
+	X(cuMemHostAlloc)                                                      \
+	X(cuMemFreeHost)
 
 struct ekc_driver {
 	void *lib;
@@ -96,6 +98,8 @@ int ekc_fail(const struct ekc_driver *d, CUresult r, const char *what,
 #define EKC_DOORBELL 0u    /* u32: the rank's stream rang op k */
 #define EKC_DONE 128u      /* u32: op k finished for this rank */
 #define EKC_RAIL_DONE 256u /* u32: phase 1 of barrier k done */
+#define EKC_BAR_DOORBELL 384u /* u32: barrier k rung, for the resident
+				 barrier kernel (no message to the daemon) */
 
 /* Kernel arguments of the barrier: pointers into each local rank's region. */
 #define EKC_MAX_LOCAL 64
@@ -109,6 +113,35 @@ struct ekc_barrier_args {
 	uint32_t seq;
 	uint32_t nremote;                /* remote rail peers (0: one node) */
 	uint32_t release;                /* 0: only wait (before data kernels) */
+};
+
+/* The resident barrier (under MPS): one warp in the daemon's context runs
+ * every barrier of a group from its start to its end, fed by the ranks'
+ * EKC_BAR_DOORBELL words alone. Its state is in daemon-private host memory
+ * (struct ekc_fastbar_host), mapped for the device. */
+enum {
+	EKC_FB_RUNNING = 1,
+	EKC_FB_STOPPED,  /* the daemon asked it to end */
+	EKC_FB_TIMEOUT,  /* barrier `seq`: `missing` never rang */
+	EKC_FB_MISMATCH, /* barrier `seq`: `missing` rang another one */
+};
+struct ekc_fastbar_host {
+	uint32_t stop;    /* daemon -> kernel: end now */
+	uint32_t state;   /* kernel -> daemon: EKC_FB_* */
+	uint64_t last;    /* last barrier released (64-bit sequence) */
+	uint64_t count;   /* barriers released */
+	uint64_t missing; /* EKC_FB_TIMEOUT/MISMATCH: local ranks */
+	uint32_t seq;     /* the barrier that failed */
+	uint32_t pad;
+};
+struct ekc_fastbar_args {
+	CUdeviceptr ctrl[EKC_MAX_LOCAL]; /* region base of local rank l */
+	uint64_t *completed;             /* host-mapped, as for ekc_barrier */
+	uint32_t completed_stride;
+	uint32_t rpn;
+	struct ekc_fastbar_host *host;   /* device view */
+	uint64_t budget_ns;              /* from a barrier's first arrival */
+	uint64_t last;                   /* barriers before the kernel */
 };
 
 /* Fields of a rank's region, as in enum epp_buf_field (same order). */

@@ -74,10 +74,157 @@ extern "C" __global__ void ekc_barrier(struct ekc_barrier_args a)
 	}
 	if (!a.release)
 		return; // an entry wait before data kernels
-	__threadfence_system();
-	atomicMax_system(done, k);
-	// Completion for the daemon and the rank's flow control (host memory).
+	// Completion for the daemon and the rank's flow control (host
+	// memory), before the release: once the rank's stream sees done, the
+	// resident barrier kernel may write completed = k + 1, which must not
+	// be overtaken by this store.
 	volatile uint64_t *c = a.completed + (uint64_t)l * a.completed_stride;
 	__threadfence_system();
 	*c = k;
+	__threadfence_system();
+	atomicMax_system(done, k);
+}
+
+__device__ static inline uint32_t ld_host(const volatile uint32_t *p)
+{
+	return *p;
+}
+
+// The resident barrier: one warp, lane j serves local ranks j and j + 32.
+// It waits for any rank to ring a barrier beyond the last one, then runs
+// that barrier's two phases (as ekc_barrier) with a budget counted from
+// the first arrival, releases every rank, and goes on. It ends when the
+// daemon sets host->stop, or on a timeout or a mismatch (reported in
+// host->state; the daemon fails the group). Polling backs off with
+// __nanosleep while the group is idle.
+extern "C" __global__ void __launch_bounds__(32) ekc_fastbar(struct ekc_fastbar_args a)
+{
+	const uint32_t lane = threadIdx.x;
+	volatile struct ekc_fastbar_host *h = a.host;
+	const uint32_t *bell[2] = {nullptr, nullptr};
+	uint32_t *rail[2] = {nullptr, nullptr}, *done[2] = {nullptr, nullptr};
+	for (int i = 0; i < 2; i++) {
+		uint32_t l = lane + 32 * i;
+		if (l < a.rpn) {
+			uint8_t *base = (uint8_t *)a.ctrl[l];
+			bell[i] = (const uint32_t *)(base + EKC_BAR_DOORBELL);
+			rail[i] = (uint32_t *)(base + EKC_RAIL_DONE);
+			done[i] = (uint32_t *)(base + EKC_DONE);
+		}
+	}
+	uint64_t last = a.last, count = 0;
+	uint32_t state = EKC_FB_STOPPED, fseq = 0;
+	uint64_t missing = 0;
+	if (lane == 0)
+		h->state = EKC_FB_RUNNING;
+	for (;;) {
+		// Idle: wait for a first arrival, or the end.
+		uint32_t k = 0, idle = 0;
+		for (;;) {
+			uint64_t rung = 0;
+			for (int i = 0; i < 2; i++) {
+				uint32_t v = bell[i] ? ld_acquire(bell[i])
+						     : (uint32_t)last;
+				uint32_t b = __ballot_sync(
+					0xffffffffu,
+					(int32_t)(v - (uint32_t)last) > 0);
+				rung |= (uint64_t)b << (32 * i);
+				if (b && !k)
+					k = __shfl_sync(0xffffffffu, v,
+							__ffs(b) - 1);
+			}
+			if (rung)
+				break;
+			if ((++idle & 255) == 0 &&
+			    __shfl_sync(0xffffffffu, ld_host(&h->stop), 0))
+				goto out;
+			if (idle > 4096)
+				__nanosleep(idle > 65536 ? 2000 : 200);
+		}
+		const uint64_t end = now_ns() + a.budget_ns;
+		// Phase 1, the rail: this rank (no remote rail peers: a group
+		// with a resident barrier lives on one node).
+		uint64_t notyet = 0;
+		for (uint32_t spins = 0;; spins++) {
+			notyet = 0;
+			for (int i = 0; i < 2; i++) {
+				bool wait = bell[i] &&
+					    (int32_t)(ld_acquire(bell[i]) - k) < 0;
+				notyet |= (uint64_t)__ballot_sync(0xffffffffu,
+								  wait)
+					  << (32 * i);
+			}
+			if (!notyet)
+				break;
+			if ((spins & 1023) == 1023) {
+				if (__shfl_sync(0xffffffffu, ld_host(&h->stop),
+						0))
+					goto out;
+				if (now_ns() > end) {
+					state = EKC_FB_TIMEOUT;
+					missing = notyet;
+					fseq = k;
+					goto out;
+				}
+			}
+		}
+		// Every rank rang exactly k: a later value means its stream
+		// skipped barrier k (ops in another order than the others').
+		uint64_t bad = 0;
+		for (int i = 0; i < 2; i++)
+			bad |= (uint64_t)__ballot_sync(
+				       0xffffffffu,
+				       bell[i] && ld_acquire(bell[i]) != k)
+			       << (32 * i);
+		if (bad) {
+			state = EKC_FB_MISMATCH;
+			missing = bad;
+			fseq = k;
+			goto out;
+		}
+		for (int i = 0; i < 2; i++)
+			if (rail[i]) {
+				__threadfence_system();
+				atomicMax_system(rail[i], k);
+			}
+		// Phase 2, the node: on the phase-1 counters only.
+		for (;;) {
+			uint64_t w = 0;
+			for (int i = 0; i < 2; i++)
+				w |= (uint64_t)__ballot_sync(
+					     0xffffffffu,
+					     rail[i] && (int32_t)(ld_acquire(
+								 rail[i]) -
+							 k) < 0)
+				     << (32 * i);
+			if (!w)
+				break;
+		}
+		last += (uint32_t)(k - (uint32_t)last);
+		count++;
+		// Completion first (see ekc_barrier), then the release.
+		for (int i = 0; i < 2; i++) {
+			uint32_t l = lane + 32 * i;
+			if (!done[i])
+				continue;
+			volatile uint64_t *c =
+				a.completed + (uint64_t)l * a.completed_stride;
+			*c = k;
+			__threadfence_system();
+			atomicMax_system(done[i], k);
+		}
+		if (lane == 0) {
+			h->last = last;
+			h->count = count;
+		}
+	}
+out:
+	if (lane == 0) {
+		h->missing = missing;
+		h->seq = fseq;
+		h->last = last;
+		h->count = count;
+		__threadfence_system();
+		h->state = state;
+	}
 }

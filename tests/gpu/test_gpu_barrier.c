@@ -169,6 +169,12 @@ static int loop_rank(int rank, void *arg)
 		TH_OK(ep_daemon_status(c, &js));
 		s->mps = strstr(js, "\"mps\":true") != NULL;
 		TH_CHECK(strstr(js, "\"backend\":\"cuda\""), "status: %s", js);
+		/* Under MPS barriers run on the resident kernel (no frame to
+		 * the daemon), and it counted them all. */
+		TH_CHECK(!s->mps || strstr(js, "\"resident_barrier\":true"),
+			 "MPS but no resident barrier: %s", js);
+		TH_CHECK(s->mps || strstr(js, "\"resident_barrier\":false"),
+			 "a resident barrier without MPS: %s", js);
 		free(js);
 	}
 	TH_OK(ep_group_sync(g));

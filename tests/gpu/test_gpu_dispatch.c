@@ -250,6 +250,10 @@ static int case_rank(int r, void *arg)
 	if (ns)
 		CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.x_scales), in2[r].scales,
 					    (size_t)me->T * ns * 4, st));
+	/* Barriers between data ops (under MPS: rung on the device, op
+	 * numbers the daemon never sees). */
+	TH_OK(ep_barrier_stream(g, st));
+	TH_OK(ep_barrier_stream(g, st));
 	TH_OK(ep_dispatch_stream(g, me->T, 0, &h, st, &hc2));
 	TH_CHECK(hc2.seq == h.seq, "cached handle");
 	memset(gx2, POISON, cap * H * elt);
@@ -279,6 +283,7 @@ static int case_rank(int r, void *arg)
 	CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.combine_y), ys[r], R * H * 2, st));
 	CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.combine_bias), me->bias,
 				    (size_t)me->T * H * 2, st));
+	TH_OK(ep_barrier_stream(g, st));
 	TH_OK(ep_combine_stream(g, &h, c->bias ? EP_COMBINE_BIAS : 0, st));
 	uint16_t *gcomb = poisoned((size_t)c->max_tokens * H * 2);
 	pin(gcomb, (size_t)c->max_tokens * H * 2);

@@ -267,6 +267,8 @@ static void check_bad_configs(const char *dir)
 		{"log_level = info\n", "-t", "outside a section"},
 		{"[epd]\n", "-t -o timeout_ms", "is not key=value"},
 		{"[epd]\n", "-t -o heartbeat_miss=1", "bad value '1'"},
+		{"[epd]\n", "-t -o cuda_resident_barrier=maybe",
+		 "bad value 'maybe' for 'cuda_resident_barrier'"},
 		{"[epd]\nnode_name = a\npeers = a@127.0.0.1:1, b\n"
 		 "cluster_key_file = %s\n",
 		 "", "'b' is not name@host:port"},
