@@ -297,14 +297,47 @@ void ep__cuda_unmap(ep_group_t *g)
 	g->dev_ptr = 0;
 }
 
-/* Does the daemon run this group's barriers with a resident kernel? */
-static bool fast_barrier(const ep_group_t *g)
+/* The group's features (EPP_FEAT_*), set by the daemon before READY. */
+static uint32_t features(const ep_group_t *g)
 {
+	if (!g->buf || g->cuda_device < 0)
+		return 0;
 	return __atomic_load_n((const uint32_t *)((const uint8_t *)g->buf +
 						  EPP_CTL_GROUP_SLOT +
 						  EPP_CTL_FEATURES),
-			       __ATOMIC_ACQUIRE) &
-	       EPP_FEAT_FAST_BARRIER;
+			       __ATOMIC_ACQUIRE);
+}
+
+/* ekc_ring_wait in the current context: the kernels' module is loaded once
+ * per context (the fatbin is linked into libep). NULL if it cannot be:
+ * the rank then rings and waits with stream memory operations. */
+static CUfunction ring_fn(void)
+{
+	static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+	static struct {
+		CUcontext ctx;
+		CUfunction fn;
+	} cache[16];
+	CUcontext cur = NULL;
+	if (drv.cuCtxGetCurrent(&cur) || !cur)
+		return NULL;
+	CUfunction fn = NULL;
+	pthread_mutex_lock(&mu);
+	int i;
+	for (i = 0; i < 16 && cache[i].ctx && cache[i].ctx != cur; i++)
+		;
+	if (i < 16 && cache[i].ctx == cur) {
+		fn = cache[i].fn;
+	} else if (i < 16) {
+		CUmodule mod;
+		if (!drv.cuModuleLoadData(&mod, ekc_fatbin) &&
+		    drv.cuModuleGetFunction(&fn, mod, "ekc_ring_wait"))
+			fn = NULL;
+		cache[i].ctx = cur;
+		cache[i].fn = fn;
+	}
+	pthread_mutex_unlock(&mu);
+	return fn;
 }
 
 /* The op's frame to the daemon: payload, then its number k. */
@@ -355,16 +388,33 @@ static int async_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 	    (rc = wait_completed(g, MAX_INFLIGHT - 2)))
 		return rc;
 	uint64_t k = g->sent + 1;
+	if (!g->ring_tried && features(g) & EPP_FEAT_KERNEL_WAIT) {
+		g->ring_fn = ring_fn();
+		g->ring_tried = true;
+	}
 	if (type && (rc = send_op(g, type, payload, len, k)))
 		return rc;
 	CUstream s = (CUstream)stream;
-	CUresult r = drv.cuStreamWriteValue32(
-		s, g->dev_ptr + (type ? EKC_DOORBELL : EKC_BAR_DOORBELL),
-		(cuuint32_t)k, 0);
-	if (!r)
-		r = drv.cuStreamWaitValue32(s, g->dev_ptr + EKC_DONE,
-					    (cuuint32_t)k,
-					    CU_STREAM_WAIT_VALUE_GEQ);
+	CUdeviceptr bell = g->dev_ptr + (type ? EKC_DOORBELL : EKC_BAR_DOORBELL);
+	CUresult r;
+	if (g->ring_fn) {
+		struct ekc_ring_args a = {
+			.bell = (uint32_t *)(uintptr_t)bell,
+			.done = (const uint32_t *)(uintptr_t)(g->dev_ptr +
+							      EKC_DONE),
+			.k = (uint32_t)k,
+			.budget_ns = (2ull * (uint64_t)ep__group_op_timeout(g) +
+				      1000) * 1000000ull};
+		void *params[] = {&a};
+		r = drv.cuLaunchKernel((CUfunction)g->ring_fn, 1, 1, 1, 32, 1,
+				       1, 0, s, params, NULL);
+	} else {
+		r = drv.cuStreamWriteValue32(s, bell, (cuuint32_t)k, 0);
+		if (!r)
+			r = drv.cuStreamWaitValue32(s, g->dev_ptr + EKC_DONE,
+						    (cuuint32_t)k,
+						    CU_STREAM_WAIT_VALUE_GEQ);
+	}
 	if (r)
 		return cufail(r, "enqueueing on the stream");
 	g->sent = k;
@@ -381,7 +431,7 @@ int ep_barrier_stream(ep_group_t *g, void *stream)
 		return ep__fail(EP_EINVAL, "NULL group");
 	epp_wr_init(&w, buf, sizeof(buf));
 	epp_put_u64(&w, g->id);
-	if (g->buf && g->cuda_device >= 0 && fast_barrier(g))
+	if (features(g) & EPP_FEAT_FAST_BARRIER)
 		return async_op(g, 0, NULL, 0, stream, &seq);
 	return async_op(g, EPP_BARRIER, buf, 8, stream, &seq);
 }

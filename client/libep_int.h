@@ -36,6 +36,8 @@ struct ep_group {
 	int cuda_device;
 	uint64_t dev_ptr; /* CUdeviceptr of this rank's region */
 	uint64_t dev_handle;
+	void *ring_fn;   /* CUfunction ekc_ring_wait in the rank's context */
+	bool ring_tried; /* looked it up (NULL: memops) */
 	size_t dev_size;
 	uint64_t sent; /* stream-ordered ops enqueued */
 	uint64_t op_err_seen; /* last op error reported */

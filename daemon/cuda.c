@@ -515,7 +515,8 @@ static int fastbar_start(struct epd_group *g, char *err, size_t errlen)
 	c->fb_launched = true;
 	__atomic_store_n((uint32_t *)(g->map + EPP_CTL_GROUP_SLOT +
 				      EPP_CTL_FEATURES),
-			 EPP_FEAT_FAST_BARRIER, __ATOMIC_RELEASE);
+			 EPP_FEAT_FAST_BARRIER | EPP_FEAT_KERNEL_WAIT,
+			 __ATOMIC_RELEASE);
 	epd_info("group %s: resident barrier kernel on GPU %d (MPS)",
 		 g->shape.name, c->dev0);
 	poll_arm(c);

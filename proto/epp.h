@@ -30,7 +30,9 @@
  *        (EPP_CTL_FEATURES). With EPP_FEAT_FAST_BARRIER a GPU rank's
  *        stream-ordered barrier sends no frame: it rings the device
  *        doorbell of a barrier kernel resident for the group's life, and
- *        the op numbers the daemon sees may skip those barriers.
+ *        the op numbers the daemon sees may skip those barriers. With
+ *        EPP_FEAT_KERNEL_WAIT (under MPS) a rank rings and waits with a
+ *        one-thread kernel on its stream instead of stream memory ops.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -144,6 +146,7 @@ struct epp_join_ok {
 #define EPP_CTL_GROUP_SLOT (EPP_BUF_HEADER - EPP_CTL_SLOT)
 #define EPP_CTL_FEATURES 8u
 #define EPP_FEAT_FAST_BARRIER 1u /* barriers by device doorbell alone */
+#define EPP_FEAT_KERNEL_WAIT 2u  /* MPS: ranks ring and wait with a kernel */
 
 /* OK reply to HELLO. */
 struct epp_hello_ok {

@@ -144,6 +144,19 @@ struct ekc_fastbar_args {
 	uint64_t last;                   /* barriers before the kernel */
 };
 
+/* A rank's stream under MPS: ring the doorbell, then wait for done with a
+ * kernel of one thread (stream memory operations wait in the GPU's front
+ * end, which re-polls slowly: ~20 us per barrier measured). The budget only
+ * ends the wait if the daemon itself is gone; a group that fails gets its
+ * done words written far ahead. */
+struct ekc_ring_args {
+	uint32_t *bell;
+	const uint32_t *done;
+	uint32_t k;
+	uint32_t pad;
+	uint64_t budget_ns;
+};
+
 /* Fields of a rank's region, as in enum epp_buf_field (same order). */
 enum {
 	EKC_F_X,

@@ -85,6 +85,21 @@ extern "C" __global__ void ekc_barrier(struct ekc_barrier_args a)
 	atomicMax_system(done, k);
 }
 
+// A rank's stream under MPS: doorbell := k, then wait until done >= k.
+extern "C" __global__ void __launch_bounds__(32) ekc_ring_wait(struct ekc_ring_args a)
+{
+	if (threadIdx.x)
+		return;
+	asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(a.bell),
+		     "r"(a.k)
+		     : "memory");
+	const uint64_t end = now_ns() + a.budget_ns;
+	uint32_t spins = 0;
+	while ((int32_t)(ld_acquire(a.done) - a.k) < 0)
+		if ((++spins & 255) == 0 && now_ns() > end)
+			return;
+}
+
 __device__ static inline uint32_t ld_host(const volatile uint32_t *p)
 {
 	return *p;
