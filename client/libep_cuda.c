@@ -223,6 +223,8 @@ static int ensure_ctx(int dev)
 	return r ? cufail(r, "making a context current") : 0;
 }
 
+static CUfunction ring_fn(void);
+
 int ep__cuda_prepare(int dev, uint8_t uuid[16], uint32_t *rank_flags)
 {
 	int rc = driver();
@@ -242,6 +244,11 @@ int ep__cuda_prepare(int dev, uint8_t uuid[16], uint32_t *rank_flags)
 	int mps = 0;
 	drv.cuDeviceGetAttribute(&mps, CU_DEVICE_ATTRIBUTE_MPS_ENABLED, d);
 	*rank_flags = mps ? EPP_RANK_MPS : 0;
+	/* Under MPS, load the kernels' module now: loading it later, behind
+	 * work the rank already queued (a stream gated on something only
+	 * this rank will do), can wait for that work and deadlock. */
+	if (mps)
+		(void)ring_fn();
 	return 0;
 }
 

@@ -80,7 +80,6 @@ struct cudev {
 	CUmodule mod;
 	CUfunction barrier, fastbar, count, scan, slot, copy, per_expert,
 		combine;
-	int nfb; /* resident barrier kernels running here (one warp each) */
 	size_t gran;
 	int occ_copy, occ_combine; /* resident blocks per SM */
 	uint8_t uuid[16];
@@ -111,7 +110,7 @@ struct epd_cuda_group {
 	bool enq_fast[MAX_INFLIGHT]; /* op run by the resident barrier */
 	uint64_t wait_ns; /* since when some rank's request is missing */
 	/* dispatch scratch (daemon-only device memory) */
-	CUdeviceptr mask, blk, base, err;
+	CUdeviceptr mask, blk, base, err, work;
 	uint32_t tmax, nblk_max;
 	struct route {
 		uint64_t seq; /* the dispatch op; 0: empty */
@@ -187,8 +186,9 @@ static int use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen)
 		D->cuDeviceGetAttribute(&mps, CU_DEVICE_ATTRIBUTE_MPS_ENABLED,
 					d->dev);
 		d->mps = mps;
-		/* A grid of exactly the resident blocks: no second, partial
-		 * wave behind the grid-stride loops. */
+		/* A grid of the resident blocks (warps take tokens from a
+		 * counter, so blocks held back by other kernels cost no
+		 * second wave). */
 		if (D->cuOccupancyMaxActiveBlocksPerMultiprocessor(
 			    &d->occ_copy, d->copy, 256, 0) ||
 		    d->occ_copy < 1)
@@ -511,7 +511,6 @@ static int fastbar_start(struct epd_group *g, char *err, size_t errlen)
 	if (r)
 		return cu_err(r, "launching the resident barrier", err,
 			      errlen);
-	d->nfb++;
 	c->fb_launched = true;
 	__atomic_store_n((uint32_t *)(g->map + EPP_CTL_GROUP_SLOT +
 				      EPP_CTL_FEATURES),
@@ -663,6 +662,10 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 		r = D->cuMemAlloc(&c->base, W * c->nblk_max * W * 4);
 	if (!r)
 		r = D->cuMemAlloc(&c->err, 8);
+	if (!r)
+		r = D->cuMemAlloc(&c->work, MAX_DEV * 4);
+	if (!r)
+		r = D->cuMemsetD32(c->work, 0xffffffffu, MAX_DEV);
 	for (int i = 0; !r && i < EPD_MAX_HANDLES; i++) {
 		r = D->cuMemAlloc(&c->routes[i].slot, W * c->tmax * W * 4);
 		if (!r)
@@ -719,6 +722,7 @@ static CUresult spread(struct epd_group *g, struct ekc_disp_args *a,
 		D->cuCtxSetCurrent(d->ctx);
 		struct ekc_disp_args b = *a;
 		b.rank_mask = c->dev_mask[i];
+		b.work = (uint32_t *)(uintptr_t)c->work + i;
 		unsigned sms = sms_cap < (unsigned)d->sms ? sms_cap
 							  : (unsigned)d->sms;
 		void *params[] = {&b};
@@ -745,18 +749,6 @@ static CUresult join_devs(struct epd_cuda_group *c)
 	return r;
 }
 
-/* The blocks of a grid-stride data kernel: exactly the resident ones, less
- * one per resident barrier warp when all SMs are used (that warp takes a
- * block's registers on its SM, and one block left over would run as a
- * second wave, doubling the kernel's time). */
-static unsigned grid(const struct cudev *d, unsigned sms, unsigned occ)
-{
-	unsigned n = sms * occ;
-	if ((int)sms >= d->sms && d->nfb > 0)
-		n = n > (unsigned)d->nfb ? n - (unsigned)d->nfb : 1;
-	return n;
-}
-
 /* Dispatch or combine k on the group's stream (the doorbells are waited
  * for already). Returns a driver error, or 0. */
 static CUresult enqueue_data(struct epd_group *g, uint64_t k,
@@ -775,6 +767,7 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 		.blk = (uint32_t *)(uintptr_t)c->blk,
 		.base = (uint32_t *)(uintptr_t)c->base,
 		.err = (unsigned long long *)(uintptr_t)c->err,
+		.work = (uint32_t *)(uintptr_t)c->work,
 		.host_ctl = (void *)(uintptr_t)c->ctl_dev};
 	for (uint32_t l = 0; l < W; l++) {
 		a.region[l] = c->ptr[l];
@@ -823,9 +816,8 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 		*what = "combine";
 		r = spread(g, &a, sms, true);
 		if (!r)
-			r = launch(c, d->combine,
-				   grid(d, sms, (unsigned)d->occ_combine), 1, 256,
-				   &a);
+			r = launch(c, d->combine, sms * (unsigned)d->occ_combine,
+				   1, 256, &a);
 		if (!r)
 			r = join_devs(c);
 		return r ? r : D->cuEventRecord(ev[1], c->stream);
@@ -841,8 +833,7 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 	if (!r)
 		r = spread(g, &a, sms, false);
 	if (!r)
-		r = launch(c, d->copy, grid(d, sms, (unsigned)d->occ_copy), 1,
-			   256, &a);
+		r = launch(c, d->copy, sms * (unsigned)d->occ_copy, 1, 256, &a);
 	if (!r)
 		r = join_devs(c);
 	/* per-expert counts are made by ekc_copy */
@@ -917,7 +908,9 @@ static void enqueue_ready(struct epd_group *g)
 		.error = (int32_t *)(uintptr_t)(c->ctl_dev +
 						EPP_CTL_GROUP_SLOT),
 		.budget_ns = (uint64_t)g->timeout_ms * 1000000ull,
-		.rpn = rpn};
+		.rpn = rpn,
+		.work = (uint32_t *)(uintptr_t)c->work,
+		.nwork = (uint32_t)c->ndevs};
 	for (uint32_t l = 0; l < rpn; l++)
 		a.ctrl[l] = c->ptr[l];
 	struct epd_aop *ops[EKC_MAX_LOCAL];
@@ -1200,8 +1193,6 @@ void epd_cuda_group_free(struct epd_group *g)
 				D->cuStreamSynchronize(c->fbstream);
 				D->cuStreamDestroy(c->fbstream);
 			}
-			if (c->fb_launched)
-				g->srv->cuda->dev[c->dev0].nfb--;
 			D->cuStreamSynchronize(c->aux);
 			D->cuStreamSynchronize(c->stream);
 			D->cuStreamDestroy(c->stream);
@@ -1227,7 +1218,7 @@ void epd_cuda_group_free(struct epd_group *g)
 	}
 	if (c->dev0 >= 0 && g->srv->cuda)
 		D->cuCtxSetCurrent(g->srv->cuda->dev[c->dev0].ctx);
-	CUdeviceptr scratch[] = {c->mask, c->blk, c->base, c->err};
+	CUdeviceptr scratch[] = {c->mask, c->blk, c->base, c->err, c->work};
 	for (size_t i = 0; i < sizeof(scratch) / sizeof(scratch[0]); i++)
 		if (scratch[i])
 			D->cuMemFree(scratch[i]);

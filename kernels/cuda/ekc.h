@@ -113,6 +113,8 @@ struct ekc_barrier_args {
 	uint32_t seq;
 	uint32_t nremote;                /* remote rail peers (0: one node) */
 	uint32_t release;                /* 0: only wait (before data kernels) */
+	uint32_t *work;  /* the data kernels' work counters, reset to ~0 */
+	uint32_t nwork;
 };
 
 /* The resident barrier (under MPS): one warp in the daemon's context runs
@@ -200,6 +202,7 @@ struct ekc_disp_args {
 	uint32_t *recv;    /* [W] rows received */
 	int32_t *slot;     /* [W][Tmax][W] the handle's routing */
 	unsigned long long *err; /* first bad (s, t, k), or ~0 */
+	uint32_t *work;    /* next item of copy/combine (this GPU's), from ~0 */
 	void *host_ctl;    /* control page (device view), slots of 256 B */
 	uint32_t W, H, K, E, elt, nscales, Tmax, nblk_max;
 	uint32_t seq;

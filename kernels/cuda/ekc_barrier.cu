@@ -74,6 +74,10 @@ extern "C" __global__ void ekc_barrier(struct ekc_barrier_args a)
 	}
 	if (!a.release)
 		return; // an entry wait before data kernels
+	// the data kernels of this op are done: their counters for the next
+	if (l == 0)
+		for (uint32_t i = 0; i < a.nwork; i++)
+			a.work[i] = ~0u;
 	// Completion for the daemon and the rank's flow control (host
 	// memory), before the release: once the rank's stream sees done, the
 	// resident barrier kernel may write completed = k + 1, which must not

@@ -70,6 +70,20 @@ __device__ static inline void wait_doorbell(const struct ekc_disp_args &a,
 	__threadfence();
 }
 
+// Work is handed out a token (a warp's item) at a time from a counter
+// that starts at ~0 (reset by the op's finishing kernel): blocks that
+// become resident late, behind other kernels sharing the GPU under MPS,
+// just take fewer tokens instead of a second wave. Which warp copies a
+// token does not change a byte of the output.
+__device__ static inline uint64_t next_item(const struct ekc_disp_args &a,
+					    uint32_t lane)
+{
+	uint32_t g = 0;
+	if (lane == 0)
+		g = atomicAdd(a.work, 1u) + 1u;
+	return __shfl_sync(0xffffffffu, g, 0);
+}
+
 extern "C" __global__ void __launch_bounds__(TPB)
 	ekc_count(struct ekc_disp_args a)
 {
@@ -220,10 +234,8 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 	const uint32_t W = a.W, K = a.K, per = a.E / a.W;
 	const uint64_t nvec = (uint64_t)a.H * a.elt / 16;
 	const uint64_t total = masked_total(a);
-	const uint64_t warps = (uint64_t)gridDim.x * (blockDim.x / 32);
-	for (uint64_t g = (uint64_t)blockIdx.x * (blockDim.x / 32) +
-			  (threadIdx.x >> 5);
-	     g < total; g += warps) {
+	for (uint64_t g = next_item(a, lane), gn; g < total; g = gn) {
+		gn = next_item(a, lane); // in flight while this token copies
 		uint64_t t;
 		const uint32_t s = masked_token(a, g, &t); // a source
 		const int32_t *slot = a.slot + ((uint64_t)s * a.Tmax + t) * W;
@@ -378,10 +390,8 @@ extern "C" __global__ void __launch_bounds__(256)
 		__syncthreads();
 	}
 	const uint64_t total = masked_total(a);
-	const uint64_t warps = (uint64_t)gridDim.x * (blockDim.x / 32);
-	for (uint64_t g = (uint64_t)blockIdx.x * (blockDim.x / 32) +
-			  (threadIdx.x >> 5);
-	     g < total; g += warps) {
+	for (uint64_t g = next_item(a, lane), gn; g < total; g = gn) {
+		gn = next_item(a, lane);
 		uint64_t t;
 		const uint32_t h = masked_token(a, g, &t); // a home rank
 		const int32_t *slot = a.slot + ((uint64_t)h * a.Tmax + t) * W;
