@@ -96,6 +96,14 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 		if (parse_u32(v, 0, 1024, 10, &u))
 			return -2;
 		c->cuda_sms = u;
+	} else if (!strcmp(key, "cuda_tma")) {
+		if (!strcmp(v, "yes") || !strcmp(v, "true") || !strcmp(v, "on"))
+			c->cuda_no_tma = false;
+		else if (!strcmp(v, "no") || !strcmp(v, "false") ||
+			 !strcmp(v, "off"))
+			c->cuda_no_tma = true;
+		else
+			return -2;
 	} else if (!strcmp(key, "cuda_resident_barrier")) {
 		if (!strcmp(v, "yes") || !strcmp(v, "true") || !strcmp(v, "on"))
 			c->cuda_no_resident = false;

@@ -78,8 +78,9 @@ struct cudev {
 	CUdevice dev;
 	CUcontext ctx; /* primary context, retained on first use */
 	CUmodule mod;
-	CUfunction barrier, fastbar, count, scan, slot, copy, per_expert,
-		combine;
+	CUfunction barrier, fastbar, count, scan, slot, copy, copy_tma,
+		per_expert, combine;
+	int smem_optin; /* dynamic shared memory a block may opt into */
 	size_t gran;
 	int occ_copy, occ_combine; /* resident blocks per SM */
 	uint8_t uuid[16];
@@ -118,6 +119,10 @@ struct epd_cuda_group {
 		CUdeviceptr slot, recv;
 	} routes[EPD_MAX_HANDLES];
 	uint64_t ndisp;
+	/* dispatch rows by the bulk-copy engine: shared memory per block and
+	 * resident blocks per SM (0: the SIMT copy) */
+	unsigned tma_smem;
+	int occ_tma;
 	/* Several GPUs: each pushes its own ranks' tokens (dispatch) and pulls
 	 * its own ranks' tokens (combine); devs[0] is dev0, whose stream
 	 * orders everything. */
@@ -171,6 +176,7 @@ static int use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen)
 			   {&d->scan, "ekc_scan"},
 			   {&d->slot, "ekc_slot"},
 			   {&d->copy, "ekc_copy"},
+			   {&d->copy_tma, "ekc_copy_tma"},
 			   {&d->per_expert, "ekc_per_expert"},
 			   {&d->combine, "ekc_combine"}};
 		for (size_t f = 0; !r && f < sizeof(fns) / sizeof(fns[0]); f++)
@@ -197,6 +203,15 @@ static int use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen)
 			    &d->occ_combine, d->combine, 256, 0) ||
 		    d->occ_combine < 1)
 			d->occ_combine = 1;
+		D->cuDeviceGetAttribute(
+			&d->smem_optin,
+			CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+			d->dev);
+		if (D->cuFuncSetAttribute(
+			    d->copy_tma,
+			    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+			    d->smem_optin))
+			d->smem_optin = 0; /* the SIMT copy only */
 	}
 	r = D->cuCtxSetCurrent(d->ctx);
 	return r ? cu_err(r, "cuCtxSetCurrent", err, errlen) : 0;
@@ -652,6 +667,19 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 		return cu_err(r, "cuStreamCreate", err, errlen);
 	/* Dispatch scratch: masks, block counts and bases, the error word,
 	 * and a routing (slots, receive counts) per kept handle. */
+	/* Rows of a multiple of 16 bytes, two per warp in shared memory: the
+	 * bulk-copy engine moves them. */
+	size_t rowb = (size_t)g->shape.hidden * g->layout.elt;
+	size_t smem = (size_t)EKC_TMA_WARPS * 2 * rowb;
+	struct cudev *d0 = &cu->dev[c->dev0];
+	if (!g->srv->cfg.cuda_no_tma && rowb % 16 == 0 &&
+	    smem <= (size_t)d0->smem_optin &&
+	    !D->cuOccupancyMaxActiveBlocksPerMultiprocessor(
+		    &c->occ_tma, d0->copy_tma, EKC_TMA_WARPS * 32, smem) &&
+	    c->occ_tma > 0)
+		c->tma_smem = (unsigned)smem;
+	else
+		c->occ_tma = 0;
 	c->tmax = g->shape.max_tokens ? g->shape.max_tokens : 1;
 	c->nblk_max = (c->tmax + 255) / 256;
 	size_t W = rpn;
@@ -706,6 +734,19 @@ static CUresult launch(struct epd_cuda_group *c, CUfunction f, unsigned gx,
 				 params, NULL);
 }
 
+/* The dispatch row copy of one GPU: bulk copies or SIMT. */
+static CUresult launch_copy(struct epd_cuda_group *c, const struct cudev *d,
+			    unsigned sms, CUstream s, void *args)
+{
+	void *params[] = {args};
+	if (c->tma_smem)
+		return D->cuLaunchKernel(d->copy_tma, sms * (unsigned)c->occ_tma,
+					 1, 1, EKC_TMA_WARPS * 32, 1, 1,
+					 c->tma_smem, s, params, NULL);
+	return D->cuLaunchKernel(d->copy, sms * (unsigned)d->occ_copy, 1, 1,
+				 256, 1, 1, 0, s, params, NULL);
+}
+
 /* The other GPUs' part of a copy or combine: each waits for dev0's
  * stream so far, works on its own ranks (rank_mask), and is joined back
  * by join_devs. a->rank_mask is left for dev0's own part. */
@@ -727,12 +768,13 @@ static CUresult spread(struct epd_group *g, struct ekc_disp_args *a,
 							  : (unsigned)d->sms;
 		void *params[] = {&b};
 		r = D->cuStreamWaitEvent(c->dstream[i], c->ev_in, 0);
-		if (!r)
-			r = D->cuLaunchKernel(
-				combine ? d->combine : d->copy,
-				sms * (unsigned)(combine ? d->occ_combine
-							 : d->occ_copy),
-				1, 1, 256, 1, 1, 0, c->dstream[i], params, NULL);
+		if (!r && combine)
+			r = D->cuLaunchKernel(d->combine,
+					      sms * (unsigned)d->occ_combine, 1,
+					      1, 256, 1, 1, 0, c->dstream[i],
+					      params, NULL);
+		else if (!r)
+			r = launch_copy(c, d, sms, c->dstream[i], &b);
 		if (!r)
 			r = D->cuEventRecord(c->ev_out[i], c->dstream[i]);
 	}
@@ -833,7 +875,7 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 	if (!r)
 		r = spread(g, &a, sms, false);
 	if (!r)
-		r = launch(c, d->copy, sms * (unsigned)d->occ_copy, 1, 256, &a);
+		r = launch_copy(c, d, sms, c->stream, &a);
 	if (!r)
 		r = join_devs(c);
 	/* per-expert counts are made by ekc_copy */
@@ -1242,9 +1284,9 @@ void *epd_cuda_group_status(struct epd_group *g)
 	struct epd_cuda_group *c = g->cu;
 	if (!c)
 		return NULL;
-	return json_pack("{s:i, s:i, s:b, s:I, s:I, s:f, s:f}", "gpu",
+	return json_pack("{s:i, s:i, s:b, s:s, s:I, s:I, s:f, s:f}", "gpu",
 			 c->dev0, "gpus", c->ndevs, "resident_barrier",
-			 c->fb_launched,
+			 c->fb_launched, "row_copy", c->tma_smem ? "tma" : "simt",
 			 "ops_enqueued", (json_int_t)c->enqueued,
 			 "ops_completed", (json_int_t)c->completed,
 			 "last_dispatch_us", c->last_us[0], "last_combine_us",

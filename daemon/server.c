@@ -159,6 +159,7 @@ static void on_hup(uv_signal_t *h, int sig)
 		srv->cfg.frame_timeout_ms = c.frame_timeout_ms;
 		srv->cfg.cuda_sms = c.cuda_sms;
 		srv->cfg.cuda_no_resident = c.cuda_no_resident;
+		srv->cfg.cuda_no_tma = c.cuda_no_tma;
 		srv->cfg.nallow = c.nallow;
 		memcpy(srv->cfg.allow_uids, c.allow_uids,
 		       sizeof(c.allow_uids));

@@ -74,7 +74,8 @@
 	X(cuStreamWaitEvent)                                                   \
 	X(cuCtxEnablePeerAccess)                                               \
 	X(cuMemHostAlloc)                                                      \
-	X(cuMemFreeHost)
+	X(cuMemFreeHost)                                                       \
+	X(cuFuncSetAttribute)
 
 struct ekc_driver {
 	void *lib;
@@ -158,6 +159,10 @@ struct ekc_ring_args {
 	uint32_t pad;
 	uint64_t budget_ns;
 };
+
+/* ekc_copy_tma: warps per block; each warp holds two rows in shared
+ * memory. */
+#define EKC_TMA_WARPS 4
 
 /* Fields of a rank's region, as in enum epp_buf_field (same order). */
 enum {

@@ -329,6 +329,172 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 	}
 }
 
+// The same copy through the bulk-copy engine (TMA), for rows of a multiple
+// of 16 bytes that fit twice per warp in shared memory: lane 0 of a warp
+// loads a token's row into shared memory (cp.async.bulk, completion on an
+// mbarrier) while the row before it is still being stored, then stores it
+// to every destination (one bulk store each, no registers in between); the
+// other lanes write the token's scales, top-k, weights and source.
+#define TMA_WARPS EKC_TMA_WARPS
+__device__ static inline uint32_t smem_addr(const void *p)
+{
+	return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ static inline void tma_load(uint32_t dst, const void *src,
+				       uint32_t bytes, uint32_t bar)
+{
+	asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+		     ::"r"(bar), "r"(bytes)
+		     : "memory");
+	asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::"
+		     "complete_tx::bytes [%0], [%1], %2, [%3];"
+		     ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+		     : "memory");
+}
+
+__device__ static inline void tma_wait(uint32_t bar, uint32_t parity)
+{
+	uint32_t ok;
+	do {
+		asm volatile("{ .reg .pred p;\n"
+			     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], "
+			     "%2;\n"
+			     "selp.u32 %0, 1, 0, p; }"
+			     : "=r"(ok)
+			     : "r"(bar), "r"(parity)
+			     : "memory");
+	} while (!ok);
+}
+
+__device__ static inline void tma_store(void *dst, uint32_t src,
+					uint32_t bytes)
+{
+	asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], "
+		     "%2;" ::"l"(dst),
+		     "r"(src), "r"(bytes)
+		     : "memory");
+}
+
+// Scales, top-k, weights and source of token (s, t) at its destinations:
+// (destination, item) pairs spread over the lanes.
+__device__ static inline void copy_meta(const struct ekc_disp_args &a,
+					uint32_t lane, uint32_t s, uint64_t t,
+					const int32_t *slot)
+{
+	const uint32_t W = a.W, K = a.K, per = a.E / a.W;
+	const float *sc = (const float *)field(a, s, EKC_F_SCALES) +
+			  t * a.nscales;
+	for (uint32_t i = lane; i < W * a.nscales; i += 32) {
+		uint32_t d = i / a.nscales, j = i % a.nscales;
+		int32_t r = slot[d];
+		if (r >= 0)
+			((float *)field(a, d, EKC_F_RECV_SCALES))
+				[(uint64_t)r * a.nscales + j] = sc[j];
+	}
+	if (a.cached)
+		return;
+	const int64_t *ti = (const int64_t *)field(a, s, EKC_F_TOPK) + t * K;
+	const float *tw = (const float *)field(a, s, EKC_F_WEIGHTS) + t * K;
+	const bool wts = (a.weights_mask >> s) & 1;
+	for (uint32_t i = lane; i < W * K; i += 32) {
+		uint32_t d = i / K, k = i % K;
+		int32_t r = slot[d];
+		if (r < 0)
+			continue;
+		int64_t e = ti[k];
+		bool local = e >= 0 && (uint32_t)(e / per) == d;
+		((int64_t *)field(a, d, EKC_F_RECV_TOPK))[(uint64_t)r * K + k] =
+			local ? e - (int64_t)d * per : -1;
+		((float *)field(a, d, EKC_F_RECV_WEIGHTS))[(uint64_t)r * K + k] =
+			local && wts ? tw[k] : 0.0f;
+		if (!local)
+			continue;
+		bool dup = false;
+		for (uint32_t j = 0; j < k; j++)
+			dup |= ti[j] == e;
+		if (!dup)
+			atomicAdd((int32_t *)field(a, d, EKC_F_RECV_PE) +
+					  (e - (int64_t)d * per),
+				  1); // a count: order-free
+	}
+	for (uint32_t d = lane; d < W; d += 32) {
+		int32_t r = slot[d];
+		if (r < 0)
+			continue;
+		int32_t *rsrc = (int32_t *)field(a, d, EKC_F_RECV_SRC) +
+				(uint64_t)r * 2;
+		rsrc[0] = (int32_t)s;
+		rsrc[1] = (int32_t)t;
+	}
+}
+
+extern "C" __global__ void __launch_bounds__(TMA_WARPS * 32)
+	ekc_copy_tma(struct ekc_disp_args a)
+{
+	extern __shared__ __align__(128) uint8_t rows[]; // [warp][2][row]
+	__shared__ __align__(8) uint64_t bars[TMA_WARPS][2];
+	if (has_error(a))
+		return; // a bad expert index: change nothing
+	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+	const uint32_t bytes = a.H * a.elt, W = a.W;
+	const uint32_t buf0 = smem_addr(rows + (size_t)warp * 2 * bytes);
+	const uint32_t bar0 = smem_addr(&bars[warp][0]);
+	if (lane == 0) {
+		asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0)
+			     : "memory");
+		asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(
+				     bar0 + 8)
+			     : "memory");
+		asm volatile("fence.mbarrier_init.release.cluster;" ::
+				     : "memory");
+	}
+	__syncwarp();
+	const uint64_t total = masked_total(a);
+	uint32_t phase = 0; // parity bit of each stage's barrier (lane 0)
+	uint32_t st = 0;
+	uint64_t g = next_item(a, lane);
+	uint64_t t;
+	uint32_t s;
+	if (g < total && lane == 0) {
+		s = masked_token(a, g, &t);
+		tma_load(buf0, field(a, s, EKC_F_X) + t * bytes, bytes, bar0);
+	}
+	while (g < total) {
+		const uint64_t gn = next_item(a, lane);
+		s = masked_token(a, g, &t);
+		const int32_t *slot = a.slot + ((uint64_t)s * a.Tmax + t) * W;
+		if (lane == 0) {
+			const uint32_t nxt = st ^ 1;
+			if (gn < total) {
+				// the other stage's stores read it no more
+				asm volatile("cp.async.bulk.wait_group.read 0;" ::
+						     : "memory");
+				uint64_t tn;
+				uint32_t sn = masked_token(a, gn, &tn);
+				tma_load(buf0 + nxt * bytes,
+					 field(a, sn, EKC_F_X) + tn * bytes,
+					 bytes, bar0 + nxt * 8);
+			}
+			tma_wait(bar0 + st * 8, (phase >> st) & 1);
+			phase ^= 1u << st;
+			for (uint32_t d = 0; d < W; d++) {
+				int32_t r = slot[d];
+				if (r >= 0)
+					tma_store(field(a, d, EKC_F_RECV_X) +
+							  (uint64_t)r * bytes,
+						  buf0 + st * bytes, bytes);
+			}
+			asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+		}
+		copy_meta(a, lane, s, t, slot);
+		st ^= 1;
+		g = gn;
+	}
+	if (lane == 0)
+		asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
 // Received rows per local expert, a row once per distinct expert: a
 // histogram per block in shared memory, then one atomic per counter.
 #define PE_MAX 4096

@@ -279,7 +279,14 @@ int main(void)
 			char kv[32];
 			snprintf(kv, sizeof(kv), "cuda_sms=%s", sms[i]);
 			struct th_daemon d;
-			th_daemon_start(&d, "--backend", "cuda", "-o", kv, NULL);
+			/* EPD_BENCH_OPT=key=value: one more daemon option */
+			const char *xo = getenv("EPD_BENCH_OPT");
+			if (xo)
+				th_daemon_start(&d, "--backend", "cuda", "-o",
+						kv, "-o", xo, NULL);
+			else
+				th_daemon_start(&d, "--backend", "cuda", "-o",
+						kv, NULL);
 			s->d = &d;
 			s->fp8 = fp8;
 			pid_t pids[MAXW];
