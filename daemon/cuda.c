@@ -207,7 +207,9 @@ static int use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen)
 			&d->smem_optin,
 			CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
 			d->dev);
-		if (D->cuFuncSetAttribute(
+		d->smem_optin -= 1024; /* the kernel's static shared memory */
+		if (d->smem_optin <= 0 ||
+		    D->cuFuncSetAttribute(
 			    d->copy_tma,
 			    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
 			    d->smem_optin))
@@ -995,8 +997,10 @@ static void enqueue_ready(struct epd_group *g)
 		if (!r && data)
 			r = enqueue_data(g, k, ops, &what);
 		/* Every op ends with the barrier kernel: it releases the ranks
-		 * and publishes completion, after the data in stream order. */
-		a.release = 1;
+		 * and publishes completion, after the data in stream order.
+		 * After data kernels only the release is left: they (or the
+		 * stream, without MPS) waited for every rank's doorbell. */
+		a.release = data ? 2 : 1;
 		if (!r)
 			r = launch(c, cu->dev[c->dev0].barrier, 1, 1, bthreads,
 				   &a);

@@ -113,7 +113,10 @@ struct ekc_barrier_args {
 	uint32_t rpn;
 	uint32_t seq;
 	uint32_t nremote;                /* remote rail peers (0: one node) */
-	uint32_t release;                /* 0: only wait (before data kernels) */
+	uint32_t release;                /* 0: only wait (before data kernels);
+					    1: barrier, then release; 2: only
+					    release (after data kernels, which
+					    waited for every doorbell) */
 	uint32_t *work;  /* the data kernels' work counters, reset to ~0 */
 	uint32_t nwork;
 };

@@ -15,13 +15,6 @@
 
 #include "ekc.h"
 
-__device__ static inline uint32_t ld_acquire(const uint32_t *p)
-{
-	uint32_t v;
-	asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
-	return v;
-}
-
 __device__ static inline uint64_t now_ns(void)
 {
 	uint64_t t;
@@ -29,15 +22,29 @@ __device__ static inline uint64_t now_ns(void)
 	return t;
 }
 
+__device__ static inline uint32_t ld_relaxed(const uint32_t *p)
+{
+	uint32_t v;
+	asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
+	return v;
+}
+
+__device__ static inline void fence_acquire(void)
+{
+	asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+
 // Wait until *p reached k, or the budget ran out: never trap (a trap leaves
 // a sticky error that kills the daemon's context). Returns false on timeout.
+// Relaxed polls, one fence once the value is seen.
 __device__ static bool wait_geq(const uint32_t *p, uint32_t k, uint64_t end)
 {
 	uint32_t spins = 0;
-	while ((int32_t)(ld_acquire(p) - k) < 0) {
+	while ((int32_t)(ld_relaxed(p) - k) < 0) {
 		if ((++spins & 1023) == 0 && now_ns() > end)
 			return false;
 	}
+	fence_acquire();
 	return true;
 }
 
@@ -52,28 +59,31 @@ extern "C" __global__ void ekc_barrier(struct ekc_barrier_args a)
 	uint32_t *done = (uint32_t *)(base + EKC_DONE);
 	const uint32_t k = a.seq;
 
-	// Phase 1: this rail. The doorbell was waited for by the stream; the
-	// check stays so the kernel is correct on its own.
-	const uint64_t end = now_ns() + a.budget_ns;
-	if (!wait_geq(doorbell, k, end)) {
-		*(volatile int32_t *)a.error = (int32_t)(1 + l); /* host */
-		return;
-	}
-	// Monotonic: never below what a release already wrote.
-	__threadfence_system();
-	atomicMax_system(rail, k);
-
-	// Phase 2: the node, on phase-1 counters only.
-	for (uint32_t j = 0; j < a.rpn; j++) {
-		const uint32_t *rj =
-			(const uint32_t *)((uint8_t *)a.ctrl[j] + EKC_RAIL_DONE);
-		if (!wait_geq(rj, k, end)) {
-			*(volatile int32_t *)a.error = (int32_t)(1 + j);
+	// release 2: after data kernels that waited for every rank
+	if (a.release != 2) {
+		// Phase 1: this rail. The doorbell was waited for by the
+		// stream; the check stays so the kernel is correct on its own.
+		const uint64_t end = now_ns() + a.budget_ns;
+		if (!wait_geq(doorbell, k, end)) {
+			*(volatile int32_t *)a.error = (int32_t)(1 + l); /* host */
 			return;
 		}
+		// Monotonic: never below what a release already wrote.
+		__threadfence_system();
+		atomicMax_system(rail, k);
+
+		// Phase 2: the node, on phase-1 counters only.
+		for (uint32_t j = 0; j < a.rpn; j++) {
+			const uint32_t *rj = (const uint32_t *)((uint8_t *)a.ctrl[j] +
+								EKC_RAIL_DONE);
+			if (!wait_geq(rj, k, end)) {
+				*(volatile int32_t *)a.error = (int32_t)(1 + j);
+				return;
+			}
+		}
+		if (!a.release)
+			return; // an entry wait before data kernels
 	}
-	if (!a.release)
-		return; // an entry wait before data kernels
 	// the data kernels of this op are done: their counters for the next
 	if (l == 0)
 		for (uint32_t i = 0; i < a.nwork; i++)
@@ -99,9 +109,10 @@ extern "C" __global__ void __launch_bounds__(32) ekc_ring_wait(struct ekc_ring_a
 		     : "memory");
 	const uint64_t end = now_ns() + a.budget_ns;
 	uint32_t spins = 0;
-	while ((int32_t)(ld_acquire(a.done) - a.k) < 0)
+	while ((int32_t)(ld_relaxed(a.done) - a.k) < 0)
 		if ((++spins & 255) == 0 && now_ns() > end)
 			return;
+	fence_acquire(); // the op's outputs, for what follows on the stream
 }
 
 __device__ static inline uint32_t ld_host(const volatile uint32_t *p)
@@ -142,7 +153,7 @@ extern "C" __global__ void __launch_bounds__(32) ekc_fastbar(struct ekc_fastbar_
 		for (;;) {
 			uint64_t rung = 0;
 			for (int i = 0; i < 2; i++) {
-				uint32_t v = bell[i] ? ld_acquire(bell[i])
+				uint32_t v = bell[i] ? ld_relaxed(bell[i])
 						     : (uint32_t)last;
 				uint32_t b = __ballot_sync(
 					0xffffffffu,
@@ -168,7 +179,7 @@ extern "C" __global__ void __launch_bounds__(32) ekc_fastbar(struct ekc_fastbar_
 			notyet = 0;
 			for (int i = 0; i < 2; i++) {
 				bool wait = bell[i] &&
-					    (int32_t)(ld_acquire(bell[i]) - k) < 0;
+					    (int32_t)(ld_relaxed(bell[i]) - k) < 0;
 				notyet |= (uint64_t)__ballot_sync(0xffffffffu,
 								  wait)
 					  << (32 * i);
@@ -187,13 +198,14 @@ extern "C" __global__ void __launch_bounds__(32) ekc_fastbar(struct ekc_fastbar_
 				}
 			}
 		}
+		fence_acquire();
 		// Every rank rang exactly k: a later value means its stream
 		// skipped barrier k (ops in another order than the others').
 		uint64_t bad = 0;
 		for (int i = 0; i < 2; i++)
 			bad |= (uint64_t)__ballot_sync(
 				       0xffffffffu,
-				       bell[i] && ld_acquire(bell[i]) != k)
+				       bell[i] && ld_relaxed(bell[i]) != k)
 			       << (32 * i);
 		if (bad) {
 			state = EKC_FB_MISMATCH;
@@ -212,13 +224,14 @@ extern "C" __global__ void __launch_bounds__(32) ekc_fastbar(struct ekc_fastbar_
 			for (int i = 0; i < 2; i++)
 				w |= (uint64_t)__ballot_sync(
 					     0xffffffffu,
-					     rail[i] && (int32_t)(ld_acquire(
+					     rail[i] && (int32_t)(ld_relaxed(
 								 rail[i]) -
 							 k) < 0)
 				     << (32 * i);
 			if (!w)
 				break;
 		}
+		fence_acquire();
 		last += (uint32_t)(k - (uint32_t)last);
 		count++;
 		// Completion first (see ekc_barrier), then the release.

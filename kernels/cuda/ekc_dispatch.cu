@@ -124,14 +124,15 @@ extern "C" __global__ void __launch_bounds__(TPB)
 	}
 }
 
-// One block: the block counts are staged through shared memory in chunks
-// (read in parallel), and thread d scans its column in (source, block)
-// order. No chain of dependent global loads.
-#define SCAN_CHUNK 8192
+// One block: warp w scans destination column w (and w + 32, ...) over the
+// (source, block) rows, 32 rows per step with warp shuffles; blocks past a
+// source's tokens count nothing. Then the per-expert counters are cleared
+// by the whole block.
 extern "C" __global__ void __launch_bounds__(1024) ekc_scan(struct ekc_disp_args a)
 {
-	__shared__ uint32_t cnt[SCAN_CHUNK];
+	__shared__ uint32_t tot[EKC_MAX_LOCAL];
 	const uint32_t d = threadIdx.x, W = a.W;
+	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 	uint32_t run = 0;
 	if (a.wait) {
 		// the first kernel that writes outputs: every rank must have
@@ -141,30 +142,40 @@ extern "C" __global__ void __launch_bounds__(1024) ekc_scan(struct ekc_disp_args
 		__syncthreads();
 	}
 	if (!a.cached) {
-		// the (s, b) pairs in order, as rows of W counts
-		const uint64_t rows = (uint64_t)W * a.nblk_max;
-		const uint32_t per_chunk = SCAN_CHUNK / W;
-		for (uint64_t r0 = 0; r0 < rows; r0 += per_chunk) {
-			uint64_t nr = rows - r0 < per_chunk ? rows - r0 : per_chunk;
-			__syncthreads();
-			for (uint64_t i = threadIdx.x; i < nr * W; i += blockDim.x)
-				cnt[i] = a.blk[r0 * W + i];
-			__syncthreads();
-			if (d < W)
-				for (uint64_t r = 0; r < nr; r++) {
-					uint32_t s = (uint32_t)((r0 + r) / a.nblk_max);
-					uint32_t b = (uint32_t)((r0 + r) % a.nblk_max);
-					if (b >= (a.tokens[s] + TPB - 1) / TPB)
-						continue;
-					a.base[(r0 + r) * W + d] = run;
-					run += cnt[r * W + d];
+		const uint32_t nb = a.nblk_max, rows = W * nb;
+		for (uint32_t c = warp; c < W; c += blockDim.x >> 5) {
+			uint32_t sum = 0;
+			for (uint32_t r0 = 0; r0 < rows; r0 += 32) {
+				const uint32_t r = r0 + lane;
+				bool valid = false;
+				uint32_t v = 0;
+				if (r < rows) {
+					const uint32_t s = r / nb, b = r % nb;
+					valid = b < (a.tokens[s] + TPB - 1) / TPB;
+					if (valid)
+						v = a.blk[(uint64_t)r * W + c];
 				}
+				uint32_t x = v; // inclusive scan over the lanes
+				for (uint32_t o = 1; o < 32; o <<= 1) {
+					uint32_t y = __shfl_up_sync(0xffffffffu,
+								    x, o);
+					if (lane >= o)
+						x += y;
+				}
+				if (valid)
+					a.base[(uint64_t)r * W + c] = sum + x - v;
+				sum += __shfl_sync(0xffffffffu, x, 31);
+			}
+			if (lane == 0)
+				tot[c] = sum;
 		}
+		__syncthreads();
+		const uint32_t per = a.E / W;
+		for (uint32_t i = threadIdx.x; i < W * per; i += blockDim.x)
+			((int32_t *)field(a, i / per, EKC_F_RECV_PE))[i % per] = 0;
 		if (d < W) {
+			run = tot[d];
 			a.recv[d] = run;
-			int32_t *pe = (int32_t *)field(a, d, EKC_F_RECV_PE);
-			for (uint32_t j = 0; j < a.E / W; j++)
-				pe[j] = 0;
 		}
 	} else if (d < W) {
 		run = a.recv[d];
