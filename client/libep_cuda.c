@@ -108,11 +108,12 @@ static int wait_completed(ep_group_t *g, uint64_t behind)
 			if (getenv("EP_DEBUG"))
 				fprintf(stderr,
 					"libep: rank %u: sent %llu completed "
-					"%llu (raw %llu)\n",
+					"%llu (raw %llu) done reached %d\n",
 					g->cfg.rank,
 					(unsigned long long)g->sent,
 					(unsigned long long)completed_full(g),
-					(unsigned long long)ep__ctl_completed(g));
+					(unsigned long long)ep__ctl_completed(g),
+					(int)done_reached(g));
 			return ep_group_error(g);
 		}
 		if (now_ms() > end)

@@ -1192,10 +1192,25 @@ void epd_cuda_group_failed(struct epd_group *g)
 				 g->fail_code, __ATOMIC_RELEASE);
 	}
 	fastbar_stop(c);
+	if (c->fb) {
+		char words[256];
+		size_t n = 0;
+		for (uint32_t l = 0; l < rpn && n < sizeof(words) - 24; l++)
+			n += (size_t)snprintf(words + n, sizeof(words) - n,
+					      " %llu",
+					      (unsigned long long)*completed_word(g, l));
+		epd_info("group %s: the resident barrier released %llu "
+			 "barriers, the last %llu; completed words:%s",
+			 g->shape.name,
+			 (unsigned long long)c->fb->count,
+			 (unsigned long long)c->fb->last, words);
+	}
 	if (!c->stream)
 		return;
 	/* Release: every doorbell and done word far ahead of any op a rank
-	 * could have queued, from the aux stream. */
+	 * could have queued, from the aux stream. Not the resident barrier's
+	 * doorbells: it would take a far value for a barrier every rank rang
+	 * and write it as completed (it is told to stop instead). */
 	uint64_t top = known_top(c);
 	for (uint32_t l = 0; l < rpn; l++)
 		if (g->local[l] && g->local[l]->async_seq > top)
@@ -1209,8 +1224,6 @@ void epd_cuda_group_failed(struct epd_group *g)
 			continue;
 		D->cuStreamWriteValue32(c->aux, c->ptr[l] + EKC_DOORBELL, far,
 					0);
-		D->cuStreamWriteValue32(c->aux, c->ptr[l] + EKC_BAR_DOORBELL,
-					far, 0);
 		D->cuStreamWriteValue32(c->aux, c->ptr[l] + EKC_DONE, far, 0);
 	}
 	epd_notice("group %s: released every rank's stream after: %s",
