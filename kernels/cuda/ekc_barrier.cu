@@ -232,10 +232,6 @@ extern "C" __global__ void __launch_bounds__(32) ekc_fastbar(struct ekc_fastbar_
 				break;
 		}
 		fence_acquire();
-		// a failed group's streams are released by the daemon: no
-		// completion from here once it said stop
-		if (__shfl_sync(0xffffffffu, ld_host(&h->stop), 0))
-			goto out;
 		last += (uint32_t)(k - (uint32_t)last);
 		count++;
 		// Completion first (see ekc_barrier), then the release.
