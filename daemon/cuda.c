@@ -741,7 +741,9 @@ static CUresult launch_copy(struct epd_cuda_group *c, const struct cudev *d,
 			    unsigned sms, CUstream s, void *args)
 {
 	void *params[] = {args};
-	if (c->tma_smem)
+	/* Below 32 SMs the SMs' bulk-copy units are the limit (measured:
+	 * 0.48 of D2D at 16 SMs against 0.66 for the SIMT copy). */
+	if (c->tma_smem && sms >= 32)
 		return D->cuLaunchKernel(d->copy_tma, sms * (unsigned)c->occ_tma,
 					 1, 1, EKC_TMA_WARPS * 32, 1, 1,
 					 c->tma_smem, s, params, NULL);
