@@ -736,14 +736,26 @@ static CUresult launch(struct epd_cuda_group *c, CUfunction f, unsigned gx,
 				 params, NULL);
 }
 
+/* SMs' worth of blocks for the data kernels: cuda_sms, or all. */
+static unsigned sms_cap(const struct epd_group *g, const struct cudev *d)
+{
+	unsigned cap = g->srv->cfg.cuda_sms;
+	return cap && (int)cap < d->sms ? cap : (unsigned)d->sms;
+}
+
+/* Below 32 SMs the SMs' bulk-copy units are the limit (measured: 0.48 of
+ * D2D at 16 SMs against 0.66 for the SIMT copy). */
+static bool use_tma(const struct epd_cuda_group *c, unsigned sms)
+{
+	return c->tma_smem && sms >= 32;
+}
+
 /* The dispatch row copy of one GPU: bulk copies or SIMT. */
 static CUresult launch_copy(struct epd_cuda_group *c, const struct cudev *d,
 			    unsigned sms, CUstream s, void *args)
 {
 	void *params[] = {args};
-	/* Below 32 SMs the SMs' bulk-copy units are the limit (measured:
-	 * 0.48 of D2D at 16 SMs against 0.66 for the SIMT copy). */
-	if (c->tma_smem && sms >= 32)
+	if (use_tma(c, sms))
 		return D->cuLaunchKernel(d->copy_tma, sms * (unsigned)c->occ_tma,
 					 1, 1, EKC_TMA_WARPS * 32, 1, 1,
 					 c->tma_smem, s, params, NULL);
@@ -845,9 +857,7 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 	a.recv = (uint32_t *)(uintptr_t)rt->recv;
 	a.cached = !fresh;
 	a.wait = d->mps; /* the kernels wait for the doorbells themselves */
-	unsigned sms = g->srv->cfg.cuda_sms && (int)g->srv->cfg.cuda_sms < d->sms
-			       ? g->srv->cfg.cuda_sms
-			       : (unsigned)d->sms;
+	unsigned sms = sms_cap(g, d);
 	CUresult r;
 	int which = op0->type == EPP_COMBINE;
 	CUevent *ev = c->ev[which];
@@ -1305,7 +1315,10 @@ void *epd_cuda_group_status(struct epd_group *g)
 		return NULL;
 	return json_pack("{s:i, s:i, s:b, s:s, s:I, s:I, s:f, s:f}", "gpu",
 			 c->dev0, "gpus", c->ndevs, "resident_barrier",
-			 c->fb_launched, "row_copy", c->tma_smem ? "tma" : "simt",
+			 c->fb_launched, "row_copy",
+			 use_tma(c, sms_cap(g, &g->srv->cuda->dev[c->dev0]))
+				 ? "tma"
+				 : "simt",
 			 "ops_enqueued", (json_int_t)c->enqueued,
 			 "ops_completed", (json_int_t)c->completed,
 			 "last_dispatch_us", c->last_us[0], "last_combine_us",
