@@ -50,6 +50,11 @@ static int op_error(ep_group_t *g)
 	g->op_err_seen = seq;
 	int code = *(const int32_t *)(sl + EPP_CTL_OP_ERR_CODE);
 	uint64_t pos = *(const uint64_t *)(sl + EPP_CTL_OP_ERR_POS);
+	if (pos == UINT64_MAX) /* found on another node: in its log */
+		return ep__fail(code,
+				"op %llu changed nothing: an expert index out "
+				"of range (the daemons' logs name it)",
+				(unsigned long long)seq);
 	return ep__fail(code,
 			"op %llu changed nothing: expert index out of range "
 			"at rank %llu, token %llu, k %llu",

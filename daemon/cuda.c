@@ -54,6 +54,11 @@ void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
 	(void)m, (void)op;
 }
 void epd_cuda_group_failed(struct epd_group *g) { (void)g; }
+void epd_cuda_staged_reply(struct epd_member *m, int code, const char *msg,
+			   const void *p, uint32_t len)
+{
+	(void)m, (void)code, (void)msg, (void)p, (void)len;
+}
 void epd_cuda_group_free(struct epd_group *g) { (void)g; }
 void *epd_cuda_status(struct epd_server *srv)
 {
@@ -144,6 +149,26 @@ struct epd_cuda_group {
 	struct ekc_fastbar_host *fb;
 	uint64_t fb_counted; /* its barriers already in g->n_barrier */
 	bool fb_launched;
+	/* A group across nodes: each op's data is copied to the group's host
+	 * buffer, runs on the host path with the other nodes, and comes back;
+	 * one op at a time (stage_*). */
+	bool staged;
+	int stage_phase; /* 0: none, 1: inputs copying out, 2: host path */
+	uint64_t stage_k;
+	uint16_t stage_type;
+	bool stage_cached;
+	uint64_t stage_handle; /* combine, cached dispatch: the GPU handle */
+	uint64_t stage_hseq;   /* the host path's routing */
+	uint32_t stage_tokens[EKC_MAX_LOCAL], stage_flags[EKC_MAX_LOCAL];
+	uint32_t stage_recv[EKC_MAX_LOCAL];
+	uint32_t stage_replies;
+	int stage_rc;
+	char stage_err[256];
+	CUevent stage_ev;
+	struct {
+		uint64_t gpu, host;
+	} hmap[EPD_MAX_HANDLES]; /* GPU handle -> host routing */
+	uint64_t nhmap;
 };
 
 static struct ekc_driver *D;
@@ -652,9 +677,14 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 	CUresult r = D->cuEventCreate(&c->ev_in, CU_EVENT_DISABLE_TIMING);
 	if (r)
 		return cu_err(r, "cuEventCreate", err, errlen);
-	r = D->cuMemHostRegister(g->map, EPP_BUF_HEADER,
-					  CU_MEMHOSTREGISTER_DEVICEMAP |
-						  CU_MEMHOSTREGISTER_PORTABLE);
+	/* Across nodes the whole buffer is the staging area of the copies. */
+	c->staged = g->nnodes > 1;
+	r = D->cuMemHostRegister(g->map,
+				 c->staged ? g->buf_size : EPP_BUF_HEADER,
+				 CU_MEMHOSTREGISTER_DEVICEMAP |
+					 CU_MEMHOSTREGISTER_PORTABLE);
+	if (!r && c->staged)
+		r = D->cuEventCreate(&c->stage_ev, CU_EVENT_DISABLE_TIMING);
 	if (r)
 		return cu_err(r, "cuMemHostRegister of the control page", err,
 			      errlen);
@@ -718,6 +748,15 @@ static void poll_arm(struct epd_cuda_group *c)
 		uv_timer_start(&c->poll, poll_cb, POLL_MS, POLL_MS);
 		c->poll_slow = false;
 	}
+}
+
+/* The host routing of a GPU handle (a group across nodes), or 0. */
+static uint64_t hmap_find(const struct epd_cuda_group *c, uint64_t gpu)
+{
+	for (int i = 0; i < EPD_MAX_HANDLES; i++)
+		if (c->hmap[i].gpu == gpu && gpu)
+			return c->hmap[i].host;
+	return 0;
 }
 
 static struct route *route_find(struct epd_cuda_group *c, uint64_t seq)
@@ -928,7 +967,8 @@ static bool ops_agree(struct epd_group *g, uint64_t k,
 	if (ops[0]->type != EPP_BARRIER &&
 	    (ops[0]->type == EPP_COMBINE ||
 	     (ops[0]->flags & EPP_DISPATCH_CACHED)) &&
-	    !route_find(g->cu, ops[0]->handle)) {
+	    !(g->cu->staged ? hmap_find(g->cu, ops[0]->handle) != 0
+			    : route_find(g->cu, ops[0]->handle) != NULL)) {
 		epd_group_fail(g, EP_ESTALE,
 			       "op %llu: handle %llu is unknown or was evicted "
 			       "(the group keeps the last %d dispatches)",
@@ -938,6 +978,287 @@ static bool ops_agree(struct epd_group *g, uint64_t k,
 		return false;
 	}
 	return true;
+}
+
+/* Arguments of the barrier kernel of op k (the group's ranks, control
+ * page, budget, counters); release as in struct ekc_barrier_args. */
+static struct ekc_barrier_args barrier_args(struct epd_group *g, uint64_t k,
+					    uint32_t release)
+{
+	struct epd_cuda_group *c = g->cu;
+	uint32_t rpn = g->shape.ranks_per_node;
+	struct ekc_barrier_args a = {
+		.completed = (uint64_t *)(uintptr_t)(c->ctl_dev +
+						     EPP_CTL_COMPLETED),
+		.completed_stride = EPP_CTL_SLOT / 8,
+		.error = (int32_t *)(uintptr_t)(c->ctl_dev +
+						EPP_CTL_GROUP_SLOT),
+		.budget_ns = (uint64_t)g->timeout_ms * 1000000ull,
+		.rpn = rpn,
+		.seq = (uint32_t)k,
+		.release = release,
+		.work = (uint32_t *)(uintptr_t)c->work,
+		.nwork = (uint32_t)c->ndevs};
+	for (uint32_t l = 0; l < rpn; l++)
+		a.ctrl[l] = c->ptr[l];
+	return a;
+}
+
+/* Across nodes. A field of local rank l: on the device, in host memory. */
+static CUdeviceptr dfield(struct epd_group *g, uint32_t l, int f)
+{
+	return g->cu->ptr[l] + EKC_CTRL_BYTES + g->layout.off[f];
+}
+
+/* Copies of field f of every local rank, rows[l] rows of `per` bytes,
+ * device to host (out) or back. */
+static CUresult stage_copy(struct epd_group *g, int f, const uint32_t *rows,
+			   size_t per, bool out)
+{
+	struct epd_cuda_group *c = g->cu;
+	CUresult r = 0;
+	for (uint32_t l = 0; !r && l < g->shape.ranks_per_node; l++) {
+		size_t n = (size_t)rows[l] * per;
+		if (!n)
+			continue;
+		r = out ? D->cuMemcpyDtoHAsync(epd_region(g, l, f),
+					       dfield(g, l, f), n, c->stream)
+			: D->cuMemcpyHtoDAsync(dfield(g, l, f),
+					       epd_region(g, l, f), n,
+					       c->stream);
+	}
+	return r;
+}
+
+static void enqueue_ready(struct epd_group *g);
+
+/* Op k of a group across nodes, step 1: once every local rank rang, its
+ * inputs are copied to the host buffer; poll_cb sees the copies done. */
+static void stage_begin(struct epd_group *g, uint64_t k,
+			struct epd_aop *const *ops)
+{
+	struct epd_cuda_group *c = g->cu;
+	const uint32_t rpn = g->shape.ranks_per_node, H = g->shape.hidden;
+	const uint32_t K = g->shape.topk, ns = g->layout.nscales;
+	const size_t rowb = (size_t)H * g->layout.elt;
+	const struct epd_aop *op0 = ops[0];
+	uint32_t T[EKC_MAX_LOCAL], R[EKC_MAX_LOCAL], Tw[EKC_MAX_LOCAL];
+	c->stage_type = op0->type;
+	c->stage_cached = op0->type == EPP_DISPATCH &&
+			  (op0->flags & EPP_DISPATCH_CACHED);
+	c->stage_handle = op0->handle;
+	const struct ek_route *rt = NULL;
+	if (op0->type == EPP_COMBINE || c->stage_cached)
+		rt = epd_route_find(g, hmap_find(c, op0->handle));
+	CUresult r = 0;
+	for (uint32_t l = 0; !r && l < rpn; l++) {
+		r = D->cuStreamWaitValue32(c->stream, c->ptr[l] + EKC_DOORBELL,
+					   (cuuint32_t)k,
+					   CU_STREAM_WAIT_VALUE_GEQ);
+		uint32_t rank = g->local[l]->rank;
+		c->stage_flags[l] = ops[l]->flags;
+		c->stage_tokens[l] = rt ? rt->num_tokens[rank] : ops[l]->tokens;
+		T[l] = c->stage_tokens[l];
+		R[l] = rt ? rt->num_recv[rank] : 0;
+		Tw[l] = ops[l]->flags & EPP_DISPATCH_WEIGHTS ? T[l] : 0;
+	}
+	if (!r && op0->type == EPP_DISPATCH) {
+		r = stage_copy(g, EKC_F_X, T, rowb, true);
+		if (!r && ns)
+			r = stage_copy(g, EKC_F_SCALES, T, (size_t)ns * 4, true);
+		if (!r && !c->stage_cached)
+			r = stage_copy(g, EKC_F_TOPK, T, (size_t)K * 8, true);
+		if (!r && !c->stage_cached)
+			r = stage_copy(g, EKC_F_WEIGHTS, Tw, (size_t)K * 4,
+				       true);
+	} else if (!r && op0->type == EPP_COMBINE) {
+		for (uint32_t l = 0; l < rpn; l++)
+			Tw[l] = ops[l]->flags & EPP_COMBINE_BIAS ? T[l] : 0;
+		r = stage_copy(g, EKC_F_Y, R, (size_t)H * 2, true);
+		if (!r)
+			r = stage_copy(g, EKC_F_BIAS, Tw, (size_t)H * 2, true);
+	}
+	if (!r)
+		r = D->cuEventRecord(c->stage_ev, c->stream);
+	if (r) {
+		char err[200];
+		ekc_fail(D, r, "staging op inputs", err, sizeof(err));
+		epd_group_fail(g, EP_EBACKEND, "op %llu: %s",
+			       (unsigned long long)k, err);
+		return;
+	}
+	c->stage_phase = 1;
+	c->stage_k = k;
+	c->enq_fast[k % MAX_INFLIGHT] = false;
+	c->enq_ns[k % MAX_INFLIGHT] = epd_now_ns();
+	if (c->enqueued <= c->completed)
+		c->oldest_ns = c->enq_ns[k % MAX_INFLIGHT];
+	c->enqueued = k;
+	poll_arm(c);
+}
+
+/* Step 2: the inputs are in host memory: the host path with the other
+ * nodes; its results come to epd_cuda_staged_reply. */
+static void stage_host(struct epd_group *g)
+{
+	struct epd_cuda_group *c = g->cu;
+	c->stage_phase = 2;
+	c->stage_replies = 0;
+	c->stage_rc = 0;
+	c->stage_err[0] = 0;
+	switch (c->stage_type) {
+	case EPP_BARRIER:
+		epd_group_staged_barrier(g);
+		break;
+	case EPP_DISPATCH:
+		epd_ops_staged_enter(g, EPP_DISPATCH, c->stage_cached,
+				     c->stage_cached
+					     ? hmap_find(c, c->stage_handle)
+					     : 0,
+				     c->stage_tokens, c->stage_flags);
+		break;
+	default:
+		epd_ops_staged_enter(g, EPP_COMBINE, false,
+				     hmap_find(c, c->stage_handle),
+				     c->stage_tokens, c->stage_flags);
+	}
+}
+
+/* Step 3: the results back to the device, then the release. */
+static void stage_finish(struct epd_group *g)
+{
+	struct epd_cuda_group *c = g->cu;
+	const uint32_t rpn = g->shape.ranks_per_node, H = g->shape.hidden;
+	const uint32_t K = g->shape.topk, ns = g->layout.nscales;
+	const uint64_t k = c->stage_k;
+	c->stage_phase = 0;
+	if (g->state != EPD_G_READY)
+		return; /* failed: the streams were released */
+	char err[256];
+	if (use_dev(g->srv->cuda, c->dev0, err, sizeof(err))) {
+		epd_group_fail(g, EP_EBACKEND, "%s", err);
+		return;
+	}
+	CUresult r = 0;
+	if (c->stage_rc == EP_EEXPERT) {
+		/* that op alone fails, changing nothing (the position is in
+		 * this daemon's log) */
+		epd_warn("group %s: op %llu: %s", g->shape.name,
+			 (unsigned long long)k, c->stage_err);
+		for (uint32_t l = 0; l < rpn; l++) {
+			uint8_t *s = slot(g, l);
+			__atomic_store_n((uint64_t *)(s + EPP_CTL_OP_ERR_POS),
+					 UINT64_MAX, __ATOMIC_RELAXED);
+			__atomic_store_n((int32_t *)(s + EPP_CTL_OP_ERR_CODE),
+					 EP_EEXPERT, __ATOMIC_RELAXED);
+			__atomic_store_n((uint64_t *)(s + EPP_CTL_RECV), 0,
+					 __ATOMIC_RELAXED);
+			__atomic_store_n((uint64_t *)(s + EPP_CTL_RECV_SEQ), k,
+					 __ATOMIC_RELEASE);
+			__atomic_store_n((uint64_t *)(s + EPP_CTL_OP_ERR_SEQ), k,
+					 __ATOMIC_RELEASE);
+		}
+	} else if (c->stage_rc) {
+		epd_group_fail(g, c->stage_rc, "%s", c->stage_err);
+		return;
+	} else if (c->stage_type == EPP_DISPATCH) {
+		if (!c->stage_cached) {
+			c->hmap[c->nhmap % EPD_MAX_HANDLES].gpu = k;
+			c->hmap[c->nhmap++ % EPD_MAX_HANDLES].host =
+				c->stage_hseq;
+		}
+		const uint32_t *R = c->stage_recv;
+		uint32_t pe[EKC_MAX_LOCAL];
+		for (uint32_t l = 0; l < rpn; l++)
+			pe[l] = 1;
+		r = stage_copy(g, EKC_F_RECV_X, R,
+			       (size_t)H * g->layout.elt, false);
+		if (!r && ns)
+			r = stage_copy(g, EKC_F_RECV_SCALES, R, (size_t)ns * 4,
+				       false);
+		if (c->stage_cached) /* rows and scales only */
+			for (uint32_t l = 0; l < rpn; l++)
+				pe[l] = 0;
+		const uint32_t *Rm = c->stage_cached ? pe : R;
+		if (!r)
+			r = stage_copy(g, EKC_F_RECV_TOPK, Rm, (size_t)K * 8,
+				       false);
+		if (!r)
+			r = stage_copy(g, EKC_F_RECV_WEIGHTS, Rm, (size_t)K * 4,
+				       false);
+		if (!r)
+			r = stage_copy(g, EKC_F_RECV_SRC, Rm, 8, false);
+		if (!r)
+			r = stage_copy(g, EKC_F_RECV_PE, pe,
+				       (size_t)g->shape.num_experts /
+					       g->shape.world_size * 4,
+				       false);
+		for (uint32_t l = 0; l < rpn; l++) {
+			uint8_t *s = slot(g, l);
+			__atomic_store_n((uint64_t *)(s + EPP_CTL_RECV), R[l],
+					 __ATOMIC_RELAXED);
+			__atomic_store_n((uint64_t *)(s + EPP_CTL_RECV_SEQ), k,
+					 __ATOMIC_RELEASE);
+		}
+	} else if (c->stage_type == EPP_COMBINE) {
+		r = stage_copy(g, EKC_F_OUT, c->stage_tokens, (size_t)H * 2,
+			       false);
+	}
+	struct ekc_barrier_args a = barrier_args(g, k, 2);
+	if (!r)
+		r = launch(c, g->srv->cuda->dev[c->dev0].barrier, 1, 1,
+			   (rpn + 31) / 32 * 32, &a);
+	if (r) {
+		ekc_fail(D, r, "staging op results", err, sizeof(err));
+		epd_group_fail(g, EP_EBACKEND, "op %llu: %s",
+			       (unsigned long long)k, err);
+		return;
+	}
+	enqueue_ready(g); /* the next op */
+	poll_arm(c);
+}
+
+void epd_cuda_staged_reply(struct epd_member *m, int code, const char *msg,
+			   const void *p, uint32_t len)
+{
+	struct epd_group *g = m->group;
+	struct epd_cuda_group *c = g ? g->cu : NULL;
+	if (!c || c->stage_phase != 2)
+		return;
+	if (code && !c->stage_rc) {
+		c->stage_rc = code;
+		snprintf(c->stage_err, sizeof(c->stage_err), "%s",
+			 msg ? msg : ep_strerror(code));
+	}
+	if (!code && c->stage_type == EPP_DISPATCH && p) {
+		struct epp_dispatch_ok ok;
+		if (epp_dispatch_ok_decode(p, len, &ok) == 0) {
+			c->stage_recv[m->local] = ok.num_recv;
+			c->stage_hseq = ok.handle.seq;
+		}
+	}
+	if (++c->stage_replies == g->shape.ranks_per_node)
+		stage_finish(g);
+}
+
+/* Is some rank's request for the next op missing while another rank's
+ * is in? (wait_ns: since when; poll_cb times it out.) Ops that every rank
+ * asked for and that wait behind a staged op are not missing. */
+static void request_wait(struct epd_group *g)
+{
+	struct epd_cuda_group *c = g->cu;
+	uint64_t lo = UINT64_MAX, hi = 0;
+	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
+		uint64_t a = g->local[l]->async_seq;
+		lo = a < lo ? a : lo;
+		hi = a > hi ? a : hi;
+	}
+	if (g->state == EPD_G_READY && hi > c->enqueued && lo <= c->enqueued) {
+		if (!c->wait_ns)
+			c->wait_ns = epd_now_ns();
+	} else {
+		c->wait_ns = 0;
+	}
 }
 
 /* Enqueue every op that all local ranks asked for. */
@@ -955,6 +1276,19 @@ static void enqueue_ready(struct epd_group *g)
 	char err[256];
 	if (use_dev(cu, c->dev0, err, sizeof(err))) {
 		epd_group_fail(g, EP_EBACKEND, "%s", err);
+		return;
+	}
+	if (c->staged) {
+		/* one op at a time through the host path */
+		if (c->stage_phase || g->state != EPD_G_READY)
+			return;
+		uint64_t k = c->enqueued + 1;
+		struct epd_aop *ops[EKC_MAX_LOCAL];
+		for (uint32_t l = 0; l < rpn; l++)
+			ops[l] = &g->local[l]->aq[k % MAX_INFLIGHT];
+		if (ops_agree(g, k, ops))
+			stage_begin(g, k, ops);
+		request_wait(g);
 		return;
 	}
 	struct ekc_barrier_args a = {
@@ -1065,10 +1399,7 @@ void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
 	m->aq[seq % MAX_INFLIGHT].fast = false;
 	m->async_seq = seq;
 	enqueue_ready(g);
-	if (g->state == EPD_G_READY && seq > c->enqueued && !c->wait_ns)
-		c->wait_ns = epd_now_ns();
-	else if (c->enqueued >= seq)
-		c->wait_ns = 0;
+	request_wait(g);
 	poll_arm(c);
 }
 
@@ -1102,6 +1433,19 @@ static void poll_cb(uv_timer_t *t)
 		return;
 	}
 	refresh_completed(g);
+	if (c->staged && c->stage_phase == 1) {
+		CUresult q = D->cuEventQuery(c->stage_ev);
+		if (q == CUDA_SUCCESS) {
+			stage_host(g);
+			if (g->state != EPD_G_READY)
+				return;
+		} else if (q != CUDA_ERROR_NOT_READY) {
+			char err[200];
+			ekc_fail(D, q, "staging op inputs", err, sizeof(err));
+			epd_group_fail(g, EP_EBACKEND, "%s", err);
+			return;
+		}
+	}
 	if (c->fb) {
 		uint32_t st = __atomic_load_n(&c->fb->state, __ATOMIC_ACQUIRE);
 		uint64_t n = __atomic_load_n(&c->fb->count, __ATOMIC_RELAXED);
@@ -1279,6 +1623,8 @@ void epd_cuda_group_free(struct epd_group *g)
 			D->cuEventDestroy(c->ev[i / 2][i % 2]);
 	if (c->ev_in)
 		D->cuEventDestroy(c->ev_in);
+	if (c->stage_ev)
+		D->cuEventDestroy(c->stage_ev);
 	for (int i = 1; i < c->ndevs; i++) {
 		if (!c->dstream[i])
 			continue;
@@ -1313,8 +1659,9 @@ void *epd_cuda_group_status(struct epd_group *g)
 	struct epd_cuda_group *c = g->cu;
 	if (!c)
 		return NULL;
-	return json_pack("{s:i, s:i, s:b, s:s, s:I, s:I, s:f, s:f}", "gpu",
-			 c->dev0, "gpus", c->ndevs, "resident_barrier",
+	return json_pack("{s:i, s:i, s:b, s:b, s:s, s:I, s:I, s:f, s:f}",
+			 "gpu", c->dev0, "gpus", c->ndevs, "staged", c->staged,
+			 "resident_barrier",
 			 c->fb_launched, "row_copy",
 			 use_tma(c, sms_cap(g, &g->srv->cuda->dev[c->dev0]))
 				 ? "tma"

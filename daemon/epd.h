@@ -25,6 +25,10 @@
 #define EPD_DEFAULT_CONFIG "/etc/epd/epd.conf"
 #define EPD_MAX_ALLOW 32
 #define EPD_MAX_HANDLES 32 /* dispatch routings a group keeps */
+/* pending_req of a GPU rank whose stream-ordered op of a group across
+ * nodes runs through the host path: the result goes to cuda.c, not to a
+ * reply frame */
+#define EPD_REQ_STAGED UINT64_MAX
 
 struct epd_config {
 	char socket_path[108];
@@ -333,6 +337,15 @@ void epd_cuda_op(struct epd_member *m, const struct epd_aop *op);
 /* The group failed: write errors to the control page, release every
  * rank's stream. */
 void epd_cuda_group_failed(struct epd_group *g);
+/* The host path's result for a rank whose pending_req is EPD_REQ_STAGED. */
+void epd_cuda_staged_reply(struct epd_member *m, int code, const char *msg,
+			   const void *p, uint32_t len);
+/* GPU groups across nodes: every local rank entered the op (its inputs
+ * staged in host memory); run it on the host path (group.c, ops.c). */
+void epd_group_staged_barrier(struct epd_group *g);
+void epd_ops_staged_enter(struct epd_group *g, uint16_t type, bool cached,
+			  uint64_t host_seq, const uint32_t *tokens,
+			  const uint32_t *flags);
 void epd_cuda_group_free(struct epd_group *g);
 /* JSON of the devices (a jansson json_t *), or NULL. */
 void *epd_cuda_status(struct epd_server *srv);

@@ -84,6 +84,10 @@ void epd_member_reply_ok(struct epd_member *m, const void *p, uint32_t len)
 	uint64_t req = m->pending_req;
 	m->pending_req = 0;
 	m->pending_type = 0;
+	if (req == EPD_REQ_STAGED) {
+		epd_cuda_staged_reply(m, 0, NULL, p, len);
+		return;
+	}
 	epd_client_send(m->client, EPP_OK, 0, req, p, len, NULL, 0);
 }
 
@@ -92,6 +96,10 @@ void epd_member_reply_err(struct epd_member *m, int code, const char *msg)
 	uint64_t req = m->pending_req;
 	m->pending_req = 0;
 	m->pending_type = 0;
+	if (req == EPD_REQ_STAGED) {
+		epd_cuda_staged_reply(m, code, msg, NULL, 0);
+		return;
+	}
 	epd_client_error(m->client, req, code, "%s", msg);
 }
 
@@ -417,12 +425,6 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 					 self);
 			return EP_EMISMATCH;
 		}
-		if (!epp_uuid_is_zero(j->gpu_uuid)) {
-			epd_client_error(c, req_id, EP_EUNSUPPORTED,
-					 "GPU groups across nodes are not "
-					 "implemented yet");
-			return EP_EUNSUPPORTED;
-		}
 	}
 	struct epd_group *g = epd_group_find(srv, j->name);
 	if (g) {
@@ -546,7 +548,9 @@ int epd_group_leave(struct epd_client *c, uint64_t req_id, uint64_t gid)
 	struct epd_member *m = member_lookup(c, req_id, gid);
 	if (!m)
 		return EP_ENOGROUP;
-	if (m->pending_req) {
+	/* (a stream-ordered op in the host path does not hold a leave: the
+	 * group fails as for any rank leaving with work queued) */
+	if (m->pending_req && m->pending_req != EPD_REQ_STAGED) {
 		epd_client_error(c, req_id, EP_EBUSY,
 				 "an operation of this rank is in flight");
 		return EP_EBUSY;
@@ -590,6 +594,26 @@ static void barrier_progress(struct epd_group *g)
 		if (m && m->pending_type == EPP_BARRIER)
 			epd_member_reply_ok(m, NULL, 0);
 	}
+}
+
+void epd_group_staged_barrier(struct epd_group *g)
+{
+	uint32_t rpn = g->shape.ranks_per_node;
+	g->coll_type = EPP_BARRIER;
+	g->coll_arrived = rpn;
+	for (uint32_t l = 0; l < rpn; l++) {
+		struct epd_member *m = g->local[l];
+		m->barrier_seq++;
+		m->pending_req = EPD_REQ_STAGED;
+		m->pending_type = EPP_BARRIER;
+	}
+	if (epd_group_remote_check(g))
+		return; /* failed, and replied */
+	for (uint32_t l = 0; l < rpn; l++)
+		if (epd_cluster_send_arrival(g, l, g->local[l]->barrier_seq))
+			return;
+	epd_group_arm_timer(g);
+	barrier_progress(g);
 }
 
 void epd_group_arm_timer(struct epd_group *g)

@@ -377,6 +377,28 @@ static void arrive(struct epd_member *m, uint64_t req_id, uint16_t type)
 		job_submit(g);
 }
 
+void epd_ops_staged_enter(struct epd_group *g, uint16_t type, bool cached,
+			  uint64_t host_seq, const uint32_t *tokens,
+			  const uint32_t *flags)
+{
+	uint32_t rpn = g->shape.ranks_per_node;
+	g->coll_type = type;
+	g->coll_cached = cached;
+	g->coll_seq = host_seq;
+	g->coll_arrived = rpn;
+	for (uint32_t l = 0; l < rpn; l++) {
+		struct epd_member *m = g->local[l];
+		m->pending_req = EPD_REQ_STAGED;
+		m->pending_type = type;
+		m->op_tokens = tokens[l];
+		m->op_flags = flags[l];
+	}
+	epd_group_arm_timer(g);
+	if (epd_group_remote_check(g))
+		return; /* failed, and replied */
+	epd_xop_start(g);
+}
+
 int epd_op_dispatch(struct epd_client *c, uint64_t req_id,
 		    const struct epp_dispatch *d)
 {

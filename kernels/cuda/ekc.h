@@ -75,7 +75,8 @@
 	X(cuCtxEnablePeerAccess)                                               \
 	X(cuMemHostAlloc)                                                      \
 	X(cuMemFreeHost)                                                       \
-	X(cuFuncSetAttribute)
+	X(cuFuncSetAttribute)                                                  \
+	X(cuEventQuery)
 
 struct ekc_driver {
 	void *lib;

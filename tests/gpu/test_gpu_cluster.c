@@ -1,0 +1,343 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * GPU groups across nodes: two daemons (nodes n0 and n1, tcp on loopback,
+ * both on this machine's GPU 0) and GPU ranks on each. Every op is
+ * stream-ordered on the ranks' streams; each node stages its ranks' data
+ * through host memory and runs the op with the other node.
+ *
+ * Checked, bitwise against the independent reference for the same global
+ * inputs: dispatch (exact receive counts, every output, rows past the
+ * count still poisoned), cached dispatch of new data, combine with a bias;
+ * a bad expert index on one node fails that op on every rank of both nodes
+ * and changes nothing, and the group goes on; stream-ordered barriers
+ * across the nodes; a node's daemon killed: the other node's ranks get
+ * EP_EPEERLOST on their streams.
+ *
+ * EPD_TEST_SEED repeats a run. Exit 77 without a GPU.
+ */
+#include "gpu_util.h"
+#include "ref.h"
+
+#include <signal.h>
+#include <string.h>
+#include <time.h>
+
+#define POISON 0x5a
+#define NODES 2
+
+struct ctx {
+	struct th_daemon d[NODES];
+	struct ref_case c;
+	int rpn;
+	int index;
+	volatile int entered, killed;
+	char name[32];
+};
+
+static void *poisoned(size_t n)
+{
+	void *p = malloc(n + 1);
+	TH_CHECK(p, "out of memory");
+	memset(p, POISON, n + 1);
+	return p;
+}
+
+static bool all_poison(const void *p, size_t n)
+{
+	const uint8_t *b = p;
+	for (size_t i = 0; i < n; i++)
+		if (b[i] != POISON)
+			return false;
+	return true;
+}
+
+#define SAME(got, want, n, what)                                               \
+	TH_CHECK((n) == 0 || !memcmp(got, want, n),                            \
+		 "%s rank %d: %s differs", x->name, r, what)
+
+static CUdeviceptr dptr(const void *p)
+{
+	return (CUdeviceptr)(uintptr_t)p;
+}
+
+static void down(void *dst, const void *src, size_t n)
+{
+	if (n)
+		CU(tg_drv.cuMemcpyDtoH(dst, dptr(src), n));
+}
+
+static void up(void *dst, const void *src, size_t n)
+{
+	if (n)
+		CU(tg_drv.cuMemcpyHtoD(dptr(dst), src, n));
+}
+
+static int xrank(int r, void *arg)
+{
+	struct ctx *x = arg;
+	const struct ref_case *c = &x->c;
+	const uint32_t W = c->world, H = c->hidden, K = c->topk,
+		       E = c->experts, elt = ref_elt(c);
+	const uint32_t ns = c->dtype == EP_DTYPE_FP8 ? H / 128 : 0;
+	const uint32_t per = E / W;
+	int gpu;
+	CUdeviceptr unused;
+	static uint32_t dummy;
+	CUstream st = tg_rank_init(r, &gpu, &dummy, sizeof(dummy), &unused);
+	struct ref_inputs in[8], in2[8];
+	struct ref_recv exp[8], exp2[8];
+	for (uint32_t s = 0; s < W; s++) {
+		ref_gen_inputs(c, s, 0, &in[s]);
+		ref_gen_inputs(c, s, 1, &in2[s]);
+	}
+	for (uint32_t d = 0; d < W; d++) {
+		ref_dispatch(c, in, d, &exp[d]);
+		ref_dispatch(c, in2, d, &exp2[d]);
+	}
+	const struct ref_inputs *me = &in[r];
+	const uint64_t R = exp[r].R, cap = (uint64_t)W * c->max_tokens;
+	struct ep_group_config cfg = {
+		.name = x->name, .world_size = W,
+		.ranks_per_node = (uint32_t)x->rpn, .rank = (uint32_t)r,
+		.num_experts = E, .hidden = H,
+		.max_tokens_per_rank = c->max_tokens, .topk = K,
+		.dtype = (ep_dtype_t)c->dtype, .timeout_ms = 20000,
+		.cuda_device = gpu};
+	ep_conn_t *conn;
+	ep_group_t *g;
+	TH_OK(ep_connect(x->d[r / x->rpn].sock, &conn));
+	TH_OK(ep_join(conn, &cfg, EP_JOIN_CUDA, &g));
+	struct ep_buffers b;
+	TH_OK(ep_get_buffers(g, &b));
+	CU(tg_drv.cuMemsetD8(dptr(b.recv_x), POISON, cap * H * elt));
+	CU(tg_drv.cuMemsetD8(dptr(b.recv_topk_idx), POISON, cap * K * 8));
+	CU(tg_drv.cuMemsetD8(dptr(b.combined), POISON,
+			     (size_t)c->max_tokens * H * 2));
+
+	/* Stream-ordered barriers across the nodes. */
+	for (int i = 0; i < 20; i++)
+		TH_OK(ep_barrier_stream(g, st));
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_OK(ep_group_sync(g));
+
+	/* A bad expert on node 1's first rank: every rank's op fails,
+	 * nothing is written, and the group goes on. */
+	int64_t *bad = malloc((size_t)me->T * K * 8 + 8);
+	memcpy(bad, me->topk, (size_t)me->T * K * 8);
+	if (r == x->rpn && me->T)
+		bad[0] = E + 3;
+	up(b.topk_idx, bad, (size_t)me->T * K * 8);
+	ep_handle_t hb;
+	TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &hb));
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_EXPECT_RC(ep_group_sync(g), EP_EEXPERT);
+	free(bad);
+	uint8_t *chk = malloc(cap * H * elt + 1);
+	down(chk, b.recv_x, cap * H * elt);
+	TH_CHECK(all_poison(chk, cap * H * elt),
+		 "%s rank %d: a failed dispatch wrote recv_x", x->name, r);
+
+	/* Dispatch. */
+	up(b.x, me->x, (size_t)me->T * H * elt);
+	if (ns)
+		up(b.x_scales, me->scales, (size_t)me->T * ns * 4);
+	up(b.topk_idx, me->topk, (size_t)me->T * K * 8);
+	up(b.topk_weights, me->weights, (size_t)me->T * K * 4);
+	ep_handle_t h;
+	TH_OK(ep_dispatch_stream(g, me->T, c->weights ? EP_DISPATCH_WEIGHTS : 0,
+				 NULL, st, &h));
+	TH_OK(ep_dispatch_recv_count(g, &h));
+	TH_CHECK(h.num_recv == R, "%s rank %d: received %u, want %llu",
+		 x->name, r, h.num_recv, (unsigned long long)R);
+	CU(tg_drv.cuStreamSynchronize(st));
+	down(chk, b.recv_x, cap * H * elt);
+	SAME(chk, exp[r].x, R * H * elt, "recv_x");
+	TH_CHECK(all_poison(chk + R * H * elt, (cap - R) * H * elt),
+		 "%s rank %d: recv_x written past row %llu", x->name, r,
+		 (unsigned long long)R);
+	uint8_t *tmp = malloc(cap * (K * 8 + ns * 4 + 8) + per * 4 + 8);
+	if (ns) {
+		down(tmp, b.recv_x_scales, R * ns * 4);
+		SAME(tmp, exp[r].scales, R * ns * 4, "recv_x_scales");
+	}
+	down(tmp, b.recv_topk_idx, cap * K * 8);
+	SAME(tmp, exp[r].topk, R * K * 8, "recv_topk_idx");
+	TH_CHECK(all_poison(tmp + R * K * 8, (cap - R) * K * 8),
+		 "%s rank %d: recv_topk_idx written past the rows", x->name, r);
+	down(tmp, b.recv_topk_weights, R * K * 4);
+	SAME(tmp, exp[r].weights, R * K * 4, "recv_topk_weights");
+	down(tmp, b.recv_src, R * 8);
+	SAME(tmp, exp[r].src, R * 8, "recv_src");
+	down(tmp, b.num_recv_tokens_per_expert, per * 4);
+	SAME(tmp, exp[r].per_expert, per * 4, "num_recv_tokens_per_expert");
+
+	/* Cached dispatch of new data (a barrier between: the op numbers
+	 * stay in step across the nodes). */
+	TH_OK(ep_barrier_stream(g, st));
+	CU(tg_drv.cuStreamSynchronize(st));
+	up(b.x, in2[r].x, (size_t)me->T * H * elt);
+	if (ns)
+		up(b.x_scales, in2[r].scales, (size_t)me->T * ns * 4);
+	ep_handle_t hc;
+	TH_OK(ep_dispatch_stream(g, me->T, 0, &h, st, &hc));
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_OK(ep_group_sync(g));
+	down(chk, b.recv_x, R * H * elt);
+	SAME(chk, exp2[r].x, R * H * elt, "cached recv_x");
+
+	/* Combine of random rows and a bias along the first handle. */
+	uint16_t *ys[8];
+	for (uint32_t d = 0; d < W; d++)
+		ys[d] = ref_gen_y(c, d, exp[d].R, 7);
+	up(b.combine_y, ys[r], R * H * 2);
+	up(b.combine_bias, me->bias, (size_t)me->T * H * 2);
+	TH_OK(ep_combine_stream(g, &h, c->bias ? EP_COMBINE_BIAS : 0, st));
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_OK(ep_group_sync(g));
+	uint16_t *out = poisoned((size_t)c->max_tokens * H * 2),
+		 *want = calloc((size_t)me->T * H * 2 + 2, 1);
+	down(out, b.combined, (size_t)c->max_tokens * H * 2);
+	ref_combine(c, in, exp, ys, (uint32_t)r, want);
+	SAME(out, want, (size_t)me->T * H * 2, "combined");
+	TH_CHECK(all_poison((uint8_t *)out + (size_t)me->T * H * 2,
+			    (size_t)(c->max_tokens - me->T) * H * 2),
+		 "%s rank %d: combined written past the tokens", x->name, r);
+	if (r == 0) {
+		char *js;
+		TH_OK(ep_daemon_status(conn, &js));
+		TH_CHECK(strstr(js, "\"staged\":true"), "status: %s", js);
+		free(js);
+	}
+	TH_OK(ep_barrier(g)); /* nobody leaves while others work */
+	TH_OK(ep_leave(g));
+	ep_close(conn);
+	return 0;
+}
+
+/* Node 1's daemon dies while node 0's ranks wait on their streams. */
+static int lost_rank(int r, void *arg)
+{
+	struct ctx *x = arg;
+	int gpu;
+	CUdeviceptr unused;
+	static uint32_t dummy;
+	CUstream st = tg_rank_init(r, &gpu, &dummy, sizeof(dummy), &unused);
+	struct ep_group_config cfg = th_group("xlost", 4, (uint32_t)r, 20000);
+	cfg.ranks_per_node = 2;
+	cfg.cuda_device = gpu;
+	ep_conn_t *conn;
+	ep_group_t *g;
+	TH_OK(ep_connect(x->d[r / 2].sock, &conn));
+	TH_OK(ep_join(conn, &cfg, EP_JOIN_CUDA, &g));
+	TH_OK(ep_barrier_stream(g, st));
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_OK(ep_group_sync(g));
+	if (r >= 2) { /* node 1: wait to be killed with its daemon */
+		__atomic_fetch_add(&x->entered, 1, __ATOMIC_SEQ_CST);
+		while (!x->killed)
+			th_sleep_ms(5);
+		return 0;
+	}
+	__atomic_fetch_add(&x->entered, 1, __ATOMIC_SEQ_CST);
+	TH_OK(ep_barrier_stream(g, st));
+	int rc = ep_group_sync(g);
+	TH_CHECK(rc == EP_EPEERLOST, "rank %d: got %d (%s), want peer lost",
+		 r, rc, ep_errmsg());
+	CU(tg_drv.cuStreamSynchronize(st)); /* released */
+	ep_leave(g);
+	ep_close(conn);
+	return 0;
+}
+
+int main(void)
+{
+	th_init("gpu: groups across nodes (staged through host memory)", 400);
+	if (tg_probe())
+		return TH_SKIP;
+	const char *es = getenv("EPD_TEST_SEED");
+	uint64_t seed = es ? strtoull(es, NULL, 0) : (uint64_t)time(NULL);
+	printf("seed %llu\n", (unsigned long long)seed);
+	struct ctx *x = th_shared(sizeof(*x));
+	int port = 21000 + (int)(getpid() % 10000) * 2;
+	char peers[160], key[128], kv[NODES][5][200];
+	snprintf(peers, sizeof(peers), "n0@127.0.0.1:%d, n1@127.0.0.1:%d",
+		 port, port + 1);
+	snprintf(key, sizeof(key), "/tmp/epd-gpu-cluster-%d.key", getpid());
+	FILE *f = fopen(key, "w");
+	TH_CHECK(f, "key file");
+	fprintf(f, "gpu-cluster-test-secret-%d\n", getpid());
+	fclose(f);
+	for (int i = 0; i < NODES; i++) {
+		snprintf(kv[i][0], 200, "node_name=n%d", i);
+		snprintf(kv[i][1], 200, "peers=%s", peers);
+		snprintf(kv[i][2], 200, "cluster_key_file=%s", key);
+		snprintf(kv[i][3], 200, "heartbeat_ms=100");
+		snprintf(kv[i][4], 200, "heartbeat_miss=10");
+		th_daemon_start(&x->d[i], "--backend", "cuda", "-o", kv[i][0],
+				"-o", kv[i][1], "-o", kv[i][2], "-o", kv[i][3],
+				"-o", kv[i][4], NULL);
+	}
+	/* both up in each other's view */
+	for (int t = 0;; t++) {
+		ep_conn_t *c;
+		char *js = NULL;
+		TH_OK(ep_connect(x->d[0].sock, &c));
+		TH_OK(ep_daemon_status(c, &js));
+		ep_close(c);
+		bool ok = strstr(js, "\"SU\"") && strstr(js, "\"US\"");
+		free(js);
+		if (ok)
+			break;
+		TH_CHECK(t < 300, "the nodes never saw each other");
+		th_sleep_ms(20);
+	}
+	struct ref_case cases[] = {
+		{.world = 4, .experts = 32, .hidden = 384, .topk = 6,
+		 .max_tokens = 256, .tokens = {200, 0, 77, 256},
+		 .dtype = EP_DTYPE_BF16, .weights = true, .bias = true},
+		{.world = 4, .experts = 16, .hidden = 512, .topk = 4,
+		 .max_tokens = 128, .tokens = {128, 5, 128, 64},
+		 .dtype = EP_DTYPE_FP8, .weights = true, .bias = true},
+		{.world = 8, .experts = 64, .hidden = 256, .topk = 8,
+		 .max_tokens = 100, .tokens = {100, 1, 50, 0, 99, 100, 3, 64},
+		 .dtype = EP_DTYPE_BF16, .mode = REF_SKIP_RANK, .special = 5,
+		 .bias = true},
+	};
+	for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+		x->c = cases[i];
+		x->c.seed = seed + i;
+		x->rpn = (int)x->c.world / NODES;
+		x->index = (int)i;
+		snprintf(x->name, sizeof(x->name), "gx%zu", i);
+		pid_t pids[8];
+		th_spawn(pids, (int)x->c.world, xrank, x);
+		TH_CHECK(th_wait_all(pids, (int)x->c.world, 120) == 0,
+			 "case %zu failed (seed %llu)", i,
+			 (unsigned long long)x->c.seed);
+		printf("ok: %d nodes x %d GPU ranks, %s: a bad expert failed one "
+		       "op everywhere and changed nothing; dispatch, cached "
+		       "dispatch, combine bitwise equal to the reference; "
+		       "barriers across the nodes\n",
+		       NODES, x->rpn,
+		       x->c.dtype == EP_DTYPE_FP8 ? "fp8" : "bf16");
+	}
+	/* A node's daemon dies: the other node's streams get peer lost. */
+	pid_t pids[4];
+	x->entered = 0;
+	x->killed = 0;
+	th_spawn(pids, 4, lost_rank, x);
+	while (x->entered < 4)
+		th_sleep_ms(5);
+	th_sleep_ms(100);
+	kill(x->d[1].pid, SIGKILL);
+	int bad = th_wait_all(pids, 2, 60);
+	x->killed = 1;
+	th_reap(pids[2], 30);
+	th_reap(pids[3], 30);
+	TH_CHECK(bad == 0, "node 0's ranks did not get peer lost");
+	printf("ok: node 1's daemon killed: node 0's GPU ranks got "
+	       "EP_EPEERLOST on their streams\n");
+	th_daemon_stop(&x->d[0]);
+	unlink(key);
+	return 0;
+}
