@@ -1,6 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The cluster: daemons of other nodes, over the tcp transport (libuv).
+ * The cluster: daemons of other nodes, over the tcp transport (libuv) or
+ * the rdma transport (rdma.c: the same byte stream over an RC queue pair;
+ * its connect request carries version, cluster id, node index and a proof
+ * of the key, checked before a queue pair is made for the peer).
  *
  * Every node lists all nodes in the same order (`peers`); a node's index is
  * its place there. One connection per pair: the lower index connects. Both
@@ -20,6 +23,7 @@
  * counters (group.c).
  */
 #include "epd.h"
+#include "rdma.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -39,7 +43,10 @@
 enum { NODE_DOWN, NODE_UP, NODE_SELF };
 
 struct pconn {
-	uv_tcp_t tcp;
+	uv_tcp_t tcp;            /* tcp */
+	struct epd_rconn *rc;    /* rdma (tcp unused) */
+	uv_timer_t reap;         /* rdma: closed to free the connection */
+	bool rdma;
 	struct list_node node; /* in cluster->conns */
 	struct epd_cluster *cl;
 	int peer;  /* node index once its HELLO arrived, else -1 */
@@ -80,6 +87,8 @@ struct epd_cluster {
 	struct cnode node[MAX_NODES];
 	uint8_t key[32];
 	uv_tcp_t listener;
+	struct epd_rdma *rd; /* the rdma transport, or NULL: tcp */
+	uint8_t cluster_id[8];
 	uv_timer_t tick;
 	struct list_node conns;
 	uint64_t epoch, rejected;
@@ -212,6 +221,25 @@ static void conn_write(struct pconn *c, uint16_t type, const void *a,
 {
 	if (c->closing)
 		return;
+	if (c->rdma) {
+		/* the transport copies: no reference needed */
+		uint8_t *head = malloc(EPP_HDR_SIZE + na);
+		struct epp_hdr h;
+		epp_hdr_init(&h, type, 0);
+		h.length = (uint32_t)(na + nb);
+		if (head) {
+			epp_hdr_encode(&h, head);
+			if (na)
+				memcpy(head + EPP_HDR_SIZE, a, na);
+		}
+		int rc = head && c->rc ? epd_rdma_send(c->rc, head,
+						       EPP_HDR_SIZE + na, b2, nb)
+				       : -1;
+		free(head);
+		if (rc)
+			conn_close(c, "rdma send failed");
+		return;
+	}
 	const size_t copied = na + (ref ? 0 : nb);
 	struct wreq *w = malloc(sizeof(*w) + EPP_HDR_SIZE + copied);
 	if (!w) {
@@ -477,6 +505,8 @@ static void conn_alloc(uv_handle_t *hd, size_t want, uv_buf_t *b)
 	*b = uv_buf_init((char *)c->rbuf + c->rlen, c->rcap - c->rlen);
 }
 
+static void conn_parse(struct pconn *c);
+
 static void conn_read(uv_stream_t *s, ssize_t n, const uv_buf_t *b)
 {
 	struct pconn *c = s->data;
@@ -486,6 +516,12 @@ static void conn_read(uv_stream_t *s, ssize_t n, const uv_buf_t *b)
 		return;
 	}
 	c->rlen += (size_t)n;
+	conn_parse(c);
+}
+
+/* The frames in rbuf (bytes from either transport). */
+static void conn_parse(struct pconn *c)
+{
 	/* any bytes show the peer alive, also the middle of a long frame
 	 * (heartbeats queue behind rows on this connection) */
 	if (c->authed)
@@ -554,7 +590,13 @@ static void conn_close(struct pconn *c, const char *why)
 		if (cl->node[n].state == NODE_UP)
 			node_down(cl, n, why);
 	}
-	uv_close((uv_handle_t *)&c->tcp, conn_freed);
+	if (c->rdma) {
+		epd_rdma_close(c->rc);
+		c->rc = NULL;
+		uv_close((uv_handle_t *)&c->reap, conn_freed);
+	} else {
+		uv_close((uv_handle_t *)&c->tcp, conn_freed);
+	}
 }
 
 static struct pconn *conn_new(struct epd_cluster *cl)
@@ -571,6 +613,152 @@ static struct pconn *conn_new(struct epd_cluster *cl)
 	list_add_tail(&cl->conns, &c->node);
 	return c;
 }
+
+static struct pconn *conn_new_rdma(struct epd_cluster *cl)
+{
+	struct pconn *c = calloc(1, sizeof(*c));
+	if (!c)
+		return NULL;
+	c->cl = cl;
+	c->rdma = true;
+	c->peer = c->target = -1;
+	c->born_ns = epd_now_ns();
+	uv_timer_init(cl->srv->loop, &c->reap);
+	c->reap.data = c;
+	list_add_tail(&cl->conns, &c->node);
+	return c;
+}
+
+/* The rdma connect request's private data: magic, version, cluster id (a
+ * hash of the key), the dialling node's index, and a proof: HMAC-SHA256
+ * (key, "epd-rdma" || cluster id || index), first 16 bytes. A stranger or
+ * another cluster is rejected before a queue pair exists for it; the
+ * HELLO/AUTH exchange with fresh nonces follows on the stream, as on
+ * tcp (the proof alone could be replayed). */
+#define PD_MAGIC 0x52445045u /* "EPDR" */
+#define PD_LEN 36
+
+static void pd_proof(const struct epd_cluster *cl, uint32_t index,
+		     uint8_t out[16])
+{
+	uint8_t msg[20], mac[MAC];
+	memcpy(msg, "epd-rdma", 8);
+	memcpy(msg + 8, cl->cluster_id, 8);
+	memcpy(msg + 16, &index, 4);
+	crypto_auth_hmacsha256(mac, msg, sizeof(msg), cl->key);
+	memcpy(out, mac, 16);
+}
+
+static size_t pd_make(const struct epd_cluster *cl, uint8_t *p)
+{
+	struct epp_wr w;
+	epp_wr_init(&w, p, PD_LEN);
+	epp_put_u32(&w, PD_MAGIC);
+	epp_put_u16(&w, EPP_VERSION_MAJOR);
+	epp_put_u16(&w, EPP_VERSION_MINOR);
+	for (int i = 0; i < 8; i++)
+		epp_put_u8(&w, cl->cluster_id[i]);
+	epp_put_u32(&w, (uint32_t)cl->self);
+	uint8_t pr[16];
+	pd_proof(cl, (uint32_t)cl->self, pr);
+	for (int i = 0; i < 16; i++)
+		epp_put_u8(&w, pr[i]);
+	return w.off;
+}
+
+/* 0, or why the request is refused. */
+static const char *pd_check(const struct epd_cluster *cl, const uint8_t *p,
+			    size_t len, uint32_t *index)
+{
+	uint32_t magic, idx;
+	uint16_t major;
+	if (len < PD_LEN)
+		return "no epd connect data";
+	memcpy(&magic, p, 4);
+	memcpy(&major, p + 4, 2);
+	magic = le32toh(magic);
+	major = le16toh(major);
+	if (magic != PD_MAGIC)
+		return "no epd connect data";
+	if (major != EPP_VERSION_MAJOR)
+		return "another protocol major version";
+	if (memcmp(p + 8, cl->cluster_id, 8))
+		return "another cluster (cluster id)";
+	memcpy(&idx, p + 16, 4);
+	idx = le32toh(idx);
+	if ((int)idx >= cl->n || (int)idx == cl->self)
+		return "an unknown node index";
+	uint8_t pr[16];
+	pd_proof(cl, idx, pr);
+	if (sodium_memcmp(pr, p + 20, 16))
+		return "a wrong proof of the cluster key";
+	*index = idx;
+	return NULL;
+}
+
+static void *rd_request(void *arg, struct epd_rconn *rc, const void *pdata,
+			uint8_t len)
+{
+	struct epd_cluster *cl = arg;
+	uint32_t idx;
+	const char *why = cl->stopping ? "stopping" : pd_check(cl, pdata, len,
+							       &idx);
+	if (why) {
+		cl->rejected++;
+		epd_warn("cluster: rdma connect request rejected: %s", why);
+		return NULL;
+	}
+	struct pconn *c = conn_new_rdma(cl);
+	if (!c)
+		return NULL;
+	c->rc = rc;
+	snprintf(c->addr, sizeof(c->addr), "rdma from node %u", idx);
+	return c;
+}
+
+static void rd_established(void *arg, void *user)
+{
+	(void)arg;
+	send_hello(user);
+}
+
+static void rd_bytes(void *arg, void *user, const uint8_t *p, size_t n)
+{
+	struct pconn *c = user;
+	(void)arg;
+	if (c->closing)
+		return;
+	if (c->rcap - c->rlen < n) {
+		size_t ncap = c->rcap ? c->rcap : 8192;
+		while (ncap - c->rlen < n)
+			ncap *= 2;
+		uint8_t *nb = realloc(c->rbuf, ncap);
+		if (!nb) {
+			conn_close(c, "out of memory");
+			return;
+		}
+		c->rbuf = nb;
+		c->rcap = ncap;
+	}
+	memcpy(c->rbuf + c->rlen, p, n);
+	c->rlen += n;
+	conn_parse(c);
+}
+
+static void rd_closed(void *arg, void *user, const char *why)
+{
+	struct pconn *c = user;
+	(void)arg;
+	c->rc = NULL; /* gone already */
+	conn_close(c, why);
+}
+
+static const struct epd_rdma_ops rd_ops = {
+	.request = rd_request,
+	.established = rd_established,
+	.bytes = rd_bytes,
+	.closed = rd_closed,
+};
 
 static void on_accept(uv_stream_t *ls, int status)
 {
@@ -680,6 +868,22 @@ static void dial_addr(struct epd_cluster *cl, int n,
 		      const struct sockaddr_storage *sa)
 {
 	struct cnode *nd = &cl->node[n];
+	if (cl->rd) {
+		struct pconn *c = conn_new_rdma(cl);
+		if (!c)
+			return;
+		c->target = n;
+		snprintf(c->addr, sizeof(c->addr), "rdma %s:%d", nd->host,
+			 nd->port);
+		nd->conn = c;
+		uint8_t pd[PD_LEN];
+		size_t pl = pd_make(cl, pd);
+		c->rc = epd_rdma_dial(cl->rd, (const struct sockaddr *)sa, pd,
+				      (uint8_t)pl, c);
+		if (!c->rc)
+			conn_close(c, "rdma dial failed");
+		return;
+	}
 	struct pconn *c = conn_new(cl);
 	if (!c)
 		return;
@@ -749,11 +953,13 @@ int epd_cluster_init(struct epd_server *srv, char *err, size_t errlen)
 	const struct epd_config *cfg = &srv->cfg;
 	if (!cfg->peers[0])
 		return 0;
-	if (!strcmp(cfg->transport, "rdma")) {
-		snprintf(err, errlen, "transport rdma is not implemented yet; "
-				      "use tcp (or auto)");
+	char rwhy[160];
+	bool rdma_ok = epd_rdma_available(rwhy, sizeof(rwhy));
+	if (!strcmp(cfg->transport, "rdma") && !rdma_ok) {
+		snprintf(err, errlen, "transport rdma: %s", rwhy);
 		return -1;
 	}
+	bool use_rdma = rdma_ok && strcmp(cfg->transport, "tcp");
 	if (sodium_init() < 0) {
 		snprintf(err, errlen, "libsodium failed to initialize");
 		return -1;
@@ -773,6 +979,10 @@ int epd_cluster_init(struct epd_server *srv, char *err, size_t errlen)
 	}
 	if (load_key(cl, cfg->cluster_key_file, err, errlen))
 		goto err;
+	uint8_t idh[32];
+	crypto_generichash(idh, sizeof(idh), cl->key, sizeof(cl->key),
+			   (const uint8_t *)"epd-cluster-id", 14);
+	memcpy(cl->cluster_id, idh, 8);
 	cl->node[cl->self].state = NODE_SELF;
 	struct sockaddr_storage sa;
 	struct cnode *me = &cl->node[cl->self];
@@ -791,10 +1001,22 @@ int epd_cluster_init(struct epd_server *srv, char *err, size_t errlen)
 		}
 		freeaddrinfo(res);
 	}
+	if (use_rdma) {
+		cl->rd = epd_rdma_new(srv->loop, &rd_ops, cl, err, errlen);
+		if (!cl->rd)
+			goto err;
+		if (epd_rdma_listen(cl->rd, (struct sockaddr *)&sa, err,
+				    errlen)) {
+			epd_rdma_free(cl->rd);
+			goto err;
+		}
+	}
 	uv_tcp_init(srv->loop, &cl->listener);
 	cl->listener.data = cl;
-	int rc = uv_tcp_bind(&cl->listener, (struct sockaddr *)&sa, 0);
-	if (!rc)
+	int rc = use_rdma ? 0
+			  : uv_tcp_bind(&cl->listener, (struct sockaddr *)&sa,
+					0);
+	if (!rc && !use_rdma)
 		rc = uv_listen((uv_stream_t *)&cl->listener, 64, on_accept);
 	if (rc) {
 		snprintf(err, errlen, "peer port %s:%d: %s", me->host,
@@ -806,10 +1028,11 @@ int epd_cluster_init(struct epd_server *srv, char *err, size_t errlen)
 	cl->tick.data = cl;
 	uv_timer_start(&cl->tick, on_tick, 1, cfg->heartbeat_ms);
 	srv->cluster = cl;
-	epd_notice("cluster: node %s, index %d of %d, tcp on %s:%d, "
-		   "heartbeat %u ms x %u",
-		   me->name, cl->self, cl->n, me->host, me->port,
-		   cfg->heartbeat_ms, cfg->heartbeat_miss);
+	epd_notice("cluster: node %s, index %d of %d, %s on %s:%d, "
+		   "heartbeat %u ms x %u%s%s",
+		   me->name, cl->self, cl->n, use_rdma ? "rdma" : "tcp",
+		   me->host, me->port, cfg->heartbeat_ms, cfg->heartbeat_miss,
+		   use_rdma ? "" : "; rdma: ", use_rdma ? "" : rwhy);
 	return 0;
 err:
 	free(cl);
@@ -832,6 +1055,8 @@ void epd_cluster_stop(struct epd_server *srv)
 	}
 	uv_close((uv_handle_t *)&cl->listener, NULL);
 	uv_close((uv_handle_t *)&cl->tick, NULL);
+	epd_rdma_free(cl->rd);
+	cl->rd = NULL;
 }
 
 void epd_cluster_free(struct epd_server *srv)
@@ -971,7 +1196,8 @@ void *epd_cluster_status(struct epd_server *srv)
 	return json_pack("{s:s, s:i, s:i, s:I, s:s, s:s, s:I, s:o, s:o}",
 			 "node", cl->node[cl->self].name, "index", cl->self,
 			 "nodes", cl->n, "view_epoch", (json_int_t)cl->epoch,
-			 "transport", "tcp", "row", row, "rejected",
+			 "transport", cl->rd ? "rdma" : "tcp", "row", row,
+			 "rejected",
 			 (json_int_t)cl->rejected, "peers", peers, "matrix",
 			 matrix);
 }

@@ -988,6 +988,16 @@ int main(void)
 		th_sleep_ms(10);
 	}
 	printf("ok: 3 daemons see each other; node 0's matrix: SUU/USU/UUS\n");
+	if (access("/sys/class/infiniband", F_OK) != 0) {
+		/* transport auto without an RDMA device: tcp */
+		json_t *cl = cluster_of(0);
+		const char *tr = json_string_value(
+			json_object_get(cl, "transport"));
+		TH_CHECK(tr && !strcmp(tr, "tcp"), "transport %s, want tcp",
+			 tr ? tr : "(none)");
+		json_decref(cl);
+		printf("ok: transport auto without an RDMA device is tcp\n");
+	}
 
 	check_late(2, 2);
 	check_late(3, 2);
