@@ -49,7 +49,8 @@ struct epd_rdma {
 	struct rdma_event_channel *ch;
 	struct rdma_cm_id *listener;
 	uv_poll_t poll;
-	bool closing;
+	int nconn; /* connections not yet freed (their ids use ch) */
+	bool closing, poll_closed;
 };
 
 struct epd_rconn {
@@ -274,13 +275,14 @@ static struct epd_rconn *rconn_new(struct epd_rdma *rd,
 	uv_timer_init(rd->loop, &rc->reaper);
 	rc->reaper.data = rc;
 	rc->handles = 1;
+	rd->nconn++;
 	return rc;
 }
 
 static void cm_event(struct epd_rdma *rd, struct rdma_cm_event *ev)
 {
 	struct epd_rconn *rc = ev->id->context;
-	char why[160];
+	char why[160] = "";
 	switch (ev->event) {
 	case RDMA_CM_EVENT_CONNECT_REQUEST: {
 		const struct rdma_conn_param *p = &ev->param.conn;
@@ -338,8 +340,11 @@ static void cm_event(struct epd_rdma *rd, struct rdma_cm_event *ev)
 	}
 }
 
+static void rdma_maybe_free(struct epd_rdma *rd);
+
 static void rconn_free(struct epd_rconn *rc)
 {
+	struct epd_rdma *rd = rc->rd;
 	if (rc->qp)
 		rdma_destroy_qp(rc->id);
 	if (rc->mr)
@@ -355,6 +360,8 @@ static void rconn_free(struct epd_rconn *rc)
 	free(rc->mem);
 	free(rc->pend);
 	free(rc);
+	rd->nconn--;
+	rdma_maybe_free(rd);
 }
 
 static void on_cm(uv_poll_t *p, int status, int events)
@@ -477,13 +484,22 @@ void epd_rdma_close(struct epd_rconn *rc)
 	uv_close((uv_handle_t *)&rc->reaper, handle_closed);
 }
 
-static void cm_poll_closed(uv_handle_t *h)
+/* The channel goes last: after every id made on it. */
+static void rdma_maybe_free(struct epd_rdma *rd)
 {
-	struct epd_rdma *rd = h->data;
+	if (!rd->closing || !rd->poll_closed || rd->nconn > 0)
+		return;
 	if (rd->listener)
 		rdma_destroy_id(rd->listener);
 	rdma_destroy_event_channel(rd->ch);
 	free(rd);
+}
+
+static void cm_poll_closed(uv_handle_t *h)
+{
+	struct epd_rdma *rd = h->data;
+	rd->poll_closed = true;
+	rdma_maybe_free(rd);
 }
 
 void epd_rdma_free(struct epd_rdma *rd)
