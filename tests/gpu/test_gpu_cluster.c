@@ -259,7 +259,10 @@ int main(void)
 	printf("seed %llu\n", (unsigned long long)seed);
 	struct ctx *x = th_shared(sizeof(*x));
 	int port = 21000 + (int)(getpid() % 10000) * 2;
-	char peers[160], key[128], kv[NODES][5][200];
+	char peers[160], key[128], kv[NODES][6][200];
+	/* EPD_TEST_TRANSPORT=rdma where a device exists; tcp by default */
+	const char *tr = getenv("EPD_TEST_TRANSPORT") ? getenv("EPD_TEST_TRANSPORT")
+						      : "tcp";
 	snprintf(peers, sizeof(peers), "n0@127.0.0.1:%d, n1@127.0.0.1:%d",
 		 port, port + 1);
 	snprintf(key, sizeof(key), "/tmp/epd-gpu-cluster-%d.key", getpid());
@@ -273,9 +276,10 @@ int main(void)
 		snprintf(kv[i][2], 200, "cluster_key_file=%s", key);
 		snprintf(kv[i][3], 200, "heartbeat_ms=100");
 		snprintf(kv[i][4], 200, "heartbeat_miss=10");
+		snprintf(kv[i][5], 200, "transport=%s", tr);
 		th_daemon_start(&x->d[i], "--backend", "cuda", "-o", kv[i][0],
 				"-o", kv[i][1], "-o", kv[i][2], "-o", kv[i][3],
-				"-o", kv[i][4], NULL);
+				"-o", kv[i][4], "-o", kv[i][5], NULL);
 	}
 	/* both up in each other's view */
 	for (int t = 0;; t++) {
@@ -314,11 +318,11 @@ int main(void)
 		TH_CHECK(th_wait_all(pids, (int)x->c.world, 120) == 0,
 			 "case %zu failed (seed %llu)", i,
 			 (unsigned long long)x->c.seed);
-		printf("ok: %d nodes x %d GPU ranks, %s: a bad expert failed one "
+		printf("ok: %d nodes x %d GPU ranks (%s), %s: a bad expert failed one "
 		       "op everywhere and changed nothing; dispatch, cached "
 		       "dispatch, combine bitwise equal to the reference; "
 		       "barriers across the nodes\n",
-		       NODES, x->rpn,
+		       NODES, x->rpn, tr,
 		       x->c.dtype == EP_DTYPE_FP8 ? "fp8" : "bf16");
 	}
 	/* A node's daemon dies: the other node's streams get peer lost. */
