@@ -168,7 +168,7 @@ static void on_cq(uv_poll_t *p, int status, int events)
 		}
 	}
 	struct ibv_wc wc[16];
-	int n;
+	int n = 0;
 	while (!rc->closing && (n = ibv_poll_cq(rc->cq, 16, wc)) > 0) {
 		for (int i = 0; i < n && !rc->closing; i++) {
 			if (wc[i].status != IBV_WC_SUCCESS) {
