@@ -109,9 +109,14 @@ extern "C" __global__ void __launch_bounds__(32) ekc_ring_wait(struct ekc_ring_a
 		     : "memory");
 	const uint64_t end = now_ns() + a.budget_ns;
 	uint32_t spins = 0;
-	while ((int32_t)(ld_relaxed(a.done) - a.k) < 0)
+	while ((int32_t)(ld_relaxed(a.done) - a.k) < 0) {
 		if ((++spins & 255) == 0 && now_ns() > end)
 			return;
+		// a long wait (a dispatch) polls gently: the SM's issue slots
+		// and L2 are the daemon's kernels' meanwhile
+		if (spins > 64)
+			__nanosleep(200);
+	}
 	fence_acquire(); // the op's outputs, for what follows on the stream
 }
 
@@ -168,7 +173,9 @@ extern "C" __global__ void __launch_bounds__(32) ekc_fastbar(struct ekc_fastbar_
 			if ((++idle & 255) == 0 &&
 			    __shfl_sync(0xffffffffu, ld_host(&h->stop), 0))
 				goto out;
-			if (idle > 4096)
+			// idle: poll gently (the daemon's data kernels may be
+			// running); ~0.2 us added to a barrier's start
+			if (idle > 64)
 				__nanosleep(idle > 65536 ? 2000 : 200);
 		}
 		const uint64_t end = now_ns() + a.budget_ns;
