@@ -27,6 +27,20 @@ void epd_config_defaults(struct epd_config *c)
 	c->heartbeat_miss = 4;
 }
 
+/* yes/true/on or no/false/off. */
+static int parse_bool(const char *v, bool *out)
+{
+	static const char *const yes[] = {"yes", "true", "on"},
+				 *const no[] = {"no", "false", "off"};
+	for (int i = 0; i < 3; i++) {
+		if (!strcmp(v, yes[i]))
+			return *out = true, 0;
+		if (!strcmp(v, no[i]))
+			return *out = false, 0;
+	}
+	return -1;
+}
+
 static int parse_u32(const char *v, uint32_t min, uint32_t max, int base,
 		     uint32_t *out)
 {
@@ -97,21 +111,15 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 			return -2;
 		c->cuda_sms = u;
 	} else if (!strcmp(key, "cuda_tma")) {
-		if (!strcmp(v, "yes") || !strcmp(v, "true") || !strcmp(v, "on"))
-			c->cuda_no_tma = false;
-		else if (!strcmp(v, "no") || !strcmp(v, "false") ||
-			 !strcmp(v, "off"))
-			c->cuda_no_tma = true;
-		else
+		bool b;
+		if (parse_bool(v, &b))
 			return -2;
+		c->cuda_no_tma = !b;
 	} else if (!strcmp(key, "cuda_resident_barrier")) {
-		if (!strcmp(v, "yes") || !strcmp(v, "true") || !strcmp(v, "on"))
-			c->cuda_no_resident = false;
-		else if (!strcmp(v, "no") || !strcmp(v, "false") ||
-			 !strcmp(v, "off"))
-			c->cuda_no_resident = true;
-		else
+		bool b;
+		if (parse_bool(v, &b))
 			return -2;
+		c->cuda_no_resident = !b;
 	} else if (!strcmp(key, "node_name")) {
 		if (!*v || strlen(v) >= sizeof(c->node_name))
 			return -2;

@@ -1291,18 +1291,7 @@ static void enqueue_ready(struct epd_group *g)
 		request_wait(g);
 		return;
 	}
-	struct ekc_barrier_args a = {
-		.completed = (uint64_t *)(uintptr_t)(c->ctl_dev +
-						     EPP_CTL_COMPLETED),
-		.completed_stride = EPP_CTL_SLOT / 8,
-		.error = (int32_t *)(uintptr_t)(c->ctl_dev +
-						EPP_CTL_GROUP_SLOT),
-		.budget_ns = (uint64_t)g->timeout_ms * 1000000ull,
-		.rpn = rpn,
-		.work = (uint32_t *)(uintptr_t)c->work,
-		.nwork = (uint32_t)c->ndevs};
-	for (uint32_t l = 0; l < rpn; l++)
-		a.ctrl[l] = c->ptr[l];
+	struct ekc_barrier_args a = barrier_args(g, 0, 1);
 	struct epd_aop *ops[EKC_MAX_LOCAL];
 	for (uint64_t k = c->enqueued + 1; k <= upto; k++) {
 		/* a number a rank skipped: a barrier it rang on the device */

@@ -234,159 +234,6 @@ extern "C" __global__ void __launch_bounds__(TPB)
 	}
 }
 
-// A warp per source token: read its row once, write it to every
-// destination. 16-byte vectors, four in flight per lane.
-extern "C" __global__ void __launch_bounds__(256, 4)
-	ekc_copy(struct ekc_disp_args a)
-{
-	if (has_error(a))
-		return; // a bad expert index: change nothing
-	const uint32_t lane = threadIdx.x & 31;
-	const uint32_t W = a.W, K = a.K, per = a.E / a.W;
-	const uint64_t nvec = (uint64_t)a.H * a.elt / 16;
-	const uint64_t total = masked_total(a);
-	for (uint64_t g = next_item(a, lane), gn; g < total; g = gn) {
-		gn = next_item(a, lane); // in flight while this token copies
-		uint64_t t;
-		const uint32_t s = masked_token(a, g, &t); // a source
-		const int32_t *slot = a.slot + ((uint64_t)s * a.Tmax + t) * W;
-		const uint4 *src = (const uint4 *)(field(a, s, EKC_F_X) +
-						   t * nvec * 16);
-		uint4 *dst[8];
-		uint32_t nd = 0, d0 = 0;
-		// destinations in groups of 8 (registers, no local memory)
-		for (d0 = 0; d0 < W; d0 += 8) {
-			nd = 0;
-#pragma unroll
-			for (uint32_t j = 0; j < 8; j++) {
-				uint32_t d = d0 + j;
-				int32_t r = d < W ? slot[d] : -1;
-				dst[j] = r >= 0 ? (uint4 *)(field(a, d,
-								  EKC_F_RECV_X) +
-							    (uint64_t)r * nvec * 16)
-						: nullptr;
-				nd += r >= 0;
-			}
-			if (!nd)
-				continue;
-			for (uint64_t v = lane; v < nvec; v += 32 * 4) {
-				uint4 x[4];
-#pragma unroll
-				for (int u = 0; u < 4; u++)
-					if (v + 32 * u < nvec)
-						x[u] = __ldg(src + v + 32 * u);
-#pragma unroll
-				for (uint32_t j = 0; j < 8; j++) {
-					if (!dst[j])
-						continue;
-#pragma unroll
-					for (int u = 0; u < 4; u++)
-						if (v + 32 * u < nvec)
-							dst[j][v + 32 * u] = x[u];
-				}
-			}
-		}
-		// scales, top-k, weights, source: (destination, item) pairs
-		// spread over the lanes
-		const float *sc = (const float *)field(a, s, EKC_F_SCALES) +
-				  t * a.nscales;
-		for (uint32_t i = lane; i < W * a.nscales; i += 32) {
-			uint32_t d = i / a.nscales, j = i % a.nscales;
-			int32_t r = slot[d];
-			if (r >= 0)
-				((float *)field(a, d, EKC_F_RECV_SCALES))
-					[(uint64_t)r * a.nscales + j] = sc[j];
-		}
-		if (a.cached)
-			continue;
-		const int64_t *ti = (const int64_t *)field(a, s, EKC_F_TOPK) +
-				    t * K;
-		const float *tw = (const float *)field(a, s, EKC_F_WEIGHTS) +
-				  t * K;
-		const bool wts = (a.weights_mask >> s) & 1;
-		for (uint32_t i = lane; i < W * K; i += 32) {
-			uint32_t d = i / K, k = i % K;
-			int32_t r = slot[d];
-			if (r < 0)
-				continue;
-			int64_t e = ti[k];
-			bool local = e >= 0 && (uint32_t)(e / per) == d;
-			((int64_t *)field(a, d, EKC_F_RECV_TOPK))
-				[(uint64_t)r * K + k] =
-					local ? e - (int64_t)d * per : -1;
-			((float *)field(a, d, EKC_F_RECV_WEIGHTS))
-				[(uint64_t)r * K + k] =
-					local && wts ? tw[k] : 0.0f;
-			if (!local)
-				continue;
-			// the row counts once per distinct local expert
-			bool dup = false;
-			for (uint32_t j = 0; j < k; j++)
-				dup |= ti[j] == e;
-			if (!dup)
-				atomicAdd((int32_t *)field(a, d, EKC_F_RECV_PE) +
-						  (e - (int64_t)d * per),
-					  1); // a count: order-free
-		}
-		for (uint32_t d = lane; d < W; d += 32) {
-			int32_t r = slot[d];
-			if (r < 0)
-				continue;
-			int32_t *rsrc = (int32_t *)field(a, d, EKC_F_RECV_SRC) +
-					(uint64_t)r * 2;
-			rsrc[0] = (int32_t)s;
-			rsrc[1] = (int32_t)t;
-		}
-	}
-}
-
-// The same copy through the bulk-copy engine (TMA), for rows of a multiple
-// of 16 bytes that fit twice per warp in shared memory: lane 0 of a warp
-// loads a token's row into shared memory (cp.async.bulk, completion on an
-// mbarrier) while the row before it is still being stored, then stores it
-// to every destination (one bulk store each, no registers in between); the
-// other lanes write the token's scales, top-k, weights and source.
-#define TMA_WARPS EKC_TMA_WARPS
-__device__ static inline uint32_t smem_addr(const void *p)
-{
-	return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-__device__ static inline void tma_load(uint32_t dst, const void *src,
-				       uint32_t bytes, uint32_t bar)
-{
-	asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-		     ::"r"(bar), "r"(bytes)
-		     : "memory");
-	asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::"
-		     "complete_tx::bytes [%0], [%1], %2, [%3];"
-		     ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
-		     : "memory");
-}
-
-__device__ static inline void tma_wait(uint32_t bar, uint32_t parity)
-{
-	uint32_t ok;
-	do {
-		asm volatile("{ .reg .pred p;\n"
-			     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], "
-			     "%2;\n"
-			     "selp.u32 %0, 1, 0, p; }"
-			     : "=r"(ok)
-			     : "r"(bar), "r"(parity)
-			     : "memory");
-	} while (!ok);
-}
-
-__device__ static inline void tma_store(void *dst, uint32_t src,
-					uint32_t bytes)
-{
-	asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], "
-		     "%2;" ::"l"(dst),
-		     "r"(src), "r"(bytes)
-		     : "memory");
-}
-
 // Scales, top-k, weights and source of token (s, t) at its destinations:
 // (destination, item) pairs spread over the lanes.
 __device__ static inline void copy_meta(const struct ekc_disp_args &a,
@@ -438,6 +285,109 @@ __device__ static inline void copy_meta(const struct ekc_disp_args &a,
 		rsrc[0] = (int32_t)s;
 		rsrc[1] = (int32_t)t;
 	}
+}
+
+// A warp per source token: read its row once, write it to every
+// destination. 16-byte vectors, four in flight per lane.
+extern "C" __global__ void __launch_bounds__(256, 4)
+	ekc_copy(struct ekc_disp_args a)
+{
+	if (has_error(a))
+		return; // a bad expert index: change nothing
+	const uint32_t lane = threadIdx.x & 31;
+	const uint32_t W = a.W;
+	const uint64_t nvec = (uint64_t)a.H * a.elt / 16;
+	const uint64_t total = masked_total(a);
+	for (uint64_t g = next_item(a, lane), gn; g < total; g = gn) {
+		gn = next_item(a, lane); // in flight while this token copies
+		uint64_t t;
+		const uint32_t s = masked_token(a, g, &t); // a source
+		const int32_t *slot = a.slot + ((uint64_t)s * a.Tmax + t) * W;
+		const uint4 *src = (const uint4 *)(field(a, s, EKC_F_X) +
+						   t * nvec * 16);
+		uint4 *dst[8];
+		uint32_t nd = 0, d0 = 0;
+		// destinations in groups of 8 (registers, no local memory)
+		for (d0 = 0; d0 < W; d0 += 8) {
+			nd = 0;
+#pragma unroll
+			for (uint32_t j = 0; j < 8; j++) {
+				uint32_t d = d0 + j;
+				int32_t r = d < W ? slot[d] : -1;
+				dst[j] = r >= 0 ? (uint4 *)(field(a, d,
+								  EKC_F_RECV_X) +
+							    (uint64_t)r * nvec * 16)
+						: nullptr;
+				nd += r >= 0;
+			}
+			if (!nd)
+				continue;
+			for (uint64_t v = lane; v < nvec; v += 32 * 4) {
+				uint4 x[4];
+#pragma unroll
+				for (int u = 0; u < 4; u++)
+					if (v + 32 * u < nvec)
+						x[u] = __ldg(src + v + 32 * u);
+#pragma unroll
+				for (uint32_t j = 0; j < 8; j++) {
+					if (!dst[j])
+						continue;
+#pragma unroll
+					for (int u = 0; u < 4; u++)
+						if (v + 32 * u < nvec)
+							dst[j][v + 32 * u] = x[u];
+				}
+			}
+		}
+		copy_meta(a, lane, s, t, slot);
+	}
+}
+
+// The same copy through the bulk-copy engine (TMA), for rows of a multiple
+// of 16 bytes that fit twice per warp in shared memory: lane 0 of a warp
+// loads a token's row into shared memory (cp.async.bulk, completion on an
+// mbarrier) while the row before it is still being stored, then stores it
+// to every destination (one bulk store each, no registers in between); the
+// other lanes write the token's scales, top-k, weights and source.
+#define TMA_WARPS EKC_TMA_WARPS
+__device__ static inline uint32_t smem_addr(const void *p)
+{
+	return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+__device__ static inline void tma_load(uint32_t dst, const void *src,
+				       uint32_t bytes, uint32_t bar)
+{
+	asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+		     ::"r"(bar), "r"(bytes)
+		     : "memory");
+	asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::"
+		     "complete_tx::bytes [%0], [%1], %2, [%3];"
+		     ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
+		     : "memory");
+}
+
+__device__ static inline void tma_wait(uint32_t bar, uint32_t parity)
+{
+	uint32_t ok;
+	do {
+		asm volatile("{ .reg .pred p;\n"
+			     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], "
+			     "%2;\n"
+			     "selp.u32 %0, 1, 0, p; }"
+			     : "=r"(ok)
+			     : "r"(bar), "r"(parity)
+			     : "memory");
+	} while (!ok);
+}
+
+__device__ static inline void tma_store(void *dst, uint32_t src,
+					uint32_t bytes)
+{
+	asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], "
+		     "%2;" ::"l"(dst),
+		     "r"(src), "r"(bytes)
+		     : "memory");
 }
 
 extern "C" __global__ void __launch_bounds__(TMA_WARPS * 32)

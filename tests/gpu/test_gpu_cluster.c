@@ -23,6 +23,8 @@
 #include <time.h>
 
 #define POISON 0x5a
+#define POISONED(n) th_poisoned((n), POISON)
+#define ALL_POISON(p, n) th_all_is((p), (n), POISON)
 #define NODES 2
 
 struct ctx {
@@ -33,23 +35,6 @@ struct ctx {
 	volatile int entered, killed;
 	char name[32];
 };
-
-static void *poisoned(size_t n)
-{
-	void *p = malloc(n + 1);
-	TH_CHECK(p, "out of memory");
-	memset(p, POISON, n + 1);
-	return p;
-}
-
-static bool all_poison(const void *p, size_t n)
-{
-	const uint8_t *b = p;
-	for (size_t i = 0; i < n; i++)
-		if (b[i] != POISON)
-			return false;
-	return true;
-}
 
 #define SAME(got, want, n, what)                                               \
 	TH_CHECK((n) == 0 || !memcmp(got, want, n),                            \
@@ -86,14 +71,7 @@ static int xrank(int r, void *arg)
 	CUstream st = tg_rank_init(r, &gpu, &dummy, sizeof(dummy), &unused);
 	struct ref_inputs in[8], in2[8];
 	struct ref_recv exp[8], exp2[8];
-	for (uint32_t s = 0; s < W; s++) {
-		ref_gen_inputs(c, s, 0, &in[s]);
-		ref_gen_inputs(c, s, 1, &in2[s]);
-	}
-	for (uint32_t d = 0; d < W; d++) {
-		ref_dispatch(c, in, d, &exp[d]);
-		ref_dispatch(c, in2, d, &exp2[d]);
-	}
+	ref_gen_world(c, in, in2, exp, exp2);
 	const struct ref_inputs *me = &in[r];
 	const uint64_t R = exp[r].R, cap = (uint64_t)W * c->max_tokens;
 	struct ep_group_config cfg = {
@@ -134,7 +112,7 @@ static int xrank(int r, void *arg)
 	free(bad);
 	uint8_t *chk = malloc(cap * H * elt + 1);
 	down(chk, b.recv_x, cap * H * elt);
-	TH_CHECK(all_poison(chk, cap * H * elt),
+	TH_CHECK(ALL_POISON(chk, cap * H * elt),
 		 "%s rank %d: a failed dispatch wrote recv_x", x->name, r);
 
 	/* Dispatch. */
@@ -152,7 +130,7 @@ static int xrank(int r, void *arg)
 	CU(tg_drv.cuStreamSynchronize(st));
 	down(chk, b.recv_x, cap * H * elt);
 	SAME(chk, exp[r].x, R * H * elt, "recv_x");
-	TH_CHECK(all_poison(chk + R * H * elt, (cap - R) * H * elt),
+	TH_CHECK(ALL_POISON(chk + R * H * elt, (cap - R) * H * elt),
 		 "%s rank %d: recv_x written past row %llu", x->name, r,
 		 (unsigned long long)R);
 	uint8_t *tmp = malloc(cap * (K * 8 + ns * 4 + 8) + per * 4 + 8);
@@ -162,7 +140,7 @@ static int xrank(int r, void *arg)
 	}
 	down(tmp, b.recv_topk_idx, cap * K * 8);
 	SAME(tmp, exp[r].topk, R * K * 8, "recv_topk_idx");
-	TH_CHECK(all_poison(tmp + R * K * 8, (cap - R) * K * 8),
+	TH_CHECK(ALL_POISON(tmp + R * K * 8, (cap - R) * K * 8),
 		 "%s rank %d: recv_topk_idx written past the rows", x->name, r);
 	down(tmp, b.recv_topk_weights, R * K * 4);
 	SAME(tmp, exp[r].weights, R * K * 4, "recv_topk_weights");
@@ -194,12 +172,12 @@ static int xrank(int r, void *arg)
 	TH_OK(ep_combine_stream(g, &h, c->bias ? EP_COMBINE_BIAS : 0, st));
 	CU(tg_drv.cuStreamSynchronize(st));
 	TH_OK(ep_group_sync(g));
-	uint16_t *out = poisoned((size_t)c->max_tokens * H * 2),
+	uint16_t *out = POISONED((size_t)c->max_tokens * H * 2),
 		 *want = calloc((size_t)me->T * H * 2 + 2, 1);
 	down(out, b.combined, (size_t)c->max_tokens * H * 2);
 	ref_combine(c, in, exp, ys, (uint32_t)r, want);
 	SAME(out, want, (size_t)me->T * H * 2, "combined");
-	TH_CHECK(all_poison((uint8_t *)out + (size_t)me->T * H * 2,
+	TH_CHECK(ALL_POISON((uint8_t *)out + (size_t)me->T * H * 2,
 			    (size_t)(c->max_tokens - me->T) * H * 2),
 		 "%s rank %d: combined written past the tokens", x->name, r);
 	if (r == 0) {

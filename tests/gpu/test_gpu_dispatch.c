@@ -20,6 +20,8 @@
 #include <time.h>
 
 #define POISON 0xa5
+#define POISONED(n) th_poisoned((n), POISON)
+#define ALL_POISON(p, n) th_all_is((p), (n), POISON)
 
 struct ctx {
 	const struct th_daemon *gpu, *host;
@@ -28,23 +30,6 @@ struct ctx {
 	int bad_rank; /* >= 0: that rank sends a bad expert index first */
 	volatile uint32_t gate[8];
 };
-
-static void *poisoned(size_t n)
-{
-	void *p = malloc(n + 1);
-	TH_CHECK(p, "out of memory");
-	memset(p, POISON, n + 1);
-	return p;
-}
-
-static bool all_poison(const void *p, size_t n)
-{
-	const uint8_t *b = p;
-	for (size_t i = 0; i < n; i++)
-		if (b[i] != POISON)
-			return false;
-	return true;
-}
 
 #define SAME(got, want, n, what)                                               \
 	do {                                                                   \
@@ -87,14 +72,7 @@ static int case_rank(int r, void *arg)
 				   &gdev);
 	struct ref_inputs in[8], in2[8];
 	struct ref_recv exp[8], exp2[8];
-	for (uint32_t s = 0; s < W; s++) {
-		ref_gen_inputs(c, s, 0, &in[s]);
-		ref_gen_inputs(c, s, 1, &in2[s]);
-	}
-	for (uint32_t d = 0; d < W; d++) {
-		ref_dispatch(c, in, d, &exp[d]);
-		ref_dispatch(c, in2, d, &exp2[d]);
-	}
+	ref_gen_world(c, in, in2, exp, exp2);
 	const struct ref_inputs *me = &in[r];
 	const uint64_t R = exp[r].R, cap = (uint64_t)W * c->max_tokens;
 	char name[32];
@@ -115,11 +93,11 @@ static int case_rank(int r, void *arg)
 		.topk_idx = me->topk,
 		.topk_weights = c->weights ? me->weights : NULL};
 	struct ep_dispatch_out hout = {
-		.capacity = cap, .recv_x = poisoned(cap * H * elt),
-		.recv_x_scales = poisoned(cap * ns * 4 + 4),
-		.recv_topk_idx = poisoned(cap * K * 8),
-		.recv_topk_weights = poisoned(cap * K * 4),
-		.num_recv_tokens_per_expert = poisoned(per * 4)};
+		.capacity = cap, .recv_x = POISONED(cap * H * elt),
+		.recv_x_scales = POISONED(cap * ns * 4 + 4),
+		.recv_topk_idx = POISONED(cap * K * 8),
+		.recv_topk_weights = POISONED(cap * K * 4),
+		.num_recv_tokens_per_expert = POISONED(per * 4)};
 	ep_handle_t hh;
 	TH_OK(ep_dispatch(hg, &din, NULL, &hout, &hh));
 
@@ -157,7 +135,7 @@ static int case_rank(int r, void *arg)
 		free(bad);
 		uint8_t *chk = malloc(cap * H * elt);
 		CU(tg_drv.cuMemcpyDtoH(chk, dptr(b.recv_x), cap * H * elt));
-		TH_CHECK(all_poison(chk, cap * H * elt),
+		TH_CHECK(ALL_POISON(chk, cap * H * elt),
 			 "a failed dispatch wrote recv_x");
 		free(chk);
 	}
@@ -188,11 +166,11 @@ static int case_rank(int r, void *arg)
 	TH_OK(ep_dispatch_stream(g, me->T,
 				 c->weights ? EP_DISPATCH_WEIGHTS : 0, NULL,
 				 st, &h));
-	uint8_t *gx = poisoned(cap * H * elt);
-	float *gs = poisoned(cap * ns * 4);
-	int64_t *gi = poisoned(cap * K * 8);
-	float *gw = poisoned(cap * K * 4);
-	int32_t *gsrc = poisoned(cap * 8), *gpe = poisoned(per * 4);
+	uint8_t *gx = POISONED(cap * H * elt);
+	float *gs = POISONED(cap * ns * 4);
+	int64_t *gi = POISONED(cap * K * 8);
+	float *gw = POISONED(cap * K * 4);
+	int32_t *gsrc = POISONED(cap * 8), *gpe = POISONED(per * 4);
 	pin(gx, cap * H * elt);
 	if (ns)
 		pin(gs, cap * ns * 4);
@@ -221,13 +199,13 @@ static int case_rank(int r, void *arg)
 		 r, h.num_recv, hh.num_recv, (unsigned long long)R);
 	SAME(gx, hout.recv_x, R * H * elt, "recv_x vs host backend");
 	SAME(gx, exp[r].x, R * H * elt, "recv_x vs reference");
-	TH_CHECK(all_poison(gx + R * H * elt, (cap - R) * H * elt),
+	TH_CHECK(ALL_POISON(gx + R * H * elt, (cap - R) * H * elt),
 		 "case %d rank %d: recv_x written past row %llu", x->index, r,
 		 (unsigned long long)R);
 	if (ns)
 		SAME(gs, hout.recv_x_scales, R * ns * 4, "recv_x_scales");
 	SAME(gi, hout.recv_topk_idx, R * K * 8, "recv_topk_idx");
-	TH_CHECK(all_poison((uint8_t *)gi + R * K * 8, (cap - R) * K * 8),
+	TH_CHECK(ALL_POISON((uint8_t *)gi + R * K * 8, (cap - R) * K * 8),
 		 "recv_topk_idx written past the rows");
 	SAME(gw, hout.recv_topk_weights, R * K * 4, "recv_topk_weights");
 	SAME(gsrc, exp[r].src, R * 8, "recv_src");
@@ -239,7 +217,7 @@ static int case_rank(int r, void *arg)
 	ep_handle_t h2, hc2, h3;
 	TH_OK(ep_dispatch_stream(g, me->T, c->weights ? EP_DISPATCH_WEIGHTS : 0,
 				 NULL, st, &h2));
-	uint8_t *gx2 = poisoned(cap * H * elt);
+	uint8_t *gx2 = POISONED(cap * H * elt);
 	pin(gx2, cap * H * elt);
 	CU(tg_drv.cuMemcpyDtoHAsync(gx2, dptr(b.recv_x), R * H * elt, st));
 	CU(tg_drv.cuStreamSynchronize(st));
@@ -262,7 +240,7 @@ static int case_rank(int r, void *arg)
 	TH_OK(ep_group_sync(g));
 	SAME(gx2, exp2[r].x, R * H * elt, "cached recv_x vs reference");
 	TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &h3));
-	uint8_t *gx3 = poisoned(cap * H * elt);
+	uint8_t *gx3 = POISONED(cap * H * elt);
 	pin(gx3, cap * H * elt);
 	CU(tg_drv.cuMemcpyDtoHAsync(gx3, dptr(b.recv_x), R * H * elt, st));
 	CU(tg_drv.cuStreamSynchronize(st));
@@ -274,7 +252,7 @@ static int case_rank(int r, void *arg)
 	uint16_t *ys[8];
 	for (uint32_t d = 0; d < W; d++)
 		ys[d] = ref_gen_y(c, d, exp[d].R, 7);
-	uint16_t *hcomb = poisoned((size_t)me->T * H * 2);
+	uint16_t *hcomb = POISONED((size_t)me->T * H * 2);
 	TH_OK(ep_combine(hg, &hh, ys[r], (uint32_t)R, H,
 			 c->bias ? me->bias : NULL, hcomb));
 	uint16_t *rcomb = malloc((size_t)me->T * H * 2 + 2);
@@ -285,7 +263,7 @@ static int case_rank(int r, void *arg)
 				    (size_t)me->T * H * 2, st));
 	TH_OK(ep_barrier_stream(g, st));
 	TH_OK(ep_combine_stream(g, &h, c->bias ? EP_COMBINE_BIAS : 0, st));
-	uint16_t *gcomb = poisoned((size_t)c->max_tokens * H * 2);
+	uint16_t *gcomb = POISONED((size_t)c->max_tokens * H * 2);
 	pin(gcomb, (size_t)c->max_tokens * H * 2);
 	CU(tg_drv.cuMemcpyDtoHAsync(gcomb, dptr(b.combined),
 				    (size_t)c->max_tokens * H * 2, st));
@@ -293,7 +271,7 @@ static int case_rank(int r, void *arg)
 	TH_OK(ep_group_sync(g));
 	SAME(gcomb, hcomb, (size_t)me->T * H * 2, "combined vs host backend");
 	SAME(gcomb, rcomb, (size_t)me->T * H * 2, "combined vs reference");
-	TH_CHECK(all_poison((uint8_t *)gcomb + (size_t)me->T * H * 2,
+	TH_CHECK(ALL_POISON((uint8_t *)gcomb + (size_t)me->T * H * 2,
 			    (size_t)(c->max_tokens - me->T) * H * 2),
 		 "combined written past the tokens");
 
@@ -453,6 +431,20 @@ int main(void)
 		x->bad_rank = i == 0 ? 2 : -1; /* and a bad expert first */
 		run_case(x);
 	}
+	/* the same cases with the SIMT row copy (the bulk-copy kernel is the
+	 * default where rows fit; the SIMT one runs below 32 SMs) */
+	th_daemon_stop(&gpu);
+	th_daemon_start(&gpu, "--backend", "cuda", "-o", "cuda_tma=no", NULL);
+	for (size_t i = 0; i < sizeof(fixed) / sizeof(fixed[0]); i++, n++) {
+		x->c = fixed[i];
+		x->c.seed = seed + 100 + (uint64_t)i;
+		x->index = n;
+		x->bad_rank = -1;
+		run_case(x);
+	}
+	printf("ok: the fixed cases with the SIMT row copy (cuda_tma=no)\n");
+	th_daemon_stop(&gpu);
+	th_daemon_start(&gpu, "--backend", "cuda", NULL);
 	x->bad_rank = -1;
 	for (int i = 0; i < ncases; i++, n++) {
 		struct ref_case *c = &x->c;

@@ -336,14 +336,7 @@ static int xrank(int r, void *arg)
 	const uint32_t ns = c->dtype == EP_DTYPE_FP8 ? H / 128 : 0;
 	struct ref_inputs in[8], in2[8];
 	struct ref_recv exp[8], exp2[8];
-	for (uint32_t q = 0; q < W; q++) {
-		ref_gen_inputs(c, q, 0, &in[q]);
-		ref_gen_inputs(c, q, 1, &in2[q]);
-	}
-	for (uint32_t d = 0; d < W; d++) {
-		ref_dispatch(c, in, d, &exp[d]);
-		ref_dispatch(c, in2, d, &exp2[d]);
-	}
+	ref_gen_world(c, in, in2, exp, exp2);
 	struct ep_group_config cfg = {
 		.name = x->name, .world_size = W,
 		.ranks_per_node = (uint32_t)x->rpn, .rank = (uint32_t)r,

@@ -15,29 +15,14 @@
 #include <time.h>
 
 #define POISON 0xa5
+#define POISONED(n) th_poisoned((n), POISON)
+#define ALL_POISON(p, n) th_all_is((p), (n), POISON)
 
 struct ctx {
 	const struct th_daemon *d;
 	struct ref_case c;
 	int index;
 };
-
-static bool all_poison(const void *p, size_t n)
-{
-	const uint8_t *b = p;
-	for (size_t i = 0; i < n; i++)
-		if (b[i] != POISON)
-			return false;
-	return true;
-}
-
-static void *poisoned(size_t n)
-{
-	void *p = malloc(n + 1);
-	TH_CHECK(p, "out of memory");
-	memset(p, POISON, n + 1);
-	return p;
-}
 
 /* Find the first differing element for a useful message. */
 #define SAME(got, want, n, what)                                               \
@@ -62,14 +47,7 @@ static int case_rank(int r, void *arg)
 	const uint32_t per = E / W;
 	struct ref_inputs in[8], in2[8];
 	struct ref_recv exp[8], exp2[8];
-	for (uint32_t s = 0; s < W; s++) {
-		ref_gen_inputs(c, s, 0, &in[s]);
-		ref_gen_inputs(c, s, 1, &in2[s]); /* new data, same routing */
-	}
-	for (uint32_t d = 0; d < W; d++) {
-		ref_dispatch(c, in, d, &exp[d]);
-		ref_dispatch(c, in2, d, &exp2[d]);
-	}
+	ref_gen_world(c, in, in2, exp, exp2);
 	char name[32];
 	snprintf(name, sizeof(name), "prop%d", x->index);
 	struct ep_group_config cfg = {
@@ -102,11 +80,11 @@ static int case_rank(int r, void *arg)
 		.topk_weights = c->weights ? me->weights : NULL};
 	struct ep_dispatch_out dout = {
 		.capacity = cap,
-		.recv_x = poisoned(cap * H * elt),
-		.recv_x_scales = poisoned(cap * ns * 4),
-		.recv_topk_idx = poisoned(cap * K * 8),
-		.recv_topk_weights = poisoned(cap * K * 4),
-		.num_recv_tokens_per_expert = poisoned(per * 4)};
+		.recv_x = POISONED(cap * H * elt),
+		.recv_x_scales = POISONED(cap * ns * 4),
+		.recv_topk_idx = POISONED(cap * K * 8),
+		.recv_topk_weights = POISONED(cap * K * 4),
+		.num_recv_tokens_per_expert = POISONED(per * 4)};
 	ep_handle_t h;
 	TH_OK(ep_dispatch(g, &din, NULL, &dout, &h));
 	const uint64_t R = want->R;
@@ -115,7 +93,7 @@ static int case_rank(int r, void *arg)
 		 dout.num_recv, (unsigned long long)R);
 	TH_CHECK(h.num_tokens == me->T, "handle num_tokens");
 	SAME(dout.recv_x, want->x, R * H * elt, "recv_x");
-	TH_CHECK(all_poison((uint8_t *)dout.recv_x + R * H * elt,
+	TH_CHECK(ALL_POISON((uint8_t *)dout.recv_x + R * H * elt,
 			    (cap - R) * H * elt),
 		 "case %d rank %d: recv_x written past row %llu", x->index, r,
 		 (unsigned long long)R);
@@ -123,7 +101,7 @@ static int case_rank(int r, void *arg)
 		SAME(dout.recv_x_scales, want->scales, R * ns * 4,
 		     "recv_x_scales");
 	SAME(dout.recv_topk_idx, want->topk, R * K * 8, "recv_topk_idx");
-	TH_CHECK(all_poison((uint8_t *)dout.recv_topk_idx + R * K * 8,
+	TH_CHECK(ALL_POISON((uint8_t *)dout.recv_topk_idx + R * K * 8,
 			    (cap - R) * K * 8),
 		 "recv_topk_idx written past the rows");
 	SAME(dout.recv_topk_weights, want->weights, R * K * 4,
@@ -136,7 +114,7 @@ static int case_rank(int r, void *arg)
 
 	/* Run it again: identical bytes. */
 	struct ep_dispatch_out dout2 = dout;
-	dout2.recv_x = poisoned(cap * H * elt);
+	dout2.recv_x = POISONED(cap * H * elt);
 	ep_handle_t h2;
 	TH_OK(ep_dispatch(g, &din, NULL, &dout2, &h2));
 	TH_CHECK(h2.seq == h.seq + 1 && h2.num_recv == h.num_recv,
@@ -157,7 +135,7 @@ static int case_rank(int r, void *arg)
 		SAME(dout2.recv_x_scales, exp2[r].scales, R * ns * 4,
 		     "cached recv_x_scales");
 	struct ep_dispatch_out dout3 = dout;
-	dout3.recv_x = poisoned(cap * H * elt);
+	dout3.recv_x = POISONED(cap * H * elt);
 	ep_handle_t h3;
 	TH_OK(ep_dispatch(g, &din2, NULL, &dout3, &h3));
 	SAME(dout3.recv_x, dout2.recv_x, R * H * elt,
@@ -167,7 +145,7 @@ static int case_rank(int r, void *arg)
 	uint16_t *ys[8];
 	for (uint32_t d = 0; d < W; d++)
 		ys[d] = ref_gen_y(c, d, exp[d].R, 7);
-	uint16_t *out = poisoned((size_t)me->T * H * 2);
+	uint16_t *out = POISONED((size_t)me->T * H * 2);
 	uint16_t *rout = malloc((size_t)me->T * H * 2 + 2);
 	TH_OK(ep_combine(g, &h, ys[r], (uint32_t)R, H,
 			 c->bias ? me->bias : NULL, out));
@@ -177,7 +155,7 @@ static int case_rank(int r, void *arg)
 	/* Combine of the dispatched rows themselves: n copies of the token,
 	 * exact in fp32 for n <= 8, so one rounding gives bf16(n * x). */
 	if (c->dtype == EP_DTYPE_BF16 && !c->bias) {
-		uint16_t *back = poisoned((size_t)me->T * H * 2);
+		uint16_t *back = POISONED((size_t)me->T * H * 2);
 		TH_OK(ep_combine(g, &h, (const uint16_t *)dout.recv_x,
 				 (uint32_t)R, H, NULL, back));
 		for (uint32_t t = 0; t < me->T; t++) {

@@ -321,3 +321,20 @@ void th_late_rounds(ep_group_t *g, int rank, int world, unsigned delay_ms,
 		leave[late][rank] = th_now_ns();
 	}
 }
+
+void *th_poisoned(size_t n, int byte)
+{
+	void *p = malloc(n + 1);
+	TH_CHECK(p, "out of memory");
+	memset(p, byte, n + 1);
+	return p;
+}
+
+bool th_all_is(const void *p, size_t n, int byte)
+{
+	const uint8_t *b = p;
+	for (size_t i = 0; i < n; i++)
+		if (b[i] != (uint8_t)byte)
+			return false;
+	return true;
+}

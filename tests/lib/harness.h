@@ -81,6 +81,12 @@ int th_wait_all(const pid_t *pids, int n, unsigned timeout_s);
 void th_reap(pid_t pid, unsigned timeout_s);
 
 /* A default group config (small shape) for rank `rank` of `world`. */
+/* n bytes (and one more, so n may be 0) all set to byte; exits on no
+ * memory. Outputs are poisoned so that what a call did not write shows. */
+void *th_poisoned(size_t n, int byte);
+/* Are the n bytes at p all byte? */
+bool th_all_is(const void *p, size_t n, int byte);
+
 struct ep_group_config th_group(const char *name, uint32_t world,
 				uint32_t rank, uint32_t timeout_ms);
 

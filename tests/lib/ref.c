@@ -304,3 +304,17 @@ void ref_random_case(struct ref_case *c, uint64_t *rs, uint64_t seed, int i,
 	c->special = c->mode == REF_ONE_EXPERT ? lcg(rs, c->experts)
 					       : lcg(rs, c->world);
 }
+
+void ref_gen_world(const struct ref_case *c, struct ref_inputs *in,
+		   struct ref_inputs *in2, struct ref_recv *exp,
+		   struct ref_recv *exp2)
+{
+	for (uint32_t s = 0; s < c->world; s++) {
+		ref_gen_inputs(c, s, 0, &in[s]);
+		ref_gen_inputs(c, s, 1, &in2[s]);
+	}
+	for (uint32_t d = 0; d < c->world; d++) {
+		ref_dispatch(c, in, d, &exp[d]);
+		ref_dispatch(c, in2, d, &exp2[d]);
+	}
+}

@@ -64,6 +64,11 @@ void ref_free_inputs(struct ref_inputs *in);
 void ref_dispatch(const struct ref_case *c, const struct ref_inputs *in,
 		  uint32_t d, struct ref_recv *out);
 void ref_free_recv(struct ref_recv *r);
+/* Every rank's inputs in[W] (salt 0) and in2[W] (salt 1: new data, the
+ * same routing), and what every rank receives from each: exp[W], exp2[W]. */
+void ref_gen_world(const struct ref_case *c, struct ref_inputs *in,
+		   struct ref_inputs *in2, struct ref_recv *exp,
+		   struct ref_recv *exp2);
 /* Combine output of home rank h, given each rank's combine input y[d]
  * ([R_d, H] bf16) and the expected receive lists recv[d]. */
 void ref_combine(const struct ref_case *c, const struct ref_inputs *in,
