@@ -23,6 +23,7 @@
  * counters (group.c).
  */
 #include "epd.h"
+#include "peerauth.h"
 #include "rdma.h"
 
 #include <errno.h>
@@ -629,80 +630,16 @@ static struct pconn *conn_new_rdma(struct epd_cluster *cl)
 	return c;
 }
 
-/* The rdma connect request's private data: magic, version, cluster id (a
- * hash of the key), the dialling node's index, and a proof: HMAC-SHA256
- * (key, "epd-rdma" || cluster id || index), first 16 bytes. A stranger or
- * another cluster is rejected before a queue pair exists for it; the
- * HELLO/AUTH exchange with fresh nonces follows on the stream, as on
- * tcp (the proof alone could be replayed). */
-#define PD_MAGIC 0x52445045u /* "EPDR" */
-#define PD_LEN 36
-
-static void pd_proof(const struct epd_cluster *cl, uint32_t index,
-		     uint8_t out[16])
-{
-	uint8_t msg[20], mac[MAC];
-	memcpy(msg, "epd-rdma", 8);
-	memcpy(msg + 8, cl->cluster_id, 8);
-	memcpy(msg + 16, &index, 4);
-	crypto_auth_hmacsha256(mac, msg, sizeof(msg), cl->key);
-	memcpy(out, mac, 16);
-}
-
-static size_t pd_make(const struct epd_cluster *cl, uint8_t *p)
-{
-	struct epp_wr w;
-	epp_wr_init(&w, p, PD_LEN);
-	epp_put_u32(&w, PD_MAGIC);
-	epp_put_u16(&w, EPP_VERSION_MAJOR);
-	epp_put_u16(&w, EPP_VERSION_MINOR);
-	for (int i = 0; i < 8; i++)
-		epp_put_u8(&w, cl->cluster_id[i]);
-	epp_put_u32(&w, (uint32_t)cl->self);
-	uint8_t pr[16];
-	pd_proof(cl, (uint32_t)cl->self, pr);
-	for (int i = 0; i < 16; i++)
-		epp_put_u8(&w, pr[i]);
-	return w.off;
-}
-
-/* 0, or why the request is refused. */
-static const char *pd_check(const struct epd_cluster *cl, const uint8_t *p,
-			    size_t len, uint32_t *index)
-{
-	uint32_t magic, idx;
-	uint16_t major;
-	if (len < PD_LEN)
-		return "no epd connect data";
-	memcpy(&magic, p, 4);
-	memcpy(&major, p + 4, 2);
-	magic = le32toh(magic);
-	major = le16toh(major);
-	if (magic != PD_MAGIC)
-		return "no epd connect data";
-	if (major != EPP_VERSION_MAJOR)
-		return "another protocol major version";
-	if (memcmp(p + 8, cl->cluster_id, 8))
-		return "another cluster (cluster id)";
-	memcpy(&idx, p + 16, 4);
-	idx = le32toh(idx);
-	if ((int)idx >= cl->n || (int)idx == cl->self)
-		return "an unknown node index";
-	uint8_t pr[16];
-	pd_proof(cl, idx, pr);
-	if (sodium_memcmp(pr, p + 20, 16))
-		return "a wrong proof of the cluster key";
-	*index = idx;
-	return NULL;
-}
-
 static void *rd_request(void *arg, struct epd_rconn *rc, const void *pdata,
 			uint8_t len)
 {
 	struct epd_cluster *cl = arg;
 	uint32_t idx;
-	const char *why = cl->stopping ? "stopping" : pd_check(cl, pdata, len,
-							       &idx);
+	const char *why = cl->stopping
+				  ? "stopping"
+				  : epd_pdata_check(cl->key, cl->cluster_id,
+						    cl->n, cl->self, pdata, len,
+						    &idx);
 	if (why) {
 		cl->rejected++;
 		epd_warn("cluster: rdma connect request rejected: %s", why);
@@ -876,8 +813,9 @@ static void dial_addr(struct epd_cluster *cl, int n,
 		snprintf(c->addr, sizeof(c->addr), "rdma %s:%d", nd->host,
 			 nd->port);
 		nd->conn = c;
-		uint8_t pd[PD_LEN];
-		size_t pl = pd_make(cl, pd);
+		uint8_t pd[EPD_PDATA_LEN];
+		size_t pl = epd_pdata_make(cl->key, cl->cluster_id,
+					   (uint32_t)cl->self, pd);
 		c->rc = epd_rdma_dial(cl->rd, (const struct sockaddr *)sa, pd,
 				      (uint8_t)pl, c);
 		if (!c->rc)
@@ -979,10 +917,7 @@ int epd_cluster_init(struct epd_server *srv, char *err, size_t errlen)
 	}
 	if (load_key(cl, cfg->cluster_key_file, err, errlen))
 		goto err;
-	uint8_t idh[32];
-	crypto_generichash(idh, sizeof(idh), cl->key, sizeof(cl->key),
-			   (const uint8_t *)"epd-cluster-id", 14);
-	memcpy(cl->cluster_id, idh, 8);
+	epd_cluster_id(cl->key, cl->cluster_id);
 	cl->node[cl->self].state = NODE_SELF;
 	struct sockaddr_storage sa;
 	struct cnode *me = &cl->node[cl->self];

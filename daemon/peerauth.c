@@ -1,0 +1,76 @@
+/* SPDX-License-Identifier: MIT */
+#include "peerauth.h"
+
+#include "epp.h"
+
+#include <endian.h>
+#include <sodium.h>
+#include <string.h>
+
+#define PD_MAGIC 0x52445045u /* "EPDR" */
+
+void epd_cluster_id(const uint8_t key[32], uint8_t id[8])
+{
+	uint8_t h[32];
+	crypto_generichash(h, sizeof(h), key, 32,
+			   (const uint8_t *)"epd-cluster-id", 14);
+	memcpy(id, h, 8);
+}
+
+static void proof(const uint8_t key[32], const uint8_t id[8],
+		  uint32_t index, uint8_t out[16])
+{
+	uint8_t msg[20], mac[crypto_auth_hmacsha256_BYTES];
+	uint32_t le = htole32(index);
+	memcpy(msg, "epd-rdma", 8);
+	memcpy(msg + 8, id, 8);
+	memcpy(msg + 16, &le, 4);
+	crypto_auth_hmacsha256(mac, msg, sizeof(msg), key);
+	memcpy(out, mac, 16);
+}
+
+size_t epd_pdata_make(const uint8_t key[32], const uint8_t id[8],
+		      uint32_t index, uint8_t *out)
+{
+	struct epp_wr w;
+	epp_wr_init(&w, out, EPD_PDATA_LEN);
+	epp_put_u32(&w, PD_MAGIC);
+	epp_put_u16(&w, EPP_VERSION_MAJOR);
+	epp_put_u16(&w, EPP_VERSION_MINOR);
+	for (int i = 0; i < 8; i++)
+		epp_put_u8(&w, id[i]);
+	epp_put_u32(&w, index);
+	uint8_t pr[16];
+	proof(key, id, index, pr);
+	for (int i = 0; i < 16; i++)
+		epp_put_u8(&w, pr[i]);
+	return w.off;
+}
+
+const char *epd_pdata_check(const uint8_t key[32], const uint8_t id[8],
+			    int nodes, int self, const uint8_t *p, size_t len,
+			    uint32_t *index)
+{
+	uint32_t magic, idx;
+	uint16_t major;
+	if (len < EPD_PDATA_LEN)
+		return "no epd connect data";
+	memcpy(&magic, p, 4);
+	memcpy(&major, p + 4, 2);
+	if (le32toh(magic) != PD_MAGIC)
+		return "no epd connect data";
+	if (le16toh(major) != EPP_VERSION_MAJOR)
+		return "another protocol major version";
+	if (memcmp(p + 8, id, 8))
+		return "another cluster (cluster id)";
+	memcpy(&idx, p + 16, 4);
+	idx = le32toh(idx);
+	if ((int64_t)idx >= nodes || (int64_t)idx == self)
+		return "an unknown node index";
+	uint8_t pr[16];
+	proof(key, id, idx, pr);
+	if (sodium_memcmp(pr, p + 20, 16))
+		return "a wrong proof of the cluster key";
+	*index = idx;
+	return NULL;
+}
