@@ -167,6 +167,24 @@ static void print_status(json_t *root)
 		       jstr(g, "backend"), jint(g, "world_size"), node, joined,
 		       missing, jint(ops, "barrier"), jint(ops, "dispatch"),
 		       jint(ops, "combine"), jint(ops, "errors"));
+		json_t *cu = json_object_get(g, "cuda");
+		if (json_is_object(cu))
+			printf("    gpu %lld%s: resident barrier %s, row copy %s, "
+			       "ops completed %lld, last dispatch %.0f us, "
+			       "combine %.0f us\n",
+			       jint(cu, "gpu"),
+			       json_is_true(json_object_get(cu, "staged"))
+				       ? " (staged through host memory)"
+				       : "",
+			       json_is_true(json_object_get(cu,
+							    "resident_barrier"))
+				       ? "yes"
+				       : "no",
+			       jstr(cu, "row_copy"), jint(cu, "ops_completed"),
+			       json_number_value(
+				       json_object_get(cu, "last_dispatch_us")),
+			       json_number_value(
+				       json_object_get(cu, "last_combine_us")));
 		json_t *le = json_object_get(g, "last_error");
 		if (json_is_object(le))
 			printf("    last error: %s: %s\n", jstr(le, "name"),

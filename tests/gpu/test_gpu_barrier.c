@@ -176,6 +176,18 @@ static int loop_rank(int rank, void *arg)
 		TH_CHECK(s->mps || strstr(js, "\"resident_barrier\":false"),
 			 "a resident barrier without MPS: %s", js);
 		free(js);
+		/* and epctl shows it */
+		char cmd[512], out[8192];
+		snprintf(cmd, sizeof(cmd), "%s -s %s status", th_epctl_bin(),
+			 s->d->sock);
+		FILE *p = popen(cmd, "r");
+		TH_CHECK(p, "popen");
+		size_t n = fread(out, 1, sizeof(out) - 1, p);
+		out[n] = 0;
+		TH_CHECK(pclose(p) == 0, "epctl status failed: %s", out);
+		TH_CHECK(strstr(out, s->mps ? "resident barrier yes"
+					    : "resident barrier no"),
+			 "epctl status: %s", out);
 	}
 	TH_OK(ep_group_sync(g));
 	TH_OK(ep_leave(g));
