@@ -177,12 +177,15 @@ static int loop_rank(int rank, void *arg)
 			 "a resident barrier without MPS: %s", js);
 		free(js);
 		/* and epctl shows it */
-		char cmd[512], out[8192];
+		char cmd[512];
+		static char out[1 << 16];
 		snprintf(cmd, sizeof(cmd), "%s -s %s status", th_epctl_bin(),
 			 s->d->sock);
 		FILE *p = popen(cmd, "r");
 		TH_CHECK(p, "popen");
-		size_t n = fread(out, 1, sizeof(out) - 1, p);
+		size_t n = 0, got;
+		while ((got = fread(out + n, 1, sizeof(out) - 1 - n, p)) > 0)
+			n += got;
 		out[n] = 0;
 		TH_CHECK(pclose(p) == 0, "epctl status failed: %s", out);
 		TH_CHECK(strstr(out, s->mps ? "resident barrier yes"
