@@ -93,8 +93,6 @@ static uint64_t now_ms(void)
 	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
 }
 
-static bool done_reached(ep_group_t *g);
-
 /* Wait until at most `behind` ops are incomplete. Ops that completed are
  * good even if the group failed after them (a rank leaving once its work
  * is done): the error belongs to the ops that did not complete. */
@@ -103,22 +101,15 @@ static int wait_completed(ep_group_t *g, uint64_t behind)
 	uint64_t end = now_ms() + (uint64_t)ep__group_op_timeout(g);
 	unsigned spins = 0;
 	while (g->sent - completed_full(g) > behind) {
-		int e = ep__ctl_error(g);
-		/* The error may be the group's end after these ops completed
-		 * (a rank that finished leaves): the rank's done word says
-		 * exactly, unless it was released far ahead. */
-		if (e && done_reached(g))
-			return 0;
-		if (e) {
+		if (ep__ctl_error(g)) {
 			if (getenv("EP_DEBUG"))
 				fprintf(stderr,
 					"libep: rank %u: sent %llu completed "
-					"%llu (raw %llu) done reached %d\n",
+					"%llu (raw %llu)\n",
 					g->cfg.rank,
 					(unsigned long long)g->sent,
 					(unsigned long long)completed_full(g),
-					(unsigned long long)ep__ctl_completed(g),
-					(int)done_reached(g));
+					(unsigned long long)ep__ctl_completed(g));
 			return ep_group_error(g);
 		}
 		if (now_ms() > end)
@@ -198,11 +189,6 @@ int ep_dispatch_recv_count(ep_group_t *g, ep_handle_t *h)
 	return 0; /* host dispatches return their count */
 }
 
-static bool done_reached(ep_group_t *g)
-{
-	(void)g;
-	return false;
-}
 
 #else
 
@@ -231,21 +217,6 @@ static int cufail(CUresult r, const char *what)
 	char err[200];
 	ekc_fail(&drv, r, what, err, sizeof(err));
 	return ep__fail(EP_EBACKEND, "%s", err);
-}
-
-static int ensure_ctx(int dev);
-
-/* Did every op this rank sent complete? Its done word holds the last op
- * the daemon released normally; a failed group writes it 2^30 or more
- * ahead, which does not count. */
-static bool done_reached(ep_group_t *g)
-{
-	uint32_t done = 0;
-	if (!g->dev_ptr || ensure_ctx(g->cuda_device) ||
-	    drv.cuMemcpyDtoH(&done, g->dev_ptr + EKC_DONE, 4))
-		return false;
-	uint32_t ahead = done - (uint32_t)g->sent;
-	return ahead < (1u << 29);
 }
 
 /* A context on dev current: the caller's if it is on dev, else the
@@ -494,14 +465,13 @@ int ep_dispatch_stream(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 {
 	if (!g || !handle)
 		return ep__fail(EP_EINVAL, "NULL argument");
-	struct epp_dispatch d;
-	int rc = ep__dispatch_request(g, num_tokens, flags, cached, &d);
+	uint8_t buf[128];
+	uint32_t n;
+	int rc = ep__dispatch_request(g, num_tokens, flags, cached, buf, &n);
 	if (rc)
 		return rc;
-	uint8_t buf[128];
-	size_t n = epp_dispatch_encode(&d, buf, sizeof(buf));
 	uint64_t seq;
-	rc = async_op(g, EPP_DISPATCH, buf, (uint32_t)n, stream, &seq);
+	rc = async_op(g, EPP_DISPATCH, buf, n, stream, &seq);
 	if (rc)
 		return rc;
 	*handle = (ep_handle_t){.group_id = g->id,
@@ -518,14 +488,13 @@ int ep_combine_stream(ep_group_t *g, const ep_handle_t *h, unsigned flags,
 {
 	if (!g || !h)
 		return ep__fail(EP_EINVAL, "NULL argument");
-	struct epp_combine c;
-	int rc = ep__combine_request(g, h, flags, &c);
+	uint8_t buf[128];
+	uint32_t n;
+	int rc = ep__combine_request(g, h, flags, buf, &n);
 	if (rc)
 		return rc;
-	uint8_t buf[128];
-	size_t n = epp_combine_encode(&c, buf, sizeof(buf));
 	uint64_t seq;
-	return async_op(g, EPP_COMBINE, buf, (uint32_t)n, stream, &seq);
+	return async_op(g, EPP_COMBINE, buf, n, stream, &seq);
 }
 
 int ep_dispatch_recv_count(ep_group_t *g, ep_handle_t *h)

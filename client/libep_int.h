@@ -53,10 +53,13 @@ void ep__cuda_unmap(ep_group_t *g);
 /* Error word and completion counter of this rank in the control page. */
 int ep__ctl_error(const ep_group_t *g);
 int ep__check_handle(const ep_group_t *g, const ep_handle_t *h);
+/* This rank's COMBINE / DISPATCH request, checked as the daemon will,
+ * encoded into frame[128]; its length in *len. */
 int ep__combine_request(ep_group_t *g, const ep_handle_t *h, unsigned flags,
-			struct epp_combine *c);
+			uint8_t *frame, uint32_t *len);
 int ep__dispatch_request(ep_group_t *g, uint32_t num_tokens, unsigned flags,
-			 const ep_handle_t *cached, struct epp_dispatch *d);
+			 const ep_handle_t *cached, uint8_t *frame,
+			 uint32_t *len);
 /* A GPU rank's buffers follow the control words in its region. */
 #define EP__DEV_DATA 4096u
 uint64_t ep__ctl_completed(const ep_group_t *g);

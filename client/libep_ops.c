@@ -82,10 +82,11 @@ int ep__check_handle(const ep_group_t *g, const ep_handle_t *h)
 	return 0;
 }
 
-/* The DISPATCH request of this rank, checked as the daemon will. */
 int ep__dispatch_request(ep_group_t *g, uint32_t num_tokens, unsigned flags,
-			 const ep_handle_t *cached, struct epp_dispatch *d)
+			 const ep_handle_t *cached, uint8_t *frame,
+			 uint32_t *len)
 {
+	struct epp_dispatch dd, *d = &dd; /* filled, then encoded */
 	if (flags & ~EP_DISPATCH_WEIGHTS)
 		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
 	if (num_tokens > g->cfg.max_tokens)
@@ -114,27 +115,28 @@ int ep__dispatch_request(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 						.epoch = cached->epoch,
 						.seq = cached->seq};
 	}
+	*len = (uint32_t)epp_dispatch_encode(d, frame, 128);
 	return 0;
 }
 
-/* The COMBINE request of this rank, checked as the daemon will. */
 int ep__combine_request(ep_group_t *g, const ep_handle_t *h, unsigned flags,
-			struct epp_combine *c)
+			uint8_t *frame, uint32_t *len)
 {
 	if (flags & ~EP_COMBINE_BIAS)
 		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
 	int rc = ep__check_handle(g, h);
 	if (rc)
 		return rc;
-	*c = (struct epp_combine){.group_id = g->id,
-				  .handle = {.group_id = h->group_id,
-					     .epoch = h->epoch,
-					     .seq = h->seq},
-				  .num_rows = h->num_recv,
-				  .hidden = g->cfg.hidden,
-				  .flags = flags & EP_COMBINE_BIAS
-						   ? EPP_COMBINE_BIAS
-						   : 0};
+	struct epp_combine c = {.group_id = g->id,
+				.handle = {.group_id = h->group_id,
+					   .epoch = h->epoch,
+					   .seq = h->seq},
+				.num_rows = h->num_recv,
+				.hidden = g->cfg.hidden,
+				.flags = flags & EP_COMBINE_BIAS
+						 ? EPP_COMBINE_BIAS
+						 : 0};
+	*len = (uint32_t)epp_combine_encode(&c, frame, 128);
 	return 0;
 }
 
@@ -147,15 +149,13 @@ int ep_dispatch_inplace(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 		return ep__fail(EP_EUNSUPPORTED,
 				"a GPU rank dispatches on a stream "
 				"(ep_dispatch_stream)");
-	struct epp_dispatch d;
-	int rc = ep__dispatch_request(g, num_tokens, flags, cached, &d);
+	uint8_t buf[128], *rep;
+	uint32_t n, rlen;
+	int rc = ep__dispatch_request(g, num_tokens, flags, cached, buf, &n);
 	if (rc)
 		return rc;
-	uint8_t buf[128], *rep;
-	uint32_t rlen;
-	size_t n = epp_dispatch_encode(&d, buf, sizeof(buf));
 	pthread_mutex_lock(&g->conn->mu);
-	rc = ep__rpc(g->conn, EPP_DISPATCH, 0, buf, (uint32_t)n, &rep, &rlen,
+	rc = ep__rpc(g->conn, EPP_DISPATCH, 0, buf, n, &rep, &rlen,
 		     NULL, 0, ep__group_op_timeout(g));
 	pthread_mutex_unlock(&g->conn->mu);
 	if (rc)
@@ -181,14 +181,13 @@ int ep_combine_inplace(ep_group_t *g, const ep_handle_t *h, unsigned flags)
 		return ep__fail(EP_EUNSUPPORTED,
 				"a GPU rank combines on a stream "
 				"(ep_combine_stream)");
-	struct epp_combine c;
-	int rc = ep__combine_request(g, h, flags, &c);
+	uint8_t buf[128];
+	uint32_t n;
+	int rc = ep__combine_request(g, h, flags, buf, &n);
 	if (rc)
 		return rc;
-	uint8_t buf[128];
-	size_t n = epp_combine_encode(&c, buf, sizeof(buf));
 	pthread_mutex_lock(&g->conn->mu);
-	rc = ep__rpc(g->conn, EPP_COMBINE, 0, buf, (uint32_t)n, NULL, NULL,
+	rc = ep__rpc(g->conn, EPP_COMBINE, 0, buf, n, NULL, NULL,
 		     NULL, 0, ep__group_op_timeout(g));
 	pthread_mutex_unlock(&g->conn->mu);
 	return rc;

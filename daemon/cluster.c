@@ -224,20 +224,15 @@ static void conn_write(struct pconn *c, uint16_t type, const void *a,
 		return;
 	if (c->rdma) {
 		/* the transport copies: no reference needed */
-		uint8_t *head = malloc(EPP_HDR_SIZE + na);
+		uint8_t head[EPP_HDR_SIZE];
 		struct epp_hdr h;
 		epp_hdr_init(&h, type, 0);
 		h.length = (uint32_t)(na + nb);
-		if (head) {
-			epp_hdr_encode(&h, head);
-			if (na)
-				memcpy(head + EPP_HDR_SIZE, a, na);
-		}
-		int rc = head && c->rc ? epd_rdma_send(c->rc, head,
-						       EPP_HDR_SIZE + na, b2, nb)
-				       : -1;
-		free(head);
-		if (rc)
+		epp_hdr_encode(&h, head);
+		const struct iovec iov[3] = {{head, EPP_HDR_SIZE},
+					     {(void *)a, na},
+					     {(void *)b2, nb}};
+		if (!c->rc || epd_rdma_send(c->rc, iov, 3))
 			conn_close(c, "rdma send failed");
 		return;
 	}
@@ -489,19 +484,29 @@ static void conn_frame(struct pconn *c, const struct epp_hdr *h,
 	}
 }
 
+/* Room for `need` more bytes after rlen in rbuf (doubling). */
+static int rbuf_room(struct pconn *c, size_t need)
+{
+	if (c->rcap - c->rlen >= need)
+		return 0;
+	size_t ncap = c->rcap ? c->rcap : 8192;
+	while (ncap - c->rlen < need)
+		ncap *= 2;
+	uint8_t *nb = realloc(c->rbuf, ncap);
+	if (!nb)
+		return -1;
+	c->rbuf = nb;
+	c->rcap = ncap;
+	return 0;
+}
+
 static void conn_alloc(uv_handle_t *hd, size_t want, uv_buf_t *b)
 {
 	struct pconn *c = hd->data;
 	(void)want;
-	if (c->rcap - c->rlen < 4096) {
-		size_t ncap = c->rcap ? c->rcap * 2 : 8192;
-		uint8_t *nb = realloc(c->rbuf, ncap);
-		if (!nb) {
-			*b = uv_buf_init(NULL, 0);
-			return;
-		}
-		c->rbuf = nb;
-		c->rcap = ncap;
+	if (rbuf_room(c, 4096)) {
+		*b = uv_buf_init(NULL, 0);
+		return;
 	}
 	*b = uv_buf_init((char *)c->rbuf + c->rlen, c->rcap - c->rlen);
 }
@@ -535,18 +540,15 @@ static void conn_parse(struct pconn *c)
 			reject(c, "%s", err);
 			return;
 		}
-		if (EPP_HDR_SIZE + h.length > c->rcap) {
-			uint8_t *nb = realloc(c->rbuf, EPP_HDR_SIZE + h.length +
-							       4096);
-			if (!nb) {
+		if (c->rlen - off < EPP_HDR_SIZE + h.length) {
+			/* the whole frame will fit where it starts */
+			if (rbuf_room(c, off + EPP_HDR_SIZE + h.length -
+						 c->rlen)) {
 				conn_close(c, "out of memory");
 				return;
 			}
-			c->rbuf = nb;
-			c->rcap = EPP_HDR_SIZE + h.length + 4096;
-		}
-		if (c->rlen - off < EPP_HDR_SIZE + h.length)
 			break;
+		}
 		conn_frame(c, &h, c->rbuf + off + EPP_HDR_SIZE);
 		off += EPP_HDR_SIZE + h.length;
 	}
@@ -665,17 +667,9 @@ static void rd_bytes(void *arg, void *user, const uint8_t *p, size_t n)
 	(void)arg;
 	if (c->closing)
 		return;
-	if (c->rcap - c->rlen < n) {
-		size_t ncap = c->rcap ? c->rcap : 8192;
-		while (ncap - c->rlen < n)
-			ncap *= 2;
-		uint8_t *nb = realloc(c->rbuf, ncap);
-		if (!nb) {
-			conn_close(c, "out of memory");
-			return;
-		}
-		c->rbuf = nb;
-		c->rcap = ncap;
+	if (rbuf_room(c, n)) {
+		conn_close(c, "out of memory");
+		return;
 	}
 	memcpy(c->rbuf + c->rlen, p, n);
 	c->rlen += n;

@@ -146,9 +146,8 @@ struct epd_cuda_group {
 	/* The resident barrier kernel (under MPS), on its own stream; its
 	 * state in daemon-private pinned host memory. */
 	CUstream fbstream;
-	struct ekc_fastbar_host *fb;
+	struct ekc_fastbar_host *fb; /* set once the kernel is launched */
 	uint64_t fb_counted; /* its barriers already in g->n_barrier */
-	bool fb_launched;
 	/* A group across nodes: each op's data is copied to the group's host
 	 * buffer, runs on the host path with the other nodes, and comes back;
 	 * one op at a time (stage_*). */
@@ -529,14 +528,10 @@ static int fastbar_start(struct epd_group *g, char *err, size_t errlen)
 	if (r)
 		return cu_err(r, "cuMemHostAlloc for the resident barrier",
 			      err, errlen);
-	c->fb = hp;
 	memset(hp, 0, sizeof(*c->fb));
 	r = D->cuMemHostGetDevicePointer(&hd, hp, 0);
 	if (!r)
 		r = D->cuStreamCreate(&c->fbstream, CU_STREAM_NON_BLOCKING);
-	if (r)
-		return cu_err(r, "setting up the resident barrier", err,
-			      errlen);
 	struct ekc_fastbar_args a = {
 		.completed = (uint64_t *)(uintptr_t)(c->ctl_dev +
 						     EPP_CTL_COMPLETED),
@@ -548,12 +543,14 @@ static int fastbar_start(struct epd_group *g, char *err, size_t errlen)
 	for (uint32_t l = 0; l < rpn; l++)
 		a.ctrl[l] = c->ptr[l];
 	void *params[] = {&a};
-	r = D->cuLaunchKernel(d->fastbar, 1, 1, 1, 32, 1, 1, 0, c->fbstream,
-			      params, NULL);
-	if (r)
-		return cu_err(r, "launching the resident barrier", err,
-			      errlen);
-	c->fb_launched = true;
+	if (!r)
+		r = D->cuLaunchKernel(d->fastbar, 1, 1, 1, 32, 1, 1, 0,
+				      c->fbstream, params, NULL);
+	if (r) {
+		D->cuMemFreeHost(hp);
+		return cu_err(r, "starting the resident barrier", err, errlen);
+	}
+	c->fb = hp;
 	__atomic_store_n((uint32_t *)(g->map + EPP_CTL_GROUP_SLOT +
 				      EPP_CTL_FEATURES),
 			 EPP_FEAT_FAST_BARRIER | EPP_FEAT_KERNEL_WAIT,
@@ -1168,31 +1165,29 @@ static void stage_finish(struct epd_group *g)
 				c->stage_hseq;
 		}
 		const uint32_t *R = c->stage_recv;
-		uint32_t pe[EKC_MAX_LOCAL];
-		for (uint32_t l = 0; l < rpn; l++)
-			pe[l] = 1;
 		r = stage_copy(g, EKC_F_RECV_X, R,
 			       (size_t)H * g->layout.elt, false);
 		if (!r && ns)
 			r = stage_copy(g, EKC_F_RECV_SCALES, R, (size_t)ns * 4,
 				       false);
-		if (c->stage_cached) /* rows and scales only */
+		if (!c->stage_cached) { /* a cached one: rows and scales */
+			uint32_t one[EKC_MAX_LOCAL];
 			for (uint32_t l = 0; l < rpn; l++)
-				pe[l] = 0;
-		const uint32_t *Rm = c->stage_cached ? pe : R;
-		if (!r)
-			r = stage_copy(g, EKC_F_RECV_TOPK, Rm, (size_t)K * 8,
-				       false);
-		if (!r)
-			r = stage_copy(g, EKC_F_RECV_WEIGHTS, Rm, (size_t)K * 4,
-				       false);
-		if (!r)
-			r = stage_copy(g, EKC_F_RECV_SRC, Rm, 8, false);
-		if (!r)
-			r = stage_copy(g, EKC_F_RECV_PE, pe,
-				       (size_t)g->shape.num_experts /
-					       g->shape.world_size * 4,
-				       false);
+				one[l] = 1;
+			if (!r)
+				r = stage_copy(g, EKC_F_RECV_TOPK, R,
+					       (size_t)K * 8, false);
+			if (!r)
+				r = stage_copy(g, EKC_F_RECV_WEIGHTS, R,
+					       (size_t)K * 4, false);
+			if (!r)
+				r = stage_copy(g, EKC_F_RECV_SRC, R, 8, false);
+			if (!r)
+				r = stage_copy(g, EKC_F_RECV_PE, one,
+					       (size_t)g->shape.num_experts /
+						       g->shape.world_size * 4,
+					       false);
+		}
 		for (uint32_t l = 0; l < rpn; l++) {
 			uint8_t *s = slot(g, l);
 			__atomic_store_n((uint64_t *)(s + EPP_CTL_RECV), R[l],
@@ -1507,8 +1502,7 @@ static void poll_cb(uv_timer_t *t)
 	/* the resident kernel times its own barriers out */
 	if (c->enq_fast[(c->completed + 1) % MAX_INFLIGHT])
 		return;
-	uint64_t age = now - c->oldest_ns;
-	if (age > (uint64_t)g->timeout_ms * 1000000ull) {
+	if (now - c->oldest_ns > budget) {
 		char miss[512];
 		uint64_t k = c->completed + 1;
 		epd_list_ranks(miss, sizeof(miss), g, no_doorbell, &k);
@@ -1651,7 +1645,7 @@ void *epd_cuda_group_status(struct epd_group *g)
 	return json_pack("{s:i, s:i, s:b, s:b, s:s, s:I, s:I, s:f, s:f}",
 			 "gpu", c->dev0, "gpus", c->ndevs, "staged", c->staged,
 			 "resident_barrier",
-			 c->fb_launched, "row_copy",
+			 c->fb != NULL, "row_copy",
 			 use_tma(c, sms_cap(g, &g->srv->cuda->dev[c->dev0]))
 				 ? "tma"
 				 : "simt",

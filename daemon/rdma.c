@@ -437,12 +437,18 @@ struct epd_rconn *epd_rdma_dial(struct epd_rdma *rd, const struct sockaddr *sa,
 	return rc;
 }
 
-int epd_rdma_send(struct epd_rconn *rc, const void *a, size_t na,
-		  const void *b, size_t nb)
+int epd_rdma_send(struct epd_rconn *rc, const struct iovec *iov, int n)
 {
 	if (rc->closing || !rc->connected)
 		return -1;
-	size_t need = rc->plen_bytes + na + nb;
+	if (rc->poff) { /* drop what is posted already */
+		memmove(rc->pend, rc->pend + rc->poff, rc->plen_bytes - rc->poff);
+		rc->plen_bytes -= rc->poff;
+		rc->poff = 0;
+	}
+	size_t need = rc->plen_bytes;
+	for (int i = 0; i < n; i++)
+		need += iov[i].iov_len;
 	if (need > rc->pcap) {
 		size_t cap = rc->pcap ? rc->pcap : 65536;
 		while (cap < need)
@@ -453,10 +459,12 @@ int epd_rdma_send(struct epd_rconn *rc, const void *a, size_t na,
 		rc->pend = p;
 		rc->pcap = cap;
 	}
-	memcpy(rc->pend + rc->plen_bytes, a, na);
-	if (nb)
-		memcpy(rc->pend + rc->plen_bytes + na, b, nb);
-	rc->plen_bytes += na + nb;
+	for (int i = 0; i < n; i++) {
+		if (iov[i].iov_len)
+			memcpy(rc->pend + rc->plen_bytes, iov[i].iov_base,
+			       iov[i].iov_len);
+		rc->plen_bytes += iov[i].iov_len;
+	}
 	pump(rc);
 	return rc->closing ? -1 : 0;
 }
@@ -544,10 +552,9 @@ struct epd_rconn *epd_rdma_dial(struct epd_rdma *rd, const struct sockaddr *sa,
 	(void)rd, (void)sa, (void)pdata, (void)plen, (void)user;
 	return NULL;
 }
-int epd_rdma_send(struct epd_rconn *rc, const void *a, size_t na,
-		  const void *b, size_t nb)
+int epd_rdma_send(struct epd_rconn *rc, const struct iovec *iov, int n)
 {
-	(void)rc, (void)a, (void)na, (void)b, (void)nb;
+	(void)rc, (void)iov, (void)n;
 	return -1;
 }
 void epd_rdma_close(struct epd_rconn *rc) { (void)rc; }

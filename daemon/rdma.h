@@ -8,6 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <uv.h>
 
 struct epd_rdma;
@@ -35,9 +36,9 @@ int epd_rdma_listen(struct epd_rdma *rd, const struct sockaddr *sa, char *err,
 /* Connect; pdata (at most 56 bytes) travels in the connect request. */
 struct epd_rconn *epd_rdma_dial(struct epd_rdma *rd, const struct sockaddr *sa,
 				const void *pdata, uint8_t plen, void *user);
-/* Queue a + b (copied) on the stream. -1 if the connection is not up. */
-int epd_rdma_send(struct epd_rconn *rc, const void *a, size_t na,
-		  const void *b, size_t nb);
+/* Queue the n pieces (copied) on the stream. -1 if the connection is not
+ * up. */
+int epd_rdma_send(struct epd_rconn *rc, const struct iovec *iov, int n);
 /* Close; no callback for it afterwards. */
 void epd_rdma_close(struct epd_rconn *rc);
 void epd_rdma_free(struct epd_rdma *rd);

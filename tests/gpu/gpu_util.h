@@ -29,4 +29,10 @@ CUstream tg_rank_init(int rank, int *gpu, void *p, size_t len,
  * never initializes CUDA), else TH_SKIP. */
 int tg_probe(void);
 
+/* A device address that ep_get_buffers() returned as a pointer. */
+static inline CUdeviceptr tg_dptr(const void *p)
+{
+	return (CUdeviceptr)(uintptr_t)p;
+}
+
 #endif

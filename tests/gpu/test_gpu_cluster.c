@@ -40,21 +40,16 @@ struct ctx {
 	TH_CHECK((n) == 0 || !memcmp(got, want, n),                            \
 		 "%s rank %d: %s differs", x->name, r, what)
 
-static CUdeviceptr dptr(const void *p)
-{
-	return (CUdeviceptr)(uintptr_t)p;
-}
-
 static void down(void *dst, const void *src, size_t n)
 {
 	if (n)
-		CU(tg_drv.cuMemcpyDtoH(dst, dptr(src), n));
+		CU(tg_drv.cuMemcpyDtoH(dst, tg_dptr(src), n));
 }
 
 static void up(void *dst, const void *src, size_t n)
 {
 	if (n)
-		CU(tg_drv.cuMemcpyHtoD(dptr(dst), src, n));
+		CU(tg_drv.cuMemcpyHtoD(tg_dptr(dst), src, n));
 }
 
 static int xrank(int r, void *arg)
@@ -87,9 +82,9 @@ static int xrank(int r, void *arg)
 	TH_OK(ep_join(conn, &cfg, EP_JOIN_CUDA, &g));
 	struct ep_buffers b;
 	TH_OK(ep_get_buffers(g, &b));
-	CU(tg_drv.cuMemsetD8(dptr(b.recv_x), POISON, cap * H * elt));
-	CU(tg_drv.cuMemsetD8(dptr(b.recv_topk_idx), POISON, cap * K * 8));
-	CU(tg_drv.cuMemsetD8(dptr(b.combined), POISON,
+	CU(tg_drv.cuMemsetD8(tg_dptr(b.recv_x), POISON, cap * H * elt));
+	CU(tg_drv.cuMemsetD8(tg_dptr(b.recv_topk_idx), POISON, cap * K * 8));
+	CU(tg_drv.cuMemsetD8(tg_dptr(b.combined), POISON,
 			     (size_t)c->max_tokens * H * 2));
 
 	/* Stream-ordered barriers across the nodes. */

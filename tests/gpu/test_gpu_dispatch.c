@@ -53,11 +53,6 @@ static void pin(void *p, size_t n)
 		CU(tg_drv.cuMemHostRegister(p, n, 0));
 }
 
-static CUdeviceptr dptr(const void *p)
-{
-	return (CUdeviceptr)(uintptr_t)p;
-}
-
 static int case_rank(int r, void *arg)
 {
 	struct ctx *x = arg;
@@ -107,16 +102,16 @@ static int case_rank(int r, void *arg)
 	struct ep_buffers b;
 	TH_OK(ep_get_buffers(g, &b));
 	/* poison every output on the device */
-	CU(tg_drv.cuMemsetD8(dptr(b.recv_x), POISON, cap * H * elt));
+	CU(tg_drv.cuMemsetD8(tg_dptr(b.recv_x), POISON, cap * H * elt));
 	if (ns)
-		CU(tg_drv.cuMemsetD8(dptr(b.recv_x_scales), POISON,
+		CU(tg_drv.cuMemsetD8(tg_dptr(b.recv_x_scales), POISON,
 				     cap * ns * 4));
-	CU(tg_drv.cuMemsetD8(dptr(b.recv_topk_idx), POISON, cap * K * 8));
-	CU(tg_drv.cuMemsetD8(dptr(b.recv_topk_weights), POISON, cap * K * 4));
-	CU(tg_drv.cuMemsetD8(dptr(b.recv_src), POISON, cap * 8));
-	CU(tg_drv.cuMemsetD8(dptr(b.num_recv_tokens_per_expert), POISON,
+	CU(tg_drv.cuMemsetD8(tg_dptr(b.recv_topk_idx), POISON, cap * K * 8));
+	CU(tg_drv.cuMemsetD8(tg_dptr(b.recv_topk_weights), POISON, cap * K * 4));
+	CU(tg_drv.cuMemsetD8(tg_dptr(b.recv_src), POISON, cap * 8));
+	CU(tg_drv.cuMemsetD8(tg_dptr(b.num_recv_tokens_per_expert), POISON,
 			     per * 4));
-	CU(tg_drv.cuMemsetD8(dptr(b.combined), POISON,
+	CU(tg_drv.cuMemsetD8(tg_dptr(b.combined), POISON,
 			     (size_t)c->max_tokens * H * 2));
 
 	if (x->bad_rank >= 0) {
@@ -126,7 +121,7 @@ static int case_rank(int r, void *arg)
 		memcpy(bad, me->topk, (size_t)me->T * K * 8);
 		if (r == x->bad_rank && me->T)
 			bad[K - 1] = E;
-		CU(tg_drv.cuMemcpyHtoD(dptr(b.topk_idx), bad,
+		CU(tg_drv.cuMemcpyHtoD(tg_dptr(b.topk_idx), bad,
 				       (size_t)me->T * K * 8));
 		ep_handle_t hb;
 		TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &hb));
@@ -134,7 +129,7 @@ static int case_rank(int r, void *arg)
 		TH_EXPECT_RC(ep_group_sync(g), EP_EEXPERT);
 		free(bad);
 		uint8_t *chk = malloc(cap * H * elt);
-		CU(tg_drv.cuMemcpyDtoH(chk, dptr(b.recv_x), cap * H * elt));
+		CU(tg_drv.cuMemcpyDtoH(chk, tg_dptr(b.recv_x), cap * H * elt));
 		TH_CHECK(ALL_POISON(chk, cap * H * elt),
 			 "a failed dispatch wrote recv_x");
 		free(chk);
@@ -153,14 +148,14 @@ static int case_rank(int r, void *arg)
 	CU(tg_drv.cuStreamWaitValue32(st, gdev + (uintptr_t)&x->gate[r] -
 						  (uintptr_t)x->gate,
 				      1, CU_STREAM_WAIT_VALUE_GEQ));
-	CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.x), me->x, (size_t)me->T * H * elt,
+	CU(tg_drv.cuMemcpyHtoDAsync(tg_dptr(b.x), me->x, (size_t)me->T * H * elt,
 				    st));
 	if (ns)
-		CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.x_scales), me->scales,
+		CU(tg_drv.cuMemcpyHtoDAsync(tg_dptr(b.x_scales), me->scales,
 					    (size_t)me->T * ns * 4, st));
-	CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.topk_idx), me->topk,
+	CU(tg_drv.cuMemcpyHtoDAsync(tg_dptr(b.topk_idx), me->topk,
 				    (size_t)me->T * K * 8, st));
-	CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.topk_weights), me->weights,
+	CU(tg_drv.cuMemcpyHtoDAsync(tg_dptr(b.topk_weights), me->weights,
 				    (size_t)me->T * K * 4, st));
 	ep_handle_t h;
 	TH_OK(ep_dispatch_stream(g, me->T,
@@ -178,16 +173,16 @@ static int case_rank(int r, void *arg)
 	pin(gw, cap * K * 4);
 	pin(gsrc, cap * 8);
 	pin(gpe, per * 4);
-	CU(tg_drv.cuMemcpyDtoHAsync(gx, dptr(b.recv_x), cap * H * elt, st));
+	CU(tg_drv.cuMemcpyDtoHAsync(gx, tg_dptr(b.recv_x), cap * H * elt, st));
 	if (ns)
-		CU(tg_drv.cuMemcpyDtoHAsync(gs, dptr(b.recv_x_scales),
+		CU(tg_drv.cuMemcpyDtoHAsync(gs, tg_dptr(b.recv_x_scales),
 					    cap * ns * 4, st));
-	CU(tg_drv.cuMemcpyDtoHAsync(gi, dptr(b.recv_topk_idx), cap * K * 8,
+	CU(tg_drv.cuMemcpyDtoHAsync(gi, tg_dptr(b.recv_topk_idx), cap * K * 8,
 				    st));
-	CU(tg_drv.cuMemcpyDtoHAsync(gw, dptr(b.recv_topk_weights),
+	CU(tg_drv.cuMemcpyDtoHAsync(gw, tg_dptr(b.recv_topk_weights),
 				    cap * K * 4, st));
-	CU(tg_drv.cuMemcpyDtoHAsync(gsrc, dptr(b.recv_src), cap * 8, st));
-	CU(tg_drv.cuMemcpyDtoHAsync(gpe, dptr(b.num_recv_tokens_per_expert),
+	CU(tg_drv.cuMemcpyDtoHAsync(gsrc, tg_dptr(b.recv_src), cap * 8, st));
+	CU(tg_drv.cuMemcpyDtoHAsync(gpe, tg_dptr(b.num_recv_tokens_per_expert),
 				    per * 4, st));
 	th_sleep_ms(5);
 	x->gate[r] = 1; /* only now may the upload start */
@@ -219,14 +214,14 @@ static int case_rank(int r, void *arg)
 				 NULL, st, &h2));
 	uint8_t *gx2 = POISONED(cap * H * elt);
 	pin(gx2, cap * H * elt);
-	CU(tg_drv.cuMemcpyDtoHAsync(gx2, dptr(b.recv_x), R * H * elt, st));
+	CU(tg_drv.cuMemcpyDtoHAsync(gx2, tg_dptr(b.recv_x), R * H * elt, st));
 	CU(tg_drv.cuStreamSynchronize(st));
 	TH_OK(ep_group_sync(g));
 	SAME(gx2, gx, R * H * elt, "recv_x of a rerun");
-	CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.x), in2[r].x,
+	CU(tg_drv.cuMemcpyHtoDAsync(tg_dptr(b.x), in2[r].x,
 				    (size_t)me->T * H * elt, st));
 	if (ns)
-		CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.x_scales), in2[r].scales,
+		CU(tg_drv.cuMemcpyHtoDAsync(tg_dptr(b.x_scales), in2[r].scales,
 					    (size_t)me->T * ns * 4, st));
 	/* Barriers between data ops (under MPS: rung on the device, op
 	 * numbers the daemon never sees). */
@@ -235,14 +230,14 @@ static int case_rank(int r, void *arg)
 	TH_OK(ep_dispatch_stream(g, me->T, 0, &h, st, &hc2));
 	TH_CHECK(hc2.seq == h.seq, "cached handle");
 	memset(gx2, POISON, cap * H * elt);
-	CU(tg_drv.cuMemcpyDtoHAsync(gx2, dptr(b.recv_x), R * H * elt, st));
+	CU(tg_drv.cuMemcpyDtoHAsync(gx2, tg_dptr(b.recv_x), R * H * elt, st));
 	CU(tg_drv.cuStreamSynchronize(st));
 	TH_OK(ep_group_sync(g));
 	SAME(gx2, exp2[r].x, R * H * elt, "cached recv_x vs reference");
 	TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &h3));
 	uint8_t *gx3 = POISONED(cap * H * elt);
 	pin(gx3, cap * H * elt);
-	CU(tg_drv.cuMemcpyDtoHAsync(gx3, dptr(b.recv_x), R * H * elt, st));
+	CU(tg_drv.cuMemcpyDtoHAsync(gx3, tg_dptr(b.recv_x), R * H * elt, st));
 	CU(tg_drv.cuStreamSynchronize(st));
 	TH_OK(ep_group_sync(g));
 	SAME(gx3, gx2, R * H * elt, "fresh vs cached dispatch");
@@ -258,14 +253,14 @@ static int case_rank(int r, void *arg)
 	uint16_t *rcomb = malloc((size_t)me->T * H * 2 + 2);
 	ref_combine(c, in, exp, ys, (uint32_t)r, rcomb);
 	pin(ys[r], R * H * 2);
-	CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.combine_y), ys[r], R * H * 2, st));
-	CU(tg_drv.cuMemcpyHtoDAsync(dptr(b.combine_bias), me->bias,
+	CU(tg_drv.cuMemcpyHtoDAsync(tg_dptr(b.combine_y), ys[r], R * H * 2, st));
+	CU(tg_drv.cuMemcpyHtoDAsync(tg_dptr(b.combine_bias), me->bias,
 				    (size_t)me->T * H * 2, st));
 	TH_OK(ep_barrier_stream(g, st));
 	TH_OK(ep_combine_stream(g, &h, c->bias ? EP_COMBINE_BIAS : 0, st));
 	uint16_t *gcomb = POISONED((size_t)c->max_tokens * H * 2);
 	pin(gcomb, (size_t)c->max_tokens * H * 2);
-	CU(tg_drv.cuMemcpyDtoHAsync(gcomb, dptr(b.combined),
+	CU(tg_drv.cuMemcpyDtoHAsync(gcomb, tg_dptr(b.combined),
 				    (size_t)c->max_tokens * H * 2, st));
 	CU(tg_drv.cuStreamSynchronize(st));
 	TH_OK(ep_group_sync(g));
@@ -312,7 +307,7 @@ static int fail_rank(int r, void *arg)
 	int64_t idx[256 * 4];
 	for (int i = 0; i < 256 * 4; i++)
 		idx[i] = (i * 5 + r) % 16;
-	CU(tg_drv.cuMemcpyHtoD(dptr(b.topk_idx), idx, sizeof(idx)));
+	CU(tg_drv.cuMemcpyHtoD(tg_dptr(b.topk_idx), idx, sizeof(idx)));
 	ep_handle_t h;
 	TH_OK(ep_dispatch_stream(g, 256, 0, NULL, st, &h));
 	TH_OK(ep_group_sync(g));
@@ -402,27 +397,13 @@ int main(void)
 	x->gpu = &gpu;
 	x->host = &host;
 	x->bad_rank = -1;
-	struct ref_case fixed[] = {
-		{.world = 4, .experts = 32, .hidden = 384, .topk = 6,
-		 .max_tokens = 512, .tokens = {0, 1, 300, 512},
-		 .dtype = EP_DTYPE_BF16, .weights = true, .bias = true},
-		{.world = 8, .experts = 64, .hidden = 256, .topk = 4,
-		 .max_tokens = 128, .tokens = {128, 7, 99, 0, 128, 64, 1, 33},
-		 .dtype = EP_DTYPE_BF16, .mode = REF_ONE_EXPERT, .special = 45,
-		 .weights = true},
-		{.world = 8, .experts = 64, .hidden = 128, .topk = 8,
-		 .max_tokens = 200, .tokens = {200, 150, 100, 50, 0, 10, 20, 30},
-		 .dtype = EP_DTYPE_BF16, .mode = REF_SKIP_RANK, .special = 3},
-		{.world = 4, .experts = 8, .hidden = 128, .topk = 3,
-		 .max_tokens = 64, .tokens = {64, 3, 0, 17},
-		 .dtype = EP_DTYPE_BF16, .mode = REF_ALL_NONE, .bias = true},
-		{.world = 8, .experts = 64, .hidden = 512, .topk = 8,
-		 .max_tokens = 256, .tokens = {256, 100, 3, 0, 256, 77, 9, 200},
-		 .dtype = EP_DTYPE_FP8, .weights = true, .bias = true},
-		{.world = 8, .experts = 256, .hidden = 7168, .topk = 8,
-		 .max_tokens = 300, .tokens = {300, 299, 257, 256, 255, 1, 0, 300},
-		 .dtype = EP_DTYPE_BF16, .weights = true},
-	};
+	/* the shared corners, then the DeepSeek-V3 shape with uneven T */
+	struct ref_case fixed[REF_CORNERS + 1];
+	memcpy(fixed, ref_corners, sizeof(ref_corners));
+	fixed[REF_CORNERS] = (struct ref_case){
+		.world = 8, .experts = 256, .hidden = 7168, .topk = 8,
+		.max_tokens = 300, .tokens = {300, 299, 257, 256, 255, 1, 0, 300},
+		.dtype = EP_DTYPE_BF16, .weights = true};
 	int n = 0;
 	for (size_t i = 0; i < sizeof(fixed) / sizeof(fixed[0]); i++, n++) {
 		x->c = fixed[i];

@@ -181,23 +181,35 @@ static void check_late(int nodes, int rpn)
 	       nodes, rpn, diagonal);
 }
 
-static int lost_rank(int rank, void *arg)
+/* A rank of a group that loses a part: victims wait to be killed (or
+ * their daemon to be); the others enter a barrier, which must fail within
+ * limit_ns; its code and message go to s. */
+static int loss_rank(struct late *s, int rank, bool victim,
+		     uint64_t limit_ns)
 {
-	struct late *s = arg;
 	ep_conn_t *c;
 	ep_group_t *g = join(s, rank, &c, 20000);
 	TH_OK(ep_barrier(g));
-	if (rank / s->rpn == 1) /* node 1's ranks: their daemon dies */
+	if (victim)
 		for (;;)
 			pause();
 	__atomic_fetch_add(&s->entered, 1, __ATOMIC_SEQ_CST);
 	uint64_t t0 = th_now_ns();
 	s->codes[rank] = ep_barrier(g);
 	snprintf(s->msgs[rank], sizeof(s->msgs[rank]), "%s", ep_errmsg());
-	TH_CHECK(th_now_ns() - t0 < 5000000000ull, "peer loss took too long");
+	TH_CHECK(th_now_ns() - t0 < limit_ns,
+		 "rank %d learnt of the loss after %.0f ms", rank,
+		 (double)(th_now_ns() - t0) / 1e6);
 	ep_leave(g);
 	ep_close(c);
 	return 0;
+}
+
+static int lost_rank(int rank, void *arg)
+{
+	struct late *s = arg;
+	/* node 1's ranks: their daemon dies */
+	return loss_rank(s, rank, rank / s->rpn == 1, 5000000000ull);
 }
 
 static void check_node_loss(void)
@@ -446,23 +458,7 @@ static void check_xdispatch(int nodes, int rpn, struct ref_case c, int bad)
 /* A rank dies on node 1: the ranks on node 0 learn it at once. */
 static int rank_loss_rank(int rank, void *arg)
 {
-	struct late *s = arg;
-	ep_conn_t *c;
-	ep_group_t *g = join(s, rank, &c, 20000);
-	TH_OK(ep_barrier(g));
-	if (rank == 3)
-		for (;;)
-			pause(); /* killed */
-	__atomic_fetch_add(&s->entered, 1, __ATOMIC_SEQ_CST);
-	uint64_t t0 = th_now_ns();
-	s->codes[rank] = ep_barrier(g);
-	snprintf(s->msgs[rank], sizeof(s->msgs[rank]), "%s", ep_errmsg());
-	TH_CHECK(th_now_ns() - t0 < 3000000000ull,
-		 "rank %d learnt of the loss after %.0f ms", rank,
-		 (double)(th_now_ns() - t0) / 1e6);
-	ep_leave(g);
-	ep_close(c);
-	return 0;
+	return loss_rank(arg, rank, rank == 3, 3000000000ull); /* 3 killed */
 }
 
 static void check_remote_rank_loss(void)

@@ -269,6 +269,8 @@ static void check_bad_configs(const char *dir)
 		{"[epd]\n", "-t -o heartbeat_miss=1", "bad value '1'"},
 		{"[epd]\n", "-t -o cuda_resident_barrier=maybe",
 		 "bad value 'maybe' for 'cuda_resident_barrier'"},
+		{"[epd]\ncuda_tma = sometimes\n", "-t",
+		 "bad value 'sometimes' for 'cuda_tma'"},
 		{"[epd]\nnode_name = a\npeers = a@127.0.0.1:1, b\n"
 		 "cluster_key_file = %s\n",
 		 "", "'b' is not name@host:port"},

@@ -210,39 +210,19 @@ int main(void)
 	th_daemon_start(&d, NULL);
 	struct ctx *x = th_shared(sizeof(*x));
 	x->d = &d;
-	struct ref_case fixed[] = {
-		/* world 1, nothing to send */
+	/* world 1 (nothing to send), every rank empty, the shared corners,
+	 * the DeepSeek-V3 hidden with top-8 of 256 experts */
+	struct ref_case fixed[3 + REF_CORNERS] = {
 		{.world = 1, .experts = 4, .hidden = 128, .topk = 2,
 		 .max_tokens = 16, .tokens = {0}, .dtype = EP_DTYPE_BF16},
-		/* every rank empty */
 		{.world = 8, .experts = 16, .hidden = 256, .topk = 4,
 		 .max_tokens = 32, .dtype = EP_DTYPE_BF16},
-		/* uneven T, with zero */
-		{.world = 4, .experts = 32, .hidden = 384, .topk = 6,
-		 .max_tokens = 512, .tokens = {0, 1, 300, 512},
-		 .dtype = EP_DTYPE_BF16, .weights = true, .bias = true},
-		/* all tokens to one expert */
-		{.world = 8, .experts = 64, .hidden = 256, .topk = 4,
-		 .max_tokens = 128, .tokens = {128, 7, 99, 0, 128, 64, 1, 33},
-		 .dtype = EP_DTYPE_BF16, .mode = REF_ONE_EXPERT, .special = 45,
-		 .weights = true},
-		/* no token to rank 3 */
-		{.world = 8, .experts = 64, .hidden = 128, .topk = 8,
-		 .max_tokens = 200, .tokens = {200, 150, 100, 50, 0, 10, 20, 30},
-		 .dtype = EP_DTYPE_BF16, .mode = REF_SKIP_RANK, .special = 3},
-		/* every entry -1: combine gives the bias */
-		{.world = 4, .experts = 8, .hidden = 128, .topk = 3,
-		 .max_tokens = 64, .tokens = {64, 3, 0, 17},
-		 .dtype = EP_DTYPE_BF16, .mode = REF_ALL_NONE, .bias = true},
-		/* fp8 with scales */
-		{.world = 8, .experts = 64, .hidden = 512, .topk = 8,
-		 .max_tokens = 256, .tokens = {256, 100, 3, 0, 256, 77, 9, 200},
-		 .dtype = EP_DTYPE_FP8, .weights = true, .bias = true},
-		/* DeepSeek-V3 hidden and top-8 of 256 experts */
-		{.world = 8, .experts = 256, .hidden = 7168, .topk = 8,
-		 .max_tokens = 64, .tokens = {64, 64, 64, 64, 64, 64, 64, 64},
-		 .dtype = EP_DTYPE_BF16, .weights = true},
 	};
+	memcpy(&fixed[2], ref_corners, sizeof(ref_corners));
+	fixed[2 + REF_CORNERS] = (struct ref_case){
+		.world = 8, .experts = 256, .hidden = 7168, .topk = 8,
+		.max_tokens = 64, .tokens = {64, 64, 64, 64, 64, 64, 64, 64},
+		.dtype = EP_DTYPE_BF16, .weights = true};
 	int n = 0;
 	for (size_t i = 0; i < sizeof(fixed) / sizeof(fixed[0]); i++, n++) {
 		x->c = fixed[i];

@@ -318,3 +318,22 @@ void ref_gen_world(const struct ref_case *c, struct ref_inputs *in,
 		ref_dispatch(c, in2, d, &exp2[d]);
 	}
 }
+
+const struct ref_case ref_corners[REF_CORNERS] = {
+	{.world = 4, .experts = 32, .hidden = 384, .topk = 6,
+	 .max_tokens = 512, .tokens = {0, 1, 300, 512},
+	 .dtype = EP_DTYPE_BF16, .weights = true, .bias = true},
+	{.world = 8, .experts = 64, .hidden = 256, .topk = 4,
+	 .max_tokens = 128, .tokens = {128, 7, 99, 0, 128, 64, 1, 33},
+	 .dtype = EP_DTYPE_BF16, .mode = REF_ONE_EXPERT, .special = 45,
+	 .weights = true},
+	{.world = 8, .experts = 64, .hidden = 128, .topk = 8,
+	 .max_tokens = 200, .tokens = {200, 150, 100, 50, 0, 10, 20, 30},
+	 .dtype = EP_DTYPE_BF16, .mode = REF_SKIP_RANK, .special = 3},
+	{.world = 4, .experts = 8, .hidden = 128, .topk = 3,
+	 .max_tokens = 64, .tokens = {64, 3, 0, 17},
+	 .dtype = EP_DTYPE_BF16, .mode = REF_ALL_NONE, .bias = true},
+	{.world = 8, .experts = 64, .hidden = 512, .topk = 8,
+	 .max_tokens = 256, .tokens = {256, 100, 3, 0, 256, 77, 9, 200},
+	 .dtype = EP_DTYPE_FP8, .weights = true, .bias = true},
+};

@@ -57,6 +57,11 @@ uint32_t ref_elt(const struct ref_case *c);
  * series' state, seeded by the caller. */
 void ref_random_case(struct ref_case *c, uint64_t *rs, uint64_t seed, int i,
 		     uint32_t max_tokens);
+/* Corner cases every backend's property test runs (seed left 0): uneven T
+ * with a 0, all tokens to one expert, no token to one rank, every entry
+ * -1 (combine gives the bias), fp8 with scales. */
+#define REF_CORNERS 5
+extern const struct ref_case ref_corners[REF_CORNERS];
 void ref_gen_inputs(const struct ref_case *c, uint32_t rank, uint64_t salt,
 		    struct ref_inputs *in);
 void ref_free_inputs(struct ref_inputs *in);
