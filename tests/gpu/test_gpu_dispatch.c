@@ -33,15 +33,10 @@ struct ctx {
 
 #define SAME(got, want, n, what)                                               \
 	do {                                                                   \
-		size_t n_ = (n);                                               \
-		if (n_ && memcmp(got, want, n_)) {                             \
-			size_t i_ = 0;                                         \
-			while (((const uint8_t *)(got))[i_] ==                 \
-			       ((const uint8_t *)(want))[i_])                  \
-				i_++;                                          \
-			TH_CHECK(0, "case %d rank %d: %s differs at byte %zu", \
-				 x->index, r, what, i_);                       \
-		}                                                              \
+		size_t d_ = th_first_diff(got, want, n);                       \
+		TH_CHECK(d_ == (size_t)(n),                                    \
+			 "case %d rank %d: %s differs at byte %zu", x->index,  \
+			 r, what, d_);                                         \
 	} while (0)
 
 /* Async copies need pinned host memory: from pageable memory they block

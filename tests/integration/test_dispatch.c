@@ -27,15 +27,10 @@ struct ctx {
 /* Find the first differing element for a useful message. */
 #define SAME(got, want, n, what)                                               \
 	do {                                                                   \
-		size_t n_ = (n);                                               \
-		if (n_ && memcmp(got, want, n_)) {                             \
-			size_t i_ = 0;                                         \
-			while (((const uint8_t *)(got))[i_] ==                 \
-			       ((const uint8_t *)(want))[i_])                  \
-				i_++;                                          \
-			TH_CHECK(0, "case %d rank %d: %s differs at byte %zu", \
-				 x->index, r, what, i_);                       \
-		}                                                              \
+		size_t d_ = th_first_diff(got, want, n);                       \
+		TH_CHECK(d_ == (size_t)(n),                                    \
+			 "case %d rank %d: %s differs at byte %zu", x->index,  \
+			 r, what, d_);                                         \
 	} while (0)
 
 static int case_rank(int r, void *arg)

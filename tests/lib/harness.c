@@ -338,3 +338,12 @@ bool th_all_is(const void *p, size_t n, int byte)
 			return false;
 	return true;
 }
+
+size_t th_first_diff(const void *a, const void *b, size_t n)
+{
+	const uint8_t *x = a, *y = b;
+	size_t i = 0;
+	while (i < n && x[i] == y[i])
+		i++;
+	return i;
+}

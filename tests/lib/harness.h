@@ -84,6 +84,8 @@ void th_reap(pid_t pid, unsigned timeout_s);
 /* n bytes (and one more, so n may be 0) all set to byte; exits on no
  * memory. Outputs are poisoned so that what a call did not write shows. */
 void *th_poisoned(size_t n, int byte);
+/* The first byte at which a and b differ, or n if none does. */
+size_t th_first_diff(const void *a, const void *b, size_t n);
 /* Are the n bytes at p all byte? */
 bool th_all_is(const void *p, size_t n, int byte);
 
