@@ -66,6 +66,16 @@ static void fmt_ranks(char *out, size_t cap, json_t *arr)
 		snprintf(out, cap, "-");
 }
 
+/* How a GPU group's barriers run ("barrier" in the status). */
+static const char *barrier_engine(const char *b)
+{
+	if (!strcmp(b, "kernel"))
+		return "resident kernel";
+	if (!strcmp(b, "host"))
+		return "host thread";
+	return "stream ops";
+}
+
 static void print_status(json_t *root)
 {
 	json_t *d = json_object_get(root, "daemon");
@@ -169,17 +179,14 @@ static void print_status(json_t *root)
 		       jint(ops, "combine"), jint(ops, "errors"));
 		json_t *cu = json_object_get(g, "cuda");
 		if (json_is_object(cu))
-			printf("    gpu %lld%s: resident barrier %s, row copy %s, "
+			printf("    gpu %lld%s: barrier %s, row copy %s, "
 			       "ops completed %lld, last dispatch %.0f us, "
 			       "combine %.0f us\n",
 			       jint(cu, "gpu"),
 			       json_is_true(json_object_get(cu, "staged"))
 				       ? " (staged through host memory)"
 				       : "",
-			       json_is_true(json_object_get(cu,
-							    "resident_barrier"))
-				       ? "yes"
-				       : "no",
+			       barrier_engine(jstr(cu, "barrier")),
 			       jstr(cu, "row_copy"), jint(cu, "ops_completed"),
 			       json_number_value(
 				       json_object_get(cu, "last_dispatch_us")),

@@ -192,9 +192,18 @@ int ep_dispatch_recv_count(ep_group_t *g, ep_handle_t *h)
 
 #else
 
+#include <linux/futex.h>
 #include <pthread.h>
+#include <sys/syscall.h>
 
 #include "ekc.h"
+
+/* The rank's words of the host barrier (EPP_FEAT_HOST_BARRIER). */
+static uint64_t hb_words(const ep_group_t *g)
+{
+	return EPP_CTL_HB + (uint64_t)(g->cfg.rank % g->cfg.ranks_per_node) *
+				    EPP_CTL_HB_STRIDE;
+}
 
 static struct ekc_driver drv;
 static int drv_rc = -1;
@@ -305,11 +314,27 @@ int ep__cuda_map(ep_group_t *g, int fd, uint64_t size)
 	g->dev_ptr = p;
 	g->dev_handle = h;
 	g->dev_size = size;
+	/* The control page for the GPU: a host barrier's doorbell and done
+	 * word are there (registered now, before any op is queued). */
+	r = drv.cuMemHostRegister(g->buf, EPP_BUF_HEADER,
+				  CU_MEMHOSTREGISTER_DEVICEMAP |
+					  CU_MEMHOSTREGISTER_PORTABLE);
+	CUdeviceptr cd = 0;
+	if (!r && (r = drv.cuMemHostGetDevicePointer(&cd, g->buf, 0)))
+		drv.cuMemHostUnregister(g->buf);
+	if (r) {
+		ep__cuda_unmap(g);
+		return cufail(r, "registering the control page");
+	}
+	g->ctl_dev = cd;
 	return 0;
 }
 
 void ep__cuda_unmap(ep_group_t *g)
 {
+	if (g->ctl_dev)
+		drv.cuMemHostUnregister(g->buf);
+	g->ctl_dev = 0;
 	if (!g->dev_ptr)
 		return;
 	drv.cuMemUnmap(g->dev_ptr, g->dev_size);
@@ -420,7 +445,26 @@ static int async_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 	CUstream s = (CUstream)stream;
 	CUdeviceptr bell = g->dev_ptr + (type ? EKC_DOORBELL : EKC_BAR_DOORBELL);
 	CUresult r;
-	if (g->ring_fn) {
+	if (!type && features(g) & EPP_FEAT_HOST_BARRIER) {
+		/* Post the request first: the daemon's thread may sleep until
+		 * a rank has a barrier queued (and is woken if it does). */
+		uint8_t *w = (uint8_t *)g->buf + hb_words(g);
+		uint32_t *sleeping = (uint32_t *)((uint8_t *)g->buf +
+						  EPP_CTL_GROUP_SLOT +
+						  EPP_CTL_HB_SLEEP);
+		__atomic_store_n((uint32_t *)(w + EPP_HB_REQ), (uint32_t)k,
+				 __ATOMIC_SEQ_CST);
+		if (__atomic_load_n(sleeping, __ATOMIC_SEQ_CST))
+			syscall(SYS_futex, sleeping, FUTEX_WAKE, 1, NULL, NULL,
+				0);
+		CUdeviceptr hw = g->ctl_dev + hb_words(g);
+		r = drv.cuStreamWriteValue32(s, hw + EPP_HB_BELL, (cuuint32_t)k,
+					     0);
+		if (!r)
+			r = drv.cuStreamWaitValue32(s, hw + EPP_HB_DONE,
+						    (cuuint32_t)k,
+						    CU_STREAM_WAIT_VALUE_GEQ);
+	} else if (g->ring_fn) {
 		struct ekc_ring_args a = {
 			.bell = (uint32_t *)(uintptr_t)bell,
 			.done = (const uint32_t *)(uintptr_t)(g->dev_ptr +
@@ -454,7 +498,7 @@ int ep_barrier_stream(ep_group_t *g, void *stream)
 		return ep__fail(EP_EINVAL, "NULL group");
 	epp_wr_init(&w, buf, sizeof(buf));
 	epp_put_u64(&w, g->id);
-	if (features(g) & EPP_FEAT_FAST_BARRIER)
+	if (features(g) & (EPP_FEAT_FAST_BARRIER | EPP_FEAT_HOST_BARRIER))
 		return async_op(g, 0, NULL, 0, stream, &seq);
 	return async_op(g, EPP_BARRIER, buf, 8, stream, &seq);
 }

@@ -39,6 +39,7 @@ struct ep_group {
 	void *ring_fn;   /* CUfunction ekc_ring_wait in the rank's context */
 	bool ring_tried; /* looked it up (NULL: memops) */
 	size_t dev_size;
+	uint64_t ctl_dev; /* the control page, registered: its device view */
 	uint64_t sent; /* stream-ordered ops enqueued */
 	uint64_t op_err_seen; /* last op error reported */
 	uint64_t last_dispatch; /* seq of the last dispatch op */

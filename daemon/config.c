@@ -120,6 +120,11 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 		if (parse_bool(v, &b))
 			return -2;
 		c->cuda_no_resident = !b;
+	} else if (!strcmp(key, "host_barrier")) {
+		bool b;
+		if (parse_bool(v, &b))
+			return -2;
+		c->no_host_barrier = !b;
 	} else if (!strcmp(key, "node_name")) {
 		if (!*v || strlen(v) >= sizeof(c->node_name))
 			return -2;

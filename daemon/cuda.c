@@ -15,6 +15,7 @@
  * done words far ahead, from a second stream that nothing blocks.
  */
 #include "epd.h"
+#include "hostbar.h"
 
 #include <jansson.h>
 #include <stdio.h>
@@ -143,10 +144,12 @@ struct epd_cuda_group {
 	uv_timer_t poll;
 	bool poll_closing, poll_slow;
 	bool released;
-	/* The resident barrier kernel (under MPS), on its own stream; its
-	 * state in daemon-private pinned host memory. */
+	/* The group's barrier engine, if any: the resident barrier kernel
+	 * (under MPS) on its own stream, its state in daemon-private pinned
+	 * host memory; or the host barrier thread (hb), its state in it. */
 	CUstream fbstream;
-	struct ekc_fastbar_host *fb; /* set once the kernel is launched */
+	struct ek_bar_state *fb; /* set once the engine runs */
+	struct epd_hostbar *hb;
 	uint64_t fb_counted; /* its barriers already in g->n_barrier */
 	/* A group across nodes: each op's data is copied to the group's host
 	 * buffer, runs on the host path with the other nodes, and comes back;
@@ -506,20 +509,24 @@ static void poll_arm(struct epd_cuda_group *c);
  * the resident barrier kernel, and the feature bit that tells libep to
  * ring it instead of sending barriers. Without MPS a spinning kernel would
  * hold the GPU's time slice from the ranks' contexts. */
+static int hostbar_start(struct epd_group *g, char *err, size_t errlen);
+
 static int fastbar_start(struct epd_group *g, char *err, size_t errlen)
 {
 	struct epd_cuda_group *c = g->cu;
 	struct epd_cuda *cu = g->srv->cuda;
 	struct cudev *d = &cu->dev[c->dev0];
 	uint32_t rpn = g->shape.ranks_per_node;
-	if (g->srv->cfg.cuda_no_resident || g->nnodes > 1)
+	if (g->nnodes > 1)
 		return 0;
+	if (g->srv->cfg.cuda_no_resident)
+		return hostbar_start(g, err, errlen);
 	for (int i = 0; i < c->ndevs; i++)
 		if (!cu->dev[c->devs[i]].mps)
-			return 0;
+			return hostbar_start(g, err, errlen);
 	for (uint32_t l = 0; l < rpn; l++)
 		if (!g->local[l]->mps)
-			return 0;
+			return hostbar_start(g, err, errlen);
 	void *hp = NULL;
 	CUdeviceptr hd = 0;
 	CUresult r = D->cuMemHostAlloc(&hp, sizeof(*c->fb),
@@ -537,7 +544,7 @@ static int fastbar_start(struct epd_group *g, char *err, size_t errlen)
 						     EPP_CTL_COMPLETED),
 		.completed_stride = EPP_CTL_SLOT / 8,
 		.rpn = rpn,
-		.host = (struct ekc_fastbar_host *)(uintptr_t)hd,
+		.host = (struct ek_bar_state *)(uintptr_t)hd,
 		.budget_ns = (uint64_t)g->timeout_ms * 1000000ull,
 		.last = c->enqueued};
 	for (uint32_t l = 0; l < rpn; l++)
@@ -561,11 +568,35 @@ static int fastbar_start(struct epd_group *g, char *err, size_t errlen)
 	return 0;
 }
 
-/* End the resident barrier (group failed or freed): it polls the stop
- * word while idle and while waiting. */
+/* Otherwise (no MPS, or the resident kernel configured off), unless
+ * configured off: the host barrier thread (hostbar.h), and the feature bit
+ * that tells libep to ring its host doorbell instead of sending barriers. */
+static int hostbar_start(struct epd_group *g, char *err, size_t errlen)
+{
+	struct epd_cuda_group *c = g->cu;
+	if (g->srv->cfg.no_host_barrier)
+		return 0;
+	int rc = epd_hostbar_start(&c->hb, g->map, g->shape.ranks_per_node,
+				   (uint64_t)g->timeout_ms * 1000000ull,
+				   c->enqueued, err, errlen);
+	if (rc)
+		return rc;
+	c->fb = epd_hostbar_state(c->hb);
+	__atomic_store_n((uint32_t *)(g->map + EPP_CTL_GROUP_SLOT +
+				      EPP_CTL_FEATURES),
+			 EPP_FEAT_HOST_BARRIER, __ATOMIC_RELEASE);
+	epd_info("group %s: host barrier thread", g->shape.name);
+	poll_arm(c);
+	return 0;
+}
+
+/* End the barrier engine (group failed or freed): the kernel polls the
+ * stop word while idle and while waiting; the thread is woken. */
 static void fastbar_stop(struct epd_cuda_group *c)
 {
-	if (c->fb)
+	if (c->hb)
+		epd_hostbar_stop(c->hb);
+	else if (c->fb)
 		__atomic_store_n(&c->fb->stop, 1, __ATOMIC_RELEASE);
 }
 
@@ -1435,18 +1466,21 @@ static void poll_cb(uv_timer_t *t)
 		uint64_t n = __atomic_load_n(&c->fb->count, __ATOMIC_RELAXED);
 		g->n_barrier += n - c->fb_counted;
 		c->fb_counted = n;
-		if (st == EKC_FB_TIMEOUT || st == EKC_FB_MISMATCH) {
+		if (st == EK_BAR_TIMEOUT || st == EK_BAR_MISMATCH) {
 			char miss[512];
 			uint64_t mask = c->fb->missing;
 			uint64_t k = widen(c->fb->seq, known_top(c));
 			epd_list_ranks(miss, sizeof(miss), g, in_mask, &mask);
-			if (st == EKC_FB_TIMEOUT)
+			if (st == EK_BAR_TIMEOUT)
 				epd_group_fail(g, EP_ETIMEDOUT,
 					       "barrier %llu timed out after "
-					       "%u ms on the device; ranks "
-					       "whose stream never arrived: %s",
+					       "%u ms %s; ranks whose stream "
+					       "never arrived: %s",
 					       (unsigned long long)k,
-					       g->timeout_ms, miss);
+					       g->timeout_ms,
+					       c->hb ? "(host barrier)"
+						     : "on the device",
+					       miss);
 			else
 				epd_group_fail(g, EP_EMISMATCH,
 					       "barrier %llu: ranks %s rang "
@@ -1538,23 +1572,27 @@ void epd_cuda_group_failed(struct epd_group *g)
 			n += (size_t)snprintf(words + n, sizeof(words) - n,
 					      " %llu",
 					      (unsigned long long)*completed_word(g, l));
-		epd_info("group %s: the resident barrier released %llu "
-			 "barriers, the last %llu; completed words:%s",
+		epd_info("group %s: the %s released %llu barriers, the "
+			 "last %llu; completed words:%s",
 			 g->shape.name,
+			 c->hb ? "host barrier" : "resident barrier",
 			 (unsigned long long)c->fb->count,
 			 (unsigned long long)c->fb->last, words);
 	}
-	if (!c->stream)
-		return;
 	/* Release: every doorbell and done word far ahead of any op a rank
 	 * could have queued, from the aux stream. Not the resident barrier's
 	 * doorbells: it would take a far value for a barrier every rank rang
-	 * and write it as completed (it is told to stop instead). */
+	 * and write it as completed (it is told to stop instead). The host
+	 * barrier's done words are raised here (and never lowered). */
 	uint64_t top = known_top(c);
 	for (uint32_t l = 0; l < rpn; l++)
 		if (g->local[l] && g->local[l]->async_seq > top)
 			top = g->local[l]->async_seq;
 	uint32_t far = (uint32_t)(top + MAX_INFLIGHT + (1u << 30));
+	if (c->hb)
+		epd_hostbar_release(g->map, rpn, far);
+	if (!c->stream)
+		return;
 	char err[160];
 	if (use_dev(g->srv->cuda, c->dev0, err, sizeof(err)))
 		return;
@@ -1598,9 +1636,13 @@ void epd_cuda_group_free(struct epd_group *g)
 		}
 		if (c->registered)
 			D->cuMemHostUnregister(g->map);
-		if (c->fb)
+		if (c->fb && !c->hb)
 			D->cuMemFreeHost(c->fb);
 	}
+	/* the host barrier thread reads the control page: gone before it */
+	epd_hostbar_free(c->hb);
+	c->hb = NULL;
+	c->fb = NULL;
 	for (int i = 0; i < 4; i++)
 		if (c->ev[i / 2][i % 2])
 			D->cuEventDestroy(c->ev[i / 2][i % 2]);
@@ -1642,10 +1684,13 @@ void *epd_cuda_group_status(struct epd_group *g)
 	struct epd_cuda_group *c = g->cu;
 	if (!c)
 		return NULL;
-	return json_pack("{s:i, s:i, s:b, s:b, s:s, s:I, s:I, s:f, s:f}",
+	return json_pack("{s:i, s:i, s:b, s:b, s:s, s:s, s:I, s:I, s:f, s:f}",
 			 "gpu", c->dev0, "gpus", c->ndevs, "staged", c->staged,
-			 "resident_barrier",
-			 c->fb != NULL, "row_copy",
+			 "resident_barrier", c->fb && !c->hb, "barrier",
+			 c->hb	   ? "host"
+			 : c->fb ? "kernel"
+				 : "stream",
+			 "row_copy",
 			 use_tma(c, sms_cap(g, &g->srv->cuda->dev[c->dev0]))
 				 ? "tma"
 				 : "simt",

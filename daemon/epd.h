@@ -43,6 +43,7 @@ struct epd_config {
 	unsigned cuda_sms;         /* SMs for dispatch/combine; 0: all */
 	bool cuda_no_resident;     /* no resident barrier kernel under MPS */
 	bool cuda_no_tma;          /* dispatch rows by SIMT copies only */
+	bool no_host_barrier;      /* GPU barriers without the host thread */
 	/* Cluster (empty peers: a single node). */
 	char node_name[64];
 	char peers[2048];          /* "name@host:port, ..." all nodes, ordered */

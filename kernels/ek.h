@@ -88,4 +88,24 @@ void ek_layout(const struct ek_shape *s, const int64_t *topk_idx,
 	       uint32_t num_tokens, int32_t *per_rank, int32_t *per_expert,
 	       uint8_t *in_rank);
 
+/* A barrier engine that serves a group's barriers from the ranks'
+ * doorbells alone, for the group's life: the resident barrier kernel
+ * (ekc_fastbar, under MPS) or the daemon's host barrier thread. The daemon
+ * reads its state; the engine writes it. */
+enum {
+	EK_BAR_RUNNING = 1,
+	EK_BAR_STOPPED,  /* the daemon asked it to end */
+	EK_BAR_TIMEOUT,  /* barrier `seq`: `missing` never rang */
+	EK_BAR_MISMATCH, /* barrier `seq`: `missing` rang another one */
+};
+struct ek_bar_state {
+	uint32_t stop;    /* daemon -> engine: end now */
+	uint32_t state;   /* engine -> daemon: EK_BAR_* */
+	uint64_t last;    /* last barrier released (64-bit sequence) */
+	uint64_t count;   /* barriers released */
+	uint64_t missing; /* EK_BAR_TIMEOUT/MISMATCH: local ranks */
+	uint32_t seq;     /* the barrier that failed */
+	uint32_t pad;
+};
+
 #endif

@@ -33,6 +33,11 @@
  *        the op numbers the daemon sees may skip those barriers. With
  *        EPP_FEAT_KERNEL_WAIT (under MPS) a rank rings and waits with a
  *        one-thread kernel on its stream instead of stream memory ops.
+ *   1.5  EPP_FEAT_HOST_BARRIER: as FAST_BARRIER, but the doorbell and the
+ *        done word are host words of the control page (EPP_CTL_HB), served
+ *        by a daemon thread; the rank first posts the barrier's number
+ *        (EPP_HB_REQ) and wakes that thread if it sleeps (a futex on
+ *        EPP_CTL_HB_SLEEP in the group slot).
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -51,7 +56,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 4
+#define EPP_VERSION_MINOR 5
 #define EPP_HDR_SIZE 24
 #define EPP_MAX_PAYLOAD (1u << 20)
 #define EPP_MAX_FDS 4
@@ -147,6 +152,16 @@ struct epp_join_ok {
 #define EPP_CTL_FEATURES 8u
 #define EPP_FEAT_FAST_BARRIER 1u /* barriers by device doorbell alone */
 #define EPP_FEAT_KERNEL_WAIT 2u  /* MPS: ranks ring and wait with a kernel */
+#define EPP_FEAT_HOST_BARRIER 4u /* barriers by host doorbell alone */
+#define EPP_CTL_HB_SLEEP 64u     /* u32 futex: the host barrier thread sleeps */
+/* Host barrier words of local rank l at EPP_CTL_HB + l * EPP_CTL_HB_STRIDE,
+ * each u32 on its own cache line (the rank's GPU writes the doorbell, the
+ * daemon's thread the done word, the rank's CPU the request). */
+#define EPP_CTL_HB 16384u
+#define EPP_CTL_HB_STRIDE 256u
+#define EPP_HB_BELL 0u   /* GPU of rank l: barrier k reached on the stream */
+#define EPP_HB_DONE 64u  /* daemon: barrier k released (far ahead: failed) */
+#define EPP_HB_REQ 128u  /* CPU of rank l: barrier k enqueued */
 
 /* OK reply to HELLO. */
 struct epp_hello_ok {

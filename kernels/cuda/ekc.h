@@ -16,6 +16,8 @@
 
 #include <cuda.h>
 
+#include "../ek.h"
+
 /* Every driver entry point epd and libep use. */
 #define EKC_FUNCS(X)                                                           \
 	X(cuInit)                                                              \
@@ -124,29 +126,14 @@ struct ekc_barrier_args {
 
 /* The resident barrier (under MPS): one warp in the daemon's context runs
  * every barrier of a group from its start to its end, fed by the ranks'
- * EKC_BAR_DOORBELL words alone. Its state is in daemon-private host memory
- * (struct ekc_fastbar_host), mapped for the device. */
-enum {
-	EKC_FB_RUNNING = 1,
-	EKC_FB_STOPPED,  /* the daemon asked it to end */
-	EKC_FB_TIMEOUT,  /* barrier `seq`: `missing` never rang */
-	EKC_FB_MISMATCH, /* barrier `seq`: `missing` rang another one */
-};
-struct ekc_fastbar_host {
-	uint32_t stop;    /* daemon -> kernel: end now */
-	uint32_t state;   /* kernel -> daemon: EKC_FB_* */
-	uint64_t last;    /* last barrier released (64-bit sequence) */
-	uint64_t count;   /* barriers released */
-	uint64_t missing; /* EKC_FB_TIMEOUT/MISMATCH: local ranks */
-	uint32_t seq;     /* the barrier that failed */
-	uint32_t pad;
-};
+ * EKC_BAR_DOORBELL words alone. Its state (struct ek_bar_state, ek.h) is
+ * in daemon-private host memory, mapped for the device. */
 struct ekc_fastbar_args {
 	CUdeviceptr ctrl[EKC_MAX_LOCAL]; /* region base of local rank l */
 	uint64_t *completed;             /* host-mapped, as for ekc_barrier */
 	uint32_t completed_stride;
 	uint32_t rpn;
-	struct ekc_fastbar_host *host;   /* device view */
+	struct ek_bar_state *host;         /* device view */
 	uint64_t budget_ns;              /* from a barrier's first arrival */
 	uint64_t last;                   /* barriers before the kernel */
 };

@@ -135,7 +135,7 @@ __device__ static inline uint32_t ld_host(const volatile uint32_t *p)
 extern "C" __global__ void __launch_bounds__(32) ekc_fastbar(struct ekc_fastbar_args a)
 {
 	const uint32_t lane = threadIdx.x;
-	volatile struct ekc_fastbar_host *h = a.host;
+	volatile struct ek_bar_state *h = a.host;
 	const uint32_t *bell[2] = {nullptr, nullptr};
 	uint32_t *rail[2] = {nullptr, nullptr}, *done[2] = {nullptr, nullptr};
 	for (int i = 0; i < 2; i++) {
@@ -148,10 +148,10 @@ extern "C" __global__ void __launch_bounds__(32) ekc_fastbar(struct ekc_fastbar_
 		}
 	}
 	uint64_t last = a.last, count = 0;
-	uint32_t state = EKC_FB_STOPPED, fseq = 0;
+	uint32_t state = EK_BAR_STOPPED, fseq = 0;
 	uint64_t missing = 0;
 	if (lane == 0)
-		h->state = EKC_FB_RUNNING;
+		h->state = EK_BAR_RUNNING;
 	for (;;) {
 		// Idle: wait for a first arrival, or the end.
 		uint32_t k = 0, idle = 0;
@@ -198,7 +198,7 @@ extern "C" __global__ void __launch_bounds__(32) ekc_fastbar(struct ekc_fastbar_
 						0))
 					goto out;
 				if (now_ns() > end) {
-					state = EKC_FB_TIMEOUT;
+					state = EK_BAR_TIMEOUT;
 					missing = notyet;
 					fseq = k;
 					goto out;
@@ -215,7 +215,7 @@ extern "C" __global__ void __launch_bounds__(32) ekc_fastbar(struct ekc_fastbar_
 				       bell[i] && ld_relaxed(bell[i]) != k)
 			       << (32 * i);
 		if (bad) {
-			state = EKC_FB_MISMATCH;
+			state = EK_BAR_MISMATCH;
 			missing = bad;
 			fseq = k;
 			goto out;

@@ -230,9 +230,11 @@ static int rank_main(int r, void *arg)
 			s->kdisp_us = atof(p + 19);
 		if ((p = strstr(js, "\"last_combine_us\":")))
 			s->kcomb_us = atof(p + 18);
-		printf("perf: row copy %s, resident barrier %s\n",
+		printf("perf: row copy %s, barrier %s\n",
 		       strstr(js, "\"row_copy\":\"tma\"") ? "tma" : "simt",
-		       strstr(js, "\"resident_barrier\":true") ? "yes" : "no");
+		       strstr(js, "\"barrier\":\"kernel\"") ? "resident kernel"
+		       : strstr(js, "\"barrier\":\"host\"") ? "host thread"
+							     : "stream ops");
 		free(js);
 		s->d2d_gbs = d2d();
 		s->fill_gbs = fill();

@@ -34,7 +34,8 @@ struct shared {
 	volatile int enqueued[MAXR];
 	volatile int entered;
 	volatile int release;
-	double us_per_barrier, roundtrip_us, b10k_us;
+	double us_per_barrier, roundtrip_us, b10k_us, rt_us[MAXR];
+	uint32_t arrive, gen; /* a CPU line-up of the ranks */
 	int mps;
 	char msg[MAXR][256];
 	int code[MAXR];
@@ -60,6 +61,21 @@ static ep_group_t *gpu_join(struct shared *s, const char *name, int rank,
 }
 
 #define DEV(field) (sdev + ((uintptr_t)(field) - (uintptr_t)s))
+
+/* Every rank's CPU at the same point, within a microsecond or so (epd's
+ * own barrier replies to the ranks one after another: tens of us apart). */
+static void line_up(struct shared *s)
+{
+	uint32_t g = __atomic_load_n(&s->gen, __ATOMIC_SEQ_CST);
+	if (__atomic_add_fetch(&s->arrive, 1, __ATOMIC_SEQ_CST) ==
+	    (uint32_t)s->ranks) {
+		__atomic_store_n(&s->arrive, 0, __ATOMIC_SEQ_CST);
+		__atomic_add_fetch(&s->gen, 1, __ATOMIC_SEQ_CST);
+	} else {
+		while (__atomic_load_n(&s->gen, __ATOMIC_SEQ_CST) == g)
+			;
+	}
+}
 
 static int late_rank(int rank, void *arg)
 {
@@ -148,13 +164,16 @@ static int loop_rank(int rank, void *arg)
 	/* one barrier on idle streams: median of 101 round trips */
 	double rt[101];
 	for (int i = 0; i < 101; i++) {
-		TH_OK(ep_barrier(g)); /* line the ranks up on the host */
-		CU(tg_drv.cuEventRecord(e0, st));
+		TH_OK(ep_barrier(g)); /* idle streams, then the CPUs lined up */
+		line_up(s);
+		/* On the CPU's clock, from the call to the stream's end: events
+		 * would perturb it without MPS (each rank context's timed
+		 * records wait for its time slice: 283 us instead of 15 us for
+		 * 2 ranks in tests/gpu/bench_streamop). */
+		uint64_t t0 = th_now_ns();
 		TH_OK(ep_barrier_stream(g, st));
-		CU(tg_drv.cuEventRecord(e1, st));
 		CU(tg_drv.cuStreamSynchronize(st));
-		CU(tg_drv.cuEventElapsedTime(&ms, e0, e1));
-		rt[i] = ms * 1000.0;
+		rt[i] = (double)(th_now_ns() - t0) / 1e3;
 	}
 	for (int i = 0; i < 101; i++)
 		for (int j = i + 1; j < 101; j++)
@@ -163,18 +182,28 @@ static int loop_rank(int rank, void *arg)
 				rt[i] = rt[j];
 				rt[j] = t;
 			}
+	s->rt_us[rank] = rt[50];
+	TH_OK(ep_barrier(g));
 	if (rank == 0) {
-		s->roundtrip_us = rt[50];
+		for (int r = 0; r < s->ranks; r++)
+			if (s->rt_us[r] > s->roundtrip_us)
+				s->roundtrip_us = s->rt_us[r];
 		char *js;
 		TH_OK(ep_daemon_status(c, &js));
 		s->mps = strstr(js, "\"mps\":true") != NULL;
 		TH_CHECK(strstr(js, "\"backend\":\"cuda\""), "status: %s", js);
-		/* Under MPS barriers run on the resident kernel (no frame to
-		 * the daemon), and it counted them all. */
-		TH_CHECK(!s->mps || strstr(js, "\"resident_barrier\":true"),
-			 "MPS but no resident barrier: %s", js);
-		TH_CHECK(s->mps || strstr(js, "\"resident_barrier\":false"),
-			 "a resident barrier without MPS: %s", js);
+		/* Barriers run on the resident kernel under MPS, else on the
+		 * host thread (EPD_GPU_BARRIER names another); no frame to the
+		 * daemon either way, and it counted them all. */
+		const char *want = getenv("EPD_GPU_BARRIER");
+		if (!want)
+			want = s->mps ? "kernel" : "host";
+		char frag[64];
+		snprintf(frag, sizeof(frag), "\"barrier\":\"%s\"", want);
+		TH_CHECK(strstr(js, frag), "want %s: %s", frag, js);
+		TH_CHECK(strstr(js, "\"resident_barrier\":true") ||
+				 strcmp(want, "kernel"),
+			 "resident_barrier disagrees: %s", js);
 		free(js);
 		/* and epctl shows it */
 		char cmd[512];
@@ -188,9 +217,12 @@ static int loop_rank(int rank, void *arg)
 			n += got;
 		out[n] = 0;
 		TH_CHECK(pclose(p) == 0, "epctl status failed: %s", out);
-		TH_CHECK(strstr(out, s->mps ? "resident barrier yes"
-					    : "resident barrier no"),
-			 "epctl status: %s", out);
+		snprintf(frag, sizeof(frag), "barrier %s,",
+			 !strcmp(want, "kernel") ? "resident kernel"
+			 : !strcmp(want, "host") ? "host thread"
+						 : "stream ops");
+		TH_CHECK(strstr(out, frag), "epctl status lacks '%s': %s", frag,
+			 out);
 	}
 	TH_OK(ep_group_sync(g));
 	TH_OK(ep_leave(g));
@@ -276,11 +308,21 @@ int main(void)
 	if (tg_probe())
 		return TH_SKIP;
 	struct th_daemon d;
-	th_daemon_start(&d, "--backend", "cuda", NULL);
+	/* EPD_GPU_BARRIER=host|stream: that engine instead of the default */
+	const char *eng = getenv("EPD_GPU_BARRIER");
+	if (eng && !strcmp(eng, "stream"))
+		th_daemon_start(&d, "--backend", "cuda", "-o",
+				"cuda_resident_barrier=no", "-o",
+				"host_barrier=no", NULL);
+	else if (eng && !strcmp(eng, "host"))
+		th_daemon_start(&d, "--backend", "cuda", "-o",
+				"cuda_resident_barrier=no", NULL);
+	else
+		th_daemon_start(&d, "--backend", "cuda", NULL);
 	struct shared *s = th_shared(sizeof(*s));
 	s->d = &d;
 	s->ranks = getenv("EPD_GPU_RANKS") ? atoi(getenv("EPD_GPU_RANKS")) : 8;
-	TH_CHECK(s->ranks >= 2 && s->ranks <= MAXR, "EPD_GPU_RANKS");
+	TH_CHECK(s->ranks >= 1 && s->ranks <= MAXR, "EPD_GPU_RANKS");
 
 	check_late(s);
 
@@ -289,10 +331,11 @@ int main(void)
 	TH_CHECK(th_wait_all(pids, s->ranks, 120) == 0, "loop failed");
 	printf("ok: 10000 back-to-back barriers, %d ranks: %.2f us each\n",
 	       s->ranks, s->b10k_us);
-	printf("perf: device barrier, %d ranks, %s, %s: %.2f us per "
+	printf("perf: device barrier (%s), %d ranks, %s, %s: %.2f us per "
 	       "barrier in a loop of 1000 (device time); one barrier on an "
-	       "idle stream: %.1f us round trip (median of 101)\n",
-	       s->ranks,
+	       "idle stream: %.1f us round trip (CPU clock, median of 101, "
+	       "the slowest rank's)\n",
+	       eng ? eng : s->mps ? "kernel" : "host", s->ranks,
 	       getenv("EPD_GPU_SPREAD") ? "spread over the GPUs" : "one GPU",
 	       s->mps ? "MPS" : "no MPS", s->us_per_barrier, s->roundtrip_us);
 
