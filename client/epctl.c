@@ -179,7 +179,8 @@ static void print_status(json_t *root)
 		       jint(ops, "combine"), jint(ops, "errors"));
 		json_t *cu = json_object_get(g, "cuda");
 		if (json_is_object(cu))
-			printf("    gpu %lld%s: barrier %s, row copy %s, "
+			printf("    gpu %lld%s: barrier %s, row copy %s on %lld "
+			       "SMs, "
 			       "ops completed %lld, last dispatch %.0f us, "
 			       "combine %.0f us\n",
 			       jint(cu, "gpu"),
@@ -187,7 +188,8 @@ static void print_status(json_t *root)
 				       ? " (staged through host memory)"
 				       : "",
 			       barrier_engine(jstr(cu, "barrier")),
-			       jstr(cu, "row_copy"), jint(cu, "ops_completed"),
+			       jstr(cu, "row_copy"), jint(cu, "row_copy_sms"),
+			       jint(cu, "ops_completed"),
 			       json_number_value(
 				       json_object_get(cu, "last_dispatch_us")),
 			       json_number_value(

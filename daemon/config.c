@@ -19,6 +19,7 @@ void epd_config_defaults(struct epd_config *c)
 	snprintf(c->backend, sizeof(c->backend), "auto");
 	c->log_level = EPD_LOG_INFO;
 	c->timeout_ms = 30000;
+	c->cuda_copy_sms = 32; /* PERFORMANCE.md: more SMs contend */
 	c->frame_timeout_ms = 5000;
 	c->worker_threads = 0;
 	gethostname(c->node_name, sizeof(c->node_name) - 1);
@@ -110,6 +111,10 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 		if (parse_u32(v, 0, 1024, 10, &u))
 			return -2;
 		c->cuda_sms = u;
+	} else if (!strcmp(key, "cuda_copy_sms")) {
+		if (parse_u32(v, 0, 1024, 10, &u))
+			return -2;
+		c->cuda_copy_sms = u;
 	} else if (!strcmp(key, "cuda_tma")) {
 		bool b;
 		if (parse_bool(v, &b))

@@ -41,6 +41,8 @@ struct epd_config {
 	uid_t allow_uids[EPD_MAX_ALLOW];
 	unsigned worker_threads;   /* data-path threads; 0: one per core */
 	unsigned cuda_sms;         /* SMs for dispatch/combine; 0: all */
+	unsigned cuda_copy_sms;    /* SMs for the bulk-copy row copy; 0: as
+				      cuda_sms */
 	bool cuda_no_resident;     /* no resident barrier kernel under MPS */
 	bool cuda_no_tma;          /* dispatch rows by SIMT copies only */
 	bool no_host_barrier;      /* GPU barriers without the host thread */

@@ -158,6 +158,7 @@ static void on_hup(uv_signal_t *h, int sig)
 		srv->cfg.timeout_ms = c.timeout_ms;
 		srv->cfg.frame_timeout_ms = c.frame_timeout_ms;
 		srv->cfg.cuda_sms = c.cuda_sms;
+		srv->cfg.cuda_copy_sms = c.cuda_copy_sms;
 		srv->cfg.cuda_no_resident = c.cuda_no_resident;
 		srv->cfg.cuda_no_tma = c.cuda_no_tma;
 		srv->cfg.nallow = c.nallow;

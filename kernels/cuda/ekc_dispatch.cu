@@ -346,9 +346,10 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 // The same copy through the bulk-copy engine (TMA), for rows of a multiple
 // of 16 bytes that fit twice per warp in shared memory: lane 0 of a warp
 // loads a token's row into shared memory (cp.async.bulk, completion on an
-// mbarrier) while the row before it is still being stored, then stores it
-// to every destination (one bulk store each, no registers in between); the
-// other lanes write the token's scales, top-k, weights and source.
+// mbarrier) while the row before it is still being stored; then lane d
+// stores it to destination d (one bulk store each, issued together, no
+// registers in between), and the lanes write the token's scales, top-k,
+// weights and source.
 #define TMA_WARPS EKC_TMA_WARPS
 __device__ static inline uint32_t smem_addr(const void *p)
 {
@@ -412,48 +413,52 @@ extern "C" __global__ void __launch_bounds__(TMA_WARPS * 32)
 	}
 	__syncwarp();
 	const uint64_t total = masked_total(a);
-	uint32_t phase = 0; // parity bit of each stage's barrier (lane 0)
+	uint32_t phase = 0; // parity bit of each stage's barrier
 	uint32_t st = 0;
-	uint64_t g = next_item(a, lane);
-	uint64_t t;
+	// Tokens two ahead: the counter's atomic is in flight for a whole
+	// token before its value is needed.
+	uint64_t g = next_item(a, lane), gn = next_item(a, lane), t;
 	uint32_t s;
 	if (g < total && lane == 0) {
 		s = masked_token(a, g, &t);
 		tma_load(buf0, field(a, s, EKC_F_X) + t * bytes, bytes, bar0);
 	}
 	while (g < total) {
-		const uint64_t gn = next_item(a, lane);
+		uint32_t raw = lane == 0 ? atomicAdd(a.work, 1u) + 1u : 0;
 		s = masked_token(a, g, &t);
 		const int32_t *slot = a.slot + ((uint64_t)s * a.Tmax + t) * W;
-		if (lane == 0) {
-			const uint32_t nxt = st ^ 1;
-			if (gn < total) {
-				// the other stage's stores read it no more
-				asm volatile("cp.async.bulk.wait_group.read 0;" ::
-						     : "memory");
-				uint64_t tn;
-				uint32_t sn = masked_token(a, gn, &tn);
-				tma_load(buf0 + nxt * bytes,
-					 field(a, sn, EKC_F_X) + tn * bytes,
-					 bytes, bar0 + nxt * 8);
-			}
-			tma_wait(bar0 + st * 8, (phase >> st) & 1);
-			phase ^= 1u << st;
-			for (uint32_t d = 0; d < W; d++) {
-				int32_t r = slot[d];
-				if (r >= 0)
-					tma_store(field(a, d, EKC_F_RECV_X) +
-							  (uint64_t)r * bytes,
-						  buf0 + st * bytes, bytes);
-			}
-			asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+		// this token's destination rows, a lane per destination
+		const int32_t r0 = lane < W ? slot[lane] : -1;
+		const int32_t r1 = lane + 32 < W ? slot[lane + 32] : -1;
+		const uint32_t nxt = st ^ 1;
+		// the other stage: every lane's stores from it read it no more
+		asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+		__syncwarp();
+		if (lane == 0 && gn < total) {
+			uint64_t tn;
+			uint32_t sn = masked_token(a, gn, &tn);
+			tma_load(buf0 + nxt * bytes,
+				 field(a, sn, EKC_F_X) + tn * bytes, bytes,
+				 bar0 + nxt * 8);
 		}
+		tma_wait(bar0 + st * 8, (phase >> st) & 1);
+		phase ^= 1u << st;
+		// one bulk store per destination, issued by its lane
+		if (r0 >= 0)
+			tma_store(field(a, lane, EKC_F_RECV_X) +
+					  (uint64_t)r0 * bytes,
+				  buf0 + st * bytes, bytes);
+		if (r1 >= 0)
+			tma_store(field(a, lane + 32, EKC_F_RECV_X) +
+					  (uint64_t)r1 * bytes,
+				  buf0 + st * bytes, bytes);
+		asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 		copy_meta(a, lane, s, t, slot);
-		st ^= 1;
+		st = nxt;
 		g = gn;
+		gn = __shfl_sync(0xffffffffu, raw, 0);
 	}
-	if (lane == 0)
-		asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+	asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
 // Received rows per local expert, a row once per distinct expert: a

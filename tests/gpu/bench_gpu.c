@@ -230,8 +230,10 @@ static int rank_main(int r, void *arg)
 			s->kdisp_us = atof(p + 19);
 		if ((p = strstr(js, "\"last_combine_us\":")))
 			s->kcomb_us = atof(p + 18);
-		printf("perf: row copy %s, barrier %s\n",
+		p = strstr(js, "\"row_copy_sms\":");
+		printf("perf: row copy %s on %d SMs, barrier %s\n",
 		       strstr(js, "\"row_copy\":\"tma\"") ? "tma" : "simt",
+		       p ? atoi(p + 15) : -1,
 		       strstr(js, "\"barrier\":\"kernel\"") ? "resident kernel"
 		       : strstr(js, "\"barrier\":\"host\"") ? "host thread"
 							     : "stream ops");
@@ -273,13 +275,22 @@ int main(void)
 			fclose(f);
 		}
 	}
-	const char *sms[] = {"0", "16", "32", "66"};
+	/* EPD_BENCH_SMS=a,b,...: bf16 at these SM counts only (0: all) */
+	char *sms[16] = {"0", "16", "32", "66"}, smsbuf[128];
+	int nsms = 4, sweep = getenv("EPD_BENCH_SMS") != NULL;
+	if (sweep) {
+		snprintf(smsbuf, sizeof(smsbuf), "%s", getenv("EPD_BENCH_SMS"));
+		nsms = 0;
+		for (char *tok = strtok(smsbuf, ","); tok && nsms < 16;
+		     tok = strtok(NULL, ","))
+			sms[nsms++] = tok;
+	}
 	int only = getenv("EPD_BENCH_ONLY") != NULL; /* bf16, all SMs */
 	for (int fp8 = 0; fp8 < 2; fp8++) {
-		for (int i = 0; i < 4; i++) {
+		for (int i = 0; i < nsms; i++) {
 			if ((fp8 || only) && i) /* fp8 at all SMs only */
 				break;
-			if (only && fp8)
+			if ((only || sweep) && fp8)
 				break;
 			char kv[32];
 			snprintf(kv, sizeof(kv), "cuda_sms=%s", sms[i]);
@@ -327,7 +338,7 @@ int main(void)
 			printf("%s, SMs %s: dispatch %.3f ms, %.0f GB/s, "
 			       "%.2f of D2D copy; combine %.3f ms, %.0f GB/s, "
 			       "%.2f of D2D copy (D2D %.0f GB/s; %llu rows)\n",
-			       fp8 ? "fp8" : "bf16", i ? sms[i] : "all(132)",
+			       fp8 ? "fp8" : "bf16", strcmp(sms[i], "0") ? sms[i] : "all(132)",
 			       dm, dg, dg / s->d2d_gbs, cm, cg, cg / s->d2d_gbs,
 			       s->d2d_gbs, (unsigned long long)rows);
 			double pdm = median(s->pdisp_ms, s->iters),
@@ -335,7 +346,7 @@ int main(void)
 			printf("perf: %s, SMs %s, pipelined (no CPU sync per "
 			       "iteration): dispatch %.3f ms, %.2f of D2D; "
 			       "combine %.3f ms, %.2f of D2D\n",
-			       fp8 ? "fp8" : "bf16", i ? sms[i] : "all(132)",
+			       fp8 ? "fp8" : "bf16", strcmp(sms[i], "0") ? sms[i] : "all(132)",
 			       pdm, db / (pdm / 1e3) / 1e9 / s->d2d_gbs, pcm,
 			       cb / (pcm / 1e3) / 1e9 / s->d2d_gbs);
 			if (i == 0)
@@ -345,7 +356,7 @@ int main(void)
 			printf("perf: %s, SMs %s, the daemon's kernels alone "
 			       "(last call): dispatch %.0f us, %.2f of D2D; "
 			       "combine %.0f us, %.2f of D2D\n",
-			       fp8 ? "fp8" : "bf16", i ? sms[i] : "all(132)",
+			       fp8 ? "fp8" : "bf16", strcmp(sms[i], "0") ? sms[i] : "all(132)",
 			       s->kdisp_us,
 			       db / (s->kdisp_us / 1e6) / 1e9 / s->d2d_gbs,
 			       s->kcomb_us,

@@ -273,6 +273,8 @@ static void check_bad_configs(const char *dir)
 		 "bad value 'sometimes' for 'cuda_tma'"},
 		{"[epd]\nhost_barrier = 2\n", "-t",
 		 "bad value '2' for 'host_barrier'"},
+		{"[epd]\ncuda_copy_sms = many\n", "-t",
+		 "bad value 'many' for 'cuda_copy_sms'"},
 		{"[epd]\nnode_name = a\npeers = a@127.0.0.1:1, b\n"
 		 "cluster_key_file = %s\n",
 		 "", "'b' is not name@host:port"},
