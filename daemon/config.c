@@ -19,7 +19,7 @@ void epd_config_defaults(struct epd_config *c)
 	snprintf(c->backend, sizeof(c->backend), "auto");
 	c->log_level = EPD_LOG_INFO;
 	c->timeout_ms = 30000;
-	c->cuda_copy_sms = 32; /* PERFORMANCE.md: more SMs contend */
+	c->cuda_copy_sms = EPD_COPY_SMS_AUTO; /* PERFORMANCE.md */
 	c->frame_timeout_ms = 5000;
 	c->worker_threads = 0;
 	gethostname(c->node_name, sizeof(c->node_name) - 1);
@@ -112,7 +112,9 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 			return -2;
 		c->cuda_sms = u;
 	} else if (!strcmp(key, "cuda_copy_sms")) {
-		if (parse_u32(v, 0, 1024, 10, &u))
+		if (!strcmp(v, "auto"))
+			u = EPD_COPY_SMS_AUTO;
+		else if (parse_u32(v, 0, 1024, 10, &u))
 			return -2;
 		c->cuda_copy_sms = u;
 	} else if (!strcmp(key, "cuda_tma")) {

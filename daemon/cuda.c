@@ -817,13 +817,20 @@ static bool use_tma(const struct epd_cuda_group *c, unsigned sms)
 	return c->tma_smem && sms >= 32;
 }
 
-/* The SMs of the row copy: the bulk copies saturate memory from ~32 SMs
- * on, and more of them contend (H200, DeepSeek-V3 shape: 0.80-0.82 of D2D
- * at 32 SMs, 0.76 at 132): cuda_copy_sms caps them, leaving the rest to
- * the ranks. */
+/* The SMs of the row copy: the bulk copies of 14 KB rows saturate memory
+ * from ~32 SMs on, and more of them contend (H200, DeepSeek-V3 shape, bf16:
+ * 0.80-0.82 of D2D at 32 SMs, 0.76 at 132); shorter rows need more SMs
+ * (fp8, 7 KB: 0.49 at 32, 0.68-0.72 at 64-80, 0.68 at 132). cuda_copy_sms
+ * caps them (auto: 32 SMs per 14 KB of row), leaving the rest to the
+ * ranks. */
 static unsigned copy_sms(const struct epd_cuda_group *c, unsigned sms)
 {
 	unsigned cap = c->g->srv->cfg.cuda_copy_sms;
+	if (cap == EPD_COPY_SMS_AUTO) {
+		uint64_t rowb = (uint64_t)c->g->shape.hidden * c->g->layout.elt;
+		uint64_t n = rowb ? (32ull * 14336 + rowb - 1) / rowb : 32;
+		cap = n < 32 ? 32 : n > 1024 ? 1024 : (unsigned)n;
+	}
 	if (use_tma(c, sms) && cap && sms > cap && use_tma(c, cap))
 		return cap;
 	return sms;

@@ -30,6 +30,9 @@
  * reply frame */
 #define EPD_REQ_STAGED UINT64_MAX
 
+/* cuda_copy_sms = auto: 32 SMs per 14 KB row (more for shorter rows) */
+#define EPD_COPY_SMS_AUTO 0xffffffffu
+
 struct epd_config {
 	char socket_path[108];
 	unsigned socket_mode;
@@ -42,7 +45,7 @@ struct epd_config {
 	unsigned worker_threads;   /* data-path threads; 0: one per core */
 	unsigned cuda_sms;         /* SMs for dispatch/combine; 0: all */
 	unsigned cuda_copy_sms;    /* SMs for the bulk-copy row copy; 0: as
-				      cuda_sms */
+				      cuda_sms; EPD_COPY_SMS_AUTO: by row */
 	bool cuda_no_resident;     /* no resident barrier kernel under MPS */
 	bool cuda_no_tma;          /* dispatch rows by SIMT copies only */
 	bool no_host_barrier;      /* GPU barriers without the host thread */

@@ -275,7 +275,8 @@ int main(void)
 			fclose(f);
 		}
 	}
-	/* EPD_BENCH_SMS=a,b,...: bf16 at these SM counts only (0: all) */
+	/* EPD_BENCH_SMS=a,b,...: bf16 (fp8 with EPD_BENCH_FP8=1) at these SM
+	 * counts only (0: all) */
 	char *sms[16] = {"0", "16", "32", "66"}, smsbuf[128];
 	int nsms = 4, sweep = getenv("EPD_BENCH_SMS") != NULL;
 	if (sweep) {
@@ -286,11 +287,12 @@ int main(void)
 			sms[nsms++] = tok;
 	}
 	int only = getenv("EPD_BENCH_ONLY") != NULL; /* bf16, all SMs */
-	for (int fp8 = 0; fp8 < 2; fp8++) {
+	const char *f8 = getenv("EPD_BENCH_FP8");
+	for (int fp8 = sweep && f8 && *f8 == '1'; fp8 < 2; fp8++) {
 		for (int i = 0; i < nsms; i++) {
-			if ((fp8 || only) && i) /* fp8 at all SMs only */
+			if ((fp8 || only) && i && !sweep) /* fp8: all SMs */
 				break;
-			if ((only || sweep) && fp8)
+			if ((only || (sweep && !(f8 && *f8 == '1'))) && fp8)
 				break;
 			char kv[32];
 			snprintf(kv, sizeof(kv), "cuda_sms=%s", sms[i]);
