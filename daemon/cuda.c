@@ -1705,13 +1705,21 @@ void *epd_cuda_group_status(struct epd_group *g)
 	if (!c)
 		return NULL;
 	unsigned sms = sms_cap(g, &g->srv->cuda->dev[c->dev0]);
-	return json_pack("{s:i, s:i, s:b, s:b, s:s, s:s, s:i, s:I, s:I, s:f, s:f}",
+	/* the barrier engine's own time per barrier (last arrival seen to
+	 * release), in us */
+	double eng_us = 0;
+	if (c->fb) {
+		uint64_t n = __atomic_load_n(&c->fb->count, __ATOMIC_ACQUIRE);
+		uint64_t b = __atomic_load_n(&c->fb->busy_ns, __ATOMIC_RELAXED);
+		eng_us = n ? (double)b / (double)n / 1e3 : 0;
+	}
+	return json_pack("{s:i, s:i, s:b, s:b, s:s, s:f, s:s, s:i, s:I, s:I, s:f, s:f}",
 			 "gpu", c->dev0, "gpus", c->ndevs, "staged", c->staged,
 			 "resident_barrier", c->fb && !c->hb, "barrier",
 			 c->hb	   ? "host"
 			 : c->fb ? "kernel"
 				 : "stream",
-			 "row_copy", use_tma(c, sms) ? "tma" : "simt",
+			 "barrier_engine_us", eng_us, "row_copy", use_tma(c, sms) ? "tma" : "simt",
 			 "row_copy_sms", (int)copy_sms(c, sms),
 			 "ops_enqueued", (json_int_t)c->enqueued,
 			 "ops_completed", (json_int_t)c->completed,

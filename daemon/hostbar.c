@@ -181,6 +181,7 @@ static void *run(void *arg)
 			}
 			backoff(start, &spins);
 		}
+		const uint64_t arrived = now_ns();
 		uint64_t bad = 0;
 		for (uint32_t l = 0; l < h->rpn; l++)
 			if (ld(word(h->map, l, EPP_HB_BELL)) != k)
@@ -198,6 +199,9 @@ static void *run(void *arg)
 					 h->last, __ATOMIC_RELEASE);
 		for (uint32_t l = 0; l < h->rpn; l++)
 			raise_to(word(h->map, l, EPP_HB_DONE), k);
+		__atomic_store_n(&h->st.busy_ns,
+				 h->st.busy_ns + (now_ns() - arrived),
+				 __ATOMIC_RELAXED);
 		__atomic_store_n(&h->st.last, h->last, __ATOMIC_RELEASE);
 		__atomic_store_n(&h->st.count, h->st.count + 1,
 				 __ATOMIC_RELEASE);

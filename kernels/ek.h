@@ -106,6 +106,8 @@ struct ek_bar_state {
 	uint64_t missing; /* EK_BAR_TIMEOUT/MISMATCH: local ranks */
 	uint32_t seq;     /* the barrier that failed */
 	uint32_t pad;
+	uint64_t busy_ns; /* sum over barriers: last arrival seen to release
+			     written (the engine's own time) */
 };
 
 #endif

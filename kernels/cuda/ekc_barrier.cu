@@ -137,17 +137,16 @@ extern "C" __global__ void __launch_bounds__(32) ekc_fastbar(struct ekc_fastbar_
 	const uint32_t lane = threadIdx.x;
 	volatile struct ek_bar_state *h = a.host;
 	const uint32_t *bell[2] = {nullptr, nullptr};
-	uint32_t *rail[2] = {nullptr, nullptr}, *done[2] = {nullptr, nullptr};
+	uint32_t *done[2] = {nullptr, nullptr};
 	for (int i = 0; i < 2; i++) {
 		uint32_t l = lane + 32 * i;
 		if (l < a.rpn) {
 			uint8_t *base = (uint8_t *)a.ctrl[l];
 			bell[i] = (const uint32_t *)(base + EKC_BAR_DOORBELL);
-			rail[i] = (uint32_t *)(base + EKC_RAIL_DONE);
 			done[i] = (uint32_t *)(base + EKC_DONE);
 		}
 	}
-	uint64_t last = a.last, count = 0;
+	uint64_t last = a.last, count = 0, busy = 0;
 	uint32_t state = EK_BAR_STOPPED, fseq = 0;
 	uint64_t missing = 0;
 	if (lane == 0)
@@ -205,6 +204,7 @@ extern "C" __global__ void __launch_bounds__(32) ekc_fastbar(struct ekc_fastbar_
 				}
 			}
 		}
+		const uint64_t arrived = now_ns();
 		fence_acquire();
 		// Every rank rang exactly k: a later value means its stream
 		// skipped barrier k (ops in another order than the others').
@@ -220,28 +220,13 @@ extern "C" __global__ void __launch_bounds__(32) ekc_fastbar(struct ekc_fastbar_
 			fseq = k;
 			goto out;
 		}
-		for (int i = 0; i < 2; i++)
-			if (rail[i]) {
-				__threadfence_system();
-				atomicMax_system(rail[i], k);
-			}
-		// Phase 2, the node: on the phase-1 counters only.
-		for (;;) {
-			uint64_t w = 0;
-			for (int i = 0; i < 2; i++)
-				w |= (uint64_t)__ballot_sync(
-					     0xffffffffu,
-					     rail[i] && (int32_t)(ld_relaxed(
-								 rail[i]) -
-							 k) < 0)
-				     << (32 * i);
-			if (!w)
-				break;
-		}
-		fence_acquire();
+		// Phase 2, the node: a resident barrier's group lives on one
+		// node, so phase 1 (each rank, no remote rail peers) is what
+		// this warp just saw for every rank; no counters to exchange.
 		last += (uint32_t)(k - (uint32_t)last);
 		count++;
-		// Completion first (see ekc_barrier), then the release.
+		// Completion first, then the release: one release reduction
+		// orders the completed word (host memory) before done.
 		for (int i = 0; i < 2; i++) {
 			uint32_t l = lane + 32 * i;
 			if (!done[i])
@@ -249,11 +234,14 @@ extern "C" __global__ void __launch_bounds__(32) ekc_fastbar(struct ekc_fastbar_
 			volatile uint64_t *c =
 				a.completed + (uint64_t)l * a.completed_stride;
 			*c = k;
-			__threadfence_system();
-			atomicMax_system(done[i], k);
+			asm volatile("red.release.sys.global.max.u32 [%0], %1;"
+				     ::"l"(done[i]), "r"(k)
+				     : "memory");
 		}
 		if (lane == 0) {
+			busy += now_ns() - arrived;
 			h->last = last;
+			h->busy_ns = busy;
 			h->count = count;
 		}
 	}
@@ -262,6 +250,7 @@ out:
 		h->missing = missing;
 		h->seq = fseq;
 		h->last = last;
+		h->busy_ns = busy;
 		h->count = count;
 		__threadfence_system();
 		h->state = state;

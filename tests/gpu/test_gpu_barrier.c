@@ -34,7 +34,7 @@ struct shared {
 	volatile int enqueued[MAXR];
 	volatile int entered;
 	volatile int release;
-	double us_per_barrier, roundtrip_us, b10k_us, rt_us[MAXR];
+	double us_per_barrier, roundtrip_us, b10k_us, rt_us[MAXR], engine_us;
 	uint32_t arrive, gen; /* a CPU line-up of the ranks */
 	int mps;
 	char msg[MAXR][256];
@@ -191,6 +191,8 @@ static int loop_rank(int rank, void *arg)
 		char *js;
 		TH_OK(ep_daemon_status(c, &js));
 		s->mps = strstr(js, "\"mps\":true") != NULL;
+		const char *eu = strstr(js, "\"barrier_engine_us\":");
+		s->engine_us = eu ? atof(eu + 20) : -1;
 		TH_CHECK(strstr(js, "\"backend\":\"cuda\""), "status: %s", js);
 		/* Barriers run on the resident kernel under MPS, else on the
 		 * host thread (EPD_GPU_BARRIER names another); no frame to the
@@ -334,10 +336,12 @@ int main(void)
 	printf("perf: device barrier (%s), %d ranks, %s, %s: %.2f us per "
 	       "barrier in a loop of 1000 (device time); one barrier on an "
 	       "idle stream: %.1f us round trip (CPU clock, median of 101, "
-	       "the slowest rank's)\n",
+	       "the slowest rank's); the engine's own time per barrier (last "
+	       "arrival seen to release): %.2f us\n",
 	       eng ? eng : s->mps ? "kernel" : "host", s->ranks,
 	       getenv("EPD_GPU_SPREAD") ? "spread over the GPUs" : "one GPU",
-	       s->mps ? "MPS" : "no MPS", s->us_per_barrier, s->roundtrip_us);
+	       s->mps ? "MPS" : "no MPS", s->us_per_barrier, s->roundtrip_us,
+	       s->engine_us);
 
 	check_failure(s, "gkill", 1, true, EP_EPEERLOST);
 	check_failure(s, "gabsent", 3, false, EP_ETIMEDOUT);

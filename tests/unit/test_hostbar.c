@@ -127,9 +127,14 @@ static void rounds(uint64_t start, const char *what)
 		TH_CHECK(c == base + ROUNDS, "rank %u completed %llu", l,
 			 (unsigned long long)c);
 	}
+	uint64_t busy = __atomic_load_n(&s->busy_ns, __ATOMIC_RELAXED);
+	TH_CHECK(busy > 0 && busy / ROUNDS < 1000000000ull,
+		 "engine time %llu ns over %d barriers",
+		 (unsigned long long)busy, ROUNDS);
 	printf("ok: %d barriers of %d ranks (%s): nobody left one before "
-	       "every rank rang it; completed words and counts right\n",
-	       ROUNDS, RPN, what);
+	       "every rank rang it; completed words and counts right "
+	       "(engine %.2f us per barrier)\n",
+	       ROUNDS, RPN, what, (double)busy / ROUNDS / 1e3);
 
 	/* Idle: the thread sleeps on the futex; a request wakes it. */
 	uint32_t *sw = (uint32_t *)(map + EPP_CTL_GROUP_SLOT +
