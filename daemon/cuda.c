@@ -99,6 +99,10 @@ struct epd_cuda {
 	struct ekc_driver drv;
 	int ndev;
 	struct cudev dev[MAX_DEV];
+	/* Rung by the driver's thread when a staged op's inputs are in host
+	 * memory (cuLaunchHostFunc), so that the loop does not wait for its
+	 * next poll; lives as long as the server. */
+	uv_async_t wake;
 };
 
 struct epd_cuda_group {
@@ -246,6 +250,29 @@ static int use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen)
 	return r ? cu_err(r, "cuCtxSetCurrent", err, errlen) : 0;
 }
 
+static void poll_cb(uv_timer_t *t);
+
+/* A staged op's copies are done (or some other stream event): poll the
+ * staged groups now. */
+static void wake_cb(uv_async_t *a)
+{
+	struct epd_server *srv = a->data;
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &srv->groups)
+	{
+		struct epd_group *g = LIST_ENTRY(it, struct epd_group, node);
+		if (g->cu && g->cu->staged && g->state == EPD_G_READY &&
+		    !g->cu->poll_closing)
+			poll_cb(&g->cu->poll);
+	}
+}
+
+/* On the driver's thread: only the (thread-safe) wake. */
+static void CUDA_CB stage_wake(void *p)
+{
+	uv_async_send(p);
+}
+
 int epd_cuda_init(struct epd_server *srv, char *why, size_t len)
 {
 	struct epd_cuda *cu = calloc(1, sizeof(*cu));
@@ -292,6 +319,9 @@ int epd_cuda_init(struct epd_server *srv, char *why, size_t len)
 			d->gran = 2u << 20;
 	}
 	srv->cuda = cu;
+	uv_async_init(srv->loop, &cu->wake, wake_cb);
+	cu->wake.data = srv;
+	uv_unref((uv_handle_t *)&cu->wake);
 	snprintf(why, len, "%d GPU%s (%s), driver %d.%d%s", cu->ndev,
 		 cu->ndev > 1 ? "s" : "", cu->dev[0].name, D->version / 1000,
 		 D->version % 1000 / 10, cu->dev[0].mps ? ", MPS" : ", no MPS");
@@ -309,6 +339,10 @@ void epd_cuda_fini(struct epd_server *srv)
 			D->cuModuleUnload(cu->dev[i].mod);
 			D->cuDevicePrimaryCtxRelease(cu->dev[i].dev);
 		}
+	/* the loop has ended (every group freed, its streams drained): the
+	 * wake is closed for uv_loop_close */
+	uv_close((uv_handle_t *)&cu->wake, NULL);
+	uv_run(srv->loop, UV_RUN_NOWAIT);
 	/* the driver library stays loaded: unloading it is not safe */
 	free(cu);
 	srv->cuda = NULL;
@@ -1128,6 +1162,9 @@ static void stage_begin(struct epd_group *g, uint64_t k,
 	}
 	if (!r)
 		r = D->cuEventRecord(c->stage_ev, c->stream);
+	if (!r)
+		r = D->cuLaunchHostFunc(c->stream, stage_wake,
+					&g->srv->cuda->wake);
 	if (r) {
 		char err[200];
 		ekc_fail(D, r, "staging op inputs", err, sizeof(err));

@@ -78,7 +78,8 @@
 	X(cuMemHostAlloc)                                                      \
 	X(cuMemFreeHost)                                                       \
 	X(cuFuncSetAttribute)                                                  \
-	X(cuEventQuery)
+	X(cuEventQuery)                                                         \
+	X(cuLaunchHostFunc)
 
 struct ekc_driver {
 	void *lib;
