@@ -98,6 +98,20 @@ static uint32_t state(struct epd_hostbar *h, uint32_t want, unsigned ms)
 	return s;
 }
 
+/* A thread for 3 ranks on a fresh page, each of which posted barrier 1. */
+static struct epd_hostbar *three_posted(uint64_t budget_ns)
+{
+	char err[128];
+	struct epd_hostbar *h;
+	fresh_map();
+	TH_CHECK(epd_hostbar_start(&h, map, 3, budget_ns, 0, err,
+				   sizeof(err)) == 0,
+		 "%s", err);
+	for (uint32_t l = 0; l < 3; l++)
+		post(l, 1);
+	return h;
+}
+
 static void rounds(uint64_t start, const char *what)
 {
 	char err[128];
@@ -174,12 +188,7 @@ int main(void)
 	rounds(0xffffffffull - 1000, "across 2^32");
 
 	/* A rank that never rings: timeout naming it, nobody released. */
-	fresh_map();
-	TH_CHECK(epd_hostbar_start(&h, map, 3, 50000000ull, 0, err,
-				   sizeof(err)) == 0,
-		 "%s", err);
-	for (uint32_t l = 0; l < 3; l++)
-		post(l, 1);
+	h = three_posted(50000000ull);
 	ring(0, 1);
 	ring(1, 1);
 	uint32_t s = state(h, EK_BAR_TIMEOUT, 5000);
@@ -194,12 +203,7 @@ int main(void)
 	       "nobody released\n");
 
 	/* A rank that rings another number: mismatch naming it. */
-	fresh_map();
-	TH_CHECK(epd_hostbar_start(&h, map, 3, 5000000000ull, 0, err,
-				   sizeof(err)) == 0,
-		 "%s", err);
-	for (uint32_t l = 0; l < 3; l++)
-		post(l, 1);
+	h = three_posted(5000000000ull);
 	ring(0, 1);
 	ring(2, 1);
 	th_sleep_ms(10);
@@ -215,11 +219,7 @@ int main(void)
 
 	/* Stopped mid-wait (a failed group): the thread ends at once; the
 	 * release raises the done words, and nothing lowers them. */
-	fresh_map();
-	TH_CHECK(epd_hostbar_start(&h, map, 3, 60000000000ull, 0, err,
-				   sizeof(err)) == 0,
-		 "%s", err);
-	post(0, 1);
+	h = three_posted(60000000000ull);
 	ring(0, 1);
 	th_sleep_ms(20);
 	uint64_t t0 = th_now_ns();
