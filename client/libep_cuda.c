@@ -134,6 +134,11 @@ int ep_group_sync(ep_group_t *g)
 	return rc ? rc : op_error(g);
 }
 
+uint64_t ep_dispatch_recv_count_device(const ep_group_t *g)
+{
+	return g && g->dev_ptr ? g->dev_ptr + EPP_DEV_RECV_COUNT : 0;
+}
+
 uint64_t ep_group_device_region(const ep_group_t *g, size_t *size)
 {
 	if (size)

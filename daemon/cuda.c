@@ -76,6 +76,9 @@ void *epd_cuda_group_status(struct epd_group *g)
 
 #include "ekc.h"
 
+_Static_assert(EKC_RECV_COUNT == EPP_DEV_RECV_COUNT,
+	       "the device receive count's place, as libep knows it");
+
 #define MAX_DEV 16
 #define MAX_INFLIGHT 1024 /* stream-ordered ops a rank may have queued */
 #define POLL_MS 1
@@ -1276,6 +1279,9 @@ static void stage_finish(struct epd_group *g)
 						       g->shape.world_size * 4,
 					       false);
 		}
+		for (uint32_t l = 0; !r && l < rpn; l++)
+			r = D->cuMemsetD32Async(c->ptr[l] + EKC_RECV_COUNT,
+						R[l], 1, c->stream);
 		for (uint32_t l = 0; l < rpn; l++) {
 			uint8_t *s = slot(g, l);
 			__atomic_store_n((uint64_t *)(s + EPP_CTL_RECV), R[l],

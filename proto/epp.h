@@ -153,6 +153,10 @@ struct epp_join_ok {
 #define EPP_FEAT_FAST_BARRIER 1u /* barriers by device doorbell alone */
 #define EPP_FEAT_KERNEL_WAIT 2u  /* MPS: ranks ring and wait with a kernel */
 #define EPP_FEAT_HOST_BARRIER 4u /* barriers by host doorbell alone */
+/* In a GPU rank's device region (before the fields at its first 4 KiB):
+ * u32, the rows this rank received in its latest dispatch that succeeded,
+ * written on the device in stream order (ep_dispatch_recv_count_device). */
+#define EPP_DEV_RECV_COUNT 512u
 #define EPP_CTL_HB_SLEEP 64u     /* u32 futex: the host barrier thread sleeps */
 /* Host barrier words of local rank l at EPP_CTL_HB + l * EPP_CTL_HB_STRIDE,
  * each u32 on its own cache line (the rank's GPU writes the doorbell, the

@@ -130,6 +130,8 @@ _lib.ep_dispatch_stream.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
                                     ctypes.c_void_p, ctypes.POINTER(Handle)]
 _lib.ep_combine_stream.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle),
                                    ctypes.c_uint, ctypes.c_void_p]
+_lib.ep_dispatch_recv_count_device.argtypes = [ctypes.c_void_p]
+_lib.ep_dispatch_recv_count_device.restype = ctypes.c_uint64
 _lib.ep_dispatch_recv_count.argtypes = [ctypes.c_void_p,
                                         ctypes.POINTER(Handle)]
 for _f in ("ep_group_sync", "ep_group_error"):
@@ -280,6 +282,12 @@ class Group:
         """Rows received by that dispatch (the CPU waits for it)."""
         _check(_lib.ep_dispatch_recv_count(self._g, ctypes.byref(handle)))
         return handle.num_recv
+
+    def recv_count_device(self):
+        """Device address of a uint32: the rows received by the latest
+        stream-ordered dispatch, written in stream order (no CPU wait); 0
+        for a host group."""
+        return _lib.ep_dispatch_recv_count_device(self._g)
 
     def sync(self):
         _check(_lib.ep_group_sync(self._g))

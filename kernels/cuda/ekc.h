@@ -105,6 +105,8 @@ int ekc_fail(const struct ekc_driver *d, CUresult r, const char *what,
 #define EKC_RAIL_DONE 256u /* u32: phase 1 of barrier k done */
 #define EKC_BAR_DOORBELL 384u /* u32: barrier k rung, for the resident
 				 barrier kernel (no message to the daemon) */
+#define EKC_RECV_COUNT 512u /* u32: rows received by the latest dispatch
+			       (EPP_DEV_RECV_COUNT) */
 
 /* Kernel arguments of the barrier: pointers into each local rank's region. */
 #define EKC_MAX_LOCAL 64

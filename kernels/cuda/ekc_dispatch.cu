@@ -188,6 +188,10 @@ extern "C" __global__ void __launch_bounds__(1024) ekc_scan(struct ekc_disp_args
 	uint8_t *h = (uint8_t *)a.host_ctl + (uint64_t)d * EKC_CTL_SLOT;
 	unsigned long long err = *(volatile unsigned long long *)a.err;
 	*(volatile uint64_t *)(h + EKC_CTL_RECV) = err != ~0ull ? 0 : run;
+	// and for the rank's stream (no CPU wait): the count in its region
+	if (err == ~0ull)
+		*(volatile uint32_t *)((uint8_t *)a.region[d] +
+				       EKC_RECV_COUNT) = run;
 	if (err != ~0ull) {
 		*(volatile uint64_t *)(h + EKC_CTL_OP_ERR_POS) = err;
 		*(volatile int32_t *)(h + EKC_CTL_OP_ERR_CODE) = EKC_EEXPERT;

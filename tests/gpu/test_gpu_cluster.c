@@ -129,6 +129,10 @@ static int xrank(int r, void *arg)
 	TH_CHECK(h.num_recv == R, "%s rank %d: received %u, want %llu",
 		 x->name, r, h.num_recv, (unsigned long long)R);
 	CU(tg_drv.cuStreamSynchronize(st));
+	uint32_t dcount = 0;
+	CU(tg_drv.cuMemcpyDtoH(&dcount, ep_dispatch_recv_count_device(g), 4));
+	TH_CHECK(dcount == R, "%s rank %d: the device count %u, want %llu",
+		 x->name, r, dcount, (unsigned long long)R);
 	down(chk, b.recv_x, cap * H * elt);
 	SAME(chk, exp[r].x, R * H * elt, "recv_x");
 	TH_CHECK(ALL_POISON(chk + R * H * elt, (cap - R) * H * elt),

@@ -119,10 +119,17 @@ static int case_rank(int r, void *arg)
 		CU(tg_drv.cuMemcpyHtoD(tg_dptr(b.topk_idx), bad,
 				       (size_t)me->T * K * 8));
 		ep_handle_t hb;
+		CU(tg_drv.cuMemsetD32(ep_dispatch_recv_count_device(g),
+				      0x5a5a5a5au, 1));
 		TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &hb));
 		CU(tg_drv.cuStreamSynchronize(st));
 		TH_EXPECT_RC(ep_group_sync(g), EP_EEXPERT);
 		free(bad);
+		uint32_t cnt = 0;
+		CU(tg_drv.cuMemcpyDtoH(&cnt, ep_dispatch_recv_count_device(g),
+				       4));
+		TH_CHECK(cnt == 0x5a5a5a5au,
+			 "a failed dispatch wrote the device count: %u", cnt);
 		uint8_t *chk = malloc(cap * H * elt);
 		CU(tg_drv.cuMemcpyDtoH(chk, tg_dptr(b.recv_x), cap * H * elt));
 		TH_CHECK(ALL_POISON(chk, cap * H * elt),
@@ -152,10 +159,18 @@ static int case_rank(int r, void *arg)
 				    (size_t)me->T * K * 8, st));
 	CU(tg_drv.cuMemcpyHtoDAsync(tg_dptr(b.topk_weights), me->weights,
 				    (size_t)me->T * K * 4, st));
+	/* the count the dispatch leaves in device memory, read on the
+	 * stream right after it (no CPU wait in between) */
+	uint32_t *dcount = POISONED(4096);
+	pin(dcount, 4096);
+	CU(tg_drv.cuMemsetD32Async(ep_dispatch_recv_count_device(g),
+				   0xa5a5a5a5u, 1, st));
 	ep_handle_t h;
 	TH_OK(ep_dispatch_stream(g, me->T,
 				 c->weights ? EP_DISPATCH_WEIGHTS : 0, NULL,
 				 st, &h));
+	CU(tg_drv.cuMemcpyDtoHAsync(dcount, ep_dispatch_recv_count_device(g),
+				    4, st));
 	uint8_t *gx = POISONED(cap * H * elt);
 	float *gs = POISONED(cap * ns * 4);
 	int64_t *gi = POISONED(cap * K * 8);
@@ -184,9 +199,11 @@ static int case_rank(int r, void *arg)
 	CU(tg_drv.cuStreamSynchronize(st));
 	TH_OK(ep_group_sync(g));
 	TH_OK(ep_dispatch_recv_count(g, &h));
-	TH_CHECK(h.num_recv == R && hh.num_recv == R,
-		 "case %d rank %d: received %u (host %u), want %llu", x->index,
-		 r, h.num_recv, hh.num_recv, (unsigned long long)R);
+	TH_CHECK(h.num_recv == R && hh.num_recv == R && *dcount == R,
+		 "case %d rank %d: received %u (host %u, on the device %u), "
+		 "want %llu",
+		 x->index, r, h.num_recv, hh.num_recv, *dcount,
+		 (unsigned long long)R);
 	SAME(gx, hout.recv_x, R * H * elt, "recv_x vs host backend");
 	SAME(gx, exp[r].x, R * H * elt, "recv_x vs reference");
 	TH_CHECK(ALL_POISON(gx + R * H * elt, (cap - R) * H * elt),

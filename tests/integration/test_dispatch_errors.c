@@ -137,8 +137,16 @@ static int arg_rank(int r, void *arg)
 		uint16_t y[4], o[4 * H];
 		TH_EXPECT_RC(ep_combine(g, &h, y, h.num_recv + 1, H, NULL, o),
 			     EP_ESHAPE);
+		/* stream-ordered calls on a host group: refused, and no
+		 * device count */
+		TH_EXPECT_RC(ep_dispatch_stream(g, 4, 0, NULL, NULL, &hh),
+			     EP_EUNSUPPORTED);
+		TH_CHECK(ep_dispatch_recv_count_device(g) == 0 &&
+				 ep_dispatch_recv_count_device(NULL) == 0,
+			 "a host group has a device count");
 		printf("ok: too many tokens, wrong hidden/dtype/topk, foreign "
-		       "handle: errors for that rank alone\n");
+		       "handle, stream calls on a host group: errors for that "
+		       "rank alone\n");
 	}
 	/* Nobody entered a collective: the group goes on. */
 	TH_OK(ep_barrier(g));

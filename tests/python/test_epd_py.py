@@ -97,6 +97,7 @@ def rank_main(rank, sock, q):
             res = g.dispatch(arr("H", x), flat, T, arr("f", w))
             rows = ref_recv(all_in, rank)
             assert res.num_recv == len(rows), (res.num_recv, len(rows))
+            assert g.recv_count_device() == 0  # a host group: no device count
             want_x, want_i, want_w = [], [], []
             for s, t in rows:
                 sx, stk, sw = all_in[s][1], all_in[s][2], all_in[s][3]

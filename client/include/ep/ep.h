@@ -240,6 +240,12 @@ int ep_combine_stream(ep_group_t *group, const ep_handle_t *handle,
 /* The rows this rank received in that dispatch: the CPU waits for it (as
  * DeepEP's CPU sync does). Without waiting, size outputs for max_recv. */
 int ep_dispatch_recv_count(ep_group_t *group, ep_handle_t *handle);
+/* Without waiting: the device address (a CUdeviceptr) of a uint32 that
+ * holds the rows this rank received in its latest stream-ordered dispatch
+ * that succeeded, written in stream order. Work queued on the same stream
+ * after ep_dispatch_stream reads that dispatch's count (CUDA-graph
+ * friendly); outputs are sized for max_recv. 0 for a host group. */
+uint64_t ep_dispatch_recv_count_device(const ep_group_t *group);
 /* 0, or the group's asynchronous error (non-blocking). */
 int ep_group_error(ep_group_t *group);
 /* Wait until this rank's stream-ordered ops completed on the device: 0.
