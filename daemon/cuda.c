@@ -542,28 +542,31 @@ static volatile int32_t *group_error_word(struct epd_group *g)
 static void poll_cb(uv_timer_t *t);
 static void poll_arm(struct epd_cuda_group *c);
 
-/* Under MPS (every GPU of the group, every rank), unless configured off:
- * the resident barrier kernel, and the feature bit that tells libep to
- * ring it instead of sending barriers. Without MPS a spinning kernel would
- * hold the GPU's time slice from the ranks' contexts. */
-static int hostbar_start(struct epd_group *g, char *err, size_t errlen);
+/* The resident barrier kernel needs MPS on every GPU of the group and
+ * for every rank (without it a spinning kernel would hold the GPU's time
+ * slice from the ranks' contexts), and is not configured off. */
+static bool resident_ok(const struct epd_group *g)
+{
+	const struct epd_cuda_group *c = g->cu;
+	const struct epd_cuda *cu = g->srv->cuda;
+	if (g->srv->cfg.cuda_no_resident)
+		return false;
+	for (int i = 0; i < c->ndevs; i++)
+		if (!cu->dev[c->devs[i]].mps)
+			return false;
+	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++)
+		if (!g->local[l]->mps)
+			return false;
+	return true;
+}
 
+/* The resident barrier kernel, and the feature bit that tells libep to
+ * ring it instead of sending barriers. */
 static int fastbar_start(struct epd_group *g, char *err, size_t errlen)
 {
 	struct epd_cuda_group *c = g->cu;
-	struct epd_cuda *cu = g->srv->cuda;
-	struct cudev *d = &cu->dev[c->dev0];
+	struct cudev *d = &g->srv->cuda->dev[c->dev0];
 	uint32_t rpn = g->shape.ranks_per_node;
-	if (g->nnodes > 1)
-		return 0;
-	if (g->srv->cfg.cuda_no_resident)
-		return hostbar_start(g, err, errlen);
-	for (int i = 0; i < c->ndevs; i++)
-		if (!cu->dev[c->devs[i]].mps)
-			return hostbar_start(g, err, errlen);
-	for (uint32_t l = 0; l < rpn; l++)
-		if (!g->local[l]->mps)
-			return hostbar_start(g, err, errlen);
 	void *hp = NULL;
 	CUdeviceptr hd = 0;
 	CUresult r = D->cuMemHostAlloc(&hp, sizeof(*c->fb),
@@ -605,9 +608,9 @@ static int fastbar_start(struct epd_group *g, char *err, size_t errlen)
 	return 0;
 }
 
-/* Otherwise (no MPS, or the resident kernel configured off), unless
- * configured off: the host barrier thread (hostbar.h), and the feature bit
- * that tells libep to ring its host doorbell instead of sending barriers. */
+/* The host barrier thread (hostbar.h), unless configured off, and the
+ * feature bit that tells libep to ring its host doorbell instead of
+ * sending barriers. */
 static int hostbar_start(struct epd_group *g, char *err, size_t errlen)
 {
 	struct epd_cuda_group *c = g->cu;
@@ -625,6 +628,17 @@ static int hostbar_start(struct epd_group *g, char *err, size_t errlen)
 	epd_info("group %s: host barrier thread", g->shape.name);
 	poll_arm(c);
 	return 0;
+}
+
+/* A single-node group's barrier engine: the resident kernel where it can
+ * run, else the host thread. Groups across nodes have none (staged). */
+static int barrier_engine_start(struct epd_group *g, char *err,
+				size_t errlen)
+{
+	if (g->nnodes > 1)
+		return 0;
+	return resident_ok(g) ? fastbar_start(g, err, errlen)
+			      : hostbar_start(g, err, errlen);
 }
 
 /* End the barrier engine (group failed or freed): the kernel polls the
@@ -803,7 +817,7 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 		r = D->cuEventCreate(&c->ev[i / 2][i % 2], CU_EVENT_DEFAULT);
 	if (r)
 		return cu_err(r, "cuEventCreate", err, errlen);
-	return fastbar_start(g, err, errlen);
+	return barrier_engine_start(g, err, errlen);
 }
 
 static void poll_arm(struct epd_cuda_group *c)

@@ -87,15 +87,24 @@ static bool stopping(const struct epd_hostbar *h)
 	return __atomic_load_n(&h->st.stop, __ATOMIC_ACQUIRE) != 0;
 }
 
-/* One poll of a wait that started (or last progressed) at t0. */
+/* A wait that started (or last progressed) at t0 has spun for longer
+ * than limit_ns (the clock is read every 64 polls); otherwise one pause. */
+static bool spun_out(uint64_t t0, unsigned *spins, uint64_t limit_ns)
+{
+	if ((++*spins & 63) || now_ns() - t0 < limit_ns) {
+		relax();
+		return false;
+	}
+	return true;
+}
+
+/* One poll of a wait: spin, then nap between polls. */
 static void backoff(uint64_t t0, unsigned *spins)
 {
-	if ((++*spins & 63) || now_ns() - t0 < SPIN_NS) {
-		relax();
-		return;
+	if (spun_out(t0, spins, SPIN_NS)) {
+		struct timespec ts = {0, NAP_NS};
+		nanosleep(&ts, NULL);
 	}
-	struct timespec ts = {0, NAP_NS};
-	nanosleep(&ts, NULL);
 }
 
 /* Local ranks (bit mask) with a doorbell behind k, or ahead of last
@@ -158,9 +167,7 @@ static void *run(void *arg)
 		if (!rung) {
 			if (requested(h)) {
 				backoff(t0, &spins);
-			} else if ((++spins & 63) || now_ns() - t0 < IDLE_SPIN_NS) {
-				relax();
-			} else {
+			} else if (spun_out(t0, &spins, IDLE_SPIN_NS)) {
 				idle_sleep(h);
 				t0 = now_ns();
 				spins = 0;

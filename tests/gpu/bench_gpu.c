@@ -38,18 +38,33 @@ static uint64_t rng(uint64_t *s)
 	return z ^ (z >> 31);
 }
 
-static int cmpd(const void *a, const void *b)
+/* Median device time (ms) of 9 runs: a copy of n bytes a -> b, or (b = 0)
+ * a fill of a. */
+static double ceiling_ms(CUdeviceptr a, CUdeviceptr b, size_t n)
 {
-	double x = *(const double *)a, y = *(const double *)b;
-	return x < y ? -1 : x > y;
+	CUevent e0, e1;
+	CU(tg_drv.cuEventCreate(&e0, 0));
+	CU(tg_drv.cuEventCreate(&e1, 0));
+	double t[9];
+	for (int i = 0; i < 9; i++) {
+		CU(tg_drv.cuEventRecord(e0, 0));
+		if (b)
+			CU(tg_drv.cuMemcpyDtoD(b, a, n));
+		else
+			CU(tg_drv.cuMemsetD32(a, 0x3f800000u + (unsigned)i,
+					      n / 4));
+		CU(tg_drv.cuEventRecord(e1, 0));
+		CU(tg_drv.cuEventSynchronize(e1));
+		float ms;
+		CU(tg_drv.cuEventElapsedTime(&ms, e0, e1));
+		t[i] = ms;
+	}
+	CU(tg_drv.cuEventDestroy(e0));
+	CU(tg_drv.cuEventDestroy(e1));
+	return tg_median(t, 9);
 }
 
-static double median(double *v, int n)
-{
-	qsort(v, (size_t)n, sizeof(double), cmpd);
-	return v[n / 2];
-}
-
+/* Read+write ceiling: a device-to-device copy of 2 GiB. */
 static double d2d(void)
 {
 	size_t n = 2ull << 30;
@@ -57,22 +72,10 @@ static double d2d(void)
 	CU(tg_drv.cuMemAlloc(&a, n));
 	CU(tg_drv.cuMemAlloc(&b, n));
 	CU(tg_drv.cuMemsetD32(a, 0x3f803f80, n / 4));
-	CUevent e0, e1;
-	CU(tg_drv.cuEventCreate(&e0, 0));
-	CU(tg_drv.cuEventCreate(&e1, 0));
-	double t[9];
-	for (int i = 0; i < 9; i++) {
-		CU(tg_drv.cuEventRecord(e0, 0));
-		CU(tg_drv.cuMemcpyDtoD(b, a, n));
-		CU(tg_drv.cuEventRecord(e1, 0));
-		CU(tg_drv.cuEventSynchronize(e1));
-		float ms;
-		CU(tg_drv.cuEventElapsedTime(&ms, e0, e1));
-		t[i] = ms;
-	}
+	double ms = ceiling_ms(a, b, n);
 	CU(tg_drv.cuMemFree(a));
 	CU(tg_drv.cuMemFree(b));
-	return 2.0 * (double)n / (median(t, 9) / 1e3) / 1e9;
+	return 2.0 * (double)n / (ms / 1e3) / 1e9;
 }
 
 /* Write-only ceiling: a fill of 2 GiB (dispatch writes ~5 rows per token
@@ -82,21 +85,9 @@ static double fill(void)
 	size_t n = 2ull << 30;
 	CUdeviceptr a;
 	CU(tg_drv.cuMemAlloc(&a, n));
-	CUevent e0, e1;
-	CU(tg_drv.cuEventCreate(&e0, 0));
-	CU(tg_drv.cuEventCreate(&e1, 0));
-	double t[9];
-	for (int i = 0; i < 9; i++) {
-		CU(tg_drv.cuEventRecord(e0, 0));
-		CU(tg_drv.cuMemsetD32(a, 0x3f800000u + (unsigned)i, n / 4));
-		CU(tg_drv.cuEventRecord(e1, 0));
-		CU(tg_drv.cuEventSynchronize(e1));
-		float ms;
-		CU(tg_drv.cuEventElapsedTime(&ms, e0, e1));
-		t[i] = ms;
-	}
+	double ms = ceiling_ms(a, 0, n);
 	CU(tg_drv.cuMemFree(a));
-	return (double)n / (median(t, 9) / 1e3) / 1e9;
+	return (double)n / (ms / 1e3) / 1e9;
 }
 
 static int rank_main(int r, void *arg)
@@ -323,17 +314,17 @@ int main(void)
 			       "combine %.0f GB/s\n",
 			       ngpu, ngpu > 1 ? "s" : "",
 			       (tokens + (double)rows) * rowb /
-				       (median(s->disp_ms, s->iters) / 1e3) /
+				       (tg_median(s->disp_ms, s->iters) / 1e3) /
 				       1e9 / ngpu,
 			       (tokens + (double)rows) * s->H * 2 /
-				       (median(s->comb_ms, s->iters) / 1e3) /
+				       (tg_median(s->comb_ms, s->iters) / 1e3) /
 				       1e9 / ngpu);
 			double row = (double)s->H * (fp8 ? 1 : 2) +
 				     (fp8 ? s->H / 128 * 4 : 0);
 			double db = (tokens + (double)rows) * row;
 			double cb = (tokens + (double)rows) * s->H * 2;
-			double dm = median(s->disp_ms, s->iters),
-			       cm = median(s->comb_ms, s->iters);
+			double dm = tg_median(s->disp_ms, s->iters),
+			       cm = tg_median(s->comb_ms, s->iters);
 			double dg = db / (dm / 1e3) / 1e9,
 			       cg = cb / (cm / 1e3) / 1e9;
 			printf("perf: %d ranks, ", W);
@@ -343,8 +334,8 @@ int main(void)
 			       fp8 ? "fp8" : "bf16", strcmp(sms[i], "0") ? sms[i] : "all(132)",
 			       dm, dg, dg / s->d2d_gbs, cm, cg, cg / s->d2d_gbs,
 			       s->d2d_gbs, (unsigned long long)rows);
-			double pdm = median(s->pdisp_ms, s->iters),
-			       pcm = median(s->pcomb_ms, s->iters);
+			double pdm = tg_median(s->pdisp_ms, s->iters),
+			       pcm = tg_median(s->pcomb_ms, s->iters);
 			printf("perf: %s, SMs %s, pipelined (no CPU sync per "
 			       "iteration): dispatch %.3f ms, %.2f of D2D; "
 			       "combine %.3f ms, %.2f of D2D\n",

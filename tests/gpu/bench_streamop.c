@@ -24,8 +24,8 @@ struct shared {
 	_Alignas(4096) uint32_t done; /* one page the GPUs map */
 	uint8_t pad0[LINE - 4];
 	uint32_t bell[TH_MAXW][LINE / 4];
-	_Alignas(4096) _Atomic uint32_t arrive; /* CPU line-up, not mapped */
-	_Atomic uint32_t gen;
+	_Alignas(4096) uint32_t arrive; /* CPU line-up, not mapped */
+	uint32_t gen;
 	_Atomic int stop;
 	double loop_us[TH_MAXW], rt_us[TH_MAXW];
 };
@@ -50,25 +50,6 @@ static void *serve(void *arg)
 		}
 	}
 	return NULL;
-}
-
-/* Every rank's CPU at the same point (a sense-reversing line-up). */
-static void line_up(struct shared *s)
-{
-	uint32_t g = atomic_load(&s->gen);
-	if (atomic_fetch_add(&s->arrive, 1) + 1 == (uint32_t)nranks) {
-		atomic_store(&s->arrive, 0);
-		atomic_fetch_add(&s->gen, 1);
-	} else {
-		while (atomic_load(&s->gen) == g)
-			;
-	}
-}
-
-static int cmp_d(const void *a, const void *b)
-{
-	double x = *(const double *)a, y = *(const double *)b;
-	return x < y ? -1 : x > y;
 }
 
 static int rank_main(int r, void *arg)
@@ -105,7 +86,7 @@ static int rank_main(int r, void *arg)
 	for (int i = 0; i < 20; i++) /* warm up */
 		OP();
 	CU(tg_drv.cuStreamSynchronize(st));
-	line_up(s);
+	tg_line_up(&s->arrive, &s->gen, (uint32_t)nranks);
 	uint64_t t0 = th_now_ns();
 	for (int i = 0; i < iters; i++)
 		OP();
@@ -116,7 +97,7 @@ static int rank_main(int r, void *arg)
 	CU(tg_drv.cuEventCreate(&e0, 0));
 	CU(tg_drv.cuEventCreate(&e1, 0));
 	for (int i = 0; i < 101; i++) {
-		line_up(s);
+		tg_line_up(&s->arrive, &s->gen, (uint32_t)nranks);
 		t0 = th_now_ns();
 		if (events)
 			CU(tg_drv.cuEventRecord(e0, st));
@@ -129,8 +110,7 @@ static int rank_main(int r, void *arg)
 		if (events && !tg_drv.cuEventElapsedTime(&ms, e0, e1))
 			rt[i] = ms * 1e3;
 	}
-	qsort(rt, 101, sizeof(rt[0]), cmp_d);
-	s->rt_us[r] = rt[50];
+	s->rt_us[r] = tg_median(rt, 101);
 	TH_CHECK(__atomic_load_n(&s->done, __ATOMIC_ACQUIRE) >= k,
 		 "done %u behind this rank's %u", s->done, k);
 	return 0;

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 #include "gpu_util.h"
 
+#include <stdlib.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -34,6 +35,30 @@ CUstream tg_rank_init(int rank, int *gpu, void *p, size_t len,
 	CUstream st;
 	CU(tg_drv.cuStreamCreate(&st, CU_STREAM_NON_BLOCKING));
 	return st;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+	double x = *(const double *)a, y = *(const double *)b;
+	return x < y ? -1 : x > y;
+}
+
+double tg_median(double *v, int n)
+{
+	qsort(v, (size_t)n, sizeof(double), cmp_double);
+	return v[n / 2];
+}
+
+void tg_line_up(uint32_t *arrive, uint32_t *gen, uint32_t n)
+{
+	uint32_t g = __atomic_load_n(gen, __ATOMIC_SEQ_CST);
+	if (__atomic_add_fetch(arrive, 1, __ATOMIC_SEQ_CST) == n) {
+		__atomic_store_n(arrive, 0, __ATOMIC_SEQ_CST);
+		__atomic_add_fetch(gen, 1, __ATOMIC_SEQ_CST);
+	} else {
+		while (__atomic_load_n(gen, __ATOMIC_SEQ_CST) == g)
+			;
+	}
 }
 
 static int probe(int i, void *arg)

@@ -29,6 +29,15 @@ CUstream tg_rank_init(int rank, int *gpu, void *p, size_t len,
  * never initializes CUDA), else TH_SKIP. */
 int tg_probe(void);
 
+/* The median of v[0..n) (sorts v). */
+double tg_median(double *v, int n);
+
+/* Every one of n rank processes' CPUs at the same point, within a
+ * microsecond or so: a sense-reversing line-up on two words of shared
+ * memory (epd's own barrier replies to ranks one after another, tens of us
+ * apart). */
+void tg_line_up(uint32_t *arrive, uint32_t *gen, uint32_t n);
+
 /* A device address that ep_get_buffers() returned as a pointer. */
 static inline CUdeviceptr tg_dptr(const void *p)
 {

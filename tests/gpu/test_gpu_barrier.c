@@ -62,21 +62,6 @@ static ep_group_t *gpu_join(struct shared *s, const char *name, int rank,
 
 #define DEV(field) (sdev + ((uintptr_t)(field) - (uintptr_t)s))
 
-/* Every rank's CPU at the same point, within a microsecond or so (epd's
- * own barrier replies to the ranks one after another: tens of us apart). */
-static void line_up(struct shared *s)
-{
-	uint32_t g = __atomic_load_n(&s->gen, __ATOMIC_SEQ_CST);
-	if (__atomic_add_fetch(&s->arrive, 1, __ATOMIC_SEQ_CST) ==
-	    (uint32_t)s->ranks) {
-		__atomic_store_n(&s->arrive, 0, __ATOMIC_SEQ_CST);
-		__atomic_add_fetch(&s->gen, 1, __ATOMIC_SEQ_CST);
-	} else {
-		while (__atomic_load_n(&s->gen, __ATOMIC_SEQ_CST) == g)
-			;
-	}
-}
-
 static int late_rank(int rank, void *arg)
 {
 	struct shared *s = arg;
@@ -165,7 +150,7 @@ static int loop_rank(int rank, void *arg)
 	double rt[101];
 	for (int i = 0; i < 101; i++) {
 		TH_OK(ep_barrier(g)); /* idle streams, then the CPUs lined up */
-		line_up(s);
+		tg_line_up(&s->arrive, &s->gen, (uint32_t)s->ranks);
 		/* On the CPU's clock, from the call to the stream's end: events
 		 * would perturb it without MPS (each rank context's timed
 		 * records wait for its time slice: 283 us instead of 15 us for
@@ -175,14 +160,7 @@ static int loop_rank(int rank, void *arg)
 		CU(tg_drv.cuStreamSynchronize(st));
 		rt[i] = (double)(th_now_ns() - t0) / 1e3;
 	}
-	for (int i = 0; i < 101; i++)
-		for (int j = i + 1; j < 101; j++)
-			if (rt[j] < rt[i]) {
-				double t = rt[i];
-				rt[i] = rt[j];
-				rt[j] = t;
-			}
-	s->rt_us[rank] = rt[50];
+	s->rt_us[rank] = tg_median(rt, 101);
 	TH_OK(ep_barrier(g));
 	if (rank == 0) {
 		for (int r = 0; r < s->ranks; r++)

@@ -48,6 +48,16 @@ static void pin(void *p, size_t n)
 		CU(tg_drv.cuMemHostRegister(p, n, 0));
 }
 
+/* The first n bytes of recv_x once what is queued on st has run, into
+ * pinned dst; the group's ops succeeded. */
+static void recv_x_after(ep_group_t *g, CUstream st,
+			 const struct ep_buffers *b, void *dst, size_t n)
+{
+	CU(tg_drv.cuMemcpyDtoHAsync(dst, tg_dptr(b->recv_x), n, st));
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_OK(ep_group_sync(g));
+}
+
 static int case_rank(int r, void *arg)
 {
 	struct ctx *x = arg;
@@ -226,9 +236,7 @@ static int case_rank(int r, void *arg)
 				 NULL, st, &h2));
 	uint8_t *gx2 = POISONED(cap * H * elt);
 	pin(gx2, cap * H * elt);
-	CU(tg_drv.cuMemcpyDtoHAsync(gx2, tg_dptr(b.recv_x), R * H * elt, st));
-	CU(tg_drv.cuStreamSynchronize(st));
-	TH_OK(ep_group_sync(g));
+	recv_x_after(g, st, &b, gx2, R * H * elt);
 	SAME(gx2, gx, R * H * elt, "recv_x of a rerun");
 	CU(tg_drv.cuMemcpyHtoDAsync(tg_dptr(b.x), in2[r].x,
 				    (size_t)me->T * H * elt, st));
@@ -242,16 +250,12 @@ static int case_rank(int r, void *arg)
 	TH_OK(ep_dispatch_stream(g, me->T, 0, &h, st, &hc2));
 	TH_CHECK(hc2.seq == h.seq, "cached handle");
 	memset(gx2, POISON, cap * H * elt);
-	CU(tg_drv.cuMemcpyDtoHAsync(gx2, tg_dptr(b.recv_x), R * H * elt, st));
-	CU(tg_drv.cuStreamSynchronize(st));
-	TH_OK(ep_group_sync(g));
+	recv_x_after(g, st, &b, gx2, R * H * elt);
 	SAME(gx2, exp2[r].x, R * H * elt, "cached recv_x vs reference");
 	TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &h3));
 	uint8_t *gx3 = POISONED(cap * H * elt);
 	pin(gx3, cap * H * elt);
-	CU(tg_drv.cuMemcpyDtoHAsync(gx3, tg_dptr(b.recv_x), R * H * elt, st));
-	CU(tg_drv.cuStreamSynchronize(st));
-	TH_OK(ep_group_sync(g));
+	recv_x_after(g, st, &b, gx3, R * H * elt);
 	SAME(gx3, gx2, R * H * elt, "fresh vs cached dispatch");
 
 	/* Combine of random rows (and bias) along the first handle, against
