@@ -122,6 +122,11 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 		if (parse_bool(v, &b))
 			return -2;
 		c->cuda_no_tma = !b;
+	} else if (!strcmp(key, "cuda_fused_prep")) {
+		bool b;
+		if (parse_bool(v, &b))
+			return -2;
+		c->cuda_no_fused_prep = !b;
 	} else if (!strcmp(key, "cuda_resident_barrier")) {
 		bool b;
 		if (parse_bool(v, &b))

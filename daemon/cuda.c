@@ -87,11 +87,11 @@ struct cudev {
 	CUdevice dev;
 	CUcontext ctx; /* primary context, retained on first use */
 	CUmodule mod;
-	CUfunction barrier, fastbar, count, scan, slot, copy, copy_tma,
+	CUfunction barrier, fastbar, count, scan, slot, prep, copy, copy_tma,
 		per_expert, combine;
 	int smem_optin; /* dynamic shared memory a block may opt into */
 	size_t gran;
-	int occ_copy, occ_combine; /* resident blocks per SM */
+	int occ_copy, occ_combine, occ_prep; /* resident blocks per SM */
 	uint8_t uuid[16];
 	char name[96];
 	int sms;
@@ -121,6 +121,12 @@ struct epd_cuda_group {
 	uint64_t completed; /* ops every rank saw complete */
 	uint64_t oldest_ns; /* when the oldest incomplete op was enqueued */
 	uint64_t enq_ns[MAX_INFLIGHT];
+	/* when the first and the last rank's message of op k came in */
+	uint64_t msg_seq[MAX_INFLIGHT], msg_first_ns[MAX_INFLIGHT],
+		msg_last_ns[MAX_INFLIGHT];
+	/* the last dispatch's and combine's CPU side, in us: first to last
+	 * rank's message, last message to the enqueue, the enqueue itself */
+	double cpu_us[2][3];
 	bool enq_fast[MAX_INFLIGHT]; /* op run by the resident barrier */
 	uint64_t wait_ns; /* since when some rank's request is missing */
 	/* dispatch scratch (daemon-only device memory) */
@@ -148,6 +154,12 @@ struct epd_cuda_group {
 	CUevent ev[2][2];
 	uint64_t ev_seq[2];
 	double last_us[2];
+	/* EPD_CUDA_TRACE set: each stage's span in the last dispatch and
+	 * combine (ekc_disp_args.trace), copied to pinned host memory at the
+	 * end of the op; in us from the op's first kernel start */
+	CUdeviceptr trace;
+	unsigned long long *trace_host[2];
+	double trace_us[2][EKC_TR_N][2];
 	uv_timer_t poll;
 	bool poll_closing, poll_slow;
 	bool released;
@@ -209,6 +221,7 @@ static int use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen)
 			   {&d->count, "ekc_count"},
 			   {&d->scan, "ekc_scan"},
 			   {&d->slot, "ekc_slot"},
+			   {&d->prep, "ekc_prep"},
 			   {&d->copy, "ekc_copy"},
 			   {&d->copy_tma, "ekc_copy_tma"},
 			   {&d->per_expert, "ekc_per_expert"},
@@ -237,6 +250,9 @@ static int use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen)
 			    &d->occ_combine, d->combine, 256, 0) ||
 		    d->occ_combine < 1)
 			d->occ_combine = 1;
+		if (D->cuOccupancyMaxActiveBlocksPerMultiprocessor(
+			    &d->occ_prep, d->prep, 256, 0))
+			d->occ_prep = 0; /* count, scan, slot: three launches */
 		D->cuDeviceGetAttribute(
 			&d->smem_optin,
 			CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
@@ -800,11 +816,17 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 	if (!r)
 		r = D->cuMemAlloc(&c->base, W * c->nblk_max * W * 4);
 	if (!r)
-		r = D->cuMemAlloc(&c->err, 8);
+		r = D->cuMemAlloc(&c->err, 16); /* + ekc_prep's grid barrier */
 	if (!r)
 		r = D->cuMemAlloc(&c->work, MAX_DEV * 4);
 	if (!r)
 		r = D->cuMemsetD32(c->work, 0xffffffffu, MAX_DEV);
+	if (!r && getenv("EPD_CUDA_TRACE")) {
+		r = D->cuMemAlloc(&c->trace, EKC_TR_N * 16);
+		for (int i = 0; !r && i < 2; i++)
+			r = D->cuMemHostAlloc((void **)&c->trace_host[i],
+					      EKC_TR_N * 16, 0);
+	}
 	for (int i = 0; !r && i < EPD_MAX_HANDLES; i++) {
 		r = D->cuMemAlloc(&c->routes[i].slot, W * c->tmax * W * 4);
 		if (!r)
@@ -859,6 +881,18 @@ static unsigned sms_cap(const struct epd_group *g, const struct cudev *d)
 {
 	unsigned cap = g->srv->cfg.cuda_sms;
 	return cap && (int)cap < d->sms ? cap : (unsigned)d->sms;
+}
+
+/* count + scan + slot as one cooperative launch (ekc_prep): configured,
+ * and its grid (a block per 256 tokens of each rank) resident at once.
+ * Under MPS other clients' kernels may hold SMs: the driver then waits
+ * until the whole grid fits, as a cooperative launch must. */
+static bool use_prep(const struct epd_group *g, const struct cudev *d)
+{
+	const struct epd_cuda_group *c = g->cu;
+	return !g->srv->cfg.cuda_no_fused_prep && d->occ_prep > 0 &&
+	       (uint64_t)c->nblk_max * g->shape.ranks_per_node <=
+		       (uint64_t)d->occ_prep * (uint64_t)d->sms;
 }
 
 /* Below 32 SMs the SMs' bulk-copy units are the limit (measured: 0.48 of
@@ -945,6 +979,33 @@ static CUresult join_devs(struct epd_cuda_group *c)
 	return r;
 }
 
+/* EPD_CUDA_TRACE: the stages' times of op `which` to pinned memory. */
+static CUresult trace_fetch(struct epd_cuda_group *c, int which)
+{
+	if (!c->trace)
+		return CUDA_SUCCESS;
+	return D->cuMemcpyDtoHAsync(c->trace_host[which], c->trace,
+				    EKC_TR_N * 16, c->stream);
+}
+
+/* Spans in us from the first stage start (after the op completed). */
+static void trace_read(struct epd_cuda_group *c, int which)
+{
+	const unsigned long long *t = c->trace_host[which];
+	unsigned long long t0 = ~0ull;
+	for (int i = 0; i < EKC_TR_N; i++)
+		if (t[2 * i] < t0)
+			t0 = t[2 * i];
+	for (int i = 0; i < EKC_TR_N; i++) {
+		unsigned long long b = t[2 * i], e = ~t[2 * i + 1];
+		c->trace_us[which][i][0] = b != ~0ull ? (double)(b - t0) / 1e3
+						      : -1;
+		c->trace_us[which][i][1] = e && t0 != ~0ull
+						   ? ((double)e - (double)t0) / 1e3
+						   : -1;
+	}
+}
+
 /* Dispatch or combine k on the group's stream (the doorbells are waited
  * for already). Returns a driver error, or 0. */
 static CUresult enqueue_data(struct epd_group *g, uint64_t k,
@@ -963,6 +1024,7 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 		.blk = (uint32_t *)(uintptr_t)c->blk,
 		.base = (uint32_t *)(uintptr_t)c->base,
 		.err = (unsigned long long *)(uintptr_t)c->err,
+		.gsync = (uint32_t *)(uintptr_t)(c->err + 8),
 		.work = (uint32_t *)(uintptr_t)c->work,
 		.host_ctl = (void *)(uintptr_t)c->ctl_dev};
 	for (uint32_t l = 0; l < W; l++) {
@@ -999,6 +1061,13 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 	CUresult r;
 	int which = op0->type == EPP_COMBINE;
 	CUevent *ev = c->ev[which];
+	if (c->trace) {
+		a.trace = (unsigned long long *)(uintptr_t)c->trace;
+		r = D->cuMemsetD32Async(c->trace, 0xffffffffu, EKC_TR_N * 4,
+					c->stream);
+		if (r)
+			return r;
+	}
 	r = D->cuEventRecord(ev[0], c->stream);
 	if (r)
 		return r;
@@ -1014,16 +1083,24 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 				   1, 256, &a);
 		if (!r)
 			r = join_devs(c);
-		return r ? r : D->cuEventRecord(ev[1], c->stream);
+		if (!r)
+			r = D->cuEventRecord(ev[1], c->stream);
+		return r ? r : trace_fetch(c, which);
 	}
 	*what = "dispatch";
-	r = D->cuMemsetD32Async(c->err, 0xffffffffu, 2, c->stream);
-	if (!r && fresh)
-		r = launch(c, d->count, c->nblk_max, W, 256, &a);
-	if (!r)
-		r = launch(c, d->scan, 1, 1, 1024, &a);
-	if (!r && fresh)
-		r = launch(c, d->slot, c->nblk_max, W, 256, &a);
+	r = D->cuMemsetD32Async(c->err, 0xffffffffu, 3, c->stream);
+	if (!r && fresh && use_prep(g, d)) {
+		void *params[] = {&a};
+		r = D->cuLaunchCooperativeKernel(d->prep, c->nblk_max, W, 1, 256,
+						 1, 1, 0, c->stream, params);
+	} else if (!r) {
+		if (fresh)
+			r = launch(c, d->count, c->nblk_max, W, 256, &a);
+		if (!r)
+			r = launch(c, d->scan, 1, 1, 1024, &a);
+		if (!r && fresh)
+			r = launch(c, d->slot, c->nblk_max, W, 256, &a);
+	}
 	if (!r)
 		r = spread(g, &a, sms, false);
 	if (!r)
@@ -1031,7 +1108,9 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 	if (!r)
 		r = join_devs(c);
 	/* per-expert counts are made by ekc_copy */
-	return r ? r : D->cuEventRecord(ev[1], c->stream);
+	if (!r)
+		r = D->cuEventRecord(ev[1], c->stream);
+	return r ? r : trace_fetch(c, which);
 }
 
 /* Do the ranks' ops k agree? Fails the group if not. */
@@ -1420,6 +1499,7 @@ static void enqueue_ready(struct epd_group *g)
 		const char *what = "barrier";
 		bool data = ops[0]->type != EPP_BARRIER;
 		unsigned bthreads = (rpn + 31) / 32 * 32;
+		uint64_t t0 = epd_now_ns();
 		a.seq = (uint32_t)k;
 		if (!cu->dev[c->dev0].mps) {
 			/* Without MPS a spinning kernel would hold the GPU's
@@ -1452,6 +1532,14 @@ static void enqueue_ready(struct epd_group *g)
 		if (c->enqueued <= c->completed)
 			c->oldest_ns = c->enq_ns[k % MAX_INFLIGHT];
 		c->enqueued = k;
+		if (data && c->msg_seq[k % MAX_INFLIGHT] == k) {
+			double *cpu = c->cpu_us[ops[0]->type == EPP_COMBINE];
+			uint64_t f = c->msg_first_ns[k % MAX_INFLIGHT],
+				 l = c->msg_last_ns[k % MAX_INFLIGHT];
+			cpu[0] = (double)(l - f) / 1e3;
+			cpu[1] = t0 > l ? (double)(t0 - l) / 1e3 : 0;
+			cpu[2] = (double)(c->enq_ns[k % MAX_INFLIGHT] - t0) / 1e3;
+		}
 		switch (ops[0]->type) {
 		case EPP_BARRIER: g->n_barrier++; break;
 		case EPP_DISPATCH: g->n_dispatch++; break;
@@ -1490,6 +1578,12 @@ void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
 	m->aq[seq % MAX_INFLIGHT] = *op;
 	m->aq[seq % MAX_INFLIGHT].fast = false;
 	m->async_seq = seq;
+	uint64_t now = epd_now_ns();
+	if (c->msg_seq[seq % MAX_INFLIGHT] != seq) {
+		c->msg_seq[seq % MAX_INFLIGHT] = seq;
+		c->msg_first_ns[seq % MAX_INFLIGHT] = now;
+	}
+	c->msg_last_ns[seq % MAX_INFLIGHT] = now;
 	enqueue_ready(g);
 	request_wait(g);
 	poll_arm(c);
@@ -1576,6 +1670,8 @@ static void poll_cb(uv_timer_t *t)
 			    CUDA_SUCCESS) {
 			c->last_us[i] = ms * 1000.0;
 			c->ev_seq[i] = 0;
+			if (c->trace)
+				trace_read(c, i);
 		}
 	}
 	int32_t kerr = *group_error_word(g);
@@ -1737,7 +1833,11 @@ void epd_cuda_group_free(struct epd_group *g)
 	}
 	if (c->dev0 >= 0 && g->srv->cuda)
 		D->cuCtxSetCurrent(g->srv->cuda->dev[c->dev0].ctx);
-	CUdeviceptr scratch[] = {c->mask, c->blk, c->base, c->err, c->work};
+	CUdeviceptr scratch[] = {c->mask, c->blk, c->base, c->err, c->work,
+				 c->trace};
+	for (int i = 0; i < 2; i++)
+		if (c->trace_host[i])
+			D->cuMemFreeHost(c->trace_host[i]);
 	for (size_t i = 0; i < sizeof(scratch) / sizeof(scratch[0]); i++)
 		if (scratch[i])
 			D->cuMemFree(scratch[i]);
@@ -1770,7 +1870,7 @@ void *epd_cuda_group_status(struct epd_group *g)
 		uint64_t b = __atomic_load_n(&c->fb->busy_ns, __ATOMIC_RELAXED);
 		eng_us = n ? (double)b / (double)n / 1e3 : 0;
 	}
-	return json_pack("{s:i, s:i, s:b, s:b, s:s, s:f, s:s, s:i, s:I, s:I, s:f, s:f}",
+	json_t *o = json_pack("{s:i, s:i, s:b, s:b, s:s, s:f, s:s, s:i, s:s, s:I, s:I, s:f, s:f}",
 			 "gpu", c->dev0, "gpus", c->ndevs, "staged", c->staged,
 			 "resident_barrier", c->fb && !c->hb, "barrier",
 			 c->hb	   ? "host"
@@ -1778,10 +1878,39 @@ void *epd_cuda_group_status(struct epd_group *g)
 				 : "stream",
 			 "barrier_engine_us", eng_us, "row_copy", use_tma(c, sms) ? "tma" : "simt",
 			 "row_copy_sms", (int)copy_sms(c, sms),
+			 "dispatch_prep",
+			 use_prep(g, &g->srv->cuda->dev[c->dev0]) ? "fused"
+								  : "split",
 			 "ops_enqueued", (json_int_t)c->enqueued,
 			 "ops_completed", (json_int_t)c->completed,
 			 "last_dispatch_us", c->last_us[0], "last_combine_us",
 			 c->last_us[1]);
+	if (o)
+		for (int w = 0; w < 2; w++)
+			json_object_set_new(
+				o, w ? "last_combine_cpu_us" : "last_dispatch_cpu_us",
+				json_pack("{s:f, s:f, s:f}", "gather",
+					  c->cpu_us[w][0], "lag", c->cpu_us[w][1],
+					  "enqueue", c->cpu_us[w][2]));
+	if (o && c->trace) {
+		/* {"dispatch": {"count": [start_us, end_us], ...}, ...} */
+		static const char *const stage[EKC_TR_N] = {
+			"doorbell", "count", "scan", "slot", "copy", "combine"};
+		json_t *tr = json_object();
+		for (int w = 0; w < 2; w++) {
+			json_t *st = json_object();
+			for (int i = 0; i < EKC_TR_N; i++)
+				if (c->trace_us[w][i][1] >= 0)
+					json_object_set_new(
+						st, stage[i],
+						json_pack("[f, f]",
+							  c->trace_us[w][i][0],
+							  c->trace_us[w][i][1]));
+			json_object_set_new(tr, w ? "combine" : "dispatch", st);
+		}
+		json_object_set_new(o, "trace_us", tr);
+	}
+	return o;
 }
 
 void *epd_cuda_status(struct epd_server *srv)

@@ -48,6 +48,7 @@ struct epd_config {
 				      cuda_sms; EPD_COPY_SMS_AUTO: by row */
 	bool cuda_no_resident;     /* no resident barrier kernel under MPS */
 	bool cuda_no_tma;          /* dispatch rows by SIMT copies only */
+	bool cuda_no_fused_prep;   /* count, scan, slot as three launches */
 	bool no_host_barrier;      /* GPU barriers without the host thread */
 	/* Cluster (empty peers: a single node). */
 	char node_name[64];

@@ -68,6 +68,7 @@
 	X(cuModuleUnload)                                                      \
 	X(cuModuleGetFunction)                                                 \
 	X(cuLaunchKernel)                                                      \
+	X(cuLaunchCooperativeKernel)                                           \
 	X(cuMemAlloc)                                                          \
 	X(cuMemFree)                                                           \
 	X(cuMemcpyHtoDAsync)                                                   \
@@ -201,13 +202,21 @@ struct ekc_disp_args {
 	uint32_t *recv;    /* [W] rows received */
 	int32_t *slot;     /* [W][Tmax][W] the handle's routing */
 	unsigned long long *err; /* first bad (s, t, k), or ~0 */
+	uint32_t *gsync;   /* ekc_prep's grid barrier, from ~0 */
 	uint32_t *work;    /* next item of copy/combine (this GPU's), from ~0 */
 	void *host_ctl;    /* control page (device view), slots of 256 B */
 	uint32_t W, H, K, E, elt, nscales, Tmax, nblk_max;
 	uint32_t seq;
 	uint32_t cached;
 	uint32_t wait; /* kernels wait for the doorbells themselves (MPS) */
+	/* EPD_CUDA_TRACE: [EKC_TR_N][2] globaltimer ns of each stage's first
+	 * start and (stored inverted, so both are atomicMin) last end, or
+	 * NULL */
+	unsigned long long *trace;
 };
+
+enum { EKC_TR_DOORBELL, EKC_TR_COUNT, EKC_TR_SCAN, EKC_TR_SLOT, EKC_TR_COPY,
+       EKC_TR_COMBINE, EKC_TR_N };
 
 /* The fatbin of the kernels in kernels/cuda, embedded at build time. */
 extern const unsigned char ekc_fatbin[];

@@ -55,6 +55,26 @@ __device__ static inline uint32_t masked_token(const struct ekc_disp_args &a,
 	return s;
 }
 
+// EPD_CUDA_TRACE: when each stage first started and last ended.
+__device__ static inline unsigned long long tr_now()
+{
+	unsigned long long t;
+	asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+	return t;
+}
+
+__device__ static inline void tr_begin(const struct ekc_disp_args &a, int st)
+{
+	if (a.trace)
+		atomicMin(&a.trace[2 * st], tr_now());
+}
+
+__device__ static inline void tr_end(const struct ekc_disp_args &a, int st)
+{
+	if (a.trace)
+		atomicMin(&a.trace[2 * st + 1], ~tr_now());
+}
+
 // Under MPS no front-end wait precedes the data kernels: a kernel waits
 // for the doorbells of the ranks it reads (inputs) or writes (outputs).
 // No budget here: a rank that never rings is found by the daemon's poll,
@@ -84,19 +104,13 @@ __device__ static inline uint64_t next_item(const struct ekc_disp_args &a,
 	return __shfl_sync(0xffffffffu, g, 0);
 }
 
-extern "C" __global__ void __launch_bounds__(TPB)
-	ekc_count(struct ekc_disp_args a)
+// Block b of source s: its tokens' destination masks and how many go to
+// each destination. Called by the whole block.
+__device__ static __forceinline__ void count_block(const struct ekc_disp_args &a,
+				   uint32_t s, uint32_t b)
 {
-	const uint32_t s = blockIdx.y, b = blockIdx.x;
 	const uint32_t t = b * TPB + threadIdx.x;
 	const uint32_t T = a.tokens[s], W = a.W, K = a.K, per = a.E / a.W;
-	if (b >= (T + TPB - 1) / TPB)
-		return; // uniform for the block
-	if (a.wait) {
-		if (threadIdx.x == 0)
-			wait_doorbell(a, s); // this block reads rank s's input
-		__syncthreads();
-	}
 	uint64_t mask = 0;
 	if (t < T) {
 		const int64_t *ti = (const int64_t *)field(a, s, EKC_F_TOPK) +
@@ -124,6 +138,54 @@ extern "C" __global__ void __launch_bounds__(TPB)
 	}
 }
 
+__device__ static inline void wait_doorbell_traced(
+	const struct ekc_disp_args &a, uint32_t rank)
+{
+	wait_doorbell(a, rank);
+	tr_begin(a, EKC_TR_DOORBELL); // first seen
+	tr_end(a, EKC_TR_DOORBELL);   // last seen
+}
+
+extern "C" __global__ void __launch_bounds__(TPB)
+	ekc_count(struct ekc_disp_args a)
+{
+	const uint32_t s = blockIdx.y, b = blockIdx.x;
+	if (b >= (a.tokens[s] + TPB - 1) / TPB)
+		return; // uniform for the block
+	if (threadIdx.x == 0)
+		tr_begin(a, EKC_TR_COUNT);
+	if (a.wait) {
+		if (threadIdx.x == 0)
+			wait_doorbell_traced(a, s); // the block reads s's input
+		__syncthreads();
+	}
+	count_block(a, s, b);
+	if (threadIdx.x == 0)
+		tr_end(a, EKC_TR_COUNT);
+}
+
+// Rank d's receive count (run) or the op's error, for its CPU (control
+// page) and its stream (region); the finishing kernel publishes completion
+// after these, in stream order.
+__device__ static __forceinline__ void publish_recv(const struct ekc_disp_args &a,
+				    uint32_t d, uint32_t run)
+{
+	uint8_t *h = (uint8_t *)a.host_ctl + (uint64_t)d * EKC_CTL_SLOT;
+	unsigned long long err = *(volatile unsigned long long *)a.err;
+	*(volatile uint64_t *)(h + EKC_CTL_RECV) = err != ~0ull ? 0 : run;
+	if (err == ~0ull)
+		*(volatile uint32_t *)((uint8_t *)a.region[d] +
+				       EKC_RECV_COUNT) = run;
+	if (err != ~0ull) {
+		*(volatile uint64_t *)(h + EKC_CTL_OP_ERR_POS) = err;
+		*(volatile int32_t *)(h + EKC_CTL_OP_ERR_CODE) = EKC_EEXPERT;
+		__threadfence_system();
+		*(volatile uint64_t *)(h + EKC_CTL_OP_ERR_SEQ) = a.seq;
+	}
+	__threadfence_system();
+	*(volatile uint64_t *)(h + EKC_CTL_RECV_SEQ) = a.seq;
+}
+
 // One block: warp w scans destination column w (and w + 32, ...) over the
 // (source, block) rows, 32 rows per step with warp shuffles; blocks past a
 // source's tokens count nothing. Then the per-expert counters are cleared
@@ -134,6 +196,8 @@ extern "C" __global__ void __launch_bounds__(1024) ekc_scan(struct ekc_disp_args
 	const uint32_t d = threadIdx.x, W = a.W;
 	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 	uint32_t run = 0;
+	if (d == 0)
+		tr_begin(a, EKC_TR_SCAN);
 	if (a.wait) {
 		// the first kernel that writes outputs: every rank must have
 		// reached this op (done with the last op's outputs)
@@ -182,35 +246,21 @@ extern "C" __global__ void __launch_bounds__(1024) ekc_scan(struct ekc_disp_args
 	}
 	if (d >= W)
 		return;
-	// For the rank's CPU (control page): its count, and a bad expert
-	// index anywhere (the op changes nothing; the group goes on). The
-	// finishing kernel publishes completion after these, in stream order.
-	uint8_t *h = (uint8_t *)a.host_ctl + (uint64_t)d * EKC_CTL_SLOT;
-	unsigned long long err = *(volatile unsigned long long *)a.err;
-	*(volatile uint64_t *)(h + EKC_CTL_RECV) = err != ~0ull ? 0 : run;
-	// and for the rank's stream (no CPU wait): the count in its region
-	if (err == ~0ull)
-		*(volatile uint32_t *)((uint8_t *)a.region[d] +
-				       EKC_RECV_COUNT) = run;
-	if (err != ~0ull) {
-		*(volatile uint64_t *)(h + EKC_CTL_OP_ERR_POS) = err;
-		*(volatile int32_t *)(h + EKC_CTL_OP_ERR_CODE) = EKC_EEXPERT;
-		__threadfence_system();
-		*(volatile uint64_t *)(h + EKC_CTL_OP_ERR_SEQ) = a.seq;
-	}
-	__threadfence_system();
-	*(volatile uint64_t *)(h + EKC_CTL_RECV_SEQ) = a.seq;
+	// its count, or a bad expert index anywhere (the op changes nothing;
+	// the group goes on)
+	publish_recv(a, d, run);
+	if (d == 0)
+		tr_end(a, EKC_TR_SCAN);
 }
 
-extern "C" __global__ void __launch_bounds__(TPB)
-	ekc_slot(struct ekc_disp_args a)
+// slot[s][t][d] of block b of source s, from the block's bases (one per
+// destination). Called by the whole block.
+__device__ static __forceinline__ void slot_block(const struct ekc_disp_args &a, uint32_t s,
+				  uint32_t b, const uint32_t *base)
 {
 	__shared__ uint32_t warp_cnt[TPB / 32][EKC_MAX_LOCAL];
-	const uint32_t s = blockIdx.y, b = blockIdx.x;
 	const uint32_t t = b * TPB + threadIdx.x;
 	const uint32_t T = a.tokens[s], W = a.W;
-	if (b >= (T + TPB - 1) / TPB)
-		return; // uniform for the block
 	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 	const uint32_t below = (1u << lane) - 1;
 	const uint64_t mask = t < T ? a.mask[(uint64_t)s * a.Tmax + t] : 0;
@@ -220,7 +270,6 @@ extern "C" __global__ void __launch_bounds__(TPB)
 			warp_cnt[warp][d] = __popc(bal);
 	}
 	__syncthreads();
-	const uint32_t *base = a.base + ((uint64_t)s * a.nblk_max + b) * W;
 	int32_t *slot = a.slot + ((uint64_t)s * a.Tmax + t) * W;
 	for (uint32_t d = 0; d < W; d++) {
 		uint32_t bit = (mask >> d) & 1;
@@ -236,6 +285,113 @@ extern "C" __global__ void __launch_bounds__(TPB)
 			before += warp_cnt[w][d];
 		slot[d] = (int32_t)(base[d] + before + __popc(bal & below));
 	}
+}
+
+extern "C" __global__ void __launch_bounds__(TPB)
+	ekc_slot(struct ekc_disp_args a)
+{
+	const uint32_t s = blockIdx.y, b = blockIdx.x;
+	if (b >= (a.tokens[s] + TPB - 1) / TPB)
+		return; // uniform for the block
+	if (threadIdx.x == 0)
+		tr_begin(a, EKC_TR_SLOT);
+	slot_block(a, s, b, a.base + ((uint64_t)s * a.nblk_max + b) * a.W);
+	if (threadIdx.x == 0)
+		tr_end(a, EKC_TR_SLOT); // warp 0's stores; the rest are close
+}
+
+// count, scan and slot of a fresh dispatch in one cooperative launch
+// (grid nblk_max x W, every block resident): one launch instead of three
+// and a grid barrier instead of two kernel boundaries (measured ~5 us
+// each under MPS). Each block adds up the counts of the blocks before it
+// for its own bases, so the one grid barrier is all it needs; block (0, 0)
+// makes the totals. Same bases, same slots as count + scan + slot.
+__device__ static inline void grid_sync(const struct ekc_disp_args &a)
+{
+	__syncthreads();
+	if (threadIdx.x == 0) {
+		// from ~0: the op's memset; arrived = value + 1
+		const uint32_t n = gridDim.x * gridDim.y;
+		__threadfence();
+		atomicAdd(a.gsync, 1u);
+		while (*(volatile uint32_t *)a.gsync + 1u < n)
+			;
+		__threadfence();
+	}
+	__syncthreads();
+}
+
+// Sum over the valid (source, block) rows before row `upto` of column c,
+// by one warp.
+__device__ static inline uint32_t col_sum(const struct ekc_disp_args &a,
+					  uint32_t c, uint32_t upto,
+					  uint32_t lane)
+{
+	const uint32_t nb = a.nblk_max;
+	uint32_t sum = 0;
+	for (uint32_t r = lane; r < upto; r += 32) {
+		const uint32_t s = r / nb, b = r % nb;
+		if (b < (a.tokens[s] + TPB - 1) / TPB)
+			sum += a.blk[(uint64_t)r * a.W + c];
+	}
+	for (uint32_t o = 16; o; o >>= 1)
+		sum += __shfl_xor_sync(0xffffffffu, sum, o);
+	return sum;
+}
+
+extern "C" __global__ void __launch_bounds__(TPB) ekc_prep(struct ekc_disp_args a)
+{
+	__shared__ uint32_t base[EKC_MAX_LOCAL];
+	const uint32_t s = blockIdx.y, b = blockIdx.x, W = a.W;
+	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+	const bool mine = b < (a.tokens[s] + TPB - 1) / TPB;
+	if (threadIdx.x == 0) {
+		tr_begin(a, EKC_TR_COUNT);
+		// block 0 of every source, even one without tokens: past the
+		// grid barrier every rank has reached this op
+		if (a.wait && (mine || b == 0))
+			wait_doorbell_traced(a, s);
+	}
+	__syncthreads();
+	if (mine)
+		count_block(a, s, b);
+	if (threadIdx.x == 0)
+		tr_end(a, EKC_TR_COUNT);
+	grid_sync(a);
+	if (threadIdx.x == 0)
+		tr_begin(a, EKC_TR_SCAN);
+	const uint32_t row = s * a.nblk_max + b;
+	if (mine)
+		for (uint32_t c = warp; c < W; c += TPB / 32) {
+			uint32_t v = col_sum(a, c, row, lane);
+			if (lane == 0)
+				base[c] = v;
+		}
+	if (s == 0 && b == 0) {
+		__shared__ uint32_t tot[EKC_MAX_LOCAL];
+		const uint32_t rows = W * a.nblk_max, per = a.E / W;
+		for (uint32_t c = warp; c < W; c += TPB / 32) {
+			uint32_t v = col_sum(a, c, rows, lane);
+			if (lane == 0)
+				tot[c] = v;
+		}
+		for (uint32_t i = threadIdx.x; i < W * per; i += blockDim.x)
+			((int32_t *)field(a, i / per, EKC_F_RECV_PE))[i % per] = 0;
+		__syncthreads();
+		for (uint32_t d = threadIdx.x; d < W; d += blockDim.x) {
+			a.recv[d] = tot[d];
+			publish_recv(a, d, tot[d]);
+		}
+	}
+	__syncthreads();
+	if (threadIdx.x == 0) {
+		tr_end(a, EKC_TR_SCAN);
+		tr_begin(a, EKC_TR_SLOT);
+	}
+	if (mine)
+		slot_block(a, s, b, base);
+	if (threadIdx.x == 0)
+		tr_end(a, EKC_TR_SLOT);
 }
 
 // Scales, top-k, weights and source of token (s, t) at its destinations:
@@ -300,6 +456,8 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 		return; // a bad expert index: change nothing
 	const uint32_t lane = threadIdx.x & 31;
 	const uint32_t W = a.W;
+	if (threadIdx.x == 0)
+		tr_begin(a, EKC_TR_COPY);
 	const uint64_t nvec = (uint64_t)a.H * a.elt / 16;
 	const uint64_t total = masked_total(a);
 	for (uint64_t g = next_item(a, lane), gn; g < total; g = gn) {
@@ -345,6 +503,8 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 		}
 		copy_meta(a, lane, s, t, slot);
 	}
+	if (lane == 0)
+		tr_end(a, EKC_TR_COPY);
 }
 
 // The same copy through the bulk-copy engine (TMA), for rows of a multiple
@@ -404,6 +564,8 @@ extern "C" __global__ void __launch_bounds__(TMA_WARPS * 32)
 		return; // a bad expert index: change nothing
 	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 	const uint32_t bytes = a.H * a.elt, W = a.W;
+	if (threadIdx.x == 0)
+		tr_begin(a, EKC_TR_COPY);
 	const uint32_t buf0 = smem_addr(rows + (size_t)warp * 2 * bytes);
 	const uint32_t bar0 = smem_addr(&bars[warp][0]);
 	if (lane == 0) {
@@ -463,6 +625,8 @@ extern "C" __global__ void __launch_bounds__(TMA_WARPS * 32)
 		gn = __shfl_sync(0xffffffffu, raw, 0);
 	}
 	asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+	if (lane == 0)
+		tr_end(a, EKC_TR_COPY);
 }
 
 // Received rows per local expert, a row once per distinct expert: a
@@ -520,10 +684,14 @@ extern "C" __global__ void __launch_bounds__(256)
 {
 	const uint32_t lane = threadIdx.x & 31, W = a.W, H = a.H;
 	const uint64_t nvec = H / 8;
+	if (threadIdx.x == 0)
+		tr_begin(a, EKC_TR_COMBINE);
 	if (a.wait) {
 		for (uint32_t d = threadIdx.x; d < W; d += blockDim.x)
 			wait_doorbell(a, d);
 		__syncthreads();
+		if (threadIdx.x == 0)
+			tr_end(a, EKC_TR_DOORBELL);
 	}
 	const uint64_t total = masked_total(a);
 	for (uint64_t g = next_item(a, lane), gn; g < total; g = gn) {
@@ -589,4 +757,6 @@ extern "C" __global__ void __launch_bounds__(256)
 			out[v] = o;
 		}
 	}
+	if (lane == 0)
+		tr_end(a, EKC_TR_COMBINE);
 }

@@ -19,6 +19,26 @@
 #define MAXW 8
 static int W = 8; /* EPD_BENCH_RANKS */
 
+/* EPD_CUDA_TRACE: the daemon's stage spans of its last dispatch and
+ * combine, from its status. */
+static void print_trace(const char *js, const char *what)
+{
+	const char *p = strstr(js, "\"trace_us\":"), *e;
+	int depth = 0;
+	if (!p)
+		return;
+	e = p + 11;
+	do
+		depth += *e == '{' ? 1 : *e == '}' ? -1 : 0;
+	while (*e && depth && e++);
+	printf("perf: stage spans, %s (us from the first kernel start): "
+	       "%.*s\n", what, (int)(e - p - 10), p + 11);
+	if ((p = strstr(js, "\"last_dispatch_cpu_us\":")))
+		printf("perf: the daemon's CPU, %s (first to last rank's "
+		       "message, to the enqueue, the enqueue): %.*s\n", what,
+		       (int)(strchr(p, '}') - p - 22), p + 23);
+}
+
 struct shared {
 	const struct th_daemon *d;
 	uint32_t T, H, K, E;
@@ -186,6 +206,13 @@ static int rank_main(int r, void *arg)
 			s->comb_ms[i] = bb;
 		}
 	}
+	if (r == 0 && getenv("EPD_CUDA_TRACE")) {
+		char *js;
+		usleep(20000); /* the daemon polls completions every ms */
+		TH_OK(ep_daemon_status(c, &js));
+		print_trace(js, "one op");
+		free(js);
+	}
 	/* Pipelined, as a training loop runs: everything enqueued first, one
 	 * CPU sync at the end, events read afterwards. */
 	CUevent pev[64][4];
@@ -221,10 +248,12 @@ static int rank_main(int r, void *arg)
 			s->kdisp_us = atof(p + 19);
 		if ((p = strstr(js, "\"last_combine_us\":")))
 			s->kcomb_us = atof(p + 18);
+		print_trace(js, "pipelined");
 		p = strstr(js, "\"row_copy_sms\":");
-		printf("perf: row copy %s on %d SMs, barrier %s\n",
+		printf("perf: row copy %s on %d SMs, prep %s, barrier %s\n",
 		       strstr(js, "\"row_copy\":\"tma\"") ? "tma" : "simt",
 		       p ? atoi(p + 15) : -1,
+		       strstr(js, "\"dispatch_prep\":\"fused\"") ? "fused" : "split",
 		       strstr(js, "\"barrier\":\"kernel\"") ? "resident kernel"
 		       : strstr(js, "\"barrier\":\"host\"") ? "host thread"
 							     : "stream ops");

@@ -431,7 +431,8 @@ int main(void)
 	/* the same cases with the SIMT row copy (the bulk-copy kernel is the
 	 * default where rows fit; the SIMT one runs below 32 SMs) */
 	th_daemon_stop(&gpu);
-	th_daemon_start(&gpu, "--backend", "cuda", "-o", "cuda_tma=no", NULL);
+	th_daemon_start(&gpu, "--backend", "cuda", "-o", "cuda_tma=no", "-o",
+			"cuda_fused_prep=no", NULL);
 	for (size_t i = 0; i < sizeof(fixed) / sizeof(fixed[0]); i++, n++) {
 		x->c = fixed[i];
 		x->c.seed = seed + 100 + (uint64_t)i;
@@ -439,7 +440,8 @@ int main(void)
 		x->bad_rank = -1;
 		run_case(x);
 	}
-	printf("ok: the fixed cases with the SIMT row copy (cuda_tma=no)\n");
+	printf("ok: the fixed cases with the SIMT row copy and three prep "
+	       "launches (cuda_tma=no, cuda_fused_prep=no)\n");
 	th_daemon_stop(&gpu);
 	th_daemon_start(&gpu, "--backend", "cuda", NULL);
 	x->bad_rank = -1;
