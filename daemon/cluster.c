@@ -56,6 +56,7 @@ struct pconn {
 	uint8_t *rbuf;
 	size_t rlen, rcap;
 	bool got_hello, authed, closing;
+	uint16_t minor; /* the peer's protocol minor version */
 	uint8_t nonce[NONCE], peer_nonce[NONCE];
 	char addr[64];
 	uv_connect_t creq;
@@ -381,6 +382,7 @@ static void on_hello(struct pconn *c, const uint8_t *p, uint32_t len)
 	if (c->target >= 0 ? (int)idx != c->target : (int)idx > cl->self)
 		return reject(c, "node %s dialled the wrong way", name);
 	c->peer = (int)idx;
+	c->minor = minor;
 	c->got_hello = true;
 	uint8_t mac[MAC];
 	proof(cl, c->peer_nonce, cl->node[cl->self].name, mac);
@@ -462,6 +464,7 @@ static void conn_frame(struct pconn *c, const struct epp_hdr *h,
 	case EPP_PEER_XMETA:
 	case EPP_PEER_XROWS:
 	case EPP_PEER_GSHAPE:
+	case EPP_PEER_XWIN:
 		if (!c->authed)
 			return reject(c, "%s before authentication",
 				      epp_type_name(h->type));
@@ -684,11 +687,31 @@ static void rd_closed(void *arg, void *user, const char *why)
 	conn_close(c, why);
 }
 
+/* A peer's rows for an op are placed (its last write's immediate). */
+static void rd_imm(void *arg, void *user, uint32_t imm)
+{
+	struct epd_cluster *cl = arg;
+	struct pconn *c = user;
+	if (c->authed && !c->closing)
+		epd_xop_imm(cl->srv, (uint32_t)c->peer, imm);
+}
+
+/* Our writes of an op to that peer completed. */
+static void rd_written(void *arg, void *user, uint64_t cookie)
+{
+	struct epd_cluster *cl = arg;
+	struct pconn *c = user;
+	if (c->authed && !c->closing)
+		epd_xop_written(cl->srv, (uint32_t)c->peer, cookie);
+}
+
 static const struct epd_rdma_ops rd_ops = {
 	.request = rd_request,
 	.established = rd_established,
 	.bytes = rd_bytes,
 	.closed = rd_closed,
+	.imm = rd_imm,
+	.written = rd_written,
 };
 
 static void on_accept(uv_stream_t *ls, int status)
@@ -1122,13 +1145,21 @@ void *epd_cluster_status(struct epd_server *srv)
 				  "last_error", nd->why));
 	}
 	row[cl->n] = 0;
-	return json_pack("{s:s, s:i, s:i, s:I, s:s, s:s, s:I, s:o, s:o}",
-			 "node", cl->node[cl->self].name, "index", cl->self,
-			 "nodes", cl->n, "view_epoch", (json_int_t)cl->epoch,
-			 "transport", cl->rd ? "rdma" : "tcp", "row", row,
-			 "rejected",
-			 (json_int_t)cl->rejected, "peers", peers, "matrix",
-			 matrix);
+	json_t *o = json_pack("{s:s, s:i, s:i, s:I, s:s, s:s, s:I, s:o, s:o}",
+			      "node", cl->node[cl->self].name, "index", cl->self,
+			      "nodes", cl->n, "view_epoch", (json_int_t)cl->epoch,
+			      "transport", cl->rd ? "rdma" : "tcp", "row", row,
+			      "rejected", (json_int_t)cl->rejected, "peers",
+			      peers, "matrix", matrix);
+	if (o && cl->rd) {
+		/* rows written by the proxy, in how many batches */
+		uint64_t batches, writes = epd_rdma_stats(cl->rd, &batches);
+		json_object_set_new(o, "rdma_writes",
+				    json_pack("{s:I, s:I}", "posted",
+					      (json_int_t)writes, "batches",
+					      (json_int_t)batches));
+	}
+	return o;
 }
 
 void epd_cluster_group_failed(struct epd_group *g, int code, const char *msg)
@@ -1162,6 +1193,23 @@ void epd_cluster_send(struct epd_group *g, uint32_t n, uint16_t type,
 	if (!cl || (int)n >= cl->n || cl->node[n].state != NODE_UP)
 		return;
 	conn_write(cl->node[n].conn, type, a, na, b, nb, ref);
+}
+
+struct epd_rdma *epd_cluster_rdma(const struct epd_server *srv)
+{
+	return srv->cluster ? srv->cluster->rd : NULL;
+}
+
+struct epd_rconn *epd_cluster_rconn(const struct epd_server *srv, uint32_t n)
+{
+	struct epd_cluster *cl = srv->cluster;
+	if (!cl || !cl->rd || (int)n >= cl->n || cl->node[n].state != NODE_UP)
+		return NULL;
+	struct pconn *c = cl->node[n].conn;
+	return c && c->rdma && c->authed && c->rc && c->minor >= 6 &&
+			       epd_rdma_can_write(c->rc)
+		       ? c->rc
+		       : NULL;
 }
 
 const char *epd_cluster_node_name(const struct epd_server *srv, uint32_t n)

@@ -71,6 +71,7 @@ struct epd_cuda;
 struct epd_cuda_group;
 struct epd_cluster;
 struct epd_xop;
+struct epd_xwin;
 
 /* A queued outgoing frame. */
 struct epd_out {
@@ -202,6 +203,9 @@ struct epd_group {
 	/* GPU group: device regions, streams, stream-ordered progress. */
 	struct epd_cuda_group *cu;
 
+	/* rdma transport: its windows (xnode.c), or NULL: rows by frames */
+	struct epd_xwin *xw;
+
 	/* Backend buffer shared with the ranks, and the daemon's mapping. */
 	int buf_fd;
 	uint64_t buf_size;
@@ -234,6 +238,10 @@ struct epd_server {
 	struct list_node xstash;
 	uint64_t xstash_bytes;
 	struct epd_xbufs *xbufs; /* large buffers kept between ops (xnode.c) */
+	/* rdma windows of freed groups, kept registered a grace period
+	 * (peers' writes in flight), and the next window id */
+	struct list_node xzombies;
+	uint16_t next_wid;
 	uint64_t n_accepted, n_rejected, n_proto_errors;
 };
 
@@ -307,6 +315,14 @@ void epd_xop_drop(struct epd_group *g);
  * shape to the other nodes, which check theirs against it. */
 void epd_xop_replay(struct epd_group *g);
 void epd_xop_announce(struct epd_group *g);
+/* rdma transport: node `from`'s writes of an op are placed here (imm), and
+ * our writes of an op to node `to` completed (cookie). */
+void epd_xop_imm(struct epd_server *srv, uint32_t from, uint32_t imm);
+void epd_xop_written(struct epd_server *srv, uint32_t to, uint64_t cookie);
+/* A group's rdma windows: released (after a grace period) with the
+ * group; all of them at once at shutdown. */
+void epd_xwin_free(struct epd_group *g);
+void epd_xwin_flush(struct epd_server *srv);
 void epd_xop_stash_free(struct epd_server *srv);
 void epd_xbufs_free(struct epd_server *srv);
 /* Free the kept buffers once no group spans nodes. */
@@ -371,6 +387,11 @@ int epd_cluster_send_arrival(struct epd_group *g, uint32_t l, uint64_t seq);
  * the node is down: the group fails through the membership). */
 /* A frame to node n of g's cluster (dropped if n is not up): a copied, b
  * copied too, or with ref sent in place and held until written. */
+/* The rdma transport, or NULL (tcp, or no cluster). */
+struct epd_rdma *epd_cluster_rdma(const struct epd_server *srv);
+/* Node n's connection if rows can be written to it (rdma, protocol 1.6,
+ * up), else NULL. */
+struct epd_rconn *epd_cluster_rconn(const struct epd_server *srv, uint32_t n);
 void epd_cluster_send(struct epd_group *g, uint32_t n, uint16_t type,
 		      const void *a, size_t na, const void *b, size_t nb,
 		      struct epd_sref *ref);

@@ -53,6 +53,7 @@ void epd_group_free(struct epd_group *g)
 	epd_cuda_group_free(g);
 	epd_xop_drop(g);
 	epd_xbufs_trim(g->srv);
+	epd_xwin_free(g); /* may keep the mapping a while */
 	epd_buf_destroy(g);
 	free(g->local);
 	free(g->rail_done);

@@ -19,6 +19,18 @@
  * ready, retried without limit). Completions come through a completion
  * channel per connection, also watched from the loop.
  *
+ * Token rows (xnode.c) move by RDMA WRITE, one work request per row, from
+ * the source rank's registered input to the destination rank's registered
+ * receive buffer on the peer (its address and key came in the group's
+ * XWIN frame); the last write to a peer carries an immediate that tells it
+ * the op's rows from this node are all placed (RC orders it after them).
+ * Writes are queued on the proxy (proxy.h) by any thread and posted by its
+ * thread, at most RD_WRITES outstanding per queue pair, a completion asked
+ * for every RD_SIGNAL writes and on each immediate. The regions live in
+ * one protection domain shared by the queue pairs of the first device
+ * (rd->pd); a connection on another device gets its own and is not offered
+ * for writes (frames carry its rows).
+ *
  * Compiled whenever libibverbs and librdmacm are found; run only where an
  * RDMA device exists (the development and CI machines have none: see
  * README).
@@ -27,9 +39,12 @@
 
 #ifdef HAVE_EPD_RDMA
 
+#include "proxy.h"
 #include "rdma.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
+#include <sched.h>
 #include <fcntl.h>
 #include <infiniband/verbs.h>
 #include <rdma/rdma_cma.h>
@@ -41,6 +56,14 @@
 #define RD_RECVS 32
 #define RD_SENDS 32
 #define RD_TIMEOUT_MS 2000
+#define RD_WRITES 1024 /* writes outstanding per queue pair */
+#define RD_SIGNAL 64   /* a completion every this many writes */
+#define RD_PROXY_SLOTS 8192
+/* wr_id of a signaled write: marker, immediate, writes covered, cookie */
+#define WR_WRITE (1ull << 63)
+#define WR_IMM (1ull << 62)
+#define WR_COUNT_SHIFT 47
+#define WR_COOKIE_MASK ((1ull << WR_COUNT_SHIFT) - 1)
 
 struct epd_rdma {
 	uv_loop_t *loop;
@@ -51,6 +74,22 @@ struct epd_rdma {
 	uv_poll_t poll;
 	int nconn; /* connections not yet freed (their ids use ch) */
 	bool closing, poll_closed;
+	/* the protection domain of the first device's queue pairs, where
+	 * regions for writes are registered; freed last */
+	struct ibv_pd *pd;
+	struct ibv_context *pd_ctx;
+	int nmr;
+	struct epd_proxy *proxy;
+	/* connections closed while the proxy may still hold writes for
+	 * them: freed once it passed linger_ticket */
+	struct epd_rconn *linger;
+	uv_timer_t linger_timer;
+	bool linger_init;
+};
+
+struct epd_rmr {
+	struct epd_rdma *rd;
+	struct ibv_mr *mr;
 };
 
 struct epd_rconn {
@@ -65,7 +104,12 @@ struct epd_rconn {
 	uv_poll_t cq_poll;
 	uv_timer_t reaper; /* closed last: frees the connection */
 	int handles;       /* open libuv handles */
-	bool polling, qp, connected, closing;
+	bool polling, qp, connected, closing, own_pd;
+	int refs;               /* epd_rdma_hold */
+	int wr_out;             /* writes outstanding (atomic) */
+	uint32_t unsignaled;    /* proxy thread only */
+	uint64_t linger_ticket; /* proxy ticket to pass before the free */
+	struct epd_rconn *linger_next;
 	uint8_t pdata[64];
 	uint8_t plen;
 	/* send slots not in flight, and bytes not yet posted */
@@ -176,7 +220,27 @@ static void on_cq(uv_poll_t *p, int status, int events)
 				return;
 			}
 			uint32_t slot = (uint32_t)wc[i].wr_id;
-			if (wc[i].opcode & IBV_WC_RECV) {
+			if (wc[i].opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
+				/* a peer's rows are placed; no bytes here */
+				if (rc->user && rc->rd->ops->imm)
+					rc->rd->ops->imm(rc->rd->arg, rc->user,
+							 ntohl(wc[i].imm_data));
+				if (!rc->closing && post_recv(rc, slot)) {
+					rconn_fail(rc, "ibv_post_recv failed");
+					return;
+				}
+			} else if (wc[i].wr_id & WR_WRITE) {
+				uint64_t id = wc[i].wr_id;
+				__atomic_fetch_sub(
+					&rc->wr_out,
+					(int)((id & ~(WR_WRITE | WR_IMM)) >>
+					      WR_COUNT_SHIFT),
+					__ATOMIC_RELEASE);
+				if (id & WR_IMM && rc->user &&
+				    rc->rd->ops->written)
+					rc->rd->ops->written(rc->rd->arg, rc->user,
+							     id & WR_COOKIE_MASK);
+			} else if (wc[i].opcode & IBV_WC_RECV) {
 				if (rc->user)
 					rc->rd->ops->bytes(
 						rc->rd->arg, rc->user,
@@ -202,9 +266,20 @@ static void on_cq(uv_poll_t *p, int status, int events)
 static int setup_qp(struct epd_rconn *rc, char *why, size_t len)
 {
 	struct ibv_context *v = rc->id->verbs;
-	rc->pd = ibv_alloc_pd(v);
+	struct epd_rdma *rd = rc->rd;
+	if (!rd->pd) {
+		rd->pd = ibv_alloc_pd(v);
+		rd->pd_ctx = rd->pd ? v : NULL;
+	}
+	if (rd->pd && rd->pd_ctx == v) {
+		rc->pd = rd->pd;
+	} else {
+		rc->pd = ibv_alloc_pd(v); /* another device: frames only */
+		rc->own_pd = rc->pd != NULL;
+	}
 	rc->cc = rc->pd ? ibv_create_comp_channel(v) : NULL;
-	rc->cq = rc->cc ? ibv_create_cq(v, RD_RECVS + RD_SENDS, rc, rc->cc, 0)
+	rc->cq = rc->cc ? ibv_create_cq(v, RD_RECVS + RD_SENDS + RD_WRITES,
+					rc, rc->cc, 0)
 			: NULL;
 	if (!rc->cq || ibv_req_notify_cq(rc->cq, 0)) {
 		snprintf(why, len, "verbs setup: %s", strerror(errno));
@@ -214,7 +289,7 @@ static int setup_qp(struct epd_rconn *rc, char *why, size_t len)
 		.send_cq = rc->cq,
 		.recv_cq = rc->cq,
 		.qp_type = IBV_QPT_RC,
-		.cap = {.max_send_wr = RD_SENDS,
+		.cap = {.max_send_wr = RD_SENDS + RD_WRITES,
 			.max_recv_wr = RD_RECVS,
 			.max_send_sge = 1,
 			.max_recv_sge = 1}};
@@ -353,7 +428,7 @@ static void rconn_free(struct epd_rconn *rc)
 		ibv_destroy_cq(rc->cq);
 	if (rc->cc)
 		ibv_destroy_comp_channel(rc->cc);
-	if (rc->pd)
+	if (rc->own_pd)
 		ibv_dealloc_pd(rc->pd);
 	if (rc->id)
 		rdma_destroy_id(rc->id);
@@ -379,6 +454,8 @@ static void on_cm(uv_poll_t *p, int status, int events)
 	}
 }
 
+static void rd_post(void *arg, const struct epd_cmd *c, size_t n);
+
 struct epd_rdma *epd_rdma_new(uv_loop_t *loop, const struct epd_rdma_ops *ops,
 			      void *arg, char *err, size_t errlen)
 {
@@ -394,6 +471,12 @@ struct epd_rdma *epd_rdma_new(uv_loop_t *loop, const struct epd_rdma_ops *ops,
 	if (!rd->ch) {
 		snprintf(err, errlen, "rdma_create_event_channel: %s",
 			 strerror(errno));
+		free(rd);
+		return NULL;
+	}
+	rd->proxy = epd_proxy_new(RD_PROXY_SLOTS, rd_post, rd, err, errlen);
+	if (!rd->proxy) {
+		rdma_destroy_event_channel(rd->ch);
 		free(rd);
 		return NULL;
 	}
@@ -469,18 +552,196 @@ int epd_rdma_send(struct epd_rconn *rc, const struct iovec *iov, int n)
 	return rc->closing ? -1 : 0;
 }
 
+/* Free once nobody holds it and the proxy has taken every write queued
+ * so far (it skips a closing connection's); else linger. */
+static void linger_tick(uv_timer_t *t)
+{
+	struct epd_rdma *rd = t->data;
+	struct epd_rconn **pp = &rd->linger;
+	while (*pp) {
+		struct epd_rconn *rc = *pp;
+		if (epd_proxy_passed(rd->proxy, rc->linger_ticket)) {
+			*pp = rc->linger_next;
+			rconn_free(rc);
+		} else {
+			pp = &rc->linger_next;
+		}
+	}
+	if (!rd->linger)
+		uv_timer_stop(t);
+}
+
+static void rconn_release(struct epd_rconn *rc)
+{
+	struct epd_rdma *rd = rc->rd;
+	if (rc->handles > 0 || rc->refs > 0)
+		return;
+	rc->linger_ticket = rd->proxy ? epd_proxy_head(rd->proxy) : 0;
+	if (!rd->proxy || epd_proxy_passed(rd->proxy, rc->linger_ticket)) {
+		rconn_free(rc);
+		return;
+	}
+	rc->linger_next = rd->linger;
+	rd->linger = rc;
+	if (!rd->linger_init) {
+		uv_timer_init(rd->loop, &rd->linger_timer);
+		rd->linger_timer.data = rd;
+		rd->linger_init = true;
+	}
+	if (!uv_is_active((uv_handle_t *)&rd->linger_timer))
+		uv_timer_start(&rd->linger_timer, linger_tick, 1, 1);
+}
+
 static void handle_closed(uv_handle_t *h)
 {
 	struct epd_rconn *rc = h->data;
-	if (--rc->handles == 0)
-		rconn_free(rc);
+	rc->handles--;
+	rconn_release(rc);
+}
+
+void epd_rdma_hold(struct epd_rconn *rc)
+{
+	rc->refs++;
+}
+
+void epd_rdma_release(struct epd_rconn *rc)
+{
+	if (--rc->refs == 0)
+		rconn_release(rc);
+}
+
+bool epd_rdma_can_write(const struct epd_rconn *rc)
+{
+	return rc && rc->connected && !rc->closing && !rc->own_pd &&
+	       rc->pd && rc->rd->proxy;
+}
+
+struct epd_rmr *epd_rdma_reg(struct epd_rdma *rd, void *p, size_t len,
+			     bool remote_write, char *why, size_t wl)
+{
+	if (!rd->pd) {
+		snprintf(why, wl, "no RDMA connection yet");
+		return NULL;
+	}
+	struct epd_rmr *m = calloc(1, sizeof(*m));
+	if (!m) {
+		snprintf(why, wl, "out of memory");
+		return NULL;
+	}
+	m->rd = rd;
+	m->mr = ibv_reg_mr(rd->pd, p, len,
+			   remote_write ? IBV_ACCESS_LOCAL_WRITE |
+						  IBV_ACCESS_REMOTE_WRITE
+					: 0);
+	if (!m->mr) {
+		snprintf(why, wl, "ibv_reg_mr of %zu bytes: %s", len,
+			 strerror(errno));
+		free(m);
+		return NULL;
+	}
+	rd->nmr++;
+	return m;
+}
+
+void epd_rdma_dereg(struct epd_rmr *m)
+{
+	if (!m)
+		return;
+	ibv_dereg_mr(m->mr);
+	m->rd->nmr--;
+	free(m);
+}
+
+uint32_t epd_rmr_lkey(const struct epd_rmr *m)
+{
+	return m->mr->lkey;
+}
+
+uint32_t epd_rmr_rkey(const struct epd_rmr *m)
+{
+	return m->mr->rkey;
+}
+
+uint64_t epd_rdma_write(struct epd_rdma *rd, struct epd_cmd *c)
+{
+	return rd->proxy ? epd_proxy_push(rd->proxy, c) : 0;
+}
+
+uint64_t epd_rdma_stats(const struct epd_rdma *rd, uint64_t *batches)
+{
+	*batches = 0;
+	return rd->proxy ? epd_proxy_posted(rd->proxy, batches) : 0;
+}
+
+/* The proxy's poster (its thread): a chain of work requests per run of
+ * commands for one connection, within its budget of outstanding writes.
+ * A connection that is closing gets nothing (its writes are lost with
+ * it; its groups fail on the loop). */
+static void rd_post(void *arg, const struct epd_cmd *c, size_t n)
+{
+	(void)arg;
+	struct ibv_send_wr wr[RD_SIGNAL];
+	struct ibv_sge sge[RD_SIGNAL];
+	size_t i = 0;
+	while (i < n) {
+		struct epd_rconn *rc = c[i].conn;
+		size_t j = i;
+		while (j < n && j - i < RD_SIGNAL && c[j].conn == rc)
+			j++;
+		const int k = (int)(j - i);
+		bool dead = false;
+		while (!(dead = __atomic_load_n(&rc->closing,
+						__ATOMIC_ACQUIRE)) &&
+		       __atomic_load_n(&rc->wr_out, __ATOMIC_ACQUIRE) + k >
+			       RD_WRITES)
+			sched_yield(); /* the loop reaps completions */
+		if (dead) {
+			i = j;
+			continue;
+		}
+		for (int m = 0; m < k; m++) {
+			const struct epd_cmd *x = &c[i + (size_t)m];
+			const bool imm = x->flags & EPD_CMD_IMM;
+			sge[m] = (struct ibv_sge){.addr = x->laddr,
+						  .length = x->len,
+						  .lkey = x->lkey};
+			wr[m] = (struct ibv_send_wr){
+				.next = m + 1 < k ? &wr[m + 1] : NULL,
+				.sg_list = &sge[m],
+				.num_sge = x->len ? 1 : 0,
+				.opcode = imm ? IBV_WR_RDMA_WRITE_WITH_IMM
+					      : IBV_WR_RDMA_WRITE,
+				.imm_data = htonl(x->imm),
+				.wr.rdma = {.remote_addr = x->raddr,
+					    .rkey = x->rkey}};
+			if (++rc->unsignaled == RD_SIGNAL || imm) {
+				wr[m].send_flags = IBV_SEND_SIGNALED;
+				wr[m].wr_id = WR_WRITE | (imm ? WR_IMM : 0) |
+					      ((uint64_t)rc->unsignaled
+					       << WR_COUNT_SHIFT) |
+					      (x->cookie & WR_COOKIE_MASK);
+				rc->unsignaled = 0;
+			}
+		}
+		__atomic_fetch_add(&rc->wr_out, k, __ATOMIC_RELEASE);
+		struct ibv_send_wr *bad = NULL;
+		if (ibv_post_send(rc->id->qp, wr, &bad)) {
+			/* the queue pair is broken: the loop sees its
+			 * completion errors and fails the connection */
+			int left = 0;
+			for (struct ibv_send_wr *w = bad; w; w = w->next)
+				left++;
+			__atomic_fetch_sub(&rc->wr_out, left, __ATOMIC_RELEASE);
+		}
+		i = j;
+	}
 }
 
 void epd_rdma_close(struct epd_rconn *rc)
 {
 	if (!rc || rc->closing)
 		return;
-	rc->closing = true;
+	__atomic_store_n(&rc->closing, true, __ATOMIC_RELEASE); /* proxy */
 	rc->user = NULL;
 	if (rc->connected)
 		rdma_disconnect(rc->id);
@@ -492,14 +753,31 @@ void epd_rdma_close(struct epd_rconn *rc)
 	uv_close((uv_handle_t *)&rc->reaper, handle_closed);
 }
 
+static void linger_closed(uv_handle_t *h)
+{
+	struct epd_rdma *rd = h->data;
+	rd->linger_init = false;
+	rdma_maybe_free(rd);
+}
+
 /* The channel goes last: after every id made on it. */
 static void rdma_maybe_free(struct epd_rdma *rd)
 {
 	if (!rd->closing || !rd->poll_closed || rd->nconn > 0)
 		return;
+	if (rd->linger_init) {
+		if (!uv_is_closing((uv_handle_t *)&rd->linger_timer))
+			uv_close((uv_handle_t *)&rd->linger_timer,
+				 linger_closed);
+		return;
+	}
+	epd_proxy_free(rd->proxy);
 	if (rd->listener)
 		rdma_destroy_id(rd->listener);
 	rdma_destroy_event_channel(rd->ch);
+	/* regions still registered (groups at exit) keep the domain */
+	if (rd->pd && rd->nmr == 0)
+		ibv_dealloc_pd(rd->pd);
 	free(rd);
 }
 
@@ -559,5 +837,41 @@ int epd_rdma_send(struct epd_rconn *rc, const struct iovec *iov, int n)
 }
 void epd_rdma_close(struct epd_rconn *rc) { (void)rc; }
 void epd_rdma_free(struct epd_rdma *rd) { (void)rd; }
+void epd_rdma_hold(struct epd_rconn *rc) { (void)rc; }
+void epd_rdma_release(struct epd_rconn *rc) { (void)rc; }
+bool epd_rdma_can_write(const struct epd_rconn *rc)
+{
+	(void)rc;
+	return false;
+}
+struct epd_rmr *epd_rdma_reg(struct epd_rdma *rd, void *p, size_t len,
+			     bool remote_write, char *why, size_t wl)
+{
+	(void)rd, (void)p, (void)len, (void)remote_write;
+	snprintf(why, wl, "epd was built without libibverbs/librdmacm");
+	return NULL;
+}
+void epd_rdma_dereg(struct epd_rmr *m) { (void)m; }
+uint32_t epd_rmr_lkey(const struct epd_rmr *m)
+{
+	(void)m;
+	return 0;
+}
+uint32_t epd_rmr_rkey(const struct epd_rmr *m)
+{
+	(void)m;
+	return 0;
+}
+uint64_t epd_rdma_write(struct epd_rdma *rd, struct epd_cmd *c)
+{
+	(void)rd, (void)c;
+	return 0;
+}
+uint64_t epd_rdma_stats(const struct epd_rdma *rd, uint64_t *batches)
+{
+	(void)rd;
+	*batches = 0;
+	return 0;
+}
 
 #endif

@@ -215,6 +215,7 @@ int epd_server_init(struct epd_server *srv, uv_loop_t *loop,
 	LIST_INIT(&srv->clients);
 	LIST_INIT(&srv->groups);
 	LIST_INIT(&srv->xstash);
+	LIST_INIT(&srv->xzombies);
 	if (choose_backend(srv))
 		return -1;
 	srv->pool = epd_pool_new(cfg->worker_threads);
@@ -283,6 +284,7 @@ void epd_server_stop(struct epd_server *srv)
 	/* Pending ops fail with ESHUTDOWN; every rank is told. */
 	epd_groups_shutdown(srv);
 	epd_cluster_stop(srv);
+	epd_xwin_flush(srv);
 	struct list_node *it, *tmp;
 	LIST_FOREACH(it, tmp, &srv->clients)
 	{

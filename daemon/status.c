@@ -58,6 +58,10 @@ static json_t *group_json(struct epd_group *g)
 		json_object_set_new(o, "spans", spans);
 	else
 		json_decref(spans);
+	/* across nodes: how rows reach this node's ranks */
+	if (o && g->nnodes > 1)
+		json_object_set_new(o, "rows_in",
+				    json_string(g->xw ? "rdma-write" : "frames"));
 	json_t *cu = epd_cuda_group_status(g);
 	if (o && cu)
 		json_object_set_new(o, "cuda", cu);

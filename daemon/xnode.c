@@ -19,14 +19,28 @@
  * Collectives are numbered per group on every node alike (op ids); a
  * node that is ahead may send combine rows early, which are staged.
  *
- * The tcp transport copies received rows on the loop thread; an rdma
- * transport would write them in place.
+ * The tcp transport copies received rows on the loop thread. With the rdma
+ * transport a dispatch's rows are written in place instead: each node
+ * registers its local ranks' inputs and receive buffers when the group
+ * forms and sends the receive buffers' addresses and keys to the group's
+ * other nodes (XWIN, with a window id of its own); a job then queues one
+ * RDMA WRITE per (row, destination) on the proxy, from the source rank's
+ * input straight to the destination rank's slot on the other node, and a
+ * last zero-byte write with immediate (window id, op) per node it wrote
+ * to. The queue pair places that one after the rows, so its arrival
+ * counts every row from that node (the receiver knows how many from its
+ * own routing); its local completion says the inputs are read. Combine
+ * rows, and rows to a node whose windows are not known, go as frames.
  */
 #include "epd.h"
+#include "proxy.h"
+#include "rdma.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #define FRAME_MAX (512u << 10) /* row records per XROWS frame */
 
@@ -180,6 +194,12 @@ struct epd_xop {
 	uint16_t **staging; /* combine: [W], remote destinations */
 	size_t *staging_cap;
 	struct outbuf *out; /* [nnodes] */
+	/* rdma writes: the connection of each node written to (held), and
+	 * per node: an immediate sent (job), its completion (loop), its
+	 * rows placed here (loop), and how many rows come from it */
+	struct epd_rconn **wrc;
+	uint8_t *wimm, *wsent, *wdone;
+	uint64_t *rows_from;
 	uv_work_t req;
 	int rc;
 	char err[EPP_ERRMSG_MAX];
@@ -204,6 +224,14 @@ static void xop_free(struct epd_xop *x)
 	if (x->out)
 		for (uint32_t n = 0; n < x->g->nnodes; n++)
 			xbuf_put(srv, x->out[n].p, x->out[n].cap);
+	for (uint32_t n = 0; x->wrc && n < x->g->nnodes; n++)
+		if (x->wrc[n])
+			epd_rdma_release(x->wrc[n]);
+	free(x->wrc);
+	free(x->wimm);
+	free(x->wsent);
+	free(x->wdone);
+	free(x->rows_from);
 	if (x->own_route)
 		ek_route_free(x->route);
 	free(x->tokens);
@@ -258,8 +286,14 @@ static struct epd_xop *xop_get(struct epd_group *g, uint64_t id,
 	x->staging_cap = calloc(W, sizeof(*x->staging_cap));
 	x->have = calloc(W, 1);
 	x->out = calloc(g->nnodes, sizeof(*x->out));
+	x->wrc = calloc(g->nnodes, sizeof(*x->wrc));
+	x->wimm = calloc(g->nnodes, 1);
+	x->wsent = calloc(g->nnodes, 1);
+	x->wdone = calloc(g->nnodes, 1);
+	x->rows_from = calloc(g->nnodes, sizeof(*x->rows_from));
 	if (!x->tokens || !x->flags || !x->topk || !x->weights ||
-	    !x->staging || !x->staging_cap || !x->have || !x->out) {
+	    !x->staging || !x->staging_cap || !x->have || !x->out ||
+	    !x->wrc || !x->wimm || !x->wsent || !x->wdone || !x->rows_from) {
 		xop_free(x);
 		return NULL;
 	}
@@ -380,6 +414,362 @@ static struct ek_rank_io *make_io(struct epd_xop *x)
 	return io;
 }
 
+/* The rdma windows of a group. Set up on the loop thread when the group
+ * forms; a peer's entry once, from its XWIN; read by jobs only for nodes
+ * they were given a connection for (set before the job was queued). */
+struct xpeer {
+	bool have;
+	uint16_t wid;
+	uint64_t *addr, *len; /* [rpn]: receive buffers (RECV_X on) */
+	uint32_t *rkey;
+};
+
+struct epd_xwin {
+	uint16_t wid; /* this node's id of the group, in immediates */
+	uint32_t rpn, nnodes;
+	struct epd_rmr **src, **dst; /* [rpn]: inputs, receive buffers */
+	struct xpeer *peer;          /* [nnodes] */
+};
+
+/* Freed groups' windows, registered until peers' writes are surely over. */
+#define XWIN_GRACE_MS 2000
+struct xzombie {
+	struct list_node node;
+	struct epd_server *srv;
+	struct epd_xwin *xw;
+	uint8_t *map;
+	uint64_t size;
+	int fd;
+	uv_timer_t timer;
+};
+
+static void xwin_release(struct epd_xwin *xw)
+{
+	if (!xw)
+		return;
+	for (uint32_t l = 0; l < xw->rpn; l++) {
+		if (xw->src)
+			epd_rdma_dereg(xw->src[l]);
+		if (xw->dst)
+			epd_rdma_dereg(xw->dst[l]);
+	}
+	for (uint32_t n = 0; xw->peer && n < xw->nnodes; n++) {
+		free(xw->peer[n].addr);
+		free(xw->peer[n].len);
+		free(xw->peer[n].rkey);
+	}
+	free(xw->src);
+	free(xw->dst);
+	free(xw->peer);
+	free(xw);
+}
+
+/* A local rank's inputs (x, scales: the writes' sources) and receive
+ * buffers (rows, scales: the peers' writes' targets), as byte ranges. */
+static void xwin_range(struct epd_group *g, uint32_t l, bool dst, uint8_t **p,
+		       size_t *len)
+{
+	int a = dst ? EPP_BUF_RECV_X : EPP_BUF_X;
+	int b = dst ? EPP_BUF_RECV_TOPK_IDX : EPP_BUF_TOPK_IDX;
+	*p = epd_region(g, l, a);
+	*len = (size_t)(g->layout.off[b] - g->layout.off[a]);
+}
+
+static bool wid_used(struct epd_server *srv, uint16_t wid)
+{
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &srv->groups)
+	{
+		struct epd_group *g = LIST_ENTRY(it, struct epd_group, node);
+		if (g->xw && g->xw->wid == wid)
+			return true;
+	}
+	LIST_FOREACH(it, tmp, &srv->xzombies)
+	{
+		if (LIST_ENTRY(it, struct xzombie, node)->xw->wid == wid)
+			return true;
+	}
+	return false;
+}
+
+static struct epd_group *group_by_wid(struct epd_server *srv, uint16_t wid)
+{
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &srv->groups)
+	{
+		struct epd_group *g = LIST_ENTRY(it, struct epd_group, node);
+		if (g->xw && g->xw->wid == wid)
+			return g;
+	}
+	return NULL;
+}
+
+/* rdma transport: register the group's windows and tell the other nodes
+ * where their rows go. Without them (no rdma, a refusal) rows go as
+ * frames; nothing else changes. */
+static void xwin_setup(struct epd_group *g)
+{
+	struct epd_server *srv = g->srv;
+	struct epd_rdma *rd = epd_cluster_rdma(srv);
+	const uint32_t rpn = g->shape.ranks_per_node;
+	char why[160] = "";
+	if (!rd || g->xw)
+		return;
+	struct epd_xwin *xw = calloc(1, sizeof(*xw));
+	if (!xw)
+		return;
+	xw->rpn = rpn;
+	xw->nnodes = g->nnodes;
+	xw->src = calloc(rpn, sizeof(*xw->src));
+	xw->dst = calloc(rpn, sizeof(*xw->dst));
+	xw->peer = calloc(g->nnodes, sizeof(*xw->peer));
+	bool ok = xw->src && xw->dst && xw->peer;
+	for (uint32_t n = 0; ok && n < g->nnodes; n++) {
+		xw->peer[n].addr = calloc(rpn, 8);
+		xw->peer[n].len = calloc(rpn, 8);
+		xw->peer[n].rkey = calloc(rpn, 4);
+		ok = xw->peer[n].addr && xw->peer[n].len && xw->peer[n].rkey;
+	}
+	if (!ok)
+		snprintf(why, sizeof(why), "out of memory");
+	for (uint32_t l = 0; ok && l < rpn; l++) {
+		uint8_t *p;
+		size_t len;
+		xwin_range(g, l, false, &p, &len);
+		xw->src[l] = epd_rdma_reg(rd, p, len, false, why, sizeof(why));
+		xwin_range(g, l, true, &p, &len);
+		if (xw->src[l])
+			xw->dst[l] = epd_rdma_reg(rd, p, len, true, why,
+						  sizeof(why));
+		ok = xw->src[l] && xw->dst[l];
+	}
+	if (!ok) {
+		epd_warn("group %s: rows go as frames, not RDMA writes: %s",
+			 g->shape.name, why);
+		xwin_release(xw);
+		return;
+	}
+	do
+		xw->wid = ++srv->next_wid;
+	while (!xw->wid || wid_used(srv, xw->wid));
+	g->xw = xw;
+	size_t cap = 128 + (size_t)rpn * 20;
+	uint8_t *buf = malloc(cap);
+	if (!buf)
+		return; /* the peers write nothing here: frames */
+	struct epp_wr w;
+	epp_wr_init(&w, buf, cap);
+	epp_put_str(&w, g->shape.name);
+	epp_put_u64(&w, 0);
+	epp_put_u16(&w, xw->wid);
+	epp_put_u32(&w, rpn);
+	for (uint32_t l = 0; l < rpn; l++) {
+		uint8_t *p;
+		size_t len;
+		xwin_range(g, l, true, &p, &len);
+		epp_put_u64(&w, (uint64_t)(uintptr_t)p);
+		epp_put_u32(&w, epd_rmr_rkey(xw->dst[l]));
+		epp_put_u64(&w, (uint64_t)len);
+	}
+	for (uint32_t n = 0; n < g->nnodes; n++)
+		if (n != g->node_index && epd_cluster_rconn(srv, n))
+			epd_cluster_send(g, n, EPP_PEER_XWIN, buf, w.off, NULL,
+					 0, NULL);
+	free(buf);
+	epd_info("group %s: %u local ranks' buffers registered for RDMA "
+		 "writes (window %u)",
+		 g->shape.name, rpn, xw->wid);
+}
+
+/* Node from's windows for group g. */
+static void xwin_frame(struct epd_group *g, uint32_t from, struct epp_rd *r)
+{
+	struct epd_xwin *xw = g->xw;
+	const uint32_t rpn = g->shape.ranks_per_node;
+	uint16_t wid = epp_get_u16(r);
+	uint32_t n = epp_get_u32(r);
+	if (r->err || n != rpn || from == g->node_index) {
+		epd_group_fail(g, EP_EPROTO, "node %u sent malformed windows",
+			       from);
+		return;
+	}
+	if (!xw)
+		return; /* this node writes no rows: frames */
+	struct xpeer *pe = &xw->peer[from];
+	if (pe->have) {
+		epd_group_fail(g, EP_EPROTO, "node %u sent its windows twice",
+			       from);
+		return;
+	}
+	/* what a row write may reach: every slot's row and scales */
+	const uint64_t need = g->layout.off[EPP_BUF_RECV_SCALES] -
+			      g->layout.off[EPP_BUF_RECV_X] +
+			      g->layout.max_recv * g->layout.nscales * 4;
+	for (uint32_t l = 0; l < rpn; l++) {
+		pe->addr[l] = epp_get_u64(r);
+		pe->rkey[l] = epp_get_u32(r);
+		pe->len[l] = epp_get_u64(r);
+		if (!r->err && pe->len[l] < need) {
+			epd_group_fail(g, EP_EPROTO,
+				       "node %u offered a window of %llu "
+				       "bytes for local rank %u; rows need "
+				       "%llu",
+				       from, (unsigned long long)pe->len[l], l,
+				       (unsigned long long)need);
+			return;
+		}
+	}
+	if (epp_rd_end(r)) {
+		epd_group_fail(g, EP_EPROTO, "node %u sent malformed windows",
+			       from);
+		return;
+	}
+	pe->wid = wid;
+	pe->have = true;
+}
+
+static void zombie_closed(uv_handle_t *h)
+{
+	struct xzombie *z = h->data;
+	xwin_release(z->xw);
+	if (z->map)
+		munmap(z->map, z->size);
+	if (z->fd >= 0)
+		close(z->fd);
+	free(z);
+}
+
+static void zombie_due(uv_timer_t *t)
+{
+	struct xzombie *z = t->data;
+	list_del(&z->node);
+	uv_close((uv_handle_t *)&z->timer, zombie_closed);
+}
+
+void epd_xwin_free(struct epd_group *g)
+{
+	struct epd_xwin *xw = g->xw;
+	struct epd_server *srv = g->srv;
+	g->xw = NULL;
+	if (!xw)
+		return;
+	struct xzombie *z = srv->stopping ? NULL : calloc(1, sizeof(*z));
+	if (!z) { /* at shutdown the connections are going too */
+		xwin_release(xw);
+		return;
+	}
+	/* the mapping goes with the regions: a peer's write in flight
+	 * lands in memory that is still there and still registered */
+	z->srv = srv;
+	z->xw = xw;
+	z->map = g->map;
+	z->size = g->buf_size;
+	z->fd = g->buf_fd;
+	g->map = NULL;
+	g->buf_fd = -1;
+	uv_timer_init(srv->loop, &z->timer);
+	z->timer.data = z;
+	list_add_tail(&srv->xzombies, &z->node);
+	uv_timer_start(&z->timer, zombie_due, XWIN_GRACE_MS, 0);
+}
+
+void epd_xwin_flush(struct epd_server *srv)
+{
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &srv->xzombies)
+	{
+		struct xzombie *z = LIST_ENTRY(it, struct xzombie, node);
+		uv_timer_stop(&z->timer);
+		zombie_due(&z->timer);
+	}
+}
+
+/* The op of g whose number ends in low (at most EPD_XOPS are open). */
+static struct epd_xop *xop_by_low(struct epd_group *g, uint16_t low)
+{
+	for (int i = 0; i < EPD_XOPS; i++)
+		if (g->xop[i] && (uint16_t)g->xop[i]->id == low)
+			return g->xop[i];
+	return NULL;
+}
+
+static void xop_check(struct epd_group *g);
+
+void epd_xop_imm(struct epd_server *srv, uint32_t from, uint32_t imm)
+{
+	struct epd_group *g = group_by_wid(srv, (uint16_t)(imm >> 16));
+	if (!g || g->state != EPD_G_READY || from >= g->nnodes)
+		return; /* failed or gone here: its ops are over */
+	struct epd_xop *x = xop_by_low(g, (uint16_t)imm);
+	if (!x || x->type != EPP_DISPATCH || !x->started || x->wdone[from]) {
+		epd_group_fail(g, EP_EPROTO,
+			       "node %u signalled written rows for op %u, "
+			       "which this node does not expect",
+			       from, imm & 0xffffu);
+		return;
+	}
+	x->wdone[from] = 1;
+	xop_check(g);
+}
+
+void epd_xop_written(struct epd_server *srv, uint32_t to, uint64_t cookie)
+{
+	struct epd_group *g = group_by_wid(srv, (uint16_t)(cookie >> 16));
+	if (!g || to >= g->nnodes)
+		return;
+	struct epd_xop *x = xop_by_low(g, (uint16_t)cookie);
+	if (!x || !x->wrc[to])
+		return;
+	x->wsent[to] = 1;
+	xop_check(g);
+}
+
+/* On the job's thread: row t of local source s to slot `slot` of rank d
+ * on another node, by RDMA WRITE (and its scales). */
+static int write_row(struct epd_xop *x, struct epd_rdma *rd, uint32_t s,
+		     uint32_t t, uint32_t d, uint32_t slot)
+{
+	struct epd_group *g = x->g;
+	const uint32_t rpn = g->shape.ranks_per_node, n = d / rpn;
+	const uint32_t ls = lidx(g, s), ld = lidx(g, d);
+	const size_t xb = (size_t)g->shape.hidden * g->layout.elt;
+	const size_t sb = (size_t)g->layout.nscales * 4;
+	const struct xpeer *pe = &g->xw->peer[n];
+	struct epd_cmd c = {
+		.conn = x->wrc[n],
+		.laddr = (uintptr_t)(epd_region(g, ls, EPP_BUF_X) + t * xb),
+		.lkey = epd_rmr_lkey(g->xw->src[ls]),
+		.raddr = pe->addr[ld] + (uint64_t)slot * xb,
+		.rkey = pe->rkey[ld],
+		.len = (uint32_t)xb};
+	if (!epd_rdma_write(rd, &c))
+		return -1;
+	if (!sb)
+		return 0;
+	c.laddr = (uintptr_t)(epd_region(g, ls, EPP_BUF_X_SCALES) + t * sb);
+	c.raddr = pe->addr[ld] + g->layout.off[EPP_BUF_RECV_SCALES] -
+		  g->layout.off[EPP_BUF_RECV_X] + (uint64_t)slot * sb;
+	c.len = (uint32_t)sb;
+	return epd_rdma_write(rd, &c) ? 0 : -1;
+}
+
+/* After the rows: per node written to, a zero-byte write with immediate
+ * (its window id, the op) that arrives after them. */
+static int write_imm(struct epd_xop *x, struct epd_rdma *rd, uint32_t n)
+{
+	struct epd_group *g = x->g;
+	const struct xpeer *pe = &g->xw->peer[n];
+	struct epd_cmd c = {.conn = x->wrc[n],
+			    .raddr = pe->addr[0],
+			    .rkey = pe->rkey[0],
+			    .imm = (uint32_t)pe->wid << 16 | (uint16_t)x->id,
+			    .cookie = (uint64_t)g->xw->wid << 16 |
+				      (uint16_t)x->id,
+			    .flags = EPD_CMD_IMM};
+	x->wimm[n] = 1;
+	return epd_rdma_write(rd, &c) ? 0 : -1;
+}
+
 /* On a work thread. */
 static void xjob_run(uv_work_t *req)
 {
@@ -440,8 +830,18 @@ static void xjob_run(uv_work_t *req)
 			for (uint32_t l = 0; l < rpn; l++)
 				ek_recv_per_expert(&sh, r, io,
 						   g->node_index * rpn + l);
-		/* local sources' rows for other nodes' destinations */
+		/* local sources' rows for other nodes' destinations: by
+		 * RDMA WRITE where the node's windows are known, else
+		 * packed for frames */
 		const size_t xb = (size_t)g->shape.hidden * g->layout.elt;
+		struct epd_rdma *rd = epd_cluster_rdma(g->srv);
+		uint64_t *wrote = calloc(g->nnodes, sizeof(*wrote));
+		if (!wrote) {
+			x->rc = EP_ENOMEM;
+			snprintf(x->err, sizeof(x->err), "out of memory");
+			free(io);
+			return;
+		}
 		for (uint32_t l = 0; l < rpn; l++) {
 			uint32_t s = g->node_index * rpn + l;
 			for (uint32_t t = 0; t < x->tokens[s]; t++)
@@ -450,6 +850,14 @@ static void xjob_run(uv_work_t *req)
 								  d];
 					if (slot < 0 || is_local(g, d))
 						continue;
+					if (x->wrc[d / rpn]) {
+						if (write_row(x, rd, s, t, d,
+							      (uint32_t)slot))
+							goto lost;
+						wrote[d / rpn]++;
+						x->bytes += 2 * rb;
+						continue;
+					}
 					out_record(&x->out[d / rpn], d,
 						   (uint32_t)slot,
 						   (uint8_t *)io[s].x + t * xb,
@@ -461,12 +869,27 @@ static void xjob_run(uv_work_t *req)
 					x->bytes += 2 * rb;
 				}
 		}
+		for (uint32_t n = 0; n < g->nnodes; n++)
+			if (wrote[n] && write_imm(x, rd, n))
+				goto lost;
+		free(wrote);
+		wrote = NULL;
 		/* rows from other nodes' sources for this node's ranks */
 		for (uint32_t s = 0; s < W; s++)
-			for (uint32_t l = 0; !is_local(g, s) && l < rpn; l++)
-				x->rows_expected +=
-					r->count[(size_t)s * W +
-						 g->node_index * rpn + l];
+			for (uint32_t l = 0; !is_local(g, s) && l < rpn; l++) {
+				uint64_t k = r->count[(size_t)s * W +
+						      g->node_index * rpn + l];
+				x->rows_expected += k;
+				x->rows_from[s / rpn] += k;
+			}
+		if (0) {
+		lost:
+			/* the proxy refused: the daemon is stopping */
+			free(wrote);
+			x->rc = EP_ESHUTDOWN;
+			snprintf(x->err, sizeof(x->err),
+				 "the RDMA proxy stopped");
+		}
 	} else {
 		/* rows of this node's destinations whose home is elsewhere,
 		 * and the rows this node's homes expect from elsewhere */
@@ -543,18 +966,28 @@ static void xop_check(struct epd_group *g)
 	struct epd_xop *x = xop_cur(g);
 	if (!x || !x->job_done)
 		return;
-	if (x->rows_got > x->rows_expected) {
+	/* rows by frames, and every row of the nodes whose writes are
+	 * placed */
+	uint64_t got = x->rows_got;
+	for (uint32_t n = 0; n < g->nnodes; n++)
+		if (x->wdone[n])
+			got += x->rows_from[n];
+	if (got > x->rows_expected) {
 		/* rows that came while the job counted what to expect */
 		epd_group_fail(g, EP_EPROTO,
 			       "op %llu received %llu rows from other nodes, "
 			       "%llu expected",
 			       (unsigned long long)x->id,
-			       (unsigned long long)x->rows_got,
+			       (unsigned long long)got,
 			       (unsigned long long)x->rows_expected);
 		return;
 	}
-	if (x->rows_got < x->rows_expected)
+	if (got < x->rows_expected)
 		return;
+	/* our writes still read the local ranks' inputs */
+	for (uint32_t n = 0; n < g->nnodes; n++)
+		if (x->wimm[n] && !x->wsent[n])
+			return;
 	if (x->type == EPP_COMBINE && !x->stage2) {
 		x->stage2 = true;
 		x->job_done = false;
@@ -608,6 +1041,18 @@ static void xjob_done(uv_work_t *req, int status)
 static void xop_submit(struct epd_xop *x)
 {
 	struct epd_group *g = x->g;
+	/* the nodes this dispatch's rows are written to (held until the op
+	 * is freed: the proxy may take the writes after the job is over) */
+	for (uint32_t n = 0; g->xw && x->type == EPP_DISPATCH && !x->stage2 &&
+			     n < g->nnodes;
+	     n++) {
+		struct epd_rconn *rc = epd_cluster_rconn(g->srv, n);
+		if (n == g->node_index || x->wrc[n] || !rc ||
+		    !g->xw->peer[n].have)
+			continue;
+		epd_rdma_hold(rc);
+		x->wrc[n] = rc;
+	}
 	/* the packs for other nodes, from the pool, as large as last time
 	 * (the job grows them if needed) */
 	for (uint32_t n = 0; !x->stage2 && n < g->nnodes; n++) {
@@ -800,6 +1245,7 @@ void epd_xop_announce(struct epd_group *g)
 		if (n != g->node_index)
 			epd_cluster_send(g, n, EPP_PEER_GSHAPE, buf, w.off,
 					 NULL, 0, NULL);
+	xwin_setup(g);
 }
 
 static void check_shape(struct epd_group *g, uint32_t from,
@@ -856,6 +1302,10 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 	const uint32_t rpn = g->shape.ranks_per_node, K = g->shape.topk;
 	if (type == EPP_PEER_GSHAPE) {
 		check_shape(g, from, p + r.off, len - (uint32_t)r.off);
+		return;
+	}
+	if (type == EPP_PEER_XWIN) {
+		xwin_frame(g, from, &r);
 		return;
 	}
 	if (type == EPP_PEER_XMETA) {

@@ -56,7 +56,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 5
+#define EPP_VERSION_MINOR 6
 #define EPP_HDR_SIZE 24
 #define EPP_MAX_PAYLOAD (1u << 20)
 #define EPP_MAX_FDS 4
@@ -85,6 +85,11 @@ enum epp_type {
 	EPP_PEER_GSHAPE = 39,    /* str group, u64 op (0), then the group's
 				    world, rpn, experts, hidden, max tokens,
 				    top-k, dtype, timeout (u32 each) */
+	EPP_PEER_XWIN = 40,      /* str group, u64 op (0), u16 window id,
+				    u32 rpn, rpn x (u64 addr, u32 rkey,
+				    u64 bytes): where the sender's local ranks
+				    receive rows by RDMA WRITE (protocol 1.6,
+				    rdma transport) */
 	EPP_OK = 64,     /* D->C: reply; payload depends on the request */
 	EPP_ERROR = 65,  /* D->C: i32 code, str message */
 	EPP_NOTICE = 66, /* D->C: unsolicited; i32 code, str message */

@@ -419,6 +419,11 @@ static int xrank(int r, void *arg)
 		/* while the group lives, its node keeps the row buffers */
 		char *js;
 		TH_OK(ep_daemon_status(conn, &js));
+		/* tcp: rows come as frames (rdma: "rdma-write") */
+		TH_CHECK(strstr(js, "\"rows_in\":\"frames\"") ||
+				 strstr(js, "\"rows_in\": \"frames\""),
+			 "the group's status does not say its rows come as "
+			 "frames: %.300s", js);
 		json_t *root = json_loads(js, 0, NULL);
 		free(js);
 		json_int_t kept = json_integer_value(json_object_get(
