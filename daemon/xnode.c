@@ -715,8 +715,8 @@ void epd_xop_imm(struct epd_server *srv, uint32_t from, uint32_t imm)
 void epd_xop_written(struct epd_server *srv, uint32_t to, uint64_t cookie)
 {
 	struct epd_group *g = group_by_wid(srv, (uint16_t)(cookie >> 16));
-	if (!g || to >= g->nnodes)
-		return;
+	if (!g || g->state != EPD_G_READY || to >= g->nnodes)
+		return; /* failed here: its ops are dropped */
 	struct epd_xop *x = xop_by_low(g, (uint16_t)cookie);
 	if (!x || !x->wrc[to])
 		return;
