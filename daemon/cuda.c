@@ -1089,11 +1089,22 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 	}
 	*what = "dispatch";
 	r = D->cuMemsetD32Async(c->err, 0xffffffffu, 3, c->stream);
+	bool split = true;
 	if (!r && fresh && use_prep(g, d)) {
 		void *params[] = {&a};
 		r = D->cuLaunchCooperativeKernel(d->prep, c->nblk_max, W, 1, 256,
 						 1, 1, 0, c->stream, params);
-	} else if (!r) {
+		split = r == CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE;
+		if (split) {
+			/* fewer SMs than the device has (an MPS limit):
+			 * three launches from now on */
+			epd_warn("dispatch prep: the cooperative grid does not "
+				 "fit; using three launches");
+			d->occ_prep = 0;
+			r = 0;
+		}
+	}
+	if (!r && split) {
 		if (fresh)
 			r = launch(c, d->count, c->nblk_max, W, 256, &a);
 		if (!r)
