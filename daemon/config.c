@@ -3,6 +3,7 @@
 #include "epd.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <ini.h>
 #include <pwd.h>
 #include <stdio.h>
@@ -75,10 +76,31 @@ static int parse_allow(struct epd_config *c, const char *v)
 	return 0;
 }
 
+/* The yes/no options (default yes), each kept as its "off" flag: the
+ * flag of key in c, or NULL. */
+static bool *yes_no_flag(struct epd_config *c, const char *key)
+{
+	static const struct {
+		const char *key;
+		size_t off;
+	} opts[] = {
+		{"cuda_tma", offsetof(struct epd_config, cuda_no_tma)},
+		{"cuda_fused_prep",
+		 offsetof(struct epd_config, cuda_no_fused_prep)},
+		{"cuda_resident_barrier",
+		 offsetof(struct epd_config, cuda_no_resident)},
+		{"host_barrier", offsetof(struct epd_config, no_host_barrier)}};
+	for (size_t i = 0; i < sizeof(opts) / sizeof(opts[0]); i++)
+		if (!strcmp(key, opts[i].key))
+			return (bool *)((char *)c + opts[i].off);
+	return NULL;
+}
+
 /* Returns 0, or -1 for an unknown key, -2 for a bad value. */
 static int set_key(struct epd_config *c, const char *key, const char *v)
 {
 	uint32_t u;
+	bool *off;
 	if (!strcmp(key, "socket")) {
 		if (!*v || strlen(v) >= sizeof(c->socket_path))
 			return -2;
@@ -117,26 +139,11 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 		else if (parse_u32(v, 0, 1024, 10, &u))
 			return -2;
 		c->cuda_copy_sms = u;
-	} else if (!strcmp(key, "cuda_tma")) {
+	} else if ((off = yes_no_flag(c, key)) != NULL) {
 		bool b;
 		if (parse_bool(v, &b))
 			return -2;
-		c->cuda_no_tma = !b;
-	} else if (!strcmp(key, "cuda_fused_prep")) {
-		bool b;
-		if (parse_bool(v, &b))
-			return -2;
-		c->cuda_no_fused_prep = !b;
-	} else if (!strcmp(key, "cuda_resident_barrier")) {
-		bool b;
-		if (parse_bool(v, &b))
-			return -2;
-		c->cuda_no_resident = !b;
-	} else if (!strcmp(key, "host_barrier")) {
-		bool b;
-		if (parse_bool(v, &b))
-			return -2;
-		c->no_host_barrier = !b;
+		*off = !b;
 	} else if (!strcmp(key, "node_name")) {
 		if (!*v || strlen(v) >= sizeof(c->node_name))
 			return -2;

@@ -88,7 +88,7 @@ struct cudev {
 	CUcontext ctx; /* primary context, retained on first use */
 	CUmodule mod;
 	CUfunction barrier, fastbar, count, scan, slot, prep, copy, copy_tma,
-		per_expert, combine;
+		combine;
 	int smem_optin; /* dynamic shared memory a block may opt into */
 	size_t gran;
 	int occ_copy, occ_combine, occ_prep; /* resident blocks per SM */
@@ -224,7 +224,6 @@ static int use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen)
 			   {&d->prep, "ekc_prep"},
 			   {&d->copy, "ekc_copy"},
 			   {&d->copy_tma, "ekc_copy_tma"},
-			   {&d->per_expert, "ekc_per_expert"},
 			   {&d->combine, "ekc_combine"}};
 		for (size_t f = 0; !r && f < sizeof(fns) / sizeof(fns[0]); f++)
 			r = D->cuModuleGetFunction(fns[f].f, d->mod,

@@ -7,6 +7,7 @@
  * completed words) and release (the done words), in that order.
  */
 #include "hostbar.h"
+#include "spin.h"
 
 #include <errno.h>
 #include <linux/futex.h>
@@ -39,22 +40,6 @@ struct epd_hostbar {
 	uint64_t last;
 	struct ek_bar_state st;
 };
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static inline void relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-	__builtin_ia32_pause();
-#elif defined(__aarch64__)
-	__asm__ volatile("yield" ::: "memory");
-#endif
-}
 
 static uint32_t *word(uint8_t *map, uint32_t l, uint32_t off)
 {
@@ -91,8 +76,8 @@ static bool stopping(const struct epd_hostbar *h)
  * than limit_ns (the clock is read every 64 polls); otherwise one pause. */
 static bool spun_out(uint64_t t0, unsigned *spins, uint64_t limit_ns)
 {
-	if ((++*spins & 63) || now_ns() - t0 < limit_ns) {
-		relax();
+	if ((++*spins & 63) || epd_now_ns() - t0 < limit_ns) {
+		epd_cpu_relax();
 		return false;
 	}
 	return true;
@@ -159,7 +144,7 @@ static void *run(void *arg)
 	/* short naps really short: the default slack is 50 us */
 	prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
 	pthread_setname_np(pthread_self(), "epd-hostbar");
-	uint64_t t0 = now_ns();
+	uint64_t t0 = epd_now_ns();
 	unsigned spins = 0;
 	while (!stopping(h)) {
 		uint32_t last = (uint32_t)h->last;
@@ -169,7 +154,7 @@ static void *run(void *arg)
 				backoff(t0, &spins);
 			} else if (spun_out(t0, &spins, IDLE_SPIN_NS)) {
 				idle_sleep(h);
-				t0 = now_ns();
+				t0 = epd_now_ns();
 				spins = 0;
 			}
 			continue;
@@ -177,18 +162,18 @@ static void *run(void *arg)
 		/* the number the first rank rang: every rank must ring it */
 		uint32_t k = ld(word(h->map, (uint32_t)__builtin_ctzll(rung),
 				     EPP_HB_BELL));
-		uint64_t start = now_ns(), notyet;
+		uint64_t start = epd_now_ns(), notyet;
 		spins = 0;
 		while ((notyet = bells(h, k, false))) {
 			if (stopping(h))
 				goto out;
-			if (now_ns() - start > h->budget_ns) {
+			if (epd_now_ns() - start > h->budget_ns) {
 				fail(h, EK_BAR_TIMEOUT, k, notyet);
 				return NULL;
 			}
 			backoff(start, &spins);
 		}
-		const uint64_t arrived = now_ns();
+		const uint64_t arrived = epd_now_ns();
 		uint64_t bad = 0;
 		for (uint32_t l = 0; l < h->rpn; l++)
 			if (ld(word(h->map, l, EPP_HB_BELL)) != k)
@@ -207,12 +192,12 @@ static void *run(void *arg)
 		for (uint32_t l = 0; l < h->rpn; l++)
 			raise_to(word(h->map, l, EPP_HB_DONE), k);
 		__atomic_store_n(&h->st.busy_ns,
-				 h->st.busy_ns + (now_ns() - arrived),
+				 h->st.busy_ns + (epd_now_ns() - arrived),
 				 __ATOMIC_RELAXED);
 		__atomic_store_n(&h->st.last, h->last, __ATOMIC_RELEASE);
 		__atomic_store_n(&h->st.count, h->st.count + 1,
 				 __ATOMIC_RELEASE);
-		t0 = now_ns();
+		t0 = epd_now_ns();
 		spins = 0;
 	}
 out:

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* The data path's proxy thread and its command ring (see proxy.h). */
 #include "proxy.h"
+#include "spin.h"
 
 #include <errno.h>
 #include <linux/futex.h>
@@ -12,7 +13,6 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/syscall.h>
-#include <time.h>
 #include <unistd.h>
 
 #define BATCH 64         /* commands per call of the poster at most */
@@ -35,20 +35,6 @@ struct epd_proxy {
 	pthread_t thread;
 	struct slot *ring;
 };
-
-static uint64_t now_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-static void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-	__builtin_ia32_pause();
-#endif
-}
 
 static void wake(struct epd_proxy *p)
 {
@@ -93,11 +79,11 @@ static void *run(void *arg)
 		 * reserved either (a reserved slot is being written) */
 		if (atomic_load(&p->stopping) && atomic_load(&p->head) == tail)
 			break;
-		uint64_t t = now_ns();
+		uint64_t t = epd_now_ns();
 		if (!idle_since)
 			idle_since = t;
 		if (t - idle_since < SPIN_NS || atomic_load(&p->head) != tail) {
-			cpu_relax();
+			epd_cpu_relax();
 			continue;
 		}
 		atomic_store(&p->sleeping, 1);
@@ -159,7 +145,7 @@ uint64_t epd_proxy_push(struct epd_proxy *p, const struct epd_cmd *c)
 			return 0;
 		wake(p);
 		if (++spins < 64)
-			cpu_relax();
+			epd_cpu_relax();
 		else
 			sched_yield();
 	}

@@ -766,8 +766,48 @@ static int write_imm(struct epd_xop *x, struct epd_rdma *rd, uint32_t n)
 			    .cookie = (uint64_t)g->xw->wid << 16 |
 				      (uint16_t)x->id,
 			    .flags = EPD_CMD_IMM};
-	x->wimm[n] = 1;
 	return epd_rdma_write(rd, &c) ? 0 : -1;
+}
+
+/* On the job's thread: a dispatch's rows from local sources to other
+ * nodes' destinations, written where the node's windows are known (then
+ * an immediate to each node written to: x->wimm), else packed for frames.
+ * -1 if the proxy refused (the daemon is stopping). */
+static int rows_out(struct epd_xop *x, const struct ek_rank_io *io,
+		    const struct ek_route *r)
+{
+	struct epd_group *g = x->g;
+	const uint32_t W = x->W, rpn = g->shape.ranks_per_node;
+	const size_t xb = (size_t)g->shape.hidden * g->layout.elt;
+	const size_t rb = row_bytes(g, x->type);
+	struct epd_rdma *rd = epd_cluster_rdma(g->srv);
+	for (uint32_t s = g->node_index * rpn; s < (g->node_index + 1) * rpn;
+	     s++)
+		for (uint32_t t = 0; t < x->tokens[s]; t++)
+			for (uint32_t d = 0; d < W; d++) {
+				int32_t slot = r->slot[s][(size_t)t * W + d];
+				const uint32_t n = d / rpn;
+				if (slot < 0 || is_local(g, d))
+					continue;
+				x->bytes += 2 * rb;
+				if (!x->wrc[n]) {
+					out_record(&x->out[n], d, (uint32_t)slot,
+						   (uint8_t *)io[s].x + t * xb,
+						   xb,
+						   io[s].x_scales +
+							   (size_t)t *
+								   g->layout.nscales,
+						   (size_t)g->layout.nscales * 4);
+					continue;
+				}
+				if (write_row(x, rd, s, t, d, (uint32_t)slot))
+					return -1;
+				x->wimm[n] = 1;
+			}
+	for (uint32_t n = 0; n < g->nnodes; n++)
+		if (x->wimm[n] && write_imm(x, rd, n))
+			return -1;
+	return 0;
 }
 
 /* On a work thread. */
@@ -830,50 +870,11 @@ static void xjob_run(uv_work_t *req)
 			for (uint32_t l = 0; l < rpn; l++)
 				ek_recv_per_expert(&sh, r, io,
 						   g->node_index * rpn + l);
-		/* local sources' rows for other nodes' destinations: by
-		 * RDMA WRITE where the node's windows are known, else
-		 * packed for frames */
-		const size_t xb = (size_t)g->shape.hidden * g->layout.elt;
-		struct epd_rdma *rd = epd_cluster_rdma(g->srv);
-		uint64_t *wrote = calloc(g->nnodes, sizeof(*wrote));
-		if (!wrote) {
-			x->rc = EP_ENOMEM;
-			snprintf(x->err, sizeof(x->err), "out of memory");
-			free(io);
-			return;
+		if (rows_out(x, io, r)) {
+			x->rc = EP_ESHUTDOWN;
+			snprintf(x->err, sizeof(x->err),
+				 "the RDMA proxy stopped");
 		}
-		for (uint32_t l = 0; l < rpn; l++) {
-			uint32_t s = g->node_index * rpn + l;
-			for (uint32_t t = 0; t < x->tokens[s]; t++)
-				for (uint32_t d = 0; d < W; d++) {
-					int32_t slot = r->slot[s][(size_t)t * W +
-								  d];
-					if (slot < 0 || is_local(g, d))
-						continue;
-					if (x->wrc[d / rpn]) {
-						if (write_row(x, rd, s, t, d,
-							      (uint32_t)slot))
-							goto lost;
-						wrote[d / rpn]++;
-						x->bytes += 2 * rb;
-						continue;
-					}
-					out_record(&x->out[d / rpn], d,
-						   (uint32_t)slot,
-						   (uint8_t *)io[s].x + t * xb,
-						   xb,
-						   io[s].x_scales +
-							   (size_t)t *
-								   g->layout.nscales,
-						   (size_t)g->layout.nscales * 4);
-					x->bytes += 2 * rb;
-				}
-		}
-		for (uint32_t n = 0; n < g->nnodes; n++)
-			if (wrote[n] && write_imm(x, rd, n))
-				goto lost;
-		free(wrote);
-		wrote = NULL;
 		/* rows from other nodes' sources for this node's ranks */
 		for (uint32_t s = 0; s < W; s++)
 			for (uint32_t l = 0; !is_local(g, s) && l < rpn; l++) {
@@ -882,14 +883,6 @@ static void xjob_run(uv_work_t *req)
 				x->rows_expected += k;
 				x->rows_from[s / rpn] += k;
 			}
-		if (0) {
-		lost:
-			/* the proxy refused: the daemon is stopping */
-			free(wrote);
-			x->rc = EP_ESHUTDOWN;
-			snprintf(x->err, sizeof(x->err),
-				 "the RDMA proxy stopped");
-		}
 	} else {
 		/* rows of this node's destinations whose home is elsewhere,
 		 * and the rows this node's homes expect from elsewhere */

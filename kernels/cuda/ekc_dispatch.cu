@@ -9,8 +9,10 @@
 //   ekc_scan        block bases per (source, block, destination), receive
 //                   counts, per-expert counters cleared
 //   ekc_slot        slot[s][t][d]: the row of (s, t) on d, or -1
-//   ekc_copy        rows, scales, local top-k, weights, sources (warp/token)
-//   ekc_per_expert  received rows per local expert
+//   ekc_prep        count, scan and slot in one cooperative launch
+//   ekc_copy        rows, scales, local top-k, weights, sources (warp/token),
+//                   received rows per local expert; ekc_copy_tma: the same
+//                   through the bulk-copy engine
 //   ekc_combine     warp per home token, 16-byte vectors
 #include <stdint.h>
 
@@ -627,40 +629,6 @@ extern "C" __global__ void __launch_bounds__(TMA_WARPS * 32)
 	asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 	if (lane == 0)
 		tr_end(a, EKC_TR_COPY);
-}
-
-// Received rows per local expert, a row once per distinct expert: a
-// histogram per block in shared memory, then one atomic per counter.
-#define PE_MAX 4096
-extern "C" __global__ void ekc_per_expert(struct ekc_disp_args a)
-{
-	__shared__ int32_t hist[PE_MAX];
-	if (has_error(a))
-		return;
-	const uint32_t d = blockIdx.y, K = a.K, per = a.E / a.W;
-	const uint32_t R = a.recv[d];
-	for (uint32_t j = threadIdx.x; j < per; j += blockDim.x)
-		hist[j] = 0;
-	__syncthreads();
-	const int64_t *ri = (const int64_t *)field(a, d, EKC_F_RECV_TOPK);
-	for (uint32_t r = blockIdx.x * blockDim.x + threadIdx.x; r < R;
-	     r += gridDim.x * blockDim.x) {
-		const int64_t *row = ri + (uint64_t)r * K;
-		for (uint32_t k = 0; k < K; k++) {
-			if (row[k] < 0)
-				continue;
-			bool dup = false;
-			for (uint32_t j = 0; j < k; j++)
-				dup |= row[j] == row[k];
-			if (!dup)
-				atomicAdd(&hist[row[k]], 1);
-		}
-	}
-	__syncthreads();
-	int32_t *pe = (int32_t *)field(a, d, EKC_F_RECV_PE);
-	for (uint32_t j = threadIdx.x; j < per; j += blockDim.x)
-		if (hist[j])
-			atomicAdd(&pe[j], hist[j]); // a count: order-free
 }
 
 __device__ static inline float bf16_f32(uint32_t bits16)

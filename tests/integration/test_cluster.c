@@ -860,6 +860,59 @@ static void check_bad_member(void)
 	wait_all_up();
 }
 
+/* An authenticated peer's malformed windows (XWIN: a count of local ranks
+ * that is not the group's) fail that group with EP_EPROTO naming the node;
+ * the daemon serves on and the peer stays a member. */
+static int xwin_rank(int rank, void *arg)
+{
+	struct late *s = arg;
+	ep_conn_t *c;
+	ep_group_t *g = join(s, rank, &c, 20000);
+	__atomic_fetch_add(&s->entered, 1, __ATOMIC_SEQ_CST);
+	s->codes[rank] = ep_barrier(g); /* nodes 1 and 2 never come */
+	snprintf(s->msgs[rank], sizeof(s->msgs[rank]), "%s", ep_errmsg());
+	ep_leave(g);
+	ep_close(c);
+	return 0;
+}
+
+static void check_bad_windows(void)
+{
+	th_daemon_stop(&D[2]);
+	wait_row(0, "SUD");
+	int fd = fake_n2();
+	wait_row(0, "SUU");
+	struct late *s = late_new(3, 2, "xwin");
+	pid_t pids[2];
+	th_spawn(pids, 2, xwin_rank, s);
+	for (int t = 0; s->entered < 2; t++) {
+		TH_CHECK(t < 5000, "the ranks never joined");
+		th_sleep_ms(2);
+	}
+	uint8_t b[128];
+	struct epp_wr w;
+	epp_wr_init(&w, b, sizeof(b));
+	epp_put_str(&w, "xwin");
+	epp_put_u64(&w, 0);
+	epp_put_u16(&w, 1); /* a window id */
+	epp_put_u32(&w, 3); /* local ranks: the group has 2 per node */
+	send_peer(fd, EPP_PEER_XWIN, b, w.off);
+	TH_CHECK(th_wait_all(pids, 2, 30) == 0, "a rank failed or hung");
+	for (int r = 0; r < 2; r++) {
+		TH_EXPECT_RC(s->codes[r], EP_EPROTO);
+		TH_CHECK(strstr(s->msgs[r], "node 2 sent malformed windows"),
+			 "message: %s", s->msgs[r]);
+	}
+	wait_row(0, "SUU"); /* the peer is still a member */
+	printf("ok: an authenticated peer's malformed windows -> the group "
+	       "fails: %s; node 0 serving\n",
+	       s->msgs[0]);
+	close(fd);
+	wait_row(0, "SUD");
+	start_node(2, keyfile, false);
+	wait_all_up();
+}
+
 /* Joins that cannot fit the cluster: refused with the reason. */
 static void check_bad_joins(void)
 {
@@ -1041,6 +1094,7 @@ int main(void)
 	check_wrong_key();
 	check_bad_peers();
 	check_bad_member();
+	check_bad_windows();
 	check_late(2, 2);
 	for (int i = 0; i < NODES; i++)
 		th_daemon_stop(&D[i]);
