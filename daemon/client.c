@@ -20,7 +20,7 @@ static void client_io(uv_poll_t *h, int status, int events);
 
 static void client_update_poll(struct epd_client *c)
 {
-	if (c->closing)
+	if (c->closing || c->doomed)
 		return;
 	int ev = UV_READABLE | UV_DISCONNECT;
 	if (!LIST_EMPTY(&c->outq))
@@ -71,7 +71,7 @@ int epd_client_send(struct epd_client *c, uint16_t type, uint16_t flags,
 		    uint64_t req_id, const void *payload, uint32_t len,
 		    const int *fds, unsigned nfds)
 {
-	if (c->closing) {
+	if (c->closing || c->doomed) {
 		for (unsigned i = 0; i < nfds; i++)
 			close(fds[i]);
 		return EP_ECONNRESET;
@@ -97,13 +97,17 @@ int epd_client_send(struct epd_client *c, uint16_t type, uint16_t flags,
 		o->fds[i] = fds[i];
 	list_add_tail(&c->outq, &o->node);
 	c->outq_bytes += o->len;
+	/* A send never tears anything down itself: its caller may be in the
+	 * middle of a group's state change (failing a group replies to every
+	 * rank, and several may be dead at once). The close runs from the
+	 * loop once the caller returned. */
 	if (c->outq_bytes > OUTQ_MAX) {
-		epd_client_close(c, "output queue over limit (client not "
-				    "reading)");
+		epd_client_doom(c, "output queue over limit (client not "
+				   "reading)");
 		return EP_ECONNRESET;
 	}
 	if (client_flush(c)) {
-		epd_client_close(c, "send failed");
+		epd_client_doom(c, "send failed");
 		return EP_ECONNRESET;
 	}
 	client_update_poll(c);
@@ -136,6 +140,40 @@ static void handle_closed(uv_handle_t *h)
 	}
 }
 
+static void reaper_cb(uv_idle_t *h)
+{
+	struct epd_server *srv = h->data;
+	uv_idle_stop(h);
+	struct list_node *it, *tmp;
+	/* a close may doom others (their replies fail): repeat until none */
+	bool again = true;
+	while (again) {
+		again = false;
+		LIST_FOREACH(it, tmp, &srv->clients)
+		{
+			struct epd_client *c =
+				LIST_ENTRY(it, struct epd_client, node);
+			if (c->doomed && !c->closing) {
+				epd_client_close(c, c->doom_why);
+				again = true;
+				break;
+			}
+		}
+	}
+}
+
+void epd_client_doom(struct epd_client *c, const char *why)
+{
+	if (c->closing || c->doomed)
+		return;
+	c->doomed = true;
+	snprintf(c->doom_why, sizeof(c->doom_why), "%s", why);
+	uv_poll_stop(&c->poll);
+	struct epd_server *srv = c->srv;
+	if (!uv_is_closing((uv_handle_t *)&srv->reaper))
+		uv_idle_start(&srv->reaper, reaper_cb);
+}
+
 void epd_client_close(struct epd_client *c, const char *why)
 {
 	if (c->closing)
@@ -145,12 +183,16 @@ void epd_client_close(struct epd_client *c, const char *why)
 	/* Try once more to deliver what is queued (an error reply). */
 	client_flush(c);
 	c->closing = true;
-	struct list_node *it, *tmp;
-	LIST_FOREACH(it, tmp, &c->members)
-	{
-		struct epd_member *m = LIST_ENTRY(it, struct epd_member, cnode);
+	uv_poll_stop(&c->poll);
+	/* Removing a member may fail its group and reply to other ranks;
+	 * those replies never close anything synchronously (doom), so this
+	 * list is ours alone while we walk it. */
+	while (!LIST_EMPTY(&c->members)) {
+		struct epd_member *m = LIST_ENTRY(c->members.next,
+						  struct epd_member, cnode);
 		epd_member_remove(m, why);
 	}
+	struct list_node *it, *tmp;
 	LIST_FOREACH(it, tmp, &c->outq)
 	{
 		struct epd_out *o = LIST_ENTRY(it, struct epd_out, node);
@@ -158,7 +200,6 @@ void epd_client_close(struct epd_client *c, const char *why)
 		out_free(o);
 	}
 	list_del(&c->node);
-	uv_poll_stop(&c->poll);
 	c->pending_handles = 2;
 	uv_close((uv_handle_t *)&c->poll, handle_closed);
 	uv_close((uv_handle_t *)&c->frame_timer, handle_closed);
@@ -384,7 +425,7 @@ static void frame_timeout(uv_timer_t *t)
 static void client_parse(struct epd_client *c)
 {
 	size_t off = 0;
-	while (!c->closing && c->rlen - off >= EPP_HDR_SIZE) {
+	while (!c->closing && !c->doomed && c->rlen - off >= EPP_HDR_SIZE) {
 		struct epp_hdr h;
 		char err[256];
 		int rc = epp_hdr_decode(c->rbuf + off, &h, err, sizeof(err));
@@ -415,7 +456,7 @@ static void client_parse(struct epd_client *c)
 		handle_frame(c, &h, c->rbuf + off + EPP_HDR_SIZE);
 		off += need;
 	}
-	if (c->closing)
+	if (c->closing || c->doomed)
 		return;
 	memmove(c->rbuf, c->rbuf + off, c->rlen - off);
 	c->rlen -= off;
@@ -471,7 +512,7 @@ static void client_read(struct epd_client *c)
 		}
 		c->rlen += (size_t)n;
 		client_parse(c);
-		if (c->closing)
+		if (c->closing || c->doomed)
 			return;
 	}
 }
@@ -479,6 +520,8 @@ static void client_read(struct epd_client *c)
 static void client_io(uv_poll_t *h, int status, int events)
 {
 	struct epd_client *c = h->data;
+	if (c->doomed)
+		return;
 	if (status < 0) {
 		epd_client_close(c, uv_strerror(status));
 		return;

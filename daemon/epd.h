@@ -100,6 +100,8 @@ struct epd_client {
 	size_t outq_bytes;
 	bool close_after_flush;
 	bool closing;
+	bool doomed; /* to be closed by the reaper (see epd_client_doom) */
+	char doom_why[96];
 	int pending_handles; /* handles whose close callback is outstanding */
 	struct list_node members; /* struct epd_member.cnode */
 };
@@ -176,6 +178,7 @@ struct epd_group {
 	bool coll_cached;
 	bool busy;         /* a job runs on the data-path threads */
 	bool free_pending; /* destroyed while busy: the job frees it */
+	bool destroyed;    /* off the server's list, its timer closing */
 
 	/* Routings of the last EPD_MAX_HANDLES dispatches, by seq. */
 	struct ek_route *routes[EPD_MAX_HANDLES];
@@ -222,6 +225,7 @@ struct epd_server {
 	bool socket_activated;
 	bool unlink_socket;
 	uv_signal_t sig_term, sig_int, sig_hup;
+	uv_idle_t reaper; /* closes doomed clients (client.c) */
 	struct list_node clients;
 	struct list_node groups;
 	uint64_t next_client_id, next_group_id;
@@ -262,6 +266,10 @@ int epd_client_send(struct epd_client *c, uint16_t type, uint16_t flags,
 void epd_client_error(struct epd_client *c, uint64_t req_id, int code,
 		      const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 void epd_client_close(struct epd_client *c, const char *why);
+/* Close c from the loop's next turn, not now: for paths that may run inside
+ * another object's state change (a reply that fails while a group fails).
+ * Idempotent; nothing more is sent to or read from c. */
+void epd_client_doom(struct epd_client *c, const char *why);
 
 /* group.c */
 int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,

@@ -70,8 +70,13 @@ static void group_timer_closed(uv_handle_t *h)
 		epd_group_free(g);
 }
 
+/* The one end of a group: idempotent (the last member's removal and a
+ * failed join may both get here). */
 static void group_destroy(struct epd_group *g)
 {
+	if (g->destroyed)
+		return;
+	g->destroyed = true;
 	epd_info("group %s (id %lu) destroyed", g->shape.name,
 		 (unsigned long)g->id);
 	list_del(&g->node);
@@ -130,16 +135,20 @@ void epd_group_fail(struct epd_group *g, int code, const char *fmt, ...)
 {
 	va_list ap;
 	bool remote = g->failing_remote;
+	bool was_failed = g->state == EPD_G_FAILED;
 	g->failing_remote = false;
 	va_start(ap, fmt);
 	vsnprintf(g->last_error, sizeof(g->last_error), fmt, ap);
 	va_end(ap);
-	/* The group's other nodes learn it at once, not at their timeout
-	 * (a failure that came from another node is not sent back). */
-	if (g->nnodes > 1 && !remote && g->state != EPD_G_FAILED)
-		epd_cluster_group_failed(g, code, g->last_error);
+	/* Failed before anything below runs: a lower layer that reports a
+	 * failure of its own while we notify it (a peer connection that dies
+	 * on this send) finds the group failed already. */
 	g->state = EPD_G_FAILED;
 	g->fail_code = code;
+	/* The group's other nodes learn it at once, not at their timeout
+	 * (a failure that came from another node is not sent back). */
+	if (g->nnodes > 1 && !remote && !was_failed)
+		epd_cluster_group_failed(g, code, g->last_error);
 	g->coll_type = 0;
 	g->coll_arrived = 0;
 	/* A rank leaving is how jobs end: not worth a warning. */

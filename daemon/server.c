@@ -7,6 +7,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -205,6 +206,10 @@ int epd_server_init(struct epd_server *srv, uv_loop_t *loop,
 		    const struct epd_config *cfg, const char *config_path)
 {
 	memset(srv, 0, sizeof(*srv));
+	/* A peer or client that resets its connection must cost us an EPIPE
+	 * on that connection, never the process: libuv's stream writes and
+	 * the rdma/tcp transports use plain write(2). */
+	signal(SIGPIPE, SIG_IGN);
 	srv->loop = loop;
 	srv->cfg = *cfg;
 	snprintf(srv->config_path, sizeof(srv->config_path), "%s",
@@ -236,6 +241,8 @@ int epd_server_init(struct epd_server *srv, uv_loop_t *loop,
 		epd_pool_free(srv->pool);
 		return -1;
 	}
+	uv_idle_init(loop, &srv->reaper);
+	srv->reaper.data = srv;
 	uv_poll_init(loop, &srv->listen_poll, srv->listen_fd);
 	srv->listen_poll.data = srv;
 	uv_poll_start(&srv->listen_poll, UV_READABLE, on_listen);
@@ -296,6 +303,7 @@ void epd_server_stop(struct epd_server *srv)
 		epd_client_send(c, EPP_NOTICE, 0, 0, buf, (uint32_t)n, NULL, 0);
 		epd_client_close(c, "daemon shutting down");
 	}
+	uv_close((uv_handle_t *)&srv->reaper, NULL);
 	uv_close((uv_handle_t *)&srv->sig_term, NULL);
 	uv_close((uv_handle_t *)&srv->sig_int, NULL);
 	uv_close((uv_handle_t *)&srv->sig_hup, NULL);
