@@ -37,6 +37,7 @@ struct job {
 	bool own_route; /* a fresh dispatch's new routing */
 	struct item *items;
 	uint32_t nitems;
+	int64_t **topk; /* [rpn] private copies of the ranks' topk_idx */
 	int *rank_rc; /* [rpn] validation results */
 	char (*rank_err)[256];
 	int rc;
@@ -96,6 +97,10 @@ static void job_free(struct job *j)
 	free(j->io);
 	free(j->num_tokens);
 	free(j->items);
+	if (j->topk)
+		for (uint32_t l = 0; l < j->shape.world; l++)
+			free(j->topk[l]);
+	free(j->topk);
 	free(j->rank_rc);
 	free(j->rank_err);
 	free(j);
@@ -121,10 +126,23 @@ static int make_items(struct job *j, uint32_t rpn)
 	return 0;
 }
 
+/* The rank may write topk_idx while we work (DESIGN: rank-writable memory
+ * is hostile): it is read once, into memory of ours, and that copy is
+ * validated, routed from and turned into recv_topk_idx. */
 static void do_validate(void *arg, uint32_t l)
 {
 	struct job *j = arg;
-	j->rank_rc[l] = ek_validate_topk(&j->shape, j->io[l].topk_idx,
+	size_t n = (size_t)j->num_tokens[l] * j->shape.topk;
+	j->topk[l] = malloc(n * sizeof(int64_t) + 8);
+	if (!j->topk[l]) {
+		j->rank_rc[l] = EP_ENOMEM;
+		snprintf(j->rank_err[l], sizeof(j->rank_err[l]),
+			 "out of memory");
+		return;
+	}
+	memcpy(j->topk[l], j->io[l].topk_idx, n * sizeof(int64_t));
+	j->io[l].topk_idx = j->topk[l];
+	j->rank_rc[l] = ek_validate_topk(&j->shape, j->topk[l],
 					 j->num_tokens[l], j->rank_err[l],
 					 sizeof(j->rank_err[l]));
 }
@@ -305,9 +323,11 @@ static void job_submit(struct epd_group *g)
 				     .nscales = g->layout.nscales};
 	j->io = calloc(rpn, sizeof(*j->io));
 	j->num_tokens = calloc(rpn, sizeof(*j->num_tokens));
+	j->topk = calloc(rpn, sizeof(*j->topk));
 	j->rank_rc = calloc(rpn, sizeof(*j->rank_rc));
 	j->rank_err = calloc(rpn, sizeof(*j->rank_err));
-	if (!j->io || !j->num_tokens || !j->rank_rc || !j->rank_err)
+	if (!j->io || !j->num_tokens || !j->topk || !j->rank_rc ||
+	    !j->rank_err)
 		goto err;
 	for (uint32_t l = 0; l < rpn; l++) {
 		struct epd_member *m = g->local[l];

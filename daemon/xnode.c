@@ -210,7 +210,7 @@ static void xop_free(struct epd_xop *x)
 {
 	if (!x)
 		return;
-	/* local sources' topk stay in their buffers (NULL here) */
+	/* topk: private copies, local sources' included */
 	struct epd_server *srv = x->g->srv;
 	for (uint32_t s = 0; s < x->W; s++) {
 		if (x->topk)
@@ -386,7 +386,9 @@ static struct ek_rank_io *make_io(struct epd_xop *x)
 		uint32_t l = lidx(g, s);
 		o->x = epd_region(g, l, EPP_BUF_X);
 		o->x_scales = (float *)epd_region(g, l, EPP_BUF_X_SCALES);
-		o->topk_idx = (int64_t *)epd_region(g, l, EPP_BUF_TOPK_IDX);
+		/* the private copy made when the op started (none for a
+		 * cached dispatch or a combine, which do not read it) */
+		o->topk_idx = x->topk[s];
 		o->topk_weights =
 			x->flags[s] & EPP_DISPATCH_WEIGHTS &&
 					x->type == EPP_DISPATCH
@@ -1131,8 +1133,12 @@ void epd_xop_start(struct epd_group *g)
 		const void *tk = epd_region(g, l, EPP_BUF_TOPK_IDX);
 		const void *wt = epd_region(g, l, EPP_BUF_TOPK_WEIGHTS);
 		bool wts = !x->cached && (x->flags[s] & EPP_DISPATCH_WEIGHTS);
-		/* topk then weights: contiguous in one frame */
-		uint8_t *body = malloc(nt * 12 + 1);
+		/* topk then weights: contiguous in one frame. The rank can
+		 * write its buffer while we read it: this one copy is what
+		 * the other nodes get and what this node validates and
+		 * routes from (x->topk[s], as for a remote source), so every
+		 * node works on the same bytes and none reads them twice. */
+		uint8_t *body = malloc(nt * 12 + 8);
 		if (!body) {
 			epd_group_fail(g, EP_ENOMEM, "out of memory");
 			return;
@@ -1145,7 +1151,9 @@ void epd_xop_start(struct epd_group *g)
 				epd_cluster_send(g, n, EPP_PEER_XMETA, head,
 						 w.off, body,
 						 nt * (wts ? 12 : 8), NULL);
-		free(body);
+		free(x->topk[s]);
+		x->topk[s] = (int64_t *)body; /* weights stay in the region:
+						 data, not indices */
 	}
 	if (x->meta_have == x->meta_need)
 		xop_submit(x);
