@@ -22,7 +22,7 @@ int epd_buf_create(struct epd_group *g)
 	snprintf(name, sizeof(name), "epd:%s", g->shape.name);
 	int fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
 	if (fd < 0) {
-		rc = -errno;
+		rc = errno == EMFILE || errno == ENFILE ? EP_ELIMIT : -errno;
 		epd_err("memfd_create for group %s: %m", g->shape.name);
 		return rc;
 	}

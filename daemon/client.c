@@ -15,6 +15,7 @@
 
 #define OUTQ_MAX (16u << 20) /* a client that reads nothing is dropped */
 #define RBUF_MIN 4096
+#define RBUF_KEEP (64u << 10) /* more than this is shrunk after a frame */
 
 static void client_io(uv_poll_t *h, int status, int events);
 
@@ -375,7 +376,7 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 					 "status takes no payload");
 			break;
 		}
-		char *js = epd_status_json(c->srv);
+		char *js = epd_status_json(c->srv, c->uid);
 		if (!js) {
 			epd_client_error(c, h->req_id, EP_ENOMEM,
 					 "cannot build status");
@@ -440,19 +441,10 @@ static void client_parse(struct epd_client *c)
 			return;
 		}
 		size_t need = EPP_HDR_SIZE + h.length;
-		if (c->rlen - off < need) {
-			if (need > c->rcap) {
-				uint8_t *nb = realloc(c->rbuf, need);
-				if (!nb) {
-					client_fatal(c, h.req_id, EP_ENOMEM,
-						     "out of memory");
-					return;
-				}
-				c->rbuf = nb;
-				c->rcap = need;
-			}
+		/* (the buffer grows as bytes arrive, not when a header
+		 * announces a large frame: a header costs no memory) */
+		if (c->rlen - off < need)
 			break;
-		}
 		handle_frame(c, &h, c->rbuf + off + EPP_HDR_SIZE);
 		off += need;
 	}
@@ -460,11 +452,21 @@ static void client_parse(struct epd_client *c)
 		return;
 	memmove(c->rbuf, c->rbuf + off, c->rlen - off);
 	c->rlen -= off;
-	if (c->rlen)
+	/* A large frame's buffer is given back once it was handled. */
+	if (c->rcap > RBUF_KEEP && c->rlen <= RBUF_MIN) {
+		uint8_t *nb = realloc(c->rbuf, RBUF_MIN);
+		if (nb) {
+			c->rbuf = nb;
+			c->rcap = RBUF_MIN;
+		}
+	}
+	/* One deadline for a whole frame from its first byte: a frame fed a
+	 * byte at a time does not get a new one with every byte. */
+	if (!c->rlen)
+		uv_timer_stop(&c->frame_timer);
+	else if (off || !uv_is_active((uv_handle_t *)&c->frame_timer))
 		uv_timer_start(&c->frame_timer, frame_timeout,
 			       c->srv->cfg.frame_timeout_ms, 0);
-	else
-		uv_timer_stop(&c->frame_timer);
 }
 
 static void client_read(struct epd_client *c)
@@ -537,7 +539,7 @@ static void client_io(uv_poll_t *h, int status, int events)
 	client_update_poll(c);
 }
 
-static bool uid_allowed(const struct epd_config *cfg, uid_t uid)
+bool epd_uid_allowed(const struct epd_config *cfg, uid_t uid)
 {
 	if (cfg->nallow == 0 || uid == 0 || uid == geteuid())
 		return true;
@@ -581,7 +583,7 @@ void epd_client_accept(struct epd_server *srv, int fd)
 		epd_client_close(c, "out of memory");
 		return;
 	}
-	if (!uid_allowed(&srv->cfg, cred.uid)) {
+	if (!epd_uid_allowed(&srv->cfg, cred.uid)) {
 		srv->n_rejected++;
 		epd_warn("rejecting pid %d: uid %u is not in allow_users",
 			 (int)cred.pid, (unsigned)cred.uid);
@@ -589,6 +591,35 @@ void epd_client_accept(struct epd_server *srv, int fd)
 				 "uid %u is not allowed to use this daemon",
 				 (unsigned)cred.uid);
 		epd_client_close(c, "uid not allowed");
+		return;
+	}
+	const struct epd_limits *lim = &srv->cfg.limits;
+	uint32_t n = 0, mine = 0;
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &srv->clients)
+	{
+		struct epd_client *o = LIST_ENTRY(it, struct epd_client, node);
+		if (o == c || o->closing || o->doomed)
+			continue;
+		n++;
+		mine += o->uid == c->uid;
+	}
+	const char *lname = NULL;
+	if (lim->conns && n >= lim->conns)
+		lname = "max_connections";
+	else if (c->uid != 0 && lim->conns_per_uid && mine >= lim->conns_per_uid)
+		lname = "max_connections_per_user";
+	if (lname) {
+		srv->n_limited++;
+		epd_log_limited(srv, "refusing pid %d (uid %u): %s reached",
+				(int)cred.pid, (unsigned)cred.uid, lname);
+		epd_client_error(c, 0, EP_ELIMIT,
+				 "%s (%u) reached for uid %u", lname,
+				 !strcmp(lname, "max_connections")
+					 ? lim->conns
+					 : lim->conns_per_uid,
+				 (unsigned)cred.uid);
+		epd_client_close(c, lname);
 		return;
 	}
 	srv->n_accepted++;

@@ -78,7 +78,7 @@ struct cnode {
 };
 
 struct early {
-	char name[EP_GROUP_NAME_MAX + 1];
+	char name[EPD_GKEY_MAX + 1];
 	uint32_t node, l;
 	uint64_t seq;
 };
@@ -406,7 +406,7 @@ static void on_auth(struct pconn *c, const uint8_t *p, uint32_t len)
 static void on_barrier(struct pconn *c, const uint8_t *p, uint32_t len)
 {
 	struct epp_rd r;
-	char name[EP_GROUP_NAME_MAX + 1];
+	char name[EPD_GKEY_MAX + 1];
 	epp_rd_init(&r, p, len);
 	epp_get_str(&r, name, sizeof(name));
 	uint32_t l = epp_get_u32(&r);
@@ -449,7 +449,7 @@ static void conn_frame(struct pconn *c, const struct epp_hdr *h,
 			return reject(c, "%s before authentication",
 				      epp_type_name(h->type));
 		struct epp_rd r;
-		char name[EP_GROUP_NAME_MAX + 1], msg[EPP_ERRMSG_MAX];
+		char name[EPD_GKEY_MAX + 1], msg[EPP_ERRMSG_MAX];
 		epp_rd_init(&r, p, h->length);
 		epp_get_str(&r, name, sizeof(name));
 		int code = (int)epp_get_u32(&r);
@@ -1033,7 +1033,7 @@ int epd_cluster_send_arrival(struct epd_group *g, uint32_t l, uint64_t seq)
 	uint8_t buf[128];
 	struct epp_wr w;
 	epp_wr_init(&w, buf, sizeof(buf));
-	epp_put_str(&w, g->shape.name);
+	epp_put_str(&w, g->key);
 	epp_put_u32(&w, l);
 	epp_put_u64(&w, seq);
 	for (uint32_t n = 0; n < g->nnodes; n++) {
@@ -1084,7 +1084,7 @@ void epd_cluster_unstash(struct epd_group *g)
 		return;
 	for (int i = 0; i < cl->nearly;) {
 		struct early *e = &cl->early[i];
-		if (strcmp(e->name, g->shape.name)) {
+		if (strcmp(e->name, g->key)) {
 			i++;
 			continue;
 		}
@@ -1170,7 +1170,7 @@ void epd_cluster_group_failed(struct epd_group *g, int code, const char *msg)
 	if (!cl)
 		return;
 	epp_wr_init(&w, buf, sizeof(buf));
-	epp_put_str(&w, g->shape.name);
+	epp_put_str(&w, g->key);
 	epp_put_u32(&w, (uint32_t)code);
 	epp_put_str(&w, msg);
 	/* How far this node got: the barriers it completed (every local rank

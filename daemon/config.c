@@ -27,6 +27,30 @@ void epd_config_defaults(struct epd_config *c)
 	snprintf(c->transport, sizeof(c->transport), "auto");
 	c->heartbeat_ms = 500;
 	c->heartbeat_miss = 4;
+	c->limits = (struct epd_limits){.conns_per_uid = 256,
+					.groups_per_uid = 64,
+					.bytes_per_uid = 1ull << 40,
+					.conns = 4096,
+					.groups = 1024,
+					.bytes = 4ull << 40};
+}
+
+static int parse_u64(const char *v, uint64_t *out)
+{
+	char *end;
+	errno = 0;
+	unsigned long long x = strtoull(v, &end, 10);
+	uint64_t mul = 1;
+	switch (*end) {
+	case 'K': case 'k': mul = 1ull << 10; end++; break;
+	case 'M': case 'm': mul = 1ull << 20; end++; break;
+	case 'G': case 'g': mul = 1ull << 30; end++; break;
+	case 'T': case 't': mul = 1ull << 40; end++; break;
+	}
+	if (errno || end == v || *end || x > UINT64_MAX / mul)
+		return -1;
+	*out = x * mul;
+	return 0;
 }
 
 /* yes/true/on or no/false/off. */
@@ -129,6 +153,10 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 	} else if (!strcmp(key, "allow_users")) {
 		if (parse_allow(c, v))
 			return -2;
+	} else if (!strcmp(key, "shared_groups")) {
+		if (strlen(v) >= sizeof(c->shared_groups))
+			return -2;
+		snprintf(c->shared_groups, sizeof(c->shared_groups), "%s", v);
 	} else if (!strcmp(key, "cuda_sms")) {
 		if (parse_u32(v, 0, 1024, 10, &u))
 			return -2;
@@ -169,6 +197,24 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 		if (parse_u32(v, 2, 100, 10, &u))
 			return -2;
 		c->heartbeat_miss = u;
+	} else if (!strcmp(key, "max_connections_per_user")) {
+		if (parse_u32(v, 0, 1u << 20, 10, &c->limits.conns_per_uid))
+			return -2;
+	} else if (!strcmp(key, "max_groups_per_user")) {
+		if (parse_u32(v, 0, 1u << 20, 10, &c->limits.groups_per_uid))
+			return -2;
+	} else if (!strcmp(key, "max_bytes_per_user")) {
+		if (parse_u64(v, &c->limits.bytes_per_uid))
+			return -2;
+	} else if (!strcmp(key, "max_connections")) {
+		if (parse_u32(v, 0, 1u << 20, 10, &c->limits.conns))
+			return -2;
+	} else if (!strcmp(key, "max_groups")) {
+		if (parse_u32(v, 0, 1u << 20, 10, &c->limits.groups))
+			return -2;
+	} else if (!strcmp(key, "max_bytes")) {
+		if (parse_u64(v, &c->limits.bytes))
+			return -2;
 	} else if (!strcmp(key, "worker_threads")) {
 		if (parse_u32(v, 0, 256, 10, &u))
 			return -2;

@@ -24,6 +24,10 @@
 #define EPD_DEFAULT_SOCKET "/run/epd/epd.sock"
 #define EPD_DEFAULT_CONFIG "/etc/epd/epd.conf"
 #define EPD_MAX_ALLOW 32
+/* A group's key: its name in its owner's namespace ("name~uid"), or the
+ * bare name for root's groups and shared ones; the key is what the nodes
+ * of a group agree on. */
+#define EPD_GKEY_MAX (EP_GROUP_NAME_MAX + 12)
 #define EPD_MAX_HANDLES 32 /* dispatch routings a group keeps */
 /* pending_req of a GPU rank whose stream-ordered op of a group across
  * nodes runs through the host path: the result goes to cuda.c, not to a
@@ -42,6 +46,9 @@ struct epd_config {
 	uint32_t frame_timeout_ms; /* a partial frame older than this: error */
 	unsigned nallow;           /* 0: anyone who can open the socket */
 	uid_t allow_uids[EPD_MAX_ALLOW];
+	/* Group-name prefixes whose groups any admitted user may join ("*":
+	 * every group); other groups belong to the uid that created them. */
+	char shared_groups[512];
 	unsigned worker_threads;   /* data-path threads; 0: one per core */
 	unsigned cuda_sms;         /* SMs for dispatch/combine; 0: all */
 	unsigned cuda_copy_sms;    /* SMs for the bulk-copy row copy; 0: as
@@ -56,6 +63,15 @@ struct epd_config {
 	char cluster_key_file[256];
 	char transport[8];         /* auto|tcp|rdma */
 	uint32_t heartbeat_ms, heartbeat_miss;
+	/* Limits (0: none): per uid and for the whole daemon; root (uid 0)
+	 * is held to the daemon-wide ones only. Bytes are group buffers
+	 * (shared memory or GPU memory) charged to the group's owner. */
+	struct epd_limits {
+		uint32_t conns_per_uid, groups_per_uid;
+		uint64_t bytes_per_uid;
+		uint32_t conns, groups;
+		uint64_t bytes;
+	} limits;
 };
 
 void epd_config_defaults(struct epd_config *c);
@@ -148,6 +164,9 @@ struct epd_group {
 	uint64_t id;
 	uint32_t epoch;
 	struct epp_join shape; /* name, world, rpn, experts, hidden, ... */
+	uid_t owner;                 /* the uid that created it */
+	bool shared;                 /* open to every admitted uid */
+	char key[EPD_GKEY_MAX + 1];  /* see EPD_GKEY_MAX */
 	uint32_t node_index, nnodes;
 	uint32_t timeout_ms;
 	enum epd_group_state state;
@@ -220,10 +239,15 @@ struct epd_server {
 	uv_loop_t *loop;
 	struct epd_config cfg;
 	char config_path[256];
+	bool config_existed; /* then a reload needs it */
+	char **overrides;    /* -o key=value, for reloads */
+	int noverrides;
 	uv_poll_t listen_poll;
 	int listen_fd;
 	bool socket_activated;
 	bool unlink_socket;
+	dev_t sock_dev; /* the socket file we bound */
+	ino_t sock_ino;
 	uv_signal_t sig_term, sig_int, sig_hup;
 	uv_idle_t reaper; /* closes doomed clients (client.c) */
 	struct list_node clients;
@@ -246,16 +270,24 @@ struct epd_server {
 	 * (peers' writes in flight), and the next window id */
 	struct list_node xzombies;
 	uint16_t next_wid;
-	uint64_t n_accepted, n_rejected, n_proto_errors;
+	uint64_t n_accepted, n_rejected, n_proto_errors, n_limited;
+	int reserve_fd; /* spent to accept-and-close when out of descriptors */
+	uint64_t emfile_logged_ns;
 };
 
 uint64_t epd_now_ns(void);
+/* A warning, at most one a second. */
+void epd_log_limited(struct epd_server *srv, const char *fmt, ...)
+	__attribute__((format(printf, 2, 3)));
 
 /* server.c */
 int epd_server_init(struct epd_server *srv, uv_loop_t *loop,
 		    const struct epd_config *cfg, const char *config_path);
 int epd_server_run(struct epd_server *srv);
 void epd_server_stop(struct epd_server *srv);
+/* The command line's key=value overrides, applied again on every reload
+ * (copied). */
+int epd_server_overrides(struct epd_server *srv, char *const *kv, int n);
 
 /* client.c */
 void epd_client_accept(struct epd_server *srv, int fd);
@@ -266,6 +298,7 @@ int epd_client_send(struct epd_client *c, uint16_t type, uint16_t flags,
 void epd_client_error(struct epd_client *c, uint64_t req_id, int code,
 		      const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 void epd_client_close(struct epd_client *c, const char *why);
+bool epd_uid_allowed(const struct epd_config *cfg, uid_t uid);
 /* Close c from the loop's next turn, not now: for paths that may run inside
  * another object's state change (a reply that fails while a group fails).
  * Idempotent; nothing more is sent to or read from c. */
@@ -279,7 +312,13 @@ int epd_group_barrier(struct epd_client *c, uint64_t req_id, uint64_t gid);
 int epd_group_async(struct epd_client *c, uint64_t req_id, uint64_t gid,
 		    const struct epd_aop *op);
 /* Shared by group.c, ops.c and xnode.c. */
-struct epd_group *epd_group_find(struct epd_server *srv, const char *name);
+/* By key (what other nodes send); a client's name becomes a key with
+ * epd_group_key. */
+struct epd_group *epd_group_find(struct epd_server *srv, const char *key);
+bool epd_group_key(const struct epd_config *cfg, uid_t uid, const char *name,
+		   char *key, size_t cap);
+/* May a client of uid see this group's details (status)? */
+bool epd_group_visible(const struct epd_group *g, uid_t uid);
 void epd_list_ranks(char *out, size_t cap, struct epd_group *g,
 		    bool (*missing)(struct epd_group *, uint32_t l, void *),
 		    void *arg);
@@ -421,6 +460,6 @@ void epd_group_remote_arrival(struct epd_server *srv, const char *name,
 			      uint32_t node, uint32_t l, uint64_t seq);
 
 /* status.c: JSON text, malloc'd. */
-char *epd_status_json(struct epd_server *srv);
+char *epd_status_json(struct epd_server *srv, uid_t viewer);
 
 #endif

@@ -22,16 +22,46 @@ const char *epd_group_state_name(enum epd_group_state s)
 	return "?";
 }
 
-struct epd_group *epd_group_find(struct epd_server *srv, const char *name)
+struct epd_group *epd_group_find(struct epd_server *srv, const char *key)
 {
 	struct list_node *it, *tmp;
 	LIST_FOREACH(it, tmp, &srv->groups)
 	{
 		struct epd_group *g = LIST_ENTRY(it, struct epd_group, node);
-		if (!strcmp(g->shape.name, name))
+		if (!strcmp(g->key, key))
 			return g;
 	}
 	return NULL;
+}
+
+/* Is name one of the shared_groups prefixes? */
+static bool name_shared(const struct epd_config *cfg, const char *name)
+{
+	char buf[sizeof(cfg->shared_groups)];
+	snprintf(buf, sizeof(buf), "%s", cfg->shared_groups);
+	for (char *save, *t = strtok_r(buf, ", ", &save); t;
+	     t = strtok_r(NULL, ", ", &save))
+		if (!strcmp(t, "*") || !strncmp(name, t, strlen(t)))
+			return true;
+	return false;
+}
+
+/* Users' groups live in their own namespace: the same name from two uids
+ * names two groups, so nobody can squat or join another user's group. */
+bool epd_group_key(const struct epd_config *cfg, uid_t uid, const char *name,
+		   char *key, size_t cap)
+{
+	bool shared = name_shared(cfg, name);
+	if (uid == 0 || shared)
+		snprintf(key, cap, "%s", name);
+	else
+		snprintf(key, cap, "%s~%u", name, (unsigned)uid);
+	return shared;
+}
+
+bool epd_group_visible(const struct epd_group *g, uid_t uid)
+{
+	return uid == 0 || uid == g->owner || g->shared;
 }
 
 struct epd_member *epd_member_find(struct epd_client *c, uint64_t gid)
@@ -278,15 +308,77 @@ static void group_timeout(uv_timer_t *t)
 		   (unsigned long)k, g->timeout_ms, miss);
 }
 
-static struct epd_group *group_create(struct epd_server *srv,
+/* May uid create one more group of `bytes`? 0, or EP_ELIMIT with why. */
+static int group_quota(struct epd_server *srv, uid_t uid, uint64_t bytes,
+		       char *err, size_t errlen)
+{
+	const struct epd_limits *lim = &srv->cfg.limits;
+	uint32_t n = 0, mine = 0;
+	uint64_t total = 0, my_bytes = 0;
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &srv->groups)
+	{
+		struct epd_group *g = LIST_ENTRY(it, struct epd_group, node);
+		n++;
+		total += g->layout.total;
+		if (g->owner == uid) {
+			mine++;
+			my_bytes += g->layout.total;
+		}
+	}
+	if (lim->groups && n >= lim->groups) {
+		snprintf(err, errlen, "the daemon serves %u groups, its limit "
+				      "(max_groups)", n);
+		return EP_ELIMIT;
+	}
+	if (lim->bytes && total + bytes > lim->bytes) {
+		snprintf(err, errlen, "a group of %llu bytes would take the "
+				      "daemon's buffers past max_bytes (%llu)",
+			 (unsigned long long)bytes,
+			 (unsigned long long)lim->bytes);
+		return EP_ELIMIT;
+	}
+	if (uid == 0)
+		return 0;
+	if (lim->groups_per_uid && mine >= lim->groups_per_uid) {
+		snprintf(err, errlen, "uid %u has %u groups, its limit "
+				      "(max_groups_per_user)", (unsigned)uid, mine);
+		return EP_ELIMIT;
+	}
+	if (lim->bytes_per_uid && my_bytes + bytes > lim->bytes_per_uid) {
+		snprintf(err, errlen, "a group of %llu bytes would take uid %u "
+				      "past max_bytes_per_user (%llu)",
+			 (unsigned long long)bytes, (unsigned)uid,
+			 (unsigned long long)lim->bytes_per_uid);
+		return EP_ELIMIT;
+	}
+	return 0;
+}
+
+static struct epd_group *group_create(struct epd_server *srv, uid_t owner,
+				      const char *key, bool shared,
 				      const struct epp_join *j, char *err,
 				      size_t errlen, int *code)
 {
+	struct epp_buf lay;
+	*code = epp_buf_layout(j, &lay);
+	if (*code) {
+		snprintf(err, errlen, "buffers of %llu bytes exceed the "
+				      "protocol's limit",
+			 (unsigned long long)lay.total);
+		return NULL;
+	}
+	*code = group_quota(srv, owner, lay.total, err, errlen);
+	if (*code)
+		return NULL;
 	struct epd_group *g = calloc(1, sizeof(*g));
 	if (!g)
 		goto err_nomem;
 	g->srv = srv;
 	g->shape = *j;
+	g->owner = owner;
+	g->shared = shared;
+	snprintf(g->key, sizeof(g->key), "%s", key);
 	g->id = ++srv->next_group_id;
 	g->epoch = srv->epoch;
 	g->nnodes = j->world_size / j->ranks_per_node;
@@ -436,7 +528,10 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 			return EP_EMISMATCH;
 		}
 	}
-	struct epd_group *g = epd_group_find(srv, j->name);
+	char key[EPD_GKEY_MAX + 1];
+	bool shared = epd_group_key(&srv->cfg, c->uid, j->name, key,
+				    sizeof(key));
+	struct epd_group *g = epd_group_find(srv, key);
 	if (g) {
 		if (g->state == EPD_G_FAILED) {
 			epd_client_error(c, req_id, EP_EFAILED,
@@ -451,8 +546,11 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 			return code;
 		}
 	} else {
-		g = group_create(srv, j, err, sizeof(err), &code);
+		g = group_create(srv, c->uid, key, shared, j, err, sizeof(err),
+				 &code);
 		if (!g) {
+			if (code == EP_ELIMIT)
+				srv->n_limited++;
 			epd_client_error(c, req_id, code, "%s", err);
 			return code;
 		}

@@ -77,11 +77,9 @@ int main(int argc, char **argv)
 	if (epd_config_load(&cfg, config ? config : EPD_DEFAULT_CONFIG,
 			    config != NULL))
 		return 1;
-	for (int i = 0; i < nover; i++) {
+	for (int i = 0; i < nover; i++)
 		if (epd_config_set(&cfg, over[i]))
 			return 2;
-		free(over[i]);
-	}
 	epd_log_level = cfg.log_level;
 	if (check) {
 		printf("configuration ok\n");
@@ -93,6 +91,10 @@ int main(int argc, char **argv)
 	if (epd_server_init(&srv, &loop, &cfg,
 			    config ? config : EPD_DEFAULT_CONFIG))
 		return 1;
+	if (epd_server_overrides(&srv, over, nover))
+		return 1;
+	for (int i = 0; i < nover; i++)
+		free(over[i]);
 	epd_server_run(&srv);
 	uv_loop_close(&loop);
 	epd_notice("stopped");

@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,6 +52,22 @@ static void notify_status(struct epd_server *srv)
 		   nc, ng);
 }
 
+/* A warning at most once a second (a flood must not flood the log). */
+void epd_log_limited(struct epd_server *srv, const char *fmt, ...)
+{
+	uint64_t now = epd_now_ns();
+	if (now - srv->emfile_logged_ns < 1000000000ull &&
+	    srv->emfile_logged_ns)
+		return;
+	srv->emfile_logged_ns = now;
+	char msg[256];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	epd_warn("%s", msg);
+}
+
 static void on_listen(uv_poll_t *h, int status, int events)
 {
 	struct epd_server *srv = h->data;
@@ -62,6 +79,31 @@ static void on_listen(uv_poll_t *h, int status, int events)
 	for (int i = 0; i < 64; i++) {
 		int fd = accept4(srv->listen_fd, NULL, NULL,
 				 SOCK_NONBLOCK | SOCK_CLOEXEC);
+		if (fd < 0 && (errno == EMFILE || errno == ENFILE)) {
+			/* Out of descriptors: the pending connection would
+			 * keep the listener readable and this loop spinning.
+			 * Spend the reserve to accept it and close it at once
+			 * (its client sees a reset), then take the reserve
+			 * back, as nginx and libuv's docs advise. */
+			int e = errno;
+			srv->n_limited++;
+			epd_log_limited(srv, "accept: %s; closing new "
+					     "connections until descriptors "
+					     "are free",
+					strerror(e));
+			if (srv->reserve_fd >= 0) {
+				close(srv->reserve_fd);
+				fd = accept4(srv->listen_fd, NULL, NULL,
+					     SOCK_CLOEXEC);
+				if (fd >= 0)
+					close(fd);
+				srv->reserve_fd =
+					open("/dev/null", O_RDONLY | O_CLOEXEC);
+			}
+			if (fd < 0)
+				break;
+			continue;
+		}
 		if (fd < 0) {
 			if (errno != EAGAIN && errno != EINTR)
 				epd_warn("accept: %m");
@@ -117,6 +159,11 @@ static int listen_socket(struct epd_server *srv)
 		return -1;
 	}
 	chmod(cfg->socket_path, cfg->socket_mode);
+	struct stat st;
+	if (stat(cfg->socket_path, &st) == 0) {
+		srv->sock_dev = st.st_dev;
+		srv->sock_ino = st.st_ino;
+	}
 	if (listen(fd, 128)) {
 		epd_err("listen %s: %m", cfg->socket_path);
 		close(fd);
@@ -128,11 +175,58 @@ static int listen_socket(struct epd_server *srv)
 	return 0;
 }
 
+/* The socket file, if it is still the one we bound: another daemon may
+ * have replaced it (after removing ours) and must keep it. */
+static void unlink_own_socket(struct epd_server *srv)
+{
+	struct stat st;
+	if (!srv->unlink_socket)
+		return;
+	if (stat(srv->cfg.socket_path, &st) == 0 &&
+	    (st.st_dev != srv->sock_dev || st.st_ino != srv->sock_ino)) {
+		epd_notice("%s is no longer our socket; leaving it",
+			   srv->cfg.socket_path);
+		return;
+	}
+	unlink(srv->cfg.socket_path);
+}
+
 static void on_stop_signal(uv_signal_t *h, int sig)
 {
 	struct epd_server *srv = h->data;
 	epd_notice("received %s, shutting down", strsignal(sig));
 	epd_server_stop(srv);
+}
+
+/* Clients whose uid a narrowed allow_users no longer admits. */
+static void close_disallowed(struct epd_server *srv)
+{
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &srv->clients)
+	{
+		struct epd_client *c = LIST_ENTRY(it, struct epd_client, node);
+		if (!epd_uid_allowed(&srv->cfg, c->uid)) {
+			epd_notice("client %lu (pid %d): uid %u is no longer in "
+				   "allow_users; closing",
+				   (unsigned long)c->id, (int)c->pid,
+				   (unsigned)c->uid);
+			epd_client_doom(c, "uid removed from allow_users");
+		}
+	}
+}
+
+/* The configuration a reload would run: the file, then the command line's
+ * overrides, as at start. 0, or -1 (logged) to keep the running one. */
+static int reload_config(struct epd_server *srv, struct epd_config *c)
+{
+	epd_config_defaults(c);
+	if (srv->config_path[0] &&
+	    epd_config_load(c, srv->config_path, srv->config_existed))
+		return -1;
+	for (int i = 0; i < srv->noverrides; i++)
+		if (epd_config_set(c, srv->overrides[i]))
+			return -1;
+	return 0;
 }
 
 static void on_hup(uv_signal_t *h, int sig)
@@ -142,9 +236,7 @@ static void on_hup(uv_signal_t *h, int sig)
 	sd_notifyf(0, "RELOADING=1\nMONOTONIC_USEC=%lu",
 		   (unsigned long)(epd_now_ns() / 1000));
 	struct epd_config c;
-	epd_config_defaults(&c);
-	if (srv->config_path[0] &&
-	    epd_config_load(&c, srv->config_path, false)) {
+	if (reload_config(srv, &c)) {
 		epd_err("reload of %s failed; keeping the running "
 			"configuration",
 			srv->config_path);
@@ -166,14 +258,28 @@ static void on_hup(uv_signal_t *h, int sig)
 		srv->cfg.nallow = c.nallow;
 		memcpy(srv->cfg.allow_uids, c.allow_uids,
 		       sizeof(c.allow_uids));
-		epd_notice("configuration reloaded from %s (log level %s, "
+		memcpy(&srv->cfg.limits, &c.limits, sizeof(c.limits));
+		epd_notice("configuration reloaded from %s%s (log level %s, "
 			   "timeout %u ms)",
 			   srv->config_path,
+			   srv->noverrides ? " and the command line" : "",
 			   epd_log_level_name(epd_log_level),
 			   srv->cfg.timeout_ms);
+		close_disallowed(srv);
 	}
 	sd_notifyf(0, "READY=1");
 	notify_status(srv);
+}
+
+int epd_server_overrides(struct epd_server *srv, char *const *kv, int n)
+{
+	srv->overrides = calloc((size_t)n + 1, sizeof(char *));
+	if (!srv->overrides)
+		return -1;
+	for (int i = 0; i < n; i++)
+		if (!(srv->overrides[srv->noverrides++] = strdup(kv[i])))
+			return -1;
+	return 0;
 }
 
 /* auto: CUDA when a driver and a GPU are there, else host, saying why. */
@@ -214,7 +320,9 @@ int epd_server_init(struct epd_server *srv, uv_loop_t *loop,
 	srv->cfg = *cfg;
 	snprintf(srv->config_path, sizeof(srv->config_path), "%s",
 		 config_path ? config_path : "");
+	srv->config_existed = config_path && access(config_path, F_OK) == 0;
 	srv->start_ns = epd_now_ns();
+	srv->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
 	srv->epoch = (uint32_t)time(NULL);
 	srv->systemd = getenv("NOTIFY_SOCKET") != NULL;
 	LIST_INIT(&srv->clients);
@@ -274,6 +382,11 @@ int epd_server_run(struct epd_server *srv)
 	epd_cuda_fini(srv);
 	epd_pool_free(srv->pool);
 	srv->pool = NULL;
+	if (srv->reserve_fd >= 0)
+		close(srv->reserve_fd);
+	for (int i = 0; i < srv->noverrides; i++)
+		free(srv->overrides[i]);
+	free(srv->overrides);
 	return 0;
 }
 
@@ -286,8 +399,7 @@ void epd_server_stop(struct epd_server *srv)
 	uv_poll_stop(&srv->listen_poll);
 	uv_close((uv_handle_t *)&srv->listen_poll, NULL);
 	close(srv->listen_fd);
-	if (srv->unlink_socket)
-		unlink(srv->cfg.socket_path);
+	unlink_own_socket(srv);
 	/* Pending ops fail with ESHUTDOWN; every rank is told. */
 	epd_groups_shutdown(srv);
 	epd_cluster_stop(srv);

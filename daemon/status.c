@@ -42,6 +42,11 @@ static json_t *group_json(struct epd_group *g)
 		"errors", (json_int_t)g->n_errors, "bytes_moved",
 		(json_int_t)g->bytes_moved, "buffer_bytes",
 		(json_int_t)g->buf_size);
+	if (o) {
+		json_object_set_new(o, "owner_uid",
+				    json_integer((json_int_t)g->owner));
+		json_object_set_new(o, "shared", json_boolean(g->shared));
+	}
 	if (o && g->state == EPD_G_FAILED)
 		json_object_set_new(o, "last_error",
 				    json_pack("{s:i, s:s, s:s}", "code",
@@ -91,19 +96,31 @@ static json_t *client_json(struct epd_client *c, uint64_t now)
 			 (double)(now - c->connected_ns) / 1e9, "groups", ms);
 }
 
-char *epd_status_json(struct epd_server *srv)
+/* What uid `viewer` may see: root everything; another user its own
+ * connections and the groups it owns or that are shared, and counts of the
+ * rest (no names, pids or uids of other users). */
+char *epd_status_json(struct epd_server *srv, uid_t viewer)
 {
 	uint64_t now = epd_now_ns();
 	json_t *clients = json_array(), *groups = json_array();
 	struct list_node *it, *tmp;
+	json_int_t hidden_clients = 0, hidden_groups = 0;
 	LIST_FOREACH(it, tmp, &srv->clients)
-	json_array_append_new(
-		clients, client_json(LIST_ENTRY(it, struct epd_client, node),
-				     now));
+	{
+		struct epd_client *c = LIST_ENTRY(it, struct epd_client, node);
+		if (viewer == 0 || c->uid == viewer)
+			json_array_append_new(clients, client_json(c, now));
+		else
+			hidden_clients++;
+	}
 	LIST_FOREACH(it, tmp, &srv->groups)
-	json_array_append_new(groups,
-			      group_json(LIST_ENTRY(it, struct epd_group,
-						    node)));
+	{
+		struct epd_group *g = LIST_ENTRY(it, struct epd_group, node);
+		if (epd_group_visible(g, viewer))
+			json_array_append_new(groups, group_json(g));
+		else
+			hidden_groups++;
+	}
 	json_t *root = json_pack(
 		"{s:{s:s, s:i, s:f, s:s, s:s, s:s, s:b, s:s, s:I, s:I, s:I, "
 		"s:{s:i, s:i}}, s:o, s:o}",
@@ -119,6 +136,23 @@ char *epd_status_json(struct epd_server *srv)
 		clients, "groups", groups);
 	if (!root)
 		return NULL;
+	json_object_set_new(root, "other_users",
+			    json_pack("{s:I, s:I}", "clients", hidden_clients,
+				      "groups", hidden_groups));
+	json_object_set_new(json_object_get(root, "daemon"), "limits",
+			    json_pack("{s:I, s:I, s:I, s:I, s:I, s:I}",
+				      "connections_per_user",
+				      (json_int_t)srv->cfg.limits.conns_per_uid,
+				      "groups_per_user",
+				      (json_int_t)srv->cfg.limits.groups_per_uid,
+				      "bytes_per_user",
+				      (json_int_t)srv->cfg.limits.bytes_per_uid,
+				      "connections",
+				      (json_int_t)srv->cfg.limits.conns,
+				      "groups", (json_int_t)srv->cfg.limits.groups,
+				      "bytes", (json_int_t)srv->cfg.limits.bytes));
+	json_object_set_new(json_object_get(root, "daemon"), "limit_refusals",
+			    json_integer((json_int_t)srv->n_limited));
 	json_t *cu = epd_cuda_status(srv);
 	json_object_set_new(json_object_get(root, "daemon"), "cuda",
 			    cu ? cu : json_null());

@@ -561,7 +561,7 @@ static void xwin_setup(struct epd_group *g)
 		return; /* the peers write nothing here: frames */
 	struct epp_wr w;
 	epp_wr_init(&w, buf, cap);
-	epp_put_str(&w, g->shape.name);
+	epp_put_str(&w, g->key);
 	epp_put_u64(&w, 0);
 	epp_put_u16(&w, xw->wid);
 	epp_put_u32(&w, rpn);
@@ -941,7 +941,7 @@ static void send_rows(struct epd_xop *x)
 			uint8_t head[128];
 			struct epp_wr w;
 			epp_wr_init(&w, head, sizeof(head));
-			epp_put_str(&w, g->shape.name);
+			epp_put_str(&w, g->key);
 			epp_put_u64(&w, x->id);
 			epp_put_u16(&w, x->type);
 			epp_put_u64(&w, x->handle);
@@ -1124,7 +1124,7 @@ void epd_xop_start(struct epd_group *g)
 		uint8_t head[128];
 		struct epp_wr w;
 		epp_wr_init(&w, head, sizeof(head));
-		epp_put_str(&w, g->shape.name);
+		epp_put_str(&w, g->key);
 		epp_put_u64(&w, x->id);
 		epp_put_u32(&w, s);
 		epp_put_u32(&w, x->tokens[s]);
@@ -1165,7 +1165,7 @@ void epd_xop_start(struct epd_group *g)
 
 struct stashed {
 	struct list_node node;
-	char name[EP_GROUP_NAME_MAX + 1];
+	char name[EPD_GKEY_MAX + 1];
 	uint16_t type;
 	uint32_t from, len;
 	uint8_t data[];
@@ -1211,7 +1211,7 @@ void epd_xop_replay(struct epd_group *g)
 	LIST_FOREACH(it, tmp, &srv->xstash)
 	{
 		struct stashed *e = LIST_ENTRY(it, struct stashed, node);
-		if (strcmp(e->name, g->shape.name))
+		if (strcmp(e->name, g->key))
 			continue;
 		list_del(&e->node);
 		srv->xstash_bytes -= e->len;
@@ -1239,7 +1239,7 @@ void epd_xop_announce(struct epd_group *g)
 	uint8_t buf[192];
 	struct epp_wr w;
 	epp_wr_init(&w, buf, sizeof(buf));
-	epp_put_str(&w, g->shape.name);
+	epp_put_str(&w, g->key);
 	epp_put_u64(&w, 0);
 	put_shape(&w, g);
 	for (uint32_t n = 0; n < g->nnodes; n++)
@@ -1284,7 +1284,7 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 		   const uint8_t *p, uint32_t len)
 {
 	struct epp_rd r;
-	char name[EP_GROUP_NAME_MAX + 1];
+	char name[EPD_GKEY_MAX + 1];
 	epp_rd_init(&r, p, len);
 	epp_get_str(&r, name, sizeof(name));
 	uint64_t id = epp_get_u64(&r);

@@ -219,6 +219,7 @@ const char *ep_strerror(int code)
 	case EP_EEXPERT: return "expert index out of range";
 	case EP_EUNSUPPORTED: return "not supported";
 	case EP_EBACKEND: return "backend failure";
+	case EP_ELIMIT: return "a limit of the daemon's configuration was reached";
 	}
 	if (code < 0 && code > -1000)
 		return strerror(-code);

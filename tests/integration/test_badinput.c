@@ -168,6 +168,25 @@ int main(void)
 	expect_error(fd, 0, EP_EPROTO, "truncated frame: 27 bytes");
 	expect_closed(fd);
 
+	/* A slow frame: a byte every 100 ms never extends the deadline of
+	 * 300 ms, which runs from the frame's first byte. */
+	fd = raw_connect();
+	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_JOIN, 0, 1000, 11,
+		 NULL);
+	uint64_t slow0 = th_now_ns();
+	for (int i = 0; i < 20; i++) {
+		struct pollfd sp = {.fd = fd, .events = POLLIN};
+		if (poll(&sp, 1, 100) == 1)
+			break; /* the daemon answered: the deadline passed */
+		if (write(fd, "x", 1) != 1)
+			break;
+	}
+	expect_error(fd, 0, EP_EPROTO, "truncated frame");
+	expect_closed(fd);
+	uint64_t slow_ms = (th_now_ns() - slow0) / 1000000;
+	TH_CHECK(slow_ms < 1500, "a slow frame stayed open %lu ms",
+		 (unsigned long)slow_ms);
+
 	/* Unknown type: an error, and the connection stays usable. */
 	fd = raw_connect();
 	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, 777, 0, 4, 5, "abcd");

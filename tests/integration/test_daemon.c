@@ -86,37 +86,88 @@ static void check_epctl(const struct th_daemon *d)
 	printf("ok: epctl status, --json, exit codes\n");
 }
 
-static void check_reload(struct th_daemon *d)
+/* Send SIGHUP and wait for the daemon's verdict in its log (the n-th
+ * reload's line). Returns true if it reloaded, false if it kept the old
+ * configuration. */
+static bool hup(struct th_daemon *d, int n)
 {
-	FILE *f = fopen(d->conf, "w");
-	fprintf(f, "[epd]\nlog_level = debug\ntimeout_ms = 1234\n");
-	fclose(f);
 	kill(d->pid, SIGHUP);
-	for (int i = 0; i < 200; i++) {
-		ep_conn_t *c;
-		char *js;
-		TH_OK(ep_connect(d->sock, &c));
-		TH_OK(ep_daemon_status(c, &js));
-		ep_close(c);
-		bool done = strstr(js, "\"log_level\":\"debug\"") != NULL;
-		free(js);
-		if (done) {
-			/* The new default timeout applies to new groups. */
-			struct ep_group_config cfg = th_group("r", 2, 0, 0);
-			ep_group_t *g;
-			TH_OK(ep_connect(d->sock, &c));
-			TH_OK(ep_join(c, &cfg, EP_JOIN_NOWAIT, &g));
-			TH_OK(ep_daemon_status(c, &js));
-			TH_CHECK(strstr(js, "\"timeout_ms\":1234"),
-				 "timeout not reloaded: %s", js);
-			free(js);
-			ep_close(c);
-			printf("ok: SIGHUP reloaded log level and timeout\n");
-			return;
+	for (int i = 0; i < 500; i++) {
+		char cmd[300], out[64];
+		snprintf(cmd, sizeof(cmd),
+			 "grep -c -e 'configuration reloaded' -e 'keeping the "
+			 "running' %s",
+			 d->log);
+		run_cmd(cmd, out, sizeof(out));
+		if (atoi(out) >= n) {
+			snprintf(cmd, sizeof(cmd),
+				 "grep -e 'configuration reloaded' -e 'keeping "
+				 "the running' %s | tail -n 1 | grep -c "
+				 "reloaded",
+				 d->log);
+			run_cmd(cmd, out, sizeof(out));
+			return atoi(out) == 1;
 		}
 		th_sleep_ms(10);
 	}
-	TH_CHECK(0, "SIGHUP did not reload the configuration");
+	TH_CHECK(0, "no reload verdict in the log");
+	return false;
+}
+
+/* The default timeout a new group gets now. */
+static bool new_group_timeout(struct th_daemon *d, const char *want)
+{
+	ep_conn_t *c;
+	char *js;
+	struct ep_group_config cfg = th_group("r", 2, 0, 0);
+	ep_group_t *g;
+	TH_OK(ep_connect(d->sock, &c));
+	TH_OK(ep_join(c, &cfg, EP_JOIN_NOWAIT, &g));
+	TH_OK(ep_daemon_status(c, &js));
+	bool ok = strstr(js, want) != NULL;
+	free(js);
+	ep_close(c);
+	return ok;
+}
+
+static void check_reload(struct th_daemon *d)
+{
+	/* The file changes the timeout and tries to change what the command
+	 * line set (log level, allow_users): the command line wins, as at
+	 * start. */
+	FILE *f = fopen(d->conf, "w");
+	fprintf(f, "[epd]\nlog_level = debug\ntimeout_ms = 1234\n"
+		   "allow_users = 4242\n");
+	fclose(f);
+	TH_CHECK(hup(d, 1), "reload refused");
+	TH_CHECK(new_group_timeout(d, "\"timeout_ms\":1234"),
+		 "timeout not reloaded");
+	ep_conn_t *c;
+	char *js;
+	TH_OK(ep_connect(d->sock, &c)); /* root: still allowed */
+	TH_OK(ep_daemon_status(c, &js));
+	ep_close(c);
+	TH_CHECK(strstr(js, "\"log_level\":\"debug\"") == NULL,
+		 "the file overrode -l: %s", js);
+	free(js);
+	printf("ok: SIGHUP reloads the file and keeps the command line's "
+	       "overrides\n");
+
+	/* A bad file, then a deleted one: the running configuration stays. */
+	f = fopen(d->conf, "w");
+	fprintf(f, "[epd]\ntimeout_ms = lots\n");
+	fclose(f);
+	TH_CHECK(!hup(d, 2), "a bad file was applied");
+	TH_CHECK(new_group_timeout(d, "\"timeout_ms\":1234"),
+		 "a bad file changed the timeout");
+	unlink(d->conf);
+	TH_CHECK(!hup(d, 3), "a deleted file was applied");
+	TH_CHECK(new_group_timeout(d, "\"timeout_ms\":1234"),
+		 "a deleted file reset the timeout");
+	f = fopen(d->conf, "w");
+	fclose(f);
+	printf("ok: a bad or deleted file on reload keeps the running "
+	       "configuration\n");
 }
 
 static void check_shutdown(struct th_daemon *d)
@@ -366,6 +417,24 @@ int main(void)
 	close(fd);
 	th_daemon_start_in(&d, NULL);
 	printf("ok: a stale socket file is replaced at start\n");
-	th_daemon_stop(&d);
+
+	/* Its socket file removed, a second daemon takes the path; the
+	 * first one, stopping, leaves the second one's socket alone. */
+	struct th_daemon d2 = d;
+	TH_CHECK(unlink(d.sock) == 0, "unlink");
+	th_daemon_start_in(&d2, NULL);
+	kill(d.pid, SIGTERM);
+	int st;
+	TH_CHECK(waitpid(d.pid, &st, 0) == d.pid && WIFEXITED(st) &&
+			 WEXITSTATUS(st) == 0,
+		 "first daemon's exit 0x%x", st);
+	d.pid = 0;
+	TH_CHECK(access(d2.sock, F_OK) == 0,
+		 "the stopping daemon removed the other daemon's socket");
+	ep_conn_t *c2;
+	TH_OK(ep_connect(d2.sock, &c2));
+	ep_close(c2);
+	printf("ok: a stopping daemon leaves a socket it does not own\n");
+	th_daemon_stop(&d2);
 	return 0;
 }

@@ -56,6 +56,8 @@ enum {
 	EP_EEXPERT = -1012,             /* an expert index is out of range */
 	EP_EUNSUPPORTED = -1013,        /* not supported by this daemon/backend */
 	EP_EBACKEND = -1014,            /* the backend failed (device error) */
+	EP_ELIMIT = -1015,              /* a per-user or daemon-wide limit of
+					   the daemon's configuration */
 };
 
 /* Name of an error code; never NULL. */
