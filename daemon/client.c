@@ -307,6 +307,13 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 	char err[256];
 	epd_debug("client %lu: %s req %lu len %u", (unsigned long)c->id,
 		  epp_type_name(h->type), (unsigned long)h->req_id, h->length);
+	if (c->refused) {
+		char why[sizeof(c->doom_why)];
+		snprintf(why, sizeof(why), "%s", c->doom_why);
+		epd_client_error(c, h->req_id, c->refused, "%s", why);
+		epd_client_close(c, why);
+		return;
+	}
 	if (c->srv->stopping) {
 		epd_client_error(c, h->req_id, EP_ESHUTDOWN,
 				 "daemon is shutting down");
@@ -414,6 +421,10 @@ static void client_fatal(struct epd_client *c, uint64_t req_id, int code,
 static void frame_timeout(uv_timer_t *t)
 {
 	struct epd_client *c = t->data;
+	if (c->refused) {
+		epd_client_close(c, "refused");
+		return;
+	}
 	char msg[160];
 	snprintf(msg, sizeof(msg),
 		 "truncated frame: %zu bytes of a frame arrived, the rest not "
@@ -539,6 +550,25 @@ static void client_io(uv_poll_t *h, int status, int events)
 	client_update_poll(c);
 }
 
+/* A refused connection: its first frame (the hello) is answered with the
+ * error and the connection closed: replying before the client's bytes are
+ * read would reset the connection under the reply. At most a frame
+ * timeout. */
+static void client_refuse(struct epd_client *c, int code, const char *fmt,
+			  ...) __attribute__((format(printf, 3, 4)));
+static void client_refuse(struct epd_client *c, int code, const char *fmt,
+			  ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(c->doom_why, sizeof(c->doom_why), fmt, ap);
+	va_end(ap);
+	c->refused = code;
+	uv_timer_start(&c->frame_timer, frame_timeout,
+		       c->srv->cfg.frame_timeout_ms, 0);
+	client_update_poll(c);
+}
+
 bool epd_uid_allowed(const struct epd_config *cfg, uid_t uid)
 {
 	if (cfg->nallow == 0 || uid == 0 || uid == geteuid())
@@ -587,10 +617,9 @@ void epd_client_accept(struct epd_server *srv, int fd)
 		srv->n_rejected++;
 		epd_warn("rejecting pid %d: uid %u is not in allow_users",
 			 (int)cred.pid, (unsigned)cred.uid);
-		epd_client_error(c, 0, EP_EACCES,
-				 "uid %u is not allowed to use this daemon",
-				 (unsigned)cred.uid);
-		epd_client_close(c, "uid not allowed");
+		client_refuse(c, EP_EACCES,
+			      "uid %u is not allowed to use this daemon",
+			      (unsigned)cred.uid);
 		return;
 	}
 	const struct epd_limits *lim = &srv->cfg.limits;
@@ -599,7 +628,7 @@ void epd_client_accept(struct epd_server *srv, int fd)
 	LIST_FOREACH(it, tmp, &srv->clients)
 	{
 		struct epd_client *o = LIST_ENTRY(it, struct epd_client, node);
-		if (o == c || o->closing || o->doomed)
+		if (o == c || o->closing || o->doomed || o->refused)
 			continue;
 		n++;
 		mine += o->uid == c->uid;
@@ -613,13 +642,11 @@ void epd_client_accept(struct epd_server *srv, int fd)
 		srv->n_limited++;
 		epd_log_limited(srv, "refusing pid %d (uid %u): %s reached",
 				(int)cred.pid, (unsigned)cred.uid, lname);
-		epd_client_error(c, 0, EP_ELIMIT,
-				 "%s (%u) reached for uid %u", lname,
-				 !strcmp(lname, "max_connections")
-					 ? lim->conns
-					 : lim->conns_per_uid,
-				 (unsigned)cred.uid);
-		epd_client_close(c, lname);
+		client_refuse(c, EP_ELIMIT, "%s (%u) reached for uid %u", lname,
+			      !strcmp(lname, "max_connections")
+				      ? lim->conns
+				      : lim->conns_per_uid,
+			      (unsigned)cred.uid);
 		return;
 	}
 	srv->n_accepted++;

@@ -117,6 +117,7 @@ struct epd_client {
 	bool close_after_flush;
 	bool closing;
 	bool doomed; /* to be closed by the reaper (see epd_client_doom) */
+	int refused; /* an error code: its first frame gets it, then close */
 	char doom_why[96];
 	int pending_handles; /* handles whose close callback is outstanding */
 	struct list_node members; /* struct epd_member.cnode */
@@ -331,6 +332,9 @@ void epd_member_reply_err(struct epd_member *m, int code, const char *msg);
  * Returns the member, or NULL. */
 struct epd_member *epd_coll_enter(struct epd_client *c, uint64_t req_id,
 				  uint64_t gid, uint16_t type);
+/* Then, once the rank's own checks passed: false (replied, and the group
+ * failed) if the other ranks are in another collective. */
+bool epd_coll_agree(struct epd_member *m, uint64_t req_id, uint16_t type);
 void epd_group_arm_timer(struct epd_group *g);
 /* Free what a group owns once no job uses it. */
 void epd_group_free(struct epd_group *g);

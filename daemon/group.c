@@ -759,6 +759,17 @@ struct epd_member *epd_coll_enter(struct epd_client *c, uint64_t req_id,
 				 m->rank);
 		return NULL;
 	}
+	(void)type;
+	return m;
+}
+
+/* After the rank's own request passed its checks (a request refused for
+ * this rank alone -- stale handle, wrong shape -- never enters and so
+ * never judges the others): do the ranks' programs agree? */
+bool epd_coll_agree(struct epd_member *m, uint64_t req_id, uint16_t type)
+{
+	struct epd_group *g = m->group;
+	struct epd_client *c = m->client;
 	if (g->coll_type && g->coll_type != type) {
 		/* The ranks' programs disagree: nothing can complete. */
 		epd_client_error(c, req_id, EP_EMISMATCH,
@@ -770,9 +781,9 @@ struct epd_member *epd_coll_enter(struct epd_client *c, uint64_t req_id,
 			       "rank %u called %s while other ranks were in %s",
 			       m->rank, epp_type_name(type),
 			       epp_type_name(g->coll_type));
-		return NULL;
+		return false;
 	}
-	return m;
+	return true;
 }
 
 int epd_group_async(struct epd_client *c, uint64_t req_id, uint64_t gid,
@@ -814,7 +825,7 @@ int epd_group_async(struct epd_client *c, uint64_t req_id, uint64_t gid,
 int epd_group_barrier(struct epd_client *c, uint64_t req_id, uint64_t gid)
 {
 	struct epd_member *m = epd_coll_enter(c, req_id, gid, EPP_BARRIER);
-	if (!m)
+	if (!m || !epd_coll_agree(m, req_id, EPP_BARRIER))
 		return EP_EINVAL;
 	struct epd_group *g = m->group;
 	g->coll_type = EPP_BARRIER;

@@ -462,6 +462,8 @@ int epd_op_dispatch(struct epd_client *c, uint64_t req_id,
 			return EP_ESHAPE;
 		}
 	}
+	if (!epd_coll_agree(m, req_id, EPP_DISPATCH))
+		return EP_EMISMATCH;
 	/* Every rank must run the same kind of dispatch on one handle. */
 	uint64_t seq = cached ? d->handle.seq : 0;
 	if (g->coll_arrived && (g->coll_cached != cached || g->coll_seq != seq)) {
@@ -511,6 +513,8 @@ int epd_op_combine(struct epd_client *c, uint64_t req_id,
 				 cb->num_rows, m->rank, r->num_recv[m->rank]);
 		return EP_ESHAPE;
 	}
+	if (!epd_coll_agree(m, req_id, EPP_COMBINE))
+		return EP_EMISMATCH;
 	if (g->coll_arrived && g->coll_seq != cb->handle.seq) {
 		epd_client_error(c, req_id, EP_EMISMATCH,
 				 "rank %u combines handle %llu, the other "

@@ -207,7 +207,7 @@ const char *ep_strerror(int code)
 	case EP_OK: return "success";
 	case EP_EPEERLOST: return "a rank of the group left or died";
 	case EP_EVERSION: return "protocol version mismatch";
-	case EP_EMISMATCH: return "join contradicts the existing group";
+	case EP_EMISMATCH: return "ranks disagree (join or operation)";
 	case EP_ENOTREADY: return "group not ready: not every rank joined";
 	case EP_EDUPRANK: return "rank already joined";
 	case EP_ESHUTDOWN: return "daemon shutting down";

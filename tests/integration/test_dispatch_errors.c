@@ -190,6 +190,29 @@ static int mismatch_rank(int r, void *arg)
 	return 0;
 }
 
+/* A stale handle fails the rank that names it, never the group: every
+ * rank combines an evicted handle, rank 3 late (while the others already
+ * wait in the next barrier), and the barrier completes. */
+static int stale_rank(int r, void *arg)
+{
+	struct shared *s = arg;
+	ep_conn_t *c;
+	struct ep_group_config cfg = cfg_of("stale", r);
+	ep_group_t *g = th_join(s->d, &cfg, &c);
+	ep_handle_t first, h;
+	fill(g, r, 4);
+	for (int i = 0; i < 34; i++)
+		TH_OK(ep_dispatch_inplace(g, 4, 0, NULL, i ? &h : &first));
+	if (r == 3)
+		th_sleep_ms(300);
+	TH_EXPECT_RC(ep_combine_inplace(g, &first, 0), EP_ESTALE);
+	TH_OK(ep_barrier(g));
+	TH_OK(ep_combine_inplace(g, &h, 0));
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	return 0;
+}
+
 /* A rank killed in the middle: the others get peer-lost. */
 static int killed_rank(int r, void *arg)
 {
@@ -390,6 +413,10 @@ int main(void)
 	th_spawn(pids, W, mismatch_rank, s);
 	TH_CHECK(th_wait_all(pids, W, 60) == 0, "mismatch case");
 	printf("ok: ranks combining different handles -> EP_EMISMATCH\n");
+	th_spawn(pids, W, stale_rank, s);
+	TH_CHECK(th_wait_all(pids, W, 60) == 0, "stale handle case");
+	printf("ok: a late rank's stale combine fails that rank, not the "
+	       "group\n");
 
 	s->entered = 0;
 	th_spawn(pids, W, killed_rank, s);
