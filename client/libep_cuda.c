@@ -435,6 +435,20 @@ static int async_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 	int rc = ep__ctl_error(g) ? ep_group_error(g) : 0;
 	if (rc)
 		return rc;
+	/* Captured into a CUDA graph, the op's frame to the daemon would be
+	 * sent once, at capture, and every replay would wait on a doorbell
+	 * number nobody serves again: stale outputs, no error. Refuse at
+	 * once until graphs are supported for real. */
+	CUstreamCaptureStatus cap = CU_STREAM_CAPTURE_STATUS_NONE;
+	CUresult cr = drv.cuStreamIsCapturing((CUstream)stream, &cap);
+	if (cr)
+		return cufail(cr, "asking whether the stream is captured");
+	if (cap != CU_STREAM_CAPTURE_STATUS_NONE)
+		return ep__fail(EP_EUNSUPPORTED,
+				"the stream is being captured into a CUDA "
+				"graph; epd's stream-ordered operations "
+				"cannot be captured yet (a replay would not "
+				"reach the daemon)");
 	if (g->sent - completed_full(g) >= MAX_INFLIGHT - 1 &&
 	    (rc = wait_completed(g, MAX_INFLIGHT - 2)))
 		return rc;

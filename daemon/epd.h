@@ -209,10 +209,15 @@ struct epd_group {
 	uint64_t bytes_moved;
 
 	/* Across nodes: dispatches and combines by op number (the same on
-	 * every node of the group); xop_next is this node's next one, and
-	 * another node may be up to EPD_XOPS - 1 ahead. */
-#define EPD_XOPS 4
-	struct epd_xop *xop[EPD_XOPS];
+	 * every node of the group); xop_next is this node's next one. Another
+	 * node may run up to EPD_XOPS_MAX ops ahead: its routings and rows
+	 * wait here (a ring of open ops, grown on demand: xop[id % xcap]);
+	 * beyond that the group fails with EP_ETOOBIG. Memory: per op ahead,
+	 * at most the other nodes' routings (tokens x top-k x 12 bytes per
+	 * rank) and, for combine, their rows for this node's ranks. */
+#define EPD_XOPS_MAX 1024
+	struct epd_xop **xop;
+	uint32_t xcap;
 	uint64_t xop_next;
 	size_t xout_hint; /* bytes packed for one node by the last op */
 	bool failing_remote; /* the failure being recorded came from a peer */
@@ -362,6 +367,10 @@ void epd_xop_start(struct epd_group *g);
 void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 		   const uint8_t *p, uint32_t len);
 void epd_xop_drop(struct epd_group *g);
+/* The global ranks of other nodes the current op still waits for, as
+ * "3,5" (dispatch: whose routing never came; combine: every rank of a
+ * node whose rows did not all come, or "-" if unknown). */
+void epd_xop_missing(struct epd_group *g, char *out, size_t cap);
 /* The group became ready here: frames that came before it, now; and its
  * shape to the other nodes, which check theirs against it. */
 void epd_xop_replay(struct epd_group *g);

@@ -82,6 +82,7 @@ void epd_group_free(struct epd_group *g)
 		ek_route_free(g->routes[i]);
 	epd_cuda_group_free(g);
 	epd_xop_drop(g);
+	free(g->xop);
 	epd_xbufs_trim(g->srv);
 	epd_xwin_free(g); /* may keep the mapping a while */
 	epd_buf_destroy(g);
@@ -271,11 +272,17 @@ static void group_timeout(uv_timer_t *t)
 	}
 	if (g->state != EPD_G_READY)
 		return;
-	if (g->coll_type != EPP_BARRIER && g->nnodes > 1) {
+	if (!g->coll_type)
+		return; /* nothing was waiting */
+	if (g->coll_type != EPP_BARRIER && g->nnodes > 1 &&
+	    g->coll_arrived == g->shape.ranks_per_node) {
+		/* every local rank is in: name the remote ones missing */
+		epd_xop_missing(g, miss, sizeof(miss));
 		epd_group_fail(g, EP_ETIMEDOUT,
 			       "%s timed out after %u ms waiting for the other "
-			       "nodes of the group",
-			       epp_type_name(g->coll_type), g->timeout_ms);
+			       "nodes of the group; ranks never arrived: %s",
+			       epp_type_name(g->coll_type), g->timeout_ms,
+			       miss);
 		return;
 	}
 	if (g->coll_type != EPP_BARRIER) {

@@ -237,6 +237,9 @@ void epd_ops_finish(struct epd_group *g, uint16_t type, bool cached,
 {
 	g->coll_type = 0;
 	g->coll_arrived = 0;
+	/* this op's deadline is over; the next one arms its own */
+	if (!g->timer_closing)
+		uv_timer_stop(&g->timer);
 	uint32_t rpn = g->shape.ranks_per_node;
 	if (rc) {
 		g->n_errors++;
@@ -389,12 +392,16 @@ static void arrive(struct epd_member *m, uint64_t req_id, uint16_t type)
 	g->coll_arrived++;
 	if (g->nnodes > 1 && epd_group_remote_check(g))
 		return; /* failed on another node before this op */
-	if (g->coll_arrived < g->shape.ranks_per_node)
+	if (g->coll_arrived < g->shape.ranks_per_node) {
 		epd_group_arm_timer(g);
-	else if (g->nnodes > 1)
-		epd_xop_start(g); /* the other nodes take part */
-	else
+	} else if (g->nnodes > 1) {
+		/* the other nodes take part: they must answer in time too
+		 * (with one local rank, nothing armed the timer yet) */
+		epd_group_arm_timer(g);
+		epd_xop_start(g);
+	} else {
 		job_submit(g);
+	}
 }
 
 void epd_ops_staged_enter(struct epd_group *g, uint16_t type, bool cached,

@@ -247,7 +247,7 @@ static void xop_free(struct epd_xop *x)
 
 void epd_xop_drop(struct epd_group *g)
 {
-	for (int i = 0; i < EPD_XOPS; i++)
+	for (uint32_t i = 0; i < g->xcap; i++)
 		if (g->xop[i] && !g->xop[i]->job_running) {
 			xop_free(g->xop[i]);
 			g->xop[i] = NULL;
@@ -256,8 +256,62 @@ void epd_xop_drop(struct epd_group *g)
 
 static struct epd_xop *xop_cur(struct epd_group *g)
 {
-	struct epd_xop *x = g->xop[g->xop_next % EPD_XOPS];
+	if (!g->xcap)
+		return NULL;
+	struct epd_xop *x = g->xop[g->xop_next % g->xcap];
 	return x && x->id == g->xop_next ? x : NULL;
+}
+
+static bool is_local(const struct epd_group *g, uint32_t rank);
+
+void epd_xop_missing(struct epd_group *g, char *out, size_t cap)
+{
+	struct epd_xop *x = xop_cur(g);
+	size_t off = 0;
+	out[0] = 0;
+	for (uint32_t s = 0; s < g->shape.world_size; s++) {
+		if (is_local(g, s))
+			continue;
+		bool miss = x ? (x->type == EPP_DISPATCH ? !x->have[s]
+							 : x->rows_got <
+								   x->rows_expected)
+			      : true;
+		if (!miss)
+			continue;
+		int n = snprintf(out + off, cap - off, "%s%u", off ? "," : "",
+				 s);
+		if (n < 0 || (size_t)n >= cap - off)
+			break;
+		off += (size_t)n;
+	}
+	if (!off)
+		snprintf(out, cap, "-");
+}
+
+/* Room in the ring of open ops for op id: it grows (a power of two) as
+ * far as another node runs ahead, up to EPD_XOPS_MAX ops. Open ops have
+ * numbers in [xop_next, xop_next + xcap), so they stay distinct modulo a
+ * larger capacity. */
+static int xring_fit(struct epd_group *g, uint64_t id)
+{
+	uint64_t need = id - g->xop_next + 1;
+	if (need <= g->xcap)
+		return 0;
+	if (need > EPD_XOPS_MAX)
+		return -1;
+	uint32_t ncap = g->xcap ? g->xcap : 4;
+	while (ncap < need)
+		ncap *= 2;
+	struct epd_xop **n = calloc(ncap, sizeof(*n));
+	if (!n)
+		return -1;
+	for (uint32_t i = 0; i < g->xcap; i++)
+		if (g->xop[i])
+			n[g->xop[i]->id % ncap] = g->xop[i];
+	free(g->xop);
+	g->xop = n;
+	g->xcap = ncap;
+	return 0;
 }
 
 /* The op numbered id: this node's next, or one of the few after it that a
@@ -265,9 +319,9 @@ static struct epd_xop *xop_cur(struct epd_group *g)
 static struct epd_xop *xop_get(struct epd_group *g, uint64_t id,
 			       uint16_t type)
 {
-	if (id < g->xop_next || id >= g->xop_next + EPD_XOPS)
+	if (id < g->xop_next || xring_fit(g, id))
 		return NULL;
-	struct epd_xop **slot = &g->xop[id % EPD_XOPS];
+	struct epd_xop **slot = &g->xop[id % g->xcap];
 	if (*slot)
 		return (*slot)->id == id ? *slot : NULL;
 	struct epd_xop *x = calloc(1, sizeof(*x));
@@ -305,7 +359,7 @@ static struct epd_xop *xop_get(struct epd_group *g, uint64_t id,
 /* The current op is over: the next one becomes current. */
 static void xop_retire(struct epd_group *g, struct epd_xop *x)
 {
-	g->xop[x->id % EPD_XOPS] = NULL;
+	g->xop[x->id % g->xcap] = NULL;
 	g->xop_next++;
 }
 
@@ -686,10 +740,11 @@ void epd_xwin_flush(struct epd_server *srv)
 	}
 }
 
-/* The op of g whose number ends in low (at most EPD_XOPS are open). */
+/* The op of g whose number ends in low (at most EPD_XOPS_MAX < 2^16 are
+ * open). */
 static struct epd_xop *xop_by_low(struct epd_group *g, uint16_t low)
 {
-	for (int i = 0; i < EPD_XOPS; i++)
+	for (uint32_t i = 0; i < g->xcap; i++)
 		if (g->xop[i] && (uint16_t)g->xop[i]->id == low)
 			return g->xop[i];
 	return NULL;
@@ -1005,7 +1060,7 @@ static void xjob_done(uv_work_t *req, int status)
 	x->job_running = false;
 	g->busy = false;
 	if (g->free_pending) {
-		g->xop[x->id % EPD_XOPS] = NULL;
+		g->xop[x->id % g->xcap] = NULL;
 		xop_free(x);
 		epd_group_free(g);
 		return;
@@ -1301,6 +1356,15 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 		return;
 	}
 	const uint32_t rpn = g->shape.ranks_per_node, K = g->shape.topk;
+	if ((type == EPP_PEER_XMETA || type == EPP_PEER_XROWS) &&
+	    id >= g->xop_next + EPD_XOPS_MAX) {
+		epd_group_fail(g, EP_ETOOBIG,
+			       "node %u is at operation %llu, this node at "
+			       "%llu: at most %d operations ahead are buffered",
+			       from, (unsigned long long)id,
+			       (unsigned long long)g->xop_next, EPD_XOPS_MAX);
+		return;
+	}
 	if (type == EPP_PEER_GSHAPE) {
 		check_shape(g, from, p + r.off, len - (uint32_t)r.off);
 		return;

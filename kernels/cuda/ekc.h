@@ -80,7 +80,11 @@
 	X(cuMemFreeHost)                                                       \
 	X(cuFuncSetAttribute)                                                  \
 	X(cuEventQuery)                                                         \
-	X(cuLaunchHostFunc)
+	X(cuLaunchHostFunc)                                                    \
+	X(cuStreamIsCapturing)                                                 \
+	X(cuStreamBeginCapture)                                                \
+	X(cuStreamEndCapture)                                                  \
+	X(cuGraphDestroy)
 
 struct ekc_driver {
 	void *lib;

@@ -161,6 +161,19 @@ static int loop_rank(int rank, void *arg)
 		rt[i] = (double)(th_now_ns() - t0) / 1e3;
 	}
 	s->rt_us[rank] = tg_median(rt, 101);
+	/* CUDA graphs: capturing an op fails at once (a replay would leave
+	 * stale outputs) and the group goes on. */
+	CUstream cs;
+	CU(tg_drv.cuStreamCreate(&cs, CU_STREAM_NON_BLOCKING));
+	CU(tg_drv.cuStreamBeginCapture(cs, CU_STREAM_CAPTURE_MODE_RELAXED));
+	TH_EXPECT_RC(ep_barrier_stream(g, cs), EP_EUNSUPPORTED);
+	TH_CHECK(strstr(ep_errmsg(), "CUDA graph"), "%s", ep_errmsg());
+	CUgraph graph;
+	CU(tg_drv.cuStreamEndCapture(cs, &graph));
+	CU(tg_drv.cuGraphDestroy(graph));
+	CU(tg_drv.cuStreamDestroy(cs));
+	TH_OK(ep_barrier_stream(g, st));
+	CU(tg_drv.cuStreamSynchronize(st));
 	TH_OK(ep_barrier(g));
 	if (rank == 0) {
 		for (int r = 0; r < s->ranks; r++)

@@ -30,7 +30,7 @@ struct flipper {
 	int64_t *recv_topk;
 	size_t recv_n;
 	uint32_t E;
-	volatile int stop;
+	int stop; /* atomic */
 };
 
 static void *flip(void *arg)
@@ -39,7 +39,7 @@ static void *flip(void *arg)
 	const int64_t vals[] = {1, 1ll << 30, -5, f->E, 0, -1,
 				(int64_t)1 << 62};
 	unsigned i = 0;
-	while (!f->stop) {
+	while (!__atomic_load_n(&f->stop, __ATOMIC_RELAXED)) {
 		__atomic_store_n(&f->topk[0], vals[i % 7], __ATOMIC_RELAXED);
 		__atomic_store_n(&f->recv_topk[i % f->recv_n],
 				 vals[(i / 3) % 7], __ATOMIC_RELAXED);
@@ -92,7 +92,7 @@ static int rank_main(int rank, void *arg)
 		}
 	}
 	if (rank == 0) {
-		f.stop = 1;
+		__atomic_store_n(&f.stop, 1, __ATOMIC_RELAXED);
 		pthread_join(th, NULL);
 	}
 	TH_OK(ep_leave(g));
