@@ -176,8 +176,16 @@ struct outbuf {
 	uint32_t count;
 };
 
+/* A frame that came before its op could use it. */
+struct xdefer {
+	struct xdefer *next;
+	uint32_t from, len;
+	uint8_t data[];
+};
+
 struct epd_xop {
 	struct epd_group *g;
+	struct xdefer *deferred; /* combine rows before the routing */
 	uint64_t id;
 	uint16_t type;
 	bool cached, started, job_running, job_done, stage2;
@@ -210,6 +218,11 @@ static void xop_free(struct epd_xop *x)
 {
 	if (!x)
 		return;
+	while (x->deferred) {
+		struct xdefer *d = x->deferred;
+		x->deferred = d->next;
+		free(d);
+	}
 	/* topk: private copies, local sources' included */
 	struct epd_server *srv = x->g->srv;
 	for (uint32_t s = 0; s < x->W; s++) {
@@ -1158,6 +1171,21 @@ void epd_xop_start(struct epd_group *g)
 		x->flags[s] = m->op_flags;
 	}
 	if (x->type == EPP_COMBINE) {
+		/* rows that came before the routing was known, now */
+		struct xdefer *d = x->deferred;
+		x->deferred = NULL;
+		uint64_t id = x->id;
+		while (d) {
+			struct xdefer *n = d->next;
+			if (g->state == EPD_G_READY && xop_cur(g) == x)
+				epd_xop_frame(g->srv, EPP_PEER_XROWS, d->from,
+					      d->data, d->len);
+			free(d);
+			d = n;
+		}
+		if (g->state != EPD_G_READY || xop_cur(g) != x ||
+		    x->id != id)
+			return; /* failed on a bad row, or done */
 		/* rows that arrive early are staged: no need to wait */
 		xop_submit(x);
 		return;
@@ -1439,6 +1467,25 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 	struct ek_route *route = NULL;
 	if (otype == EPP_COMBINE)
 		route = x->route ? x->route : epd_route_find(g, handle);
+	if (otype == EPP_COMBINE && !route && !x->started) {
+		/* A node ahead of this one combines along a dispatch this
+		 * node has not finished yet (its job still runs): the rows
+		 * wait in the op until it starts here, with the routing. */
+		struct xdefer *df = malloc(sizeof(*df) + len);
+		if (!df) {
+			epd_group_fail(g, EP_ENOMEM, "out of memory");
+			return;
+		}
+		df->next = NULL;
+		df->from = from;
+		df->len = len;
+		memcpy(df->data, p, len);
+		struct xdefer **tail = &x->deferred;
+		while (*tail)
+			tail = &(*tail)->next;
+		*tail = df;
+		return;
+	}
 	for (uint32_t i = 0; i < k; i++, q += rec) {
 		uint32_t d, slot;
 		memcpy(&d, q, 4);

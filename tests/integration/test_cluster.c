@@ -995,6 +995,52 @@ static void check_remote_stall(void)
 	       s->msgs[2]);
 }
 
+/* One rank per node (world 2 on 2 nodes): rank 1 stalls 3 s before a
+ * dispatch, then a combine. Rank 0 must time out after the group's
+ * timeout (nothing armed it when a node's only rank started an op across
+ * nodes), with rank 1 named. */
+static int xstall1_rank(int rank, void *arg)
+{
+	struct late *s = arg;
+	ep_conn_t *c;
+	ep_group_t *g = join(s, rank, &c, XSTALL_MS);
+	TH_OK(ep_barrier(g));
+	ep_handle_t h;
+	if (rank == 1) {
+		th_sleep_ms(3000);
+		TH_CHECK(ep_dispatch_inplace(g, 0, 0, NULL, &h) < 0,
+			 "the stalled rank's dispatch succeeded");
+		ep_leave(g);
+		ep_close(c);
+		return 0;
+	}
+	uint64_t t0 = th_now_ns();
+	int rc = ep_dispatch_inplace(g, 0, 0, NULL, &h);
+	uint64_t dt = th_now_ns() - t0;
+	TH_EXPECT_RC(rc, EP_ETIMEDOUT);
+	TH_CHECK(strstr(ep_errmsg(), "ranks never arrived: 1"), "message: %s",
+		 ep_errmsg());
+	TH_CHECK(dt < 2000000000ull, "timed out after %llu ms; the timeout "
+		 "is %u ms", (unsigned long long)(dt / 1000000), XSTALL_MS);
+	s->enter[0][0] = dt;
+	snprintf(s->msgs[0], sizeof(s->msgs[0]), "%s", ep_errmsg());
+	ep_leave(g);
+	ep_close(c);
+	return 0;
+}
+
+static void check_remote_stall_one(void)
+{
+	struct late *s = late_new(2, 1, "xstall1");
+	pid_t pids[2];
+	th_spawn(pids, 2, xstall1_rank, s);
+	TH_CHECK(th_wait_all(pids, 2, 60) == 0, "one-rank stall case");
+	printf("ok: one rank per node, the remote one stalls -> EP_ETIMEDOUT "
+	       "after %llu ms (timeout %u): %s\n",
+	       (unsigned long long)(s->enter[0][0] / 1000000), XSTALL_MS,
+	       s->msgs[0]);
+}
+
 int main(void)
 {
 	th_init("cluster: tcp membership and the barrier across nodes", 240);
@@ -1085,6 +1131,7 @@ int main(void)
 	       "across nodes\n");
 	check_bad_joins();
 	check_remote_stall();
+	check_remote_stall_one();
 	check_shape_mismatch();
 	check_remote_rank_loss();
 	check_node_loss();

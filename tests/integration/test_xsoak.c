@@ -1,0 +1,271 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Soak across nodes: clusters of 3 and 4 daemons on loopback run one
+ * random program of barriers, dispatches (routed anywhere, or only to the
+ * experts of the rank's own node, so that the combines after them need no
+ * other node and a node can run many ops ahead), cached dispatches and
+ * combines, with random lateness per rank and one node late by hundreds
+ * of milliseconds in the middle. The same program runs on one daemon with
+ * the same world; every rank's outputs of every op must be bitwise equal
+ * between the two runs (one node is checked against a reference by the
+ * other tests).
+ *
+ * EPD_XSOAK_OPS sets the program's length (default 120 ops).
+ */
+#include "harness.h"
+
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAXN 4
+#define RPN 2
+#define MAXW (MAXN * RPN)
+#define MAXOPS 400
+#define H 256
+#define K 4
+#define TMAX 24
+
+static struct th_daemon D[MAXN], SOLO;
+static char peers[512], keyfile[160];
+static char optv[MAXN][5][560];
+
+enum { OP_BARRIER, OP_DISPATCH, OP_DISPATCH_LOCAL, OP_CACHED, OP_COMBINE };
+
+struct soak {
+	int nodes, nops;
+	uint64_t seed;
+	uint8_t prog[MAXOPS];
+	char name[32];
+	bool solo;
+	uint64_t hash[2][MAXW][MAXOPS]; /* [solo, cluster] */
+};
+
+static uint64_t fnv(uint64_t h, const void *p, size_t n)
+{
+	const uint8_t *b = p;
+	for (size_t i = 0; i < n; i++)
+		h = (h ^ b[i]) * 0x100000001b3ull;
+	return h;
+}
+
+static uint32_t rnd(uint64_t *s)
+{
+	*s = *s * 6364136223846793005ull + 1442695040888963407ull;
+	return (uint32_t)(*s >> 33);
+}
+
+static int soak_rank(int r, void *arg)
+{
+	struct soak *s = arg;
+	const uint32_t W = (uint32_t)(s->nodes * RPN), E = W * 4, per = 4;
+	struct ep_group_config cfg = {
+		.name = s->name, .world_size = W,
+		.ranks_per_node = s->solo ? W : RPN, .rank = (uint32_t)r,
+		.num_experts = E, .hidden = H, .max_tokens_per_rank = TMAX,
+		.topk = K, .dtype = EP_DTYPE_BF16, .timeout_ms = 30000};
+	ep_conn_t *c;
+	ep_group_t *g;
+	TH_OK(ep_connect(s->solo ? SOLO.sock : D[r / RPN].sock, &c));
+	TH_OK(ep_join(c, &cfg, 0, &g));
+	const uint64_t cap = (uint64_t)W * TMAX;
+	uint16_t *x = malloc((size_t)TMAX * H * 2);
+	int64_t *topk = malloc((size_t)TMAX * K * 8);
+	float *wts = malloc((size_t)TMAX * K * 4);
+	uint16_t *y = malloc(cap * H * 2), *out = malloc((size_t)TMAX * H * 2);
+	struct ep_dispatch_out dout = {
+		.capacity = cap, .recv_x = malloc(cap * H * 2),
+		.recv_topk_idx = malloc(cap * K * 8),
+		.recv_topk_weights = malloc(cap * K * 4),
+		.num_recv_tokens_per_expert = malloc(per * 4)};
+	ep_handle_t h = {0};
+	uint32_t T = 0;
+	uint64_t lat = s->seed * 31 + (uint64_t)r; /* this rank's lateness */
+	const int late_node = (int)(s->seed % (uint64_t)s->nodes);
+	for (int i = 0; i < s->nops; i++) {
+		/* lateness: often a little, and one node once a lot */
+		if (!s->solo) {
+			if (rnd(&lat) % 4 == 0)
+				th_sleep_ms(rnd(&lat) % 15);
+			if (i == s->nops / 2 && r / RPN == late_node)
+				th_sleep_ms(400);
+		}
+		uint64_t gen = s->seed ^ ((uint64_t)i << 20) ^ (uint64_t)r;
+		uint64_t hsh = 0xcbf29ce484222325ull;
+		int op = s->prog[i];
+		if (op == OP_BARRIER) {
+			TH_OK(ep_barrier(g));
+		} else if (op == OP_DISPATCH || op == OP_DISPATCH_LOCAL ||
+			   op == OP_CACHED) {
+			bool cached = op == OP_CACHED;
+			if (!cached)
+				T = rnd(&gen) % (TMAX + 1);
+			for (uint32_t t = 0; t < T * H; t++)
+				x[t] = (uint16_t)(0x3c00 + rnd(&gen) % 0x800);
+			uint32_t node = (uint32_t)r / RPN;
+			for (uint32_t t = 0; t < T * K; t++) {
+				int64_t e = (int64_t)(rnd(&gen) % (E + 1)) - 1;
+				if (op == OP_DISPATCH_LOCAL && e >= 0)
+					/* an expert of a rank on this node */
+					e = (int64_t)(node * RPN * per +
+						      (uint64_t)e % (RPN * per));
+				topk[t] = e;
+				wts[t] = (float)(rnd(&gen) % 1000) / 1000.0f;
+			}
+			struct ep_dispatch_in din = {
+				.num_tokens = T, .hidden = H,
+				.dtype = EP_DTYPE_BF16, .topk = K, .x = x,
+				.topk_idx = topk, .topk_weights = wts};
+			ep_handle_t nh;
+			TH_OK(ep_dispatch(g, &din, cached ? &h : NULL, &dout,
+					  &nh));
+			if (!cached)
+				h = nh;
+			uint32_t R = dout.num_recv;
+			hsh = fnv(hsh, &R, 4);
+			hsh = fnv(hsh, dout.recv_x, (size_t)R * H * 2);
+			if (!cached) {
+				hsh = fnv(hsh, dout.recv_topk_idx,
+					  (size_t)R * K * 8);
+				hsh = fnv(hsh, dout.recv_topk_weights,
+					  (size_t)R * K * 4);
+				hsh = fnv(hsh, dout.num_recv_tokens_per_expert,
+					  per * 4);
+			}
+		} else {
+			for (uint64_t t = 0; t < (uint64_t)h.num_recv * H; t++)
+				y[t] = (uint16_t)(0x3c00 + rnd(&gen) % 0x800);
+			TH_OK(ep_combine(g, &h, y, h.num_recv, H, NULL, out));
+			hsh = fnv(hsh, out, (size_t)h.num_tokens * H * 2);
+		}
+		s->hash[s->solo ? 0 : 1][r][i] = hsh;
+	}
+	TH_OK(ep_barrier(g));
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	return 0;
+}
+
+static void run(struct soak *s, bool solo)
+{
+	const int W = s->nodes * RPN;
+	s->solo = solo;
+	snprintf(s->name, sizeof(s->name), "soak%d%s", s->nodes,
+		 solo ? "solo" : "");
+	pid_t pids[MAXW];
+	th_spawn(pids, W, soak_rank, s);
+	TH_CHECK(th_wait_all(pids, W, 240) == 0, "%s failed (seed %llu)",
+		 s->name, (unsigned long long)s->seed);
+}
+
+static void soak(int nodes, uint64_t seed, int nops)
+{
+	struct soak *s = th_shared(sizeof(*s));
+	s->nodes = nodes;
+	s->seed = seed;
+	s->nops = nops;
+	/* the program: a dispatch first; combines and cached dispatches of
+	 * the latest handle; runs of combines after local dispatches */
+	uint64_t p = seed;
+	int i = 0, ahead = 0;
+	s->prog[i++] = OP_DISPATCH;
+	while (i < nops) {
+		uint32_t k = rnd(&p) % 10;
+		if (k < 2) {
+			s->prog[i++] = OP_BARRIER;
+		} else if (k < 4) {
+			s->prog[i++] = OP_DISPATCH;
+		} else if (k < 6) {
+			/* local routing, then a run of independent combines */
+			s->prog[i++] = OP_DISPATCH_LOCAL;
+			for (int n = 0; n < 6 && i < nops; n++, ahead++)
+				s->prog[i++] = OP_COMBINE;
+		} else if (k < 8) {
+			s->prog[i++] = OP_CACHED;
+		} else {
+			s->prog[i++] = OP_COMBINE;
+		}
+	}
+	run(s, true);
+	run(s, false);
+	const int W = nodes * RPN;
+	for (int r = 0; r < W; r++)
+		for (int j = 0; j < nops; j++)
+			TH_CHECK(s->hash[0][r][j] == s->hash[1][r][j],
+				 "%d nodes, seed %llu: rank %d op %d (type %d) "
+				 "differs from one node",
+				 nodes, (unsigned long long)seed, r, j,
+				 s->prog[j]);
+	printf("ok: %d nodes x %d ranks, %d ops (%d combines after local "
+	       "routings), random lateness, one node 400 ms late: bitwise "
+	       "equal to one node (seed %llu)\n",
+	       nodes, RPN, nops, ahead, (unsigned long long)seed);
+}
+
+static void start_cluster(int nodes, int base_port)
+{
+	size_t off = 0;
+	for (int i = 0; i < nodes; i++)
+		off += (size_t)snprintf(peers + off, sizeof(peers) - off,
+					"%sn%d@127.0.0.1:%d", i ? ", " : "", i,
+					base_port + i);
+	for (int i = 0; i < nodes; i++) {
+		snprintf(optv[i][0], sizeof(optv[i][0]), "node_name=n%d", i);
+		snprintf(optv[i][1], sizeof(optv[i][1]), "peers=%s", peers);
+		snprintf(optv[i][2], sizeof(optv[i][2]), "cluster_key_file=%s",
+			 keyfile);
+		snprintf(optv[i][3], sizeof(optv[i][3]), "heartbeat_ms=100");
+		snprintf(optv[i][4], sizeof(optv[i][4]), "heartbeat_miss=%d",
+			 getenv("EPD_TEST_SLOW") ? 40 : 20);
+		th_daemon_start(&D[i], "-o", optv[i][0], "-o", optv[i][1], "-o",
+				optv[i][2], "-o", optv[i][3], "-o", optv[i][4],
+				"-o", "transport=tcp", NULL);
+	}
+	/* every node sees every other up */
+	for (int i = 0; i < nodes; i++)
+		for (int t = 0;; t++) {
+			ep_conn_t *c;
+			char *js;
+			TH_OK(ep_connect(D[i].sock, &c));
+			TH_OK(ep_daemon_status(c, &js));
+			ep_close(c);
+			const char *row = strstr(js, "\"row\":\"");
+			bool ok = row && !memchr(row + 7, 'D', (size_t)nodes);
+			free(js);
+			if (ok)
+				break;
+			TH_CHECK(t < 1000, "node %d never saw the cluster up", i);
+			th_sleep_ms(10);
+		}
+}
+
+int main(void)
+{
+	th_init("test_xsoak", 600);
+	int nops = 120;
+	const char *e = getenv("EPD_XSOAK_OPS");
+	if (e && atoi(e) > 0 && atoi(e) <= MAXOPS)
+		nops = atoi(e);
+	char kdir[64];
+	snprintf(kdir, sizeof(kdir), "%s/epdkeys.XXXXXX",
+		 getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
+	TH_CHECK(mkdtemp(kdir), "mkdtemp");
+	snprintf(keyfile, sizeof(keyfile), "%s/cluster.key", kdir);
+	FILE *f = fopen(keyfile, "w");
+	fprintf(f, "soak-cluster-key-%d-0123456789\n", getpid());
+	fclose(f);
+	uint64_t seed = (uint64_t)time(NULL) ^ (uint64_t)getpid();
+	th_daemon_start(&SOLO, NULL);
+	for (int nodes = 3; nodes <= 4; nodes++) {
+		int base = 20000 + (int)((getpid() * 7 + nodes * 13) % 11000) * 4;
+		start_cluster(nodes, base);
+		soak(nodes, seed + (uint64_t)nodes, nops);
+		for (int i = 0; i < nodes; i++)
+			th_daemon_stop(&D[i]);
+	}
+	th_daemon_stop(&SOLO);
+	unlink(keyfile);
+	rmdir(kdir);
+	printf("ok\n");
+	return 0;
+}
