@@ -10,8 +10,10 @@
  * ends send PEER_HELLO (protocol version, name, index, a fresh nonce); each
  * answers with PEER_AUTH = HMAC-SHA256(cluster key, the other's nonce || its
  * own name), so each proves knowledge of the key without sending it, and a
- * replayed AUTH fails against a new nonce. A node is up once the other's
- * AUTH checks out; a wrong key, a newer major version, an unknown name or
+ * replayed AUTH fails against a new nonce. (Since protocol 1.7 the proof
+ * binds both names, both nonces and the direction, and every later frame
+ * carries a tag: peerauth.h.) A node is up once the other's AUTH checks
+ * out; a wrong key, a newer major version, an unknown name or
  * garbage are logged and the connection closed. Heartbeats every
  * heartbeat_ms; a node silent for heartbeat_miss beats is down. Every change
  * advances the view epoch; groups spanning a down node fail with peer-lost.
@@ -24,6 +26,8 @@
  */
 #include "epd.h"
 #include "peerauth.h"
+
+#include <sys/uio.h>
 #include "rdma.h"
 
 #include <errno.h>
@@ -38,7 +42,6 @@
 
 #define MAX_NODES 64
 #define NONCE 32
-#define MAC 32
 #define MAX_EARLY 1024
 
 enum { NODE_DOWN, NODE_UP, NODE_SELF };
@@ -58,6 +61,11 @@ struct pconn {
 	bool got_hello, authed, closing;
 	uint16_t minor; /* the peer's protocol minor version */
 	uint8_t nonce[NONCE], peer_nonce[NONCE];
+	/* after the handshake: each direction's key and frame number;
+	 * tagging starts after our AUTH (tx) and after theirs (rx) */
+	uint8_t ktx[32], krx[32];
+	uint64_t ntx, nrx;
+	bool tx_tag, rx_tag;
 	char addr[64];
 	uv_connect_t creq;
 };
@@ -94,6 +102,8 @@ struct epd_cluster {
 	uv_timer_t tick;
 	struct list_node conns;
 	uint64_t epoch, rejected;
+	uint64_t reject_ns; /* the last rejection: when, who, why */
+	char reject_addr[64], reject_why[256];
 	struct early early[MAX_EARLY];
 	int nearly;
 	bool stopping;
@@ -203,6 +213,7 @@ static const struct addrinfo resolve_hints = {.ai_socktype = SOCK_STREAM,
 struct wreq {
 	uv_write_t req;
 	struct epd_sref *ref; /* a body sent in place, or NULL */
+	uint8_t tag[EPD_TAG];
 	uint8_t data[];
 };
 
@@ -225,15 +236,18 @@ static void conn_write(struct pconn *c, uint16_t type, const void *a,
 		return;
 	if (c->rdma) {
 		/* the transport copies: no reference needed */
-		uint8_t head[EPP_HDR_SIZE];
+		uint8_t head[EPP_HDR_SIZE], tag[EPD_TAG];
 		struct epp_hdr h;
 		epp_hdr_init(&h, type, 0);
 		h.length = (uint32_t)(na + nb);
 		epp_hdr_encode(&h, head);
-		const struct iovec iov[3] = {{head, EPP_HDR_SIZE},
-					     {(void *)a, na},
-					     {(void *)b2, nb}};
-		if (!c->rc || epd_rdma_send(c->rc, iov, 3))
+		struct iovec iov[4] = {{head, EPP_HDR_SIZE},
+				       {(void *)a, na},
+				       {(void *)b2, nb},
+				       {tag, EPD_TAG}};
+		if (c->tx_tag)
+			epd_frame_tag(c->ktx, c->ntx++, iov, 3, tag);
+		if (!c->rc || epd_rdma_send(c->rc, iov, c->tx_tag ? 4 : 3))
 			conn_close(c, "rdma send failed");
 		return;
 	}
@@ -254,11 +268,20 @@ static void conn_write(struct pconn *c, uint16_t type, const void *a,
 	w->ref = ref;
 	if (ref)
 		ref->refs++;
-	uv_buf_t b[2] = {uv_buf_init((char *)w->data,
-				     (unsigned)(EPP_HDR_SIZE + copied)),
-			 uv_buf_init((char *)b2, (unsigned)nb)};
-	if (uv_write(&w->req, (uv_stream_t *)&c->tcp, b, ref && nb ? 2 : 1,
-		     write_done)) {
+	uv_buf_t b[3];
+	unsigned nbuf = 0;
+	b[nbuf++] = uv_buf_init((char *)w->data,
+				(unsigned)(EPP_HDR_SIZE + copied));
+	if (ref && nb)
+		b[nbuf++] = uv_buf_init((char *)b2, (unsigned)nb);
+	if (c->tx_tag) {
+		struct iovec iov[2];
+		for (unsigned i = 0; i < nbuf; i++)
+			iov[i] = (struct iovec){b[i].base, b[i].len};
+		epd_frame_tag(c->ktx, c->ntx++, iov, (int)nbuf, w->tag);
+		b[nbuf++] = uv_buf_init((char *)w->tag, EPD_TAG);
+	}
+	if (uv_write(&w->req, (uv_stream_t *)&c->tcp, b, nbuf, write_done)) {
 		if (ref)
 			ref->refs--;
 		free(w);
@@ -288,17 +311,6 @@ static void send_hello(struct pconn *c)
 	conn_send(c, EPP_PEER_HELLO, buf, (uint32_t)w.off);
 }
 
-/* HMAC(key, nonce || name) */
-static void proof(const struct epd_cluster *cl, const uint8_t *nonce,
-		  const char *name, uint8_t out[MAC])
-{
-	crypto_auth_hmacsha256_state st;
-	crypto_auth_hmacsha256_init(&st, cl->key, sizeof(cl->key));
-	crypto_auth_hmacsha256_update(&st, nonce, NONCE);
-	crypto_auth_hmacsha256_update(&st, (const uint8_t *)name,
-				      strlen(name));
-	crypto_auth_hmacsha256_final(&st, out);
-}
 
 static void fail_groups(struct epd_cluster *cl, int n, const char *why)
 {
@@ -353,7 +365,11 @@ static void reject(struct pconn *c, const char *fmt, ...)
 	va_start(ap, fmt);
 	vsnprintf(msg, sizeof(msg), fmt, ap);
 	va_end(ap);
-	c->cl->rejected++;
+	struct epd_cluster *cl = c->cl;
+	cl->rejected++;
+	cl->reject_ns = epd_now_ns();
+	snprintf(cl->reject_addr, sizeof(cl->reject_addr), "%s", c->addr);
+	snprintf(cl->reject_why, sizeof(cl->reject_why), "%s", msg);
 	epd_warn("peer connection %s rejected: %s", c->addr, msg);
 	conn_close(c, msg);
 }
@@ -371,8 +387,10 @@ static void on_hello(struct pconn *c, const uint8_t *p, uint32_t len)
 		c->peer_nonce[i] = epp_get_u8(&r);
 	if (epp_rd_end(&r))
 		return reject(c, "malformed hello");
-	if (major != EPP_VERSION_MAJOR)
-		return reject(c, "it speaks protocol %u.%u, this node %u.%u",
+	if (major != EPP_VERSION_MAJOR || minor < 7)
+		return reject(c, "it speaks protocol %u.%u, this node %u.%u "
+				 "(1.7 or later: bound proofs, authenticated "
+				 "frames)",
 			      major, minor, EPP_VERSION_MAJOR,
 			      EPP_VERSION_MINOR);
 	if (idx >= (uint32_t)cl->n || (int)idx == cl->self ||
@@ -384,21 +402,28 @@ static void on_hello(struct pconn *c, const uint8_t *p, uint32_t len)
 	c->peer = (int)idx;
 	c->minor = minor;
 	c->got_hello = true;
-	uint8_t mac[MAC];
-	proof(cl, c->peer_nonce, cl->node[cl->self].name, mac);
-	conn_send(c, EPP_PEER_AUTH, mac, MAC);
+	const char *me = cl->node[cl->self].name, *it = cl->node[idx].name;
+	epd_peer_key(cl->key, me, it, c->nonce, c->peer_nonce, c->ktx);
+	epd_peer_key(cl->key, it, me, c->peer_nonce, c->nonce, c->krx);
+	uint8_t mac[EPD_PROOF];
+	epd_peer_proof(cl->key, me, it, c->nonce, c->peer_nonce, mac);
+	conn_send(c, EPP_PEER_AUTH, mac, EPD_PROOF);
+	c->tx_tag = true; /* every frame after our proof */
 }
 
 static void on_auth(struct pconn *c, const uint8_t *p, uint32_t len)
 {
 	struct epd_cluster *cl = c->cl;
-	if (!c->got_hello || len != MAC)
+	if (!c->got_hello || len != EPD_PROOF)
 		return reject(c, "authentication out of order");
-	uint8_t want[MAC];
-	proof(cl, c->nonce, cl->node[c->peer].name, want);
+	uint8_t want[EPD_PROOF];
+	epd_peer_proof(cl->key, cl->node[c->peer].name,
+		       cl->node[cl->self].name, c->peer_nonce, c->nonce, want);
 	if (crypto_verify_32(want, p))
-		return reject(c, "node %s: wrong cluster key",
+		return reject(c, "node %s: wrong cluster key, or a proof made "
+				 "for another connection",
 			      cl->node[c->peer].name);
+	c->rx_tag = true; /* every frame after its proof */
 	c->authed = true;
 	node_up(c);
 }
@@ -543,17 +568,31 @@ static void conn_parse(struct pconn *c)
 			reject(c, "%s", err);
 			return;
 		}
-		if (c->rlen - off < EPP_HDR_SIZE + h.length) {
+		const size_t need = EPP_HDR_SIZE + h.length +
+				    (c->rx_tag ? EPD_TAG : 0);
+		if (c->rlen - off < need) {
 			/* the whole frame will fit where it starts */
-			if (rbuf_room(c, off + EPP_HDR_SIZE + h.length -
-						 c->rlen)) {
+			if (rbuf_room(c, off + need - c->rlen)) {
 				conn_close(c, "out of memory");
 				return;
 			}
 			break;
 		}
+		if (c->rx_tag) {
+			uint8_t tag[EPD_TAG];
+			struct iovec iov = {c->rbuf + off,
+					    EPP_HDR_SIZE + h.length};
+			epd_frame_tag(c->krx, c->nrx++, &iov, 1, tag);
+			if (crypto_verify_16(tag, c->rbuf + off + EPP_HDR_SIZE +
+							  h.length)) {
+				reject(c, "a %s frame failed authentication "
+					  "(changed, replayed or injected)",
+				       epp_type_name(h.type));
+				return;
+			}
+		}
 		conn_frame(c, &h, c->rbuf + off + EPP_HDR_SIZE);
-		off += EPP_HDR_SIZE + h.length;
+		off += need;
 	}
 	if (c->closing || off == 0)
 		return; /* a frame still arriving stays where it is */
@@ -1151,6 +1190,12 @@ void *epd_cluster_status(struct epd_server *srv)
 			      "transport", cl->rd ? "rdma" : "tcp", "row", row,
 			      "rejected", (json_int_t)cl->rejected, "peers",
 			      peers, "matrix", matrix);
+	if (o && cl->reject_ns)
+		json_object_set_new(
+			o, "last_rejection",
+			json_pack("{s:s, s:s, s:f}", "peer", cl->reject_addr,
+				  "why", cl->reject_why, "age_s",
+				  (double)(now - cl->reject_ns) / 1e9));
 	if (o && cl->rd) {
 		/* rows written by the proxy, in how many batches */
 		uint64_t batches, writes = epd_rdma_stats(cl->rd, &batches);

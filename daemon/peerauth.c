@@ -4,6 +4,7 @@
 #include "epp.h"
 
 #include <endian.h>
+#include <sys/uio.h>
 #include <sodium.h>
 #include <string.h>
 
@@ -73,4 +74,56 @@ const char *epd_pdata_check(const uint8_t key[32], const uint8_t id[8],
 		return "a wrong proof of the cluster key";
 	*index = idx;
 	return NULL;
+}
+
+static void derive(const uint8_t key[32], const char *label, const char *from,
+		   const char *to, const uint8_t *fn, const uint8_t *tn,
+		   uint8_t out[32])
+{
+	crypto_generichash_state st;
+	crypto_generichash_init(&st, key, 32, 32);
+	crypto_generichash_update(&st, (const uint8_t *)label, strlen(label));
+	const char *names[2] = {from, to};
+	for (int i = 0; i < 2; i++) {
+		uint8_t n = (uint8_t)strnlen(names[i], 255);
+		crypto_generichash_update(&st, &n, 1);
+		crypto_generichash_update(&st, (const uint8_t *)names[i], n);
+	}
+	crypto_generichash_update(&st, fn, EPD_NONCE);
+	crypto_generichash_update(&st, tn, EPD_NONCE);
+	crypto_generichash_final(&st, out, 32);
+}
+
+void epd_peer_proof(const uint8_t key[32], const char *from, const char *to,
+		    const uint8_t from_nonce[EPD_NONCE],
+		    const uint8_t to_nonce[EPD_NONCE], uint8_t out[EPD_PROOF])
+{
+	derive(key, "epd-proof-v2", from, to, from_nonce, to_nonce, out);
+}
+
+void epd_peer_key(const uint8_t key[32], const char *from, const char *to,
+		  const uint8_t from_nonce[EPD_NONCE],
+		  const uint8_t to_nonce[EPD_NONCE], uint8_t out[32])
+{
+	derive(key, "epd-key-v2", from, to, from_nonce, to_nonce, out);
+}
+
+void epd_frame_tag(const uint8_t dkey[32], uint64_t n,
+		   const struct iovec *iov, int niov, uint8_t tag[EPD_TAG])
+{
+	/* one-time Poly1305 key: the first 32 bytes of ChaCha20(dkey,
+	 * nonce = the frame's number) */
+	uint8_t otk[crypto_onetimeauth_KEYBYTES];
+	uint8_t nonce[crypto_stream_chacha20_ietf_NONCEBYTES] = {0};
+	uint64_t le = htole64(n);
+	memcpy(nonce, &le, 8);
+	crypto_stream_chacha20_ietf(otk, sizeof(otk), nonce, dkey);
+	crypto_onetimeauth_state st;
+	crypto_onetimeauth_init(&st, otk);
+	for (int i = 0; i < niov; i++)
+		if (iov[i].iov_len)
+			crypto_onetimeauth_update(&st, iov[i].iov_base,
+						  iov[i].iov_len);
+	crypto_onetimeauth_final(&st, tag);
+	sodium_memzero(otk, sizeof(otk));
 }

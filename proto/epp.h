@@ -38,6 +38,12 @@
  *        by a daemon thread; the rank first posts the barrier's number
  *        (EPP_HB_REQ) and wakes that thread if it sleeps (a futex on
  *        EPP_CTL_HB_SLEEP in the group slot).
+ *   1.6  PEER_XWIN: rdma windows of a group; rows by RDMA WRITE.
+ *   1.7  Peers: PEER_AUTH is a proof bound to both names, both nonces and
+ *        the direction, and every peer frame after it is followed by a
+ *        16-byte tag (daemon/peerauth.h); a peer below 1.7 is refused.
+ *        Group names on the peer port are keys (name~uid for a user's
+ *        group). Client frames are unchanged.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -56,7 +62,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 6
+#define EPP_VERSION_MINOR 7
 #define EPP_HDR_SIZE 24
 #define EPP_MAX_PAYLOAD (1u << 20)
 #define EPP_MAX_FDS 4

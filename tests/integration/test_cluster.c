@@ -9,6 +9,7 @@
 #include "harness.h"
 #include "epp.h"
 #include "ref.h"
+#include "peerauth.h"
 
 #include <jansson.h>
 #include <poll.h>
@@ -19,6 +20,7 @@
 #include <errno.h>
 #include <time.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <unistd.h>
 #include <netinet/in.h>
@@ -729,6 +731,98 @@ static void check_bad_peers(void)
 	wait_all_up();
 }
 
+static uint8_t fake_ktx[32];
+static uint64_t fake_ntx;
+
+/* A raw peer's hello claiming to be node `idx` named `name`, with nonce. */
+static void send_hello_as(int fd, const char *name, uint32_t idx,
+			  const uint8_t nonce[32])
+{
+	uint8_t b[256];
+	struct epp_wr w;
+	epp_wr_init(&w, b, sizeof(b));
+	epp_put_u16(&w, EPP_VERSION_MAJOR);
+	epp_put_u16(&w, EPP_VERSION_MINOR);
+	epp_put_str(&w, name);
+	epp_put_u32(&w, idx);
+	for (int i = 0; i < 32; i++)
+		epp_put_u8(&w, nonce[i]);
+	struct epp_hdr h;
+	epp_hdr_init(&h, EPP_PEER_HELLO, 0);
+	h.length = (uint32_t)w.off;
+	TH_OK(epp_send_frame(fd, &h, b, NULL));
+}
+
+/* The next frame of type `type` from a raw peer connection. */
+static uint8_t *recv_type(int fd, uint16_t type, uint32_t *len)
+{
+	for (;;) {
+		struct epp_hdr h;
+		uint8_t *p;
+		TH_OK(epp_recv_frame(fd, &h, &p, NULL, 5000, NULL, 0));
+		if (h.type == type) {
+			*len = h.length;
+			return p;
+		}
+		free(p);
+	}
+}
+
+static int n1_ups_on_n2(void)
+{
+	FILE *f = fopen(D[2].log, "r");
+	char line[512];
+	int ups = 0;
+	while (f && fgets(line, sizeof(line), f))
+		ups += strstr(line, "node n1 (index 1) up") != NULL;
+	if (f)
+		fclose(f);
+	return ups;
+}
+
+/* The relay attack on the key proof, without the key: pose as n1 towards
+ * n2 and as n0 towards n1, hand n1 n2's nonce and pass n1's proof to n2.
+ * With proofs bound to both names, both nonces and the direction, n2
+ * rejects it, keeps the real n1 and says why in its status. */
+static void check_relay(void)
+{
+	uint8_t na[32] = {7, 7, 7}, *p;
+	uint32_t len;
+	const int ups0 = n1_ups_on_n2();
+	int to2 = raw_peer_of(2);
+	send_hello_as(to2, "n1", 1, na);
+	p = recv_type(to2, EPP_PEER_HELLO, &len);
+	uint8_t n2nonce[32];
+	TH_CHECK(len >= 32, "n2's hello");
+	memcpy(n2nonce, p + len - 32, 32);
+	free(p);
+	int to1 = raw_peer_of(1);
+	send_hello_as(to1, "n0", 0, n2nonce);
+	p = recv_type(to1, EPP_PEER_AUTH, &len);
+	TH_CHECK(len == EPD_PROOF, "n1's proof of %u bytes", len);
+	struct epp_hdr h;
+	epp_hdr_init(&h, EPP_PEER_AUTH, 0);
+	h.length = len;
+	TH_OK(epp_send_frame(to2, &h, p, NULL));
+	free(p);
+	expect_dropped(to2);
+	close(to1);
+	wait_all_up();
+	json_t *cl = cluster_of(2);
+	json_t *lr = json_object_get(cl, "last_rejection");
+	const char *w = json_string_value(json_object_get(lr, "why"));
+	char why[256];
+	snprintf(why, sizeof(why), "%s", w ? w : "(none)");
+	json_decref(cl);
+	TH_CHECK(strstr(why, "proof made for another connection"),
+		 "n2's last rejection: %s", why);
+	/* the real n1 is still n2's n1: it never went down or came up */
+	TH_CHECK(n1_ups_on_n2() == ups0, "n2 saw n1 come up again");
+	printf("ok: a relayed proof (n1's, made for 'n0' with n2's nonce) is "
+	       "rejected by n2: %s\n",
+	       why);
+}
+
 /* Impersonate node n2 with the real key: node 0 dials n2's port. */
 static int fake_n2(void)
 {
@@ -781,29 +875,36 @@ static int fake_n2(void)
 	epp_hdr_init(&h, EPP_PEER_HELLO, 0);
 	h.length = (uint32_t)w.off;
 	TH_OK(epp_send_frame(fd, &h, b, NULL));
-	/* the proof: HMAC(key, their nonce || "n2") */
-	uint8_t raw[4096], key[32], mac[32];
+	/* the proof, bound to both names and nonces (peerauth.h), and the
+	 * key of the frames that follow it */
+	uint8_t raw[4096], key[32], mac[EPD_PROOF];
 	FILE *f = fopen(keyfile, "r");
 	size_t n = fread(raw, 1, sizeof(raw), f);
 	fclose(f);
 	crypto_generichash(key, 32, raw, n, NULL, 0);
-	crypto_auth_hmacsha256_state st;
-	crypto_auth_hmacsha256_init(&st, key, 32);
-	crypto_auth_hmacsha256_update(&st, their, 32);
-	crypto_auth_hmacsha256_update(&st, (const uint8_t *)"n2", 2);
-	crypto_auth_hmacsha256_final(&st, mac);
+	epd_peer_proof(key, "n2", "n0", mine, their, mac);
+	epd_peer_key(key, "n2", "n0", mine, their, fake_ktx);
+	fake_ntx = 0;
 	epp_hdr_init(&h, EPP_PEER_AUTH, 0);
-	h.length = 32;
+	h.length = EPD_PROOF;
 	TH_OK(epp_send_frame(fd, &h, mac, NULL));
 	return fd;
 }
 
+/* A frame of the fake n2, with its tag. */
 static void send_peer(int fd, uint16_t type, const void *p, size_t n)
 {
 	struct epp_hdr h;
+	uint8_t hb[EPP_HDR_SIZE], tag[EPD_TAG];
 	epp_hdr_init(&h, type, 0);
 	h.length = (uint32_t)n;
-	epp_send_frame(fd, &h, p, NULL);
+	epp_hdr_encode(&h, hb);
+	struct iovec iov[2] = {{hb, sizeof(hb)}, {(void *)p, n}};
+	epd_frame_tag(fake_ktx, fake_ntx++, iov, 2, tag);
+	TH_CHECK(write(fd, hb, sizeof(hb)) == sizeof(hb) &&
+			 (n == 0 || write(fd, p, n) == (ssize_t)n) &&
+			 write(fd, tag, sizeof(tag)) == sizeof(tag),
+		 "write");
 }
 
 /* Malformed frames from an authenticated peer: each is rejected (the
@@ -814,6 +915,21 @@ static void check_bad_member(void)
 	wait_row(0, "SUD");
 	uint8_t b[512];
 	struct epp_wr w;
+	/* a frame whose tag does not check out (changed in flight, or
+	 * injected without the session key): dropped */
+	{
+		int fd = fake_n2();
+		wait_row(0, "SUU");
+		epp_wr_init(&w, b, sizeof(b));
+		epp_put_u64(&w, 1);
+		epp_put_str(&w, "SUU");
+		fake_ktx[0] ^= 1; /* the wrong key: every tag is wrong */
+		send_peer(fd, EPP_PEER_HEARTBEAT, b, w.off);
+		expect_dropped(fd);
+		wait_row(0, "SUD");
+		printf("ok: a peer frame with a wrong tag after the handshake: "
+		       "dropped\n");
+	}
 	const char *what[] = {"malformed barrier", "group failure with code 0",
 			      "rows for a group not here (kept, bounded)",
 			      "unexpected frame"};
@@ -1139,6 +1255,7 @@ int main(void)
 	check_late(3, 2); /* a new group across all nodes after the rejoin */
 	check_silent_node();
 	check_wrong_key();
+	check_relay();
 	check_bad_peers();
 	check_bad_member();
 	check_bad_windows();
