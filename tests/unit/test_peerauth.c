@@ -7,6 +7,7 @@
 
 #include <sodium.h>
 #include <string.h>
+#include <sys/uio.h>
 
 static void expect(const char *got, const char *frag, const char *what)
 {
@@ -68,5 +69,48 @@ int main(void)
 	       "proof bit");
 	printf("ok: short, magic, version, cluster id, key, index and proof "
 	       "changes are each refused with their reason\n");
+
+	/* The handshake's proof depends on every input: both names, both
+	 * nonces (and their order: the direction) and the key. */
+	uint8_t n1[EPD_NONCE], n2[EPD_NONCE], pr[EPD_PROOF], x[EPD_PROOF];
+	randombytes_buf(n1, sizeof(n1));
+	randombytes_buf(n2, sizeof(n2));
+	epd_peer_proof(key, "a", "b", n1, n2, pr);
+	epd_peer_proof(key, "a", "b", n1, n2, x);
+	TH_CHECK(!memcmp(pr, x, EPD_PROOF), "the proof is not a function");
+	epd_peer_proof(key, "a", "c", n1, n2, x);
+	TH_CHECK(memcmp(pr, x, EPD_PROOF), "the receiver's name is not bound");
+	epd_peer_proof(key, "b", "a", n1, n2, x);
+	TH_CHECK(memcmp(pr, x, EPD_PROOF), "the direction is not bound");
+	epd_peer_proof(key, "a", "b", n2, n1, x);
+	TH_CHECK(memcmp(pr, x, EPD_PROOF), "the nonces' order is not bound");
+	epd_peer_proof(key, "ab", "", n1, n2, x);
+	TH_CHECK(memcmp(pr, x, EPD_PROOF), "names are not length-prefixed");
+	epd_peer_proof(other, "a", "b", n1, n2, x);
+	TH_CHECK(memcmp(pr, x, EPD_PROOF), "the key is not bound");
+	uint8_t ka[32], kb[32];
+	epd_peer_key(key, "a", "b", n1, n2, ka);
+	epd_peer_key(key, "b", "a", n2, n1, kb);
+	TH_CHECK(memcmp(ka, kb, 32) && memcmp(ka, pr, 32),
+		 "the directions share a key, or the key is the proof");
+	/* Frame tags: over the bytes in order, however they are cut; each
+	 * frame number and each bit changes the tag. */
+	uint8_t frame[300], t1[EPD_TAG], t2[EPD_TAG];
+	randombytes_buf(frame, sizeof(frame));
+	struct iovec whole = {frame, sizeof(frame)};
+	struct iovec cut[3] = {{frame, 24}, {frame + 24, 0},
+			       {frame + 24, sizeof(frame) - 24}};
+	epd_frame_tag(ka, 5, &whole, 1, t1);
+	epd_frame_tag(ka, 5, cut, 3, t2);
+	TH_CHECK(!memcmp(t1, t2, EPD_TAG), "a cut frame tags differently");
+	epd_frame_tag(ka, 6, &whole, 1, t2);
+	TH_CHECK(memcmp(t1, t2, EPD_TAG), "the frame number is not bound");
+	epd_frame_tag(kb, 5, &whole, 1, t2);
+	TH_CHECK(memcmp(t1, t2, EPD_TAG), "the key is not bound");
+	frame[299] ^= 0x80;
+	epd_frame_tag(ka, 5, &whole, 1, t2);
+	TH_CHECK(memcmp(t1, t2, EPD_TAG), "a changed bit keeps the tag");
+	printf("ok: handshake proofs bind names, nonces, direction and key; "
+	       "frame tags bind number, key and every bit\n");
 	return 0;
 }
