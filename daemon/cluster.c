@@ -299,16 +299,14 @@ static void send_hello(struct pconn *c)
 {
 	struct epd_cluster *cl = c->cl;
 	uint8_t buf[256];
-	struct epp_wr w;
+	struct epp_peer_hello m = {.major = EPP_VERSION_MAJOR,
+				   .minor = EPP_VERSION_MINOR,
+				   .index = (uint32_t)cl->self};
 	randombytes_buf(c->nonce, NONCE);
-	epp_wr_init(&w, buf, sizeof(buf));
-	epp_put_u16(&w, EPP_VERSION_MAJOR);
-	epp_put_u16(&w, EPP_VERSION_MINOR);
-	epp_put_str(&w, cl->node[cl->self].name);
-	epp_put_u32(&w, (uint32_t)cl->self);
-	for (int i = 0; i < NONCE; i++)
-		epp_put_u8(&w, c->nonce[i]);
-	conn_send(c, EPP_PEER_HELLO, buf, (uint32_t)w.off);
+	memcpy(m.nonce, c->nonce, NONCE);
+	snprintf(m.node, sizeof(m.node), "%s", cl->node[cl->self].name);
+	size_t n = epp_peer_hello_encode(&m, buf, sizeof(buf));
+	conn_send(c, EPP_PEER_HELLO, buf, (uint32_t)n);
 }
 
 
@@ -377,16 +375,13 @@ static void reject(struct pconn *c, const char *fmt, ...)
 static void on_hello(struct pconn *c, const uint8_t *p, uint32_t len)
 {
 	struct epd_cluster *cl = c->cl;
-	struct epp_rd r;
-	char name[64];
-	epp_rd_init(&r, p, len);
-	uint16_t major = epp_get_u16(&r), minor = epp_get_u16(&r);
-	epp_get_str(&r, name, sizeof(name));
-	uint32_t idx = epp_get_u32(&r);
-	for (int i = 0; i < NONCE; i++)
-		c->peer_nonce[i] = epp_get_u8(&r);
-	if (epp_rd_end(&r))
+	struct epp_peer_hello m;
+	if (epp_peer_hello_decode(p, len, &m))
 		return reject(c, "malformed hello");
+	uint16_t major = m.major, minor = m.minor;
+	const char *name = m.node;
+	uint32_t idx = m.index;
+	memcpy(c->peer_nonce, m.nonce, NONCE);
 	if (major != EPP_VERSION_MAJOR || minor < 7)
 		return reject(c, "it speaks protocol %u.%u, this node %u.%u "
 				 "(1.7 or later: bound proofs, authenticated "
@@ -430,29 +425,22 @@ static void on_auth(struct pconn *c, const uint8_t *p, uint32_t len)
 
 static void on_barrier(struct pconn *c, const uint8_t *p, uint32_t len)
 {
-	struct epp_rd r;
-	char name[EPD_GKEY_MAX + 1];
-	epp_rd_init(&r, p, len);
-	epp_get_str(&r, name, sizeof(name));
-	uint32_t l = epp_get_u32(&r);
-	uint64_t seq = epp_get_u64(&r);
-	if (epp_rd_end(&r))
+	struct epp_peer_barrier m;
+	if (epp_peer_barrier_decode(p, len, &m))
 		return reject(c, "malformed barrier");
-	epd_group_remote_arrival(c->cl->srv, name, (uint32_t)c->peer, l, seq);
+	epd_group_remote_arrival(c->cl->srv, m.group, (uint32_t)c->peer,
+				 m.local, m.seq);
 }
 
 static void on_heartbeat(struct pconn *c, const uint8_t *p, uint32_t len)
 {
 	struct cnode *nd = &c->cl->node[c->peer];
-	struct epp_rd r;
-	char row[MAX_NODES + 1];
-	epp_rd_init(&r, p, len);
-	uint64_t epoch = epp_get_u64(&r);
-	epp_get_str(&r, row, sizeof(row));
-	if (epp_rd_end(&r) || strlen(row) != (size_t)c->cl->n)
+	struct epp_peer_heartbeat m;
+	if (epp_peer_heartbeat_decode(p, len, &m) ||
+	    strlen(m.row) != (size_t)c->cl->n)
 		return reject(c, "malformed heartbeat");
-	nd->epoch = epoch;
-	memcpy(nd->row, row, sizeof(row));
+	nd->epoch = m.epoch;
+	memcpy(nd->row, m.row, sizeof(nd->row));
 }
 
 static void conn_frame(struct pconn *c, const struct epp_hdr *h,
@@ -473,17 +461,12 @@ static void conn_frame(struct pconn *c, const struct epp_hdr *h,
 		if (!c->authed)
 			return reject(c, "%s before authentication",
 				      epp_type_name(h->type));
-		struct epp_rd r;
-		char name[EPD_GKEY_MAX + 1], msg[EPP_ERRMSG_MAX];
-		epp_rd_init(&r, p, h->length);
-		epp_get_str(&r, name, sizeof(name));
-		int code = (int)epp_get_u32(&r);
-		epp_get_str(&r, msg, sizeof(msg));
-		uint64_t round = epp_get_u64(&r), xops = epp_get_u64(&r);
-		if (epp_rd_end(&r) || code >= 0)
+		struct epp_peer_gfail m;
+		if (epp_peer_gfail_decode(p, h->length, &m))
 			return reject(c, "malformed group failure");
-		epd_group_remote_failure(c->cl->srv, name, (uint32_t)c->peer,
-					 code, msg, round, xops);
+		epd_group_remote_failure(c->cl->srv, m.group,
+					 (uint32_t)c->peer, m.code, m.msg,
+					 m.round, m.xops);
 		return;
 	}
 	case EPP_PEER_XMETA:
@@ -908,12 +891,9 @@ static void on_tick(uv_timer_t *t)
 	uint64_t silent = (uint64_t)cfg->heartbeat_ms * cfg->heartbeat_miss *
 			  1000000ull;
 	uint8_t buf[8 + 2 + MAX_NODES];
-	char row[MAX_NODES + 1];
-	struct epp_wr w;
-	my_row(cl, row);
-	epp_wr_init(&w, buf, sizeof(buf));
-	epp_put_u64(&w, cl->epoch);
-	epp_put_str(&w, row);
+	struct epp_peer_heartbeat hb = {.epoch = cl->epoch};
+	my_row(cl, hb.row);
+	size_t hbn = epp_peer_heartbeat_encode(&hb, buf, sizeof(buf));
 	/* handshakes that never finish */
 	struct list_node *it, *tmp;
 	LIST_FOREACH(it, tmp, &cl->conns)
@@ -936,7 +916,7 @@ static void on_tick(uv_timer_t *t)
 		}
 		if (nd->state == NODE_UP)
 			conn_send(nd->conn, EPP_PEER_HEARTBEAT, buf,
-				  (uint32_t)w.off);
+				  (uint32_t)hbn);
 		else if (n > cl->self && !nd->conn && now >= nd->next_dial_ns)
 			dial(cl, n);
 	}
@@ -1070,11 +1050,9 @@ int epd_cluster_send_arrival(struct epd_group *g, uint32_t l, uint64_t seq)
 {
 	struct epd_cluster *cl = g->srv->cluster;
 	uint8_t buf[128];
-	struct epp_wr w;
-	epp_wr_init(&w, buf, sizeof(buf));
-	epp_put_str(&w, g->key);
-	epp_put_u32(&w, l);
-	epp_put_u64(&w, seq);
+	struct epp_peer_barrier m = {.local = l, .seq = seq};
+	snprintf(m.group, sizeof(m.group), "%s", g->key);
+	size_t bn = epp_peer_barrier_encode(&m, buf, sizeof(buf));
 	for (uint32_t n = 0; n < g->nnodes; n++) {
 		if ((int)n == cl->self)
 			continue;
@@ -1086,7 +1064,7 @@ int epd_cluster_send_arrival(struct epd_group *g, uint32_t l, uint64_t seq)
 				       nd->why);
 			return EP_EPEERLOST;
 		}
-		conn_send(nd->conn, EPP_PEER_BARRIER, buf, (uint32_t)w.off);
+		conn_send(nd->conn, EPP_PEER_BARRIER, buf, (uint32_t)bn);
 	}
 	return 0;
 }
@@ -1211,23 +1189,21 @@ void epd_cluster_group_failed(struct epd_group *g, int code, const char *msg)
 {
 	struct epd_cluster *cl = g->srv->cluster;
 	uint8_t buf[EPP_ERRMSG_MAX + 128];
-	struct epp_wr w;
 	if (!cl)
 		return;
-	epp_wr_init(&w, buf, sizeof(buf));
-	epp_put_str(&w, g->key);
-	epp_put_u32(&w, (uint32_t)code);
-	epp_put_str(&w, msg);
 	/* How far this node got: the barriers it completed (every local rank
 	 * entered them, so their arrivals went out) and the data ops it
 	 * completed (their rows went out). The others may finish up to there;
 	 * a rank that died never entered the next round. */
-	epp_put_u64(&w, g->round);
-	epp_put_u64(&w, g->xop_next);
+	struct epp_peer_gfail m = {.code = code, .round = g->round,
+				   .xops = g->xop_next};
+	snprintf(m.group, sizeof(m.group), "%s", g->key);
+	snprintf(m.msg, sizeof(m.msg), "%s", msg);
+	size_t gn = epp_peer_gfail_encode(&m, buf, sizeof(buf));
 	for (uint32_t n = 0; n < g->nnodes; n++)
 		if ((int)n != cl->self && cl->node[n].state == NODE_UP)
 			conn_send(cl->node[n].conn, EPP_PEER_GFAIL, buf,
-				  (uint32_t)w.off);
+				  (uint32_t)gn);
 }
 
 void epd_cluster_send(struct epd_group *g, uint32_t n, uint16_t type,

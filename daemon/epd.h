@@ -17,6 +17,7 @@
 
 #include "ek.h"
 #include "epp.h"
+#include "epp_peer.h"
 #include "list.h"
 #include "log.h"
 #include "pool.h"
@@ -27,7 +28,7 @@
 /* A group's key: its name in its owner's namespace ("name~uid"), or the
  * bare name for root's groups and shared ones; the key is what the nodes
  * of a group agree on. */
-#define EPD_GKEY_MAX (EP_GROUP_NAME_MAX + 12)
+#define EPD_GKEY_MAX EPP_GKEY_MAX
 #define EPD_MAX_HANDLES 32 /* dispatch routings a group keeps */
 /* pending_req of a GPU rank whose stream-ordered op of a group across
  * nodes runs through the host path: the result goes to cuda.c, not to a

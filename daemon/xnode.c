@@ -628,17 +628,17 @@ static void xwin_setup(struct epd_group *g)
 		return; /* the peers write nothing here: frames */
 	struct epp_wr w;
 	epp_wr_init(&w, buf, cap);
-	epp_put_str(&w, g->key);
-	epp_put_u64(&w, 0);
+	epp_peer_put_op(&w, g->key, 0);
 	epp_put_u16(&w, xw->wid);
 	epp_put_u32(&w, rpn);
 	for (uint32_t l = 0; l < rpn; l++) {
 		uint8_t *p;
 		size_t len;
 		xwin_range(g, l, true, &p, &len);
-		epp_put_u64(&w, (uint64_t)(uintptr_t)p);
-		epp_put_u32(&w, epd_rmr_rkey(xw->dst[l]));
-		epp_put_u64(&w, (uint64_t)len);
+		struct epp_peer_window e = {.addr = (uint64_t)(uintptr_t)p,
+					    .rkey = epd_rmr_rkey(xw->dst[l]),
+					    .len = (uint64_t)len};
+		epp_peer_put_window(&w, &e);
 	}
 	for (uint32_t n = 0; n < g->nnodes; n++)
 		if (n != g->node_index && epd_cluster_rconn(srv, n))
@@ -651,13 +651,14 @@ static void xwin_setup(struct epd_group *g)
 }
 
 /* Node from's windows for group g. */
-static void xwin_frame(struct epd_group *g, uint32_t from, struct epp_rd *r)
+static void xwin_frame(struct epd_group *g, uint32_t from,
+		       const struct epp_peer_op *op)
 {
 	struct epd_xwin *xw = g->xw;
 	const uint32_t rpn = g->shape.ranks_per_node;
-	uint16_t wid = epp_get_u16(r);
-	uint32_t n = epp_get_u32(r);
-	if (r->err || n != rpn || from == g->node_index) {
+	struct epp_peer_xwin m;
+	if (epp_peer_xwin_decode(op, &m) || m.n != rpn ||
+	    from == g->node_index) {
 		epd_group_fail(g, EP_EPROTO, "node %u sent malformed windows",
 			       from);
 		return;
@@ -675,10 +676,12 @@ static void xwin_frame(struct epd_group *g, uint32_t from, struct epp_rd *r)
 			      g->layout.off[EPP_BUF_RECV_X] +
 			      g->layout.max_recv * g->layout.nscales * 4;
 	for (uint32_t l = 0; l < rpn; l++) {
-		pe->addr[l] = epp_get_u64(r);
-		pe->rkey[l] = epp_get_u32(r);
-		pe->len[l] = epp_get_u64(r);
-		if (!r->err && pe->len[l] < need) {
+		struct epp_peer_window e;
+		epp_peer_xwin_get(&m, l, &e);
+		pe->addr[l] = e.addr;
+		pe->rkey[l] = e.rkey;
+		pe->len[l] = e.len;
+		if (pe->len[l] < need) {
 			epd_group_fail(g, EP_EPROTO,
 				       "node %u offered a window of %llu "
 				       "bytes for local rank %u; rows need "
@@ -688,12 +691,7 @@ static void xwin_frame(struct epd_group *g, uint32_t from, struct epp_rd *r)
 			return;
 		}
 	}
-	if (epp_rd_end(r)) {
-		epd_group_fail(g, EP_EPROTO, "node %u sent malformed windows",
-			       from);
-		return;
-	}
-	pe->wid = wid;
+	pe->wid = m.wid;
 	pe->have = true;
 }
 
@@ -1009,11 +1007,8 @@ static void send_rows(struct epd_xop *x)
 			uint8_t head[128];
 			struct epp_wr w;
 			epp_wr_init(&w, head, sizeof(head));
-			epp_put_str(&w, g->key);
-			epp_put_u64(&w, x->id);
-			epp_put_u16(&w, x->type);
-			epp_put_u64(&w, x->handle);
-			epp_put_u32(&w, k);
+			epp_peer_put_op(&w, g->key, x->id);
+			epp_peer_put_xrows(&w, x->type, x->handle, k);
 			/* without a ref (out of memory) the frame copies */
 			epd_cluster_send(g, n, EPP_PEER_XROWS, head, w.off,
 					 (ref ? ref->p : o->p) + i * rec,
@@ -1207,8 +1202,7 @@ void epd_xop_start(struct epd_group *g)
 		uint8_t head[128];
 		struct epp_wr w;
 		epp_wr_init(&w, head, sizeof(head));
-		epp_put_str(&w, g->key);
-		epp_put_u64(&w, x->id);
+		epp_peer_put_op(&w, g->key, x->id);
 		epp_put_u32(&w, s);
 		epp_put_u32(&w, x->tokens[s]);
 		epp_put_u32(&w, x->flags[s]);
@@ -1322,8 +1316,7 @@ void epd_xop_announce(struct epd_group *g)
 	uint8_t buf[192];
 	struct epp_wr w;
 	epp_wr_init(&w, buf, sizeof(buf));
-	epp_put_str(&w, g->key);
-	epp_put_u64(&w, 0);
+	epp_peer_put_op(&w, g->key, 0);
 	put_shape(&w, g);
 	for (uint32_t n = 0; n < g->nnodes; n++)
 		if (n != g->node_index)
@@ -1333,24 +1326,26 @@ void epd_xop_announce(struct epd_group *g)
 }
 
 static void check_shape(struct epd_group *g, uint32_t from,
-			const uint8_t *p, uint32_t len)
+			const struct epp_peer_op *op)
 {
 	uint8_t mine[64];
 	struct epp_wr w;
 	epp_wr_init(&w, mine, sizeof(mine));
 	put_shape(&w, g);
-	static const char *const names[] = {
+	static const char *const names[EPP_PEER_SHAPE_N] = {
 		"world_size", "ranks_per_node", "num_experts", "hidden",
 		"max_tokens", "topk", "dtype", "timeout_ms"};
-	if (len != w.off) {
+	uint32_t theirs[EPP_PEER_SHAPE_N];
+	if (epp_peer_shape_decode(op, theirs)) {
 		epd_group_fail(g, EP_EPROTO, "node %u sent a malformed shape",
 			       from);
 		return;
 	}
-	for (int i = 0; i < 8; i++) {
-		uint32_t a, b;
-		memcpy(&a, mine + 4 * i, 4);
-		memcpy(&b, p + 4 * i, 4);
+	uint32_t ours[EPP_PEER_SHAPE_N];
+	struct epp_peer_op mo = {.body = mine, .body_len = w.off};
+	epp_peer_shape_decode(&mo, ours);
+	for (int i = 0; i < EPP_PEER_SHAPE_N; i++) {
+		uint32_t a = ours[i], b = theirs[i];
 		if (a != b) {
 			epd_group_fail(g, EP_EMISMATCH,
 				       "node %s joined group %s with %s %u; "
@@ -1366,17 +1361,16 @@ static void check_shape(struct epd_group *g, uint32_t from,
 void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 		   const uint8_t *p, uint32_t len)
 {
-	struct epp_rd r;
-	char name[EPD_GKEY_MAX + 1];
-	epp_rd_init(&r, p, len);
-	epp_get_str(&r, name, sizeof(name));
-	uint64_t id = epp_get_u64(&r);
-	struct epd_group *g = epd_group_find(srv, name);
-	if (!r.err && (!g || g->state == EPD_G_FORMING)) {
+	struct epp_peer_op op;
+	int bad = epp_peer_op_decode(p, len, &op);
+	const char *name = bad ? "?" : op.group;
+	uint64_t id = bad ? 0 : op.op;
+	struct epd_group *g = bad ? NULL : epd_group_find(srv, name);
+	if (!bad && (!g || g->state == EPD_G_FORMING)) {
 		stash_frame(srv, name, type, from, p, len);
 		return;
 	}
-	if (r.err || g->state != EPD_G_READY || from >= g->nnodes) {
+	if (bad || g->state != EPD_G_READY || from >= g->nnodes) {
 		epd_warn("cross-node %s for group %s (op %llu) from node %u "
 			 "dropped: the group failed or the frame is malformed",
 			 epp_type_name(type), name, (unsigned long long)id,
@@ -1394,23 +1388,24 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 		return;
 	}
 	if (type == EPP_PEER_GSHAPE) {
-		check_shape(g, from, p + r.off, len - (uint32_t)r.off);
+		check_shape(g, from, &op);
 		return;
 	}
 	if (type == EPP_PEER_XWIN) {
-		xwin_frame(g, from, &r);
+		xwin_frame(g, from, &op);
 		return;
 	}
 	if (type == EPP_PEER_XMETA) {
-		uint32_t s = epp_get_u32(&r), T = epp_get_u32(&r),
-			 fl = epp_get_u32(&r);
-		struct epd_xop *x = xop_get(g, id, EPP_DISPATCH);
+		struct epp_peer_xmeta m;
+		int mbad = epp_peer_xmeta_decode(&op, &m);
+		uint32_t s = m.rank, T = m.tokens, fl = m.flags;
+		struct epd_xop *x = mbad ? NULL : xop_get(g, id, EPP_DISPATCH);
 		bool cached = fl & EPP_DISPATCH_CACHED;
 		size_t nt = cached ? 0 : (size_t)T * K;
 		bool wts = !cached && (fl & EPP_DISPATCH_WEIGHTS);
-		if (!x || r.err || s >= g->shape.world_size || s / rpn != from ||
+		if (!x || s >= g->shape.world_size || s / rpn != from ||
 		    T > g->shape.max_tokens || x->have[s] ||
-		    len - r.off != nt * (wts ? 12 : 8)) {
+		    m.data_len != nt * (wts ? 12 : 8)) {
 			epd_group_fail(g, EP_EPROTO,
 				       "node %u sent a malformed or unexpected "
 				       "routing for op %llu",
@@ -1431,22 +1426,25 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 			epd_group_fail(g, EP_ENOMEM, "out of memory");
 			return;
 		}
-		memcpy(x->topk[s], p + r.off, nt * 8);
+		memcpy(x->topk[s], m.data, nt * 8);
 		if (wts)
-			memcpy(x->weights[s], p + r.off + nt * 8, nt * 4);
+			memcpy(x->weights[s], m.data + nt * 8, nt * 4);
 		if (++x->meta_have == x->meta_need && x->started)
 			xop_submit(x);
 		return;
 	}
-	/* XROWS */
-	uint16_t otype = epp_get_u16(&r);
-	uint64_t handle = epp_get_u64(&r);
-	uint32_t k = epp_get_u32(&r);
-	struct epd_xop *x = xop_get(g, id, otype);
+	/* XROWS: the record size depends on the op's type, the first field */
+	struct epp_peer_xrows xr;
+	uint16_t otype = op.body_len >= 2 ? (uint16_t)(op.body[0] |
+						       op.body[1] << 8)
+					  : 0;
 	const size_t rb = row_bytes(g, otype), rec = 8 + rb;
-	if (!x || r.err || x->type != otype ||
-	    (otype == EPP_DISPATCH && !x->started) ||
-	    len - r.off != (size_t)k * rec) {
+	int rbad = epp_peer_xrows_decode(&op, rec, &xr);
+	uint64_t handle = xr.handle;
+	uint32_t k = xr.count;
+	struct epd_xop *x = rbad ? NULL : xop_get(g, id, otype);
+	if (!x || x->type != otype ||
+	    (otype == EPP_DISPATCH && !x->started)) {
 		epd_group_fail(g, EP_EPROTO,
 			       "node %u sent unexpected rows for op %llu", from,
 			       (unsigned long long)id);
@@ -1461,7 +1459,7 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 			       from, (unsigned long long)id);
 		return;
 	}
-	const uint8_t *q = p + r.off;
+	const uint8_t *q = xr.recs;
 	/* Only a combine's rows need the routing. A fresh dispatch's job may
 	 * be building x->route on a work thread right now: not read here. */
 	struct ek_route *route = NULL;

@@ -271,7 +271,7 @@ bool epp_uuid_is_zero(const uint8_t uuid[16])
 }
 
 /* Limits of a group's shape; a JOIN outside them is refused. */
-#define EPP_MAX_WORLD 1024
+
 #define EPP_MAX_EXPERTS 4096
 #define EPP_MAX_HIDDEN 65536
 #define EPP_MAX_TOKENS 65536

@@ -65,6 +65,7 @@
 #define EPP_VERSION_MINOR 7
 #define EPP_HDR_SIZE 24
 #define EPP_MAX_PAYLOAD (1u << 20)
+#define EPP_MAX_WORLD 1024 /* ranks of a group */
 #define EPP_MAX_FDS 4
 #define EPP_ERRMSG_MAX 1024
 
