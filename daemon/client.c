@@ -480,9 +480,16 @@ static void client_parse(struct epd_client *c)
 			       c->srv->cfg.frame_timeout_ms, 0);
 }
 
+/* Reads per readiness callback: a client that keeps its socket full gets
+ * its turn and then waits for the others' (the poll is level-triggered,
+ * so what is left is read on the loop's next turn). Without a budget one
+ * flooding client held the loop for seconds under a sanitizer and other
+ * clients' replies waited. */
+#define READS_PER_TURN 8
+
 static void client_read(struct epd_client *c)
 {
-	for (;;) {
+	for (int turn = 0; turn < READS_PER_TURN; turn++) {
 		if (c->rlen == c->rcap) {
 			size_t ncap = c->rcap * 2;
 			uint8_t *nb = realloc(c->rbuf, ncap);
