@@ -130,7 +130,7 @@ struct epd_cuda_group {
 	bool enq_fast[MAX_INFLIGHT]; /* op run by the resident barrier */
 	uint64_t wait_ns; /* since when some rank's request is missing */
 	/* dispatch scratch (daemon-only device memory) */
-	CUdeviceptr mask, blk, base, err, work;
+	CUdeviceptr mask, blk, base, err, work, topk;
 	uint32_t tmax, nblk_max;
 	struct route {
 		uint64_t seq; /* the dispatch op; 0: empty */
@@ -811,6 +811,8 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 	size_t W = rpn;
 	r = D->cuMemAlloc(&c->mask, W * c->tmax * 8);
 	if (!r)
+		r = D->cuMemAlloc(&c->topk, W * c->tmax * g->shape.topk * 8);
+	if (!r)
 		r = D->cuMemAlloc(&c->blk, W * c->nblk_max * W * 4);
 	if (!r)
 		r = D->cuMemAlloc(&c->base, W * c->nblk_max * W * 4);
@@ -1020,6 +1022,7 @@ static CUresult enqueue_data(struct epd_group *g, uint64_t k,
 		.nscales = g->layout.nscales, .Tmax = c->tmax,
 		.nblk_max = c->nblk_max, .seq = (uint32_t)k,
 		.mask = (uint64_t *)(uintptr_t)c->mask,
+		.topk = (int64_t *)(uintptr_t)c->topk,
 		.blk = (uint32_t *)(uintptr_t)c->blk,
 		.base = (uint32_t *)(uintptr_t)c->base,
 		.err = (unsigned long long *)(uintptr_t)c->err,
@@ -1843,8 +1846,8 @@ void epd_cuda_group_free(struct epd_group *g)
 	}
 	if (c->dev0 >= 0 && g->srv->cuda)
 		D->cuCtxSetCurrent(g->srv->cuda->dev[c->dev0].ctx);
-	CUdeviceptr scratch[] = {c->mask, c->blk, c->base, c->err, c->work,
-				 c->trace};
+	CUdeviceptr scratch[] = {c->mask, c->topk, c->blk, c->base, c->err,
+				 c->work, c->trace};
 	for (int i = 0; i < 2; i++)
 		if (c->trace_host[i])
 			D->cuMemFreeHost(c->trace_host[i]);

@@ -201,6 +201,9 @@ struct ekc_disp_args {
 					   launch handles (its GPU's ranks) */
 	uint64_t bias_mask;             /* combine: ranks that gave a bias */
 	uint64_t *mask;    /* [W][Tmax] destination bit masks */
+	int64_t *topk;     /* [W][Tmax][K] each rank's topk_idx as the count
+			      read and checked it (daemon memory: the rank
+			      may write its own copy meanwhile) */
 	uint32_t *blk;     /* [W][nblk_max][W] block counts */
 	uint32_t *base;    /* [W][nblk_max][W] block bases */
 	uint32_t *recv;    /* [W] rows received */

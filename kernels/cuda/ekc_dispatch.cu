@@ -117,8 +117,11 @@ __device__ static __forceinline__ void count_block(const struct ekc_disp_args &a
 	if (t < T) {
 		const int64_t *ti = (const int64_t *)field(a, s, EKC_F_TOPK) +
 				    (uint64_t)t * K;
+		int64_t *mine = a.topk + ((uint64_t)s * a.Tmax + t) * K;
 		for (uint32_t k = 0; k < K; k++) {
+			/* read once: what is checked is what routes */
 			int64_t e = ti[k];
+			mine[k] = e;
 			if (e < -1 || e >= (int64_t)a.E) {
 				// the lowest (rank, token, k) wins: deterministic
 				unsigned long long p =
@@ -414,7 +417,8 @@ __device__ static inline void copy_meta(const struct ekc_disp_args &a,
 	}
 	if (a.cached)
 		return;
-	const int64_t *ti = (const int64_t *)field(a, s, EKC_F_TOPK) + t * K;
+	/* the copy the count checked, not the rank's buffer */
+	const int64_t *ti = a.topk + ((uint64_t)s * a.Tmax + t) * K;
 	const float *tw = (const float *)field(a, s, EKC_F_WEIGHTS) + t * K;
 	const bool wts = (a.weights_mask >> s) & 1;
 	for (uint32_t i = lane; i < W * K; i += 32) {
