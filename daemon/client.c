@@ -145,21 +145,14 @@ static void reaper_cb(uv_idle_t *h)
 {
 	struct epd_server *srv = h->data;
 	uv_idle_stop(h);
+	/* A close removes only its own client from the list; one it dooms
+	 * (a reply that fails) restarts this handle for the next turn. */
 	struct list_node *it, *tmp;
-	/* a close may doom others (their replies fail): repeat until none */
-	bool again = true;
-	while (again) {
-		again = false;
-		LIST_FOREACH(it, tmp, &srv->clients)
-		{
-			struct epd_client *c =
-				LIST_ENTRY(it, struct epd_client, node);
-			if (c->doomed && !c->closing) {
-				epd_client_close(c, c->doom_why);
-				again = true;
-				break;
-			}
-		}
+	LIST_FOREACH(it, tmp, &srv->clients)
+	{
+		struct epd_client *c = LIST_ENTRY(it, struct epd_client, node);
+		if (c->doomed && !c->closing)
+			epd_client_close(c, c->why);
 	}
 }
 
@@ -168,7 +161,7 @@ void epd_client_doom(struct epd_client *c, const char *why)
 	if (c->closing || c->doomed)
 		return;
 	c->doomed = true;
-	snprintf(c->doom_why, sizeof(c->doom_why), "%s", why);
+	snprintf(c->why, sizeof(c->why), "%s", why);
 	uv_poll_stop(&c->poll);
 	struct epd_server *srv = c->srv;
 	if (!uv_is_closing((uv_handle_t *)&srv->reaper))
@@ -308,8 +301,8 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 	epd_debug("client %lu: %s req %lu len %u", (unsigned long)c->id,
 		  epp_type_name(h->type), (unsigned long)h->req_id, h->length);
 	if (c->refused) {
-		char why[sizeof(c->doom_why)];
-		snprintf(why, sizeof(why), "%s", c->doom_why);
+		char why[sizeof(c->why)];
+		snprintf(why, sizeof(why), "%s", c->why);
 		epd_client_error(c, h->req_id, c->refused, "%s", why);
 		epd_client_close(c, why);
 		return;
@@ -568,7 +561,7 @@ static void client_refuse(struct epd_client *c, int code, const char *fmt,
 {
 	va_list ap;
 	va_start(ap, fmt);
-	vsnprintf(c->doom_why, sizeof(c->doom_why), fmt, ap);
+	vsnprintf(c->why, sizeof(c->why), fmt, ap);
 	va_end(ap);
 	c->refused = code;
 	uv_timer_start(&c->frame_timer, frame_timeout,

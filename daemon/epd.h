@@ -119,7 +119,7 @@ struct epd_client {
 	bool closing;
 	bool doomed; /* to be closed by the reaper (see epd_client_doom) */
 	int refused; /* an error code: its first frame gets it, then close */
-	char doom_why[96];
+	char why[96]; /* why it is doomed or refused */
 	int pending_handles; /* handles whose close callback is outstanding */
 	struct list_node members; /* struct epd_member.cnode */
 };
@@ -337,7 +337,7 @@ void epd_member_reply_err(struct epd_member *m, int code, const char *msg);
 /* Checks common to every collective request; replies the error itself.
  * Returns the member, or NULL. */
 struct epd_member *epd_coll_enter(struct epd_client *c, uint64_t req_id,
-				  uint64_t gid, uint16_t type);
+				  uint64_t gid);
 /* Then, once the rank's own checks passed: false (replied, and the group
  * failed) if the other ranks are in another collective. */
 bool epd_coll_agree(struct epd_member *m, uint64_t req_id, uint16_t type);

@@ -740,7 +740,7 @@ void epd_group_arm_timer(struct epd_group *g)
 }
 
 struct epd_member *epd_coll_enter(struct epd_client *c, uint64_t req_id,
-				  uint64_t gid, uint16_t type)
+				  uint64_t gid)
 {
 	struct epd_member *m = member_lookup(c, req_id, gid);
 	if (!m)
@@ -766,7 +766,6 @@ struct epd_member *epd_coll_enter(struct epd_client *c, uint64_t req_id,
 				 m->rank);
 		return NULL;
 	}
-	(void)type;
 	return m;
 }
 
@@ -831,7 +830,7 @@ int epd_group_async(struct epd_client *c, uint64_t req_id, uint64_t gid,
 
 int epd_group_barrier(struct epd_client *c, uint64_t req_id, uint64_t gid)
 {
-	struct epd_member *m = epd_coll_enter(c, req_id, gid, EPP_BARRIER);
+	struct epd_member *m = epd_coll_enter(c, req_id, gid);
 	if (!m || !epd_coll_agree(m, req_id, EPP_BARRIER))
 		return EP_EINVAL;
 	struct epd_group *g = m->group;

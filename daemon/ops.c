@@ -429,8 +429,7 @@ void epd_ops_staged_enter(struct epd_group *g, uint16_t type, bool cached,
 int epd_op_dispatch(struct epd_client *c, uint64_t req_id,
 		    const struct epp_dispatch *d)
 {
-	struct epd_member *m = epd_coll_enter(c, req_id, d->group_id,
-					      EPP_DISPATCH);
+	struct epd_member *m = epd_coll_enter(c, req_id, d->group_id);
 	if (!m)
 		return EP_EINVAL;
 	struct epd_group *g = m->group;
@@ -494,8 +493,7 @@ int epd_op_dispatch(struct epd_client *c, uint64_t req_id,
 int epd_op_combine(struct epd_client *c, uint64_t req_id,
 		   const struct epp_combine *cb)
 {
-	struct epd_member *m = epd_coll_enter(c, req_id, cb->group_id,
-					      EPP_COMBINE);
+	struct epd_member *m = epd_coll_enter(c, req_id, cb->group_id);
 	if (!m)
 		return EP_EINVAL;
 	struct epd_group *g = m->group;

@@ -178,21 +178,22 @@ void ek_recv_per_expert(const struct ek_shape *s, const struct ek_route *r,
 	memset(pe, 0, per * sizeof(*pe));
 	for (uint32_t row = 0; row < r->num_recv[d]; row++) {
 		/* recv_topk_idx lies in the destination rank's memory, which
-		 * it can write at any time: each index is read once, into
-		 * ri[], and bounded before it indexes anything */
-		int64_t ri[32];
-		const int64_t *src = io[d].recv_topk_idx + (size_t)row * K;
-		for (uint32_t k = 0; k < K && k < 32; k++)
-			ri[k] = __atomic_load_n(&src[k], __ATOMIC_RELAXED);
+		 * it can write at any time: the index that addresses pe[] is
+		 * read once, into e, and bounded (what the rank scribbles
+		 * can only miscount its own experts) */
+		const int64_t *ri = io[d].recv_topk_idx + (size_t)row * K;
 		/* count a row once per distinct local expert */
-		for (uint32_t k = 0; k < K && k < 32; k++) {
-			if (ri[k] < 0 || ri[k] >= (int64_t)per)
+		for (uint32_t k = 0; k < K; k++) {
+			/* (an atomic load: the compiler may not read it
+			 * again where e is used) */
+			int64_t e = __atomic_load_n(&ri[k], __ATOMIC_RELAXED);
+			if (e < 0 || e >= (int64_t)per)
 				continue;
 			bool dup = false;
 			for (uint32_t j = 0; j < k; j++)
-				dup |= ri[j] == ri[k];
+				dup |= ri[j] == e;
 			if (!dup)
-				pe[ri[k]]++;
+				pe[e]++;
 		}
 	}
 }
