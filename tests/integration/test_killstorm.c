@@ -59,6 +59,21 @@ static int count_entries(pid_t pid, const char *what, const char *match)
 	return n;
 }
 
+/* The daemon's resident set, in KiB (VmRSS), or -1. */
+static long rss_kib(pid_t pid)
+{
+	char path[64], line[256];
+	long kib = -1;
+	snprintf(path, sizeof(path), "/proc/%d/status", (int)pid);
+	FILE *f = fopen(path, "r");
+	while (f && fgets(line, sizeof(line), f))
+		if (!strncmp(line, "VmRSS:", 6))
+			kib = atol(line + 6);
+	if (f)
+		fclose(f);
+	return kib;
+}
+
 static int bystander(int rank, void *arg)
 {
 	struct shared *s = arg;
@@ -156,6 +171,7 @@ int main(void)
 	th_sleep_ms(200);
 	int fd0 = count_entries(d.pid, "fd", NULL);
 	int map0 = count_entries(d.pid, "maps", "memfd:");
+	long rss0 = rss_kib(d.pid);
 	TH_CHECK(fd0 > 0 && map0 >= 0, "cannot read the daemon's /proc");
 
 	unsigned seed = (unsigned)getpid();
@@ -222,6 +238,12 @@ int main(void)
 		 fd1, fd0);
 	TH_CHECK(map1 == map0, "daemon maps %d memfd regions, %d before", map1,
 		 map0);
+	/* freed memory may stay with the allocator, but no job's buffers or
+	 * state may: a bound far below what the jobs used */
+	long rss1 = rss_kib(d.pid);
+	printf("daemon RSS %ld KiB before the storm, %ld after\n", rss0, rss1);
+	TH_CHECK(rss1 - rss0 < 64 * 1024, "RSS grew from %ld to %ld KiB", rss0,
+		 rss1);
 	s->stop = 1;
 	TH_CHECK(th_wait_all(by, 2, 60) == 0, "the bystander failed");
 	th_daemon_stop(&d);
