@@ -490,12 +490,7 @@ static int async_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 							      EKC_DONE),
 			.k = (uint32_t)k,
 			.budget_ns = (2ull * (uint64_t)ep__group_op_timeout(g) +
-				      1000) * 1000000ull,
-			.abort = (const int32_t *)(uintptr_t)(
-				g->ctl_dev +
-				(uint64_t)(g->cfg.rank % g->cfg.ranks_per_node) *
-					EPP_CTL_SLOT +
-				EPP_CTL_ERR_CODE)};
+				      1000) * 1000000ull};
 		void *params[] = {&a};
 		r = drv.cuLaunchKernel((CUfunction)g->ring_fn, 1, 1, 1, 32, 1,
 				       1, 0, s, params, NULL);

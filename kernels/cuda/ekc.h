@@ -157,13 +157,6 @@ struct ekc_ring_args {
 	uint32_t k;
 	uint32_t pad;
 	uint64_t budget_ns;
-	/* the rank's error word in the control page (host memory the daemon
-	 * writes from its CPU when the group fails): the wait ends there
-	 * too, without any GPU work of the daemon's. Under MPS a killed
-	 * rank's context is torn down only once its kernels end; a wait
-	 * that needed the daemon's GPU work to end could stall the MPS
-	 * server for its whole budget. */
-	const int32_t *abort;
 };
 
 /* ekc_copy_tma: warps per block; each warp holds two rows in shared

@@ -110,9 +110,7 @@ extern "C" __global__ void __launch_bounds__(32) ekc_ring_wait(struct ekc_ring_a
 	const uint64_t end = now_ns() + a.budget_ns;
 	uint32_t spins = 0;
 	while ((int32_t)(ld_relaxed(a.done) - a.k) < 0) {
-		if ((++spins & 255) == 0 &&
-		    (now_ns() > end ||
-		     (a.abort && *(const volatile int32_t *)a.abort)))
+		if ((++spins & 255) == 0 && now_ns() > end)
 			return;
 		// a long wait (a dispatch) polls gently: the SM's issue slots
 		// and L2 are the daemon's kernels' meanwhile
