@@ -96,13 +96,19 @@ static void print_status(json_t *root)
 		size_t i;
 		json_t *p;
 		printf("cluster: node %s (index %lld of %lld), view epoch %lld, "
-		       "%s, rejected %lld, %.1f MiB of row buffers kept\n"
+		       "%s (%s), rejected %lld, %.1f MiB of row buffers kept\n"
 		       "  peers: %s  (S self, U up, D down)\n",
 		       jstr(cl, "node"), jint(cl, "index"), jint(cl, "nodes"),
 		       jint(cl, "view_epoch"), jstr(cl, "transport"),
-		       jint(cl, "rejected"),
+		       jstr(cl, "transport_reason"), jint(cl, "rejected"),
 		       (double)jint(cl, "pooled_bytes") / 1048576.0,
 		       jstr(cl, "row"));
+		json_t *lr = json_object_get(cl, "last_rejection");
+		if (json_is_object(lr))
+			printf("  last rejected peer: %s, %.0f s ago: %s\n",
+			       jstr(lr, "peer"),
+			       json_real_value(json_object_get(lr, "age_s")),
+			       jstr(lr, "why"));
 		json_t *row;
 		printf("  connectivity (row: that node's view):\n");
 		json_array_foreach(json_object_get(cl, "matrix"), i, row)
@@ -116,9 +122,10 @@ static void print_status(json_t *root)
 		{
 			if (!strcmp(jstr(p, "state"), "self"))
 				continue;
-			printf("  %-12s %-22s %-5s downs %lld%s%s\n",
+			printf("  %-12s %-22s %-5s %-4s downs %lld%s%s\n",
 			       jstr(p, "name"), jstr(p, "addr"),
-			       jstr(p, "state"), jint(p, "downs"),
+			       jstr(p, "state"), jstr(p, "transport"),
+			       jint(p, "downs"),
 			       *jstr(p, "last_error") ? ", last: " : "",
 			       jstr(p, "last_error"));
 		}

@@ -98,6 +98,7 @@ struct epd_cluster {
 	uint8_t key[32];
 	uv_tcp_t listener;
 	struct epd_rdma *rd; /* the rdma transport, or NULL: tcp */
+	char transport_why[200]; /* why this transport */
 	uint8_t cluster_id[8];
 	uv_timer_t tick;
 	struct list_node conns;
@@ -922,18 +923,46 @@ static void on_tick(uv_timer_t *t)
 	}
 }
 
+static bool addr_loopback(const struct sockaddr_storage *sa)
+{
+	if (sa->ss_family == AF_INET)
+		return (ntohl(((const struct sockaddr_in *)sa)->sin_addr.s_addr) >>
+			24) == 127;
+	if (sa->ss_family == AF_INET6)
+		return IN6_IS_ADDR_LOOPBACK(
+			&((const struct sockaddr_in6 *)sa)->sin6_addr);
+	return false;
+}
+
+/* The first node whose host is a loopback address (by literal or by
+ * name), or -1. */
+static int loopback_node(const struct epd_cluster *cl)
+{
+	for (int i = 0; i < cl->n; i++) {
+		struct sockaddr_storage sa;
+		const struct cnode *nd = &cl->node[i];
+		if (!resolve(nd->host, nd->port, &sa)) {
+			if (addr_loopback(&sa))
+				return i;
+			continue;
+		}
+		struct addrinfo *res = NULL;
+		if (getaddrinfo(nd->host, NULL, &resolve_hints, &res) == 0 &&
+		    !first_addr(res, nd->port, &sa) && addr_loopback(&sa)) {
+			freeaddrinfo(res);
+			return i;
+		}
+		if (res)
+			freeaddrinfo(res);
+	}
+	return -1;
+}
+
 int epd_cluster_init(struct epd_server *srv, char *err, size_t errlen)
 {
 	const struct epd_config *cfg = &srv->cfg;
 	if (!cfg->peers[0])
 		return 0;
-	char rwhy[160];
-	bool rdma_ok = epd_rdma_available(rwhy, sizeof(rwhy));
-	if (!strcmp(cfg->transport, "rdma") && !rdma_ok) {
-		snprintf(err, errlen, "transport rdma: %s", rwhy);
-		return -1;
-	}
-	bool use_rdma = rdma_ok && strcmp(cfg->transport, "tcp");
 	if (sodium_init() < 0) {
 		snprintf(err, errlen, "libsodium failed to initialize");
 		return -1;
@@ -947,6 +976,28 @@ int epd_cluster_init(struct epd_server *srv, char *err, size_t errlen)
 	LIST_INIT(&cl->conns);
 	if (parse_peers(cl, cfg->peers, cfg->node_name, err, errlen))
 		goto err;
+	/* The transport: rdma where a device is there and no node sits on a
+	 * loopback address (the RDMA CM cannot route over lo: every dial
+	 * fails with ENODEV), else tcp, saying why. */
+	char rwhy[200];
+	bool rdma_ok = epd_rdma_available(rwhy, sizeof(rwhy));
+	int lo = rdma_ok ? loopback_node(cl) : -1;
+	if (lo >= 0) {
+		rdma_ok = false;
+		snprintf(rwhy, sizeof(rwhy),
+			 "node %s is on a loopback address (%s), which the RDMA "
+			 "CM cannot route (ENODEV)",
+			 cl->node[lo].name, cl->node[lo].host);
+	}
+	if (!strcmp(cfg->transport, "rdma") && !rdma_ok) {
+		snprintf(err, errlen, "transport rdma: %s", rwhy);
+		goto err;
+	}
+	bool use_rdma = rdma_ok && strcmp(cfg->transport, "tcp");
+	snprintf(cl->transport_why, sizeof(cl->transport_why), "%s",
+		 use_rdma ? "an RDMA device is present"
+		 : !strcmp(cfg->transport, "tcp") ? "transport = tcp"
+						  : rwhy);
 	if (!cfg->cluster_key_file[0]) {
 		snprintf(err, errlen, "peers given but no cluster_key_file");
 		goto err;
@@ -1003,7 +1054,7 @@ int epd_cluster_init(struct epd_server *srv, char *err, size_t errlen)
 		   "heartbeat %u ms x %u%s%s",
 		   me->name, cl->self, cl->n, use_rdma ? "rdma" : "tcp",
 		   me->host, me->port, cfg->heartbeat_ms, cfg->heartbeat_miss,
-		   use_rdma ? "" : "; rdma: ", use_rdma ? "" : rwhy);
+		   use_rdma ? "" : "; not rdma: ", use_rdma ? "" : cl->transport_why);
 	return 0;
 err:
 	free(cl);
@@ -1149,9 +1200,15 @@ void *epd_cluster_status(struct epd_server *srv)
 		snprintf(addr, sizeof(addr), "%s:%d", nd->host, nd->port);
 		json_array_append_new(
 			peers,
-			json_pack("{s:i, s:s, s:s, s:s, s:I, s:I, s:f, s:s}",
+			json_pack("{s:i, s:s, s:s, s:s, s:s, s:s, s:I, s:I, s:f, "
+				  "s:s}",
 				  "index", n, "name", nd->name, "addr", addr,
-				  "state", st, "view_epoch",
+				  "state", st, "transport",
+				  n == cl->self ? "-"
+				  : nd->conn && nd->conn->rdma ? "rdma"
+							       : "tcp",
+				  "transport_reason", cl->transport_why,
+				  "view_epoch",
 				  (json_int_t)(n == cl->self ? cl->epoch
 							     : nd->epoch),
 				  "downs", (json_int_t)nd->downs,
@@ -1168,6 +1225,9 @@ void *epd_cluster_status(struct epd_server *srv)
 			      "transport", cl->rd ? "rdma" : "tcp", "row", row,
 			      "rejected", (json_int_t)cl->rejected, "peers",
 			      peers, "matrix", matrix);
+	if (o)
+		json_object_set_new(o, "transport_reason",
+				    json_string(cl->transport_why));
 	if (o && cl->reject_ns)
 		json_object_set_new(
 			o, "last_rejection",
