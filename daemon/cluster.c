@@ -354,6 +354,18 @@ static void node_up(struct pconn *c)
 		   c->peer, c->addr, (unsigned long long)cl->epoch);
 }
 
+/* A handshake refused, by us or by the peer: counted, kept for the status
+ * and logged (by both sides: the dialler too learns why). */
+static void note_rejection(struct epd_cluster *cl, const char *who,
+			   const char *why)
+{
+	cl->rejected++;
+	cl->reject_ns = epd_now_ns();
+	snprintf(cl->reject_addr, sizeof(cl->reject_addr), "%s", who);
+	snprintf(cl->reject_why, sizeof(cl->reject_why), "%s", why);
+	epd_log_limited(cl->srv, "peer connection %s rejected: %s", who, why);
+}
+
 static void reject(struct pconn *c, const char *fmt, ...)
 	__attribute__((format(printf, 2, 3)));
 
@@ -364,12 +376,7 @@ static void reject(struct pconn *c, const char *fmt, ...)
 	va_start(ap, fmt);
 	vsnprintf(msg, sizeof(msg), fmt, ap);
 	va_end(ap);
-	struct epd_cluster *cl = c->cl;
-	cl->rejected++;
-	cl->reject_ns = epd_now_ns();
-	snprintf(cl->reject_addr, sizeof(cl->reject_addr), "%s", c->addr);
-	snprintf(cl->reject_why, sizeof(cl->reject_why), "%s", msg);
-	epd_warn("peer connection %s rejected: %s", c->addr, msg);
+	note_rejection(c->cl, c->addr, msg);
 	conn_close(c, msg);
 }
 
@@ -659,7 +666,7 @@ static struct pconn *conn_new_rdma(struct epd_cluster *cl)
 }
 
 static void *rd_request(void *arg, struct epd_rconn *rc, const void *pdata,
-			uint8_t len)
+			uint8_t len, char *reason, size_t rlen)
 {
 	struct epd_cluster *cl = arg;
 	uint32_t idx;
@@ -669,13 +676,15 @@ static void *rd_request(void *arg, struct epd_rconn *rc, const void *pdata,
 						    cl->n, cl->self, pdata, len,
 						    &idx);
 	if (why) {
-		cl->rejected++;
-		epd_warn("cluster: rdma connect request rejected: %s", why);
+		note_rejection(cl, "rdma connect request", why);
+		snprintf(reason, rlen, "%s", why);
 		return NULL;
 	}
 	struct pconn *c = conn_new_rdma(cl);
-	if (!c)
+	if (!c) {
+		snprintf(reason, rlen, "out of memory");
 		return NULL;
+	}
 	c->rc = rc;
 	snprintf(c->addr, sizeof(c->addr), "rdma from node %u", idx);
 	return c;
@@ -707,6 +716,13 @@ static void rd_closed(void *arg, void *user, const char *why)
 	struct pconn *c = user;
 	(void)arg;
 	c->rc = NULL; /* gone already */
+	/* our dial refused: the other side logged why, and so do we */
+	if (c->target >= 0 && !strncmp(why, "rejected", 8)) {
+		char who[96];
+		snprintf(who, sizeof(who), "to node %s",
+			 c->cl->node[c->target].name);
+		note_rejection(c->cl, who, why);
+	}
 	conn_close(c, why);
 }
 

@@ -279,7 +279,8 @@ struct epd_server {
 	uint16_t next_wid;
 	uint64_t n_accepted, n_rejected, n_proto_errors, n_limited;
 	int reserve_fd; /* spent to accept-and-close when out of descriptors */
-	uint64_t emfile_logged_ns;
+	double log_tokens; /* epd_log_limited's bucket */
+	uint64_t log_refill_ns, log_dropped;
 };
 
 uint64_t epd_now_ns(void);

@@ -354,6 +354,11 @@ static struct epd_rconn *rconn_new(struct epd_rdma *rd,
 	return rc;
 }
 
+/* A reject's private data: "EPDX", then the reason, NUL-terminated (the
+ * CM carries at most 148 bytes of it for RC). */
+#define REJ_MAGIC "EPDX"
+#define REJ_MAX 140
+
 static void cm_event(struct epd_rdma *rd, struct rdma_cm_event *ev)
 {
 	struct epd_rconn *rc = ev->id->context;
@@ -362,11 +367,19 @@ static void cm_event(struct epd_rdma *rd, struct rdma_cm_event *ev)
 	case RDMA_CM_EVENT_CONNECT_REQUEST: {
 		const struct rdma_conn_param *p = &ev->param.conn;
 		struct epd_rconn *n = rconn_new(rd, ev->id, NULL);
+		/* a refusal says why to the dialler: REJ_MAGIC, then text */
+		char rej[REJ_MAX] = REJ_MAGIC;
 		void *user = n ? rd->ops->request(rd->arg, n, p->private_data,
-						  p->private_data_len)
+						  p->private_data_len, rej + 4,
+						  sizeof(rej) - 4)
 			       : NULL;
 		if (!user) {
-			rdma_reject(ev->id, NULL, 0);
+			if (!n)
+				snprintf(rej + 4, sizeof(rej) - 4,
+					 "out of memory");
+			rdma_reject(ev->id, rej,
+				    (uint8_t)(4 + strnlen(rej + 4,
+							  sizeof(rej) - 5) + 1));
 			epd_rdma_close(n); /* freed after the event's ack */
 			return;
 		}
@@ -400,7 +413,21 @@ static void cm_event(struct epd_rdma *rd, struct rdma_cm_event *ev)
 		if (rc->user)
 			rd->ops->established(rd->arg, rc->user);
 		return;
-	case RDMA_CM_EVENT_REJECTED:
+	case RDMA_CM_EVENT_REJECTED: {
+		/* the peer's reason, if it is an epd that said one */
+		const char *pd = ev->param.conn.private_data;
+		uint8_t pl = ev->param.conn.private_data_len;
+		if (pd && pl > 5 && !memcmp(pd, REJ_MAGIC, 4) &&
+		    memchr(pd + 4, 0, pl - 4))
+			snprintf(why, sizeof(why), "rejected by the peer: %s",
+				 pd + 4);
+		else
+			snprintf(why, sizeof(why), "rejected (status %d)",
+				 ev->status);
+		if (rc && !rc->closing)
+			rconn_fail(rc, why);
+		return;
+	}
 	case RDMA_CM_EVENT_UNREACHABLE:
 	case RDMA_CM_EVENT_ADDR_ERROR:
 	case RDMA_CM_EVENT_ROUTE_ERROR:

@@ -21,8 +21,10 @@ struct epd_cmd;
  * to reject. established: the stream is up (both sides). bytes: the next
  * bytes of the stream. closed: the connection is gone (no more calls). */
 struct epd_rdma_ops {
+	/* A connect request: the user pointer to accept it, or NULL and why
+	 * (sent to the dialler in the reject's private data). */
 	void *(*request)(void *arg, struct epd_rconn *rc, const void *pdata,
-			 uint8_t len);
+			 uint8_t len, char *why, size_t wl);
 	void (*established)(void *arg, void *user);
 	void (*bytes)(void *arg, void *user, const uint8_t *p, size_t n);
 	void (*closed)(void *arg, void *user, const char *why);

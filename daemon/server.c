@@ -52,20 +52,35 @@ static void notify_status(struct epd_server *srv)
 		   nc, ng);
 }
 
-/* A warning at most once a second (a flood must not flood the log). */
+/* Warnings caused from outside (refused connections, peers, descriptor
+ * exhaustion): a token bucket of LOG_BURST, refilled at LOG_RATE a second,
+ * so that a flood cannot flood the log; what was dropped is counted in
+ * the next line that passes. */
+#define LOG_BURST 20
+#define LOG_RATE 10
 void epd_log_limited(struct epd_server *srv, const char *fmt, ...)
 {
 	uint64_t now = epd_now_ns();
-	if (now - srv->emfile_logged_ns < 1000000000ull &&
-	    srv->emfile_logged_ns)
+	double t = srv->log_tokens +
+		   (double)(now - srv->log_refill_ns) * LOG_RATE / 1e9;
+	srv->log_tokens = t > LOG_BURST || !srv->log_refill_ns ? LOG_BURST : t;
+	srv->log_refill_ns = now;
+	if (srv->log_tokens < 1) {
+		srv->log_dropped++;
 		return;
-	srv->emfile_logged_ns = now;
+	}
+	srv->log_tokens -= 1;
 	char msg[256];
 	va_list ap;
 	va_start(ap, fmt);
 	vsnprintf(msg, sizeof(msg), fmt, ap);
 	va_end(ap);
-	epd_warn("%s", msg);
+	if (srv->log_dropped)
+		epd_warn("%s (%llu similar messages dropped)", msg,
+			 (unsigned long long)srv->log_dropped);
+	else
+		epd_warn("%s", msg);
+	srv->log_dropped = 0;
 }
 
 static void on_listen(uv_poll_t *h, int status, int events)

@@ -219,7 +219,8 @@ static void check_emfile(void)
 	FILE *f = popen(cmd, "r");
 	TH_CHECK(f && fgets(out, sizeof(out), f), "grep");
 	pclose(f);
-	TH_CHECK(atoi(out) <= 3, "%d accept warnings logged", atoi(out));
+	/* a burst of 20, then 10 a second (epd_log_limited) */
+	TH_CHECK(atoi(out) <= 30, "%d accept warnings logged", atoi(out));
 	th_daemon_stop(&d);
 	printf("ok: out of descriptors: %d refused at once, %d accept "
 	       "warnings, served again after\n",
