@@ -58,7 +58,7 @@ struct pconn {
 	uint64_t born_ns;
 	uint8_t *rbuf;
 	size_t rlen, rcap;
-	bool got_hello, authed, closing;
+	bool hello_sent, got_hello, authed, closing;
 	uint16_t minor; /* the peer's protocol minor version */
 	uint8_t nonce[NONCE], peer_nonce[NONCE];
 	/* after the handshake: each direction's key and frame number;
@@ -299,6 +299,9 @@ static void conn_send(struct pconn *c, uint16_t type, const void *p,
 static void send_hello(struct pconn *c)
 {
 	struct epd_cluster *cl = c->cl;
+	if (c->hello_sent)
+		return;
+	c->hello_sent = true;
 	uint8_t buf[256];
 	struct epp_peer_hello m = {.major = EPP_VERSION_MAJOR,
 				   .minor = EPP_VERSION_MINOR,
@@ -405,6 +408,10 @@ static void on_hello(struct pconn *c, const uint8_t *p, uint32_t len)
 	c->peer = (int)idx;
 	c->minor = minor;
 	c->got_hello = true;
+	/* The rdma passive side may receive the dialler's hello before its
+	 * own ESTABLISHED event (where it sends its hello): ours first, with
+	 * the nonce the proof below is bound to. */
+	send_hello(c);
 	const char *me = cl->node[cl->self].name, *it = cl->node[idx].name;
 	epd_peer_key(cl->key, me, it, c->nonce, c->peer_nonce, c->ktx);
 	epd_peer_key(cl->key, it, me, c->peer_nonce, c->nonce, c->krx);
@@ -591,12 +598,16 @@ static void conn_parse(struct pconn *c)
 	c->rlen -= off;
 }
 
-/* Dial node nd again later, later each time (from first_ns to 5 s). */
+/* Dial node nd again later, later each time (from first_ns to 1 s: a
+ * node that restarts after a run of refused dials, e.g. with the wrong key
+ * first, is back within a second, not after the 5 s a longer backoff
+ * reached; a refused dial costs one connection attempt). */
+#define DIAL_BACKOFF_MAX_NS 1000000000ull
 static void dial_later(struct cnode *nd, uint64_t first_ns)
 {
 	nd->backoff_ns = nd->backoff_ns ? nd->backoff_ns * 2 : first_ns;
-	if (nd->backoff_ns > 5000000000ull)
-		nd->backoff_ns = 5000000000ull;
+	if (nd->backoff_ns > DIAL_BACKOFF_MAX_NS)
+		nd->backoff_ns = DIAL_BACKOFF_MAX_NS;
 	nd->next_dial_ns = epd_now_ns() + nd->backoff_ns;
 }
 

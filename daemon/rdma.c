@@ -167,6 +167,11 @@ static int post_recv(struct epd_rconn *rc, uint32_t i)
 /* Post queued bytes while send slots are free. */
 static void pump(struct epd_rconn *rc)
 {
+	/* Not established yet: bytes wait in pend (the passive side can
+	 * receive the dialler's hello, and answer it, before its own
+	 * ESTABLISHED event; its queue pair may not send before). */
+	if (!rc->connected)
+		return;
 	while (rc->nfree > 0 && rc->poff < rc->plen_bytes) {
 		uint32_t s = rc->free_slot[--rc->nfree];
 		size_t n = rc->plen_bytes - rc->poff;
@@ -410,7 +415,8 @@ static void cm_event(struct epd_rdma *rd, struct rdma_cm_event *ev)
 		if (!rc || rc->closing)
 			return;
 		rc->connected = true;
-		if (rc->user)
+		pump(rc); /* what was answered before the event */
+		if (rc->user && !rc->closing)
 			rd->ops->established(rd->arg, rc->user);
 		return;
 	case RDMA_CM_EVENT_REJECTED: {
@@ -549,7 +555,7 @@ struct epd_rconn *epd_rdma_dial(struct epd_rdma *rd, const struct sockaddr *sa,
 
 int epd_rdma_send(struct epd_rconn *rc, const struct iovec *iov, int n)
 {
-	if (rc->closing || !rc->connected)
+	if (rc->closing || !rc->qp)
 		return -1;
 	if (rc->poff) { /* drop what is posted already */
 		memmove(rc->pend, rc->pend + rc->poff, rc->plen_bytes - rc->poff);
@@ -674,9 +680,11 @@ void epd_rdma_dereg(struct epd_rmr *m)
 {
 	if (!m)
 		return;
+	struct epd_rdma *rd = m->rd;
 	ibv_dereg_mr(m->mr);
-	m->rd->nmr--;
+	rd->nmr--;
 	free(m);
+	rdma_maybe_free(rd); /* the last region of a transport that closed */
 }
 
 uint32_t epd_rmr_lkey(const struct epd_rmr *m)
@@ -788,9 +796,13 @@ static void linger_closed(uv_handle_t *h)
 }
 
 /* The channel goes last: after every id made on it. */
+/* The transport is freed once it was closed and nothing refers to it any
+ * more: connections, and regions (a freed group's windows stay
+ * registered a grace period and may be released after the transport
+ * closed: epd_rdma_dereg then frees it). */
 static void rdma_maybe_free(struct epd_rdma *rd)
 {
-	if (!rd->closing || !rd->poll_closed || rd->nconn > 0)
+	if (!rd->closing || !rd->poll_closed || rd->nconn > 0 || rd->nmr > 0)
 		return;
 	if (rd->linger_init) {
 		if (!uv_is_closing((uv_handle_t *)&rd->linger_timer))
@@ -802,8 +814,7 @@ static void rdma_maybe_free(struct epd_rdma *rd)
 	if (rd->listener)
 		rdma_destroy_id(rd->listener);
 	rdma_destroy_event_channel(rd->ch);
-	/* regions still registered (groups at exit) keep the domain */
-	if (rd->pd && rd->nmr == 0)
+	if (rd->pd)
 		ibv_dealloc_pd(rd->pd);
 	free(rd);
 }

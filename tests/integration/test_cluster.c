@@ -600,6 +600,44 @@ static void check_wrong_key(void)
 	wait_all_up();
 }
 
+/* Rejoin, again and again (EPD_TEST_REJOIN_ROUNDS, default 2; 20 in
+ * tests/rdma-vm): node 2 killed (SIGKILL or SIGTERM in turn), or first
+ * replaced by a node with the wrong key, then restarted with the right
+ * one; every node must see every other up again each time. */
+static void check_rejoins(void)
+{
+	int rounds = getenv("EPD_TEST_REJOIN_ROUNDS")
+			     ? atoi(getenv("EPD_TEST_REJOIN_ROUNDS"))
+			     : 2;
+	uint64_t worst = 0;
+	for (int i = 0; i < rounds; i++) {
+		if (i % 3 == 0) {
+			kill(D[2].pid, SIGKILL);
+			th_reap(D[2].pid, 10);
+			D[2].pid = 0;
+			unlink(D[2].sock);
+		} else {
+			th_daemon_stop(&D[2]);
+		}
+		wait_row(0, "SUD");
+		if (i % 3 == 2) { /* the wrong key first */
+			start_node(2, badkey, false);
+			th_sleep_ms(300);
+			wait_row(0, "SUD");
+			th_daemon_stop(&D[2]);
+		}
+		uint64_t t0 = th_now_ns();
+		start_node(2, keyfile, false);
+		wait_all_up();
+		uint64_t dt = th_now_ns() - t0;
+		if (dt > worst)
+			worst = dt;
+	}
+	printf("ok: %d rejoins (killed, stopped, after a wrong-key node): "
+	       "every node up again each time, the slowest in %llu ms\n",
+	       rounds, (unsigned long long)(worst / 1000000));
+}
+
 static int raw_peer_of(int node)
 {
 	int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -1315,6 +1353,7 @@ int main(void)
 	check_late(3, 2); /* a new group across all nodes after the rejoin */
 	check_silent_node();
 	check_wrong_key();
+	check_rejoins();
 	if (!rdma) { /* fake peers speak raw tcp */
 		check_relay();
 		check_resets();
