@@ -536,7 +536,18 @@ static void client_io(uv_poll_t *h, int status, int events)
 	if (c->doomed)
 		return;
 	if (status < 0) {
-		epd_client_close(c, uv_strerror(status));
+		/* libuv reports a socket error (POLLERR) as EBADF: say the
+		 * socket's own error */
+		int e = 0;
+		socklen_t el = sizeof(e);
+		char why[96];
+		if (status == UV_EBADF &&
+		    !getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &e, &el) && e)
+			snprintf(why, sizeof(why), "socket error: %s",
+				 strerror(e));
+		else
+			snprintf(why, sizeof(why), "%s", uv_strerror(status));
+		epd_client_close(c, why);
 		return;
 	}
 	if (events & UV_WRITABLE) {

@@ -600,6 +600,61 @@ static void check_wrong_key(void)
 	wait_all_up();
 }
 
+/* The RDMA device removed under running daemons (`rdma link delete`,
+ * tests/rdma-vm only: EPD_TEST_RXE_DELETE names the device): ranks of a
+ * group across nodes waiting in a barrier get EP_EPEERLOST at once, every
+ * daemon stays up and stops cleanly, and node 0's status says why its
+ * peers are down. Last, since the cluster cannot come back without the
+ * device. */
+static int removal_rank(int rank, void *arg)
+{
+	struct late *s = arg;
+	ep_conn_t *c;
+	ep_group_t *g = join(s, rank, &c, 20000);
+	TH_OK(ep_barrier(g));
+	__atomic_fetch_add(&s->entered, 1, __ATOMIC_SEQ_CST);
+	if (rank == 3)
+		for (;;)
+			pause(); /* never enters: the others wait */
+	s->codes[rank] = ep_barrier(g);
+	snprintf(s->msgs[rank], sizeof(s->msgs[rank]), "%s", ep_errmsg());
+	ep_leave(g);
+	ep_close(c);
+	return 0;
+}
+
+static void check_device_removal(const char *dev)
+{
+	struct late *s = late_new(2, 2, "removal");
+	pid_t pids[4];
+	th_spawn(pids, 4, removal_rank, s);
+	while (s->entered < 4)
+		th_sleep_ms(2);
+	th_sleep_ms(200);
+	char cmd[128];
+	snprintf(cmd, sizeof(cmd), "rdma link delete %s", dev);
+	TH_CHECK(system(cmd) == 0, "%s failed", cmd);
+	TH_CHECK(th_wait_all(pids, 3, 30) == 0, "ranks 0-2 hung or failed");
+	kill(pids[3], SIGKILL);
+	th_reap(pids[3], 5);
+	for (int r = 0; r < 3; r++)
+		TH_CHECK(s->codes[r] == EP_EPEERLOST || s->codes[r] == EP_EFAILED,
+			 "rank %d: %s: %s", r, ep_strerror(s->codes[r]),
+			 s->msgs[r]);
+	wait_row(0, "SDD");
+	json_t *cl = cluster_of(0);
+	json_t *p1 = json_array_get(json_object_get(cl, "peers"), 1);
+	char why[160];
+	snprintf(why, sizeof(why), "%s",
+		 json_string_value(json_object_get(p1, "last_error")));
+	json_decref(cl);
+	for (int i = 0; i < NODES; i++)
+		TH_CHECK(th_daemon_alive(&D[i]), "node %d died", i);
+	printf("ok: %s deleted under running daemons: the group's ranks got "
+	       "%s; every daemon up; node 0 says n1 is down: %s\n",
+	       dev, s->msgs[0], why);
+}
+
 /* Rejoin, again and again (EPD_TEST_REJOIN_ROUNDS, default 2; 20 in
  * tests/rdma-vm): node 2 killed (SIGKILL or SIGTERM in turn), or first
  * replaced by a node with the wrong key, then restarted with the right
@@ -1365,6 +1420,9 @@ int main(void)
 		       "bad members, bad windows) under rdma\n");
 	}
 	check_late(2, 2);
+	const char *rxe = getenv("EPD_TEST_RXE_DELETE");
+	if (rdma && rxe && *rxe)
+		check_device_removal(rxe);
 	for (int i = 0; i < NODES; i++)
 		th_daemon_stop(&D[i]);
 	return 0;
