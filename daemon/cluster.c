@@ -728,7 +728,7 @@ static void rd_closed(void *arg, void *user, const char *why)
 	(void)arg;
 	c->rc = NULL; /* gone already */
 	/* our dial refused: the other side logged why, and so do we */
-	if (c->target >= 0 && !strncmp(why, "rejected", 8)) {
+	if (c->target >= 0 && !strncmp(why, "rejected by the peer", 20)) {
 		char who[96];
 		snprintf(who, sizeof(who), "to node %s",
 			 c->cl->node[c->target].name);

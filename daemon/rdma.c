@@ -427,8 +427,9 @@ static void cm_event(struct epd_rdma *rd, struct rdma_cm_event *ev)
 		    memchr(pd + 4, 0, pl - 4))
 			snprintf(why, sizeof(why), "rejected by the peer: %s",
 				 pd + 4);
-		else
-			snprintf(why, sizeof(why), "rejected (status %d)",
+		else /* e.g. 8: nothing listens there (yet) */
+			snprintf(why, sizeof(why),
+				 "connection refused (CM reject status %d)",
 				 ev->status);
 		if (rc && !rc->closing)
 			rconn_fail(rc, why);
