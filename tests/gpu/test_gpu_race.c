@@ -56,25 +56,35 @@ static void *flipper(void *arg)
 	return NULL;
 }
 
+/* A GPU rank r of group `name` with valid routing inputs (experts
+ * (i * mul + r) % E): its stream, connection and buffers. */
+static ep_group_t *gpu_rank(struct shared *s, const char *name, int r,
+			    int mul, CUstream *st, ep_conn_t **c,
+			    struct ep_buffers *b)
+{
+	int gpu;
+	CUdeviceptr sdev;
+	*st = tg_rank_init(r, &gpu, (void *)s, sizeof(*s), &sdev);
+	struct ep_group_config cfg = th_group(name, W, (uint32_t)r, 20000);
+	cfg.cuda_device = gpu;
+	ep_group_t *g;
+	TH_OK(ep_connect(s->d->sock, c));
+	TH_OK(ep_join(*c, &cfg, EP_JOIN_CUDA, &g));
+	TH_OK(ep_get_buffers(g, b));
+	int64_t topk[T * 4];
+	for (int i = 0; i < T * 4; i++)
+		topk[i] = (i * mul + r) % (int)cfg.num_experts;
+	CU(tg_drv.cuMemcpyHtoD(tg_dptr(b->topk_idx), topk, sizeof(topk)));
+	return g;
+}
+
 static int rank_main(int r, void *arg)
 {
 	struct shared *s = arg;
-	int gpu;
-	CUdeviceptr sdev;
-	CUstream st = tg_rank_init(r, &gpu, (void *)s, sizeof(*s), &sdev);
-	struct ep_group_config cfg = th_group("gpurace", W, (uint32_t)r,
-					      20000);
-	cfg.cuda_device = gpu;
+	CUstream st;
 	ep_conn_t *c;
-	ep_group_t *g;
-	TH_OK(ep_connect(s->d->sock, &c));
-	TH_OK(ep_join(c, &cfg, EP_JOIN_CUDA, &g));
 	struct ep_buffers b;
-	TH_OK(ep_get_buffers(g, &b));
-	int64_t topk[T * 4];
-	for (int i = 0; i < T * 4; i++)
-		topk[i] = (i * 5 + r) % (int)cfg.num_experts;
-	CU(tg_drv.cuMemcpyHtoD(tg_dptr(b.topk_idx), topk, sizeof(topk)));
+	ep_group_t *g = gpu_rank(s, "gpurace", r, 5, &st, &c, &b);
 	struct flip f = {.topk0 = tg_dptr(b.topk_idx)};
 	pthread_t th;
 	if (r == 0) {
@@ -120,22 +130,10 @@ static int rank_main(int r, void *arg)
 static int fresh_rank(int r, void *arg)
 {
 	struct shared *s = arg;
-	int gpu;
-	CUdeviceptr sdev;
-	CUstream st = tg_rank_init(r, &gpu, (void *)s, sizeof(*s), &sdev);
-	struct ep_group_config cfg = th_group("gpucalm", W, (uint32_t)r,
-					      20000);
-	cfg.cuda_device = gpu;
+	CUstream st;
 	ep_conn_t *c;
-	ep_group_t *g;
-	TH_OK(ep_connect(s->d->sock, &c));
-	TH_OK(ep_join(c, &cfg, EP_JOIN_CUDA, &g));
 	struct ep_buffers b;
-	TH_OK(ep_get_buffers(g, &b));
-	int64_t topk[T * 4];
-	for (int i = 0; i < T * 4; i++)
-		topk[i] = (i * 3 + r) % (int)cfg.num_experts;
-	CU(tg_drv.cuMemcpyHtoD(tg_dptr(b.topk_idx), topk, sizeof(topk)));
+	ep_group_t *g = gpu_rank(s, "gpucalm", r, 3, &st, &c, &b);
 	ep_handle_t h;
 	for (int i = 0; i < 20; i++) {
 		TH_OK(ep_dispatch_stream(g, T, 0, NULL, st, &h));
