@@ -58,6 +58,11 @@ void th_init(const char *name, unsigned timeout_s)
 	main_pid = getpid();
 	signal(SIGALRM, on_alarm);
 	signal(SIGPIPE, SIG_IGN);
+	/* EPD_TEST_ALARM_SCALE: an emulated CPU (tests/rdma-vm) under a
+	 * sanitizer runs several times slower */
+	const char *sc = getenv("EPD_TEST_ALARM_SCALE");
+	if (sc && atoi(sc) > 1)
+		timeout_s *= (unsigned)atoi(sc);
 	alarm(timeout_s);
 	printf("# %s\n", name);
 }
