@@ -86,7 +86,7 @@ struct cnode {
 };
 
 struct early {
-	char name[EPD_GKEY_MAX + 1];
+	char name[EPP_GKEY_MAX + 1];
 	uint32_t node, l;
 	uint64_t seq;
 };

@@ -25,10 +25,9 @@
 #define EPD_DEFAULT_SOCKET "/run/epd/epd.sock"
 #define EPD_DEFAULT_CONFIG "/etc/epd/epd.conf"
 #define EPD_MAX_ALLOW 32
-/* A group's key: its name in its owner's namespace ("name~uid"), or the
- * bare name for root's groups and shared ones; the key is what the nodes
- * of a group agree on. */
-#define EPD_GKEY_MAX EPP_GKEY_MAX
+/* A group's key (EPP_GKEY_MAX, epp_peer.h): its name in its owner's
+ * namespace ("name~uid"), or the bare name for root's groups and shared
+ * ones; the key is what the nodes of a group agree on. */
 #define EPD_MAX_HANDLES 32 /* dispatch routings a group keeps */
 /* pending_req of a GPU rank whose stream-ordered op of a group across
  * nodes runs through the host path: the result goes to cuda.c, not to a
@@ -168,7 +167,7 @@ struct epd_group {
 	struct epp_join shape; /* name, world, rpn, experts, hidden, ... */
 	uid_t owner;                 /* the uid that created it */
 	bool shared;                 /* open to every admitted uid */
-	char key[EPD_GKEY_MAX + 1];  /* see EPD_GKEY_MAX */
+	char key[EPP_GKEY_MAX + 1];  /* see EPP_GKEY_MAX */
 	uint32_t node_index, nnodes;
 	uint32_t timeout_ms;
 	enum epd_group_state state;

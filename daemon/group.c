@@ -535,7 +535,7 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 			return EP_EMISMATCH;
 		}
 	}
-	char key[EPD_GKEY_MAX + 1];
+	char key[EPP_GKEY_MAX + 1];
 	bool shared = epd_group_key(&srv->cfg, c->uid, j->name, key,
 				    sizeof(key));
 	struct epd_group *g = epd_group_find(srv, key);

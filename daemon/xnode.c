@@ -1242,7 +1242,7 @@ void epd_xop_start(struct epd_group *g)
 
 struct stashed {
 	struct list_node node;
-	char name[EPD_GKEY_MAX + 1];
+	char name[EPP_GKEY_MAX + 1];
 	uint16_t type;
 	uint32_t from, len;
 	uint8_t data[];
@@ -1435,9 +1435,8 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 	}
 	/* XROWS: the record size depends on the op's type, the first field */
 	struct epp_peer_xrows xr;
-	uint16_t otype = op.body_len >= 2 ? (uint16_t)(op.body[0] |
-						       op.body[1] << 8)
-					  : 0;
+	uint16_t otype = 0;
+	epp_peer_xrows_type(&op, &otype); /* 0 on error: decode fails */
 	const size_t rb = row_bytes(g, otype), rec = 8 + rb;
 	int rbad = epp_peer_xrows_decode(&op, rec, &xr);
 	uint64_t handle = xr.handle;

@@ -154,6 +154,14 @@ void epp_peer_put_xrows(struct epp_wr *w, uint16_t type, uint64_t handle,
 	epp_put_u32(w, count);
 }
 
+int epp_peer_xrows_type(const struct epp_peer_op *op, uint16_t *type)
+{
+	struct epp_rd r;
+	epp_rd_init(&r, op->body, op->body_len);
+	*type = epp_get_u16(&r);
+	return r.err ? EP_EPROTO : 0;
+}
+
 int epp_peer_xrows_decode(const struct epp_peer_op *op, size_t rec,
 			  struct epp_peer_xrows *m)
 {

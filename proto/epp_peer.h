@@ -97,6 +97,8 @@ struct epp_peer_xrows {
 };
 void epp_peer_put_xrows(struct epp_wr *w, uint16_t type, uint64_t handle,
 			uint32_t count);
+/* The op type alone (the record size depends on it): 0 or EP_EPROTO. */
+int epp_peer_xrows_type(const struct epp_peer_op *op, uint16_t *type);
 int epp_peer_xrows_decode(const struct epp_peer_op *op, size_t rec,
 			  struct epp_peer_xrows *m);
 

@@ -102,14 +102,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 }
 
 #ifndef EPP_LIBFUZZER
-static uint64_t rng = 0x2545f4914f6cdd1dull;
-static uint32_t next(void)
-{
-	rng ^= rng << 13;
-	rng ^= rng >> 7;
-	rng ^= rng << 17;
-	return (uint32_t)rng;
-}
+#include "fuzz_driver.h"
 
 int main(int argc, char **argv)
 {
@@ -163,24 +156,11 @@ int main(int argc, char **argv)
 	}
 	len[6] = w.off;
 	static uint8_t buf[1200];
-	for (long i = 0; i < iters; i++) {
-		size_t n;
-		if (i % 5 == 4) { /* random bytes */
-			n = next() % sizeof(buf);
-			for (size_t k = 0; k < n; k++)
-				buf[k] = (uint8_t)next();
-		} else { /* mutate a valid payload */
-			int s = (int)(next() % NS);
-			n = len[s];
-			memcpy(buf, seeds[s], n);
-			int flips = 1 + (int)(next() % 4);
-			for (int f = 0; f < flips && n; f++)
-				buf[next() % n] ^= (uint8_t)(1u << (next() % 8));
-			if (next() % 8 == 0)
-				n = next() % (n + 1);
-		}
-		LLVMFuzzerTestOneInput(buf, n);
-	}
+	const uint8_t *sp[NS];
+	for (int i = 0; i < NS; i++)
+		sp[i] = seeds[i];
+	fuzz_drive(iters, 0x2545f4914f6cdd1dull, sp, len, NS, 5, buf,
+		   sizeof(buf));
 	printf("ok: %ld peer fuzz inputs, every decoder held its rules\n",
 	       iters);
 	return 0;

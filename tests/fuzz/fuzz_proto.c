@@ -63,14 +63,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 }
 
 #ifndef EPP_LIBFUZZER
-static uint64_t rng = 0x9e3779b97f4a7c15ull;
-static uint32_t next(void)
-{
-	rng ^= rng << 13;
-	rng ^= rng >> 7;
-	rng ^= rng << 17;
-	return (uint32_t)rng;
-}
+#include "fuzz_driver.h"
 
 int main(int argc, char **argv)
 {
@@ -93,24 +86,9 @@ int main(int argc, char **argv)
 	strcpy(ho.backend, "host");
 	seedlen[3] = epp_hello_ok_encode(&ho, seeds[3], 512);
 	uint8_t buf[600];
-	for (long i = 0; i < iters; i++) {
-		size_t n;
-		if (i % 4 == 3) { /* random bytes */
-			n = next() % sizeof(buf);
-			for (size_t k = 0; k < n; k++)
-				buf[k] = (uint8_t)next();
-		} else { /* mutate a valid input */
-			int s = (int)(next() % 4);
-			n = seedlen[s];
-			memcpy(buf, seeds[s], n);
-			int flips = 1 + (int)(next() % 4);
-			for (int f = 0; f < flips && n; f++)
-				buf[next() % n] ^= (uint8_t)(1u << (next() % 8));
-			if (next() % 8 == 0)
-				n = next() % (n + 1);
-		}
-		LLVMFuzzerTestOneInput(buf, n);
-	}
+	const uint8_t *sp[4] = {seeds[0], seeds[1], seeds[2], seeds[3]};
+	fuzz_drive(iters, 0x9e3779b97f4a7c15ull, sp, seedlen, 4, 4, buf,
+		   sizeof(buf));
 	printf("ok: %ld fuzz inputs, every decoder held its rules\n", iters);
 	return 0;
 }
