@@ -391,6 +391,26 @@ static CUfunction ring_fn(void)
 	return fn;
 }
 
+/* How long the ring kernel spins before it leaves the wait to the stream
+ * memory operation behind it: EP_RING_SPIN_US, default 2 ms (longer than
+ * any op of a healthy group on one GPU; the bound on how long a killed
+ * rank's kernel holds the GPU's MPS server). */
+static uint64_t ring_spin_ns(void)
+{
+	static uint64_t ns;
+	uint64_t v = __atomic_load_n(&ns, __ATOMIC_RELAXED);
+	if (v)
+		return v;
+	const char *e = getenv("EP_RING_SPIN_US");
+	char *end;
+	unsigned long long us = e && *e ? strtoull(e, &end, 10) : 2000;
+	if (!e || !*e || *end || us == 0 || us > 60000000ull)
+		us = 2000;
+	v = (uint64_t)us * 1000u;
+	__atomic_store_n(&ns, v, __ATOMIC_RELAXED);
+	return v;
+}
+
 /* The op's frame to the daemon: payload, then its number k. */
 static int send_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 		   uint32_t len, uint64_t k)
@@ -484,16 +504,25 @@ static int async_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 						    (cuuint32_t)k,
 						    CU_STREAM_WAIT_VALUE_GEQ);
 	} else if (g->ring_fn) {
+		/* The kernel spins only a short while; a longer wait goes on
+		 * in the stream's front end (the memory operation after it,
+		 * already satisfied when the kernel saw done). Under MPS a
+		 * killed process's context is torn down only after its
+		 * kernels end: a kernel spinning for the op's whole timeout
+		 * stalled every client of the GPU for that long. */
 		struct ekc_ring_args a = {
 			.bell = (uint32_t *)(uintptr_t)bell,
 			.done = (const uint32_t *)(uintptr_t)(g->dev_ptr +
 							      EKC_DONE),
 			.k = (uint32_t)k,
-			.budget_ns = (2ull * (uint64_t)ep__group_op_timeout(g) +
-				      1000) * 1000000ull};
+			.budget_ns = ring_spin_ns()};
 		void *params[] = {&a};
 		r = drv.cuLaunchKernel((CUfunction)g->ring_fn, 1, 1, 1, 32, 1,
 				       1, 0, s, params, NULL);
+		if (!r)
+			r = drv.cuStreamWaitValue32(s, g->dev_ptr + EKC_DONE,
+						    (cuuint32_t)k,
+						    CU_STREAM_WAIT_VALUE_GEQ);
 	} else {
 		r = drv.cuStreamWriteValue32(s, bell, (cuuint32_t)k, 0);
 		if (!r)

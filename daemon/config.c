@@ -21,6 +21,10 @@ void epd_config_defaults(struct epd_config *c)
 	c->log_level = EPD_LOG_INFO;
 	c->timeout_ms = 30000;
 	c->cuda_copy_sms = EPD_COPY_SMS_AUTO; /* PERFORMANCE.md */
+	/* The resident barrier's rank-side kernel and the daemon's data
+	 * kernels spin on each other's words: under MPS that wedged the GPU
+	 * (epd.conf(5), PERFORMANCE.md): opt-in only. */
+	c->cuda_no_resident = true;
 	c->frame_timeout_ms = 5000;
 	c->worker_threads = 0;
 	gethostname(c->node_name, sizeof(c->node_name) - 1);
@@ -100,8 +104,8 @@ static int parse_allow(struct epd_config *c, const char *v)
 	return 0;
 }
 
-/* The yes/no options (default yes), each kept as its "off" flag: the
- * flag of key in c, or NULL. */
+/* The yes/no options, each kept as its "off" flag (all default yes but
+ * cuda_resident_barrier): the flag of key in c, or NULL. */
 static bool *yes_no_flag(struct epd_config *c, const char *key)
 {
 	static const struct {

@@ -148,9 +148,12 @@ struct ekc_fastbar_args {
 
 /* A rank's stream under MPS: ring the doorbell, then wait for done with a
  * kernel of one thread (stream memory operations wait in the GPU's front
- * end, which re-polls slowly: ~20 us per barrier measured). The budget only
- * ends the wait if the daemon itself is gone; a group that fails gets its
- * done words written far ahead. */
+ * end, which re-polls slowly: ~20 us per barrier measured). The kernel
+ * spins for a short budget only (EP_RING_SPIN_US); libep enqueues a stream
+ * wait on the same done word behind it, which holds the stream if the op
+ * takes longer. A killed rank's kernel thus ends within the budget: MPS
+ * tears a dead client's context down only after its kernels end. A group
+ * that fails gets its done words written far ahead. */
 struct ekc_ring_args {
 	uint32_t *bell;
 	const uint32_t *done;

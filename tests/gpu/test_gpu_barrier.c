@@ -185,12 +185,12 @@ static int loop_rank(int rank, void *arg)
 		const char *eu = strstr(js, "\"barrier_engine_us\":");
 		s->engine_us = eu ? atof(eu + 20) : -1;
 		TH_CHECK(strstr(js, "\"backend\":\"cuda\""), "status: %s", js);
-		/* Barriers run on the resident kernel under MPS, else on the
-		 * host thread (EPD_GPU_BARRIER names another); no frame to the
-		 * daemon either way, and it counted them all. */
+		/* Barriers run on the host thread (EPD_GPU_BARRIER names
+		 * another); no frame to the daemon for either the host thread
+		 * or the resident kernel, and it counted them all. */
 		const char *want = getenv("EPD_GPU_BARRIER");
-		if (!want)
-			want = s->mps ? "kernel" : "host";
+		if (!want || (!strcmp(want, "kernel") && !s->mps))
+			want = "host";
 		char frag[64];
 		snprintf(frag, sizeof(frag), "\"barrier\":\"%s\"", want);
 		TH_CHECK(strstr(js, frag), "want %s: %s", frag, js);
@@ -301,9 +301,13 @@ int main(void)
 	if (tg_probe())
 		return TH_SKIP;
 	struct th_daemon d;
-	/* EPD_GPU_BARRIER=host|stream: that engine instead of the default */
+	/* EPD_GPU_BARRIER=kernel|stream: that engine instead of the host
+	 * thread (kernel: the opt-in resident barrier, MPS only) */
 	const char *eng = getenv("EPD_GPU_BARRIER");
-	if (eng && !strcmp(eng, "stream"))
+	if (eng && !strcmp(eng, "kernel"))
+		th_daemon_start(&d, "--backend", "cuda", "-o",
+				"cuda_resident_barrier=yes", NULL);
+	else if (eng && !strcmp(eng, "stream"))
 		th_daemon_start(&d, "--backend", "cuda", "-o",
 				"cuda_resident_barrier=no", "-o",
 				"host_barrier=no", NULL);
@@ -329,7 +333,7 @@ int main(void)
 	       "idle stream: %.1f us round trip (CPU clock, median of 101, "
 	       "the slowest rank's); the engine's own time per barrier (last "
 	       "arrival seen to release): %.2f us\n",
-	       eng ? eng : s->mps ? "kernel" : "host", s->ranks,
+	       eng && (strcmp(eng, "kernel") || s->mps) ? eng : "host", s->ranks,
 	       getenv("EPD_GPU_SPREAD") ? "spread over the GPUs" : "one GPU",
 	       s->mps ? "MPS" : "no MPS", s->us_per_barrier, s->roundtrip_us,
 	       s->engine_us);

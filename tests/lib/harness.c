@@ -106,6 +106,15 @@ void th_daemon_start_in(struct th_daemon *d, const char *const *args)
 	argv[n++] = env_or("EPD_TEST_LOG_LEVEL", "info");
 	for (int i = 0; args && args[i] && n < 46; i++)
 		argv[n++] = args[i];
+	/* EPD_TEST_DAEMON_OPTS="key=value ...": one -o each, after the
+	 * test's own arguments (an experiment's knob, e.g. a barrier engine) */
+	char *opts = strdup(env_or("EPD_TEST_DAEMON_OPTS", ""));
+	TH_CHECK(opts, "out of memory");
+	for (char *sv, *t = strtok_r(opts, " ", &sv); t && n < 45;
+	     t = strtok_r(NULL, " ", &sv)) {
+		argv[n++] = "-o";
+		argv[n++] = t;
+	}
 	argv[n] = NULL;
 	pid_t pid = fork();
 	TH_CHECK(pid >= 0, "fork: %s", strerror(errno));
@@ -123,6 +132,7 @@ void th_daemon_start_in(struct th_daemon *d, const char *const *args)
 		_exit(127);
 	}
 	d->pid = pid;
+	free(opts);
 	bool known = false;
 	for (int i = 0; i < ndaemons; i++)
 		known |= daemons[i] == d;
