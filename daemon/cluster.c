@@ -885,8 +885,14 @@ static void dial_addr(struct epd_cluster *cl, int n,
 					   (uint32_t)cl->self, pd);
 		c->rc = epd_rdma_dial(cl->rd, (const struct sockaddr *)sa, pd,
 				      (uint8_t)pl, c);
-		if (!c->rc)
-			conn_close(c, "rdma dial failed");
+		if (!c->rc) {
+			const char *gone = epd_rdma_removed(cl->rd);
+			char why[160];
+			snprintf(why, sizeof(why), "rdma dial failed%s%s%s",
+				 gone ? " (" : "", gone ? gone : "",
+				 gone ? ")" : "");
+			conn_close(c, why);
+		}
 		return;
 	}
 	struct pconn *c = conn_new(cl);

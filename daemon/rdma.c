@@ -79,6 +79,22 @@ struct epd_rdma {
 	struct ibv_pd *pd;
 	struct ibv_context *pd_ctx;
 	int nmr;
+	/* Device removal (RDMA_CM_EVENT_DEVICE_REMOVAL): the kernel waits
+	 * until every object on the device is gone. Regions are deregistered
+	 * at once (their owners free the husks later), connections on it
+	 * fail, the listener on it goes; the shared domain is freed with the
+	 * last queue pair in it (dead_users), and librdmacm closes its device
+	 * context once it learns the device is gone (sync_devices below). */
+	struct epd_rconn *conns; /* every connection not yet freed */
+	struct epd_rmr *mrs;     /* every region */
+	struct ibv_pd *dead_pd;
+	int dead_users;
+	bool drop_listener; /* destroy it once the event is acked */
+	bool relisten;      /* the listener went with a device */
+	uv_timer_t relisten_timer; /* tries to listen again, every second */
+	bool relisten_init;
+	struct sockaddr_storage listen_sa;
+	char removed[96];   /* the last removal, for errors and status */
 	struct epd_proxy *proxy;
 	/* connections closed while the proxy may still hold writes for
 	 * them: freed once it passed linger_ticket */
@@ -89,7 +105,9 @@ struct epd_rdma {
 
 struct epd_rmr {
 	struct epd_rdma *rd;
-	struct ibv_mr *mr;
+	struct ibv_mr *mr; /* NULL once its device was removed */
+	struct ibv_context *ctx;
+	struct epd_rmr *next, **pprev;
 };
 
 struct epd_rconn {
@@ -112,6 +130,7 @@ struct epd_rconn {
 	struct epd_rconn *linger_next;
 	uint8_t pdata[64];
 	uint8_t plen;
+	struct epd_rconn *next, **pprev; /* rd->conns */
 	/* send slots not in flight, and bytes not yet posted */
 	uint32_t free_slot[RD_SENDS];
 	int nfree;
@@ -356,6 +375,11 @@ static struct epd_rconn *rconn_new(struct epd_rdma *rd,
 	rc->reaper.data = rc;
 	rc->handles = 1;
 	rd->nconn++;
+	rc->next = rd->conns;
+	if (rc->next)
+		rc->next->pprev = &rc->next;
+	rc->pprev = &rd->conns;
+	rd->conns = rc;
 	return rc;
 }
 
@@ -363,6 +387,60 @@ static struct epd_rconn *rconn_new(struct epd_rdma *rd,
  * CM carries at most 148 bytes of it for RC). */
 #define REJ_MAGIC "EPDX"
 #define REJ_MAX 140
+
+static void relisten_arm(struct epd_rdma *rd);
+
+/* librdmacm closes a device's context only after it saw the device
+ * leave the device list (and no id uses it): make it look. */
+static void sync_devices(void)
+{
+	int n = 0;
+	struct ibv_context **l = rdma_get_devices(&n);
+	if (l)
+		rdma_free_devices(l);
+}
+
+/* A device went away under us: give every object on it back, so that
+ * the kernel can finish removing it, and fail what used it. */
+static void device_removed(struct epd_rdma *rd, struct rdma_cm_id *id)
+{
+	struct ibv_context *v = id->verbs;
+	if (!v)
+		return;
+	if (!strstr(rd->removed, ibv_get_device_name(v->device)))
+		epd_warn("rdma: device %s removed: its connections and "
+			 "registered regions are given back; groups that used "
+			 "them fail", ibv_get_device_name(v->device));
+	snprintf(rd->removed, sizeof(rd->removed), "RDMA device %s removed",
+		 ibv_get_device_name(v->device));
+	for (struct epd_rmr *m = rd->mrs; m; m = m->next)
+		if (m->mr && m->ctx == v) {
+			ibv_dereg_mr(m->mr);
+			m->mr = NULL;
+		}
+	if (rd->pd && rd->pd_ctx == v) {
+		int users = 0;
+		for (struct epd_rconn *c = rd->conns; c; c = c->next)
+			users += c->pd == rd->pd && !c->own_pd;
+		if (users) {
+			rd->dead_pd = rd->pd;
+			rd->dead_users = users;
+		} else {
+			ibv_dealloc_pd(rd->pd);
+		}
+		rd->pd = NULL;
+		rd->pd_ctx = NULL;
+	}
+	for (struct epd_rconn *c = rd->conns, *nx; c; c = nx) {
+		nx = c->next;
+		if (!c->closing && c->id && c->id->verbs == v)
+			rconn_fail(c, rd->removed);
+	}
+	if (rd->listener && (id == rd->listener || rd->listener->verbs == v)) {
+		rd->drop_listener = true;
+		rd->relisten = true;
+	}
+}
 
 static void cm_event(struct epd_rdma *rd, struct rdma_cm_event *ev)
 {
@@ -435,14 +513,20 @@ static void cm_event(struct epd_rdma *rd, struct rdma_cm_event *ev)
 			rconn_fail(rc, why);
 		return;
 	}
+	case RDMA_CM_EVENT_DEVICE_REMOVAL:
+		device_removed(rd, ev->id);
+		return;
 	case RDMA_CM_EVENT_UNREACHABLE:
 	case RDMA_CM_EVENT_ADDR_ERROR:
 	case RDMA_CM_EVENT_ROUTE_ERROR:
 	case RDMA_CM_EVENT_CONNECT_ERROR:
 	case RDMA_CM_EVENT_DISCONNECTED:
-	case RDMA_CM_EVENT_DEVICE_REMOVAL:
+		/* while a removed device's address has none: say so */
+		snprintf(why, sizeof(why), "%s%s%s", rdma_event_str(ev->event),
+			 rd->relisten ? " after " : "",
+			 rd->relisten ? rd->removed : "");
 		if (rc && !rc->closing)
-			rconn_fail(rc, rdma_event_str(ev->event));
+			rconn_fail(rc, why);
 		return;
 	default:
 		return;
@@ -464,8 +548,20 @@ static void rconn_free(struct epd_rconn *rc)
 		ibv_destroy_comp_channel(rc->cc);
 	if (rc->own_pd)
 		ibv_dealloc_pd(rc->pd);
+	/* the removed device's shared domain, with its last queue pair
+	 * (before the id: the last id may close the device context) */
+	if (!rc->own_pd && rc->pd && rc->pd == rd->dead_pd &&
+	    --rd->dead_users == 0) {
+		ibv_dealloc_pd(rd->dead_pd);
+		rd->dead_pd = NULL;
+	}
 	if (rc->id)
 		rdma_destroy_id(rc->id);
+	epd_debug("rdma: connection %p freed (%d left, %d regions)",
+		  (void *)rc, rd->nconn - 1, rd->nmr);
+	*rc->pprev = rc->next;
+	if (rc->next)
+		rc->next->pprev = rc->pprev;
 	free(rc->mem);
 	free(rc->pend);
 	free(rc);
@@ -485,10 +581,36 @@ static void on_cm(uv_poll_t *p, int status, int events)
 	while (rdma_get_cm_event(rd->ch, &ev) == 0) {
 		cm_event(rd, ev);
 		rdma_ack_cm_event(ev);
+		if (rd->drop_listener) {
+			rdma_destroy_id(rd->listener);
+			rd->listener = NULL;
+			rd->drop_listener = false;
+			sync_devices();
+			relisten_arm(rd);
+		}
 	}
 }
 
 static void rd_post(void *arg, const struct epd_cmd *c, size_t n);
+static int relisten(struct epd_rdma *rd);
+
+static void relisten_tick(uv_timer_t *t)
+{
+	struct epd_rdma *rd = t->data;
+	if (relisten(rd) || !rd->relisten || rd->closing)
+		uv_timer_stop(t);
+}
+
+/* A node that only accepts never dials: it retries on its own. */
+static void relisten_arm(struct epd_rdma *rd)
+{
+	if (!rd->relisten_init) {
+		uv_timer_init(rd->loop, &rd->relisten_timer);
+		rd->relisten_timer.data = rd;
+		rd->relisten_init = true;
+	}
+	uv_timer_start(&rd->relisten_timer, relisten_tick, 1000, 1000);
+}
 
 struct epd_rdma *epd_rdma_new(uv_loop_t *loop, const struct epd_rdma_ops *ops,
 			      void *arg, char *err, size_t errlen)
@@ -524,19 +646,48 @@ struct epd_rdma *epd_rdma_new(uv_loop_t *loop, const struct epd_rdma_ops *ops,
 int epd_rdma_listen(struct epd_rdma *rd, const struct sockaddr *sa, char *err,
 		    size_t errlen)
 {
+	size_t sl = sa->sa_family == AF_INET6 ? sizeof(struct sockaddr_in6)
+					      : sizeof(struct sockaddr_in);
+	memcpy(&rd->listen_sa, sa, sl);
 	if (rdma_create_id(rd->ch, &rd->listener, NULL, RDMA_PS_TCP) ||
 	    rdma_bind_addr(rd->listener, (struct sockaddr *)sa) ||
 	    rdma_listen(rd->listener, 64)) {
 		snprintf(err, errlen, "rdma listen: %s", strerror(errno));
+		if (rd->listener)
+			rdma_destroy_id(rd->listener);
+		rd->listener = NULL;
 		return -1;
 	}
 	return 0;
+}
+
+/* After a device removal: listen again once a device has the address
+ * (the cluster calls this with each redial). 1 if listening again. */
+static int relisten(struct epd_rdma *rd)
+{
+	if (!rd->relisten || rd->closing)
+		return 0;
+	sync_devices(); /* also lets librdmacm close the removed device */
+	char err[128];
+	if (epd_rdma_listen(rd, (struct sockaddr *)&rd->listen_sa, err,
+			    sizeof(err)))
+		return 0;
+	rd->relisten = false;
+	epd_notice("rdma: listening again (a device has the address after %s)",
+		   rd->removed);
+	return 1;
+}
+
+const char *epd_rdma_removed(const struct epd_rdma *rd)
+{
+	return rd && rd->removed[0] ? rd->removed : NULL;
 }
 
 struct epd_rconn *epd_rdma_dial(struct epd_rdma *rd, const struct sockaddr *sa,
 				const void *pdata, uint8_t plen, void *user)
 {
 	struct rdma_cm_id *id;
+	relisten(rd);
 	if (plen > sizeof(((struct epd_rconn *)0)->pdata) ||
 	    rdma_create_id(rd->ch, &id, NULL, RDMA_PS_TCP))
 		return NULL;
@@ -663,6 +814,7 @@ struct epd_rmr *epd_rdma_reg(struct epd_rdma *rd, void *p, size_t len,
 		return NULL;
 	}
 	m->rd = rd;
+	m->ctx = rd->pd_ctx;
 	m->mr = ibv_reg_mr(rd->pd, p, len,
 			   remote_write ? IBV_ACCESS_LOCAL_WRITE |
 						  IBV_ACCESS_REMOTE_WRITE
@@ -674,6 +826,11 @@ struct epd_rmr *epd_rdma_reg(struct epd_rdma *rd, void *p, size_t len,
 		return NULL;
 	}
 	rd->nmr++;
+	m->next = rd->mrs;
+	if (m->next)
+		m->next->pprev = &m->next;
+	m->pprev = &rd->mrs;
+	rd->mrs = m;
 	return m;
 }
 
@@ -682,20 +839,26 @@ void epd_rdma_dereg(struct epd_rmr *m)
 	if (!m)
 		return;
 	struct epd_rdma *rd = m->rd;
-	ibv_dereg_mr(m->mr);
+	if (m->mr)
+		ibv_dereg_mr(m->mr);
+	*m->pprev = m->next;
+	if (m->next)
+		m->next->pprev = m->pprev;
 	rd->nmr--;
 	free(m);
 	rdma_maybe_free(rd); /* the last region of a transport that closed */
 }
 
+/* 0 once the device is gone (writes with it fail, on a connection that
+ * is failing anyway) */
 uint32_t epd_rmr_lkey(const struct epd_rmr *m)
 {
-	return m->mr->lkey;
+	return m->mr ? m->mr->lkey : 0;
 }
 
 uint32_t epd_rmr_rkey(const struct epd_rmr *m)
 {
-	return m->mr->rkey;
+	return m->mr ? m->mr->rkey : 0;
 }
 
 uint64_t epd_rdma_write(struct epd_rdma *rd, struct epd_cmd *c)
@@ -789,6 +952,13 @@ void epd_rdma_close(struct epd_rconn *rc)
 	uv_close((uv_handle_t *)&rc->reaper, handle_closed);
 }
 
+static void relisten_closed(uv_handle_t *h)
+{
+	struct epd_rdma *rd = h->data;
+	rd->relisten_init = false;
+	rdma_maybe_free(rd);
+}
+
 static void linger_closed(uv_handle_t *h)
 {
 	struct epd_rdma *rd = h->data;
@@ -805,6 +975,12 @@ static void rdma_maybe_free(struct epd_rdma *rd)
 {
 	if (!rd->closing || !rd->poll_closed || rd->nconn > 0 || rd->nmr > 0)
 		return;
+	if (rd->relisten_init) {
+		if (!uv_is_closing((uv_handle_t *)&rd->relisten_timer))
+			uv_close((uv_handle_t *)&rd->relisten_timer,
+				 relisten_closed);
+		return;
+	}
 	if (rd->linger_init) {
 		if (!uv_is_closing((uv_handle_t *)&rd->linger_timer))
 			uv_close((uv_handle_t *)&rd->linger_timer,
@@ -817,6 +993,8 @@ static void rdma_maybe_free(struct epd_rdma *rd)
 	rdma_destroy_event_channel(rd->ch);
 	if (rd->pd)
 		ibv_dealloc_pd(rd->pd);
+	if (rd->dead_pd) /* not reached: freed with its last queue pair */
+		ibv_dealloc_pd(rd->dead_pd);
 	free(rd);
 }
 
@@ -891,6 +1069,11 @@ struct epd_rmr *epd_rdma_reg(struct epd_rdma *rd, void *p, size_t len,
 	return NULL;
 }
 void epd_rdma_dereg(struct epd_rmr *m) { (void)m; }
+const char *epd_rdma_removed(const struct epd_rdma *rd)
+{
+	(void)rd;
+	return NULL;
+}
 uint32_t epd_rmr_lkey(const struct epd_rmr *m)
 {
 	(void)m;

@@ -66,6 +66,10 @@ bool epd_rdma_can_write(const struct epd_rconn *rc);
 struct epd_rmr *epd_rdma_reg(struct epd_rdma *rd, void *p, size_t len,
 			     bool remote_write, char *why, size_t wl);
 void epd_rdma_dereg(struct epd_rmr *m);
+/* "RDMA device X removed" after a device removal (its connections failed
+ * and its objects were given back; listening resumes when a device has
+ * the address again), else NULL. */
+const char *epd_rdma_removed(const struct epd_rdma *rd);
 uint32_t epd_rmr_lkey(const struct epd_rmr *m);
 uint32_t epd_rmr_rkey(const struct epd_rmr *m);
 /* Queue one write (c->conn: a held epd_rconn that can write) on the
