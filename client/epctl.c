@@ -1,9 +1,11 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * epctl: the operator's view of epd.
+ * epctl: the operator's view of epd. Every command reads the daemon's
+ * status (one JSON document, schema in epctl(8)) and shows part of it.
  *
  * Exit codes: 0 ok, 1 the daemon is unreachable or refused, 2 usage,
- * 3 the daemon answered something malformed.
+ * 3 the daemon answered something malformed. `epctl check`: 0 healthy,
+ * 1 degraded, 2 down.
  */
 #include <getopt.h>
 #include <stdbool.h>
@@ -15,10 +17,14 @@
 #include "ep/ep.h"
 
 enum { EXIT_UNREACHABLE = 1, EXIT_USAGE = 2, EXIT_PROTO = 3 };
+enum { CHECK_HEALTHY = 0, CHECK_DEGRADED = 1, CHECK_DOWN = 2 };
+
+/* The status schema this epctl reads ("schema" in the JSON). */
+#define STATUS_SCHEMA 1
 
 struct cmd {
 	const char *name;
-	int (*fn)(ep_conn_t *c, int argc, char **argv);
+	void (*show)(json_t *root); /* NULL: the command handles it */
 	const char *args;
 	const char *help;
 };
@@ -76,7 +82,7 @@ static const char *barrier_engine(const char *b)
 	return "stream ops";
 }
 
-static void print_status(json_t *root)
+static void print_daemon(json_t *root)
 {
 	json_t *d = json_object_get(root, "daemon");
 	char up[32];
@@ -91,8 +97,16 @@ static void print_status(json_t *root)
 	       jstr(d, "log_level"),
 	       json_is_true(json_object_get(d, "systemd")) ? ", under systemd"
 							   : "");
+}
+
+static void print_peers(json_t *root)
+{
 	json_t *cl = json_object_get(root, "cluster");
-	if (json_is_object(cl)) {
+	if (!json_is_object(cl)) {
+		printf("cluster: none (a single node)\n");
+		return;
+	}
+	{
 		size_t i;
 		json_t *p;
 		printf("cluster: node %s (index %lld of %lld), view epoch %lld, "
@@ -130,13 +144,18 @@ static void print_status(json_t *root)
 			       jstr(p, "last_error"));
 		}
 	}
+}
+
+static void print_clients(json_t *root)
+{
+	json_t *d = json_object_get(root, "daemon");
 	json_t *clients = json_object_get(root, "clients");
-	printf("\nclients: %zu connected (accepted %lld, rejected %lld, "
+	printf("clients: %zu connected (accepted %lld, rejected %lld, "
 	       "protocol errors %lld)\n",
 	       json_array_size(clients), jint(d, "clients_accepted"),
 	       jint(d, "clients_rejected"), jint(d, "protocol_errors"));
 	size_t i, k;
-	json_t *c, *m, *g;
+	json_t *c, *m;
 	if (json_array_size(clients))
 		printf("  %4s %8s %6s %-10s %s\n", "ID", "PID", "UID", "UP",
 		       "GROUP:RANK");
@@ -161,8 +180,14 @@ static void print_status(json_t *root)
 		       jint(c, "pid"), jint(c, "uid"), cup,
 		       off ? line : "-");
 	}
+}
+
+static void print_groups(json_t *root)
+{
+	size_t i;
+	json_t *g;
 	json_t *groups = json_object_get(root, "groups");
-	printf("\ngroups: %zu\n", json_array_size(groups));
+	printf("groups: %zu\n", json_array_size(groups));
 	if (json_array_size(groups))
 		printf("  %-16s %5s %-8s %-5s %5s %-8s %-16s %-16s %8s %8s "
 		       "%8s %6s\n",
@@ -208,58 +233,273 @@ static void print_status(json_t *root)
 	}
 }
 
-static int cmd_status(ep_conn_t *c, int argc, char **argv)
+static void print_status(json_t *root)
 {
-	bool json = false;
-	for (int i = 1; i < argc; i++) {
-		if (!strcmp(argv[i], "--json") || !strcmp(argv[i], "-j")) {
-			json = true;
-		} else {
-			fprintf(stderr, "epctl status: unknown argument %s\n",
-				argv[i]);
-			return EXIT_USAGE;
+	print_daemon(root);
+	if (json_is_object(json_object_get(root, "cluster")))
+		print_peers(root);
+	putchar('\n');
+	print_clients(root);
+	putchar('\n');
+	print_groups(root);
+}
+
+/* Health, for monitoring: 0 healthy (answers, every group and every
+ * peer fine), 1 degraded (answers, but a group failed or a peer is down),
+ * 2 down (unreachable or a malformed answer: handled by the caller). */
+static int check(json_t *root, bool quiet)
+{
+	char why[512] = "";
+	size_t off = 0, i;
+	json_t *g, *p;
+	json_array_foreach(json_object_get(root, "groups"), i, g)
+	{
+		if (strcmp(jstr(g, "state"), "failed") || off >= sizeof(why))
+			continue;
+		json_t *le = json_object_get(g, "last_error");
+		int n = snprintf(why + off, sizeof(why) - off,
+				 "%sgroup %s failed: %s", off ? "; " : "",
+				 jstr(g, "name"), jstr(le, "message"));
+		off += n > 0 ? (size_t)n : 0;
+	}
+	json_t *cl = json_object_get(root, "cluster");
+	size_t up = 0, n_peers = 0;
+	json_array_foreach(json_object_get(cl, "peers"), i, p)
+	{
+		if (!strcmp(jstr(p, "state"), "self"))
+			continue;
+		n_peers++;
+		if (!strcmp(jstr(p, "state"), "up")) {
+			up++;
+		} else if (off < sizeof(why)) {
+			int n = snprintf(why + off, sizeof(why) - off,
+					 "%snode %s down: %s", off ? "; " : "",
+					 jstr(p, "name"),
+					 jstr(p, "last_error"));
+			off += n > 0 ? (size_t)n : 0;
 		}
 	}
-	char *text;
-	int rc = ep_daemon_status(c, &text);
-	if (rc) {
-		fprintf(stderr, "epctl: status failed: %s: %s\n",
-			ep_strerror(rc), ep_errmsg());
-		return EXIT_UNREACHABLE;
+	json_t *d = json_object_get(root, "daemon");
+	if (!quiet) {
+		if (off)
+			printf("degraded: %s\n", why);
+		else
+			printf("healthy: epd %s, backend %s, %zu groups%s",
+			       jstr(d, "version"), jstr(d, "backend"),
+			       json_array_size(json_object_get(root, "groups")),
+			       json_is_object(cl) ? "" : "\n");
+		if (!off && json_is_object(cl))
+			printf(", cluster %zu/%zu peers up\n", up, n_peers);
 	}
-	json_error_t jerr;
-	json_t *root = json_loads(text, 0, &jerr);
-	free(text);
-	if (!root || !json_is_object(json_object_get(root, "daemon"))) {
-		fprintf(stderr, "epctl: malformed status from epd: %s\n",
-			root ? "no daemon object" : jerr.text);
-		json_decref(root);
-		return EXIT_PROTO;
+	return off ? CHECK_DEGRADED : CHECK_HEALTHY;
+}
+
+/* OpenMetrics text (what Prometheus scrapes; no C library for it is
+ * packaged, and the format is a few lines). */
+static void om_escape(const char *s, char *out, size_t cap)
+{
+	size_t o = 0;
+	for (; *s && o + 3 < cap; s++) {
+		if (*s == '"' || *s == '\\') {
+			out[o++] = '\\';
+			out[o++] = *s;
+		} else if (*s == '\n') {
+			out[o++] = '\\';
+			out[o++] = 'n';
+		} else {
+			out[o++] = *s;
+		}
 	}
-	if (json) {
-		json_dumpf(root, stdout, JSON_INDENT(2) | JSON_SORT_KEYS);
-		putchar('\n');
-	} else {
-		print_status(root);
+	out[o] = 0;
+}
+
+static void om_head(const char *name, const char *type, const char *help)
+{
+	printf("# TYPE %s %s\n# HELP %s %s\n", name, type, name, help);
+}
+
+static void print_metrics(json_t *root)
+{
+	json_t *d = json_object_get(root, "daemon");
+	om_head("epd_up", "gauge", "1 while the daemon answers.");
+	printf("epd_up 1\n");
+	om_head("epd_uptime_seconds", "gauge", "Seconds since the daemon started.");
+	printf("epd_uptime_seconds %.3f\n",
+	       json_number_value(json_object_get(d, "uptime_s")));
+	static const struct {
+		const char *key, *name, *help;
+	} dc[] = {
+		{"clients_accepted", "epd_clients_accepted",
+		 "Connections accepted."},
+		{"clients_rejected", "epd_clients_rejected",
+		 "Connections refused (allow_users, limits)."},
+		{"protocol_errors", "epd_protocol_errors",
+		 "Malformed or unexpected frames from clients."},
+		{"limit_refusals", "epd_limit_refusals",
+		 "Requests refused by a per-user or daemon-wide limit."},
+	};
+	for (size_t i = 0; i < sizeof(dc) / sizeof(dc[0]); i++) {
+		om_head(dc[i].name, "counter", dc[i].help);
+		printf("%s_total %lld\n", dc[i].name, jint(d, dc[i].key));
 	}
-	json_decref(root);
-	return 0;
+	om_head("epd_clients", "gauge", "Connected clients (visible to the caller).");
+	printf("epd_clients %zu\n",
+	       json_array_size(json_object_get(root, "clients")));
+	size_t i;
+	json_t *g, *p;
+	json_t *groups = json_object_get(root, "groups");
+	static const char *const opn[] = {"barrier", "dispatch", "combine"};
+	om_head("epd_group_ops", "counter", "Operations completed, per group and kind.");
+	json_array_foreach(groups, i, g)
+	{
+		char name[160];
+		om_escape(jstr(g, "name"), name, sizeof(name));
+		for (int k = 0; k < 3; k++)
+			printf("epd_group_ops_total{group=\"%s\",op=\"%s\"} %lld\n",
+			       name, opn[k],
+			       jint(json_object_get(g, "ops"), opn[k]));
+	}
+	om_head("epd_group_op_seconds", "counter",
+		"Seconds from a collective's first arrival to its completion, summed, per group and kind (host path); divided by epd_group_ops_total, the mean latency.");
+	json_array_foreach(groups, i, g)
+	{
+		char name[160];
+		om_escape(jstr(g, "name"), name, sizeof(name));
+		json_t *s = json_object_get(g, "op_seconds");
+		for (int k = 0; k < 3; k++)
+			printf("epd_group_op_seconds_total{group=\"%s\",op=\"%s\"} %.9f\n",
+			       name, opn[k],
+			       json_number_value(json_object_get(s, opn[k])));
+	}
+	om_head("epd_group_errors", "counter", "Operations that failed, per group.");
+	json_array_foreach(groups, i, g)
+	{
+		char name[160];
+		om_escape(jstr(g, "name"), name, sizeof(name));
+		printf("epd_group_errors_total{group=\"%s\"} %lld\n", name,
+		       jint(json_object_get(g, "ops"), "errors"));
+	}
+	om_head("epd_group_moved_bytes", "counter", "Bytes of rows moved by dispatch and combine, per group.");
+	json_array_foreach(groups, i, g)
+	{
+		char name[160];
+		om_escape(jstr(g, "name"), name, sizeof(name));
+		printf("epd_group_moved_bytes_total{group=\"%s\"} %lld\n", name,
+		       jint(g, "bytes_moved"));
+	}
+	om_head("epd_group_buffer_bytes", "gauge", "Bytes of the group's buffers on this node.");
+	json_array_foreach(groups, i, g)
+	{
+		char name[160];
+		om_escape(jstr(g, "name"), name, sizeof(name));
+		printf("epd_group_buffer_bytes{group=\"%s\"} %lld\n", name,
+		       jint(g, "buffer_bytes"));
+	}
+	om_head("epd_group_failed", "gauge", "1 if the group failed (its last error in epctl status).");
+	json_array_foreach(groups, i, g)
+	{
+		char name[160];
+		om_escape(jstr(g, "name"), name, sizeof(name));
+		printf("epd_group_failed{group=\"%s\"} %d\n", name,
+		       !strcmp(jstr(g, "state"), "failed"));
+	}
+	json_t *cl = json_object_get(root, "cluster");
+	if (json_is_object(cl)) {
+		om_head("epd_peer_up", "gauge", "1 if the peer node is up, per peer.");
+		json_array_foreach(json_object_get(cl, "peers"), i, p)
+		{
+			if (!strcmp(jstr(p, "state"), "self"))
+				continue;
+			char name[160];
+			om_escape(jstr(p, "name"), name, sizeof(name));
+			printf("epd_peer_up{peer=\"%s\",transport=\"%s\"} %d\n",
+			       name, jstr(p, "transport"),
+			       !strcmp(jstr(p, "state"), "up"));
+		}
+		om_head("epd_peer_downs", "counter", "Times the peer went down, per peer.");
+		json_array_foreach(json_object_get(cl, "peers"), i, p)
+		{
+			if (!strcmp(jstr(p, "state"), "self"))
+				continue;
+			char name[160];
+			om_escape(jstr(p, "name"), name, sizeof(name));
+			printf("epd_peer_downs_total{peer=\"%s\"} %lld\n", name,
+			       jint(p, "downs"));
+		}
+		om_head("epd_cluster_peers_rejected", "counter", "Peer connections rejected (key, version, cluster id).");
+		printf("epd_cluster_peers_rejected_total %lld\n",
+		       jint(cl, "rejected"));
+	}
+	printf("# EOF\n");
 }
 
 static const struct cmd cmds[] = {
-	{"status", cmd_status, "[--json]",
-	 "the daemon, its clients and its groups"},
+	{"status", print_status, "[--json]",
+	 "the daemon, its peers, clients and groups"},
+	{"groups", print_groups, "[--json]", "the groups, one line each"},
+	{"peers", print_peers, "[--json]", "the cluster's nodes and links"},
+	{"check", NULL, "[-q]",
+	 "health: exit 0 healthy, 1 degraded, 2 down"},
+	{"metrics", print_metrics, "",
+	 "counters and gauges in the OpenMetrics text format"},
 };
 
 static void usage(FILE *f)
 {
 	fprintf(f, "usage: epctl [-s SOCKET] COMMAND [ARGS]\n"
 		   "  -s, --socket PATH  control socket (default $EPD_SOCKET "
-		   "or /run/epd/epd.sock)\n"
-		   "  -V, --version      print the version\n\ncommands:\n");
+		   "or " EPD_SOCKET_PATH ")\n"
+		   "  -V, --version      print the version\n"
+		   "  -h, --help         this help\n\ncommands:\n");
 	for (size_t i = 0; i < sizeof(cmds) / sizeof(cmds[0]); i++)
-		fprintf(f, "  %s %-10s %s\n", cmds[i].name, cmds[i].args,
+		fprintf(f, "  %-8s %-9s %s\n", cmds[i].name, cmds[i].args,
 			cmds[i].help);
+}
+
+/* The status document, or NULL with a message (and *why: the exit). */
+static json_t *fetch(const char *sock, bool quiet, int *why)
+{
+	ep_conn_t *c;
+	int rc = ep_connect(sock, &c);
+	if (rc) {
+		if (!quiet)
+			fprintf(stderr, "epctl: epd is unreachable: %s\n",
+				ep_errmsg());
+		*why = EXIT_UNREACHABLE;
+		return NULL;
+	}
+	char *text;
+	rc = ep_daemon_status(c, &text);
+	ep_close(c);
+	if (rc) {
+		if (!quiet)
+			fprintf(stderr, "epctl: status failed: %s: %s\n",
+				ep_strerror(rc), ep_errmsg());
+		*why = EXIT_UNREACHABLE;
+		return NULL;
+	}
+	json_error_t jerr;
+	json_t *root = json_loads(text, 0, &jerr);
+	free(text);
+	const char *bad = !root ? jerr.text
+			  : !json_is_object(json_object_get(root, "daemon"))
+			      ? "no daemon object"
+			  : !json_is_integer(json_object_get(root, "schema"))
+			      ? "no schema version"
+			      : NULL;
+	if (!bad && jint(root, "schema") > STATUS_SCHEMA && !quiet)
+		fprintf(stderr, "epctl: note: the daemon's status schema is "
+				"%lld, this epctl reads %d\n",
+			jint(root, "schema"), STATUS_SCHEMA);
+	if (bad) {
+		if (!quiet)
+			fprintf(stderr, "epctl: malformed status from epd: %s\n",
+				bad);
+		json_decref(root);
+		*why = EXIT_PROTO;
+		return NULL;
+	}
+	return root;
 }
 
 int main(int argc, char **argv)
@@ -293,13 +533,45 @@ int main(int argc, char **argv)
 		usage(stderr);
 		return EXIT_USAGE;
 	}
-	ep_conn_t *c;
-	int rc = ep_connect(sock, &c);
-	if (rc) {
-		fprintf(stderr, "epctl: epd is unreachable: %s\n", ep_errmsg());
-		return EXIT_UNREACHABLE;
+	/* the arguments, before anything is asked of the daemon */
+	bool json = false, quiet = false;
+	for (int i = optind + 1; i < argc; i++) {
+		if (cmd->show && cmd->show != print_metrics &&
+		    (!strcmp(argv[i], "--json") || !strcmp(argv[i], "-j"))) {
+			json = true;
+		} else if (!cmd->show &&
+			   (!strcmp(argv[i], "-q") ||
+			    !strcmp(argv[i], "--quiet"))) {
+			quiet = true;
+		} else {
+			fprintf(stderr, "epctl %s: unknown argument %s\n",
+				cmd->name, argv[i]);
+			return EXIT_USAGE;
+		}
 	}
-	rc = cmd->fn(c, argc - optind, argv + optind);
-	ep_close(c);
-	return rc;
+	int why = 0;
+	json_t *root = fetch(sock, quiet, &why);
+	if (!cmd->show) { /* check */
+		int rc = root ? check(root, quiet) : CHECK_DOWN;
+		if (!root && !quiet)
+			printf("down\n");
+		json_decref(root);
+		return rc;
+	}
+	if (!root)
+		return why;
+	if (json) {
+		json_t *part = cmd->show == print_groups
+				       ? json_object_get(root, "groups")
+			       : cmd->show == print_peers
+				       ? json_object_get(root, "cluster")
+				       : root;
+		json_dumpf(part, stdout,
+			   JSON_INDENT(2) | JSON_SORT_KEYS | JSON_ENCODE_ANY);
+		putchar('\n');
+	} else {
+		cmd->show(root);
+	}
+	json_decref(root);
+	return 0;
 }

@@ -168,7 +168,7 @@ int ep_connect(const char *path, ep_conn_t **out)
 	if (!path)
 		path = getenv("EPD_SOCKET");
 	if (!path || !*path)
-		path = "/run/epd/epd.sock";
+		path = EPD_SOCKET_PATH; /* configure --with-socket */
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
 	if (strlen(path) >= sizeof(sa.sun_path))
 		return ep__fail(EP_EINVAL, "socket path too long: %s", path);
@@ -413,15 +413,15 @@ int ep_daemon_status(ep_conn_t *c, char **json)
 
 uint64_t ep_group_id(const ep_group_t *g)
 {
-	return g->id;
+	return g ? g->id : 0;
 }
 
 uint32_t ep_group_rank(const ep_group_t *g)
 {
-	return g->cfg.rank;
+	return g ? g->cfg.rank : 0;
 }
 
 uint32_t ep_group_world_size(const ep_group_t *g)
 {
-	return g->cfg.world_size;
+	return g ? g->cfg.world_size : 0;
 }

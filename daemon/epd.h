@@ -22,8 +22,12 @@
 #include "log.h"
 #include "pool.h"
 
-#define EPD_DEFAULT_SOCKET "/run/epd/epd.sock"
-#define EPD_DEFAULT_CONFIG "/etc/epd/epd.conf"
+/* configure: --with-socket, --sysconfdir */
+#define EPD_DEFAULT_SOCKET EPD_SOCKET_PATH
+#ifndef EPD_SYSCONFDIR
+#define EPD_SYSCONFDIR "/etc"
+#endif
+#define EPD_DEFAULT_CONFIG EPD_SYSCONFDIR "/epd/epd.conf"
 #define EPD_MAX_ALLOW 32
 /* A group's key (EPP_GKEY_MAX, epp_peer.h): its name in its owner's
  * namespace ("name~uid"), or the bare name for root's groups and shared
@@ -207,6 +211,11 @@ struct epd_group {
 
 	uint64_t n_barrier, n_dispatch, n_combine, n_errors;
 	uint64_t bytes_moved;
+	/* host path: when the collective's first local rank arrived, and the
+	 * time from there to completion summed per kind (barrier, dispatch,
+	 * combine), for the metrics' mean latency */
+	uint64_t coll_start_ns;
+	uint64_t op_ns[3];
 
 	/* Across nodes: dispatches and combines by op number (the same on
 	 * every node of the group); xop_next is this node's next one. Another

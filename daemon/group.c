@@ -701,6 +701,7 @@ static void barrier_progress(struct epd_group *g)
 			return;
 	g->round = k;
 	g->n_barrier++;
+	g->op_ns[0] += epd_now_ns() - g->coll_start_ns;
 	g->coll_type = 0;
 	g->coll_arrived = 0;
 	uv_timer_stop(&g->timer);
@@ -716,6 +717,7 @@ void epd_group_staged_barrier(struct epd_group *g)
 	uint32_t rpn = g->shape.ranks_per_node;
 	g->coll_type = EPP_BARRIER;
 	g->coll_arrived = rpn;
+	g->coll_start_ns = epd_now_ns();
 	for (uint32_t l = 0; l < rpn; l++) {
 		struct epd_member *m = g->local[l];
 		m->barrier_seq++;
@@ -835,7 +837,8 @@ int epd_group_barrier(struct epd_client *c, uint64_t req_id, uint64_t gid)
 		return EP_EINVAL;
 	struct epd_group *g = m->group;
 	g->coll_type = EPP_BARRIER;
-	g->coll_arrived++;
+	if (g->coll_arrived++ == 0)
+		g->coll_start_ns = epd_now_ns();
 	m->barrier_seq++;
 	m->pending_req = req_id;
 	m->pending_type = EPP_BARRIER;

@@ -249,6 +249,7 @@ void epd_ops_finish(struct epd_group *g, uint16_t type, bool cached,
 		return;
 	}
 	g->bytes_moved += bytes;
+	g->op_ns[type == EPP_DISPATCH ? 1 : 2] += epd_now_ns() - g->coll_start_ns;
 	struct epp_handle h = {.group_id = g->id, .epoch = g->epoch,
 			       .seq = seq};
 	if (type == EPP_DISPATCH) {
@@ -389,7 +390,8 @@ static void arrive(struct epd_member *m, uint64_t req_id, uint16_t type)
 	m->pending_req = req_id;
 	m->pending_type = type;
 	g->coll_type = type;
-	g->coll_arrived++;
+	if (g->coll_arrived++ == 0)
+		g->coll_start_ns = epd_now_ns();
 	if (g->nnodes > 1 && epd_group_remote_check(g))
 		return; /* failed on another node before this op */
 	if (g->coll_arrived < g->shape.ranks_per_node) {
@@ -413,6 +415,7 @@ void epd_ops_staged_enter(struct epd_group *g, uint16_t type, bool cached,
 	g->coll_cached = cached;
 	g->coll_seq = host_seq;
 	g->coll_arrived = rpn;
+	g->coll_start_ns = epd_now_ns();
 	for (uint32_t l = 0; l < rpn; l++) {
 		struct epd_member *m = g->local[l];
 		m->pending_req = EPD_REQ_STAGED;

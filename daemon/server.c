@@ -165,6 +165,18 @@ static int listen_socket(struct epd_server *srv)
 		return -1;
 	}
 	unlink(cfg->socket_path);
+	/* Started by hand, not by systemd: its directory may not exist yet
+	 * (/run is a tmpfs). Only the last component is made, 0755. */
+	char dir[sizeof(sa.sun_path)];
+	snprintf(dir, sizeof(dir), "%s", cfg->socket_path);
+	char *slash = strrchr(dir, '/');
+	if (slash && slash != dir) {
+		*slash = 0;
+		if (mkdir(dir, 0755) == 0)
+			epd_info("created %s for the socket", dir);
+		else if (errno != EEXIST)
+			epd_warn("cannot create %s: %m", dir);
+	}
 	mode_t old = umask(0777 & ~cfg->socket_mode);
 	int rc = bind(fd, (struct sockaddr *)&sa, sizeof(sa));
 	umask(old);

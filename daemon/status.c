@@ -43,6 +43,12 @@ static json_t *group_json(struct epd_group *g)
 		(json_int_t)g->bytes_moved, "buffer_bytes",
 		(json_int_t)g->buf_size);
 	if (o) {
+		json_object_set_new(
+			o, "op_seconds",
+			json_pack("{s:f, s:f, s:f}", "barrier",
+				  (double)g->op_ns[0] / 1e9, "dispatch",
+				  (double)g->op_ns[1] / 1e9, "combine",
+				  (double)g->op_ns[2] / 1e9));
 		json_object_set_new(o, "owner_uid",
 				    json_integer((json_int_t)g->owner));
 		json_object_set_new(o, "shared", json_boolean(g->shared));
@@ -136,6 +142,9 @@ char *epd_status_json(struct epd_server *srv, uid_t viewer)
 		clients, "groups", groups);
 	if (!root)
 		return NULL;
+	/* the document's schema (epctl(8)): raised when a field changes
+	 * meaning or goes away, not when one is added */
+	json_object_set_new(root, "schema", json_integer(1));
 	json_object_set_new(root, "other_users",
 			    json_pack("{s:I, s:I}", "clients", hidden_clients,
 				      "groups", hidden_groups));

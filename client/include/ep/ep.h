@@ -253,9 +253,9 @@ int ep_group_error(ep_group_t *group);
 /* Wait until this rank's stream-ordered ops completed on the device: 0.
  * If the group failed (or the timeout passed) first, its error. */
 int ep_group_sync(ep_group_t *group);
-/* This rank's region of device memory (CUdeviceptr) and its size; the
- * group buffer's fields (struct ep_buffers) follow at ep_device_data_offset
- * on GPU groups. 0 and NULL for host groups. */
+/* This rank's region of device memory (CUdeviceptr) and, in *size, its
+ * size: every field ep_get_buffers returns for a GPU group lies inside it.
+ * 0 (and *size 0) for host groups. */
 uint64_t ep_group_device_region(const ep_group_t *group, size_t *size);
 
 /* Identity of a joined group. */
