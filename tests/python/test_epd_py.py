@@ -143,6 +143,113 @@ def rank_main(rank, sock, q):
         q.put((rank, repr(e)))
 
 
+def one_rank(c, name, dtype=epd.BF16, hidden=128, topk=2):
+    return c.join(name, world_size=1, ranks_per_node=1, rank=0,
+                  num_experts=4, hidden=hidden, max_tokens_per_rank=8,
+                  topk=topk, dtype=dtype)
+
+
+def check_lifetimes(sock):
+    """Every order of leave and close, with and without with blocks: no
+    crash (a double free aborts this process), a clear error after."""
+    c = epd.connect(sock)
+    g = one_rank(c, "life1")
+    g.leave()
+    g.leave()  # idempotent
+    c.close()
+    c.close()
+    c = epd.connect(sock)
+    g = one_rank(c, "life2")
+    c.close()  # leaves the group in libep
+    g.leave()  # a no-op now
+    try:
+        g.barrier()
+        raise AssertionError("a group of a closed connection ran a barrier")
+    except epd.Error as e:
+        assert e.code == epd.EINVAL, e
+    with epd.connect(sock) as c:
+        with one_rank(c, "life3") as g:
+            g.barrier()
+    for op in (g.barrier, lambda: c.status(), lambda: one_rank(c, "x")):
+        try:
+            op()
+            raise AssertionError("used after its with block")
+        except epd.Error as e:
+            assert e.code == epd.EINVAL, e
+    c = epd.connect(sock)
+    g = one_rank(c, "life4")
+    del c  # the group keeps its connection
+    import gc
+    gc.collect()
+    g.barrier()
+    g.leave()
+    del g
+    gc.collect()
+    groups = [x["name"] for x in epd.status(sock)["groups"]]
+    assert not any(n.startswith("life") for n in groups), groups
+    print("ok: python lifetimes: leave/close in every order, with blocks, "
+          "a group keeping its connection alive; use after close "
+          "raises EP_EINVAL")
+
+
+def check_numpy(sock):
+    try:
+        import numpy as np
+    except ImportError:
+        print("skip: numpy shapes (no numpy)")
+        return
+    with epd.connect(sock) as c:
+        with one_rank(c, "np_bf16") as g:
+            x = np.arange(5 * 128, dtype=np.uint16).reshape(5, 128) & 0x3fff
+            idx = np.array([[0, 1], [2, -1], [3, 0], [1, 2], [-1, -1]],
+                           dtype=np.int64)
+            r = g.dispatch(x, idx, num_tokens=5, as_numpy=True)
+            assert r.recv_x.shape == (4, 128) and r.recv_x.dtype == np.uint16
+            assert r.recv_topk_idx.shape == (4, 2)
+            assert r.recv_topk_weights.shape == (4, 2)
+            assert r.recv_x_scales.shape == (4, 0)
+            assert (r.recv_x == x[:4]).all()
+            out = g.combine(r.recv_x, r.handle, as_numpy=True)
+            assert out.shape == (5, 128) and (out[:4] == x[:4]).all()
+            assert (out[4] == 0).all()
+            # a rank with no tokens: empty arrays of the right rank
+            r0 = g.dispatch(np.empty((0, 128), np.uint16),
+                            np.empty((0, 2), np.int64), num_tokens=0,
+                            as_numpy=True)
+            assert r0.num_recv == 0 and r0.recv_x.shape == (0, 128)
+            o0 = g.combine(r0.recv_x, r0.handle, as_numpy=True)
+            assert o0.shape == (0, 128)
+            # non-contiguous input (a column slice) is accepted
+            wide = np.zeros((5, 256), np.uint16)
+            wide[:, ::2] = x
+            r2 = g.dispatch(wide[:, ::2], idx, num_tokens=5, as_numpy=True)
+            assert (r2.recv_x == x[:4]).all()
+        with one_rank(c, "np_fp8", dtype=epd.FP8, hidden=256) as g:
+            x = np.arange(3 * 256, dtype=np.uint8).reshape(3, 256) & 0x7f
+            sc = np.ones((3, 2), np.float32)
+            idx = np.array([[0, 1], [2, -1], [3, 0]], dtype=np.int64)
+            r = g.dispatch(x, idx, num_tokens=3, x_scales=sc, as_numpy=True)
+            assert r.recv_x.shape == (3, 256) and r.recv_x.dtype == np.uint8
+            assert r.recv_x_scales.shape == (3, 2)
+            assert (r.recv_x == x).all() and (r.recv_x_scales == sc).all()
+    print("ok: numpy results shaped [rows, hidden] (bf16 as uint16 bits, "
+          "fp8 as uint8 with [rows, hidden/128] scales); empty and "
+          "non-contiguous inputs accepted")
+
+
+def check_doctest(sock):
+    try:
+        import numpy  # noqa: F401  (the examples use it)
+    except ImportError:
+        print("skip: the module's docstring examples (no numpy)")
+        return
+    import doctest
+    os.environ["EPD_SOCKET"] = sock
+    res = doctest.testmod(epd, verbose=False)
+    assert res.failed == 0 and res.attempted > 0, res
+    print(f"ok: the module's docstring examples run ({res.attempted} lines)")
+
+
 def main():
     binary = os.environ.get("EPD_BIN", "./epd")
     d = tempfile.mkdtemp(prefix="epdpy.")
@@ -173,6 +280,9 @@ def main():
         if bad:
             print("FAIL:", bad)
             return 1
+        check_lifetimes(sock)
+        check_numpy(sock)
+        check_doctest(sock)
         print(f"ok: python binding, {W} ranks (seed {SEED}): layout, dispatch, "
               "cached dispatch, combine bitwise equal to a Python reference; "
               "a bad expert raises epd.Error(-1012)")

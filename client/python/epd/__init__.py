@@ -1,24 +1,43 @@
 # SPDX-License-Identifier: MIT
 """Python binding of libep, the client library of epd (ctypes, no build step).
 
-    import epd
-    conn = epd.connect()                       # $EPD_SOCKET or /run/epd/epd.sock
-    g = conn.join("moe0", world_size=8, ranks_per_node=8, rank=r,
-                  num_experts=64, hidden=1024, max_tokens_per_rank=256, topk=8)
-    g.barrier()
-    res = g.dispatch(x, topk_idx, topk_weights)  # x: [T, H] bf16 (raw 16 bits)
-    out = g.combine(y, res.handle, bias=None)     # y: [R, H] bf16
-    g.leave(); conn.close()
+One rank of a one-rank group, end to end (with epd running; the socket is
+$EPD_SOCKET or the default path):
 
-Arrays are anything with the buffer protocol (bytes, bytearray, array.array,
-numpy arrays, torch CPU tensors via .numpy()). bf16 is raw 16-bit storage:
-pass uint16/int16 views (torch: t.view(torch.int16)). Outputs are bytearrays
-(or numpy arrays when numpy is importable and as_numpy=True is passed).
+>>> import numpy as np
+>>> import epd
+>>> def bf16(a):   # float32 -> bf16 bits (these values are exact in bf16)
+...     return (np.asarray(a, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+>>> with epd.connect() as conn:
+...     with conn.join("doctest", world_size=1, ranks_per_node=1, rank=0,
+...                    num_experts=4, hidden=128, max_tokens_per_rank=8,
+...                    topk=2) as g:
+...         x = bf16(np.arange(3 * 128).reshape(3, 128) / 4)
+...         topk_idx = np.array([[0, 1], [2, -1], [3, 0]], dtype=np.int64)
+...         res = g.dispatch(x, topk_idx, num_tokens=3, as_numpy=True)
+...         out = g.combine(res.recv_x, res.handle, as_numpy=True)
+>>> res.recv_x.shape, res.recv_topk_idx.shape, out.shape
+((3, 128), (3, 2), (3, 128))
+>>> bool((out == x).all())   # each token went to one rank: it comes back
+True
+
+Arrays are anything with the buffer protocol (bytes, bytearray,
+array.array, numpy arrays, torch CPU tensors via .numpy()). bf16 is raw
+16-bit storage: pass uint16/int16 views (torch: t.view(torch.int16)).
+Outputs are bytearrays, or with as_numpy=True numpy arrays shaped
+[rows, hidden] (bf16 as uint16 bits, fp8 as uint8), [rows, topk], ...
+A rank with no tokens passes num_tokens=0 and empty (or None) arrays.
 Errors raise epd.Error with .code (negative, see ep/ep.h) and the daemon's
-message. The library is found through $EP_LIBRARY, else libep.so.0.
+message. Leaving a group or closing its connection (in either order, or by
+leaving their with blocks) is always safe; a group used after its
+connection closed raises epd.Error (EP_EINVAL).
+
+The library: $EP_LIBRARY if set, else the libdir this package was installed
+with (make install), else the dynamic linker's search path.
 """
 import ctypes
 import ctypes.util
+import errno
 import json
 import os
 
@@ -27,16 +46,39 @@ __all__ = ["connect", "Error", "Conn", "Group", "Handle", "DispatchResult",
 
 BF16 = 1
 FP8 = 2
+EINVAL = -errno.EINVAL  # EP_EINVAL (ep/ep.h)
 JOIN_NOWAIT = 1
 JOIN_CUDA = 2
 DISPATCH_WEIGHTS = 1
 COMBINE_BIAS = 1
 
 
+def _candidates():
+    env = os.environ.get("EP_LIBRARY")
+    if env:
+        return [env]
+    out = []
+    try:  # written by make install: where libep went
+        from . import _config
+        out.append(os.path.join(_config.LIBDIR, "libep.so.0"))
+    except ImportError:
+        pass
+    out.append(ctypes.util.find_library("ep") or "libep.so.0")
+    out += [os.path.join(d, "libep.so.0") for d in
+            ("/usr/local/lib", "/usr/lib", "/usr/lib/x86_64-linux-gnu",
+             "/usr/lib/aarch64-linux-gnu")]
+    return out
+
+
 def _load():
-    path = os.environ.get("EP_LIBRARY") or ctypes.util.find_library("ep") \
-        or "libep.so.0"
-    return ctypes.CDLL(path)
+    errors = []
+    for path in _candidates():
+        try:
+            return ctypes.CDLL(path)
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+    raise ImportError("epd: cannot load libep (set EP_LIBRARY to its "
+                      "path): " + "; ".join(errors))
 
 
 _lib = _load()
@@ -146,10 +188,15 @@ def _check(rc):
 
 
 def _ptr(buf, nbytes, what):
-    """Address of a readable buffer of at least nbytes (kept alive by caller)."""
-    if buf is None:
+    """Address of a readable buffer of at least nbytes (kept alive by caller).
+    None for nothing to pass (no buffer, or zero bytes wanted)."""
+    if buf is None or nbytes == 0:
         return None, None
-    mv = memoryview(buf).cast("B")
+    mv = memoryview(buf)
+    if not mv.c_contiguous:
+        import numpy
+        mv = memoryview(numpy.ascontiguousarray(buf))
+    mv = mv.cast("B")
     if mv.nbytes < nbytes:
         raise ValueError(f"{what}: {mv.nbytes} bytes, need {nbytes}")
     if mv.readonly:
@@ -159,11 +206,19 @@ def _ptr(buf, nbytes, what):
 
 
 def _out(nbytes, as_numpy, dtype):
-    buf = bytearray(max(nbytes, 1))
+    """An output buffer of nbytes (at least one element, so that it has an
+    address) and its view: bytes, or a flat numpy array of dtype."""
     if as_numpy:
         import numpy
-        return buf, numpy.frombuffer(buf, dtype=dtype)[:nbytes // numpy.dtype(dtype).itemsize]
+        size = numpy.dtype(dtype).itemsize
+        buf = bytearray(max(nbytes, size))
+        return buf, numpy.frombuffer(buf, dtype=dtype)[:nbytes // size]
+    buf = bytearray(max(nbytes, 1))
     return buf, memoryview(buf)[:nbytes]
+
+
+def _closed():
+    return Error(EINVAL, "the group was left, or its connection closed")
 
 
 class DispatchResult:
@@ -176,8 +231,17 @@ class DispatchResult:
 
 
 class Group:
+    """A joined group. Its methods raise epd.Error after leave() or after
+    its connection closed (libep freed it then)."""
+
     def __init__(self, conn, handle, cfg):
-        self._conn, self._g, self.cfg = conn, handle, cfg
+        self._conn, self._handle, self.cfg = conn, handle, cfg
+
+    @property
+    def _g(self):
+        if not self._handle:
+            raise _closed()
+        return self._handle
 
     @property
     def _per(self):
@@ -187,9 +251,18 @@ class Group:
         _check(_lib.ep_barrier(self._g))
 
     def leave(self):
-        if self._g:
-            g, self._g = self._g, None
+        """Leave the group (idempotent; a no-op once the connection
+        closed, which left it)."""
+        if self._handle:
+            g, self._handle = self._handle, None
+            self._conn._groups.discard(self)
             _check(_lib.ep_leave(g))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        self.leave()
 
     def get_dispatch_layout(self, topk_idx, num_tokens):
         W, E, K = self.cfg["world_size"], self.cfg["num_experts"], self.cfg["topk"]
@@ -225,14 +298,18 @@ class Group:
                                 ctypes.byref(handle) if handle else None,
                                 ctypes.byref(dout), ctypes.byref(h)))
         R = dout.num_recv
-        cut = lambda a, n: a[:n]
+        if as_numpy:  # [rows, ...], as the buffers are laid out
+            return DispatchResult(
+                num_recv=R, handle=h,
+                recv_x=rx[:R * H].reshape(R, H),
+                recv_x_scales=rs[:R * ns].reshape(R, ns),
+                recv_topk_idx=ri[:R * K].reshape(R, K),
+                recv_topk_weights=rw[:R * K].reshape(R, K),
+                num_recv_tokens_per_expert=re_)
         return DispatchResult(
-            num_recv=R, handle=h,
-            recv_x=cut(rx, R * H * elt if not as_numpy else R * H),
-            recv_x_scales=cut(rs, R * ns * 4 if not as_numpy else R * ns),
-            recv_topk_idx=cut(ri, R * K * 8 if not as_numpy else R * K),
-            recv_topk_weights=cut(rw, R * K * 4 if not as_numpy else R * K),
-            num_recv_tokens_per_expert=re_)
+            num_recv=R, handle=h, recv_x=rx[:R * H * elt],
+            recv_x_scales=rs[:R * ns * 4], recv_topk_idx=ri[:R * K * 8],
+            recv_topk_weights=rw[:R * K * 4], num_recv_tokens_per_expert=re_)
 
     # ---- GPU ranks (joined with cuda_device): stream-ordered, zero copy ----
 
@@ -304,15 +381,27 @@ class Group:
         addr = ctypes.addressof((ctypes.c_char * len(bo)).from_buffer(bo))
         _check(_lib.ep_combine(self._g, ctypes.byref(handle), py,
                                handle.num_recv, H, pb, addr))
-        return ro
+        return ro.reshape(handle.num_tokens, H) if as_numpy else ro
 
 
 class Conn:
+    """A connection to epd. close() (or leaving its with block) leaves
+    every group still joined on it; those Group objects then raise
+    epd.Error. Groups keep their connection alive."""
+
     def __init__(self, socket=None):
         c = ctypes.c_void_p()
+        self._c = None
+        self._groups = set()
         _check(_lib.ep_connect(socket.encode() if socket else None,
                                ctypes.byref(c)))
         self._c = c
+
+    @property
+    def _conn(self):
+        if not self._c:
+            raise Error(EINVAL, "the connection is closed")
+        return self._c
 
     def join(self, name, world_size, ranks_per_node, rank, num_experts,
              hidden, max_tokens_per_rank, topk, dtype=BF16, timeout_ms=0,
@@ -331,22 +420,35 @@ class Conn:
         flags = (0 if wait else JOIN_NOWAIT) | \
             (JOIN_CUDA if cuda_device is not None else 0)
         g = ctypes.c_void_p()
-        _check(_lib.ep_join(self._c, ctypes.byref(gc), flags,
+        _check(_lib.ep_join(self._conn, ctypes.byref(gc), flags,
                             ctypes.byref(g)))
-        return Group(self, g, cfg)
+        grp = Group(self, g, cfg)
+        self._groups.add(grp)
+        return grp
 
     def status(self):
         p = ctypes.c_void_p()
-        _check(_lib.ep_daemon_status(self._c, ctypes.byref(p)))
+        _check(_lib.ep_daemon_status(self._conn, ctypes.byref(p)))
         try:
             return json.loads(ctypes.string_at(p).decode())
         finally:
             _libc.free(p)
 
     def close(self):
+        """Close (idempotent). libep leaves and frees the groups still
+        joined: their Group objects are cut loose first."""
         if self._c:
-            _lib.ep_close(self._c)
-            self._c = None
+            for grp in list(self._groups):
+                grp._handle = None
+            self._groups.clear()
+            c, self._c = self._c, None
+            _lib.ep_close(c)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def __enter__(self):
         return self
