@@ -96,6 +96,7 @@ struct cudev {
 	char name[96];
 	int sms;
 	bool mps;
+	char code[96]; /* which image of the fatbin the driver loaded */
 };
 
 struct epd_cuda {
@@ -238,6 +239,27 @@ static int use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen)
 		D->cuDeviceGetAttribute(&mps, CU_DEVICE_ATTRIBUTE_MPS_ENABLED,
 					d->dev);
 		d->mps = mps;
+		/* The fatbin holds sm_90 code and compute_90 PTX: on another
+		 * architecture the driver compiles the PTX at load. Say which. */
+		int bin = 0, ptx = 0, ccmaj = 0, ccmin = 0;
+		D->cuFuncGetAttribute(&bin, CU_FUNC_ATTRIBUTE_BINARY_VERSION,
+				      d->barrier);
+		D->cuFuncGetAttribute(&ptx, CU_FUNC_ATTRIBUTE_PTX_VERSION,
+				      d->barrier);
+		D->cuDeviceGetAttribute(
+			&ccmaj, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+			d->dev);
+		D->cuDeviceGetAttribute(
+			&ccmin, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+			d->dev);
+		if (bin == 90 && ccmaj * 10 + ccmin == 90)
+			snprintf(d->code, sizeof(d->code), "sm_90 cubin");
+		else
+			snprintf(d->code, sizeof(d->code),
+				 "compute_%d PTX, compiled by the driver for "
+				 "sm_%d%d (binary version %d)",
+				 ptx, ccmaj, ccmin, bin);
+		epd_info("GPU %d (%s): kernels: %s", i, d->name, d->code);
 		/* A grid of the resident blocks (warps take tokens from a
 		 * counter, so blocks held back by other kernels cost no
 		 * second wave). */
@@ -1941,11 +1963,13 @@ void *epd_cuda_status(struct epd_server *srv)
 			 b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8],
 			 b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
 		json_array_append_new(
-			devs, json_pack("{s:i, s:s, s:s, s:i, s:b, s:b}",
+			devs, json_pack("{s:i, s:s, s:s, s:i, s:b, s:b, s:s}",
 					"index", i, "name", cu->dev[i].name,
 					"uuid", u, "sms", cu->dev[i].sms,
 					"mps", cu->dev[i].mps, "in_use",
-					cu->dev[i].ctx != NULL));
+					cu->dev[i].ctx != NULL, "kernels",
+					cu->dev[i].ctx ? cu->dev[i].code
+						       : "not loaded yet"));
 	}
 	return json_pack("{s:i, s:o}", "driver_version", D->version, "devices",
 			 devs);

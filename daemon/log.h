@@ -16,8 +16,16 @@ extern int epd_log_level;
 /* Parse "error|warning|notice|info|debug"; -1 if unknown. */
 int epd_log_parse_level(const char *s);
 const char *epd_log_level_name(int level);
-/* Prefix lines with <N> for the journal when stderr is the journal. */
+/* When stderr is the journal (JOURNAL_STREAM): each message goes to it
+ * with sd_journal_send, carrying EPD_GROUP, EPD_NODE, EPD_RANK and
+ * EPD_PID fields where the message names them (else a <N> prefix). */
 void epd_log_init(void);
+
+/* The subject fields of a message, "" where it names none. */
+struct epd_log_fields {
+	char group[80], node[80], rank[16], pid[16];
+};
+void epd_log_fields(const char *line, struct epd_log_fields *f);
 void epd_log(int level, const char *fmt, ...)
 	__attribute__((format(printf, 2, 3)));
 

@@ -79,6 +79,7 @@
 	X(cuMemHostAlloc)                                                      \
 	X(cuMemFreeHost)                                                       \
 	X(cuFuncSetAttribute)                                                  \
+	X(cuFuncGetAttribute)                                                  \
 	X(cuEventQuery)                                                         \
 	X(cuLaunchHostFunc)                                                    \
 	X(cuStreamIsCapturing)                                                 \

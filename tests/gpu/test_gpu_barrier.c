@@ -185,6 +185,13 @@ static int loop_rank(int rank, void *arg)
 		const char *eu = strstr(js, "\"barrier_engine_us\":");
 		s->engine_us = eu ? atof(eu + 20) : -1;
 		TH_CHECK(strstr(js, "\"backend\":\"cuda\""), "status: %s", js);
+		/* which image of the fatbin the driver loaded (sm_90 code on
+		 * Hopper, the PTX on newer GPUs) */
+		const char *kc = strstr(js, "\"kernels\":\"");
+		TH_CHECK(kc && (!strncmp(kc + 11, "sm_90 cubin", 11) ||
+				!strncmp(kc + 11, "compute_90 PTX", 14)),
+			 "status names no loaded kernel image: %s", js);
+		printf("ok: status says the kernels loaded: %.40s\n", kc + 11);
 		/* Barriers run on the host thread (EPD_GPU_BARRIER names
 		 * another); no frame to the daemon for either the host thread
 		 * or the resident kernel, and it counted them all. */

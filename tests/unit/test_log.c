@@ -1,0 +1,80 @@
+/* SPDX-License-Identifier: MIT */
+/* daemon/log.c: the journal fields taken from the daemon's messages (each
+ * names its subject first), on messages as the daemon writes them; and a
+ * message to a journal that cannot take it is still written, with its
+ * priority prefix, not lost. */
+#include "harness.h"
+#include "log.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static void want(const char *line, const char *group, const char *node,
+		 const char *rank, const char *pid)
+{
+	struct epd_log_fields f;
+	epd_log_fields(line, &f);
+	TH_CHECK(!strcmp(f.group, group) && !strcmp(f.node, node) &&
+			 !strcmp(f.rank, rank) && !strcmp(f.pid, pid),
+		 "'%s': group '%s' node '%s' rank '%s' pid '%s'", line, f.group,
+		 f.node, f.rank, f.pid);
+}
+
+int main(void)
+{
+	th_init("test_log", 30);
+	want("group moe0: rank 3 (pid 1234) removed: left", "moe0", "", "3",
+	     "1234");
+	want("group x2x2 failed: on node n0: dispatch timed out after 400 ms "
+	     "waiting for the other nodes of the group; ranks never arrived: "
+	     "2,3",
+	     "x2x2", "n0", "", "");
+	want("node n1 (index 1) down: silent for 1060 ms; view epoch 7", "",
+	     "n1", "", "");
+	want("client 4 (pid 524, uid 0) disconnected: connection closed by "
+	     "peer",
+	     "", "", "", "524");
+	want("group g: rank 1 on GPU 0 (NVIDIA H200), region of 4 MiB", "g",
+	     "", "1", "");
+	want("epd 0.1.0 listening on /run/epd/epd.sock (backend host)", "", "",
+	     "", "");
+	want("group ranks: rank ready", "ranks", "", "", ""); /* not a number */
+	printf("ok: journal fields EPD_GROUP, EPD_NODE, EPD_RANK, EPD_PID from "
+	       "the daemon's messages\n");
+
+	/* stderr "is" the journal (JOURNAL_STREAM names it), but no journal
+	 * listens: the message still comes out, with <priority>. */
+	char path[] = "/tmp/epd-log.XXXXXX";
+	int fd = mkstemp(path);
+	TH_CHECK(fd >= 0, "mkstemp");
+	fflush(stderr);
+	int saved = dup(2);
+	dup2(fd, 2);
+	struct stat st;
+	fstat(2, &st);
+	char js[64];
+	snprintf(js, sizeof(js), "%lu:%lu", (unsigned long)st.st_dev,
+		 (unsigned long)st.st_ino);
+	setenv("JOURNAL_STREAM", js, 1);
+	epd_log_init();
+	epd_log(EPD_LOG_WARN, "group jg: rank 2 (pid 77) left");
+	fflush(stderr);
+	dup2(saved, 2);
+	char buf[256] = "";
+	FILE *f = fopen(path, "r");
+	TH_CHECK(f, "fopen");
+	size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+	buf[n] = 0;
+	fclose(f);
+	unlink(path);
+	/* where a journal does listen (a systemd machine), it took the
+	 * message and the file stays empty; else the prefixed line */
+	TH_CHECK(n == 0 || !strcmp(buf, "<4>group jg: rank 2 (pid 77) left\n"),
+		 "journal fallback wrote '%s'", buf);
+	printf("ok: a journal message %s\n",
+	       n ? "with no journal listening is written with its <4> prefix"
+		 : "went to the journal");
+	return 0;
+}
