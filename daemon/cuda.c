@@ -15,6 +15,7 @@
  * done words far ahead, from a second stream that nothing blocks.
  */
 #include "epd.h"
+#include "backend.h"
 #include "hostbar.h"
 
 #include <jansson.h>
@@ -23,56 +24,6 @@
 #include <string.h>
 #include <unistd.h>
 
-#ifndef HAVE_CUDA
-
-int epd_cuda_init(struct epd_server *srv, char *why, size_t len)
-{
-	(void)srv;
-	snprintf(why, len, "built without CUDA");
-	return -1;
-}
-void epd_cuda_fini(struct epd_server *srv) { (void)srv; }
-int epd_cuda_add_rank(struct epd_group *g, struct epd_member *m,
-		      const struct epp_join *j, char *err, size_t errlen)
-{
-	(void)g, (void)m, (void)j;
-	snprintf(err, errlen, "this epd has no CUDA backend");
-	return EP_EUNSUPPORTED;
-}
-void epd_cuda_remove_rank(struct epd_group *g, uint32_t l) { (void)g, (void)l; }
-int epd_cuda_export(struct epd_group *g, uint32_t l, int *fd, uint64_t *size)
-{
-	(void)g, (void)l, (void)fd, (void)size;
-	return EP_EUNSUPPORTED;
-}
-int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
-{
-	(void)g, (void)err, (void)errlen;
-	return EP_EUNSUPPORTED;
-}
-void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
-{
-	(void)m, (void)op;
-}
-void epd_cuda_group_failed(struct epd_group *g) { (void)g; }
-void epd_cuda_staged_reply(struct epd_member *m, int code, const char *msg,
-			   const void *p, uint32_t len)
-{
-	(void)m, (void)code, (void)msg, (void)p, (void)len;
-}
-void epd_cuda_group_free(struct epd_group *g) { (void)g; }
-void *epd_cuda_status(struct epd_server *srv)
-{
-	(void)srv;
-	return NULL;
-}
-void *epd_cuda_group_status(struct epd_group *g)
-{
-	(void)g;
-	return NULL;
-}
-
-#else /* HAVE_CUDA */
 
 #include "ekc.h"
 
@@ -313,7 +264,7 @@ static void CUDA_CB stage_wake(void *p)
 	uv_async_send(p);
 }
 
-int epd_cuda_init(struct epd_server *srv, char *why, size_t len)
+static int epd_cuda_init(struct epd_server *srv, char *why, size_t len)
 {
 	struct epd_cuda *cu = calloc(1, sizeof(*cu));
 	if (!cu) {
@@ -368,7 +319,7 @@ int epd_cuda_init(struct epd_server *srv, char *why, size_t len)
 	return 0;
 }
 
-void epd_cuda_fini(struct epd_server *srv)
+static void epd_cuda_fini(struct epd_server *srv)
 {
 	struct epd_cuda *cu = srv->cuda;
 	if (!cu)
@@ -424,7 +375,7 @@ static struct epd_cuda_group *cg_get(struct epd_group *g, char *err,
 	return c;
 }
 
-int epd_cuda_add_rank(struct epd_group *g, struct epd_member *m,
+static int epd_cuda_add_rank(struct epd_group *g, struct epd_member *m,
 		      const struct epp_join *j, char *err, size_t errlen)
 {
 	struct epd_cuda *cu = g->srv->cuda;
@@ -537,7 +488,7 @@ static void free_region(struct epd_cuda_group *c, uint32_t l)
 	c->ptr[l] = 0;
 }
 
-void epd_cuda_remove_rank(struct epd_group *g, uint32_t l)
+static void epd_cuda_remove_rank(struct epd_group *g, uint32_t l)
 {
 	/* While forming, a leaving rank's region goes; once ready, the group
 	 * fails and everything goes with it. */
@@ -545,7 +496,7 @@ void epd_cuda_remove_rank(struct epd_group *g, uint32_t l)
 		free_region(g->cu, l);
 }
 
-int epd_cuda_export(struct epd_group *g, uint32_t l, int *fd, uint64_t *size)
+static int epd_cuda_export(struct epd_group *g, uint32_t l, int *fd, uint64_t *size)
 {
 	struct epd_cuda_group *c = g->cu;
 	int v = -1;
@@ -724,7 +675,7 @@ static void refresh_completed(struct epd_group *g)
 	}
 }
 
-int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
+static int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 {
 	struct epd_cuda_group *c = g->cu;
 	struct epd_cuda *cu = g->srv->cuda;
@@ -1313,8 +1264,11 @@ static void stage_begin(struct epd_group *g, uint64_t k,
 	poll_arm(c);
 }
 
+static void staged_reply(struct epd_member *m, int code, const char *msg,
+			 const void *p, uint32_t len);
+
 /* Step 2: the inputs are in host memory: the host path with the other
- * nodes; its results come to epd_cuda_staged_reply. */
+ * nodes; each rank's result comes back to staged_reply. */
 static void stage_host(struct epd_group *g)
 {
 	struct epd_cuda_group *c = g->cu;
@@ -1324,19 +1278,21 @@ static void stage_host(struct epd_group *g)
 	c->stage_err[0] = 0;
 	switch (c->stage_type) {
 	case EPP_BARRIER:
-		epd_group_staged_barrier(g);
+		epd_group_staged_barrier(g, c->stage_k, staged_reply);
 		break;
 	case EPP_DISPATCH:
 		epd_ops_staged_enter(g, EPP_DISPATCH, c->stage_cached,
 				     c->stage_cached
 					     ? hmap_find(c, c->stage_handle)
 					     : 0,
-				     c->stage_tokens, c->stage_flags);
+				     c->stage_tokens, c->stage_flags,
+				     c->stage_k, staged_reply);
 		break;
 	default:
 		epd_ops_staged_enter(g, EPP_COMBINE, false,
 				     hmap_find(c, c->stage_handle),
-				     c->stage_tokens, c->stage_flags);
+				     c->stage_tokens, c->stage_flags,
+				     c->stage_k, staged_reply);
 	}
 }
 
@@ -1435,8 +1391,9 @@ static void stage_finish(struct epd_group *g)
 	poll_arm(c);
 }
 
-void epd_cuda_staged_reply(struct epd_member *m, int code, const char *msg,
-			   const void *p, uint32_t len)
+/* A staged op's result for one rank (its member's completion callback). */
+static void staged_reply(struct epd_member *m, int code, const char *msg,
+			 const void *p, uint32_t len)
 {
 	struct epd_group *g = m->group;
 	struct epd_cuda_group *c = g ? g->cu : NULL;
@@ -1585,7 +1542,7 @@ static void enqueue_ready(struct epd_group *g)
 	poll_arm(c);
 }
 
-void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
+static void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
 {
 	struct epd_group *g = m->group;
 	struct epd_cuda_group *c = g->cu;
@@ -1756,7 +1713,7 @@ static void poll_cb(uv_timer_t *t)
 	}
 }
 
-void epd_cuda_group_failed(struct epd_group *g)
+static void epd_cuda_group_failed(struct epd_group *g)
 {
 	struct epd_cuda_group *c = g->cu;
 	if (!c || c->released)
@@ -1820,7 +1777,7 @@ static void poll_closed(uv_handle_t *h)
 	free(h->data);
 }
 
-void epd_cuda_group_free(struct epd_group *g)
+static void epd_cuda_group_free(struct epd_group *g)
 {
 	struct epd_cuda_group *c = g->cu;
 	if (!c)
@@ -1891,7 +1848,7 @@ void epd_cuda_group_free(struct epd_group *g)
 	uv_close((uv_handle_t *)&c->poll, poll_closed);
 }
 
-void *epd_cuda_group_status(struct epd_group *g)
+static void *epd_cuda_group_status(struct epd_group *g)
 {
 	struct epd_cuda_group *c = g->cu;
 	if (!c)
@@ -1948,7 +1905,7 @@ void *epd_cuda_group_status(struct epd_group *g)
 	return o;
 }
 
-void *epd_cuda_status(struct epd_server *srv)
+static void *epd_cuda_status(struct epd_server *srv)
 {
 	struct epd_cuda *cu = srv->cuda;
 	if (!cu)
@@ -1975,4 +1932,19 @@ void *epd_cuda_status(struct epd_server *srv)
 			 devs);
 }
 
-#endif /* HAVE_CUDA */
+
+/* The cuda backend (backend.h). */
+const struct epd_backend_ops epd_cuda_backend = {
+	.name = "cuda",
+	.init = epd_cuda_init,
+	.fini = epd_cuda_fini,
+	.status = epd_cuda_status,
+	.add_rank = epd_cuda_add_rank,
+	.remove_rank = epd_cuda_remove_rank,
+	.export_region = epd_cuda_export,
+	.group_ready = epd_cuda_group_ready,
+	.op = epd_cuda_op,
+	.group_failed = epd_cuda_group_failed,
+	.group_free = epd_cuda_group_free,
+	.group_status = epd_cuda_group_status,
+};

@@ -33,10 +33,6 @@
  * namespace ("name~uid"), or the bare name for root's groups and shared
  * ones; the key is what the nodes of a group agree on. */
 #define EPD_MAX_HANDLES 32 /* dispatch routings a group keeps */
-/* pending_req of a GPU rank whose stream-ordered op of a group across
- * nodes runs through the host path: the result goes to cuda.c, not to a
- * reply frame */
-#define EPD_REQ_STAGED UINT64_MAX
 
 /* cuda_copy_sms = auto: 32 SMs per 14 KB row (more for shorter rows) */
 #define EPD_COPY_SMS_AUTO 0xffffffffu
@@ -138,6 +134,14 @@ struct epd_aop {
 };
 
 /* A rank of a group, as joined through one client connection. */
+struct epd_member;
+struct epd_backend_ops;
+/* Where a member's pending operation reports its end, when it is not a
+ * client's request (a GPU rank's staged op: the backend set it). */
+typedef void (*epd_member_complete_fn)(struct epd_member *m, int code,
+				       const char *msg, const void *p,
+				       uint32_t len);
+
 struct epd_member {
 	struct list_node cnode; /* in client->members */
 	struct epd_client *client;
@@ -145,6 +149,9 @@ struct epd_member {
 	uint32_t rank, local;
 	uint64_t barrier_seq;  /* barriers entered (monotonic) */
 	uint64_t pending_req;  /* request in flight, 0 if none */
+	/* non-NULL: the pending op is the backend's (pending_req is its op
+	 * number), and its result goes here instead of to the client */
+	epd_member_complete_fn complete;
 	uint16_t pending_type; /* EPP_BARRIER, EPP_DISPATCH, EPP_COMBINE, or
 				  EPP_JOIN (waiting for ready) */
 	/* Parameters of the pending dispatch or combine. */
@@ -238,6 +245,9 @@ struct epd_group {
 	char rfail_msg[EPP_ERRMSG_MAX];
 
 	/* GPU group: device regions, streams, stream-ordered progress. */
+	/* The device backend of its ranks (NULL: host ranks) and, for the
+	 * cuda backend, its state (touched by backend/cuda only). */
+	const struct epd_backend_ops *dev;
 	struct epd_cuda_group *cu;
 
 	/* rdma transport: its windows (xnode.c), or NULL: rows by frames */
@@ -275,7 +285,10 @@ struct epd_server {
 	char backend_reason[256];
 	bool systemd;
 	struct epd_pool *pool;
-	struct epd_cuda *cuda; /* NULL: host backend */
+	/* The device backend found at start (NULL: host only), and the cuda
+	 * backend's state (touched by backend/cuda only). */
+	const struct epd_backend_ops *dev;
+	struct epd_cuda *cuda;
 	struct epd_cluster *cluster; /* NULL: a single node */
 	/* Cross-node frames for groups not ready here yet (xnode.c). */
 	struct list_node xstash;
@@ -412,37 +425,16 @@ void epd_sref_put(struct epd_sref *r);
 int epd_buf_create(struct epd_group *g);
 void epd_buf_destroy(struct epd_group *g);
 
-/* cuda.c: the CUDA backend (stubs without HAVE_CUDA). */
-/* Load the driver and find GPUs; 0 and srv->cuda set, or -1 with why. */
-int epd_cuda_init(struct epd_server *srv, char *why, size_t len);
-void epd_cuda_fini(struct epd_server *srv);
-/* A GPU rank joins g: its device region is made. Replies nothing. */
-int epd_cuda_add_rank(struct epd_group *g, struct epd_member *m,
-		      const struct epp_join *j, char *err, size_t errlen);
-void epd_cuda_remove_rank(struct epd_group *g, uint32_t l);
-/* A descriptor of rank l's region for the JOIN reply, and its size. */
-int epd_cuda_export(struct epd_group *g, uint32_t l, int *fd,
-		    uint64_t *size);
-/* Every local rank joined: streams and the control page mapping. */
-int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen);
-/* A stream-ordered op from m (checked against the group by the caller). */
-void epd_cuda_op(struct epd_member *m, const struct epd_aop *op);
-/* The group failed: write errors to the control page, release every
- * rank's stream. */
-void epd_cuda_group_failed(struct epd_group *g);
-/* The host path's result for a rank whose pending_req is EPD_REQ_STAGED. */
-void epd_cuda_staged_reply(struct epd_member *m, int code, const char *msg,
-			   const void *p, uint32_t len);
+/* Device backends: backend.h. */
 /* GPU groups across nodes: every local rank entered the op (its inputs
- * staged in host memory); run it on the host path (group.c, ops.c). */
-void epd_group_staged_barrier(struct epd_group *g);
+ * staged in host memory); run it on the host path (group.c, ops.c); each
+ * member's result goes to done (its pending_req is set to seq). */
+void epd_group_staged_barrier(struct epd_group *g, uint64_t seq,
+			      epd_member_complete_fn done);
 void epd_ops_staged_enter(struct epd_group *g, uint16_t type, bool cached,
 			  uint64_t host_seq, const uint32_t *tokens,
-			  const uint32_t *flags);
-void epd_cuda_group_free(struct epd_group *g);
-/* JSON of the devices (a jansson json_t *), or NULL. */
-void *epd_cuda_status(struct epd_server *srv);
-void *epd_cuda_group_status(struct epd_group *g);
+			  const uint32_t *flags, uint64_t seq,
+			  epd_member_complete_fn done);
 
 /* cluster.c: other nodes over tcp (nothing without `peers`). */
 int epd_cluster_init(struct epd_server *srv, char *err, size_t errlen);

@@ -5,6 +5,7 @@
  * barrier (scale-out rail, then scale-up node; DESIGN.md section 3).
  */
 #include "epd.h"
+#include "backend.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -80,7 +81,8 @@ void epd_group_free(struct epd_group *g)
 {
 	for (int i = 0; i < EPD_MAX_HANDLES; i++)
 		ek_route_free(g->routes[i]);
-	epd_cuda_group_free(g);
+	if (g->dev)
+		g->dev->group_free(g);
 	epd_xop_drop(g);
 	free(g->xop);
 	epd_xbufs_trim(g->srv);
@@ -119,10 +121,12 @@ static void group_destroy(struct epd_group *g)
 void epd_member_reply_ok(struct epd_member *m, const void *p, uint32_t len)
 {
 	uint64_t req = m->pending_req;
+	epd_member_complete_fn done = m->complete;
 	m->pending_req = 0;
 	m->pending_type = 0;
-	if (req == EPD_REQ_STAGED) {
-		epd_cuda_staged_reply(m, 0, NULL, p, len);
+	m->complete = NULL;
+	if (done) {
+		done(m, 0, NULL, p, len);
 		return;
 	}
 	epd_client_send(m->client, EPP_OK, 0, req, p, len, NULL, 0);
@@ -131,10 +135,12 @@ void epd_member_reply_ok(struct epd_member *m, const void *p, uint32_t len)
 void epd_member_reply_err(struct epd_member *m, int code, const char *msg)
 {
 	uint64_t req = m->pending_req;
+	epd_member_complete_fn done = m->complete;
 	m->pending_req = 0;
 	m->pending_type = 0;
-	if (req == EPD_REQ_STAGED) {
-		epd_cuda_staged_reply(m, code, msg, NULL, 0);
+	m->complete = NULL;
+	if (done) {
+		done(m, code, msg, NULL, 0);
 		return;
 	}
 	epd_client_error(m->client, req, code, "%s", msg);
@@ -187,7 +193,8 @@ void epd_group_fail(struct epd_group *g, int code, const char *fmt, ...)
 		"group %s failed: %s", g->shape.name, g->last_error);
 	if (!g->timer_closing)
 		uv_timer_stop(&g->timer);
-	epd_cuda_group_failed(g);
+	if (g->dev)
+		g->dev->group_failed(g);
 	epd_xop_drop(g); /* a running job is dropped when it ends */
 	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
 		struct epd_member *m = g->local[l];
@@ -217,8 +224,9 @@ static void join_reply(struct epd_member *m)
 				 "cannot duplicate the buffer descriptor: %m");
 		return;
 	}
-	if (g->cu) {
-		int rc = epd_cuda_export(g, m->local, &fds[1], &ok.dev_size);
+	if (g->dev) {
+		int rc = g->dev->export_region(g, m->local, &fds[1],
+					       &ok.dev_size);
 		if (rc) {
 			close(fds[0]);
 			epd_client_error(m->client, req, rc,
@@ -228,7 +236,7 @@ static void join_reply(struct epd_member *m)
 	}
 	size_t n = epp_join_ok_encode(&ok, buf, sizeof(buf));
 	epd_client_send(m->client, EPP_OK, 0, req, buf, (uint32_t)n, fds,
-			g->cu ? 2 : 1);
+			g->dev ? 2 : 1);
 }
 
 static bool not_joined(struct epd_group *g, uint32_t l, void *arg)
@@ -478,9 +486,9 @@ static void group_became_ready(struct epd_group *g)
 {
 	g->state = EPD_G_READY;
 	uv_timer_stop(&g->timer);
-	if (g->cu) {
+	if (g->dev) {
 		char err[256];
-		int rc = epd_cuda_group_ready(g, err, sizeof(err));
+		int rc = g->dev->group_ready(g, err, sizeof(err));
 		if (rc) {
 			epd_group_fail(g, rc, "%s", err);
 			for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
@@ -584,16 +592,25 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 	m->local = l;
 	m->cuda_dev = -1;
 	bool gpu = !epp_uuid_is_zero(j->gpu_uuid);
-	if (gpu != (g->cu != NULL) && g->njoined) {
+	if (gpu != (g->dev != NULL) && g->njoined) {
 		free(m);
 		epd_client_error(c, req_id, EP_EMISMATCH,
 				 "group %s has %s ranks; this rank is a %s rank",
-				 g->shape.name, g->cu ? "GPU" : "host",
+				 g->shape.name, g->dev ? "GPU" : "host",
 				 gpu ? "GPU" : "host");
 		return EP_EMISMATCH;
 	}
+	if (gpu && !g->srv->dev) {
+		free(m);
+		epd_client_error(c, req_id, EP_EUNSUPPORTED,
+				 "this epd has no GPU backend (%s)",
+				 g->srv->backend_reason);
+		if (g->njoined == 0)
+			group_destroy(g);
+		return EP_EUNSUPPORTED;
+	}
 	if (gpu) {
-		code = epd_cuda_add_rank(g, m, j, err, sizeof(err));
+		code = g->srv->dev->add_rank(g, m, j, err, sizeof(err));
 		if (code) {
 			free(m);
 			epd_client_error(c, req_id, code, "%s", err);
@@ -630,7 +647,8 @@ void epd_member_remove(struct epd_member *m, const char *why)
 	g->local[m->local] = NULL;
 	g->njoined--;
 	list_del(&m->cnode);
-	epd_cuda_remove_rank(g, m->local);
+	if (g->dev)
+		g->dev->remove_rank(g, m->local);
 	epd_info("group %s: rank %u (pid %d) removed: %s", g->shape.name,
 		 m->rank, (int)c->pid, why);
 	if (g->state == EPD_G_READY)
@@ -665,7 +683,7 @@ int epd_group_leave(struct epd_client *c, uint64_t req_id, uint64_t gid)
 		return EP_ENOGROUP;
 	/* (a stream-ordered op in the host path does not hold a leave: the
 	 * group fails as for any rank leaving with work queued) */
-	if (m->pending_req && m->pending_req != EPD_REQ_STAGED) {
+	if (m->pending_req && !m->complete) {
 		epd_client_error(c, req_id, EP_EBUSY,
 				 "an operation of this rank is in flight");
 		return EP_EBUSY;
@@ -712,7 +730,8 @@ static void barrier_progress(struct epd_group *g)
 	}
 }
 
-void epd_group_staged_barrier(struct epd_group *g)
+void epd_group_staged_barrier(struct epd_group *g, uint64_t seq,
+			      epd_member_complete_fn done)
 {
 	uint32_t rpn = g->shape.ranks_per_node;
 	g->coll_type = EPP_BARRIER;
@@ -721,8 +740,9 @@ void epd_group_staged_barrier(struct epd_group *g)
 	for (uint32_t l = 0; l < rpn; l++) {
 		struct epd_member *m = g->local[l];
 		m->barrier_seq++;
-		m->pending_req = EPD_REQ_STAGED;
+		m->pending_req = seq;
 		m->pending_type = EPP_BARRIER;
+		m->complete = done;
 	}
 	if (epd_group_remote_check(g))
 		return; /* failed, and replied */
@@ -801,7 +821,7 @@ int epd_group_async(struct epd_client *c, uint64_t req_id, uint64_t gid,
 	if (!m)
 		return EP_ENOGROUP;
 	struct epd_group *g = m->group;
-	if (!g->cu) {
+	if (!g->dev) {
 		epd_client_error(c, req_id, EP_EUNSUPPORTED,
 				 "group %s has host ranks: no stream-ordered "
 				 "operations",
@@ -826,7 +846,7 @@ int epd_group_async(struct epd_client *c, uint64_t req_id, uint64_t gid,
 			       m->rank, op->tokens, s->max_tokens);
 		return EP_ETOOBIG;
 	}
-	epd_cuda_op(m, op);
+	g->dev->op(m, op);
 	return 0;
 }
 

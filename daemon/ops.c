@@ -408,7 +408,8 @@ static void arrive(struct epd_member *m, uint64_t req_id, uint16_t type)
 
 void epd_ops_staged_enter(struct epd_group *g, uint16_t type, bool cached,
 			  uint64_t host_seq, const uint32_t *tokens,
-			  const uint32_t *flags)
+			  const uint32_t *flags, uint64_t seq,
+			  epd_member_complete_fn done)
 {
 	uint32_t rpn = g->shape.ranks_per_node;
 	g->coll_type = type;
@@ -418,8 +419,9 @@ void epd_ops_staged_enter(struct epd_group *g, uint16_t type, bool cached,
 	g->coll_start_ns = epd_now_ns();
 	for (uint32_t l = 0; l < rpn; l++) {
 		struct epd_member *m = g->local[l];
-		m->pending_req = EPD_REQ_STAGED;
+		m->pending_req = seq;
 		m->pending_type = type;
+		m->complete = done;
 		m->op_tokens = tokens[l];
 		m->op_flags = flags[l];
 	}

@@ -4,6 +4,7 @@
  * (TERM/INT stop, HUP reloads), systemd notifications, the backend choice.
  */
 #include "epd.h"
+#include "backend.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -309,26 +310,35 @@ int epd_server_overrides(struct epd_server *srv, char *const *kv, int n)
 	return 0;
 }
 
-/* auto: CUDA when a driver and a GPU are there, else host, saying why. */
+/* auto: the first device backend compiled in that finds its devices
+ * (CUDA when a driver and a GPU are there), else host, saying why. */
 static int choose_backend(struct epd_server *srv)
 {
 	const char *want = srv->cfg.backend;
 	srv->backend = "host";
+	srv->dev = NULL;
 	if (!strcmp(want, "host")) {
 		snprintf(srv->backend_reason, sizeof(srv->backend_reason),
 			 "host requested");
 		return 0;
 	}
 	char why[160];
-	if (epd_cuda_init(srv, why, sizeof(why)) == 0) {
-		srv->backend = "cuda";
-		snprintf(srv->backend_reason, sizeof(srv->backend_reason),
-			 "%s", why);
-		return 0;
+	snprintf(why, sizeof(why), "epd was built without the %s backend",
+		 strcmp(want, "auto") ? want : "cuda");
+	for (const struct epd_backend_ops *const *b = epd_backends; *b; b++) {
+		if (strcmp(want, "auto") && strcmp(want, (*b)->name))
+			continue;
+		if ((*b)->init(srv, why, sizeof(why)) == 0) {
+			srv->dev = *b;
+			srv->backend = (*b)->name;
+			snprintf(srv->backend_reason,
+				 sizeof(srv->backend_reason), "%s", why);
+			return 0;
+		}
 	}
 	snprintf(srv->backend_reason, sizeof(srv->backend_reason), "%s", why);
-	if (!strcmp(want, "cuda")) {
-		epd_err("backend cuda requested, but %s", why);
+	if (strcmp(want, "auto")) {
+		epd_err("backend %s requested, but %s", want, why);
 		return -1;
 	}
 	epd_notice("no CUDA backend (%s): running the host backend", why);
@@ -406,7 +416,8 @@ int epd_server_run(struct epd_server *srv)
 	epd_xop_stash_free(srv);
 	epd_xbufs_free(srv);
 	epd_cluster_free(srv);
-	epd_cuda_fini(srv);
+	if (srv->dev)
+		srv->dev->fini(srv);
 	epd_pool_free(srv->pool);
 	srv->pool = NULL;
 	if (srv->reserve_fd >= 0)

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* `epctl status`: the daemon, its clients and its groups as JSON. */
 #include "epd.h"
+#include "backend.h"
 
 #include <jansson.h>
 #include <stdlib.h>
@@ -29,7 +30,7 @@ static json_t *group_json(struct epd_group *g)
 	json_t *o = json_pack(
 		"{s:s, s:s, s:I, s:I, s:s, s:I, s:I, s:I, s:I, s:o, s:o, s:I, "
 		"s:o, s:{s:I, s:I, s:I, s:I, s:I}, s:I}",
-		"name", g->shape.name, "backend", g->cu ? "cuda" : "host", "id",
+		"name", g->shape.name, "backend", g->dev ? g->dev->name : "host", "id",
 		(json_int_t)g->id, "epoch",
 		(json_int_t)g->epoch, "state", epd_group_state_name(g->state),
 		"world_size", (json_int_t)g->shape.world_size,
@@ -73,9 +74,9 @@ static json_t *group_json(struct epd_group *g)
 	if (o && g->nnodes > 1)
 		json_object_set_new(o, "rows_in",
 				    json_string(g->xw ? "rdma-write" : "frames"));
-	json_t *cu = epd_cuda_group_status(g);
+	json_t *cu = g->dev ? g->dev->group_status(g) : NULL;
 	if (o && cu)
-		json_object_set_new(o, "cuda", cu);
+		json_object_set_new(o, g->dev->name, cu);
 	return o;
 }
 
@@ -162,8 +163,10 @@ char *epd_status_json(struct epd_server *srv, uid_t viewer)
 				      "bytes", (json_int_t)srv->cfg.limits.bytes));
 	json_object_set_new(json_object_get(root, "daemon"), "limit_refusals",
 			    json_integer((json_int_t)srv->n_limited));
-	json_t *cu = epd_cuda_status(srv);
-	json_object_set_new(json_object_get(root, "daemon"), "cuda",
+	/* the device backend's devices ("cuda": null without one) */
+	json_t *cu = srv->dev ? srv->dev->status(srv) : NULL;
+	json_object_set_new(json_object_get(root, "daemon"),
+			    srv->dev ? srv->dev->name : "cuda",
 			    cu ? cu : json_null());
 	json_t *cl = epd_cluster_status(srv);
 	if (cl)
