@@ -610,7 +610,10 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 		return EP_EUNSUPPORTED;
 	}
 	if (gpu) {
-		code = g->srv->dev->add_rank(g, m, j, err, sizeof(err));
+		/* set first: a failed first rank's partial state is freed
+		 * with the group, by the backend */
+		g->dev = g->srv->dev;
+		code = g->dev->add_rank(g, m, j, err, sizeof(err));
 		if (code) {
 			free(m);
 			epd_client_error(c, req_id, code, "%s", err);

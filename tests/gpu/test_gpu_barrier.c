@@ -191,7 +191,8 @@ static int loop_rank(int rank, void *arg)
 		TH_CHECK(kc && (!strncmp(kc + 11, "sm_90 cubin", 11) ||
 				!strncmp(kc + 11, "compute_90 PTX", 14)),
 			 "status names no loaded kernel image: %s", js);
-		printf("ok: status says the kernels loaded: %.40s\n", kc + 11);
+		printf("ok: status says the kernels loaded: %.*s\n",
+		       (int)strcspn(kc + 11, "\""), kc + 11);
 		/* Barriers run on the host thread (EPD_GPU_BARRIER names
 		 * another); no frame to the daemon for either the host thread
 		 * or the resident kernel, and it counted them all. */
