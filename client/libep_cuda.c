@@ -14,7 +14,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MAX_INFLIGHT 1024 /* as the daemon allows */
+#define MAX_INFLIGHT EPP_MAX_INFLIGHT
 
 static const uint8_t *ctl_slot(const ep_group_t *g)
 {

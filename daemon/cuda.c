@@ -31,7 +31,7 @@ _Static_assert(EKC_RECV_COUNT == EPP_DEV_RECV_COUNT,
 	       "the device receive count's place, as libep knows it");
 
 #define MAX_DEV 16
-#define MAX_INFLIGHT 1024 /* stream-ordered ops a rank may have queued */
+#define MAX_INFLIGHT EPP_MAX_INFLIGHT
 #define POLL_MS 1
 
 struct cudev {

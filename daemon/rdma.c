@@ -35,7 +35,11 @@
  * RDMA device exists (the development and CI machines have none: see
  * README).
  */
-#include "epd.h"
+#include "log.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <uv.h>
 
 #ifdef HAVE_EPD_RDMA
 

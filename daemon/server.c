@@ -36,13 +36,6 @@ static int sd_listen_fds(int u)
 #define SD_LISTEN_FDS_START 3
 #endif
 
-uint64_t epd_now_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 static void notify_status(struct epd_server *srv)
 {
 	unsigned nc = 0, ng = 0;

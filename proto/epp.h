@@ -63,6 +63,9 @@
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
 #define EPP_VERSION_MINOR 7
+/* Stream-ordered ops a GPU rank may have in flight (libep waits before
+ * more; the daemon's rings are this deep). */
+#define EPP_MAX_INFLIGHT 1024
 #define EPP_HDR_SIZE 24
 #define EPP_MAX_PAYLOAD (1u << 20)
 #define EPP_MAX_WORLD 1024 /* ranks of a group */
