@@ -233,11 +233,13 @@ int ep_dispatch(ep_group_t *g, const struct ep_dispatch_in *in,
 					   "are required");
 	struct ep_buffers b;
 	ep_get_buffers(g, &b);
-	memcpy(b.x, in->x, (size_t)T * H * g->layout.elt);
-	if (g->layout.nscales)
+	/* with no tokens the inputs may be NULL (memcpy's may not be) */
+	if (T)
+		memcpy(b.x, in->x, (size_t)T * H * g->layout.elt);
+	if (T && g->layout.nscales)
 		memcpy(b.x_scales, in->x_scales,
 		       (size_t)T * g->layout.nscales * sizeof(float));
-	if (!cached) {
+	if (T && !cached) {
 		memcpy(b.topk_idx, in->topk_idx, (size_t)T * K * 8);
 		if (in->topk_weights)
 			memcpy(b.topk_weights, in->topk_weights,
@@ -299,12 +301,15 @@ int ep_combine(ep_group_t *g, const ep_handle_t *h, const uint16_t *y,
 	struct ep_buffers b;
 	ep_get_buffers(g, &b);
 	const size_t H = hidden;
-	memcpy(b.combine_y, y, (size_t)num_rows * H * 2);
-	if (bias)
+	/* no rows or no tokens: y, bias and out may be NULL */
+	if (num_rows)
+		memcpy(b.combine_y, y, (size_t)num_rows * H * 2);
+	if (bias && h->num_tokens)
 		memcpy(b.combine_bias, bias, (size_t)h->num_tokens * H * 2);
 	rc = ep_combine_inplace(g, h, bias ? EP_COMBINE_BIAS : 0);
 	if (rc)
 		return rc;
-	memcpy(out, b.combined, (size_t)h->num_tokens * H * 2);
+	if (h->num_tokens)
+		memcpy(out, b.combined, (size_t)h->num_tokens * H * 2);
 	return 0;
 }
