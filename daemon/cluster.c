@@ -1250,6 +1250,16 @@ void *epd_cluster_status(struct epd_server *srv)
 							 1e9
 					       : 0.0,
 				  "last_error", nd->why));
+		/* how dispatch rows reach that node: by RDMA WRITE where its
+		 * connection shares this node's protection domain (the first
+		 * device), else as frames */
+		json_object_set_new(
+			json_array_get(peers, json_array_size(peers) - 1),
+			"rows",
+			json_string(n == cl->self ? "-"
+				    : epd_cluster_rconn(cl->srv, (uint32_t)n)
+					    ? "rdma-write"
+					    : "frames"));
 	}
 	row[cl->n] = 0;
 	json_t *o = json_pack("{s:s, s:i, s:i, s:I, s:s, s:s, s:I, s:o, s:o}",

@@ -1435,6 +1435,42 @@ int main(void)
 		       why);
 		json_decref(cl);
 	}
+	/* EPD_TEST_EXPECT_FRAMES=1 (tests/rdma-vm with node 1 on a second
+	 * device): some connection is on another device than its node's
+	 * first one, so rows to that peer go as frames while others go by
+	 * RDMA WRITE; the dispatch checks below then cover both at once. */
+	if (rdma && getenv("EPD_TEST_EXPECT_FRAMES")) {
+		char rows[NODES * NODES * 4] = "";
+		int frames = 0, writes = 0;
+		for (int i = 0; i < NODES; i++) {
+			json_t *cl = cluster_of(i);
+			size_t k;
+			json_t *p;
+			json_array_foreach(json_object_get(cl, "peers"), k, p)
+			{
+				const char *r = json_string_value(
+					json_object_get(p, "rows"));
+				TH_CHECK(r, "node %d: no rows for peer %zu", i,
+					 k);
+				frames += !strcmp(r, "frames");
+				writes += !strcmp(r, "rdma-write");
+				snprintf(rows + strlen(rows),
+					 sizeof(rows) - strlen(rows), "%s%c",
+					 (int)k == i ? "" : "",
+					 (int)k == i   ? 'S'
+					 : *r == 'f' ? 'F'
+						     : 'W');
+			}
+			snprintf(rows + strlen(rows), sizeof(rows) - strlen(rows),
+				 "%s", i + 1 < NODES ? "/" : "");
+			json_decref(cl);
+		}
+		TH_CHECK(frames > 0 && writes > 0,
+			 "rows per peer (F frames, W rdma-write): %s", rows);
+		printf("ok: a connection on a second device carries rows as "
+		       "frames, the others by RDMA WRITE (per node: %s)\n",
+		       rows);
+	}
 
 	check_late(2, 2);
 	check_late(3, 2);
