@@ -15,8 +15,7 @@ static uint8_t *region(ep_group_t *g, int field)
 		return (uint8_t *)(uintptr_t)(g->dev_ptr + EP__DEV_DATA +
 					      g->layout.off[field]);
 	uint32_t l = g->cfg.rank % g->cfg.ranks_per_node;
-	return (uint8_t *)g->buf + EPP_BUF_HEADER +
-	       (uint64_t)l * g->layout.rank_stride + g->layout.off[field];
+	return (uint8_t *)g->buf + epp_buf_field(&g->layout, l, field);
 }
 
 int ep_get_buffers(ep_group_t *g, struct ep_buffers *b)

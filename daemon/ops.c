@@ -86,8 +86,7 @@ static bool handle_ok(struct epd_client *c, uint64_t req_id,
 
 uint8_t *epd_region(struct epd_group *g, uint32_t l, int field)
 {
-	return g->map + EPP_BUF_HEADER + (uint64_t)l * g->layout.rank_stride +
-	       g->layout.off[field];
+	return g->map + epp_buf_field(&g->layout, l, field);
 }
 
 static void job_free(struct job *j)

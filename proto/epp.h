@@ -278,6 +278,14 @@ struct epp_buf {
 /* Compute the layout from a (validated) join. 0, or EP_ETOOBIG. */
 int epp_buf_layout(const struct epp_join *shape, struct epp_buf *b);
 
+/* Where field lies for local rank l, from the start of the group's
+ * shared mapping (the one mapping rule the daemon and libep share). */
+static inline uint64_t epp_buf_field(const struct epp_buf *b, uint32_t l,
+				     int field)
+{
+	return EPP_BUF_HEADER + (uint64_t)l * b->rank_stride + b->off[field];
+}
+
 /* Little-endian cursor over a payload. A read past the end, or a string
  * without its terminator, sets err; later reads return zeros. */
 struct epp_rd {
