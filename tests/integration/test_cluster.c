@@ -1236,7 +1236,10 @@ static void check_bad_joins(void)
 	ep_close(c);
 }
 
-#define XSTALL_MS 400
+/* The stall cases' group timeout: 400 ms, times EPD_TEST_ALARM_SCALE on
+ * an emulated CPU under a sanitizer, where ranks of a healthy setup
+ * barrier may be 400 ms apart (the TSan pass in the VM, once). */
+#define XSTALL_MS (400u * th_scale())
 static int xstall_rank(int rank, void *arg)
 {
 	struct late *s = arg;
@@ -1271,7 +1274,8 @@ static int xstall_rank(int rank, void *arg)
 	TH_EXPECT_RC(rc, EP_ETIMEDOUT);
 	TH_CHECK(strstr(ep_errmsg(), "waiting for the other nodes"),
 		 "message: %s", ep_errmsg());
-	TH_CHECK(dt >= (XSTALL_MS - 50) * 1000000ull && dt < 5000000000ull,
+	TH_CHECK(dt >= (XSTALL_MS - 50) * 1000000ull &&
+			 dt < 5000000000ull * th_scale(),
 		 "timed out after %llu ms; the timeout is %u ms",
 		 (unsigned long long)(dt / 1000000), XSTALL_MS);
 	s->enter[0][rank] = dt;
@@ -1308,7 +1312,7 @@ static int xstall1_rank(int rank, void *arg)
 	TH_OK(ep_barrier(g));
 	ep_handle_t h;
 	if (rank == 1) {
-		th_sleep_ms(3000);
+		th_sleep_ms(3000 * th_scale());
 		TH_CHECK(ep_dispatch_inplace(g, 0, 0, NULL, &h) < 0,
 			 "the stalled rank's dispatch succeeded");
 		ep_leave(g);
@@ -1321,7 +1325,8 @@ static int xstall1_rank(int rank, void *arg)
 	TH_EXPECT_RC(rc, EP_ETIMEDOUT);
 	TH_CHECK(strstr(ep_errmsg(), "ranks never arrived: 1"), "message: %s",
 		 ep_errmsg());
-	TH_CHECK(dt < 2000000000ull, "timed out after %llu ms; the timeout "
+	TH_CHECK(dt < 2000000000ull * th_scale(),
+		 "timed out after %llu ms; the timeout "
 		 "is %u ms", (unsigned long long)(dt / 1000000), XSTALL_MS);
 	s->enter[0][0] = dt;
 	snprintf(s->msgs[0], sizeof(s->msgs[0]), "%s", ep_errmsg());

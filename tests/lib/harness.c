@@ -60,11 +60,16 @@ void th_init(const char *name, unsigned timeout_s)
 	signal(SIGPIPE, SIG_IGN);
 	/* EPD_TEST_ALARM_SCALE: an emulated CPU (tests/rdma-vm) under a
 	 * sanitizer runs several times slower */
-	const char *sc = getenv("EPD_TEST_ALARM_SCALE");
-	if (sc && atoi(sc) > 1)
-		timeout_s *= (unsigned)atoi(sc);
+	timeout_s *= th_scale();
 	alarm(timeout_s);
 	printf("# %s\n", name);
+}
+
+unsigned th_scale(void)
+{
+	const char *sc = getenv("EPD_TEST_ALARM_SCALE");
+	int v = sc ? atoi(sc) : 1;
+	return v > 1 && v <= 100 ? (unsigned)v : 1;
 }
 
 uint64_t th_now_ns(void)

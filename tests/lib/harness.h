@@ -76,6 +76,10 @@ typedef int (*th_child_fn)(int i, void *arg);
 void th_spawn(pid_t *pids, int n, th_child_fn fn, void *arg);
 /* Wait for the children; returns how many did not exit 0. */
 int th_wait_all(const pid_t *pids, int n, unsigned timeout_s);
+/* EPD_TEST_ALARM_SCALE (default 1): how many times slower this run is
+ * (an emulated CPU under a sanitizer); alarms and the few tests' own short
+ * deadlines are multiplied by it. */
+unsigned th_scale(void);
 
 /* Reap a child whose exit is not judged (a victim the test killed). */
 void th_reap(pid_t pid, unsigned timeout_s);
