@@ -349,59 +349,59 @@ static void print_metrics(json_t *root)
 	json_t *g, *p;
 	json_t *groups = json_object_get(root, "groups");
 	static const char *const opn[] = {"barrier", "dispatch", "combine"};
-	om_head("epd_group_ops", "counter", "Operations completed, per group and kind.");
-	json_array_foreach(groups, i, g)
-	{
-		char name[160];
-		om_escape(jstr(g, "name"), name, sizeof(name));
-		for (int k = 0; k < 3; k++)
-			printf("epd_group_ops_total{group=\"%s\",op=\"%s\"} %lld\n",
-			       name, opn[k],
-			       jint(json_object_get(g, "ops"), opn[k]));
-	}
-	om_head("epd_group_op_seconds", "counter",
-		"Seconds from a collective's first arrival to its completion, summed, per group and kind (host path); divided by epd_group_ops_total, the mean latency.");
-	json_array_foreach(groups, i, g)
-	{
-		char name[160];
-		om_escape(jstr(g, "name"), name, sizeof(name));
-		json_t *s = json_object_get(g, "op_seconds");
-		for (int k = 0; k < 3; k++)
-			printf("epd_group_op_seconds_total{group=\"%s\",op=\"%s\"} %.9f\n",
-			       name, opn[k],
-			       json_number_value(json_object_get(s, opn[k])));
-	}
-	om_head("epd_group_errors", "counter", "Operations that failed, per group.");
-	json_array_foreach(groups, i, g)
-	{
-		char name[160];
-		om_escape(jstr(g, "name"), name, sizeof(name));
-		printf("epd_group_errors_total{group=\"%s\"} %lld\n", name,
-		       jint(json_object_get(g, "ops"), "errors"));
-	}
-	om_head("epd_group_moved_bytes", "counter", "Bytes of rows moved by dispatch and combine, per group.");
-	json_array_foreach(groups, i, g)
-	{
-		char name[160];
-		om_escape(jstr(g, "name"), name, sizeof(name));
-		printf("epd_group_moved_bytes_total{group=\"%s\"} %lld\n", name,
-		       jint(g, "bytes_moved"));
-	}
-	om_head("epd_group_buffer_bytes", "gauge", "Bytes of the group's buffers on this node.");
-	json_array_foreach(groups, i, g)
-	{
-		char name[160];
-		om_escape(jstr(g, "name"), name, sizeof(name));
-		printf("epd_group_buffer_bytes{group=\"%s\"} %lld\n", name,
-		       jint(g, "buffer_bytes"));
-	}
-	om_head("epd_group_failed", "gauge", "1 if the group failed (its last error in epctl status).");
-	json_array_foreach(groups, i, g)
-	{
-		char name[160];
-		om_escape(jstr(g, "name"), name, sizeof(name));
-		printf("epd_group_failed{group=\"%s\"} %d\n", name,
-		       !strcmp(jstr(g, "state"), "failed"));
+	/* per group: a sample per op kind where `op`, else one; the value is
+	 * the group's `key` (in `in` when set), or its failed state */
+	static const struct {
+		const char *name, *type, *help, *in, *key;
+		bool op;
+	} gm[] = {
+		{"epd_group_ops_total", "counter",
+		 "Operations completed, per group and kind.", "ops", NULL, true},
+		{"epd_group_op_seconds_total", "counter",
+		 "Seconds from a collective's first arrival to its completion, "
+		 "summed, per group and kind (host path); divided by "
+		 "epd_group_ops_total, the mean latency.",
+		 "op_seconds", NULL, true},
+		{"epd_group_errors_total", "counter",
+		 "Operations that failed, per group.", "ops", "errors", false},
+		{"epd_group_moved_bytes_total", "counter",
+		 "Bytes of rows moved by dispatch and combine, per group.", NULL,
+		 "bytes_moved", false},
+		{"epd_group_buffer_bytes", "gauge",
+		 "Bytes of the group's buffers on this node.", NULL,
+		 "buffer_bytes", false},
+		{"epd_group_failed", "gauge",
+		 "1 if the group failed (its last error in epctl status).", NULL,
+		 NULL, false},
+	};
+	for (size_t m = 0; m < sizeof(gm) / sizeof(gm[0]); m++) {
+		/* the family's name: without _total for counters */
+		size_t fl = strlen(gm[m].name) -
+			    (strcmp(gm[m].type, "counter") ? 0 : 6);
+		printf("# TYPE %.*s %s\n# HELP %.*s %s\n", (int)fl,
+		       gm[m].name, gm[m].type, (int)fl, gm[m].name,
+		       gm[m].help);
+		json_array_foreach(groups, i, g)
+		{
+			char name[160];
+			om_escape(jstr(g, "name"), name, sizeof(name));
+			json_t *o = gm[m].in ? json_object_get(g, gm[m].in) : g;
+			for (int k = 0; k < (gm[m].op ? 3 : 1); k++) {
+				printf("%s{group=\"%s\"", gm[m].name, name);
+				if (gm[m].op)
+					printf(",op=\"%s\"", opn[k]);
+				json_t *v = json_object_get(
+					o, gm[m].op ? opn[k] : gm[m].key ? gm[m].key : "");
+				if (!gm[m].key && !gm[m].op)
+					printf("} %d\n",
+					       !strcmp(jstr(g, "state"), "failed"));
+				else if (json_is_real(v))
+					printf("} %.9f\n", json_real_value(v));
+				else
+					printf("} %lld\n",
+					       (long long)json_integer_value(v));
+			}
+		}
 	}
 	json_t *cl = json_object_get(root, "cluster");
 	if (json_is_object(cl)) {

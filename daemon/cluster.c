@@ -1234,7 +1234,7 @@ void *epd_cluster_status(struct epd_server *srv)
 		json_array_append_new(
 			peers,
 			json_pack("{s:i, s:s, s:s, s:s, s:s, s:s, s:I, s:I, s:f, "
-				  "s:s}",
+				  "s:s, s:s}",
 				  "index", n, "name", nd->name, "addr", addr,
 				  "state", st, "transport",
 				  n == cl->self ? "-"
@@ -1249,17 +1249,16 @@ void *epd_cluster_status(struct epd_server *srv)
 				  nd->since_ns ? (double)(now - nd->since_ns) /
 							 1e9
 					       : 0.0,
-				  "last_error", nd->why));
-		/* how dispatch rows reach that node: by RDMA WRITE where its
-		 * connection shares this node's protection domain (the first
-		 * device), else as frames */
-		json_object_set_new(
-			json_array_get(peers, json_array_size(peers) - 1),
-			"rows",
-			json_string(n == cl->self ? "-"
-				    : epd_cluster_rconn(cl->srv, (uint32_t)n)
-					    ? "rdma-write"
-					    : "frames"));
+				  "last_error", nd->why,
+				  /* how dispatch rows reach that node: by
+				   * RDMA WRITE where its connection shares
+				   * this node's protection domain (the first
+				   * device), else as frames */
+				  "rows",
+				  n == cl->self ? "-"
+				  : epd_cluster_rconn(cl->srv, (uint32_t)n)
+					  ? "rdma-write"
+					  : "frames"));
 	}
 	row[cl->n] = 0;
 	json_t *o = json_pack("{s:s, s:i, s:i, s:I, s:s, s:s, s:I, s:o, s:o}",

@@ -666,7 +666,7 @@ int epd_rdma_listen(struct epd_rdma *rd, const struct sockaddr *sa, char *err,
 }
 
 /* After a device removal: listen again once a device has the address
- * (the cluster calls this with each redial). 1 if listening again. */
+ * (relisten_timer, every second). 1 if listening again. */
 static int relisten(struct epd_rdma *rd)
 {
 	if (!rd->relisten || rd->closing)
@@ -691,7 +691,6 @@ struct epd_rconn *epd_rdma_dial(struct epd_rdma *rd, const struct sockaddr *sa,
 				const void *pdata, uint8_t plen, void *user)
 {
 	struct rdma_cm_id *id;
-	relisten(rd);
 	if (plen > sizeof(((struct epd_rconn *)0)->pdata) ||
 	    rdma_create_id(rd->ch, &id, NULL, RDMA_PS_TCP))
 		return NULL;
