@@ -9,7 +9,7 @@
 #include "harness.h"
 #include "epp.h"
 #include "ref.h"
-#include "peerauth.h"
+#include "cluster/peerauth.h"
 
 #include <jansson.h>
 #include <poll.h>

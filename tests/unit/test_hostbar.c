@@ -6,7 +6,7 @@
  * is a mismatch naming it; a stop ends a wait; release raises done words
  * and nothing lowers them; numbers wrap past 2^32. */
 #include "harness.h"
-#include "hostbar.h"
+#include "backend/cuda/hostbar.h"
 
 #include "epp.h"
 

@@ -4,7 +4,7 @@
  * message to a journal that cannot take it is still written, with its
  * priority prefix, not lost. */
 #include "harness.h"
-#include "log.h"
+#include "util/log.h"
 
 #include <stdio.h>
 #include <string.h>

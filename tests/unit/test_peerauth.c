@@ -3,7 +3,7 @@
  * node and checked by another of the same cluster it passes; every field
  * changed, and another key, make the check fail with its reason. */
 #include "harness.h"
-#include "peerauth.h"
+#include "cluster/peerauth.h"
 
 #include <sodium.h>
 #include <string.h>

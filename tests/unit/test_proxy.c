@@ -7,7 +7,7 @@
  * command pushed after the thread went to sleep still arrives; freeing
  * hands over what is queued; a ring that is not a power of two is refused. */
 #include "harness.h"
-#include "proxy.h"
+#include "transport/rdma/proxy.h"
 
 #include <pthread.h>
 #include <string.h>

@@ -3,7 +3,7 @@
  * Client connections: framed reads with strict validation, a queue of
  * outgoing frames (with descriptors), and the request dispatch table.
  */
-#include "epd.h"
+#include "core/epd.h"
 
 #include <errno.h>
 #include <stdarg.h>

@@ -24,11 +24,11 @@
  * index on the other nodes of the group) and feed the group's rail
  * counters (group.c).
  */
-#include "epd.h"
+#include "core/epd.h"
 #include "peerauth.h"
 
 #include <sys/uio.h>
-#include "rdma.h"
+#include "transport/rdma/rdma.h"
 
 #include <errno.h>
 #include <fcntl.h>

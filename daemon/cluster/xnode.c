@@ -32,9 +32,9 @@
  * own routing); its local completion says the inputs are read. Combine
  * rows, and rows to a node whose windows are not known, go as frames.
  */
-#include "epd.h"
-#include "proxy.h"
-#include "rdma.h"
+#include "core/epd.h"
+#include "transport/rdma/proxy.h"
+#include "transport/rdma/rdma.h"
 
 #include <stdio.h>
 #include <stdlib.h>

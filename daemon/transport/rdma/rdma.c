@@ -35,7 +35,7 @@
  * RDMA device exists (the development and CI machines have none: see
  * README).
  */
-#include "log.h"
+#include "util/log.h"
 
 #include <stdbool.h>
 #include <stdint.h>

@@ -14,8 +14,8 @@
  * the control page, and every stream is released by writing doorbells and
  * done words far ahead, from a second stream that nothing blocks.
  */
-#include "epd.h"
-#include "backend.h"
+#include "core/epd.h"
+#include "core/backend.h"
 #include "hostbar.h"
 
 #include <jansson.h>

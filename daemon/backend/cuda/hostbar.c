@@ -7,7 +7,7 @@
  * completed words) and release (the done words), in that order.
  */
 #include "hostbar.h"
-#include "spin.h"
+#include "util/spin.h"
 
 #include <errno.h>
 #include <linux/futex.h>

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* `epctl status`: the daemon, its clients and its groups as JSON. */
-#include "epd.h"
-#include "backend.h"
+#include "core/epd.h"
+#include "core/backend.h"
 
 #include <jansson.h>
 #include <stdlib.h>

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* Configuration: an INI file (inih) plus key=value overrides. */
-#include "epd.h"
+#include "config.h"
+#include "log.h"
 
 #include <errno.h>
 #include <stddef.h>

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* The data path's proxy thread and its command ring (see proxy.h). */
 #include "proxy.h"
-#include "spin.h"
+#include "util/spin.h"
 
 #include <errno.h>
 #include <linux/futex.h>

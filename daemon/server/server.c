@@ -3,8 +3,8 @@
  * The server: the Unix socket listener (own or socket-activated), signals
  * (TERM/INT stop, HUP reloads), systemd notifications, the backend choice.
  */
-#include "epd.h"
-#include "backend.h"
+#include "core/epd.h"
+#include "core/backend.h"
 
 #include <errno.h>
 #include <fcntl.h>

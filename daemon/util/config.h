@@ -1,0 +1,65 @@
+/* SPDX-License-Identifier: MIT */
+/* The daemon's configuration (config.c; keys in epd.conf(5)). */
+#ifndef EPD_CONFIG_H
+#define EPD_CONFIG_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+/* configure: --with-socket, --sysconfdir */
+#define EPD_DEFAULT_SOCKET EPD_SOCKET_PATH
+#ifndef EPD_SYSCONFDIR
+#define EPD_SYSCONFDIR "/etc"
+#endif
+#define EPD_DEFAULT_CONFIG EPD_SYSCONFDIR "/epd/epd.conf"
+#define EPD_MAX_ALLOW 32
+
+/* cuda_copy_sms = auto: 32 SMs per 14 KB row (more for shorter rows) */
+#define EPD_COPY_SMS_AUTO 0xffffffffu
+
+struct epd_config {
+	char socket_path[108];
+	unsigned socket_mode;
+	char backend[16];          /* auto|host|cuda */
+	int log_level;
+	uint32_t timeout_ms;       /* default collective timeout */
+	uint32_t frame_timeout_ms; /* a partial frame older than this: error */
+	unsigned nallow;           /* 0: anyone who can open the socket */
+	uid_t allow_uids[EPD_MAX_ALLOW];
+	/* Group-name prefixes whose groups any admitted user may join ("*":
+	 * every group); other groups belong to the uid that created them. */
+	char shared_groups[512];
+	unsigned worker_threads;   /* data-path threads; 0: one per core */
+	unsigned cuda_sms;         /* SMs for dispatch/combine; 0: all */
+	unsigned cuda_copy_sms;    /* SMs for the bulk-copy row copy; 0: as
+				      cuda_sms; EPD_COPY_SMS_AUTO: by row */
+	bool cuda_no_resident;     /* no resident barrier kernel under MPS */
+	bool cuda_no_tma;          /* dispatch rows by SIMT copies only */
+	bool cuda_no_fused_prep;   /* count, scan, slot as three launches */
+	bool no_host_barrier;      /* GPU barriers without the host thread */
+	/* Cluster (empty peers: a single node). */
+	char node_name[64];
+	char peers[2048];          /* "name@host:port, ..." all nodes, ordered */
+	char cluster_key_file[256];
+	char transport[8];         /* auto|tcp|rdma */
+	uint32_t heartbeat_ms, heartbeat_miss;
+	/* Limits (0: none): per uid and for the whole daemon; root (uid 0)
+	 * is held to the daemon-wide ones only. Bytes are group buffers
+	 * (shared memory or GPU memory) charged to the group's owner. */
+	struct epd_limits {
+		uint32_t conns_per_uid, groups_per_uid;
+		uint64_t bytes_per_uid;
+		uint32_t conns, groups;
+		uint64_t bytes;
+	} limits;
+};
+
+void epd_config_defaults(struct epd_config *c);
+/* Load a file (missing file is fine unless required). Returns 0 or -1 with a
+ * message logged. */
+int epd_config_load(struct epd_config *c, const char *path, bool required);
+/* Apply one key=value override (section "epd"). */
+int epd_config_set(struct epd_config *c, const char *kv);
+
+#endif
