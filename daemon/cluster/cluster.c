@@ -1,9 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The cluster: daemons of other nodes, over the tcp transport (libuv) or
- * the rdma transport (rdma.c: the same byte stream over an RC queue pair;
- * its connect request carries version, cluster id, node index and a proof
- * of the key, checked before a queue pair is made for the peer).
+ * The cluster: daemons of other nodes, over a transport (transport.h: tcp,
+ * or rdma, the same byte stream over an RC queue pair, whose connect
+ * request carries version, cluster id, node index and a proof of the key,
+ * checked before a queue pair is made for the peer).
  *
  * Every node lists all nodes in the same order (`peers`); a node's index is
  * its place there. One connection per pair: the lower index connects. Both
@@ -22,13 +22,14 @@
  *
  * Barrier arrivals travel as PEER_BARRIER to the rail peers (same local
  * index on the other nodes of the group) and feed the group's rail
- * counters (group.c).
+ * counters (group.c), through the cross-node engine (xnode.c), which
+ * keeps them, as it keeps every frame for a group not ready here yet.
  */
-#include "core/epd.h"
+#include "cluster.h"
 #include "peerauth.h"
+#include "transport/transport.h"
 
 #include <sys/uio.h>
-#include "transport/rdma/rdma.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -42,15 +43,12 @@
 
 #define MAX_NODES 64
 #define NONCE 32
-#define MAX_EARLY 1024
 
 enum { NODE_DOWN, NODE_UP, NODE_SELF };
 
 struct pconn {
-	uv_tcp_t tcp;            /* tcp */
-	struct epd_rconn *rc;    /* rdma (tcp unused) */
-	uv_timer_t reap;         /* rdma: closed to free the connection */
-	bool rdma;
+	struct epd_tconn *tc; /* the transport's; NULL once it is gone */
+	uv_timer_t reap;      /* closed to free the connection */
 	struct list_node node; /* in cluster->conns */
 	struct epd_cluster *cl;
 	int peer;  /* node index once its HELLO arrived, else -1 */
@@ -67,7 +65,6 @@ struct pconn {
 	uint64_t ntx, nrx;
 	bool tx_tag, rx_tag;
 	char addr[64];
-	uv_connect_t creq;
 };
 
 struct cnode {
@@ -85,28 +82,20 @@ struct cnode {
 	char why[128];
 };
 
-struct early {
-	char name[EPP_GKEY_MAX + 1];
-	uint32_t node, l;
-	uint64_t seq;
-};
-
 struct epd_cluster {
 	struct epd_server *srv;
 	int self, n;
 	struct cnode node[MAX_NODES];
 	uint8_t key[32];
-	uv_tcp_t listener;
-	struct epd_rdma *rd; /* the rdma transport, or NULL: tcp */
-	char transport_why[200]; /* why this transport */
+	const struct epd_transport_ops *tops;
+	struct epd_transport *tr;
+	char transport_why[256]; /* why this transport */
 	uint8_t cluster_id[8];
 	uv_timer_t tick;
 	struct list_node conns;
 	uint64_t epoch, rejected;
 	uint64_t reject_ns; /* the last rejection: when, who, why */
 	char reject_addr[64], reject_why[256];
-	struct early early[MAX_EARLY];
-	int nearly;
 	bool stopping;
 };
 
@@ -211,82 +200,38 @@ static const struct addrinfo resolve_hints = {.ai_socktype = SOCK_STREAM,
 
 /* ---- frames ---- */
 
-struct wreq {
-	uv_write_t req;
-	struct epd_sref *ref; /* a body sent in place, or NULL */
-	uint8_t tag[EPD_TAG];
-	uint8_t data[];
-};
-
-static void write_done(uv_write_t *req, int status)
+static void sref_done(void *ref)
 {
-	struct wreq *w = (struct wreq *)req;
-	(void)status;
-	if (w->ref)
-		epd_sref_put(w->ref);
-	free(w);
+	epd_sref_put(ref);
 }
 
-/* One frame. Header and a are copied into the write request; b is copied
- * too, or with ref written from where it is, ref held until it is sent. */
+/* One frame: header, a and the tag copied; b copied too, or with ref
+ * sent from where it is, ref held until the transport is done with it. */
 static void conn_write(struct pconn *c, uint16_t type, const void *a,
-		       size_t na, const void *b2, size_t nb,
+		       size_t na, const void *b, size_t nb,
 		       struct epd_sref *ref)
 {
 	if (c->closing)
 		return;
-	if (c->rdma) {
-		/* the transport copies: no reference needed */
-		uint8_t head[EPP_HDR_SIZE], tag[EPD_TAG];
-		struct epp_hdr h;
-		epp_hdr_init(&h, type, 0);
-		h.length = (uint32_t)(na + nb);
-		epp_hdr_encode(&h, head);
-		struct iovec iov[4] = {{head, EPP_HDR_SIZE},
-				       {(void *)a, na},
-				       {(void *)b2, nb},
-				       {tag, EPD_TAG}};
-		if (c->tx_tag)
-			epd_frame_tag(c->ktx, c->ntx++, iov, 3, tag);
-		if (!c->rc || epd_rdma_send(c->rc, iov, c->tx_tag ? 4 : 3))
-			conn_close(c, "rdma send failed");
-		return;
-	}
-	const size_t copied = na + (ref ? 0 : nb);
-	struct wreq *w = malloc(sizeof(*w) + EPP_HDR_SIZE + copied);
-	if (!w) {
-		conn_close(c, "out of memory");
-		return;
-	}
+	uint8_t head[EPP_HDR_SIZE], tag[EPD_TAG];
 	struct epp_hdr h;
 	epp_hdr_init(&h, type, 0);
 	h.length = (uint32_t)(na + nb);
-	epp_hdr_encode(&h, w->data);
-	if (na)
-		memcpy(w->data + EPP_HDR_SIZE, a, na);
-	if (nb && !ref)
-		memcpy(w->data + EPP_HDR_SIZE + na, b2, nb);
-	w->ref = ref;
+	epp_hdr_encode(&h, head);
+	struct iovec iov[4] = {{head, EPP_HDR_SIZE},
+			       {(void *)a, na},
+			       {(void *)b, nb},
+			       {tag, EPD_TAG}};
+	if (c->tx_tag)
+		epd_frame_tag(c->ktx, c->ntx++, iov, 3, tag);
 	if (ref)
 		ref->refs++;
-	uv_buf_t b[3];
-	unsigned nbuf = 0;
-	b[nbuf++] = uv_buf_init((char *)w->data,
-				(unsigned)(EPP_HDR_SIZE + copied));
-	if (ref && nb)
-		b[nbuf++] = uv_buf_init((char *)b2, (unsigned)nb);
-	if (c->tx_tag) {
-		struct iovec iov[2];
-		for (unsigned i = 0; i < nbuf; i++)
-			iov[i] = (struct iovec){b[i].base, b[i].len};
-		epd_frame_tag(c->ktx, c->ntx++, iov, (int)nbuf, w->tag);
-		b[nbuf++] = uv_buf_init((char *)w->tag, EPD_TAG);
-	}
-	if (uv_write(&w->req, (uv_stream_t *)&c->tcp, b, nbuf, write_done)) {
+	if (!c->tc || c->cl->tops->send(c->tc, iov, c->tx_tag ? 4 : 3,
+					ref ? 2 : -1, ref ? sref_done : NULL,
+					ref)) {
 		if (ref)
 			ref->refs--;
-		free(w);
-		conn_close(c, "write failed");
+		conn_close(c, "send failed");
 	}
 }
 
@@ -366,7 +311,7 @@ static void note_rejection(struct epd_cluster *cl, const char *who,
 	cl->reject_ns = epd_now_ns();
 	snprintf(cl->reject_addr, sizeof(cl->reject_addr), "%s", who);
 	snprintf(cl->reject_why, sizeof(cl->reject_why), "%s", why);
-	epd_log_limited(cl->srv, "peer connection %s rejected: %s", who, why);
+	epd_log_limited(&cl->srv->log_rl, "peer connection %s rejected: %s", who, why);
 }
 
 static void reject(struct pconn *c, const char *fmt, ...)
@@ -443,8 +388,7 @@ static void on_barrier(struct pconn *c, const uint8_t *p, uint32_t len)
 	struct epp_peer_barrier m;
 	if (epp_peer_barrier_decode(p, len, &m))
 		return reject(c, "malformed barrier");
-	epd_group_remote_arrival(c->cl->srv, m.group, (uint32_t)c->peer,
-				 m.local, m.seq);
+	epd_xop_arrival(c->cl->srv, (uint32_t)c->peer, &m, p, len);
 }
 
 static void on_heartbeat(struct pconn *c, const uint8_t *p, uint32_t len)
@@ -479,9 +423,11 @@ static void conn_frame(struct pconn *c, const struct epp_hdr *h,
 		struct epp_peer_gfail m;
 		if (epp_peer_gfail_decode(p, h->length, &m))
 			return reject(c, "malformed group failure");
-		epd_group_remote_failure(c->cl->srv, m.group,
-					 (uint32_t)c->peer, m.code, m.msg,
-					 m.round, m.xops);
+		struct epd_group *g = epd_group_find(c->cl->srv, m.group);
+		if (g && (uint32_t)c->peer < g->nnodes)
+			epd_group_remote_failure(g, c->cl->node[c->peer].name,
+						 m.code, m.msg, m.round,
+						 m.xops);
 		return;
 	}
 	case EPP_PEER_XMETA:
@@ -526,30 +472,7 @@ static int rbuf_room(struct pconn *c, size_t need)
 	return 0;
 }
 
-static void conn_alloc(uv_handle_t *hd, size_t want, uv_buf_t *b)
-{
-	struct pconn *c = hd->data;
-	(void)want;
-	if (rbuf_room(c, 4096)) {
-		*b = uv_buf_init(NULL, 0);
-		return;
-	}
-	*b = uv_buf_init((char *)c->rbuf + c->rlen, c->rcap - c->rlen);
-}
-
 static void conn_parse(struct pconn *c);
-
-static void conn_read(uv_stream_t *s, ssize_t n, const uv_buf_t *b)
-{
-	struct pconn *c = s->data;
-	(void)b;
-	if (n < 0) {
-		conn_close(c, n == UV_EOF ? "connection closed" : uv_strerror(n));
-		return;
-	}
-	c->rlen += (size_t)n;
-	conn_parse(c);
-}
 
 /* The frames in rbuf (bytes from either transport). */
 static void conn_parse(struct pconn *c)
@@ -637,13 +560,12 @@ static void conn_close(struct pconn *c, const char *why)
 		if (cl->node[n].state == NODE_UP)
 			node_down(cl, n, why);
 	}
-	if (c->rdma) {
-		epd_rdma_close(c->rc);
-		c->rc = NULL;
-		uv_close((uv_handle_t *)&c->reap, conn_freed);
-	} else {
-		uv_close((uv_handle_t *)&c->tcp, conn_freed);
-	}
+	if (c->tc)
+		cl->tops->close(c->tc);
+	c->tc = NULL;
+	/* freed from the loop's next turn: a caller up the stack (the
+	 * frame loop) may still look at c */
+	uv_close((uv_handle_t *)&c->reap, conn_freed);
 }
 
 static struct pconn *conn_new(struct epd_cluster *cl)
@@ -654,79 +576,74 @@ static struct pconn *conn_new(struct epd_cluster *cl)
 	c->cl = cl;
 	c->peer = c->target = -1;
 	c->born_ns = epd_now_ns();
-	uv_tcp_init(cl->srv->loop, &c->tcp);
-	c->tcp.data = c;
-	uv_tcp_nodelay(&c->tcp, 1);
-	list_add_tail(&cl->conns, &c->node);
-	return c;
-}
-
-static struct pconn *conn_new_rdma(struct epd_cluster *cl)
-{
-	struct pconn *c = calloc(1, sizeof(*c));
-	if (!c)
-		return NULL;
-	c->cl = cl;
-	c->rdma = true;
-	c->peer = c->target = -1;
-	c->born_ns = epd_now_ns();
 	uv_timer_init(cl->srv->loop, &c->reap);
 	c->reap.data = c;
 	list_add_tail(&cl->conns, &c->node);
 	return c;
 }
 
-static void *rd_request(void *arg, struct epd_rconn *rc, const void *pdata,
-			uint8_t len, char *reason, size_t rlen)
+/* The transport's callbacks (transport.h). */
+static void *tr_accept(void *arg, struct epd_tconn *tc, const char *addr,
+		       const void *pdata, uint8_t len, char *reason,
+		       size_t rlen)
 {
 	struct epd_cluster *cl = arg;
-	uint32_t idx;
-	const char *why = cl->stopping
-				  ? "stopping"
-				  : epd_pdata_check(cl->key, cl->cluster_id,
-						    cl->n, cl->self, pdata, len,
-						    &idx);
+	uint32_t idx = 0;
+	const char *why =
+		cl->stopping ? "stopping"
+		: cl->tops->pdata
+			? epd_pdata_check(cl->key, cl->cluster_id, cl->n,
+					  cl->self, pdata, len, &idx)
+			: NULL;
 	if (why) {
-		note_rejection(cl, "rdma connect request", why);
+		note_rejection(cl, addr, why);
 		snprintf(reason, rlen, "%s", why);
 		return NULL;
 	}
-	struct pconn *c = conn_new_rdma(cl);
+	struct pconn *c = conn_new(cl);
 	if (!c) {
 		snprintf(reason, rlen, "out of memory");
 		return NULL;
 	}
-	c->rc = rc;
-	snprintf(c->addr, sizeof(c->addr), "rdma from node %u", idx);
+	c->tc = tc;
+	if (cl->tops->pdata)
+		snprintf(c->addr, sizeof(c->addr), "%s, node %u", addr, idx);
+	else
+		snprintf(c->addr, sizeof(c->addr), "%s", addr);
 	return c;
 }
 
-static void rd_established(void *arg, void *user)
+static void tr_established(void *arg, void *user)
 {
 	(void)arg;
 	send_hello(user);
 }
 
-static void rd_bytes(void *arg, void *user, const uint8_t *p, size_t n)
+static uint8_t *tr_rx_buf(void *arg, void *user, size_t want, size_t *room)
+{
+	struct pconn *c = user;
+	(void)arg;
+	if (c->closing || rbuf_room(c, want))
+		return NULL;
+	*room = c->rcap - c->rlen;
+	return c->rbuf + c->rlen;
+}
+
+static void tr_rx(void *arg, void *user, size_t n)
 {
 	struct pconn *c = user;
 	(void)arg;
 	if (c->closing)
 		return;
-	if (rbuf_room(c, n)) {
-		conn_close(c, "out of memory");
-		return;
-	}
-	memcpy(c->rbuf + c->rlen, p, n);
 	c->rlen += n;
 	conn_parse(c);
 }
 
-static void rd_closed(void *arg, void *user, const char *why)
+static void tr_closed(void *arg, void *user, const char *why)
 {
 	struct pconn *c = user;
 	(void)arg;
-	c->rc = NULL; /* gone already */
+	c->tc = NULL; /* gone already */
 	/* our dial refused: the other side logged why, and so do we */
 	if (c->target >= 0 && !strncmp(why, "rejected by the peer", 20)) {
 		char who[96];
@@ -734,11 +651,14 @@ static void rd_closed(void *arg, void *user, const char *why)
 			 c->cl->node[c->target].name);
 		note_rejection(c->cl, who, why);
 	}
+	if (c->target >= 0 && !c->authed)
+		epd_debug("dialling node %s: %s", c->cl->node[c->target].name,
+			  why);
 	conn_close(c, why);
 }
 
 /* A peer's rows for an op are placed (its last write's immediate). */
-static void rd_imm(void *arg, void *user, uint32_t imm)
+static void tr_imm(void *arg, void *user, uint32_t imm)
 {
 	struct epd_cluster *cl = arg;
 	struct pconn *c = user;
@@ -747,7 +667,7 @@ static void rd_imm(void *arg, void *user, uint32_t imm)
 }
 
 /* Our writes of an op to that peer completed. */
-static void rd_written(void *arg, void *user, uint64_t cookie)
+static void tr_written(void *arg, void *user, uint64_t cookie)
 {
 	struct epd_cluster *cl = arg;
 	struct pconn *c = user;
@@ -755,53 +675,15 @@ static void rd_written(void *arg, void *user, uint64_t cookie)
 		epd_xop_written(cl->srv, (uint32_t)c->peer, cookie);
 }
 
-static const struct epd_rdma_ops rd_ops = {
-	.request = rd_request,
-	.established = rd_established,
-	.bytes = rd_bytes,
-	.closed = rd_closed,
-	.imm = rd_imm,
-	.written = rd_written,
+static const struct epd_transport_cb tr_cb = {
+	.accept = tr_accept,
+	.established = tr_established,
+	.rx_buf = tr_rx_buf,
+	.rx = tr_rx,
+	.closed = tr_closed,
+	.imm = tr_imm,
+	.written = tr_written,
 };
-
-static void on_accept(uv_stream_t *ls, int status)
-{
-	struct epd_cluster *cl = ls->data;
-	if (status < 0)
-		return;
-	struct pconn *c = conn_new(cl);
-	if (!c)
-		return;
-	if (uv_accept(ls, (uv_stream_t *)&c->tcp)) {
-		conn_close(c, "accept failed");
-		return;
-	}
-	struct sockaddr_storage sa;
-	int len = sizeof(sa);
-	if (!uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&sa, &len)) {
-		char ip[48];
-		uv_ip_name((struct sockaddr *)&sa, ip, sizeof(ip));
-		snprintf(c->addr, sizeof(c->addr), "%s:%d", ip,
-			 ntohs(((struct sockaddr_in *)&sa)->sin_port));
-	}
-	uv_read_start((uv_stream_t *)&c->tcp, conn_alloc, conn_read);
-	send_hello(c);
-}
-
-static void on_connect(uv_connect_t *req, int status)
-{
-	struct pconn *c = req->data;
-	if (status < 0) {
-		epd_debug("dialling node %s: %s", c->cl->node[c->target].name,
-			  uv_strerror(status));
-		conn_close(c, uv_strerror(status));
-		return;
-	}
-	if (c->closing)
-		return;
-	uv_read_start((uv_stream_t *)&c->tcp, conn_alloc, conn_read);
-	send_hello(c);
-}
 
 static void dial_addr(struct epd_cluster *cl, int n,
 		      const struct sockaddr_storage *sa);
@@ -872,39 +754,28 @@ static void dial_addr(struct epd_cluster *cl, int n,
 		      const struct sockaddr_storage *sa)
 {
 	struct cnode *nd = &cl->node[n];
-	if (cl->rd) {
-		struct pconn *c = conn_new_rdma(cl);
-		if (!c)
-			return;
-		c->target = n;
-		snprintf(c->addr, sizeof(c->addr), "rdma %s:%d", nd->host,
-			 nd->port);
-		nd->conn = c;
-		uint8_t pd[EPD_PDATA_LEN];
-		size_t pl = epd_pdata_make(cl->key, cl->cluster_id,
-					   (uint32_t)cl->self, pd);
-		c->rc = epd_rdma_dial(cl->rd, (const struct sockaddr *)sa, pd,
-				      (uint8_t)pl, c);
-		if (!c->rc) {
-			const char *gone = epd_rdma_removed(cl->rd);
-			char why[160];
-			snprintf(why, sizeof(why), "rdma dial failed%s%s%s",
-				 gone ? " (" : "", gone ? gone : "",
-				 gone ? ")" : "");
-			conn_close(c, why);
-		}
-		return;
-	}
 	struct pconn *c = conn_new(cl);
 	if (!c)
 		return;
 	c->target = n;
-	snprintf(c->addr, sizeof(c->addr), "%s:%d", nd->host, nd->port);
+	snprintf(c->addr, sizeof(c->addr), "%s%s%s:%d",
+		 strcmp(cl->tops->name, "tcp") ? cl->tops->name : "",
+		 strcmp(cl->tops->name, "tcp") ? " " : "", nd->host, nd->port);
 	nd->conn = c;
-	c->creq.data = c;
-	if (uv_tcp_connect(&c->creq, &c->tcp, (const struct sockaddr *)sa,
-			   on_connect))
-		conn_close(c, "connect failed");
+	uint8_t pd[EPD_PDATA_LEN];
+	size_t pl = cl->tops->pdata ? epd_pdata_make(cl->key, cl->cluster_id,
+						     (uint32_t)cl->self, pd)
+				    : 0;
+	c->tc = cl->tops->dial(cl->tr, (const struct sockaddr *)sa, pd,
+			       (uint8_t)pl, c);
+	if (!c->tc) {
+		const char *gone = cl->tops->down_why(cl->tr);
+		char why[160];
+		snprintf(why, sizeof(why), "%s dial failed%s%s%s",
+			 cl->tops->name, gone ? " (" : "", gone ? gone : "",
+			 gone ? ")" : "");
+		conn_close(c, why);
+	}
 }
 
 /* This node's row of the matrix: S self, U up, D down. */
@@ -991,6 +862,75 @@ static int loopback_node(const struct epd_cluster *cl)
 	return -1;
 }
 
+/* Can transport t carry this cluster? why: what was found, or why not. */
+static bool transport_usable(const struct epd_cluster *cl,
+			     const struct epd_transport_ops *t, char *why,
+			     size_t wl)
+{
+	if (!t->available(why, wl))
+		return false;
+	int lo = t->no_loopback ? loopback_node(cl) : -1;
+	if (lo >= 0) {
+		snprintf(why, wl,
+			 "node %s is on a loopback address (%s), which the "
+			 "%s transport cannot route (ENODEV)",
+			 cl->node[lo].name, cl->node[lo].host, t->name);
+		return false;
+	}
+	return true;
+}
+
+/* `transport`: a named one (it must work here), or auto: the first in
+ * epd_transports that can carry the cluster (rdma before tcp), saying
+ * why the ones before it could not. */
+static int pick_transport(struct epd_cluster *cl, const char *name,
+			  char *err, size_t errlen)
+{
+	char why[160];
+	if (strcmp(name, "auto")) {
+		const struct epd_transport_ops *t = epd_transport_find(name);
+		if (!t) {
+			snprintf(err, errlen,
+				 "transport %s: not in this build (epd was "
+				 "built without its libraries)",
+				 name);
+			return -1;
+		}
+		if (!transport_usable(cl, t, why, sizeof(why))) {
+			snprintf(err, errlen, "transport %s: %s", name, why);
+			return -1;
+		}
+		cl->tops = t;
+		snprintf(cl->transport_why, sizeof(cl->transport_why),
+			 "transport = %s", name);
+		return 0;
+	}
+	char skipped[256] = "";
+	for (int i = 0; epd_transports[i]; i++) {
+		const struct epd_transport_ops *t = epd_transports[i];
+		if (transport_usable(cl, t, why, sizeof(why))) {
+			cl->tops = t;
+			if (skipped[0])
+				memcpy(cl->transport_why, skipped,
+				       sizeof(skipped));
+			else
+				snprintf(cl->transport_why,
+					 sizeof(cl->transport_why), "%.15s: %s",
+					 t->name, why);
+			return 0;
+		}
+		char one[192];
+		snprintf(one, sizeof(one), "not %.15s: %s", t->name, why);
+		size_t off = strlen(skipped);
+		if (off + strlen(one) + 3 < sizeof(skipped))
+			sprintf(skipped + off, "%s%s", off ? "; " : "", one);
+	}
+	snprintf(err, errlen, "no transport: %s", skipped);
+	return -1;
+}
+
+static const struct epd_span_ops span_ops;
+
 int epd_cluster_init(struct epd_server *srv, char *err, size_t errlen)
 {
 	const struct epd_config *cfg = &srv->cfg;
@@ -1001,36 +941,21 @@ int epd_cluster_init(struct epd_server *srv, char *err, size_t errlen)
 		return -1;
 	}
 	struct epd_cluster *cl = calloc(1, sizeof(*cl));
-	if (!cl) {
+	struct epd_xnode *xn = calloc(1, sizeof(*xn));
+	if (!cl || !xn) {
 		snprintf(err, errlen, "out of memory");
+		free(cl);
+		free(xn);
 		return -1;
 	}
+	LIST_INIT(&xn->xstash);
+	LIST_INIT(&xn->xzombies);
 	cl->srv = srv;
 	LIST_INIT(&cl->conns);
 	if (parse_peers(cl, cfg->peers, cfg->node_name, err, errlen))
 		goto err;
-	/* The transport: rdma where a device is there and no node sits on a
-	 * loopback address (the RDMA CM cannot route over lo: every dial
-	 * fails with ENODEV), else tcp, saying why. */
-	char rwhy[200];
-	bool rdma_ok = epd_rdma_available(rwhy, sizeof(rwhy));
-	int lo = rdma_ok ? loopback_node(cl) : -1;
-	if (lo >= 0) {
-		rdma_ok = false;
-		snprintf(rwhy, sizeof(rwhy),
-			 "node %s is on a loopback address (%s), which the RDMA "
-			 "CM cannot route (ENODEV)",
-			 cl->node[lo].name, cl->node[lo].host);
-	}
-	if (!strcmp(cfg->transport, "rdma") && !rdma_ok) {
-		snprintf(err, errlen, "transport rdma: %s", rwhy);
+	if (pick_transport(cl, cfg->transport, err, errlen))
 		goto err;
-	}
-	bool use_rdma = rdma_ok && strcmp(cfg->transport, "tcp");
-	snprintf(cl->transport_why, sizeof(cl->transport_why), "%s",
-		 use_rdma ? "an RDMA device is present"
-		 : !strcmp(cfg->transport, "tcp") ? "transport = tcp"
-						  : rwhy);
 	if (!cfg->cluster_key_file[0]) {
 		snprintf(err, errlen, "peers given but no cluster_key_file");
 		goto err;
@@ -1056,41 +981,32 @@ int epd_cluster_init(struct epd_server *srv, char *err, size_t errlen)
 		}
 		freeaddrinfo(res);
 	}
-	if (use_rdma) {
-		cl->rd = epd_rdma_new(srv->loop, &rd_ops, cl, err, errlen);
-		if (!cl->rd)
-			goto err;
-		if (epd_rdma_listen(cl->rd, (struct sockaddr *)&sa, err,
-				    errlen)) {
-			epd_rdma_free(cl->rd);
-			goto err;
-		}
-	}
-	uv_tcp_init(srv->loop, &cl->listener);
-	cl->listener.data = cl;
-	int rc = use_rdma ? 0
-			  : uv_tcp_bind(&cl->listener, (struct sockaddr *)&sa,
-					0);
-	if (!rc && !use_rdma)
-		rc = uv_listen((uv_stream_t *)&cl->listener, 64, on_accept);
-	if (rc) {
-		snprintf(err, errlen, "peer port %s:%d: %s", me->host,
-			 me->port, uv_strerror(rc));
-		uv_close((uv_handle_t *)&cl->listener, NULL);
+	cl->tr = cl->tops->open(srv->loop, &tr_cb, cl, err, errlen);
+	if (!cl->tr)
+		goto err;
+	char lerr[160];
+	if (cl->tops->listen(cl->tr, (struct sockaddr *)&sa, lerr,
+			     sizeof(lerr))) {
+		snprintf(err, errlen, "peer port %s:%d (%s): %s", me->host,
+			 me->port, cl->tops->name, lerr);
+		cl->tops->free(cl->tr);
 		goto err;
 	}
 	uv_timer_init(srv->loop, &cl->tick);
 	cl->tick.data = cl;
 	uv_timer_start(&cl->tick, on_tick, 1, cfg->heartbeat_ms);
 	srv->cluster = cl;
+	srv->xnode = xn;
+	srv->span = &span_ops;
 	epd_notice("cluster: node %s, index %d of %d, %s on %s:%d, "
 		   "heartbeat %u ms x %u%s%s",
-		   me->name, cl->self, cl->n, use_rdma ? "rdma" : "tcp",
-		   me->host, me->port, cfg->heartbeat_ms, cfg->heartbeat_miss,
-		   use_rdma ? "" : "; not rdma: ", use_rdma ? "" : cl->transport_why);
+		   me->name, cl->self, cl->n, cl->tops->name, me->host,
+		   me->port, cfg->heartbeat_ms, cfg->heartbeat_miss, "; ",
+		   cl->transport_why);
 	return 0;
 err:
 	free(cl);
+	free(xn);
 	return -1;
 }
 
@@ -1108,29 +1024,31 @@ void epd_cluster_stop(struct epd_server *srv)
 			NODE_DOWN; /* no group failures while stopping */
 		conn_close(c, "daemon stopping");
 	}
-	uv_close((uv_handle_t *)&cl->listener, NULL);
 	uv_close((uv_handle_t *)&cl->tick, NULL);
-	epd_rdma_free(cl->rd);
-	cl->rd = NULL;
+	cl->tops->free(cl->tr);
+	cl->tr = NULL;
 }
 
 void epd_cluster_free(struct epd_server *srv)
 {
 	free(srv->cluster);
+	free(srv->xnode);
 	srv->cluster = NULL;
+	srv->xnode = NULL;
+	srv->span = NULL;
 }
 
-int epd_cluster_self(const struct epd_server *srv)
+static int span_self(const struct epd_server *srv)
 {
 	return srv->cluster ? srv->cluster->self : 0;
 }
 
-int epd_cluster_size(const struct epd_server *srv)
+static int span_size(const struct epd_server *srv)
 {
 	return srv->cluster ? srv->cluster->n : 1;
 }
 
-int epd_cluster_send_arrival(struct epd_group *g, uint32_t l, uint64_t seq)
+static int span_arrival(struct epd_group *g, uint32_t l, uint64_t seq)
 {
 	struct epd_cluster *cl = g->srv->cluster;
 	uint8_t buf[128];
@@ -1151,52 +1069,6 @@ int epd_cluster_send_arrival(struct epd_group *g, uint32_t l, uint64_t seq)
 		conn_send(nd->conn, EPP_PEER_BARRIER, buf, (uint32_t)bn);
 	}
 	return 0;
-}
-
-/* Arrivals for a group this node has not created yet: kept until it is. */
-void epd_cluster_stash(struct epd_server *srv, const char *name,
-		       uint32_t node, uint32_t l, uint64_t seq)
-{
-	struct epd_cluster *cl = srv->cluster;
-	for (int i = 0; i < cl->nearly; i++) {
-		struct early *e = &cl->early[i];
-		if (e->node == node && e->l == l && !strcmp(e->name, name)) {
-			if (seq > e->seq)
-				e->seq = seq;
-			return;
-		}
-	}
-	if (cl->nearly == MAX_EARLY) {
-		epd_warn("dropping an early barrier arrival for %s: %d kept",
-			 name, MAX_EARLY);
-		return;
-	}
-	struct early *e = &cl->early[cl->nearly++];
-	snprintf(e->name, sizeof(e->name), "%s", name);
-	e->node = node;
-	e->l = l;
-	e->seq = seq;
-}
-
-void epd_cluster_unstash(struct epd_group *g)
-{
-	struct epd_cluster *cl = g->srv->cluster;
-	if (!cl)
-		return;
-	for (int i = 0; i < cl->nearly;) {
-		struct early *e = &cl->early[i];
-		if (strcmp(e->name, g->key)) {
-			i++;
-			continue;
-		}
-		if (e->node < g->nnodes && e->l < g->shape.ranks_per_node) {
-			uint64_t *c = &g->rail_remote[e->l * g->nnodes +
-						      e->node];
-			if (e->seq > *c)
-				*c = e->seq;
-		}
-		cl->early[i] = cl->early[--cl->nearly];
-	}
 }
 
 void *epd_cluster_status(struct epd_server *srv)
@@ -1238,8 +1110,7 @@ void *epd_cluster_status(struct epd_server *srv)
 				  "index", n, "name", nd->name, "addr", addr,
 				  "state", st, "transport",
 				  n == cl->self ? "-"
-				  : nd->conn && nd->conn->rdma ? "rdma"
-							       : "tcp",
+				  : cl->tops->name,
 				  "transport_reason", cl->transport_why,
 				  "view_epoch",
 				  (json_int_t)(n == cl->self ? cl->epoch
@@ -1256,7 +1127,7 @@ void *epd_cluster_status(struct epd_server *srv)
 				   * device), else as frames */
 				  "rows",
 				  n == cl->self ? "-"
-				  : epd_cluster_rconn(cl->srv, (uint32_t)n)
+				  : epd_cluster_wconn(cl->srv, (uint32_t)n)
 					  ? "rdma-write"
 					  : "frames"));
 	}
@@ -1264,7 +1135,7 @@ void *epd_cluster_status(struct epd_server *srv)
 	json_t *o = json_pack("{s:s, s:i, s:i, s:I, s:s, s:s, s:I, s:o, s:o}",
 			      "node", cl->node[cl->self].name, "index", cl->self,
 			      "nodes", cl->n, "view_epoch", (json_int_t)cl->epoch,
-			      "transport", cl->rd ? "rdma" : "tcp", "row", row,
+			      "transport", cl->tops->name, "row", row,
 			      "rejected", (json_int_t)cl->rejected, "peers",
 			      peers, "matrix", matrix);
 	if (o)
@@ -1276,9 +1147,10 @@ void *epd_cluster_status(struct epd_server *srv)
 			json_pack("{s:s, s:s, s:f}", "peer", cl->reject_addr,
 				  "why", cl->reject_why, "age_s",
 				  (double)(now - cl->reject_ns) / 1e9));
-	if (o && cl->rd) {
+	if (o && cl->tops->stats && cl->tr) {
 		/* rows written by the proxy, in how many batches */
-		uint64_t batches, writes = epd_rdma_stats(cl->rd, &batches);
+		uint64_t batches,
+			writes = cl->tops->stats(cl->tr, &batches);
 		json_object_set_new(o, "rdma_writes",
 				    json_pack("{s:I, s:I}", "posted",
 					      (json_int_t)writes, "batches",
@@ -1287,7 +1159,8 @@ void *epd_cluster_status(struct epd_server *srv)
 	return o;
 }
 
-void epd_cluster_group_failed(struct epd_group *g, int code, const char *msg)
+/* Tell the group's other nodes it failed here. */
+static void group_failed(struct epd_group *g, int code, const char *msg)
 {
 	struct epd_cluster *cl = g->srv->cluster;
 	uint8_t buf[EPP_ERRMSG_MAX + 128];
@@ -1318,20 +1191,22 @@ void epd_cluster_send(struct epd_group *g, uint32_t n, uint16_t type,
 	conn_write(cl->node[n].conn, type, a, na, b, nb, ref);
 }
 
-struct epd_rdma *epd_cluster_rdma(const struct epd_server *srv)
-{
-	return srv->cluster ? srv->cluster->rd : NULL;
-}
-
-struct epd_rconn *epd_cluster_rconn(const struct epd_server *srv, uint32_t n)
+struct epd_transport *epd_cluster_transport(const struct epd_server *srv)
 {
 	struct epd_cluster *cl = srv->cluster;
-	if (!cl || !cl->rd || (int)n >= cl->n || cl->node[n].state != NODE_UP)
+	return cl && cl->tops->write ? cl->tr : NULL;
+}
+
+struct epd_tconn *epd_cluster_wconn(const struct epd_server *srv, uint32_t n)
+{
+	struct epd_cluster *cl = srv->cluster;
+	if (!cl || !cl->tops->write || !cl->tr || (int)n >= cl->n ||
+	    cl->node[n].state != NODE_UP)
 		return NULL;
 	struct pconn *c = cl->node[n].conn;
-	return c && c->rdma && c->authed && c->rc && c->minor >= 6 &&
-			       epd_rdma_can_write(c->rc)
-		       ? c->rc
+	return c && c->authed && c->tc && c->minor >= 6 &&
+			       cl->tops->can_write(c->tc)
+		       ? c->tc
 		       : NULL;
 }
 
@@ -1340,3 +1215,36 @@ const char *epd_cluster_node_name(const struct epd_server *srv, uint32_t n)
 	struct epd_cluster *cl = srv->cluster;
 	return cl && (int)n < cl->n ? cl->node[n].name : "local";
 }
+
+static void span_failed(struct epd_group *g, int code, const char *msg,
+			bool tell)
+{
+	if (tell)
+		group_failed(g, code, msg);
+	epd_xop_drop(g); /* a running job is dropped when it ends */
+}
+
+static void span_ready(struct epd_group *g)
+{
+	epd_xop_announce(g); /* its shape to the others, who compare */
+	epd_xop_replay(g);   /* what came before it was ready here */
+}
+
+static void span_freed(struct epd_group *g)
+{
+	epd_xop_drop(g);
+	epd_xbufs_trim(g->srv);
+	epd_xwin_free(g);
+}
+
+static const struct epd_span_ops span_ops = {
+	.self = span_self,
+	.size = span_size,
+	.arrival = span_arrival,
+	.op_start = epd_xop_start,
+	.missing = epd_xop_missing,
+	.ready = span_ready,
+	.failed = span_failed,
+	.freed = span_freed,
+	.node_name = epd_cluster_node_name,
+};

@@ -1,218 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Dispatch and combine for groups that span nodes (host backend, through
- * the cluster's transport).
- *
- * Every node computes the same global routing (prefix sums over every
- * rank's counts), so slots agree without any agreement protocol:
- *  - dispatch: once the local ranks arrived, each node sends its ranks'
- *    topk_idx (and weights) to the group's other nodes (XMETA). With all of
- *    them, a job validates every rank's experts (a bad index fails the op on
- *    every node alike), routes, copies local rows, writes the metadata of
- *    rows that come from other nodes, and packs its rows for other nodes as
- *    (destination, slot, row) records (XROWS). The op ends when the job is
- *    done and every expected row arrived.
- *  - combine: the routing is the handle's. A job packs the rows whose home
- *    is on another node; a home stages the rows it receives at their slots
- *    in a per-destination buffer, so the one-node accumulation runs
- *    unchanged, in ascending rank order: the same bits as on one node.
- * Collectives are numbered per group on every node alike (op ids); a
- * node that is ahead may send combine rows early, which are staged.
- *
- * The tcp transport copies received rows on the loop thread. With the rdma
- * transport a dispatch's rows are written in place instead: each node
- * registers its local ranks' inputs and receive buffers when the group
- * forms and sends the receive buffers' addresses and keys to the group's
- * other nodes (XWIN, with a window id of its own); a job then queues one
- * RDMA WRITE per (row, destination) on the proxy, from the source rank's
- * input straight to the destination rank's slot on the other node, and a
- * last zero-byte write with immediate (window id, op) per node it wrote
- * to. The queue pair places that one after the rows, so its arrival
- * counts every row from that node (the receiver knows how many from its
- * own routing); its local completion says the inputs are read. Combine
- * rows, and rows to a node whose windows are not known, go as frames.
+ * The cross-node engine (xnode_int.h): an op's life. Started once every
+ * local rank entered, routed and packed by a job on a data-path thread,
+ * completed when the job is done and every expected row arrived.
  */
-#include "core/epd.h"
-#include "transport/rdma/proxy.h"
-#include "transport/rdma/rdma.h"
-
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/mman.h>
-#include <unistd.h>
-
-#define FRAME_MAX (512u << 10) /* row records per XROWS frame */
-
-/* Large buffers (packed rows, staged rows) kept between ops, on the loop
- * thread only. Fresh ones cost a page fault per 4 KiB and an munmap each
- * op, which measured (ep-bench, 2 nodes x 4 ranks, hidden 7168) as half
- * of a cross-node dispatch's time. Best fit; the smallest is evicted. */
-#define XBUF_SLOTS 8
-#define XBUF_KEEP (1ull << 30) /* bytes kept at most */
-
-struct epd_xbufs {
-	struct {
-		uint8_t *p;
-		size_t cap;
-	} s[XBUF_SLOTS];
-	int n;
-	size_t bytes;
-};
-
-/* A buffer of at least want bytes (its size in *cap), or NULL. */
-static uint8_t *xbuf_get(struct epd_server *srv, size_t want, size_t *cap)
-{
-	struct epd_xbufs *b = srv->xbufs;
-	int best = -1, big = -1;
-	for (int i = 0; b && i < b->n; i++) {
-		if (b->s[i].cap >= want &&
-		    (best < 0 || b->s[i].cap < b->s[best].cap))
-			best = i;
-		if (big < 0 || b->s[i].cap > b->s[big].cap)
-			big = i;
-	}
-	int i = best >= 0 ? best : big;
-	if (i < 0) {
-		*cap = want;
-		return malloc(want);
-	}
-	uint8_t *p = b->s[i].p;
-	size_t c = b->s[i].cap;
-	b->bytes -= c;
-	b->s[i] = b->s[--b->n];
-	if (c < want) {
-		uint8_t *np = realloc(p, want);
-		if (!np) {
-			free(p);
-			return NULL;
-		}
-		p = np;
-		c = want;
-	}
-	*cap = c;
-	return p;
-}
-
-/* Whether a group spanning nodes is still here (buffers worth keeping). */
-static bool any_xgroup(struct epd_server *srv)
-{
-	struct list_node *it, *tmp;
-	LIST_FOREACH(it, tmp, &srv->groups)
-	{
-		if (LIST_ENTRY(it, struct epd_group, node)->nnodes > 1)
-			return true;
-	}
-	return false;
-}
-
-static void xbuf_put(struct epd_server *srv, uint8_t *p, size_t cap)
-{
-	if (!p)
-		return;
-	if (!any_xgroup(srv)) {
-		free(p); /* the last one is gone: nothing to keep for */
-		return;
-	}
-	if (!srv->xbufs)
-		srv->xbufs = calloc(1, sizeof(*srv->xbufs));
-	struct epd_xbufs *b = srv->xbufs;
-	if (!b || cap > XBUF_KEEP) {
-		free(p);
-		return;
-	}
-	while (b->n && (b->n == XBUF_SLOTS || b->bytes + cap > XBUF_KEEP)) {
-		int small = 0;
-		for (int i = 1; i < b->n; i++)
-			if (b->s[i].cap < b->s[small].cap)
-				small = i;
-		if (b->s[small].cap >= cap) {
-			free(p); /* the kept ones are all larger */
-			return;
-		}
-		free(b->s[small].p);
-		b->bytes -= b->s[small].cap;
-		b->s[small] = b->s[--b->n];
-	}
-	b->s[b->n].p = p;
-	b->s[b->n].cap = cap;
-	b->n++;
-	b->bytes += cap;
-}
-
-void epd_xbufs_trim(struct epd_server *srv)
-{
-	if (srv->xbufs && !any_xgroup(srv)) {
-		epd_xbufs_free(srv);
-		epd_info("no group spans nodes any more: row buffers freed");
-	}
-}
-
-void epd_xbufs_free(struct epd_server *srv)
-{
-	struct epd_xbufs *b = srv->xbufs;
-	for (int i = 0; b && i < b->n; i++)
-		free(b->s[i].p);
-	free(b);
-	srv->xbufs = NULL;
-}
-
-size_t epd_xbufs_bytes(const struct epd_server *srv)
-{
-	return srv->xbufs ? srv->xbufs->bytes : 0;
-}
-
-void epd_sref_put(struct epd_sref *r)
-{
-	if (--r->refs)
-		return;
-	xbuf_put(r->srv, r->p, r->cap);
-	free(r);
-}
-
-struct outbuf {
-	uint8_t *p;
-	size_t len, cap;
-	uint32_t count;
-};
-
-/* A frame that came before its op could use it. */
-struct xdefer {
-	struct xdefer *next;
-	uint32_t from, len;
-	uint8_t data[];
-};
-
-struct epd_xop {
-	struct epd_group *g;
-	struct xdefer *deferred; /* combine rows before the routing */
-	uint64_t id;
-	uint16_t type;
-	bool cached, started, job_running, job_done, stage2;
-	uint64_t handle;
-	uint32_t W;
-	uint32_t *tokens, *flags;
-	uint8_t *have; /* [W]: the routing (or arrival) of that rank came */
-	int64_t **topk;  /* [W]; remote ones malloc'd */
-	float **weights; /* [W]; remote ones malloc'd or NULL */
-	uint32_t meta_have, meta_need;
-	uint64_t rows_expected, rows_got;
-	struct ek_route *route; /* fresh dispatch: owned until finish */
-	bool own_route;
-	uint16_t **staging; /* combine: [W], remote destinations */
-	size_t *staging_cap;
-	struct outbuf *out; /* [nnodes] */
-	/* rdma writes: the connection of each node written to (held), and
-	 * per node: an immediate sent (job), its completion (loop), its
-	 * rows placed here (loop), and how many rows come from it */
-	struct epd_rconn **wrc;
-	uint8_t *wimm, *wsent, *wdone;
-	uint64_t *rows_from;
-	uv_work_t req;
-	int rc;
-	char err[EPP_ERRMSG_MAX];
-	uint64_t bytes;
-};
+#include "xnode_int.h"
 
 static void xop_free(struct epd_xop *x)
 {
@@ -239,7 +31,7 @@ static void xop_free(struct epd_xop *x)
 			xbuf_put(srv, x->out[n].p, x->out[n].cap);
 	for (uint32_t n = 0; x->wrc && n < x->g->nnodes; n++)
 		if (x->wrc[n])
-			epd_rdma_release(x->wrc[n]);
+			x->wrc[n]->t->ops->release(x->wrc[n]);
 	free(x->wrc);
 	free(x->wimm);
 	free(x->wsent);
@@ -275,15 +67,13 @@ static struct epd_xop *xop_cur(struct epd_group *g)
 	return x && x->id == g->xop_next ? x : NULL;
 }
 
-static bool is_local(const struct epd_group *g, uint32_t rank);
-
 void epd_xop_missing(struct epd_group *g, char *out, size_t cap)
 {
 	struct epd_xop *x = xop_cur(g);
 	size_t off = 0;
 	out[0] = 0;
 	for (uint32_t s = 0; s < g->shape.world_size; s++) {
-		if (is_local(g, s))
+		if (xn_is_local(g, s))
 			continue;
 		bool miss = x ? (x->type == EPP_DISPATCH ? !x->have[s]
 							 : x->rows_got <
@@ -329,7 +119,7 @@ static int xring_fit(struct epd_group *g, uint64_t id)
 
 /* The op numbered id: this node's next, or one of the few after it that a
  * node ahead of this one already works on. */
-static struct epd_xop *xop_get(struct epd_group *g, uint64_t id,
+struct epd_xop *xop_get(struct epd_group *g, uint64_t id,
 			       uint16_t type)
 {
 	if (id < g->xop_next || xring_fit(g, id))
@@ -376,12 +166,12 @@ static void xop_retire(struct epd_group *g, struct epd_xop *x)
 	g->xop_next++;
 }
 
-static bool is_local(const struct epd_group *g, uint32_t rank)
+bool xn_is_local(const struct epd_group *g, uint32_t rank)
 {
 	return rank / g->shape.ranks_per_node == g->node_index;
 }
 
-static uint32_t lidx(const struct epd_group *g, uint32_t rank)
+uint32_t xn_lidx(const struct epd_group *g, uint32_t rank)
 {
 	return rank % g->shape.ranks_per_node;
 }
@@ -402,7 +192,7 @@ static void out_put(struct outbuf *o, const void *p, size_t n)
 	o->len += n;
 }
 
-static void out_record(struct outbuf *o, uint32_t d, uint32_t slot,
+void xn_out_record(struct outbuf *o, uint32_t d, uint32_t slot,
 		       const void *a, size_t na, const void *b, size_t nb)
 {
 	uint32_t hdr[2] = {d, slot};
@@ -413,7 +203,7 @@ static void out_record(struct outbuf *o, uint32_t d, uint32_t slot,
 	o->count++;
 }
 
-static size_t row_bytes(const struct epd_group *g, uint16_t type)
+size_t xn_row_bytes(const struct epd_group *g, uint16_t type)
 {
 	return type == EPP_DISPATCH
 		       ? (size_t)g->shape.hidden * g->layout.elt +
@@ -442,7 +232,7 @@ static struct ek_rank_io *make_io(struct epd_xop *x)
 		return NULL;
 	for (uint32_t s = 0; s < x->W; s++) {
 		struct ek_rank_io *o = &io[s];
-		if (!is_local(g, s)) {
+		if (!xn_is_local(g, s)) {
 			o->topk_idx = x->topk[s];
 			o->topk_weights = x->weights[s];
 			/* staged rows are complete only in stage 2; before,
@@ -450,7 +240,7 @@ static struct ek_rank_io *make_io(struct epd_xop *x)
 			o->combine_y = x->stage2 ? x->staging[s] : NULL;
 			continue;
 		}
-		uint32_t l = lidx(g, s);
+		uint32_t l = xn_lidx(g, s);
 		o->x = epd_region(g, l, EPP_BUF_X);
 		o->x_scales = (float *)epd_region(g, l, EPP_BUF_X_SCALES);
 		/* the private copy made when the op started (none for a
@@ -483,401 +273,6 @@ static struct ek_rank_io *make_io(struct epd_xop *x)
 	return io;
 }
 
-/* The rdma windows of a group. Set up on the loop thread when the group
- * forms; a peer's entry once, from its XWIN; read by jobs only for nodes
- * they were given a connection for (set before the job was queued). */
-struct xpeer {
-	bool have;
-	uint16_t wid;
-	uint64_t *addr, *len; /* [rpn]: receive buffers (RECV_X on) */
-	uint32_t *rkey;
-};
-
-struct epd_xwin {
-	uint16_t wid; /* this node's id of the group, in immediates */
-	uint32_t rpn, nnodes;
-	struct epd_rmr **src, **dst; /* [rpn]: inputs, receive buffers */
-	struct xpeer *peer;          /* [nnodes] */
-};
-
-/* Freed groups' windows, registered until peers' writes are surely over. */
-#define XWIN_GRACE_MS 2000
-struct xzombie {
-	struct list_node node;
-	struct epd_server *srv;
-	struct epd_xwin *xw;
-	uint8_t *map;
-	uint64_t size;
-	int fd;
-	uv_timer_t timer;
-};
-
-static void xwin_release(struct epd_xwin *xw)
-{
-	if (!xw)
-		return;
-	for (uint32_t l = 0; l < xw->rpn; l++) {
-		if (xw->src)
-			epd_rdma_dereg(xw->src[l]);
-		if (xw->dst)
-			epd_rdma_dereg(xw->dst[l]);
-	}
-	for (uint32_t n = 0; xw->peer && n < xw->nnodes; n++) {
-		free(xw->peer[n].addr);
-		free(xw->peer[n].len);
-		free(xw->peer[n].rkey);
-	}
-	free(xw->src);
-	free(xw->dst);
-	free(xw->peer);
-	free(xw);
-}
-
-/* A local rank's inputs (x, scales: the writes' sources) and receive
- * buffers (rows, scales: the peers' writes' targets), as byte ranges. */
-static void xwin_range(struct epd_group *g, uint32_t l, bool dst, uint8_t **p,
-		       size_t *len)
-{
-	int a = dst ? EPP_BUF_RECV_X : EPP_BUF_X;
-	int b = dst ? EPP_BUF_RECV_TOPK_IDX : EPP_BUF_TOPK_IDX;
-	*p = epd_region(g, l, a);
-	*len = (size_t)(g->layout.off[b] - g->layout.off[a]);
-}
-
-static bool wid_used(struct epd_server *srv, uint16_t wid)
-{
-	struct list_node *it, *tmp;
-	LIST_FOREACH(it, tmp, &srv->groups)
-	{
-		struct epd_group *g = LIST_ENTRY(it, struct epd_group, node);
-		if (g->xw && g->xw->wid == wid)
-			return true;
-	}
-	LIST_FOREACH(it, tmp, &srv->xzombies)
-	{
-		if (LIST_ENTRY(it, struct xzombie, node)->xw->wid == wid)
-			return true;
-	}
-	return false;
-}
-
-static struct epd_group *group_by_wid(struct epd_server *srv, uint16_t wid)
-{
-	struct list_node *it, *tmp;
-	LIST_FOREACH(it, tmp, &srv->groups)
-	{
-		struct epd_group *g = LIST_ENTRY(it, struct epd_group, node);
-		if (g->xw && g->xw->wid == wid)
-			return g;
-	}
-	return NULL;
-}
-
-/* rdma transport: register the group's windows and tell the other nodes
- * where their rows go. Without them (no rdma, a refusal) rows go as
- * frames; nothing else changes. */
-static void xwin_setup(struct epd_group *g)
-{
-	struct epd_server *srv = g->srv;
-	struct epd_rdma *rd = epd_cluster_rdma(srv);
-	const uint32_t rpn = g->shape.ranks_per_node;
-	char why[160] = "";
-	if (!rd || g->xw)
-		return;
-	struct epd_xwin *xw = calloc(1, sizeof(*xw));
-	if (!xw)
-		return;
-	xw->rpn = rpn;
-	xw->nnodes = g->nnodes;
-	xw->src = calloc(rpn, sizeof(*xw->src));
-	xw->dst = calloc(rpn, sizeof(*xw->dst));
-	xw->peer = calloc(g->nnodes, sizeof(*xw->peer));
-	bool ok = xw->src && xw->dst && xw->peer;
-	for (uint32_t n = 0; ok && n < g->nnodes; n++) {
-		xw->peer[n].addr = calloc(rpn, 8);
-		xw->peer[n].len = calloc(rpn, 8);
-		xw->peer[n].rkey = calloc(rpn, 4);
-		ok = xw->peer[n].addr && xw->peer[n].len && xw->peer[n].rkey;
-	}
-	if (!ok)
-		snprintf(why, sizeof(why), "out of memory");
-	for (uint32_t l = 0; ok && l < rpn; l++) {
-		uint8_t *p;
-		size_t len;
-		xwin_range(g, l, false, &p, &len);
-		xw->src[l] = epd_rdma_reg(rd, p, len, false, why, sizeof(why));
-		xwin_range(g, l, true, &p, &len);
-		if (xw->src[l])
-			xw->dst[l] = epd_rdma_reg(rd, p, len, true, why,
-						  sizeof(why));
-		ok = xw->src[l] && xw->dst[l];
-	}
-	if (!ok) {
-		epd_warn("group %s: rows go as frames, not RDMA writes: %s",
-			 g->shape.name, why);
-		xwin_release(xw);
-		return;
-	}
-	do
-		xw->wid = ++srv->next_wid;
-	while (!xw->wid || wid_used(srv, xw->wid));
-	g->xw = xw;
-	size_t cap = 128 + (size_t)rpn * 20;
-	uint8_t *buf = malloc(cap);
-	if (!buf)
-		return; /* the peers write nothing here: frames */
-	struct epp_wr w;
-	epp_wr_init(&w, buf, cap);
-	epp_peer_put_op(&w, g->key, 0);
-	epp_put_u16(&w, xw->wid);
-	epp_put_u32(&w, rpn);
-	for (uint32_t l = 0; l < rpn; l++) {
-		uint8_t *p;
-		size_t len;
-		xwin_range(g, l, true, &p, &len);
-		struct epp_peer_window e = {.addr = (uint64_t)(uintptr_t)p,
-					    .rkey = epd_rmr_rkey(xw->dst[l]),
-					    .len = (uint64_t)len};
-		epp_peer_put_window(&w, &e);
-	}
-	for (uint32_t n = 0; n < g->nnodes; n++)
-		if (n != g->node_index && epd_cluster_rconn(srv, n))
-			epd_cluster_send(g, n, EPP_PEER_XWIN, buf, w.off, NULL,
-					 0, NULL);
-	free(buf);
-	epd_info("group %s: %u local ranks' buffers registered for RDMA "
-		 "writes (window %u)",
-		 g->shape.name, rpn, xw->wid);
-}
-
-/* Node from's windows for group g. */
-static void xwin_frame(struct epd_group *g, uint32_t from,
-		       const struct epp_peer_op *op)
-{
-	struct epd_xwin *xw = g->xw;
-	const uint32_t rpn = g->shape.ranks_per_node;
-	struct epp_peer_xwin m;
-	if (epp_peer_xwin_decode(op, &m) || m.n != rpn ||
-	    from == g->node_index) {
-		epd_group_fail(g, EP_EPROTO, "node %u sent malformed windows",
-			       from);
-		return;
-	}
-	if (!xw)
-		return; /* this node writes no rows: frames */
-	struct xpeer *pe = &xw->peer[from];
-	if (pe->have) {
-		epd_group_fail(g, EP_EPROTO, "node %u sent its windows twice",
-			       from);
-		return;
-	}
-	/* what a row write may reach: every slot's row and scales */
-	const uint64_t need = g->layout.off[EPP_BUF_RECV_SCALES] -
-			      g->layout.off[EPP_BUF_RECV_X] +
-			      g->layout.max_recv * g->layout.nscales * 4;
-	for (uint32_t l = 0; l < rpn; l++) {
-		struct epp_peer_window e;
-		epp_peer_xwin_get(&m, l, &e);
-		pe->addr[l] = e.addr;
-		pe->rkey[l] = e.rkey;
-		pe->len[l] = e.len;
-		if (pe->len[l] < need) {
-			epd_group_fail(g, EP_EPROTO,
-				       "node %u offered a window of %llu "
-				       "bytes for local rank %u; rows need "
-				       "%llu",
-				       from, (unsigned long long)pe->len[l], l,
-				       (unsigned long long)need);
-			return;
-		}
-	}
-	pe->wid = m.wid;
-	pe->have = true;
-}
-
-static void zombie_closed(uv_handle_t *h)
-{
-	struct xzombie *z = h->data;
-	xwin_release(z->xw);
-	if (z->map)
-		munmap(z->map, z->size);
-	if (z->fd >= 0)
-		close(z->fd);
-	free(z);
-}
-
-static void zombie_due(uv_timer_t *t)
-{
-	struct xzombie *z = t->data;
-	list_del(&z->node);
-	uv_close((uv_handle_t *)&z->timer, zombie_closed);
-}
-
-void epd_xwin_free(struct epd_group *g)
-{
-	struct epd_xwin *xw = g->xw;
-	struct epd_server *srv = g->srv;
-	g->xw = NULL;
-	if (!xw)
-		return;
-	struct xzombie *z = srv->stopping ? NULL : calloc(1, sizeof(*z));
-	if (!z) { /* at shutdown the connections are going too */
-		xwin_release(xw);
-		return;
-	}
-	/* the mapping goes with the regions: a peer's write in flight
-	 * lands in memory that is still there and still registered */
-	z->srv = srv;
-	z->xw = xw;
-	z->map = g->map;
-	z->size = g->buf_size;
-	z->fd = g->buf_fd;
-	g->map = NULL;
-	g->buf_fd = -1;
-	uv_timer_init(srv->loop, &z->timer);
-	z->timer.data = z;
-	list_add_tail(&srv->xzombies, &z->node);
-	uv_timer_start(&z->timer, zombie_due, XWIN_GRACE_MS, 0);
-}
-
-void epd_xwin_flush(struct epd_server *srv)
-{
-	struct list_node *it, *tmp;
-	LIST_FOREACH(it, tmp, &srv->xzombies)
-	{
-		struct xzombie *z = LIST_ENTRY(it, struct xzombie, node);
-		uv_timer_stop(&z->timer);
-		zombie_due(&z->timer);
-	}
-}
-
-/* The op of g whose number ends in low (at most EPD_XOPS_MAX < 2^16 are
- * open). */
-static struct epd_xop *xop_by_low(struct epd_group *g, uint16_t low)
-{
-	for (uint32_t i = 0; i < g->xcap; i++)
-		if (g->xop[i] && (uint16_t)g->xop[i]->id == low)
-			return g->xop[i];
-	return NULL;
-}
-
-static void xop_check(struct epd_group *g);
-
-void epd_xop_imm(struct epd_server *srv, uint32_t from, uint32_t imm)
-{
-	struct epd_group *g = group_by_wid(srv, (uint16_t)(imm >> 16));
-	if (!g || g->state != EPD_G_READY || from >= g->nnodes)
-		return; /* failed or gone here: its ops are over */
-	struct epd_xop *x = xop_by_low(g, (uint16_t)imm);
-	if (!x || x->type != EPP_DISPATCH || !x->started || x->wdone[from]) {
-		epd_group_fail(g, EP_EPROTO,
-			       "node %u signalled written rows for op %u, "
-			       "which this node does not expect",
-			       from, imm & 0xffffu);
-		return;
-	}
-	x->wdone[from] = 1;
-	xop_check(g);
-}
-
-void epd_xop_written(struct epd_server *srv, uint32_t to, uint64_t cookie)
-{
-	struct epd_group *g = group_by_wid(srv, (uint16_t)(cookie >> 16));
-	if (!g || g->state != EPD_G_READY || to >= g->nnodes)
-		return; /* failed here: its ops are dropped */
-	struct epd_xop *x = xop_by_low(g, (uint16_t)cookie);
-	if (!x || !x->wrc[to])
-		return;
-	x->wsent[to] = 1;
-	xop_check(g);
-}
-
-/* On the job's thread: row t of local source s to slot `slot` of rank d
- * on another node, by RDMA WRITE (and its scales). */
-static int write_row(struct epd_xop *x, struct epd_rdma *rd, uint32_t s,
-		     uint32_t t, uint32_t d, uint32_t slot)
-{
-	struct epd_group *g = x->g;
-	const uint32_t rpn = g->shape.ranks_per_node, n = d / rpn;
-	const uint32_t ls = lidx(g, s), ld = lidx(g, d);
-	const size_t xb = (size_t)g->shape.hidden * g->layout.elt;
-	const size_t sb = (size_t)g->layout.nscales * 4;
-	const struct xpeer *pe = &g->xw->peer[n];
-	struct epd_cmd c = {
-		.conn = x->wrc[n],
-		.laddr = (uintptr_t)(epd_region(g, ls, EPP_BUF_X) + t * xb),
-		.lkey = epd_rmr_lkey(g->xw->src[ls]),
-		.raddr = pe->addr[ld] + (uint64_t)slot * xb,
-		.rkey = pe->rkey[ld],
-		.len = (uint32_t)xb};
-	if (!epd_rdma_write(rd, &c))
-		return -1;
-	if (!sb)
-		return 0;
-	c.laddr = (uintptr_t)(epd_region(g, ls, EPP_BUF_X_SCALES) + t * sb);
-	c.raddr = pe->addr[ld] + g->layout.off[EPP_BUF_RECV_SCALES] -
-		  g->layout.off[EPP_BUF_RECV_X] + (uint64_t)slot * sb;
-	c.len = (uint32_t)sb;
-	return epd_rdma_write(rd, &c) ? 0 : -1;
-}
-
-/* After the rows: per node written to, a zero-byte write with immediate
- * (its window id, the op) that arrives after them. */
-static int write_imm(struct epd_xop *x, struct epd_rdma *rd, uint32_t n)
-{
-	struct epd_group *g = x->g;
-	const struct xpeer *pe = &g->xw->peer[n];
-	struct epd_cmd c = {.conn = x->wrc[n],
-			    .raddr = pe->addr[0],
-			    .rkey = pe->rkey[0],
-			    .imm = (uint32_t)pe->wid << 16 | (uint16_t)x->id,
-			    .cookie = (uint64_t)g->xw->wid << 16 |
-				      (uint16_t)x->id,
-			    .flags = EPD_CMD_IMM};
-	return epd_rdma_write(rd, &c) ? 0 : -1;
-}
-
-/* On the job's thread: a dispatch's rows from local sources to other
- * nodes' destinations, written where the node's windows are known (then
- * an immediate to each node written to: x->wimm), else packed for frames.
- * -1 if the proxy refused (the daemon is stopping). */
-static int rows_out(struct epd_xop *x, const struct ek_rank_io *io,
-		    const struct ek_route *r)
-{
-	struct epd_group *g = x->g;
-	const uint32_t W = x->W, rpn = g->shape.ranks_per_node;
-	const size_t xb = (size_t)g->shape.hidden * g->layout.elt;
-	const size_t rb = row_bytes(g, x->type);
-	struct epd_rdma *rd = epd_cluster_rdma(g->srv);
-	for (uint32_t s = g->node_index * rpn; s < (g->node_index + 1) * rpn;
-	     s++)
-		for (uint32_t t = 0; t < x->tokens[s]; t++)
-			for (uint32_t d = 0; d < W; d++) {
-				int32_t slot = r->slot[s][(size_t)t * W + d];
-				const uint32_t n = d / rpn;
-				if (slot < 0 || is_local(g, d))
-					continue;
-				x->bytes += 2 * rb;
-				if (!x->wrc[n]) {
-					out_record(&x->out[n], d, (uint32_t)slot,
-						   (uint8_t *)io[s].x + t * xb,
-						   xb,
-						   io[s].x_scales +
-							   (size_t)t *
-								   g->layout.nscales,
-						   (size_t)g->layout.nscales * 4);
-					continue;
-				}
-				if (write_row(x, rd, s, t, d, (uint32_t)slot))
-					return -1;
-				x->wimm[n] = 1;
-			}
-	for (uint32_t n = 0; n < g->nnodes; n++)
-		if (x->wimm[n] && write_imm(x, rd, n))
-			return -1;
-	return 0;
-}
-
 /* On a work thread. */
 static void xjob_run(uv_work_t *req)
 {
@@ -891,7 +286,7 @@ static void xjob_run(uv_work_t *req)
 		snprintf(x->err, sizeof(x->err), "out of memory");
 		return;
 	}
-	const size_t rb = row_bytes(g, x->type);
+	const size_t rb = xn_row_bytes(g, x->type);
 	if (x->type == EPP_COMBINE && x->stage2) {
 		/* every remote row is staged: accumulate as on one node */
 		for (uint32_t l = 0; l < rpn; l++) {
@@ -938,14 +333,14 @@ static void xjob_run(uv_work_t *req)
 			for (uint32_t l = 0; l < rpn; l++)
 				ek_recv_per_expert(&sh, r, io,
 						   g->node_index * rpn + l);
-		if (rows_out(x, io, r)) {
+		if (xn_rows_out(x, io, r)) {
 			x->rc = EP_ESHUTDOWN;
 			snprintf(x->err, sizeof(x->err),
 				 "the RDMA proxy stopped");
 		}
 		/* rows from other nodes' sources for this node's ranks */
 		for (uint32_t s = 0; s < W; s++)
-			for (uint32_t l = 0; !is_local(g, s) && l < rpn; l++) {
+			for (uint32_t l = 0; !xn_is_local(g, s) && l < rpn; l++) {
 				uint64_t k = r->count[(size_t)s * W +
 						      g->node_index * rpn + l];
 				x->rows_expected += k;
@@ -960,13 +355,13 @@ static void xjob_run(uv_work_t *req)
 					int32_t slot = r->slot[s][(size_t)t * W +
 								  d];
 					if (slot < 0 ||
-					    is_local(g, s) == is_local(g, d))
+					    xn_is_local(g, s) == xn_is_local(g, d))
 						continue;
-					if (is_local(g, s)) {
+					if (xn_is_local(g, s)) {
 						x->rows_expected++;
 						continue;
 					}
-					out_record(&x->out[s / rpn], d,
+					xn_out_record(&x->out[s / rpn], d,
 						   (uint32_t)slot,
 						   io[d].combine_y +
 							   (size_t)slot *
@@ -979,13 +374,11 @@ static void xjob_run(uv_work_t *req)
 	free(io);
 }
 
-static void xop_submit(struct epd_xop *x);
-
 /* Send the packed rows, chunked into frames. */
 static void send_rows(struct epd_xop *x)
 {
 	struct epd_group *g = x->g;
-	const size_t rec = 8 + row_bytes(g, x->type);
+	const size_t rec = 8 + xn_row_bytes(g, x->type);
 	for (uint32_t n = 0; n < g->nnodes; n++) {
 		struct outbuf *o = &x->out[n];
 		if (o->len > g->xout_hint)
@@ -1019,7 +412,7 @@ static void send_rows(struct epd_xop *x)
 	}
 }
 
-static void xop_check(struct epd_group *g)
+void xop_check(struct epd_group *g)
 {
 	struct epd_xop *x = xop_cur(g);
 	if (!x || !x->job_done)
@@ -1096,7 +489,7 @@ static void xjob_done(uv_work_t *req, int status)
 	xop_check(g);
 }
 
-static void xop_submit(struct epd_xop *x)
+void xop_submit(struct epd_xop *x)
 {
 	struct epd_group *g = x->g;
 	/* the nodes this dispatch's rows are written to (held until the op
@@ -1104,12 +497,12 @@ static void xop_submit(struct epd_xop *x)
 	for (uint32_t n = 0; g->xw && x->type == EPP_DISPATCH && !x->stage2 &&
 			     n < g->nnodes;
 	     n++) {
-		struct epd_rconn *rc = epd_cluster_rconn(g->srv, n);
-		if (n == g->node_index || x->wrc[n] || !rc ||
+		struct epd_tconn *tc = epd_cluster_wconn(g->srv, n);
+		if (n == g->node_index || x->wrc[n] || !tc ||
 		    !g->xw->peer[n].have)
 			continue;
-		epd_rdma_hold(rc);
-		x->wrc[n] = rc;
+		tc->t->ops->hold(tc);
+		x->wrc[n] = tc;
 	}
 	/* the packs for other nodes, from the pool, as large as last time
 	 * (the job grows them if needed) */
@@ -1234,296 +627,4 @@ void epd_xop_start(struct epd_group *g)
 	}
 	if (x->meta_have == x->meta_need)
 		xop_submit(x);
-}
-
-/* Frames for a group that is not ready on this node yet (its ranks are
- * still joining here): kept, within a bound, and replayed once it is. */
-#define STASH_MAX (256ull << 20)
-
-struct stashed {
-	struct list_node node;
-	char name[EPP_GKEY_MAX + 1];
-	uint16_t type;
-	uint32_t from, len;
-	uint8_t data[];
-};
-
-static void stash_frame(struct epd_server *srv, const char *name,
-			uint16_t type, uint32_t from, const uint8_t *p,
-			uint32_t len)
-{
-	struct stashed *e = malloc(sizeof(*e) + len);
-	if (!e || srv->xstash_bytes + len > STASH_MAX) {
-		free(e);
-		epd_warn("cross-node %s for group %s dropped: %llu bytes are "
-			 "already kept for groups not ready here",
-			 epp_type_name(type), name,
-			 (unsigned long long)srv->xstash_bytes);
-		return;
-	}
-	snprintf(e->name, sizeof(e->name), "%s", name);
-	e->type = type;
-	e->from = from;
-	e->len = len;
-	memcpy(e->data, p, len);
-	srv->xstash_bytes += len;
-	list_add_tail(&srv->xstash, &e->node);
-}
-
-void epd_xop_stash_free(struct epd_server *srv)
-{
-	struct list_node *it, *tmp;
-	LIST_FOREACH(it, tmp, &srv->xstash)
-	{
-		list_del(it);
-		free(LIST_ENTRY(it, struct stashed, node));
-	}
-	srv->xstash_bytes = 0;
-}
-
-void epd_xop_replay(struct epd_group *g)
-{
-	struct list_node *it, *tmp;
-	struct epd_server *srv = g->srv;
-	LIST_FOREACH(it, tmp, &srv->xstash)
-	{
-		struct stashed *e = LIST_ENTRY(it, struct stashed, node);
-		if (strcmp(e->name, g->key))
-			continue;
-		list_del(&e->node);
-		srv->xstash_bytes -= e->len;
-		if (g->state == EPD_G_READY)
-			epd_xop_frame(g->srv, e->type, e->from, e->data,
-				      e->len);
-		free(e);
-	}
-}
-
-static void put_shape(struct epp_wr *w, const struct epd_group *g)
-{
-	const struct epp_join *j = &g->shape;
-	uint32_t v[] = {j->world_size, j->ranks_per_node, j->num_experts,
-			j->hidden, j->max_tokens, j->topk, j->dtype,
-			g->timeout_ms};
-	for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++)
-		epp_put_u32(w, v[i]);
-}
-
-/* The group became ready here: its shape to the group's other nodes, which
- * compare it with theirs. */
-void epd_xop_announce(struct epd_group *g)
-{
-	uint8_t buf[192];
-	struct epp_wr w;
-	epp_wr_init(&w, buf, sizeof(buf));
-	epp_peer_put_op(&w, g->key, 0);
-	put_shape(&w, g);
-	for (uint32_t n = 0; n < g->nnodes; n++)
-		if (n != g->node_index)
-			epd_cluster_send(g, n, EPP_PEER_GSHAPE, buf, w.off,
-					 NULL, 0, NULL);
-	xwin_setup(g);
-}
-
-static void check_shape(struct epd_group *g, uint32_t from,
-			const struct epp_peer_op *op)
-{
-	uint8_t mine[64];
-	struct epp_wr w;
-	epp_wr_init(&w, mine, sizeof(mine));
-	put_shape(&w, g);
-	static const char *const names[EPP_PEER_SHAPE_N] = {
-		"world_size", "ranks_per_node", "num_experts", "hidden",
-		"max_tokens", "topk", "dtype", "timeout_ms"};
-	uint32_t theirs[EPP_PEER_SHAPE_N];
-	if (epp_peer_shape_decode(op, theirs)) {
-		epd_group_fail(g, EP_EPROTO, "node %u sent a malformed shape",
-			       from);
-		return;
-	}
-	uint32_t ours[EPP_PEER_SHAPE_N];
-	struct epp_peer_op mo = {.body = mine, .body_len = w.off};
-	epp_peer_shape_decode(&mo, ours);
-	for (int i = 0; i < EPP_PEER_SHAPE_N; i++) {
-		uint32_t a = ours[i], b = theirs[i];
-		if (a != b) {
-			epd_group_fail(g, EP_EMISMATCH,
-				       "node %s joined group %s with %s %u; "
-				       "this node has %u",
-				       epd_cluster_node_name(g->srv, from),
-				       g->shape.name, names[i], b, a);
-			return;
-		}
-	}
-}
-
-/* A frame of a cross-node op from node `from`. */
-void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
-		   const uint8_t *p, uint32_t len)
-{
-	struct epp_peer_op op;
-	int bad = epp_peer_op_decode(p, len, &op);
-	const char *name = bad ? "?" : op.group;
-	uint64_t id = bad ? 0 : op.op;
-	struct epd_group *g = bad ? NULL : epd_group_find(srv, name);
-	if (!bad && (!g || g->state == EPD_G_FORMING)) {
-		stash_frame(srv, name, type, from, p, len);
-		return;
-	}
-	if (bad || g->state != EPD_G_READY || from >= g->nnodes) {
-		epd_warn("cross-node %s for group %s (op %llu) from node %u "
-			 "dropped: the group failed or the frame is malformed",
-			 epp_type_name(type), name, (unsigned long long)id,
-			 from);
-		return;
-	}
-	const uint32_t rpn = g->shape.ranks_per_node, K = g->shape.topk;
-	if ((type == EPP_PEER_XMETA || type == EPP_PEER_XROWS) &&
-	    id >= g->xop_next + EPD_XOPS_MAX) {
-		epd_group_fail(g, EP_ETOOBIG,
-			       "node %u is at operation %llu, this node at "
-			       "%llu: at most %d operations ahead are buffered",
-			       from, (unsigned long long)id,
-			       (unsigned long long)g->xop_next, EPD_XOPS_MAX);
-		return;
-	}
-	if (type == EPP_PEER_GSHAPE) {
-		check_shape(g, from, &op);
-		return;
-	}
-	if (type == EPP_PEER_XWIN) {
-		xwin_frame(g, from, &op);
-		return;
-	}
-	if (type == EPP_PEER_XMETA) {
-		struct epp_peer_xmeta m;
-		int mbad = epp_peer_xmeta_decode(&op, &m);
-		uint32_t s = m.rank, T = m.tokens, fl = m.flags;
-		struct epd_xop *x = mbad ? NULL : xop_get(g, id, EPP_DISPATCH);
-		bool cached = fl & EPP_DISPATCH_CACHED;
-		size_t nt = cached ? 0 : (size_t)T * K;
-		bool wts = !cached && (fl & EPP_DISPATCH_WEIGHTS);
-		if (!x || s >= g->shape.world_size || s / rpn != from ||
-		    T > g->shape.max_tokens || x->have[s] ||
-		    m.data_len != nt * (wts ? 12 : 8)) {
-			epd_group_fail(g, EP_EPROTO,
-				       "node %u sent a malformed or unexpected "
-				       "routing for op %llu",
-				       from, (unsigned long long)id);
-			return;
-		}
-		x->have[s] = 1;
-		if (cached) { /* the arrival of a cached dispatch */
-			if (++x->meta_have == x->meta_need && x->started)
-				xop_submit(x);
-			return;
-		}
-		x->tokens[s] = T;
-		x->flags[s] = fl;
-		x->topk[s] = malloc(nt * 8 + 8);
-		x->weights[s] = wts ? malloc(nt * 4 + 4) : NULL;
-		if (!x->topk[s] || (wts && !x->weights[s])) {
-			epd_group_fail(g, EP_ENOMEM, "out of memory");
-			return;
-		}
-		memcpy(x->topk[s], m.data, nt * 8);
-		if (wts)
-			memcpy(x->weights[s], m.data + nt * 8, nt * 4);
-		if (++x->meta_have == x->meta_need && x->started)
-			xop_submit(x);
-		return;
-	}
-	/* XROWS: the record size depends on the op's type, the first field */
-	struct epp_peer_xrows xr;
-	uint16_t otype = 0;
-	epp_peer_xrows_type(&op, &otype); /* 0 on error: decode fails */
-	const size_t rb = row_bytes(g, otype), rec = 8 + rb;
-	int rbad = epp_peer_xrows_decode(&op, rec, &xr);
-	uint64_t handle = xr.handle;
-	uint32_t k = xr.count;
-	struct epd_xop *x = rbad ? NULL : xop_get(g, id, otype);
-	if (!x || x->type != otype ||
-	    (otype == EPP_DISPATCH && !x->started)) {
-		epd_group_fail(g, EP_EPROTO,
-			       "node %u sent unexpected rows for op %llu", from,
-			       (unsigned long long)id);
-		return;
-	}
-	/* Every expected row has come (stage 2 of a combine runs on them),
-	 * or, once the job counted them, more rows than expected. */
-	if (x->stage2 ||
-	    (x->job_done && x->rows_got + k > x->rows_expected)) {
-		epd_group_fail(g, EP_EPROTO,
-			       "node %u sent more rows than op %llu expects",
-			       from, (unsigned long long)id);
-		return;
-	}
-	const uint8_t *q = xr.recs;
-	/* Only a combine's rows need the routing. A fresh dispatch's job may
-	 * be building x->route on a work thread right now: not read here. */
-	struct ek_route *route = NULL;
-	if (otype == EPP_COMBINE)
-		route = x->route ? x->route : epd_route_find(g, handle);
-	if (otype == EPP_COMBINE && !route && !x->started) {
-		/* A node ahead of this one combines along a dispatch this
-		 * node has not finished yet (its job still runs): the rows
-		 * wait in the op until it starts here, with the routing. */
-		struct xdefer *df = malloc(sizeof(*df) + len);
-		if (!df) {
-			epd_group_fail(g, EP_ENOMEM, "out of memory");
-			return;
-		}
-		df->next = NULL;
-		df->from = from;
-		df->len = len;
-		memcpy(df->data, p, len);
-		struct xdefer **tail = &x->deferred;
-		while (*tail)
-			tail = &(*tail)->next;
-		*tail = df;
-		return;
-	}
-	for (uint32_t i = 0; i < k; i++, q += rec) {
-		uint32_t d, slot;
-		memcpy(&d, q, 4);
-		memcpy(&slot, q + 4, 4);
-		if (otype == EPP_DISPATCH) {
-			if (!is_local(g, d) || slot >= g->layout.max_recv)
-				goto bad;
-			uint32_t l = lidx(g, d);
-			size_t xb = (size_t)g->shape.hidden * g->layout.elt;
-			memcpy(epd_region(g, l, EPP_BUF_RECV_X) +
-				       (size_t)slot * xb,
-			       q + 8, xb);
-			if (g->layout.nscales)
-				memcpy(epd_region(g, l, EPP_BUF_RECV_SCALES) +
-					       (size_t)slot * g->layout.nscales *
-						       4,
-				       q + 8 + xb,
-				       (size_t)g->layout.nscales * 4);
-		} else {
-			/* staged at its slot on destination d (elsewhere) */
-			if (is_local(g, d) || !route ||
-			    slot >= route->num_recv[d])
-				goto bad;
-			if (!x->staging[d]) {
-				x->staging[d] = (uint16_t *)xbuf_get(
-					g->srv,
-					(size_t)route->num_recv[d] * rb + 2,
-					&x->staging_cap[d]);
-				if (!x->staging[d]) {
-					epd_group_fail(g, EP_ENOMEM,
-						       "out of memory");
-					return;
-				}
-			}
-			memcpy((uint8_t *)x->staging[d] + (size_t)slot * rb,
-			       q + 8, rb);
-		}
-		x->rows_got++;
-	}
-	xop_check(g);
-	return;
-bad:
-	epd_group_fail(g, EP_EPROTO, "node %u sent a row out of range", from);
 }

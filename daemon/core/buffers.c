@@ -2,7 +2,7 @@
 /* Group buffers on the host backend: one memfd per group, mapped by the
  * daemon (its data-path threads work in it) and by every rank (passed with
  * SCM_RIGHTS). Sparse: only pages that are written take memory. */
-#include "epd.h"
+#include "core.h"
 
 #include <errno.h>
 #include <fcntl.h>

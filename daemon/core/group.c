@@ -4,7 +4,7 @@
  * failure when a rank goes away or a collective times out, and the two-phase
  * barrier (scale-out rail, then scale-up node; DESIGN.md section 3).
  */
-#include "epd.h"
+#include "core.h"
 #include "backend.h"
 
 #include <stdarg.h>
@@ -65,7 +65,7 @@ bool epd_group_visible(const struct epd_group *g, uid_t uid)
 	return uid == 0 || uid == g->owner || g->shared;
 }
 
-struct epd_member *epd_member_find(struct epd_client *c, uint64_t gid)
+struct epd_member *epd_member_find(struct epd_session *c, uint64_t gid)
 {
 	struct list_node *it, *tmp;
 	LIST_FOREACH(it, tmp, &c->members)
@@ -83,10 +83,9 @@ void epd_group_free(struct epd_group *g)
 		ek_route_free(g->routes[i]);
 	if (g->dev)
 		g->dev->group_free(g);
-	epd_xop_drop(g);
+	if (g->nnodes > 1 && g->srv->span)
+		g->srv->span->freed(g); /* may keep the mapping a while */
 	free(g->xop);
-	epd_xbufs_trim(g->srv);
-	epd_xwin_free(g); /* may keep the mapping a while */
 	epd_buf_destroy(g);
 	free(g->local);
 	free(g->rail_done);
@@ -129,7 +128,7 @@ void epd_member_reply_ok(struct epd_member *m, const void *p, uint32_t len)
 		done(m, 0, NULL, p, len);
 		return;
 	}
-	epd_client_send(m->client, EPP_OK, 0, req, p, len, NULL, 0);
+	epd_session_send(m->client, EPP_OK, 0, req, p, len, NULL, 0);
 }
 
 void epd_member_reply_err(struct epd_member *m, int code, const char *msg)
@@ -143,7 +142,7 @@ void epd_member_reply_err(struct epd_member *m, int code, const char *msg)
 		done(m, code, msg, NULL, 0);
 		return;
 	}
-	epd_client_error(m->client, req, code, "%s", msg);
+	epd_session_error(m->client, req, code, "%s", msg);
 }
 
 /* The global ranks of this node's local indices for which missing() holds,
@@ -182,10 +181,6 @@ void epd_group_fail(struct epd_group *g, int code, const char *fmt, ...)
 	 * on this send) finds the group failed already. */
 	g->state = EPD_G_FAILED;
 	g->fail_code = code;
-	/* The group's other nodes learn it at once, not at their timeout
-	 * (a failure that came from another node is not sent back). */
-	if (g->nnodes > 1 && !remote && !was_failed)
-		epd_cluster_group_failed(g, code, g->last_error);
 	g->coll_type = 0;
 	g->coll_arrived = 0;
 	/* A rank leaving is how jobs end: not worth a warning. */
@@ -195,7 +190,12 @@ void epd_group_fail(struct epd_group *g, int code, const char *fmt, ...)
 		uv_timer_stop(&g->timer);
 	if (g->dev)
 		g->dev->group_failed(g);
-	epd_xop_drop(g); /* a running job is dropped when it ends */
+	/* The group's other nodes learn it at once, not at their timeout
+	 * (a failure that came from another node is not sent back); a
+	 * running cross-node job is dropped when it ends. */
+	if (g->nnodes > 1 && g->srv->span)
+		g->srv->span->failed(g, code, g->last_error,
+				     !remote && !was_failed);
 	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
 		struct epd_member *m = g->local[l];
 		if (m && m->pending_req) {
@@ -220,7 +220,7 @@ static void join_reply(struct epd_member *m)
 	m->pending_type = 0;
 	fds[0] = dup(g->buf_fd);
 	if (fds[0] < 0) {
-		epd_client_error(m->client, req, EP_ENOMEM,
+		epd_session_error(m->client, req, EP_ENOMEM,
 				 "cannot duplicate the buffer descriptor: %m");
 		return;
 	}
@@ -229,13 +229,13 @@ static void join_reply(struct epd_member *m)
 					       &ok.dev_size);
 		if (rc) {
 			close(fds[0]);
-			epd_client_error(m->client, req, rc,
+			epd_session_error(m->client, req, rc,
 					 "cannot export the rank's GPU region");
 			return;
 		}
 	}
 	size_t n = epp_join_ok_encode(&ok, buf, sizeof(buf));
-	epd_client_send(m->client, EPP_OK, 0, req, buf, (uint32_t)n, fds,
+	epd_session_send(m->client, EPP_OK, 0, req, buf, (uint32_t)n, fds,
 			g->dev ? 2 : 1);
 }
 
@@ -285,7 +285,7 @@ static void group_timeout(uv_timer_t *t)
 	if (g->coll_type != EPP_BARRIER && g->nnodes > 1 &&
 	    g->coll_arrived == g->shape.ranks_per_node) {
 		/* every local rank is in: name the remote ones missing */
-		epd_xop_missing(g, miss, sizeof(miss));
+		g->srv->span->missing(g, miss, sizeof(miss));
 		epd_group_fail(g, EP_ETIMEDOUT,
 			       "%s timed out after %u ms waiting for the other "
 			       "nodes of the group; ranks never arrived: %s",
@@ -419,7 +419,6 @@ static struct epd_group *group_create(struct epd_server *srv, uid_t owner,
 	uv_timer_init(srv->loop, &g->timer);
 	g->timer.data = g;
 	list_add_tail(&srv->groups, &g->node);
-	epd_cluster_unstash(g); /* rail peers may have arrived already */
 	epd_info("group %s (id %lu) created: world %u, %u per node, node %u, "
 		 "%u experts, hidden %u, %u tokens, top-%u, timeout %u ms",
 		 g->shape.name, (unsigned long)g->id, j->world_size,
@@ -500,10 +499,8 @@ static void group_became_ready(struct epd_group *g)
 		}
 	}
 	epd_info("group %s ready (%u local ranks)", g->shape.name, g->njoined);
-	if (g->nnodes > 1) {
-		epd_xop_announce(g);
-		epd_xop_replay(g);
-	}
+	if (g->nnodes > 1)
+		g->srv->span->ready(g);
 	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
 		struct epd_member *m = g->local[l];
 		if (m && m->pending_type == EPP_JOIN)
@@ -511,7 +508,7 @@ static void group_became_ready(struct epd_group *g)
 	}
 }
 
-int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
+int epd_group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 		   const struct epp_join *j)
 {
 	struct epd_server *srv = c->srv;
@@ -519,23 +516,23 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 	int code;
 	uint32_t nnodes = j->world_size / j->ranks_per_node;
 	if (nnodes > 1) {
-		int self = epd_cluster_self(srv);
-		if (!srv->cluster) {
-			epd_client_error(c, req_id, EP_EUNSUPPORTED,
+		if (!srv->span) {
+			epd_session_error(c, req_id, EP_EUNSUPPORTED,
 					 "group %s spans %u nodes, but this "
 					 "daemon has no cluster configured",
 					 j->name, nnodes);
 			return EP_EUNSUPPORTED;
 		}
-		if ((int)nnodes > epd_cluster_size(srv)) {
-			epd_client_error(c, req_id, EP_EINVAL,
+		const int self = srv->span->self(srv);
+		if ((int)nnodes > srv->span->size(srv)) {
+			epd_session_error(c, req_id, EP_EINVAL,
 					 "group %s spans %u nodes; the cluster "
 					 "has %d",
-					 j->name, nnodes, epd_cluster_size(srv));
+					 j->name, nnodes, srv->span->size(srv));
 			return EP_EINVAL;
 		}
 		if ((int)(j->rank / j->ranks_per_node) != self) {
-			epd_client_error(c, req_id, EP_EMISMATCH,
+			epd_session_error(c, req_id, EP_EMISMATCH,
 					 "rank %u lives on node %u; this daemon "
 					 "is node %d",
 					 j->rank, j->rank / j->ranks_per_node,
@@ -549,7 +546,7 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 	struct epd_group *g = epd_group_find(srv, key);
 	if (g) {
 		if (g->state == EPD_G_FAILED) {
-			epd_client_error(c, req_id, EP_EFAILED,
+			epd_session_error(c, req_id, EP_EFAILED,
 					 "group %s failed (%s); it ends when "
 					 "its last rank leaves",
 					 g->shape.name, g->last_error);
@@ -557,7 +554,7 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 		}
 		code = shape_check(g, j, err, sizeof(err));
 		if (code) {
-			epd_client_error(c, req_id, code, "%s", err);
+			epd_session_error(c, req_id, code, "%s", err);
 			return code;
 		}
 	} else {
@@ -566,14 +563,14 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 		if (!g) {
 			if (code == EP_ELIMIT)
 				srv->n_limited++;
-			epd_client_error(c, req_id, code, "%s", err);
+			epd_session_error(c, req_id, code, "%s", err);
 			return code;
 		}
 	}
 	uint32_t l = j->rank % j->ranks_per_node;
 	if (g->local[l]) {
 		struct epd_member *o = g->local[l];
-		epd_client_error(c, req_id, EP_EDUPRANK,
+		epd_session_error(c, req_id, EP_EDUPRANK,
 				 "rank %u of group %s is already joined by "
 				 "pid %d",
 				 j->rank, g->shape.name, (int)o->client->pid);
@@ -581,7 +578,7 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 	}
 	struct epd_member *m = calloc(1, sizeof(*m));
 	if (!m) {
-		epd_client_error(c, req_id, EP_ENOMEM, "out of memory");
+		epd_session_error(c, req_id, EP_ENOMEM, "out of memory");
 		if (g->njoined == 0)
 			group_destroy(g);
 		return EP_ENOMEM;
@@ -594,7 +591,7 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 	bool gpu = !epp_uuid_is_zero(j->gpu_uuid);
 	if (gpu != (g->dev != NULL) && g->njoined) {
 		free(m);
-		epd_client_error(c, req_id, EP_EMISMATCH,
+		epd_session_error(c, req_id, EP_EMISMATCH,
 				 "group %s has %s ranks; this rank is a %s rank",
 				 g->shape.name, g->dev ? "GPU" : "host",
 				 gpu ? "GPU" : "host");
@@ -602,7 +599,7 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 	}
 	if (gpu && !g->srv->dev) {
 		free(m);
-		epd_client_error(c, req_id, EP_EUNSUPPORTED,
+		epd_session_error(c, req_id, EP_EUNSUPPORTED,
 				 "this epd has no GPU backend (%s)",
 				 g->srv->backend_reason);
 		if (g->njoined == 0)
@@ -616,7 +613,7 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 		code = g->dev->add_rank(g, m, j, err, sizeof(err));
 		if (code) {
 			free(m);
-			epd_client_error(c, req_id, code, "%s", err);
+			epd_session_error(c, req_id, code, "%s", err);
 			if (g->njoined == 0)
 				group_destroy(g);
 			return code;
@@ -646,7 +643,7 @@ int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
 void epd_member_remove(struct epd_member *m, const char *why)
 {
 	struct epd_group *g = m->group;
-	struct epd_client *c = m->client;
+	struct epd_session *c = m->client;
 	g->local[m->local] = NULL;
 	g->njoined--;
 	list_del(&m->cnode);
@@ -667,19 +664,19 @@ void epd_member_remove(struct epd_member *m, const char *why)
 }
 
 /* The member of group gid on this connection, or an ENOGROUP reply. */
-static struct epd_member *member_lookup(struct epd_client *c, uint64_t req_id,
+static struct epd_member *member_lookup(struct epd_session *c, uint64_t req_id,
 					uint64_t gid)
 {
 	struct epd_member *m = epd_member_find(c, gid);
 	if (!m)
-		epd_client_error(c, req_id, EP_ENOGROUP,
+		epd_session_error(c, req_id, EP_ENOGROUP,
 				 "group id %lu is not joined on this "
 				 "connection",
 				 (unsigned long)gid);
 	return m;
 }
 
-int epd_group_leave(struct epd_client *c, uint64_t req_id, uint64_t gid)
+int epd_group_leave(struct epd_session *c, uint64_t req_id, uint64_t gid)
 {
 	struct epd_member *m = member_lookup(c, req_id, gid);
 	if (!m)
@@ -687,12 +684,12 @@ int epd_group_leave(struct epd_client *c, uint64_t req_id, uint64_t gid)
 	/* (a stream-ordered op in the host path does not hold a leave: the
 	 * group fails as for any rank leaving with work queued) */
 	if (m->pending_req && !m->complete) {
-		epd_client_error(c, req_id, EP_EBUSY,
+		epd_session_error(c, req_id, EP_EBUSY,
 				 "an operation of this rank is in flight");
 		return EP_EBUSY;
 	}
 	epd_member_remove(m, "left");
-	epd_client_send(c, EPP_OK, 0, req_id, NULL, 0, NULL, 0);
+	epd_session_send(c, EPP_OK, 0, req_id, NULL, 0, NULL, 0);
 	return 0;
 }
 
@@ -750,7 +747,7 @@ void epd_group_staged_barrier(struct epd_group *g, uint64_t seq,
 	if (epd_group_remote_check(g))
 		return; /* failed, and replied */
 	for (uint32_t l = 0; l < rpn; l++)
-		if (epd_cluster_send_arrival(g, l, g->local[l]->barrier_seq))
+		if (g->srv->span->arrival(g, l, g->local[l]->barrier_seq))
 			return;
 	epd_group_arm_timer(g);
 	barrier_progress(g);
@@ -764,7 +761,7 @@ void epd_group_arm_timer(struct epd_group *g)
 	}
 }
 
-struct epd_member *epd_coll_enter(struct epd_client *c, uint64_t req_id,
+struct epd_member *epd_coll_enter(struct epd_session *c, uint64_t req_id,
 				  uint64_t gid)
 {
 	struct epd_member *m = member_lookup(c, req_id, gid);
@@ -773,20 +770,20 @@ struct epd_member *epd_coll_enter(struct epd_client *c, uint64_t req_id,
 	struct epd_group *g = m->group;
 	if (g->state == EPD_G_FAILED) {
 		g->n_errors++;
-		epd_client_error(c, req_id, g->fail_code, "group %s failed: %s",
+		epd_session_error(c, req_id, g->fail_code, "group %s failed: %s",
 				 g->shape.name, g->last_error);
 		return NULL;
 	}
 	if (g->state == EPD_G_FORMING) {
 		char miss[512];
 		epd_list_ranks(miss, sizeof(miss), g, not_joined, NULL);
-		epd_client_error(c, req_id, EP_ENOTREADY,
+		epd_session_error(c, req_id, EP_ENOTREADY,
 				 "group %s is not ready; ranks not joined: %s",
 				 g->shape.name, miss);
 		return NULL;
 	}
 	if (m->pending_req) {
-		epd_client_error(c, req_id, EP_EBUSY,
+		epd_session_error(c, req_id, EP_EBUSY,
 				 "an operation of rank %u is in flight",
 				 m->rank);
 		return NULL;
@@ -800,10 +797,10 @@ struct epd_member *epd_coll_enter(struct epd_client *c, uint64_t req_id,
 bool epd_coll_agree(struct epd_member *m, uint64_t req_id, uint16_t type)
 {
 	struct epd_group *g = m->group;
-	struct epd_client *c = m->client;
+	struct epd_session *c = m->client;
 	if (g->coll_type && g->coll_type != type) {
 		/* The ranks' programs disagree: nothing can complete. */
-		epd_client_error(c, req_id, EP_EMISMATCH,
+		epd_session_error(c, req_id, EP_EMISMATCH,
 				 "rank %u called %s while other ranks of group "
 				 "%s are in %s",
 				 m->rank, epp_type_name(type), g->shape.name,
@@ -817,7 +814,7 @@ bool epd_coll_agree(struct epd_member *m, uint64_t req_id, uint16_t type)
 	return true;
 }
 
-int epd_group_async(struct epd_client *c, uint64_t req_id, uint64_t gid,
+int epd_group_async(struct epd_session *c, uint64_t req_id, uint64_t gid,
 		    const struct epd_aop *op)
 {
 	struct epd_member *m = member_lookup(c, req_id, gid);
@@ -825,7 +822,7 @@ int epd_group_async(struct epd_client *c, uint64_t req_id, uint64_t gid,
 		return EP_ENOGROUP;
 	struct epd_group *g = m->group;
 	if (!g->dev) {
-		epd_client_error(c, req_id, EP_EUNSUPPORTED,
+		epd_session_error(c, req_id, EP_EUNSUPPORTED,
 				 "group %s has host ranks: no stream-ordered "
 				 "operations",
 				 g->shape.name);
@@ -836,7 +833,7 @@ int epd_group_async(struct epd_client *c, uint64_t req_id, uint64_t gid,
 	if (g->state == EPD_G_FAILED)
 		return g->fail_code;
 	if (g->state != EPD_G_READY) {
-		epd_client_error(c, req_id, EP_ENOTREADY,
+		epd_session_error(c, req_id, EP_ENOTREADY,
 				 "group %s is not ready", g->shape.name);
 		return EP_ENOTREADY;
 	}
@@ -853,7 +850,7 @@ int epd_group_async(struct epd_client *c, uint64_t req_id, uint64_t gid,
 	return 0;
 }
 
-int epd_group_barrier(struct epd_client *c, uint64_t req_id, uint64_t gid)
+int epd_group_barrier(struct epd_session *c, uint64_t req_id, uint64_t gid)
 {
 	struct epd_member *m = epd_coll_enter(c, req_id, gid);
 	if (!m || !epd_coll_agree(m, req_id, EPP_BARRIER))
@@ -868,7 +865,7 @@ int epd_group_barrier(struct epd_client *c, uint64_t req_id, uint64_t gid)
 	/* Phase 1 needs the rail: tell the other nodes of the group. */
 	if (g->nnodes > 1 &&
 	    (epd_group_remote_check(g) ||
-	     epd_cluster_send_arrival(g, m->local, m->barrier_seq)))
+	     g->srv->span->arrival(g, m->local, m->barrier_seq)))
 		return EP_EPEERLOST; /* the group failed and replied */
 	epd_group_arm_timer(g);
 	barrier_progress(g);
@@ -896,30 +893,23 @@ bool epd_group_remote_check(struct epd_group *g)
 	return true;
 }
 
-void epd_group_remote_failure(struct epd_server *srv, const char *name,
-			      uint32_t node, int code, const char *msg,
-			      uint64_t round, uint64_t xops)
+void epd_group_remote_failure(struct epd_group *g, const char *node,
+			      int code, const char *msg, uint64_t round,
+			      uint64_t xops)
 {
-	struct epd_group *g = epd_group_find(srv, name);
-	if (!g || g->state == EPD_G_FAILED || node >= g->nnodes ||
-	    g->rfail_code)
+	if (g->state == EPD_G_FAILED || g->rfail_code)
 		return;
 	g->rfail_code = code;
 	g->rfail_round = round;
 	g->rfail_xop = xops;
-	snprintf(g->rfail_msg, sizeof(g->rfail_msg), "on node %s: %s",
-		 epd_cluster_node_name(srv, node), msg);
+	snprintf(g->rfail_msg, sizeof(g->rfail_msg), "on node %s: %s", node,
+		 msg);
 	epd_group_remote_check(g);
 }
 
-void epd_group_remote_arrival(struct epd_server *srv, const char *name,
-			      uint32_t node, uint32_t l, uint64_t seq)
+void epd_group_remote_arrival(struct epd_group *g, uint32_t node, uint32_t l,
+			      uint64_t seq)
 {
-	struct epd_group *g = epd_group_find(srv, name);
-	if (!g) {
-		epd_cluster_stash(srv, name, node, l, seq);
-		return;
-	}
 	if (node >= g->nnodes || l >= g->shape.ranks_per_node)
 		return;
 	uint64_t *c = &g->rail_remote[l * g->nnodes + node];

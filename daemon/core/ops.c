@@ -12,7 +12,7 @@
  * the workers (an expert index out of range) fail the op for every rank and
  * change nothing: validation runs before the first write.
  */
-#include "epd.h"
+#include "core.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -55,11 +55,11 @@ struct ek_route *epd_route_find(struct epd_group *g, uint64_t seq)
 }
 
 /* Is the handle usable with this group? Replies the error itself. */
-static bool handle_ok(struct epd_client *c, uint64_t req_id,
+static bool handle_ok(struct epd_session *c, uint64_t req_id,
 		      struct epd_group *g, const struct epp_handle *h)
 {
 	if (h->group_id != g->id) {
-		epd_client_error(c, req_id, EP_ESTALE,
+		epd_session_error(c, req_id, EP_ESTALE,
 				 "handle belongs to group id %llu, not to "
 				 "group %s (id %llu)",
 				 (unsigned long long)h->group_id, g->shape.name,
@@ -67,13 +67,13 @@ static bool handle_ok(struct epd_client *c, uint64_t req_id,
 		return false;
 	}
 	if (h->epoch != g->epoch) {
-		epd_client_error(c, req_id, EP_ESTALE,
+		epd_session_error(c, req_id, EP_ESTALE,
 				 "handle from epoch %u; the group's epoch is %u",
 				 h->epoch, g->epoch);
 		return false;
 	}
 	if (!epd_route_find(g, h->seq)) {
-		epd_client_error(c, req_id, EP_ESTALE,
+		epd_session_error(c, req_id, EP_ESTALE,
 				 "handle %llu is unknown or was evicted (group "
 				 "%s keeps the last %d dispatches, newest %llu)",
 				 (unsigned long long)h->seq, g->shape.name,
@@ -399,7 +399,7 @@ static void arrive(struct epd_member *m, uint64_t req_id, uint16_t type)
 		/* the other nodes take part: they must answer in time too
 		 * (with one local rank, nothing armed the timer yet) */
 		epd_group_arm_timer(g);
-		epd_xop_start(g);
+		g->srv->span->op_start(g);
 	} else {
 		job_submit(g);
 	}
@@ -427,10 +427,10 @@ void epd_ops_staged_enter(struct epd_group *g, uint16_t type, bool cached,
 	epd_group_arm_timer(g);
 	if (epd_group_remote_check(g))
 		return; /* failed, and replied */
-	epd_xop_start(g);
+	g->srv->span->op_start(g);
 }
 
-int epd_op_dispatch(struct epd_client *c, uint64_t req_id,
+int epd_op_dispatch(struct epd_session *c, uint64_t req_id,
 		    const struct epp_dispatch *d)
 {
 	struct epd_member *m = epd_coll_enter(c, req_id, d->group_id);
@@ -440,13 +440,13 @@ int epd_op_dispatch(struct epd_client *c, uint64_t req_id,
 	const struct epp_join *s = &g->shape;
 	bool cached = d->flags & EPP_DISPATCH_CACHED;
 	if (d->flags & ~(EPP_DISPATCH_WEIGHTS | EPP_DISPATCH_CACHED)) {
-		epd_client_error(c, req_id, EP_EINVAL,
+		epd_session_error(c, req_id, EP_EINVAL,
 				 "unknown dispatch flags 0x%x", d->flags);
 		return EP_EINVAL;
 	}
 	if (d->hidden != s->hidden || d->dtype != s->dtype ||
 	    d->topk != s->topk) {
-		epd_client_error(c, req_id, EP_ESHAPE,
+		epd_session_error(c, req_id, EP_ESHAPE,
 				 "dispatch of hidden %u, dtype %u, top-%u on "
 				 "group %s of hidden %u, dtype %u, top-%u",
 				 d->hidden, d->dtype, d->topk, s->name,
@@ -454,7 +454,7 @@ int epd_op_dispatch(struct epd_client *c, uint64_t req_id,
 		return EP_ESHAPE;
 	}
 	if (d->num_tokens > s->max_tokens) {
-		epd_client_error(c, req_id, EP_ETOOBIG,
+		epd_session_error(c, req_id, EP_ETOOBIG,
 				 "%u tokens exceed the group's maximum of %u "
 				 "per rank",
 				 d->num_tokens, s->max_tokens);
@@ -465,7 +465,7 @@ int epd_op_dispatch(struct epd_client *c, uint64_t req_id,
 			return EP_ESTALE;
 		const struct ek_route *r = epd_route_find(g, d->handle.seq);
 		if (r->num_tokens[m->rank] != d->num_tokens) {
-			epd_client_error(c, req_id, EP_ESHAPE,
+			epd_session_error(c, req_id, EP_ESHAPE,
 					 "cached dispatch of %u tokens with a "
 					 "handle of %u",
 					 d->num_tokens, r->num_tokens[m->rank]);
@@ -477,7 +477,7 @@ int epd_op_dispatch(struct epd_client *c, uint64_t req_id,
 	/* Every rank must run the same kind of dispatch on one handle. */
 	uint64_t seq = cached ? d->handle.seq : 0;
 	if (g->coll_arrived && (g->coll_cached != cached || g->coll_seq != seq)) {
-		epd_client_error(c, req_id, EP_EMISMATCH,
+		epd_session_error(c, req_id, EP_EMISMATCH,
 				 "rank %u's dispatch names another handle than "
 				 "the other ranks'",
 				 m->rank);
@@ -494,7 +494,7 @@ int epd_op_dispatch(struct epd_client *c, uint64_t req_id,
 	return 0;
 }
 
-int epd_op_combine(struct epd_client *c, uint64_t req_id,
+int epd_op_combine(struct epd_session *c, uint64_t req_id,
 		   const struct epp_combine *cb)
 {
 	struct epd_member *m = epd_coll_enter(c, req_id, cb->group_id);
@@ -502,12 +502,12 @@ int epd_op_combine(struct epd_client *c, uint64_t req_id,
 		return EP_EINVAL;
 	struct epd_group *g = m->group;
 	if (cb->flags & ~EPP_COMBINE_BIAS) {
-		epd_client_error(c, req_id, EP_EINVAL,
+		epd_session_error(c, req_id, EP_EINVAL,
 				 "unknown combine flags 0x%x", cb->flags);
 		return EP_EINVAL;
 	}
 	if (cb->hidden != g->shape.hidden) {
-		epd_client_error(c, req_id, EP_ESHAPE,
+		epd_session_error(c, req_id, EP_ESHAPE,
 				 "combine of hidden %u on group %s of hidden %u",
 				 cb->hidden, g->shape.name, g->shape.hidden);
 		return EP_ESHAPE;
@@ -516,7 +516,7 @@ int epd_op_combine(struct epd_client *c, uint64_t req_id,
 		return EP_ESTALE;
 	const struct ek_route *r = epd_route_find(g, cb->handle.seq);
 	if (cb->num_rows != r->num_recv[m->rank]) {
-		epd_client_error(c, req_id, EP_ESHAPE,
+		epd_session_error(c, req_id, EP_ESHAPE,
 				 "combine of %u rows; rank %u received %u in "
 				 "that dispatch",
 				 cb->num_rows, m->rank, r->num_recv[m->rank]);
@@ -525,7 +525,7 @@ int epd_op_combine(struct epd_client *c, uint64_t req_id,
 	if (!epd_coll_agree(m, req_id, EPP_COMBINE))
 		return EP_EMISMATCH;
 	if (g->coll_arrived && g->coll_seq != cb->handle.seq) {
-		epd_client_error(c, req_id, EP_EMISMATCH,
+		epd_session_error(c, req_id, EP_EMISMATCH,
 				 "rank %u combines handle %llu, the other "
 				 "ranks %llu",
 				 m->rank, (unsigned long long)cb->handle.seq,

@@ -3,7 +3,7 @@
  * Client connections: framed reads with strict validation, a queue of
  * outgoing frames (with descriptors), and the request dispatch table.
  */
-#include "core/epd.h"
+#include "server.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -49,7 +49,7 @@ static int client_flush(struct epd_client *c)
 			break;
 		if (n < 0) {
 			epd_debug("client %lu: send failed: %s",
-				  (unsigned long)c->id, strerror((int)-n));
+				  (unsigned long)c->s.id, strerror((int)-n));
 			return -1;
 		}
 		if (o->off == 0) {
@@ -68,10 +68,12 @@ static int client_flush(struct epd_client *c)
 	return 0;
 }
 
-int epd_client_send(struct epd_client *c, uint16_t type, uint16_t flags,
-		    uint64_t req_id, const void *payload, uint32_t len,
-		    const int *fds, unsigned nfds)
+/* The session's send (core.h): c is the session's container. */
+static int client_send(struct epd_session *s, uint16_t type, uint16_t flags,
+		       uint64_t req_id, const void *payload, uint32_t len,
+		       const int *fds, unsigned nfds)
 {
+	struct epd_client *c = (struct epd_client *)s;
 	if (c->closing || c->doomed) {
 		for (unsigned i = 0; i < nfds; i++)
 			close(fds[i]);
@@ -115,20 +117,12 @@ int epd_client_send(struct epd_client *c, uint16_t type, uint16_t flags,
 	return 0;
 }
 
-void epd_client_error(struct epd_client *c, uint64_t req_id, int code,
-		      const char *fmt, ...)
+int epd_client_send(struct epd_client *c, uint16_t type, uint16_t flags,
+		    uint64_t req_id, const void *payload, uint32_t len,
+		    const int *fds, unsigned nfds)
 {
-	char msg[EPP_ERRMSG_MAX];
-	uint8_t buf[EPP_ERRMSG_MAX + 16];
-	va_list ap;
-	va_start(ap, fmt);
-	vsnprintf(msg, sizeof(msg), fmt, ap);
-	va_end(ap);
-	epd_debug("client %lu (pid %d): error %d (%s): %s",
-		  (unsigned long)c->id, (int)c->pid, code, ep_strerror(code),
-		  msg);
-	size_t n = epp_error_encode(code, msg, buf, sizeof(buf));
-	epd_client_send(c, EPP_ERROR, 0, req_id, buf, (uint32_t)n, NULL, 0);
+	return client_send(&c->s, type, flags, req_id, payload, len, fds,
+			   nfds);
 }
 
 static void handle_closed(uv_handle_t *h)
@@ -163,7 +157,7 @@ void epd_client_doom(struct epd_client *c, const char *why)
 	c->doomed = true;
 	snprintf(c->why, sizeof(c->why), "%s", why);
 	uv_poll_stop(&c->poll);
-	struct epd_server *srv = c->srv;
+	struct epd_server *srv = c->s.srv;
 	if (!uv_is_closing((uv_handle_t *)&srv->reaper))
 		uv_idle_start(&srv->reaper, reaper_cb);
 }
@@ -173,7 +167,7 @@ void epd_client_close(struct epd_client *c, const char *why)
 	if (c->closing)
 		return;
 	epd_info("client %lu (pid %d, uid %u) disconnected: %s",
-		 (unsigned long)c->id, (int)c->pid, (unsigned)c->uid, why);
+		 (unsigned long)c->s.id, (int)c->s.pid, (unsigned)c->s.uid, why);
 	/* Try once more to deliver what is queued (an error reply). */
 	client_flush(c);
 	c->closing = true;
@@ -181,8 +175,8 @@ void epd_client_close(struct epd_client *c, const char *why)
 	/* Removing a member may fail its group and reply to other ranks;
 	 * those replies never close anything synchronously (doom), so this
 	 * list is ours alone while we walk it. */
-	while (!LIST_EMPTY(&c->members)) {
-		struct epd_member *m = LIST_ENTRY(c->members.next,
+	while (!LIST_EMPTY(&c->s.members)) {
+		struct epd_member *m = LIST_ENTRY(c->s.members.next,
 						  struct epd_member, cnode);
 		epd_member_remove(m, why);
 	}
@@ -208,23 +202,23 @@ static void handle_hello(struct epd_client *c, const struct epp_hdr *h,
 	(void)epp_get_u16(&r);
 	epp_get_str(&r, c->name, sizeof(c->name));
 	if (epp_rd_end(&r)) {
-		epd_client_error(c, h->req_id, EP_EPROTO,
+		epd_session_error(&c->s, h->req_id, EP_EPROTO,
 				 "malformed hello payload (%u bytes)",
 				 h->length);
 		return;
 	}
 	if (major != EPP_VERSION_MAJOR) {
-		epd_client_error(c, h->req_id, EP_EVERSION,
+		epd_session_error(&c->s, h->req_id, EP_EVERSION,
 				 "client speaks protocol %u, daemon %u.%u",
 				 major, EPP_VERSION_MAJOR, EPP_VERSION_MINOR);
 		return;
 	}
 	struct epp_hello_ok ok = {.major = EPP_VERSION_MAJOR,
 				  .minor = EPP_VERSION_MINOR,
-				  .client_id = c->id};
+				  .client_id = c->s.id};
 	snprintf(ok.daemon_version, sizeof(ok.daemon_version), "%s",
 		 PACKAGE_VERSION);
-	snprintf(ok.backend, sizeof(ok.backend), "%s", c->srv->backend);
+	snprintf(ok.backend, sizeof(ok.backend), "%s", c->s.srv->backend);
 	uint8_t buf[128];
 	size_t n = epp_hello_ok_encode(&ok, buf, sizeof(buf));
 	epd_client_send(c, EPP_OK, 0, h->req_id, buf, (uint32_t)n, NULL, 0);
@@ -237,7 +231,7 @@ static int get_group_id(struct epd_client *c, const struct epp_hdr *h,
 	epp_rd_init(&r, p, h->length);
 	*gid = epp_get_u64(&r);
 	if (epp_rd_end(&r)) {
-		epd_client_error(c, h->req_id, EP_EPROTO,
+		epd_session_error(&c->s, h->req_id, EP_EPROTO,
 				 "malformed %s payload (%u bytes, expected 8)",
 				 epp_type_name(h->type), h->length);
 		return -1;
@@ -278,19 +272,19 @@ static void handle_async(struct epd_client *c, const struct epp_hdr *h,
 			op.flags = cb.flags;
 			op.handle = cb.handle.seq;
 		} else {
-			epd_client_error(c, h->req_id, EP_EPROTO,
+			epd_session_error(&c->s, h->req_id, EP_EPROTO,
 					 "%s cannot be stream-ordered",
 					 epp_type_name(h->type));
 			return;
 		}
 	}
 	if (bad) {
-		epd_client_error(c, h->req_id, EP_EPROTO,
+		epd_session_error(&c->s, h->req_id, EP_EPROTO,
 				 "malformed stream-ordered %s (%u bytes)",
 				 epp_type_name(h->type), h->length);
 		return;
 	}
-	epd_group_async(c, h->req_id, gid, &op);
+	epd_group_async(&c->s, h->req_id, gid, &op);
 }
 
 static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
@@ -298,22 +292,22 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 {
 	uint64_t gid;
 	char err[256];
-	epd_debug("client %lu: %s req %lu len %u", (unsigned long)c->id,
+	epd_debug("client %lu: %s req %lu len %u", (unsigned long)c->s.id,
 		  epp_type_name(h->type), (unsigned long)h->req_id, h->length);
 	if (c->refused) {
 		char why[sizeof(c->why)];
 		snprintf(why, sizeof(why), "%s", c->why);
-		epd_client_error(c, h->req_id, c->refused, "%s", why);
+		epd_session_error(&c->s, h->req_id, c->refused, "%s", why);
 		epd_client_close(c, why);
 		return;
 	}
-	if (c->srv->stopping) {
-		epd_client_error(c, h->req_id, EP_ESHUTDOWN,
+	if (c->s.srv->stopping) {
+		epd_session_error(&c->s, h->req_id, EP_ESHUTDOWN,
 				 "daemon is shutting down");
 		return;
 	}
 	if ((h->flags & ~EPP_F_JOIN_NOWAIT) && h->type == EPP_JOIN) {
-		epd_client_error(c, h->req_id, EP_EPROTO,
+		epd_session_error(&c->s, h->req_id, EP_EPROTO,
 				 "flags 0x%x not valid for join", h->flags);
 		return;
 	}
@@ -322,7 +316,7 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 		return;
 	}
 	if (h->flags && h->type != EPP_JOIN) {
-		epd_client_error(c, h->req_id, EP_EPROTO,
+		epd_session_error(&c->s, h->req_id, EP_EPROTO,
 				 "flags 0x%x not valid for %s", h->flags,
 				 epp_type_name(h->type));
 		return;
@@ -335,56 +329,56 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 		struct epp_join j;
 		int rc = epp_join_decode(p, h->length, &j, err, sizeof(err));
 		if (rc) {
-			epd_client_error(c, h->req_id, rc, "%s", err);
+			epd_session_error(&c->s, h->req_id, rc, "%s", err);
 			break;
 		}
-		epd_group_join(c, h->req_id, h->flags, &j);
+		epd_group_join(&c->s, h->req_id, h->flags, &j);
 		break;
 	}
 	case EPP_LEAVE:
 		if (!get_group_id(c, h, p, &gid))
-			epd_group_leave(c, h->req_id, gid);
+			epd_group_leave(&c->s, h->req_id, gid);
 		break;
 	case EPP_BARRIER:
 		if (!get_group_id(c, h, p, &gid))
-			epd_group_barrier(c, h->req_id, gid);
+			epd_group_barrier(&c->s, h->req_id, gid);
 		break;
 	case EPP_DISPATCH: {
 		struct epp_dispatch d;
 		if (epp_dispatch_decode(p, h->length, &d))
-			epd_client_error(c, h->req_id, EP_EPROTO,
+			epd_session_error(&c->s, h->req_id, EP_EPROTO,
 					 "malformed dispatch payload (%u "
 					 "bytes)",
 					 h->length);
 		else
-			epd_op_dispatch(c, h->req_id, &d);
+			epd_op_dispatch(&c->s, h->req_id, &d);
 		break;
 	}
 	case EPP_COMBINE: {
 		struct epp_combine cb;
 		if (epp_combine_decode(p, h->length, &cb))
-			epd_client_error(c, h->req_id, EP_EPROTO,
+			epd_session_error(&c->s, h->req_id, EP_EPROTO,
 					 "malformed combine payload (%u bytes)",
 					 h->length);
 		else
-			epd_op_combine(c, h->req_id, &cb);
+			epd_op_combine(&c->s, h->req_id, &cb);
 		break;
 	}
 	case EPP_STATUS: {
 		if (h->length) {
-			epd_client_error(c, h->req_id, EP_EPROTO,
+			epd_session_error(&c->s, h->req_id, EP_EPROTO,
 					 "status takes no payload");
 			break;
 		}
-		char *js = epd_status_json(c->srv, c->uid);
+		char *js = epd_status_json(c->s.srv, c->s.uid);
 		if (!js) {
-			epd_client_error(c, h->req_id, EP_ENOMEM,
+			epd_session_error(&c->s, h->req_id, EP_ENOMEM,
 					 "cannot build status");
 			break;
 		}
 		size_t n = strlen(js);
 		if (n > EPP_MAX_PAYLOAD)
-			epd_client_error(c, h->req_id, EP_ETOOBIG,
+			epd_session_error(&c->s, h->req_id, EP_ETOOBIG,
 					 "status of %zu bytes exceeds a frame",
 					 n);
 		else
@@ -394,8 +388,8 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 		break;
 	}
 	default:
-		c->srv->n_proto_errors++;
-		epd_client_error(c, h->req_id, EP_EPROTO,
+		c->s.srv->n_proto_errors++;
+		epd_session_error(&c->s, h->req_id, EP_EPROTO,
 				 "unknown message type %u", h->type);
 	}
 }
@@ -404,10 +398,10 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 static void client_fatal(struct epd_client *c, uint64_t req_id, int code,
 			 const char *msg)
 {
-	c->srv->n_proto_errors++;
+	c->s.srv->n_proto_errors++;
 	epd_warn("client %lu (pid %d): %s; disconnecting",
-		 (unsigned long)c->id, (int)c->pid, msg);
-	epd_client_error(c, req_id, code, "%s", msg);
+		 (unsigned long)c->s.id, (int)c->s.pid, msg);
+	epd_session_error(&c->s, req_id, code, "%s", msg);
 	epd_client_close(c, msg);
 }
 
@@ -422,7 +416,7 @@ static void frame_timeout(uv_timer_t *t)
 	snprintf(msg, sizeof(msg),
 		 "truncated frame: %zu bytes of a frame arrived, the rest not "
 		 "within %u ms",
-		 c->rlen, c->srv->cfg.frame_timeout_ms);
+		 c->rlen, c->s.srv->cfg.frame_timeout_ms);
 	client_fatal(c, 0, EP_EPROTO, msg);
 }
 
@@ -470,7 +464,7 @@ static void client_parse(struct epd_client *c)
 		uv_timer_stop(&c->frame_timer);
 	else if (off || !uv_is_active((uv_handle_t *)&c->frame_timer))
 		uv_timer_start(&c->frame_timer, frame_timeout,
-			       c->srv->cfg.frame_timeout_ms, 0);
+			       c->s.srv->cfg.frame_timeout_ms, 0);
 }
 
 /* Reads per readiness callback: a client that keeps its socket full gets
@@ -519,7 +513,7 @@ static void client_read(struct epd_client *c)
 			if (c->rlen)
 				epd_warn("client %lu: closed with %zu bytes of "
 					 "a truncated frame",
-					 (unsigned long)c->id, c->rlen);
+					 (unsigned long)c->s.id, c->rlen);
 			epd_client_close(c, "connection closed by peer");
 			return;
 		}
@@ -576,7 +570,7 @@ static void client_refuse(struct epd_client *c, int code, const char *fmt,
 	va_end(ap);
 	c->refused = code;
 	uv_timer_start(&c->frame_timer, frame_timeout,
-		       c->srv->cfg.frame_timeout_ms, 0);
+		       c->s.srv->cfg.frame_timeout_ms, 0);
 	client_update_poll(c);
 }
 
@@ -604,17 +598,18 @@ void epd_client_accept(struct epd_server *srv, int fd)
 		close(fd);
 		return;
 	}
-	c->srv = srv;
+	c->s.srv = srv;
+	c->s.send = client_send;
 	c->fd = fd;
-	c->id = ++srv->next_client_id;
-	c->pid = cred.pid;
-	c->uid = cred.uid;
-	c->gid = cred.gid;
+	c->s.id = ++srv->next_client_id;
+	c->s.pid = cred.pid;
+	c->s.uid = cred.uid;
+	c->s.gid = cred.gid;
 	c->connected_ns = epd_now_ns();
 	c->rcap = RBUF_MIN;
 	c->rbuf = malloc(c->rcap);
 	LIST_INIT(&c->outq);
-	LIST_INIT(&c->members);
+	LIST_INIT(&c->s.members);
 	list_add_tail(&srv->clients, &c->node);
 	uv_poll_init(srv->loop, &c->poll, fd);
 	uv_timer_init(srv->loop, &c->frame_timer);
@@ -642,16 +637,16 @@ void epd_client_accept(struct epd_server *srv, int fd)
 		if (o == c || o->closing || o->doomed || o->refused)
 			continue;
 		n++;
-		mine += o->uid == c->uid;
+		mine += o->s.uid == c->s.uid;
 	}
 	const char *lname = NULL;
 	if (lim->conns && n >= lim->conns)
 		lname = "max_connections";
-	else if (c->uid != 0 && lim->conns_per_uid && mine >= lim->conns_per_uid)
+	else if (c->s.uid != 0 && lim->conns_per_uid && mine >= lim->conns_per_uid)
 		lname = "max_connections_per_user";
 	if (lname) {
 		srv->n_limited++;
-		epd_log_limited(srv, "refusing pid %d (uid %u): %s reached",
+		epd_log_limited(&srv->log_rl, "refusing pid %d (uid %u): %s reached",
 				(int)cred.pid, (unsigned)cred.uid, lname);
 		client_refuse(c, EP_ELIMIT, "%s (%u) reached for uid %u", lname,
 			      !strcmp(lname, "max_connections")
@@ -661,7 +656,7 @@ void epd_client_accept(struct epd_server *srv, int fd)
 		return;
 	}
 	srv->n_accepted++;
-	epd_info("client %lu connected: pid %d uid %u", (unsigned long)c->id,
-		 (int)c->pid, (unsigned)c->uid);
+	epd_info("client %lu connected: pid %d uid %u", (unsigned long)c->s.id,
+		 (int)c->s.pid, (unsigned)c->s.uid);
 	client_update_poll(c);
 }

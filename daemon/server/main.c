@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /* epd: the expert-parallel communication daemon. */
-#include "core/epd.h"
+#include "server.h"
 
 #include <getopt.h>
 #include <stdio.h>

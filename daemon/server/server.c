@@ -3,7 +3,8 @@
  * The server: the Unix socket listener (own or socket-activated), signals
  * (TERM/INT stop, HUP reloads), systemd notifications, the backend choice.
  */
-#include "core/epd.h"
+#include "server.h"
+#include "cluster/cluster.h"
 #include "core/backend.h"
 
 #include <errno.h>
@@ -46,37 +47,6 @@ static void notify_status(struct epd_server *srv)
 		   nc, ng);
 }
 
-/* Warnings caused from outside (refused connections, peers, descriptor
- * exhaustion): a token bucket of LOG_BURST, refilled at LOG_RATE a second,
- * so that a flood cannot flood the log; what was dropped is counted in
- * the next line that passes. */
-#define LOG_BURST 20
-#define LOG_RATE 10
-void epd_log_limited(struct epd_server *srv, const char *fmt, ...)
-{
-	uint64_t now = epd_now_ns();
-	double t = srv->log_tokens +
-		   (double)(now - srv->log_refill_ns) * LOG_RATE / 1e9;
-	srv->log_tokens = t > LOG_BURST || !srv->log_refill_ns ? LOG_BURST : t;
-	srv->log_refill_ns = now;
-	if (srv->log_tokens < 1) {
-		srv->log_dropped++;
-		return;
-	}
-	srv->log_tokens -= 1;
-	char msg[256];
-	va_list ap;
-	va_start(ap, fmt);
-	vsnprintf(msg, sizeof(msg), fmt, ap);
-	va_end(ap);
-	if (srv->log_dropped)
-		epd_warn("%s (%llu similar messages dropped)", msg,
-			 (unsigned long long)srv->log_dropped);
-	else
-		epd_warn("%s", msg);
-	srv->log_dropped = 0;
-}
-
 static void on_listen(uv_poll_t *h, int status, int events)
 {
 	struct epd_server *srv = h->data;
@@ -96,7 +66,7 @@ static void on_listen(uv_poll_t *h, int status, int events)
 			 * back, as nginx and libuv's docs advise. */
 			int e = errno;
 			srv->n_limited++;
-			epd_log_limited(srv, "accept: %s; closing new "
+			epd_log_limited(&srv->log_rl, "accept: %s; closing new "
 					     "connections until descriptors "
 					     "are free",
 					strerror(e));
@@ -226,11 +196,11 @@ static void close_disallowed(struct epd_server *srv)
 	LIST_FOREACH(it, tmp, &srv->clients)
 	{
 		struct epd_client *c = LIST_ENTRY(it, struct epd_client, node);
-		if (!epd_uid_allowed(&srv->cfg, c->uid)) {
+		if (!epd_uid_allowed(&srv->cfg, c->s.uid)) {
 			epd_notice("client %lu (pid %d): uid %u is no longer in "
 				   "allow_users; closing",
-				   (unsigned long)c->id, (int)c->pid,
-				   (unsigned)c->uid);
+				   (unsigned long)c->s.id, (int)c->s.pid,
+				   (unsigned)c->s.uid);
 			epd_client_doom(c, "uid removed from allow_users");
 		}
 	}
@@ -357,8 +327,6 @@ int epd_server_init(struct epd_server *srv, uv_loop_t *loop,
 	srv->systemd = getenv("NOTIFY_SOCKET") != NULL;
 	LIST_INIT(&srv->clients);
 	LIST_INIT(&srv->groups);
-	LIST_INIT(&srv->xstash);
-	LIST_INIT(&srv->xzombies);
 	if (choose_backend(srv))
 		return -1;
 	srv->pool = epd_pool_new(cfg->worker_threads);

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* `epctl status`: the daemon, its clients and its groups as JSON. */
-#include "core/epd.h"
+#include "server.h"
+#include "cluster/cluster.h"
 #include "core/backend.h"
 
 #include <jansson.h>
@@ -84,7 +85,7 @@ static json_t *client_json(struct epd_client *c, uint64_t now)
 {
 	json_t *ms = json_array();
 	struct list_node *it, *tmp;
-	LIST_FOREACH(it, tmp, &c->members)
+	LIST_FOREACH(it, tmp, &c->s.members)
 	{
 		struct epd_member *m = LIST_ENTRY(it, struct epd_member, cnode);
 		json_array_append_new(
@@ -98,8 +99,8 @@ static json_t *client_json(struct epd_client *c, uint64_t now)
 				      "gpu", m->cuda_dev, "mps", m->mps));
 	}
 	return json_pack("{s:I, s:i, s:I, s:s, s:f, s:o}", "id",
-			 (json_int_t)c->id, "pid", (int)c->pid, "uid",
-			 (json_int_t)c->uid, "name", c->name, "connected_s",
+			 (json_int_t)c->s.id, "pid", (int)c->s.pid, "uid",
+			 (json_int_t)c->s.uid, "name", c->name, "connected_s",
 			 (double)(now - c->connected_ns) / 1e9, "groups", ms);
 }
 
@@ -115,7 +116,7 @@ char *epd_status_json(struct epd_server *srv, uid_t viewer)
 	LIST_FOREACH(it, tmp, &srv->clients)
 	{
 		struct epd_client *c = LIST_ENTRY(it, struct epd_client, node);
-		if (viewer == 0 || c->uid == viewer)
+		if (viewer == 0 || c->s.uid == viewer)
 			json_array_append_new(clients, client_json(c, now));
 		else
 			hidden_clients++;

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
-/* The daemon's clock (spin.h): monotonic nanoseconds, for every layer. */
-#include "spin.h"
+/* The daemon's clock: monotonic nanoseconds, for every layer. */
+#include "clock.h"
 
 #include <time.h>
 

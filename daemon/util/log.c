@@ -1,4 +1,5 @@
 /* SPDX-License-Identifier: MIT */
+#include "clock.h"
 #include "log.h"
 
 #include <stdarg.h>
@@ -150,4 +151,30 @@ void epd_log(int level, const char *fmt, ...)
 			tm.tm_min, tm.tm_sec, ts.tv_nsec / 1000000L,
 			epd_log_level_name(level), line);
 	}
+}
+
+#define LOG_BURST 20
+#define LOG_RATE 10
+void epd_log_limited(struct epd_ratelimit *rl, const char *fmt, ...)
+{
+	uint64_t now = epd_now_ns();
+	double t = rl->tokens + (double)(now - rl->refill_ns) * LOG_RATE / 1e9;
+	rl->tokens = t > LOG_BURST || !rl->refill_ns ? LOG_BURST : t;
+	rl->refill_ns = now;
+	if (rl->tokens < 1) {
+		rl->dropped++;
+		return;
+	}
+	rl->tokens -= 1;
+	char msg[256];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof(msg), fmt, ap);
+	va_end(ap);
+	if (rl->dropped)
+		epd_warn("%s (%llu similar messages dropped)", msg,
+			 (unsigned long long)rl->dropped);
+	else
+		epd_warn("%s", msg);
+	rl->dropped = 0;
 }

@@ -29,6 +29,19 @@ void epd_log_fields(const char *line, struct epd_log_fields *f);
 void epd_log(int level, const char *fmt, ...)
 	__attribute__((format(printf, 2, 3)));
 
+#include <stdint.h>
+
+/* Warnings caused from outside (refused connections, peers, descriptor
+ * exhaustion) go through a token bucket of 20, refilled at 10 a second,
+ * so that a flood cannot flood the log; what was dropped is counted in
+ * the next line that passes. Zeroed state is a full bucket. */
+struct epd_ratelimit {
+	double tokens;
+	uint64_t refill_ns, dropped;
+};
+void epd_log_limited(struct epd_ratelimit *rl, const char *fmt, ...)
+	__attribute__((format(printf, 2, 3)));
+
 #define epd_err(...) epd_log(EPD_LOG_ERR, __VA_ARGS__)
 #define epd_warn(...) epd_log(EPD_LOG_WARN, __VA_ARGS__)
 #define epd_notice(...) epd_log(EPD_LOG_NOTICE, __VA_ARGS__)

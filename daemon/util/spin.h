@@ -1,13 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /* What the daemon's polling threads (host barrier, RDMA proxy) share: the
- * monotonic clock (server.c) and a pause between polls. */
+ * monotonic clock (clock.h) and a pause between polls. */
 #ifndef EPD_SPIN_H
 #define EPD_SPIN_H
 
-#include <stdint.h>
-
-/* CLOCK_MONOTONIC in ns. */
-uint64_t epd_now_ns(void);
+#include "clock.h"
 
 static inline void epd_cpu_relax(void)
 {

@@ -26,16 +26,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* One write: len bytes from laddr (lkey) to raddr (rkey) on conn; with
- * EPD_CMD_IMM the write carries imm and its completion reports cookie. */
-#define EPD_CMD_IMM 1u
-struct epd_cmd {
-	void *conn;
-	uint64_t laddr, raddr, cookie;
-	uint32_t lkey, rkey, len, imm;
-	uint32_t flags;
-};
+#include "transport/transport.h"
 
+/* The commands are writes (struct epd_cmd, transport.h). */
 /* Called on the proxy thread with n (>= 1) commands in ring order. */
 typedef void (*epd_proxy_post_fn)(void *arg, const struct epd_cmd *c,
 				  size_t n);

@@ -35,16 +35,9 @@
  * RDMA device exists (the development and CI machines have none: see
  * README).
  */
-#include "util/log.h"
-
-#include <stdbool.h>
-#include <stdint.h>
-#include <uv.h>
-
-#ifdef HAVE_EPD_RDMA
-
 #include "proxy.h"
-#include "rdma.h"
+#include "transport/transport.h"
+#include "util/log.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -70,8 +63,9 @@
 #define WR_COOKIE_MASK ((1ull << WR_COUNT_SHIFT) - 1)
 
 struct epd_rdma {
+	struct epd_transport base;
 	uv_loop_t *loop;
-	const struct epd_rdma_ops *ops;
+	const struct epd_transport_cb *cb;
 	void *arg;
 	struct rdma_event_channel *ch;
 	struct rdma_cm_id *listener;
@@ -108,6 +102,7 @@ struct epd_rdma {
 };
 
 struct epd_rmr {
+	struct epd_tmr base; /* its keys */
 	struct epd_rdma *rd;
 	struct ibv_mr *mr; /* NULL once its device was removed */
 	struct ibv_context *ctx;
@@ -115,9 +110,10 @@ struct epd_rmr {
 };
 
 struct epd_rconn {
+	struct epd_tconn base; /* base.user: NULL once closed: no more
+				  callbacks */
 	struct epd_rdma *rd;
 	struct rdma_cm_id *id;
-	void *user; /* NULL once closed: no more callbacks */
 	struct ibv_pd *pd;
 	struct ibv_comp_channel *cc;
 	struct ibv_cq *cq;
@@ -142,7 +138,11 @@ struct epd_rconn {
 	size_t plen_bytes, pcap, poff;
 };
 
-bool epd_rdma_available(char *why, size_t len)
+extern const struct epd_transport_ops epd_rdma_transport;
+static void epd_rdma_close(struct epd_rconn *rc);
+static void rconn_fail(struct epd_rconn *rc, const char *why);
+
+static bool epd_rdma_available(char *why, size_t len)
 {
 	int n = 0;
 	struct ibv_device **l = ibv_get_device_list(&n);
@@ -168,12 +168,40 @@ static void nonblock(int fd)
 		fcntl(fd, F_SETFL, fl | O_NONBLOCK);
 }
 
+/* "rdma from ADDR" for the log. */
+static void peer_name(struct rdma_cm_id *id, char *out, size_t cap)
+{
+	char ip[INET6_ADDRSTRLEN] = "?";
+	const struct sockaddr *sa = rdma_get_peer_addr(id);
+	if (sa && sa->sa_family == AF_INET)
+		inet_ntop(AF_INET, &((const struct sockaddr_in *)sa)->sin_addr,
+			  ip, sizeof(ip));
+	else if (sa && sa->sa_family == AF_INET6)
+		inet_ntop(AF_INET6,
+			  &((const struct sockaddr_in6 *)sa)->sin6_addr, ip,
+			  sizeof(ip));
+	snprintf(out, cap, "rdma from %s", ip);
+}
+
+/* A receive's bytes, into the buffer the cluster gives. */
+static void deliver(struct epd_rconn *rc, const uint8_t *p, size_t n)
+{
+	size_t room = 0;
+	uint8_t *to = rc->rd->cb->rx_buf(rc->rd->arg, rc->base.user, n, &room);
+	if (!to || room < n) {
+		rconn_fail(rc, "out of memory");
+		return;
+	}
+	memcpy(to, p, n);
+	rc->rd->cb->rx(rc->rd->arg, rc->base.user, n);
+}
+
 static void rconn_fail(struct epd_rconn *rc, const char *why)
 {
-	void *u = rc->user;
-	rc->user = NULL;
+	void *u = rc->base.user;
+	rc->base.user = NULL;
 	if (u)
-		rc->rd->ops->closed(rc->rd->arg, u, why);
+		rc->rd->cb->closed(rc->rd->arg, u, why);
 	epd_rdma_close(rc);
 }
 
@@ -250,8 +278,8 @@ static void on_cq(uv_poll_t *p, int status, int events)
 			uint32_t slot = (uint32_t)wc[i].wr_id;
 			if (wc[i].opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
 				/* a peer's rows are placed; no bytes here */
-				if (rc->user && rc->rd->ops->imm)
-					rc->rd->ops->imm(rc->rd->arg, rc->user,
+				if (rc->base.user && rc->rd->cb->imm)
+					rc->rd->cb->imm(rc->rd->arg, rc->base.user,
 							 ntohl(wc[i].imm_data));
 				if (!rc->closing && post_recv(rc, slot)) {
 					rconn_fail(rc, "ibv_post_recv failed");
@@ -264,15 +292,14 @@ static void on_cq(uv_poll_t *p, int status, int events)
 					(int)((id & ~(WR_WRITE | WR_IMM)) >>
 					      WR_COUNT_SHIFT),
 					__ATOMIC_RELEASE);
-				if (id & WR_IMM && rc->user &&
-				    rc->rd->ops->written)
-					rc->rd->ops->written(rc->rd->arg, rc->user,
+				if (id & WR_IMM && rc->base.user &&
+				    rc->rd->cb->written)
+					rc->rd->cb->written(rc->rd->arg, rc->base.user,
 							     id & WR_COOKIE_MASK);
 			} else if (wc[i].opcode & IBV_WC_RECV) {
-				if (rc->user)
-					rc->rd->ops->bytes(
-						rc->rd->arg, rc->user,
-						rc->mem + (size_t)slot * RD_CHUNK,
+				if (rc->base.user)
+					deliver(rc, rc->mem + (size_t)slot *
+								  RD_CHUNK,
 						wc[i].byte_len);
 				if (!rc->closing && post_recv(rc, slot)) {
 					rconn_fail(rc, "ibv_post_recv failed");
@@ -371,9 +398,10 @@ static struct epd_rconn *rconn_new(struct epd_rdma *rd,
 	struct epd_rconn *rc = calloc(1, sizeof(*rc));
 	if (!rc)
 		return NULL;
+	rc->base.t = &rd->base;
+	rc->base.user = user;
 	rc->rd = rd;
 	rc->id = id;
-	rc->user = user;
 	id->context = rc;
 	uv_timer_init(rd->loop, &rc->reaper);
 	rc->reaper.data = rc;
@@ -421,6 +449,7 @@ static void device_removed(struct epd_rdma *rd, struct rdma_cm_id *id)
 		if (m->mr && m->ctx == v) {
 			ibv_dereg_mr(m->mr);
 			m->mr = NULL;
+			m->base.lkey = m->base.rkey = 0;
 		}
 	if (rd->pd && rd->pd_ctx == v) {
 		int users = 0;
@@ -456,9 +485,12 @@ static void cm_event(struct epd_rdma *rd, struct rdma_cm_event *ev)
 		struct epd_rconn *n = rconn_new(rd, ev->id, NULL);
 		/* a refusal says why to the dialler: REJ_MAGIC, then text */
 		char rej[REJ_MAX] = REJ_MAGIC;
-		void *user = n ? rd->ops->request(rd->arg, n, p->private_data,
-						  p->private_data_len, rej + 4,
-						  sizeof(rej) - 4)
+		char addr[64];
+		peer_name(ev->id, addr, sizeof(addr));
+		void *user = n ? rd->cb->accept(rd->arg, &n->base, addr,
+						p->private_data,
+						p->private_data_len, rej + 4,
+						sizeof(rej) - 4)
 			       : NULL;
 		if (!user) {
 			if (!n)
@@ -470,7 +502,7 @@ static void cm_event(struct epd_rdma *rd, struct rdma_cm_event *ev)
 			epd_rdma_close(n); /* freed after the event's ack */
 			return;
 		}
-		n->user = user;
+		n->base.user = user;
 		struct rdma_conn_param cp = conn_param(n);
 		cp.private_data = NULL;
 		cp.private_data_len = 0;
@@ -498,8 +530,8 @@ static void cm_event(struct epd_rdma *rd, struct rdma_cm_event *ev)
 			return;
 		rc->connected = true;
 		pump(rc); /* what was answered before the event */
-		if (rc->user && !rc->closing)
-			rd->ops->established(rd->arg, rc->user);
+		if (rc->base.user && !rc->closing)
+			rd->cb->established(rd->arg, rc->base.user);
 		return;
 	case RDMA_CM_EVENT_REJECTED: {
 		/* the peer's reason, if it is an epd that said one */
@@ -616,16 +648,18 @@ static void relisten_arm(struct epd_rdma *rd)
 	uv_timer_start(&rd->relisten_timer, relisten_tick, 1000, 1000);
 }
 
-struct epd_rdma *epd_rdma_new(uv_loop_t *loop, const struct epd_rdma_ops *ops,
-			      void *arg, char *err, size_t errlen)
+static struct epd_rdma *epd_rdma_new(uv_loop_t *loop,
+			      const struct epd_transport_cb *cb, void *arg,
+			      char *err, size_t errlen)
 {
 	struct epd_rdma *rd = calloc(1, sizeof(*rd));
 	if (!rd) {
 		snprintf(err, errlen, "out of memory");
 		return NULL;
 	}
+	rd->base.ops = &epd_rdma_transport;
 	rd->loop = loop;
-	rd->ops = ops;
+	rd->cb = cb;
 	rd->arg = arg;
 	rd->ch = rdma_create_event_channel();
 	if (!rd->ch) {
@@ -647,7 +681,7 @@ struct epd_rdma *epd_rdma_new(uv_loop_t *loop, const struct epd_rdma_ops *ops,
 	return rd;
 }
 
-int epd_rdma_listen(struct epd_rdma *rd, const struct sockaddr *sa, char *err,
+static int epd_rdma_listen(struct epd_rdma *rd, const struct sockaddr *sa, char *err,
 		    size_t errlen)
 {
 	size_t sl = sa->sa_family == AF_INET6 ? sizeof(struct sockaddr_in6)
@@ -682,12 +716,12 @@ static int relisten(struct epd_rdma *rd)
 	return 1;
 }
 
-const char *epd_rdma_removed(const struct epd_rdma *rd)
+static const char *epd_rdma_removed(const struct epd_rdma *rd)
 {
 	return rd && rd->removed[0] ? rd->removed : NULL;
 }
 
-struct epd_rconn *epd_rdma_dial(struct epd_rdma *rd, const struct sockaddr *sa,
+static struct epd_rconn *epd_rdma_dial(struct epd_rdma *rd, const struct sockaddr *sa,
 				const void *pdata, uint8_t plen, void *user)
 {
 	struct rdma_cm_id *id;
@@ -708,7 +742,7 @@ struct epd_rconn *epd_rdma_dial(struct epd_rdma *rd, const struct sockaddr *sa,
 	return rc;
 }
 
-int epd_rdma_send(struct epd_rconn *rc, const struct iovec *iov, int n)
+static int epd_rdma_send(struct epd_rconn *rc, const struct iovec *iov, int n)
 {
 	if (rc->closing || !rc->qp)
 		return -1;
@@ -787,24 +821,24 @@ static void handle_closed(uv_handle_t *h)
 	rconn_release(rc);
 }
 
-void epd_rdma_hold(struct epd_rconn *rc)
+static void epd_rdma_hold(struct epd_rconn *rc)
 {
 	rc->refs++;
 }
 
-void epd_rdma_release(struct epd_rconn *rc)
+static void epd_rdma_release(struct epd_rconn *rc)
 {
 	if (--rc->refs == 0)
 		rconn_release(rc);
 }
 
-bool epd_rdma_can_write(const struct epd_rconn *rc)
+static bool epd_rdma_can_write(const struct epd_rconn *rc)
 {
 	return rc && rc->connected && !rc->closing && !rc->own_pd &&
 	       rc->pd && rc->rd->proxy;
 }
 
-struct epd_rmr *epd_rdma_reg(struct epd_rdma *rd, void *p, size_t len,
+static struct epd_rmr *epd_rdma_reg(struct epd_rdma *rd, void *p, size_t len,
 			     bool remote_write, char *why, size_t wl)
 {
 	if (!rd->pd) {
@@ -828,6 +862,8 @@ struct epd_rmr *epd_rdma_reg(struct epd_rdma *rd, void *p, size_t len,
 		free(m);
 		return NULL;
 	}
+	m->base.lkey = m->mr->lkey;
+	m->base.rkey = m->mr->rkey;
 	rd->nmr++;
 	m->next = rd->mrs;
 	if (m->next)
@@ -837,7 +873,7 @@ struct epd_rmr *epd_rdma_reg(struct epd_rdma *rd, void *p, size_t len,
 	return m;
 }
 
-void epd_rdma_dereg(struct epd_rmr *m)
+static void epd_rdma_dereg(struct epd_rmr *m)
 {
 	if (!m)
 		return;
@@ -854,22 +890,12 @@ void epd_rdma_dereg(struct epd_rmr *m)
 
 /* 0 once the device is gone (writes with it fail, on a connection that
  * is failing anyway) */
-uint32_t epd_rmr_lkey(const struct epd_rmr *m)
-{
-	return m->mr ? m->mr->lkey : 0;
-}
-
-uint32_t epd_rmr_rkey(const struct epd_rmr *m)
-{
-	return m->mr ? m->mr->rkey : 0;
-}
-
-uint64_t epd_rdma_write(struct epd_rdma *rd, struct epd_cmd *c)
+static uint64_t epd_rdma_write(struct epd_rdma *rd, struct epd_cmd *c)
 {
 	return rd->proxy ? epd_proxy_push(rd->proxy, c) : 0;
 }
 
-uint64_t epd_rdma_stats(const struct epd_rdma *rd, uint64_t *batches)
+static uint64_t epd_rdma_stats(const struct epd_rdma *rd, uint64_t *batches)
 {
 	*batches = 0;
 	return rd->proxy ? epd_proxy_posted(rd->proxy, batches) : 0;
@@ -939,12 +965,12 @@ static void rd_post(void *arg, const struct epd_cmd *c, size_t n)
 	}
 }
 
-void epd_rdma_close(struct epd_rconn *rc)
+static void epd_rdma_close(struct epd_rconn *rc)
 {
 	if (!rc || rc->closing)
 		return;
 	__atomic_store_n(&rc->closing, true, __ATOMIC_RELEASE); /* proxy */
-	rc->user = NULL;
+	rc->base.user = NULL;
 	if (rc->connected)
 		rdma_disconnect(rc->id);
 	rc->id->context = NULL; /* later events find no connection */
@@ -1008,7 +1034,7 @@ static void cm_poll_closed(uv_handle_t *h)
 	rdma_maybe_free(rd);
 }
 
-void epd_rdma_free(struct epd_rdma *rd)
+static void epd_rdma_free(struct epd_rdma *rd)
 {
 	if (!rd || rd->closing)
 		return;
@@ -1017,86 +1043,112 @@ void epd_rdma_free(struct epd_rdma *rd)
 	uv_close((uv_handle_t *)&rd->poll, cm_poll_closed);
 }
 
-#else /* no libibverbs/librdmacm */
-
-#include "rdma.h"
-
-#include <stdio.h>
-
-bool epd_rdma_available(char *why, size_t len)
+/* The transport interface: the public parts are the first members. */
+static struct epd_transport *tr_open(uv_loop_t *loop,
+				     const struct epd_transport_cb *cb,
+				     void *arg, char *err, size_t errlen)
 {
-	snprintf(why, len, "epd was built without libibverbs/librdmacm");
-	return false;
+	struct epd_rdma *rd = epd_rdma_new(loop, cb, arg, err, errlen);
+	return rd ? &rd->base : NULL;
 }
 
-/* Never called: the cluster uses rdma only where it is available. */
-struct epd_rdma *epd_rdma_new(uv_loop_t *loop, const struct epd_rdma_ops *ops,
-			      void *arg, char *err, size_t errlen)
+static int tr_listen(struct epd_transport *t, const struct sockaddr *sa,
+		     char *err, size_t errlen)
 {
-	(void)loop, (void)ops, (void)arg;
-	snprintf(err, errlen, "epd was built without libibverbs/librdmacm");
-	return NULL;
+	return epd_rdma_listen((struct epd_rdma *)t, sa, err, errlen);
 }
-int epd_rdma_listen(struct epd_rdma *rd, const struct sockaddr *sa, char *err,
-		    size_t errlen)
+
+static struct epd_tconn *tr_dial(struct epd_transport *t,
+				 const struct sockaddr *sa, const void *pdata,
+				 uint8_t plen, void *user)
 {
-	(void)rd, (void)sa;
-	snprintf(err, errlen, "epd was built without libibverbs/librdmacm");
-	return -1;
+	struct epd_rconn *rc =
+		epd_rdma_dial((struct epd_rdma *)t, sa, pdata, plen, user);
+	return rc ? &rc->base : NULL;
 }
-struct epd_rconn *epd_rdma_dial(struct epd_rdma *rd, const struct sockaddr *sa,
-				const void *pdata, uint8_t plen, void *user)
+
+/* Everything is copied into the send slots: done runs at once. */
+static int tr_send(struct epd_tconn *tc, const struct iovec *iov, int n,
+		   int keep, void (*done)(void *), void *done_arg)
 {
-	(void)rd, (void)sa, (void)pdata, (void)plen, (void)user;
-	return NULL;
-}
-int epd_rdma_send(struct epd_rconn *rc, const struct iovec *iov, int n)
-{
-	(void)rc, (void)iov, (void)n;
-	return -1;
-}
-void epd_rdma_close(struct epd_rconn *rc) { (void)rc; }
-void epd_rdma_free(struct epd_rdma *rd) { (void)rd; }
-void epd_rdma_hold(struct epd_rconn *rc) { (void)rc; }
-void epd_rdma_release(struct epd_rconn *rc) { (void)rc; }
-bool epd_rdma_can_write(const struct epd_rconn *rc)
-{
-	(void)rc;
-	return false;
-}
-struct epd_rmr *epd_rdma_reg(struct epd_rdma *rd, void *p, size_t len,
-			     bool remote_write, char *why, size_t wl)
-{
-	(void)rd, (void)p, (void)len, (void)remote_write;
-	snprintf(why, wl, "epd was built without libibverbs/librdmacm");
-	return NULL;
-}
-void epd_rdma_dereg(struct epd_rmr *m) { (void)m; }
-const char *epd_rdma_removed(const struct epd_rdma *rd)
-{
-	(void)rd;
-	return NULL;
-}
-uint32_t epd_rmr_lkey(const struct epd_rmr *m)
-{
-	(void)m;
-	return 0;
-}
-uint32_t epd_rmr_rkey(const struct epd_rmr *m)
-{
-	(void)m;
-	return 0;
-}
-uint64_t epd_rdma_write(struct epd_rdma *rd, struct epd_cmd *c)
-{
-	(void)rd, (void)c;
-	return 0;
-}
-uint64_t epd_rdma_stats(const struct epd_rdma *rd, uint64_t *batches)
-{
-	(void)rd;
-	*batches = 0;
+	(void)keep;
+	if (epd_rdma_send((struct epd_rconn *)tc, iov, n))
+		return -1;
+	if (done)
+		done(done_arg);
 	return 0;
 }
 
-#endif
+static void tr_close(struct epd_tconn *tc)
+{
+	epd_rdma_close((struct epd_rconn *)tc);
+}
+
+static void tr_free(struct epd_transport *t)
+{
+	epd_rdma_free((struct epd_rdma *)t);
+}
+
+static const char *tr_down_why(const struct epd_transport *t)
+{
+	return epd_rdma_removed((const struct epd_rdma *)t);
+}
+
+static bool tr_can_write(const struct epd_tconn *tc)
+{
+	return epd_rdma_can_write((const struct epd_rconn *)tc);
+}
+
+static struct epd_tmr *tr_reg(struct epd_transport *t, void *p, size_t len,
+			      bool remote_write, char *why, size_t wl)
+{
+	struct epd_rmr *m = epd_rdma_reg((struct epd_rdma *)t, p, len,
+					 remote_write, why, wl);
+	return m ? &m->base : NULL;
+}
+
+static void tr_dereg(struct epd_tmr *m)
+{
+	epd_rdma_dereg((struct epd_rmr *)m);
+}
+
+static void tr_hold(struct epd_tconn *tc)
+{
+	epd_rdma_hold((struct epd_rconn *)tc);
+}
+
+static void tr_release(struct epd_tconn *tc)
+{
+	epd_rdma_release((struct epd_rconn *)tc);
+}
+
+static uint64_t tr_write(struct epd_transport *t, struct epd_cmd *c)
+{
+	return epd_rdma_write((struct epd_rdma *)t, c);
+}
+
+static uint64_t tr_stats(const struct epd_transport *t, uint64_t *batches)
+{
+	return epd_rdma_stats((const struct epd_rdma *)t, batches);
+}
+
+const struct epd_transport_ops epd_rdma_transport = {
+	.name = "rdma",
+	.no_loopback = true,
+	.pdata = true,
+	.available = epd_rdma_available,
+	.open = tr_open,
+	.listen = tr_listen,
+	.dial = tr_dial,
+	.send = tr_send,
+	.close = tr_close,
+	.free = tr_free,
+	.down_why = tr_down_why,
+	.can_write = tr_can_write,
+	.reg = tr_reg,
+	.dereg = tr_dereg,
+	.hold = tr_hold,
+	.release = tr_release,
+	.write = tr_write,
+	.stats = tr_stats,
+};

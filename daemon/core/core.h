@@ -1,14 +1,19 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * epd internals: the server (loop, listener, signals), clients (one per
- * connection), groups (EP communicators) and their members.
+ * The core of epd: groups (EP communicators), their members (ranks joined
+ * through a client session), the two-phase barrier and the entry of
+ * dispatch and combine, independent of the device backend (backend.h) and
+ * of the transport between nodes (the cluster registers struct
+ * epd_span_ops). Layers above (server/, cluster/) call down into it; it
+ * reports up only through what they registered: a session's send
+ * function, a member's completion callback, the span operations.
  *
- * Threads: every object here belongs to the libuv loop thread. Data-path work
- * (dispatch, combine) runs on worker threads that touch only the group's
- * buffers and hand results back to the loop.
+ * Threads: every object here belongs to the libuv loop thread. Data-path
+ * work (dispatch, combine) runs on worker threads that touch only the
+ * group's buffers and hand results back to the loop.
  */
-#ifndef EPD_H
-#define EPD_H
+#ifndef EPD_CORE_H
+#define EPD_CORE_H
 
 #include <stdbool.h>
 #include <stdint.h>
@@ -19,6 +24,7 @@
 #include "epp.h"
 #include "epp_peer.h"
 #include "list.h"
+#include "util/clock.h"
 #include "util/config.h"
 #include "util/log.h"
 #include "util/pool.h"
@@ -30,47 +36,71 @@
 
 struct epd_server;
 struct epd_group;
+struct epd_member;
 struct epd_cuda;
 struct epd_cuda_group;
 struct epd_cluster;
+struct epd_xnode;
 struct epd_xop;
 struct epd_xwin;
 
-/* A queued outgoing frame. */
-struct epd_out {
-	struct list_node node;
-	size_t len, off;
-	int fds[EPP_MAX_FDS];
-	unsigned nfds;
-	uint8_t data[];
-};
-
-struct epd_client {
-	struct list_node node; /* in server->clients */
+/* A client connection as the core sees it: who is at the other end, the
+ * members it joined, and how to answer it. server/client.c embeds one at
+ * the start of each connection. */
+struct epd_session {
 	struct epd_server *srv;
 	uint64_t id;
-	int fd;
-	uv_poll_t poll;
-	uv_timer_t frame_timer; /* partial-frame timeout */
 	pid_t pid;
 	uid_t uid;
 	gid_t gid;
-	char name[64];
-	uint64_t connected_ns;
-	uint8_t *rbuf;
-	size_t rlen, rcap;
-	struct list_node outq;
-	size_t outq_bytes;
-	bool close_after_flush;
-	bool closing;
-	bool doomed; /* to be closed by the reaper (see epd_client_doom) */
-	int refused; /* an error code: its first frame gets it, then close */
-	char why[96]; /* why it is doomed or refused */
-	int pending_handles; /* handles whose close callback is outstanding */
 	struct list_node members; /* struct epd_member.cnode */
+	/* Queue a frame to it; fds are owned by the queue (closed after
+	 * sending, or at once on failure). 0 or an EP_ code; a failure
+	 * never tears anything down from inside the call. */
+	int (*send)(struct epd_session *s, uint16_t type, uint16_t flags,
+		    uint64_t req_id, const void *payload, uint32_t len,
+		    const int *fds, unsigned nfds);
 };
 
-struct epd_client;
+static inline int epd_session_send(struct epd_session *s, uint16_t type,
+				   uint16_t flags, uint64_t req_id,
+				   const void *payload, uint32_t len,
+				   const int *fds, unsigned nfds)
+{
+	return s->send(s, type, flags, req_id, payload, len, fds, nfds);
+}
+/* An EPP_ERROR reply. */
+void epd_session_error(struct epd_session *s, uint64_t req_id, int code,
+		       const char *fmt, ...)
+	__attribute__((format(printf, 4, 5)));
+
+/* How the core reaches a group's other nodes. The cluster registers these
+ * at its start (srv->span); without a cluster no group spans nodes and
+ * none is called. Calls are for groups with nnodes > 1 only. */
+struct epd_span_ops {
+	/* This node's index and the cluster's size. */
+	int (*self)(const struct epd_server *srv);
+	int (*size)(const struct epd_server *srv);
+	/* Local index l entered barrier seq: to its rail peers; a down node
+	 * fails the group (then EP_EPEERLOST is returned). */
+	int (*arrival)(struct epd_group *g, uint32_t l, uint64_t seq);
+	/* Every local rank entered the current dispatch or combine. */
+	void (*op_start)(struct epd_group *g);
+	/* The global ranks of other nodes the current op still waits for,
+	 * as "3,5" (for the timeout's message). */
+	void (*missing)(struct epd_group *g, char *out, size_t cap);
+	/* The group is ready here (frames kept for it now apply). */
+	void (*ready)(struct epd_group *g);
+	/* The group failed here; tell: the failure is this node's own, to
+	 * be told to the others. */
+	void (*failed)(struct epd_group *g, int code, const char *msg,
+		       bool tell);
+	/* The group is being freed. */
+	void (*freed)(struct epd_group *g);
+	/* Its nodes' names, for messages. */
+	const char *(*node_name)(const struct epd_server *srv, uint32_t n);
+};
+
 /* A stream-ordered op a GPU rank asked for. */
 struct epd_aop {
 	uint64_t seq;
@@ -91,7 +121,7 @@ typedef void (*epd_member_complete_fn)(struct epd_member *m, int code,
 
 struct epd_member {
 	struct list_node cnode; /* in client->members */
-	struct epd_client *client;
+	struct epd_session *client;
 	struct epd_group *group;
 	uint32_t rank, local;
 	uint64_t barrier_seq;  /* barriers entered (monotonic) */
@@ -236,58 +266,25 @@ struct epd_server {
 	 * backend's state (touched by backend/cuda only). */
 	const struct epd_backend_ops *dev;
 	struct epd_cuda *cuda;
-	struct epd_cluster *cluster; /* NULL: a single node */
-	/* Cross-node frames for groups not ready here yet (xnode.c). */
-	struct list_node xstash;
-	uint64_t xstash_bytes;
-	struct epd_xbufs *xbufs; /* large buffers kept between ops (xnode.c) */
-	/* rdma windows of freed groups, kept registered a grace period
-	 * (peers' writes in flight), and the next window id */
-	struct list_node xzombies;
-	uint16_t next_wid;
+	/* Other nodes (NULL: a single node): the cluster and its cross-node
+	 * op engine's state (cluster/ only), and what the core may ask of
+	 * them (NULL without a cluster). */
+	struct epd_cluster *cluster;
+	struct epd_xnode *xnode;
+	const struct epd_span_ops *span;
 	uint64_t n_accepted, n_rejected, n_proto_errors, n_limited;
 	int reserve_fd; /* spent to accept-and-close when out of descriptors */
-	double log_tokens; /* epd_log_limited's bucket */
-	uint64_t log_refill_ns, log_dropped;
+	struct epd_ratelimit log_rl; /* warnings caused from outside */
 };
 
-uint64_t epd_now_ns(void);
-/* A warning, at most one a second. */
-void epd_log_limited(struct epd_server *srv, const char *fmt, ...)
-	__attribute__((format(printf, 2, 3)));
-
-/* server.c */
-int epd_server_init(struct epd_server *srv, uv_loop_t *loop,
-		    const struct epd_config *cfg, const char *config_path);
-int epd_server_run(struct epd_server *srv);
-void epd_server_stop(struct epd_server *srv);
-/* The command line's key=value overrides, applied again on every reload
- * (copied). */
-int epd_server_overrides(struct epd_server *srv, char *const *kv, int n);
-
-/* client.c */
-void epd_client_accept(struct epd_server *srv, int fd);
-/* Queue a frame; fds are owned by the queue (closed after sending). */
-int epd_client_send(struct epd_client *c, uint16_t type, uint16_t flags,
-		    uint64_t req_id, const void *payload, uint32_t len,
-		    const int *fds, unsigned nfds);
-void epd_client_error(struct epd_client *c, uint64_t req_id, int code,
-		      const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-void epd_client_close(struct epd_client *c, const char *why);
-bool epd_uid_allowed(const struct epd_config *cfg, uid_t uid);
-/* Close c from the loop's next turn, not now: for paths that may run inside
- * another object's state change (a reply that fails while a group fails).
- * Idempotent; nothing more is sent to or read from c. */
-void epd_client_doom(struct epd_client *c, const char *why);
-
 /* group.c */
-int epd_group_join(struct epd_client *c, uint64_t req_id, uint16_t flags,
+int epd_group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 		   const struct epp_join *j);
-int epd_group_leave(struct epd_client *c, uint64_t req_id, uint64_t gid);
-int epd_group_barrier(struct epd_client *c, uint64_t req_id, uint64_t gid);
-int epd_group_async(struct epd_client *c, uint64_t req_id, uint64_t gid,
+int epd_group_leave(struct epd_session *c, uint64_t req_id, uint64_t gid);
+int epd_group_barrier(struct epd_session *c, uint64_t req_id, uint64_t gid);
+int epd_group_async(struct epd_session *c, uint64_t req_id, uint64_t gid,
 		    const struct epd_aop *op);
-/* Shared by group.c, ops.c and xnode.c. */
+/* Shared by group.c, ops.c and the cluster. */
 /* By key (what other nodes send); a client's name becomes a key with
  * epd_group_key. */
 struct epd_group *epd_group_find(struct epd_server *srv, const char *key);
@@ -298,14 +295,14 @@ bool epd_group_visible(const struct epd_group *g, uid_t uid);
 void epd_list_ranks(char *out, size_t cap, struct epd_group *g,
 		    bool (*missing)(struct epd_group *, uint32_t l, void *),
 		    void *arg);
-struct epd_member *epd_member_find(struct epd_client *c, uint64_t gid);
+struct epd_member *epd_member_find(struct epd_session *c, uint64_t gid);
 void epd_group_fail(struct epd_group *g, int code, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 void epd_member_reply_ok(struct epd_member *m, const void *p, uint32_t len);
 void epd_member_reply_err(struct epd_member *m, int code, const char *msg);
 /* Checks common to every collective request; replies the error itself.
  * Returns the member, or NULL. */
-struct epd_member *epd_coll_enter(struct epd_client *c, uint64_t req_id,
+struct epd_member *epd_coll_enter(struct epd_session *c, uint64_t req_id,
 				  uint64_t gid);
 /* Then, once the rank's own checks passed: false (replied, and the group
  * failed) if the other ranks are in another collective. */
@@ -320,53 +317,17 @@ void epd_groups_shutdown(struct epd_server *srv);
 const char *epd_group_state_name(enum epd_group_state s);
 
 /* ops.c: dispatch and combine. */
-int epd_op_dispatch(struct epd_client *c, uint64_t req_id,
+int epd_op_dispatch(struct epd_session *c, uint64_t req_id,
 		    const struct epp_dispatch *d);
-int epd_op_combine(struct epd_client *c, uint64_t req_id,
+int epd_op_combine(struct epd_session *c, uint64_t req_id,
 		   const struct epp_combine *cb);
 
-/* ops.c, shared with xnode.c */
+/* ops.c, shared with the cross-node engine (cluster/xnode.c) */
 struct ek_route *epd_route_find(struct epd_group *g, uint64_t seq);
 uint8_t *epd_region(struct epd_group *g, uint32_t l, int field);
 void epd_ops_finish(struct epd_group *g, uint16_t type, bool cached,
 		    uint64_t seq, struct ek_route **route, int rc,
 		    const char *err, uint64_t bytes);
-
-/* xnode.c: dispatch and combine across nodes. */
-void epd_xop_start(struct epd_group *g);
-void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
-		   const uint8_t *p, uint32_t len);
-void epd_xop_drop(struct epd_group *g);
-/* The global ranks of other nodes the current op still waits for, as
- * "3,5" (dispatch: whose routing never came; combine: every rank of a
- * node whose rows did not all come, or "-" if unknown). */
-void epd_xop_missing(struct epd_group *g, char *out, size_t cap);
-/* The group became ready here: frames that came before it, now; and its
- * shape to the other nodes, which check theirs against it. */
-void epd_xop_replay(struct epd_group *g);
-void epd_xop_announce(struct epd_group *g);
-/* rdma transport: node `from`'s writes of an op are placed here (imm), and
- * our writes of an op to node `to` completed (cookie). */
-void epd_xop_imm(struct epd_server *srv, uint32_t from, uint32_t imm);
-void epd_xop_written(struct epd_server *srv, uint32_t to, uint64_t cookie);
-/* A group's rdma windows: released (after a grace period) with the
- * group; all of them at once at shutdown. */
-void epd_xwin_free(struct epd_group *g);
-void epd_xwin_flush(struct epd_server *srv);
-void epd_xop_stash_free(struct epd_server *srv);
-void epd_xbufs_free(struct epd_server *srv);
-/* Free the kept buffers once no group spans nodes. */
-void epd_xbufs_trim(struct epd_server *srv);
-size_t epd_xbufs_bytes(const struct epd_server *srv); /* kept for reuse */
-/* A packed buffer shared by the frames that send it (loop thread only):
- * back to the pool when the last write completed. */
-struct epd_sref {
-	struct epd_server *srv;
-	uint8_t *p;
-	size_t cap;
-	int refs;
-};
-void epd_sref_put(struct epd_sref *r);
 
 /* buffers.c: the group's shared memory. */
 int epd_buf_create(struct epd_group *g);
@@ -383,45 +344,14 @@ void epd_ops_staged_enter(struct epd_group *g, uint16_t type, bool cached,
 			  const uint32_t *flags, uint64_t seq,
 			  epd_member_complete_fn done);
 
-/* cluster.c: other nodes over tcp (nothing without `peers`). */
-int epd_cluster_init(struct epd_server *srv, char *err, size_t errlen);
-void epd_cluster_stop(struct epd_server *srv);
-void epd_cluster_free(struct epd_server *srv);
-int epd_cluster_self(const struct epd_server *srv);
-int epd_cluster_size(const struct epd_server *srv);
-/* Tell the group's rail peers that local index l entered barrier seq; a
- * down node fails the group (then EP_EPEERLOST is returned). */
-int epd_cluster_send_arrival(struct epd_group *g, uint32_t l, uint64_t seq);
-/* A frame to node n of the cluster, payload = a || b (silently dropped if
- * the node is down: the group fails through the membership). */
-/* A frame to node n of g's cluster (dropped if n is not up): a copied, b
- * copied too, or with ref sent in place and held until written. */
-/* The rdma transport, or NULL (tcp, or no cluster). */
-struct epd_rdma *epd_cluster_rdma(const struct epd_server *srv);
-/* Node n's connection if rows can be written to it (rdma, protocol 1.6,
- * up), else NULL. */
-struct epd_rconn *epd_cluster_rconn(const struct epd_server *srv, uint32_t n);
-void epd_cluster_send(struct epd_group *g, uint32_t n, uint16_t type,
-		      const void *a, size_t na, const void *b, size_t nb,
-		      struct epd_sref *ref);
-void epd_cluster_stash(struct epd_server *srv, const char *name,
-		       uint32_t node, uint32_t l, uint64_t seq);
-void epd_cluster_unstash(struct epd_group *g);
-void *epd_cluster_status(struct epd_server *srv);
-const char *epd_cluster_node_name(const struct epd_server *srv, uint32_t n);
-/* Tell the group's other nodes it failed here. */
-void epd_cluster_group_failed(struct epd_group *g, int code, const char *msg);
 /* group.c: the group failed on another node (see rfail_*). */
-void epd_group_remote_failure(struct epd_server *srv, const char *name,
-			      uint32_t node, int code, const char *msg,
-			      uint64_t round, uint64_t xops);
+void epd_group_remote_failure(struct epd_group *g, const char *node,
+			      int code, const char *msg, uint64_t round,
+			      uint64_t xops);
 /* Apply a remote failure if the work now asked for is beyond it. */
 bool epd_group_remote_check(struct epd_group *g);
-/* group.c: a rail peer on another node entered barrier seq. */
-void epd_group_remote_arrival(struct epd_server *srv, const char *name,
-			      uint32_t node, uint32_t l, uint64_t seq);
-
-/* status.c: JSON text, malloc'd. */
-char *epd_status_json(struct epd_server *srv, uid_t viewer);
+/* group.c: a rail peer on node `node` entered barrier seq. */
+void epd_group_remote_arrival(struct epd_group *g, uint32_t node, uint32_t l,
+			      uint64_t seq);
 
 #endif

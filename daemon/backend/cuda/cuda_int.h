@@ -1,0 +1,202 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The CUDA backend (backend.h), its shared parts. The backend is split by
+ * role: device.c (the driver, devices, the backend table, status),
+ * region.c (ranks' device regions), barrier.c (the barrier engines),
+ * group.c (a group's life: ready, failed, freed, its status), launch.c
+ * (one dispatch or combine enqueued), queue.c (ranks' ops in order, the
+ * poll that completes them), stage.c (groups across nodes: ops staged
+ * through host memory).
+ *
+ * The CUDA backend: daemon-owned device regions (cuMem, exported as POSIX
+ * file descriptors), the group's stream, and stream-ordered barriers.
+ *
+ * A rank's op k is, on the rank's stream, "doorbell := k" then "wait until
+ * done >= k" (libep). Once every local rank asked for op k over the socket,
+ * the daemon's stream waits for every doorbell (cuStreamWaitValue32: a
+ * front-end wait, no SM spins while the ranks compute) and launches the
+ * barrier kernel, which runs both phases and writes done and a completion
+ * counter into the host-mapped control page. The loop polls that page while
+ * ops are in flight; an op older than the group's timeout is diagnosed from
+ * the doorbells (which ranks never rang) and the group fails: errors go to
+ * the control page, and every stream is released by writing doorbells and
+ * done words far ahead, from a second stream that nothing blocks.
+ */
+#ifndef EPD_CUDA_INT_H
+#define EPD_CUDA_INT_H
+
+#include "core/core.h"
+#include "core/backend.h"
+#include "hostbar.h"
+
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ekc.h"
+
+_Static_assert(EKC_RECV_COUNT == EPP_DEV_RECV_COUNT,
+	       "the device receive count's place, as libep knows it");
+
+#define MAX_DEV 16
+#define MAX_INFLIGHT EPP_MAX_INFLIGHT
+#define POLL_MS 1
+
+struct cudev {
+	CUdevice dev;
+	CUcontext ctx; /* primary context, retained on first use */
+	CUmodule mod;
+	CUfunction barrier, fastbar, count, scan, slot, prep, copy, copy_tma,
+		combine;
+	int smem_optin; /* dynamic shared memory a block may opt into */
+	size_t gran;
+	int occ_copy, occ_combine, occ_prep; /* resident blocks per SM */
+	uint8_t uuid[16];
+	char name[96];
+	int sms;
+	bool mps;
+	char code[96]; /* which image of the fatbin the driver loaded */
+};
+
+struct epd_cuda {
+	struct ekc_driver drv;
+	int ndev;
+	struct cudev dev[MAX_DEV];
+	/* Rung by the driver's thread when a staged op's inputs are in host
+	 * memory (cuLaunchHostFunc), so that the loop does not wait for its
+	 * next poll; lives as long as the server. */
+	uv_async_t wake;
+};
+
+struct epd_cuda_group {
+	struct epd_group *g;
+	CUmemGenericAllocationHandle *h; /* [rpn] */
+	CUdeviceptr *ptr;                /* [rpn] region base */
+	size_t size;                     /* per rank */
+	int dev0;                        /* where the group's kernels run */
+	CUstream stream, aux;
+	bool registered;
+	CUdeviceptr ctl_dev; /* the control page, as the GPU sees it */
+	uint64_t enqueued;  /* ops on the device stream */
+	uint64_t completed; /* ops every rank saw complete */
+	uint64_t oldest_ns; /* when the oldest incomplete op was enqueued */
+	uint64_t enq_ns[MAX_INFLIGHT];
+	/* when the first and the last rank's message of op k came in */
+	uint64_t msg_seq[MAX_INFLIGHT], msg_first_ns[MAX_INFLIGHT],
+		msg_last_ns[MAX_INFLIGHT];
+	/* the last dispatch's and combine's CPU side, in us: first to last
+	 * rank's message, last message to the enqueue, the enqueue itself */
+	double cpu_us[2][3];
+	bool enq_fast[MAX_INFLIGHT]; /* op run by the resident barrier */
+	uint64_t wait_ns; /* since when some rank's request is missing */
+	/* dispatch scratch (daemon-only device memory) */
+	CUdeviceptr mask, blk, base, err, work, topk;
+	uint32_t tmax, nblk_max;
+	struct route {
+		uint64_t seq; /* the dispatch op; 0: empty */
+		uint32_t tokens[EKC_MAX_LOCAL];
+		CUdeviceptr slot, recv;
+	} routes[EPD_MAX_HANDLES];
+	uint64_t ndisp;
+	/* dispatch rows by the bulk-copy engine: shared memory per block and
+	 * resident blocks per SM (0: the SIMT copy) */
+	unsigned tma_smem;
+	int occ_tma;
+	/* Several GPUs: each pushes its own ranks' tokens (dispatch) and pulls
+	 * its own ranks' tokens (combine); devs[0] is dev0, whose stream
+	 * orders everything. */
+	int ndevs;
+	int devs[MAX_DEV];
+	uint64_t dev_mask[MAX_DEV];
+	CUstream dstream[MAX_DEV];
+	CUevent ev_in, ev_out[MAX_DEV];
+	/* device time of the last dispatch and combine kernels */
+	CUevent ev[2][2];
+	uint64_t ev_seq[2];
+	double last_us[2];
+	/* EPD_CUDA_TRACE set: each stage's span in the last dispatch and
+	 * combine (ekc_disp_args.trace), copied to pinned host memory at the
+	 * end of the op; in us from the op's first kernel start */
+	CUdeviceptr trace;
+	unsigned long long *trace_host[2];
+	double trace_us[2][EKC_TR_N][2];
+	uv_timer_t poll;
+	bool poll_closing, poll_slow;
+	bool released;
+	/* The group's barrier engine, if any: the resident barrier kernel
+	 * (under MPS) on its own stream, its state in daemon-private pinned
+	 * host memory; or the host barrier thread (hb), its state in it. */
+	CUstream fbstream;
+	struct ek_bar_state *fb; /* set once the engine runs */
+	struct epd_hostbar *hb;
+	uint64_t fb_counted; /* its barriers already in g->n_barrier */
+	/* A group across nodes: each op's data is copied to the group's host
+	 * buffer, runs on the host path with the other nodes, and comes back;
+	 * one op at a time (stage_*). */
+	bool staged;
+	int stage_phase; /* 0: none, 1: inputs copying out, 2: host path */
+	uint64_t stage_k;
+	uint16_t stage_type;
+	bool stage_cached;
+	uint64_t stage_handle; /* combine, cached dispatch: the GPU handle */
+	uint64_t stage_hseq;   /* the host path's routing */
+	uint32_t stage_tokens[EKC_MAX_LOCAL], stage_flags[EKC_MAX_LOCAL];
+	uint32_t stage_recv[EKC_MAX_LOCAL];
+	uint32_t stage_replies;
+	int stage_rc;
+	char stage_err[256];
+	CUevent stage_ev;
+	struct {
+		uint64_t gpu, host;
+	} hmap[EPD_MAX_HANDLES]; /* GPU handle -> host routing */
+	uint64_t nhmap;
+};
+
+/* The driver API, loaded at run time (device.c). */
+extern struct ekc_driver *cu_drv;
+
+/* Shared between the files of the backend. */
+struct ekc_barrier_args cu_barrier_args(struct epd_group *g, uint64_t k, uint32_t release);
+int cu_barrier_engine_start(struct epd_group *g, char *err, size_t errlen);
+volatile uint64_t *cu_completed_word(struct epd_group *g, uint32_t l);
+unsigned cu_copy_sms(const struct epd_cuda_group *c, unsigned sms);
+int cu_err(CUresult r, const char *what, char *err, size_t errlen);
+CUresult cu_enqueue_data(struct epd_group *g, uint64_t k, struct epd_aop *const *ops, const char **what);
+void cu_enqueue_ready(struct epd_group *g);
+int epd_cuda_add_rank(struct epd_group *g, struct epd_member *m, const struct epp_join *j, char *err, size_t errlen);
+int epd_cuda_export(struct epd_group *g, uint32_t l, int *fd, uint64_t *size);
+void epd_cuda_fini(struct epd_server *srv);
+void epd_cuda_group_failed(struct epd_group *g);
+void epd_cuda_group_free(struct epd_group *g);
+int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen);
+void *epd_cuda_group_status(struct epd_group *g);
+int epd_cuda_init(struct epd_server *srv, char *why, size_t len);
+void epd_cuda_op(struct epd_member *m, const struct epd_aop *op);
+void epd_cuda_remove_rank(struct epd_group *g, uint32_t l);
+void *epd_cuda_status(struct epd_server *srv);
+void cu_fastbar_stop(struct epd_cuda_group *c);
+int cu_find_dev(struct epd_cuda *cu, const uint8_t uuid[16]);
+void cu_free_region(struct epd_cuda_group *c, uint32_t l);
+volatile int32_t *cu_group_error_word(struct epd_group *g);
+uint64_t cu_hmap_find(const struct epd_cuda_group *c, uint64_t gpu);
+uint64_t cu_known_top(const struct epd_cuda_group *c);
+CUresult cu_launch(struct epd_cuda_group *c, CUfunction f, unsigned gx, unsigned gy, unsigned bx, void *args);
+bool cu_ops_agree(struct epd_group *g, uint64_t k, struct epd_aop *const *ops);
+void cu_poll_arm(struct epd_cuda_group *c);
+void cu_poll_cb(uv_timer_t *t);
+void cu_refresh_completed(struct epd_group *g);
+void cu_request_wait(struct epd_group *g);
+uint8_t *cu_slot(struct epd_group *g, uint32_t l);
+unsigned cu_sms_cap(const struct epd_group *g, const struct cudev *d);
+void cu_stage_begin(struct epd_group *g, uint64_t k, struct epd_aop *const *ops);
+void cu_stage_host(struct epd_group *g);
+void CUDA_CB cu_stage_wake(void *p);
+void cu_trace_read(struct epd_cuda_group *c, int which);
+int cu_use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen);
+bool cu_use_prep(const struct epd_group *g, const struct cudev *d);
+bool cu_use_tma(const struct epd_cuda_group *c, unsigned sms);
+uint64_t cu_widen(uint32_t v, uint64_t ref);
+
+#endif

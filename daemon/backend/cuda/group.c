@@ -1,0 +1,348 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The CUDA backend: a group's life once its ranks joined (ready: streams,
+ * the barrier engine, the poll; failed; freed) and its status.
+ */
+#include "cuda_int.h"
+
+int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
+{
+	struct epd_cuda_group *c = g->cu;
+	struct epd_cuda *cu = g->srv->cuda;
+	uint32_t rpn = g->shape.ranks_per_node;
+	if (rpn > EKC_MAX_LOCAL) {
+		snprintf(err, errlen, "at most %d GPU ranks per node",
+			 EKC_MAX_LOCAL);
+		return EP_EUNSUPPORTED;
+	}
+	c->dev0 = g->local[0]->cuda_dev;
+	for (uint32_t l = 1; l < rpn; l++) {
+		int ok = 1, dl = g->local[l]->cuda_dev;
+		if (dl != c->dev0)
+			cu_drv->cuDeviceCanAccessPeer(&ok, cu->dev[c->dev0].dev,
+						 cu->dev[dl].dev);
+		if (!ok) {
+			snprintf(err, errlen, "GPU %d cannot reach GPU %d (no "
+					      "peer access)",
+				 c->dev0, dl);
+			return EP_EUNSUPPORTED;
+		}
+	}
+	/* The GPUs of the group, dev0 first, and their ranks. */
+	c->ndevs = 0;
+	for (uint32_t l = 0; l < rpn; l++) {
+		int dl = g->local[l]->cuda_dev, i;
+		for (i = 0; i < c->ndevs && c->devs[i] != dl; i++)
+			;
+		if (i == c->ndevs) {
+			c->devs[c->ndevs++] = dl;
+			c->dev_mask[i] = 0;
+		}
+		c->dev_mask[i] |= 1ull << l;
+	}
+	int rc;
+	for (int i = 0; i < c->ndevs && c->ndevs > 1; i++) {
+		if ((rc = cu_use_dev(cu, c->devs[i], err, errlen)))
+			return rc;
+		for (int j = 0; j < c->ndevs; j++) {
+			if (j == i)
+				continue;
+			if ((rc = cu_use_dev(cu, c->devs[j], err, errlen)))
+				return rc;
+			cu_drv->cuCtxSetCurrent(cu->dev[c->devs[i]].ctx);
+			CUresult pr = cu_drv->cuCtxEnablePeerAccess(
+				cu->dev[c->devs[j]].ctx, 0);
+			if (pr && pr != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)
+				return cu_err(pr, "cuCtxEnablePeerAccess", err,
+					      errlen);
+		}
+		if (i == 0)
+			continue;
+		cu_drv->cuCtxSetCurrent(cu->dev[c->devs[i]].ctx);
+		CUresult er = cu_drv->cuStreamCreate(&c->dstream[i],
+						CU_STREAM_NON_BLOCKING);
+		if (!er)
+			er = cu_drv->cuEventCreate(&c->ev_out[i],
+					      CU_EVENT_DISABLE_TIMING);
+		if (er)
+			return cu_err(er, "a stream on another GPU", err,
+				      errlen);
+	}
+	rc = cu_use_dev(cu, c->dev0, err, errlen);
+	if (rc)
+		return rc;
+	CUresult r = cu_drv->cuEventCreate(&c->ev_in, CU_EVENT_DISABLE_TIMING);
+	if (r)
+		return cu_err(r, "cuEventCreate", err, errlen);
+	/* Across nodes the whole buffer is the staging area of the copies. */
+	c->staged = g->nnodes > 1;
+	r = cu_drv->cuMemHostRegister(g->map,
+				 c->staged ? g->buf_size : EPP_BUF_HEADER,
+				 CU_MEMHOSTREGISTER_DEVICEMAP |
+					 CU_MEMHOSTREGISTER_PORTABLE);
+	if (!r && c->staged)
+		r = cu_drv->cuEventCreate(&c->stage_ev, CU_EVENT_DISABLE_TIMING);
+	if (r)
+		return cu_err(r, "cuMemHostRegister of the control page", err,
+			      errlen);
+	c->registered = true;
+	r = cu_drv->cuMemHostGetDevicePointer(&c->ctl_dev, g->map, 0);
+	if (r)
+		return cu_err(r, "cuMemHostGetDevicePointer", err, errlen);
+	r = cu_drv->cuStreamCreate(&c->stream, CU_STREAM_NON_BLOCKING);
+	if (!r)
+		r = cu_drv->cuStreamCreate(&c->aux, CU_STREAM_NON_BLOCKING);
+	if (r)
+		return cu_err(r, "cuStreamCreate", err, errlen);
+	/* Dispatch scratch: masks, block counts and bases, the error word,
+	 * and a routing (slots, receive counts) per kept handle. */
+	/* Rows of a multiple of 16 bytes, two per warp in shared memory: the
+	 * bulk-copy engine moves them. */
+	size_t rowb = (size_t)g->shape.hidden * g->layout.elt;
+	size_t smem = (size_t)EKC_TMA_WARPS * 2 * rowb;
+	struct cudev *d0 = &cu->dev[c->dev0];
+	if (!g->srv->cfg.cuda_no_tma && rowb % 16 == 0 &&
+	    smem <= (size_t)d0->smem_optin &&
+	    !cu_drv->cuOccupancyMaxActiveBlocksPerMultiprocessor(
+		    &c->occ_tma, d0->copy_tma, EKC_TMA_WARPS * 32, smem) &&
+	    c->occ_tma > 0)
+		c->tma_smem = (unsigned)smem;
+	else
+		c->occ_tma = 0;
+	c->tmax = g->shape.max_tokens ? g->shape.max_tokens : 1;
+	c->nblk_max = (c->tmax + 255) / 256;
+	size_t W = rpn;
+	r = cu_drv->cuMemAlloc(&c->mask, W * c->tmax * 8);
+	if (!r)
+		r = cu_drv->cuMemAlloc(&c->topk, W * c->tmax * g->shape.topk * 8);
+	if (!r)
+		r = cu_drv->cuMemAlloc(&c->blk, W * c->nblk_max * W * 4);
+	if (!r)
+		r = cu_drv->cuMemAlloc(&c->base, W * c->nblk_max * W * 4);
+	if (!r)
+		r = cu_drv->cuMemAlloc(&c->err, 16); /* + ekc_prep's grid barrier */
+	if (!r)
+		r = cu_drv->cuMemAlloc(&c->work, MAX_DEV * 4);
+	if (!r)
+		r = cu_drv->cuMemsetD32(c->work, 0xffffffffu, MAX_DEV);
+	if (!r && getenv("EPD_CUDA_TRACE")) {
+		r = cu_drv->cuMemAlloc(&c->trace, EKC_TR_N * 16);
+		for (int i = 0; !r && i < 2; i++)
+			r = cu_drv->cuMemHostAlloc((void **)&c->trace_host[i],
+					      EKC_TR_N * 16, 0);
+	}
+	for (int i = 0; !r && i < EPD_MAX_HANDLES; i++) {
+		r = cu_drv->cuMemAlloc(&c->routes[i].slot, W * c->tmax * W * 4);
+		if (!r)
+			r = cu_drv->cuMemAlloc(&c->routes[i].recv, W * 4);
+	}
+	if (r)
+		return cu_err(r, "allocating the dispatch scratch", err,
+			      errlen);
+	for (int i = 0; !r && i < 4; i++)
+		r = cu_drv->cuEventCreate(&c->ev[i / 2][i % 2], CU_EVENT_DEFAULT);
+	if (r)
+		return cu_err(r, "cuEventCreate", err, errlen);
+	return cu_barrier_engine_start(g, err, errlen);
+}
+
+void cu_poll_arm(struct epd_cuda_group *c)
+{
+	if (!c->poll_closing &&
+	    (c->poll_slow || !uv_is_active((uv_handle_t *)&c->poll))) {
+		uv_timer_start(&c->poll, cu_poll_cb, POLL_MS, POLL_MS);
+		c->poll_slow = false;
+	}
+}
+
+void epd_cuda_group_failed(struct epd_group *g)
+{
+	struct epd_cuda_group *c = g->cu;
+	if (!c || c->released)
+		return;
+	c->released = true;
+	uint32_t rpn = g->shape.ranks_per_node;
+	/* The error, for every rank's next call. */
+	for (uint32_t l = 0; l < rpn; l++) {
+		uint8_t *s = cu_slot(g, l);
+		size_t n = strnlen(g->last_error, EPP_CTL_MSG_MAX - 1);
+		memcpy(s + EPP_CTL_ERR_MSG, g->last_error, n); /* cut */
+		s[EPP_CTL_ERR_MSG + n] = 0;
+		__atomic_store_n((int32_t *)(s + EPP_CTL_ERR_CODE),
+				 g->fail_code, __ATOMIC_RELEASE);
+	}
+	cu_fastbar_stop(c);
+	if (c->fb) {
+		char words[256];
+		size_t n = 0;
+		for (uint32_t l = 0; l < rpn && n < sizeof(words) - 24; l++)
+			n += (size_t)snprintf(words + n, sizeof(words) - n,
+					      " %llu",
+					      (unsigned long long)*cu_completed_word(g, l));
+		epd_info("group %s: the %s released %llu barriers, the "
+			 "last %llu; completed words:%s",
+			 g->shape.name,
+			 c->hb ? "host barrier" : "resident barrier",
+			 (unsigned long long)c->fb->count,
+			 (unsigned long long)c->fb->last, words);
+	}
+	/* Release: every doorbell and done word far ahead of any op a rank
+	 * could have queued, from the aux stream. Not the resident barrier's
+	 * doorbells: it would take a far value for a barrier every rank rang
+	 * and write it as completed (it is told to stop instead). The host
+	 * barrier's done words are raised here (and never lowered). */
+	uint64_t top = cu_known_top(c);
+	for (uint32_t l = 0; l < rpn; l++)
+		if (g->local[l] && g->local[l]->async_seq > top)
+			top = g->local[l]->async_seq;
+	uint32_t far = (uint32_t)(top + MAX_INFLIGHT + (1u << 30));
+	if (c->hb)
+		epd_hostbar_release(g->map, rpn, far);
+	if (!c->stream)
+		return;
+	char err[160];
+	if (cu_use_dev(g->srv->cuda, c->dev0, err, sizeof(err)))
+		return;
+	for (uint32_t l = 0; l < rpn; l++) {
+		if (!c->ptr[l])
+			continue;
+		cu_drv->cuStreamWriteValue32(c->aux, c->ptr[l] + EKC_DOORBELL, far,
+					0);
+		cu_drv->cuStreamWriteValue32(c->aux, c->ptr[l] + EKC_DONE, far, 0);
+	}
+	epd_notice("group %s: released every rank's stream after: %s",
+		   g->shape.name, g->last_error);
+}
+
+static void poll_closed(uv_handle_t *h)
+{
+	free(h->data);
+}
+
+void epd_cuda_group_free(struct epd_group *g)
+{
+	struct epd_cuda_group *c = g->cu;
+	if (!c)
+		return;
+	char err[160];
+	if (g->srv->cuda && c->dev0 >= 0 &&
+	    !cu_use_dev(g->srv->cuda, c->dev0, err, sizeof(err))) {
+		if (c->stream) {
+			/* released: the stream drains at once */
+			if (!c->released && c->enqueued > c->completed)
+				epd_cuda_group_failed(g);
+			cu_fastbar_stop(c);
+			if (c->fbstream) {
+				cu_drv->cuStreamSynchronize(c->fbstream);
+				cu_drv->cuStreamDestroy(c->fbstream);
+			}
+			cu_drv->cuStreamSynchronize(c->aux);
+			cu_drv->cuStreamSynchronize(c->stream);
+			cu_drv->cuStreamDestroy(c->stream);
+			cu_drv->cuStreamDestroy(c->aux);
+		}
+		if (c->registered)
+			cu_drv->cuMemHostUnregister(g->map);
+		if (c->fb && !c->hb)
+			cu_drv->cuMemFreeHost(c->fb);
+	}
+	/* the host barrier thread reads the control page: gone before it */
+	epd_hostbar_free(c->hb);
+	c->hb = NULL;
+	c->fb = NULL;
+	for (int i = 0; i < 4; i++)
+		if (c->ev[i / 2][i % 2])
+			cu_drv->cuEventDestroy(c->ev[i / 2][i % 2]);
+	if (c->ev_in)
+		cu_drv->cuEventDestroy(c->ev_in);
+	if (c->stage_ev)
+		cu_drv->cuEventDestroy(c->stage_ev);
+	for (int i = 1; i < c->ndevs; i++) {
+		if (!c->dstream[i])
+			continue;
+		cu_drv->cuCtxSetCurrent(g->srv->cuda->dev[c->devs[i]].ctx);
+		cu_drv->cuStreamSynchronize(c->dstream[i]);
+		cu_drv->cuStreamDestroy(c->dstream[i]);
+		cu_drv->cuEventDestroy(c->ev_out[i]);
+	}
+	if (c->dev0 >= 0 && g->srv->cuda)
+		cu_drv->cuCtxSetCurrent(g->srv->cuda->dev[c->dev0].ctx);
+	CUdeviceptr scratch[] = {c->mask, c->topk, c->blk, c->base, c->err,
+				 c->work, c->trace};
+	for (int i = 0; i < 2; i++)
+		if (c->trace_host[i])
+			cu_drv->cuMemFreeHost(c->trace_host[i]);
+	for (size_t i = 0; i < sizeof(scratch) / sizeof(scratch[0]); i++)
+		if (scratch[i])
+			cu_drv->cuMemFree(scratch[i]);
+	for (int i = 0; i < EPD_MAX_HANDLES; i++) {
+		if (c->routes[i].slot)
+			cu_drv->cuMemFree(c->routes[i].slot);
+		if (c->routes[i].recv)
+			cu_drv->cuMemFree(c->routes[i].recv);
+	}
+	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++)
+		cu_free_region(c, l);
+	free(c->h);
+	free(c->ptr);
+	g->cu = NULL;
+	c->poll_closing = true;
+	uv_close((uv_handle_t *)&c->poll, poll_closed);
+}
+
+void *epd_cuda_group_status(struct epd_group *g)
+{
+	struct epd_cuda_group *c = g->cu;
+	if (!c)
+		return NULL;
+	unsigned sms = cu_sms_cap(g, &g->srv->cuda->dev[c->dev0]);
+	/* the barrier engine's own time per barrier (last arrival seen to
+	 * release), in us */
+	double eng_us = 0;
+	if (c->fb) {
+		uint64_t n = __atomic_load_n(&c->fb->count, __ATOMIC_ACQUIRE);
+		uint64_t b = __atomic_load_n(&c->fb->busy_ns, __ATOMIC_RELAXED);
+		eng_us = n ? (double)b / (double)n / 1e3 : 0;
+	}
+	json_t *o = json_pack("{s:i, s:i, s:b, s:b, s:s, s:f, s:s, s:i, s:s, s:I, s:I, s:f, s:f}",
+			 "gpu", c->dev0, "gpus", c->ndevs, "staged", c->staged,
+			 "resident_barrier", c->fb && !c->hb, "barrier",
+			 c->hb	   ? "host"
+			 : c->fb ? "kernel"
+				 : "stream",
+			 "barrier_engine_us", eng_us, "row_copy", cu_use_tma(c, sms) ? "tma" : "simt",
+			 "row_copy_sms", (int)cu_copy_sms(c, sms),
+			 "dispatch_prep",
+			 cu_use_prep(g, &g->srv->cuda->dev[c->dev0]) ? "fused"
+								  : "split",
+			 "ops_enqueued", (json_int_t)c->enqueued,
+			 "ops_completed", (json_int_t)c->completed,
+			 "last_dispatch_us", c->last_us[0], "last_combine_us",
+			 c->last_us[1]);
+	if (o)
+		for (int w = 0; w < 2; w++)
+			json_object_set_new(
+				o, w ? "last_combine_cpu_us" : "last_dispatch_cpu_us",
+				json_pack("{s:f, s:f, s:f}", "gather",
+					  c->cpu_us[w][0], "lag", c->cpu_us[w][1],
+					  "enqueue", c->cpu_us[w][2]));
+	if (o && c->trace) {
+		/* {"dispatch": {"count": [start_us, end_us], ...}, ...} */
+		static const char *const stage[EKC_TR_N] = {
+			"doorbell", "count", "scan", "slot", "copy", "combine"};
+		json_t *tr = json_object();
+		for (int w = 0; w < 2; w++) {
+			json_t *st = json_object();
+			for (int i = 0; i < EKC_TR_N; i++)
+				if (c->trace_us[w][i][1] >= 0)
+					json_object_set_new(
+						st, stage[i],
+						json_pack("[f, f]",
+							  c->trace_us[w][i][0],
+							  c->trace_us[w][i][1]));
+			json_object_set_new(tr, w ? "combine" : "dispatch", st);
+		}
+		json_object_set_new(o, "trace_us", tr);
+	}
+	return o;
+}

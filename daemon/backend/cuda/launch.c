@@ -1,0 +1,325 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The CUDA backend: one dispatch or combine enqueued on the group's
+ * streams (the kernels, their grid, the bulk-copy engine, traces).
+ */
+#include "cuda_int.h"
+
+/* The host routing of a GPU handle (a group across nodes), or 0. */
+uint64_t cu_hmap_find(const struct epd_cuda_group *c, uint64_t gpu)
+{
+	for (int i = 0; i < EPD_MAX_HANDLES; i++)
+		if (c->hmap[i].gpu == gpu && gpu)
+			return c->hmap[i].host;
+	return 0;
+}
+
+static struct route *route_find(struct epd_cuda_group *c, uint64_t seq)
+{
+	for (int i = 0; i < EPD_MAX_HANDLES; i++)
+		if (c->routes[i].seq == seq && seq)
+			return &c->routes[i];
+	return NULL;
+}
+
+CUresult cu_launch(struct epd_cuda_group *c, CUfunction f, unsigned gx,
+		       unsigned gy, unsigned bx, void *args)
+{
+	void *params[] = {args};
+	return cu_drv->cuLaunchKernel(f, gx, gy ? gy : 1, 1, bx, 1, 1, 0, c->stream,
+				 params, NULL);
+}
+
+/* SMs' worth of blocks for the data kernels: cuda_sms, or all. */
+unsigned cu_sms_cap(const struct epd_group *g, const struct cudev *d)
+{
+	unsigned cap = g->srv->cfg.cuda_sms;
+	return cap && (int)cap < d->sms ? cap : (unsigned)d->sms;
+}
+
+/* count + scan + slot as one cooperative launch (ekc_prep): configured,
+ * and its grid (a block per 256 tokens of each rank) resident at once.
+ * Under MPS other clients' kernels may hold SMs: the driver then waits
+ * until the whole grid fits, as a cooperative launch must. */
+bool cu_use_prep(const struct epd_group *g, const struct cudev *d)
+{
+	const struct epd_cuda_group *c = g->cu;
+	return !g->srv->cfg.cuda_no_fused_prep && d->occ_prep > 0 &&
+	       (uint64_t)c->nblk_max * g->shape.ranks_per_node <=
+		       (uint64_t)d->occ_prep * (uint64_t)d->sms;
+}
+
+/* Below 32 SMs the SMs' bulk-copy units are the limit (measured: 0.48 of
+ * D2D at 16 SMs against 0.66 for the SIMT copy). */
+bool cu_use_tma(const struct epd_cuda_group *c, unsigned sms)
+{
+	return c->tma_smem && sms >= 32;
+}
+
+/* The SMs of the row copy: the bulk copies of 14 KB rows saturate memory
+ * from ~32 SMs on, and more of them contend (H200, DeepSeek-V3 shape, bf16:
+ * 0.80-0.82 of D2D at 32 SMs, 0.76 at 132); shorter rows need more SMs
+ * (fp8, 7 KB: 0.49 at 32, 0.68-0.72 at 64-80, 0.68 at 132). cuda_copy_sms
+ * caps them (auto: 32 SMs per 14 KB of row), leaving the rest to the
+ * ranks. */
+unsigned cu_copy_sms(const struct epd_cuda_group *c, unsigned sms)
+{
+	unsigned cap = c->g->srv->cfg.cuda_copy_sms;
+	if (cap == EPD_COPY_SMS_AUTO) {
+		uint64_t rowb = (uint64_t)c->g->shape.hidden * c->g->layout.elt;
+		uint64_t n = rowb ? (32ull * 14336 + rowb - 1) / rowb : 32;
+		cap = n < 32 ? 32 : n > 1024 ? 1024 : (unsigned)n;
+	}
+	if (cu_use_tma(c, sms) && cap && sms > cap && cu_use_tma(c, cap))
+		return cap;
+	return sms;
+}
+
+/* The dispatch row copy of one GPU: bulk copies or SIMT. */
+static CUresult launch_copy(struct epd_cuda_group *c, const struct cudev *d,
+			    unsigned sms, CUstream s, void *args)
+{
+	void *params[] = {args};
+	sms = cu_copy_sms(c, sms);
+	if (cu_use_tma(c, sms))
+		return cu_drv->cuLaunchKernel(d->copy_tma, sms * (unsigned)c->occ_tma,
+					 1, 1, EKC_TMA_WARPS * 32, 1, 1,
+					 c->tma_smem, s, params, NULL);
+	return cu_drv->cuLaunchKernel(d->copy, sms * (unsigned)d->occ_copy, 1, 1,
+				 256, 1, 1, 0, s, params, NULL);
+}
+
+/* The other GPUs' part of a copy or combine: each waits for dev0's
+ * stream so far, works on its own ranks (rank_mask), and is joined back
+ * by join_devs. a->rank_mask is left for dev0's own part. */
+static CUresult spread(struct epd_group *g, struct ekc_disp_args *a,
+		       unsigned sms_cap, bool combine)
+{
+	struct epd_cuda_group *c = g->cu;
+	struct epd_cuda *cu = g->srv->cuda;
+	if (c->ndevs == 1)
+		return 0;
+	CUresult r = cu_drv->cuEventRecord(c->ev_in, c->stream);
+	for (int i = 1; !r && i < c->ndevs; i++) {
+		struct cudev *d = &cu->dev[c->devs[i]];
+		cu_drv->cuCtxSetCurrent(d->ctx);
+		struct ekc_disp_args b = *a;
+		b.rank_mask = c->dev_mask[i];
+		b.work = (uint32_t *)(uintptr_t)c->work + i;
+		unsigned sms = sms_cap < (unsigned)d->sms ? sms_cap
+							  : (unsigned)d->sms;
+		void *params[] = {&b};
+		r = cu_drv->cuStreamWaitEvent(c->dstream[i], c->ev_in, 0);
+		if (!r && combine)
+			r = cu_drv->cuLaunchKernel(d->combine,
+					      sms * (unsigned)d->occ_combine, 1,
+					      1, 256, 1, 1, 0, c->dstream[i],
+					      params, NULL);
+		else if (!r)
+			r = launch_copy(c, d, sms, c->dstream[i], &b);
+		if (!r)
+			r = cu_drv->cuEventRecord(c->ev_out[i], c->dstream[i]);
+	}
+	cu_drv->cuCtxSetCurrent(cu->dev[c->dev0].ctx);
+	return r;
+}
+
+/* dev0's stream waits for every other GPU's part. */
+static CUresult join_devs(struct epd_cuda_group *c)
+{
+	CUresult r = 0;
+	for (int i = 1; !r && i < c->ndevs; i++)
+		r = cu_drv->cuStreamWaitEvent(c->stream, c->ev_out[i], 0);
+	return r;
+}
+
+/* EPD_CUDA_TRACE: the stages' times of op `which` to pinned memory. */
+static CUresult trace_fetch(struct epd_cuda_group *c, int which)
+{
+	if (!c->trace)
+		return CUDA_SUCCESS;
+	return cu_drv->cuMemcpyDtoHAsync(c->trace_host[which], c->trace,
+				    EKC_TR_N * 16, c->stream);
+}
+
+/* Spans in us from the first stage start (after the op completed). */
+void cu_trace_read(struct epd_cuda_group *c, int which)
+{
+	const unsigned long long *t = c->trace_host[which];
+	unsigned long long t0 = ~0ull;
+	for (int i = 0; i < EKC_TR_N; i++)
+		if (t[2 * i] < t0)
+			t0 = t[2 * i];
+	for (int i = 0; i < EKC_TR_N; i++) {
+		unsigned long long b = t[2 * i], e = ~t[2 * i + 1];
+		c->trace_us[which][i][0] = b != ~0ull ? (double)(b - t0) / 1e3
+						      : -1;
+		c->trace_us[which][i][1] = e && t0 != ~0ull
+						   ? ((double)e - (double)t0) / 1e3
+						   : -1;
+	}
+}
+
+/* Dispatch or combine k on the group's stream (the doorbells are waited
+ * for already). Returns a driver error, or 0. */
+CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
+			     struct epd_aop *const *ops, const char **what)
+{
+	struct epd_cuda_group *c = g->cu;
+	struct cudev *d = &g->srv->cuda->dev[c->dev0];
+	const uint32_t W = g->shape.ranks_per_node;
+	const struct epd_aop *op0 = ops[0];
+	struct ekc_disp_args a = {
+		.W = W, .H = g->shape.hidden, .K = g->shape.topk,
+		.E = g->shape.num_experts, .elt = g->layout.elt,
+		.nscales = g->layout.nscales, .Tmax = c->tmax,
+		.nblk_max = c->nblk_max, .seq = (uint32_t)k,
+		.mask = (uint64_t *)(uintptr_t)c->mask,
+		.topk = (int64_t *)(uintptr_t)c->topk,
+		.blk = (uint32_t *)(uintptr_t)c->blk,
+		.base = (uint32_t *)(uintptr_t)c->base,
+		.err = (unsigned long long *)(uintptr_t)c->err,
+		.gsync = (uint32_t *)(uintptr_t)(c->err + 8),
+		.work = (uint32_t *)(uintptr_t)c->work,
+		.host_ctl = (void *)(uintptr_t)c->ctl_dev};
+	for (uint32_t l = 0; l < W; l++) {
+		a.region[l] = c->ptr[l];
+		if (ops[l]->flags & EPP_DISPATCH_WEIGHTS &&
+		    ops[l]->type == EPP_DISPATCH)
+			a.weights_mask |= 1ull << l;
+		if (ops[l]->flags & EPP_COMBINE_BIAS &&
+		    ops[l]->type == EPP_COMBINE)
+			a.bias_mask |= 1ull << l;
+	}
+	for (int f = 0; f < EKC_F_N; f++)
+		a.off[f] = EKC_CTRL_BYTES + g->layout.off[f];
+	bool fresh = op0->type == EPP_DISPATCH &&
+		     !(op0->flags & EPP_DISPATCH_CACHED);
+	struct route *rt;
+	if (fresh) {
+		/* the oldest routing makes room */
+		rt = &c->routes[c->ndisp++ % EPD_MAX_HANDLES];
+		rt->seq = k;
+		for (uint32_t l = 0; l < W; l++)
+			rt->tokens[l] = ops[l]->tokens;
+	} else {
+		rt = route_find(c, op0->handle); /* ops_agree checked it */
+		if (!rt)
+			return CUDA_ERROR_INVALID_VALUE;
+	}
+	memcpy(a.tokens, rt->tokens, sizeof(a.tokens));
+	a.slot = (int32_t *)(uintptr_t)rt->slot;
+	a.recv = (uint32_t *)(uintptr_t)rt->recv;
+	a.cached = !fresh;
+	a.wait = d->mps; /* the kernels wait for the doorbells themselves */
+	unsigned sms = cu_sms_cap(g, d);
+	CUresult r;
+	int which = op0->type == EPP_COMBINE;
+	CUevent *ev = c->ev[which];
+	if (c->trace) {
+		a.trace = (unsigned long long *)(uintptr_t)c->trace;
+		r = cu_drv->cuMemsetD32Async(c->trace, 0xffffffffu, EKC_TR_N * 4,
+					c->stream);
+		if (r)
+			return r;
+	}
+	r = cu_drv->cuEventRecord(ev[0], c->stream);
+	if (r)
+		return r;
+	c->ev_seq[which] = k;
+	a.rank_mask = c->dev_mask[0];
+	if (c->ndevs == 1)
+		a.rank_mask = W >= 64 ? ~0ull : (1ull << W) - 1;
+	if (op0->type == EPP_COMBINE) {
+		*what = "combine";
+		r = spread(g, &a, sms, true);
+		if (!r)
+			r = cu_launch(c, d->combine, sms * (unsigned)d->occ_combine,
+				   1, 256, &a);
+		if (!r)
+			r = join_devs(c);
+		if (!r)
+			r = cu_drv->cuEventRecord(ev[1], c->stream);
+		return r ? r : trace_fetch(c, which);
+	}
+	*what = "dispatch";
+	r = cu_drv->cuMemsetD32Async(c->err, 0xffffffffu, 3, c->stream);
+	bool split = true;
+	if (!r && fresh && cu_use_prep(g, d)) {
+		void *params[] = {&a};
+		r = cu_drv->cuLaunchCooperativeKernel(d->prep, c->nblk_max, W, 1, 256,
+						 1, 1, 0, c->stream, params);
+		split = r == CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE;
+		if (split) {
+			/* fewer SMs than the device has (an MPS limit):
+			 * three launches from now on */
+			epd_warn("dispatch prep: the cooperative grid does not "
+				 "fit; using three launches");
+			d->occ_prep = 0;
+			r = 0;
+		}
+	}
+	if (!r && split) {
+		if (fresh)
+			r = cu_launch(c, d->count, c->nblk_max, W, 256, &a);
+		if (!r)
+			r = cu_launch(c, d->scan, 1, 1, 1024, &a);
+		if (!r && fresh)
+			r = cu_launch(c, d->slot, c->nblk_max, W, 256, &a);
+	}
+	if (!r)
+		r = spread(g, &a, sms, false);
+	if (!r)
+		r = launch_copy(c, d, sms, c->stream, &a);
+	if (!r)
+		r = join_devs(c);
+	/* per-expert counts are made by ekc_copy */
+	if (!r)
+		r = cu_drv->cuEventRecord(ev[1], c->stream);
+	return r ? r : trace_fetch(c, which);
+}
+
+/* Do the ranks' ops k agree? Fails the group if not. */
+bool cu_ops_agree(struct epd_group *g, uint64_t k,
+		      struct epd_aop *const *ops)
+{
+	const uint32_t W = g->shape.ranks_per_node;
+	for (uint32_t l = 1; l < W; l++) {
+		const char *why = NULL;
+		if (ops[l]->type != ops[0]->type ||
+		    ops[l]->fast != ops[0]->fast)
+			why = "another operation";
+		else if (ops[l]->type != EPP_BARRIER &&
+			 ((ops[l]->flags ^ ops[0]->flags) &
+			  EPP_DISPATCH_CACHED &&
+			  ops[l]->type == EPP_DISPATCH))
+			why = "a cached dispatch while others dispatch afresh";
+		else if (ops[l]->handle != ops[0]->handle)
+			why = "another handle";
+		if (why) {
+			epd_group_fail(g, EP_EMISMATCH,
+				       "op %llu: rank %u asked for %s than rank "
+				       "%u (%s vs %s)",
+				       (unsigned long long)k,
+				       g->local[l]->rank, why,
+				       g->local[0]->rank,
+				       epp_type_name(ops[l]->type),
+				       epp_type_name(ops[0]->type));
+			return false;
+		}
+	}
+	if (ops[0]->type != EPP_BARRIER &&
+	    (ops[0]->type == EPP_COMBINE ||
+	     (ops[0]->flags & EPP_DISPATCH_CACHED)) &&
+	    !(g->cu->staged ? cu_hmap_find(g->cu, ops[0]->handle) != 0
+			    : route_find(g->cu, ops[0]->handle) != NULL)) {
+		epd_group_fail(g, EP_ESTALE,
+			       "op %llu: handle %llu is unknown or was evicted "
+			       "(the group keeps the last %d dispatches)",
+			       (unsigned long long)k,
+			       (unsigned long long)ops[0]->handle,
+			       EPD_MAX_HANDLES);
+		return false;
+	}
+	return true;
+}

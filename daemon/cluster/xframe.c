@@ -1,0 +1,306 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The cross-node engine (xnode_int.h): frames from other nodes (routings,
+ * rows, shapes, windows, barrier arrivals), and the one stash where those
+ * for a group not ready here yet wait.
+ */
+#include "xnode_int.h"
+
+static void stash_frame(struct epd_server *srv, const char *name,
+			uint16_t type, uint32_t from, const uint8_t *p,
+			uint32_t len)
+{
+	struct stashed *e = malloc(sizeof(*e) + len);
+	if (!e || srv->xnode->xstash_bytes + len > STASH_MAX) {
+		free(e);
+		epd_warn("cross-node %s for group %s dropped: %llu bytes are "
+			 "already kept for groups not ready here",
+			 epp_type_name(type), name,
+			 (unsigned long long)srv->xnode->xstash_bytes);
+		return;
+	}
+	snprintf(e->name, sizeof(e->name), "%s", name);
+	e->type = type;
+	e->from = from;
+	e->len = len;
+	memcpy(e->data, p, len);
+	srv->xnode->xstash_bytes += len;
+	list_add_tail(&srv->xnode->xstash, &e->node);
+}
+
+void epd_xop_stash_free(struct epd_server *srv)
+{
+	if (!srv->xnode)
+		return;
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &srv->xnode->xstash)
+	{
+		list_del(it);
+		free(LIST_ENTRY(it, struct stashed, node));
+	}
+	srv->xnode->xstash_bytes = 0;
+}
+
+void epd_xop_replay(struct epd_group *g)
+{
+	struct list_node *it, *tmp;
+	struct epd_server *srv = g->srv;
+	LIST_FOREACH(it, tmp, &srv->xnode->xstash)
+	{
+		struct stashed *e = LIST_ENTRY(it, struct stashed, node);
+		if (strcmp(e->name, g->key))
+			continue;
+		list_del(&e->node);
+		srv->xnode->xstash_bytes -= e->len;
+		struct epp_peer_barrier m;
+		if (e->type == EPP_PEER_BARRIER &&
+		    !epp_peer_barrier_decode(e->data, e->len, &m))
+			epd_group_remote_arrival(g, e->from, m.local, m.seq);
+		else if (g->state == EPD_G_READY)
+			epd_xop_frame(g->srv, e->type, e->from, e->data,
+				      e->len);
+		free(e);
+	}
+}
+
+static void put_shape(struct epp_wr *w, const struct epd_group *g)
+{
+	const struct epp_join *j = &g->shape;
+	uint32_t v[] = {j->world_size, j->ranks_per_node, j->num_experts,
+			j->hidden, j->max_tokens, j->topk, j->dtype,
+			g->timeout_ms};
+	for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++)
+		epp_put_u32(w, v[i]);
+}
+
+/* The group became ready here: its shape to the group's other nodes, which
+ * compare it with theirs. */
+void epd_xop_announce(struct epd_group *g)
+{
+	uint8_t buf[192];
+	struct epp_wr w;
+	epp_wr_init(&w, buf, sizeof(buf));
+	epp_peer_put_op(&w, g->key, 0);
+	put_shape(&w, g);
+	for (uint32_t n = 0; n < g->nnodes; n++)
+		if (n != g->node_index)
+			epd_cluster_send(g, n, EPP_PEER_GSHAPE, buf, w.off,
+					 NULL, 0, NULL);
+	xwin_setup(g);
+}
+
+static void check_shape(struct epd_group *g, uint32_t from,
+			const struct epp_peer_op *op)
+{
+	uint8_t mine[64];
+	struct epp_wr w;
+	epp_wr_init(&w, mine, sizeof(mine));
+	put_shape(&w, g);
+	static const char *const names[EPP_PEER_SHAPE_N] = {
+		"world_size", "ranks_per_node", "num_experts", "hidden",
+		"max_tokens", "topk", "dtype", "timeout_ms"};
+	uint32_t theirs[EPP_PEER_SHAPE_N];
+	if (epp_peer_shape_decode(op, theirs)) {
+		epd_group_fail(g, EP_EPROTO, "node %u sent a malformed shape",
+			       from);
+		return;
+	}
+	uint32_t ours[EPP_PEER_SHAPE_N];
+	struct epp_peer_op mo = {.body = mine, .body_len = w.off};
+	epp_peer_shape_decode(&mo, ours);
+	for (int i = 0; i < EPP_PEER_SHAPE_N; i++) {
+		uint32_t a = ours[i], b = theirs[i];
+		if (a != b) {
+			epd_group_fail(g, EP_EMISMATCH,
+				       "node %s joined group %s with %s %u; "
+				       "this node has %u",
+				       epd_cluster_node_name(g->srv, from),
+				       g->shape.name, names[i], b, a);
+			return;
+		}
+	}
+}
+
+/* A rail peer's barrier arrival (m decoded from p): to its group, or kept
+ * until the group exists here. */
+void epd_xop_arrival(struct epd_server *srv, uint32_t from,
+		     const struct epp_peer_barrier *m, const uint8_t *p,
+		     uint32_t len)
+{
+	struct epd_group *g = epd_group_find(srv, m->group);
+	if (!g)
+		stash_frame(srv, m->group, EPP_PEER_BARRIER, from, p, len);
+	else
+		epd_group_remote_arrival(g, from, m->local, m->seq);
+}
+
+/* A frame of a cross-node op from node `from`. */
+void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
+		   const uint8_t *p, uint32_t len)
+{
+	struct epp_peer_op op;
+	int bad = epp_peer_op_decode(p, len, &op);
+	const char *name = bad ? "?" : op.group;
+	uint64_t id = bad ? 0 : op.op;
+	struct epd_group *g = bad ? NULL : epd_group_find(srv, name);
+	if (!bad && (!g || g->state == EPD_G_FORMING)) {
+		stash_frame(srv, name, type, from, p, len);
+		return;
+	}
+	if (bad || g->state != EPD_G_READY || from >= g->nnodes) {
+		epd_warn("cross-node %s for group %s (op %llu) from node %u "
+			 "dropped: the group failed or the frame is malformed",
+			 epp_type_name(type), name, (unsigned long long)id,
+			 from);
+		return;
+	}
+	const uint32_t rpn = g->shape.ranks_per_node, K = g->shape.topk;
+	if ((type == EPP_PEER_XMETA || type == EPP_PEER_XROWS) &&
+	    id >= g->xop_next + EPD_XOPS_MAX) {
+		epd_group_fail(g, EP_ETOOBIG,
+			       "node %u is at operation %llu, this node at "
+			       "%llu: at most %d operations ahead are buffered",
+			       from, (unsigned long long)id,
+			       (unsigned long long)g->xop_next, EPD_XOPS_MAX);
+		return;
+	}
+	if (type == EPP_PEER_GSHAPE) {
+		check_shape(g, from, &op);
+		return;
+	}
+	if (type == EPP_PEER_XWIN) {
+		xwin_frame(g, from, &op);
+		return;
+	}
+	if (type == EPP_PEER_XMETA) {
+		struct epp_peer_xmeta m;
+		int mbad = epp_peer_xmeta_decode(&op, &m);
+		uint32_t s = m.rank, T = m.tokens, fl = m.flags;
+		struct epd_xop *x = mbad ? NULL : xop_get(g, id, EPP_DISPATCH);
+		bool cached = fl & EPP_DISPATCH_CACHED;
+		size_t nt = cached ? 0 : (size_t)T * K;
+		bool wts = !cached && (fl & EPP_DISPATCH_WEIGHTS);
+		if (!x || s >= g->shape.world_size || s / rpn != from ||
+		    T > g->shape.max_tokens || x->have[s] ||
+		    m.data_len != nt * (wts ? 12 : 8)) {
+			epd_group_fail(g, EP_EPROTO,
+				       "node %u sent a malformed or unexpected "
+				       "routing for op %llu",
+				       from, (unsigned long long)id);
+			return;
+		}
+		x->have[s] = 1;
+		if (cached) { /* the arrival of a cached dispatch */
+			if (++x->meta_have == x->meta_need && x->started)
+				xop_submit(x);
+			return;
+		}
+		x->tokens[s] = T;
+		x->flags[s] = fl;
+		x->topk[s] = malloc(nt * 8 + 8);
+		x->weights[s] = wts ? malloc(nt * 4 + 4) : NULL;
+		if (!x->topk[s] || (wts && !x->weights[s])) {
+			epd_group_fail(g, EP_ENOMEM, "out of memory");
+			return;
+		}
+		memcpy(x->topk[s], m.data, nt * 8);
+		if (wts)
+			memcpy(x->weights[s], m.data + nt * 8, nt * 4);
+		if (++x->meta_have == x->meta_need && x->started)
+			xop_submit(x);
+		return;
+	}
+	/* XROWS: the record size depends on the op's type, the first field */
+	struct epp_peer_xrows xr;
+	uint16_t otype = 0;
+	epp_peer_xrows_type(&op, &otype); /* 0 on error: decode fails */
+	const size_t rb = xn_row_bytes(g, otype), rec = 8 + rb;
+	int rbad = epp_peer_xrows_decode(&op, rec, &xr);
+	uint64_t handle = xr.handle;
+	uint32_t k = xr.count;
+	struct epd_xop *x = rbad ? NULL : xop_get(g, id, otype);
+	if (!x || x->type != otype ||
+	    (otype == EPP_DISPATCH && !x->started)) {
+		epd_group_fail(g, EP_EPROTO,
+			       "node %u sent unexpected rows for op %llu", from,
+			       (unsigned long long)id);
+		return;
+	}
+	/* Every expected row has come (stage 2 of a combine runs on them),
+	 * or, once the job counted them, more rows than expected. */
+	if (x->stage2 ||
+	    (x->job_done && x->rows_got + k > x->rows_expected)) {
+		epd_group_fail(g, EP_EPROTO,
+			       "node %u sent more rows than op %llu expects",
+			       from, (unsigned long long)id);
+		return;
+	}
+	const uint8_t *q = xr.recs;
+	/* Only a combine's rows need the routing. A fresh dispatch's job may
+	 * be building x->route on a work thread right now: not read here. */
+	struct ek_route *route = NULL;
+	if (otype == EPP_COMBINE)
+		route = x->route ? x->route : epd_route_find(g, handle);
+	if (otype == EPP_COMBINE && !route && !x->started) {
+		/* A node ahead of this one combines along a dispatch this
+		 * node has not finished yet (its job still runs): the rows
+		 * wait in the op until it starts here, with the routing. */
+		struct xdefer *df = malloc(sizeof(*df) + len);
+		if (!df) {
+			epd_group_fail(g, EP_ENOMEM, "out of memory");
+			return;
+		}
+		df->next = NULL;
+		df->from = from;
+		df->len = len;
+		memcpy(df->data, p, len);
+		struct xdefer **tail = &x->deferred;
+		while (*tail)
+			tail = &(*tail)->next;
+		*tail = df;
+		return;
+	}
+	for (uint32_t i = 0; i < k; i++, q += rec) {
+		uint32_t d, slot;
+		memcpy(&d, q, 4);
+		memcpy(&slot, q + 4, 4);
+		if (otype == EPP_DISPATCH) {
+			if (!xn_is_local(g, d) || slot >= g->layout.max_recv)
+				goto bad;
+			uint32_t l = xn_lidx(g, d);
+			size_t xb = (size_t)g->shape.hidden * g->layout.elt;
+			memcpy(epd_region(g, l, EPP_BUF_RECV_X) +
+				       (size_t)slot * xb,
+			       q + 8, xb);
+			if (g->layout.nscales)
+				memcpy(epd_region(g, l, EPP_BUF_RECV_SCALES) +
+					       (size_t)slot * g->layout.nscales *
+						       4,
+				       q + 8 + xb,
+				       (size_t)g->layout.nscales * 4);
+		} else {
+			/* staged at its slot on destination d (elsewhere) */
+			if (xn_is_local(g, d) || !route ||
+			    slot >= route->num_recv[d])
+				goto bad;
+			if (!x->staging[d]) {
+				x->staging[d] = (uint16_t *)xbuf_get(
+					g->srv,
+					(size_t)route->num_recv[d] * rb + 2,
+					&x->staging_cap[d]);
+				if (!x->staging[d]) {
+					epd_group_fail(g, EP_ENOMEM,
+						       "out of memory");
+					return;
+				}
+			}
+			memcpy((uint8_t *)x->staging[d] + (size_t)slot * rb,
+			       q + 8, rb);
+		}
+		x->rows_got++;
+	}
+	xop_check(g);
+	return;
+bad:
+	epd_group_fail(g, EP_EPROTO, "node %u sent a row out of range", from);
+}
