@@ -3,8 +3,7 @@
  * libep on GPU ranks: the rank's device region (imported from the daemon's
  * exported cuMem allocation) and stream-ordered operations: on the rank's
  * stream, "doorbell := k" then "wait until done >= k"; the daemon's stream
- * does the rest. The control page (host memory shared with the daemon)
- * carries completions and asynchronous errors.
+ * does the rest. Built only with CUDA (libep_nocuda.c otherwise).
  */
 #include "libep_int.h"
 
@@ -13,195 +12,13 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
-
-#define MAX_INFLIGHT EPP_MAX_INFLIGHT
-
-static const uint8_t *ctl_slot(const ep_group_t *g)
-{
-	uint32_t l = g->cfg.rank % g->cfg.ranks_per_node;
-	return (const uint8_t *)g->buf + (size_t)l * EPP_CTL_SLOT;
-}
-
-int ep__ctl_error(const ep_group_t *g)
-{
-	return __atomic_load_n((const int32_t *)(ctl_slot(g) +
-						 EPP_CTL_ERR_CODE),
-			       __ATOMIC_ACQUIRE);
-}
-
-uint64_t ep__ctl_completed(const ep_group_t *g)
-{
-	return __atomic_load_n((const uint64_t *)(ctl_slot(g) +
-						  EPP_CTL_COMPLETED),
-			       __ATOMIC_ACQUIRE);
-}
-
-/* An op that failed alone (the group goes on), reported once. */
-static int op_error(ep_group_t *g)
-{
-	if (!g->buf || g->cuda_device < 0)
-		return 0;
-	const uint8_t *sl = ctl_slot(g);
-	uint64_t seq = __atomic_load_n((const uint64_t *)(sl +
-							  EPP_CTL_OP_ERR_SEQ),
-				       __ATOMIC_ACQUIRE);
-	if (seq <= g->op_err_seen || seq > g->sent)
-		return 0;
-	g->op_err_seen = seq;
-	int code = *(const int32_t *)(sl + EPP_CTL_OP_ERR_CODE);
-	uint64_t pos = *(const uint64_t *)(sl + EPP_CTL_OP_ERR_POS);
-	if (pos == UINT64_MAX) /* found on another node: in its log */
-		return ep__fail(code,
-				"op %llu changed nothing: an expert index out "
-				"of range (the daemons' logs name it)",
-				(unsigned long long)seq);
-	return ep__fail(code,
-			"op %llu changed nothing: expert index out of range "
-			"at rank %llu, token %llu, k %llu",
-			(unsigned long long)seq, (unsigned long long)(pos >> 48),
-			(unsigned long long)((pos >> 16) & 0xffffffffull),
-			(unsigned long long)(pos & 0xffff));
-}
-
-int ep_group_error(ep_group_t *g)
-{
-	if (!g)
-		return ep__fail(EP_EINVAL, "NULL group");
-	int e = g->buf ? ep__ctl_error(g) : 0;
-	if (e)
-		return ep__fail(e, "%.*s", (int)EPP_CTL_MSG_MAX,
-				(const char *)ctl_slot(g) + EPP_CTL_ERR_MSG);
-	if (g->conn->async_err)
-		return g->conn->async_err;
-	return op_error(g);
-}
-
-/* The kernel stores 32-bit sequence numbers. */
-static uint64_t completed_full(const ep_group_t *g)
-{
-	uint64_t v = ep__ctl_completed(g) & 0xffffffffull;
-	uint64_t full = (g->sent & ~0xffffffffull) | v;
-	if (full > g->sent)
-		full -= 1ull << 32;
-	return full;
-}
-
-static uint64_t now_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
-
-/* Wait until at most `behind` ops are incomplete. Ops that completed are
- * good even if the group failed after them (a rank leaving once its work
- * is done): the error belongs to the ops that did not complete. */
-static int wait_completed(ep_group_t *g, uint64_t behind)
-{
-	uint64_t end = now_ms() + (uint64_t)ep__group_op_timeout(g);
-	unsigned spins = 0;
-	while (g->sent - completed_full(g) > behind) {
-		if (ep__ctl_error(g)) {
-			if (getenv("EP_DEBUG"))
-				fprintf(stderr,
-					"libep: rank %u: sent %llu completed "
-					"%llu (raw %llu)\n",
-					g->cfg.rank,
-					(unsigned long long)g->sent,
-					(unsigned long long)completed_full(g),
-					(unsigned long long)ep__ctl_completed(g));
-			return ep_group_error(g);
-		}
-		if (now_ms() > end)
-			return ep__fail(EP_ETIMEDOUT,
-					"%llu stream-ordered ops still not "
-					"complete",
-					(unsigned long long)(g->sent -
-							     completed_full(g)));
-		if (++spins > 100)
-			usleep(20);
-	}
-	return 0;
-}
-
-int ep_group_sync(ep_group_t *g)
-{
-	if (!g)
-		return ep__fail(EP_EINVAL, "NULL group");
-	if (g->cuda_device < 0)
-		return 0;
-	int rc = wait_completed(g, 0);
-	return rc ? rc : op_error(g);
-}
-
-uint64_t ep_dispatch_recv_count_device(const ep_group_t *g)
-{
-	return g && g->dev_ptr ? g->dev_ptr + EPP_DEV_RECV_COUNT : 0;
-}
-
-uint64_t ep_group_device_region(const ep_group_t *g, size_t *size)
-{
-	if (size)
-		*size = g ? g->dev_size : 0;
-	return g ? g->dev_ptr : 0;
-}
-
-#ifndef HAVE_CUDA
-
-int ep__cuda_prepare(int dev, uint8_t uuid[16], uint32_t *rank_flags)
-{
-	(void)dev, (void)uuid, (void)rank_flags;
-	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
-}
-
-int ep__cuda_map(ep_group_t *g, int fd, uint64_t size)
-{
-	(void)g, (void)size;
-	close(fd);
-	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
-}
-
-void ep__cuda_unmap(ep_group_t *g)
-{
-	(void)g;
-}
-
-int ep_barrier_stream(ep_group_t *g, void *stream)
-{
-	(void)g, (void)stream;
-	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
-}
-
-int ep_dispatch_stream(ep_group_t *g, uint32_t num_tokens, unsigned flags,
-		       const ep_handle_t *cached, void *stream,
-		       ep_handle_t *handle)
-{
-	(void)g, (void)num_tokens, (void)flags, (void)cached, (void)stream;
-	(void)handle;
-	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
-}
-
-int ep_combine_stream(ep_group_t *g, const ep_handle_t *h, unsigned flags,
-		      void *stream)
-{
-	(void)g, (void)h, (void)flags, (void)stream;
-	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
-}
-
-int ep_dispatch_recv_count(ep_group_t *g, ep_handle_t *h)
-{
-	(void)g, (void)h;
-	return 0; /* host dispatches return their count */
-}
-
-
-#else
-
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sys/syscall.h>
 
 #include "ekc.h"
+
+#define MAX_INFLIGHT EPP_MAX_INFLIGHT
 
 /* The rank's words of the host barrier (EPP_FEAT_HOST_BARRIER). */
 static uint64_t hb_words(const ep_group_t *g)
@@ -469,8 +286,8 @@ static int async_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 				"graph; epd's stream-ordered operations "
 				"cannot be captured yet (a replay would not "
 				"reach the daemon)");
-	if (g->sent - completed_full(g) >= MAX_INFLIGHT - 1 &&
-	    (rc = wait_completed(g, MAX_INFLIGHT - 2)))
+	if (g->sent - ep__completed_full(g) >= MAX_INFLIGHT - 1 &&
+	    (rc = ep__wait_completed(g, MAX_INFLIGHT - 2)))
 		return rc;
 	uint64_t k = g->sent + 1;
 	if (!g->ring_tried && features(g) & EPP_FEAT_KERNEL_WAIT) {
@@ -597,10 +414,10 @@ int ep_dispatch_recv_count(ep_group_t *g, ep_handle_t *h)
 		return 0; /* host dispatches return their count */
 	/* The count of the most recent dispatch (fresh or cached) of h's
 	 * routing is in the control page once it completed. */
-	int rc = wait_completed(g, g->sent - g->last_dispatch);
+	int rc = ep__wait_completed(g, g->sent - g->last_dispatch);
 	if (rc)
 		return rc;
-	const uint8_t *sl = ctl_slot(g);
+	const uint8_t *sl = ep__ctl_slot(g);
 	uint64_t seq = __atomic_load_n((const uint64_t *)(sl +
 							  EPP_CTL_RECV_SEQ),
 				       __ATOMIC_ACQUIRE);
@@ -608,11 +425,9 @@ int ep_dispatch_recv_count(ep_group_t *g, ep_handle_t *h)
 		return ep__fail(EP_EINVAL,
 				"the count of a dispatch is known only until "
 				"the next dispatch");
-	rc = op_error(g);
+	rc = ep__op_error(g);
 	if (rc)
 		return rc;
 	h->num_recv = (uint32_t)*(const uint64_t *)(sl + EPP_CTL_RECV);
 	return 0;
 }
-
-#endif

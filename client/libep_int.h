@@ -45,14 +45,21 @@ struct ep_group {
 	uint64_t last_dispatch; /* seq of the last dispatch op */
 };
 
-/* libep_cuda.c (stubs without CUDA). */
-/* Fill uuid and rank flags of device dev for a JOIN. */
+/* libep_cuda.c, or libep_nocuda.c (EP_EUNSUPPORTED) in a build without
+ * CUDA. Fill uuid and rank flags of device dev for a JOIN. */
 int ep__cuda_prepare(int dev, uint8_t uuid[16], uint32_t *rank_flags);
 /* Map the rank's region from fd (closed either way). */
 int ep__cuda_map(ep_group_t *g, int fd, uint64_t size);
 void ep__cuda_unmap(ep_group_t *g);
-/* Error word and completion counter of this rank in the control page. */
+/* libep_ctl.c: this rank's words in the control page: its error word,
+ * its slot, the ops every rank completed (32 bits, and widened against
+ * the ops sent), the wait until at most `behind` ops are incomplete, and
+ * an op that failed alone (reported once). */
 int ep__ctl_error(const ep_group_t *g);
+const uint8_t *ep__ctl_slot(const ep_group_t *g);
+uint64_t ep__completed_full(const ep_group_t *g);
+int ep__wait_completed(ep_group_t *g, uint64_t behind);
+int ep__op_error(ep_group_t *g);
 int ep__check_handle(const ep_group_t *g, const ep_handle_t *h);
 /* This rank's COMBINE / DISPATCH request, checked as the daemon will,
  * encoded into frame[128]; its length in *len. */

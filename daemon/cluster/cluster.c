@@ -28,6 +28,7 @@
 #include "cluster.h"
 #include "peerauth.h"
 #include "transport/transport.h"
+#include "epp_rbuf.h"
 
 #include <sys/uio.h>
 
@@ -54,8 +55,7 @@ struct pconn {
 	int peer;  /* node index once its HELLO arrived, else -1 */
 	int target; /* outgoing: the node we dialled */
 	uint64_t born_ns;
-	uint8_t *rbuf;
-	size_t rlen, rcap;
+	struct epp_rbuf rb; /* bytes received, not yet handled */
 	bool hello_sent, got_hello, authed, closing;
 	uint16_t minor; /* the peer's protocol minor version */
 	uint8_t nonce[NONCE], peer_nonce[NONCE];
@@ -456,69 +456,53 @@ static void conn_frame(struct pconn *c, const struct epp_hdr *h,
 	}
 }
 
-/* Room for `need` more bytes after rlen in rbuf (doubling). */
-static int rbuf_room(struct pconn *c, size_t need)
+/* One frame: its tag checked (once tagging started), then handled. 1:
+ * stop (the connection is closing); 2: go on, but the frames after this
+ * one carry a tag (the peer's proof just checked out). */
+static int peer_frame(void *arg, const struct epp_hdr *h, const uint8_t *f)
 {
-	if (c->rcap - c->rlen >= need)
-		return 0;
-	size_t ncap = c->rcap ? c->rcap : 8192;
-	while (ncap - c->rlen < need)
-		ncap *= 2;
-	uint8_t *nb = realloc(c->rbuf, ncap);
-	if (!nb)
-		return -1;
-	c->rbuf = nb;
-	c->rcap = ncap;
-	return 0;
+	struct pconn *c = arg;
+	const bool tagged = c->rx_tag;
+	if (tagged) {
+		uint8_t tag[EPD_TAG];
+		struct iovec iov = {(void *)f, EPP_HDR_SIZE + h->length};
+		epd_frame_tag(c->krx, c->nrx++, &iov, 1, tag);
+		if (crypto_verify_16(tag, f + EPP_HDR_SIZE + h->length)) {
+			reject(c, "a %s frame failed authentication "
+				  "(changed, replayed or injected)",
+			       epp_type_name(h->type));
+			return 1;
+		}
+	}
+	conn_frame(c, h, f + EPP_HDR_SIZE);
+	return c->closing ? 1 : c->rx_tag != tagged ? 2 : 0;
 }
 
-static void conn_parse(struct pconn *c);
-
-/* The frames in rbuf (bytes from either transport). */
+/* The frames received (bytes from any transport). */
 static void conn_parse(struct pconn *c)
 {
 	/* any bytes show the peer alive, also the middle of a long frame
 	 * (heartbeats queue behind rows on this connection) */
 	if (c->authed)
 		c->cl->node[c->peer].last_rx_ns = epd_now_ns();
-	size_t off = 0;
-	while (!c->closing && c->rlen - off >= EPP_HDR_SIZE) {
-		struct epp_hdr h;
-		char err[160];
-		if (epp_hdr_decode(c->rbuf + off, &h, err, sizeof(err))) {
-			reject(c, "%s", err);
-			return;
-		}
-		const size_t need = EPP_HDR_SIZE + h.length +
-				    (c->rx_tag ? EPD_TAG : 0);
-		if (c->rlen - off < need) {
-			/* the whole frame will fit where it starts */
-			if (rbuf_room(c, off + need - c->rlen)) {
-				conn_close(c, "out of memory");
-				return;
-			}
-			break;
-		}
-		if (c->rx_tag) {
-			uint8_t tag[EPD_TAG];
-			struct iovec iov = {c->rbuf + off,
-					    EPP_HDR_SIZE + h.length};
-			epd_frame_tag(c->krx, c->nrx++, &iov, 1, tag);
-			if (crypto_verify_16(tag, c->rbuf + off + EPP_HDR_SIZE +
-							  h.length)) {
-				reject(c, "a %s frame failed authentication "
-					  "(changed, replayed or injected)",
-				       epp_type_name(h.type));
-				return;
-			}
-		}
-		conn_frame(c, &h, c->rbuf + off + EPP_HDR_SIZE);
-		off += need;
+	struct epp_hdr h;
+	char err[160];
+	size_t want;
+	int rc;
+	do
+		rc = epp_frames(&c->rb, c->rx_tag ? EPD_TAG : 0, peer_frame, c,
+				&h, err, sizeof(err), &want);
+	while (rc == 2 && !c->closing);
+	if (c->closing)
+		return;
+	if (rc < 0) {
+		reject(c, "%s", err);
+		return;
 	}
-	if (c->closing || off == 0)
-		return; /* a frame still arriving stays where it is */
-	memmove(c->rbuf, c->rbuf + off, c->rlen - off);
-	c->rlen -= off;
+	/* a frame still arriving: it will fit where it starts */
+	if (want &&
+	    epp_rbuf_room(&c->rb, want - epp_rbuf_live(&c->rb), 8192))
+		conn_close(c, "out of memory");
 }
 
 /* Dial node nd again later, later each time (from first_ns to 1 s: a
@@ -537,7 +521,7 @@ static void dial_later(struct cnode *nd, uint64_t first_ns)
 static void conn_freed(uv_handle_t *hd)
 {
 	struct pconn *c = hd->data;
-	free(c->rbuf);
+	epp_rbuf_free(&c->rb);
 	free(c);
 }
 
@@ -623,10 +607,10 @@ static uint8_t *tr_rx_buf(void *arg, void *user, size_t want, size_t *room)
 {
 	struct pconn *c = user;
 	(void)arg;
-	if (c->closing || rbuf_room(c, want))
+	if (c->closing || epp_rbuf_room(&c->rb, want, 8192))
 		return NULL;
-	*room = c->rcap - c->rlen;
-	return c->rbuf + c->rlen;
+	*room = c->rb.cap - c->rb.len;
+	return c->rb.p + c->rb.len;
 }
 
 static void tr_rx(void *arg, void *user, size_t n)
@@ -635,7 +619,7 @@ static void tr_rx(void *arg, void *user, size_t n)
 	(void)arg;
 	if (c->closing)
 		return;
-	c->rlen += n;
+	c->rb.len += n;
 	conn_parse(c);
 }
 

@@ -454,22 +454,18 @@ void xop_check(struct epd_group *g)
 	xop_free(x);
 }
 
+static void xop_drop_all(void *g)
+{
+	epd_xop_drop(g);
+}
+
 static void xjob_done(uv_work_t *req, int status)
 {
 	struct epd_xop *x = req->data;
 	struct epd_group *g = x->g;
-	x->job_running = false;
-	g->busy = false;
-	if (g->free_pending) {
-		g->xop[x->id % g->xcap] = NULL;
-		xop_free(x);
-		epd_group_free(g);
+	x->job_running = false; /* then epd_xop_drop frees it too */
+	if (!epd_group_job_ended(g, xop_drop_all, g))
 		return;
-	}
-	if (g->state != EPD_G_READY) {
-		epd_xop_drop(g);
-		return;
-	}
 	if (status < 0 && !x->rc) {
 		x->rc = EP_EBACKEND;
 		snprintf(x->err, sizeof(x->err), "work cancelled");

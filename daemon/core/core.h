@@ -308,6 +308,19 @@ struct epd_member *epd_coll_enter(struct epd_session *c, uint64_t req_id,
  * failed) if the other ranks are in another collective. */
 bool epd_coll_agree(struct epd_member *m, uint64_t req_id, uint16_t type);
 void epd_group_arm_timer(struct epd_group *g);
+/* Op `op` (number k, 0: none) timed out (where: "", or where it waited):
+ * the group fails with EP_ETIMEDOUT, naming `who` (e.g. "ranks never
+ * arrived"): the local ranks for which missing() holds, then extra (other
+ * ranks, "3,5"), or `none` when there are none. */
+void epd_group_timed_out(struct epd_group *g, const char *op, uint64_t k,
+			 const char *where, const char *who,
+			 bool (*missing)(struct epd_group *, uint32_t l, void *),
+			 void *arg, const char *extra, const char *none);
+/* A data-path job of g ended (loop thread): true if its result is still
+ * wanted; false if the group was destroyed (then freed now) or failed
+ * while it ran, after drop(arg) freed the job. */
+bool epd_group_job_ended(struct epd_group *g, void (*drop)(void *),
+			 void *arg);
 /* Free what a group owns once no job uses it. */
 void epd_group_free(struct epd_group *g);
 /* A member goes away (leave or disconnect). */

@@ -77,6 +77,23 @@ struct epd_member *epd_member_find(struct epd_session *c, uint64_t gid)
 	return NULL;
 }
 
+bool epd_group_job_ended(struct epd_group *g, void (*drop)(void *),
+			 void *arg)
+{
+	g->busy = false;
+	if (g->free_pending) { /* destroyed while the job ran */
+		drop(arg);
+		epd_group_free(g);
+		return false;
+	}
+	if (g->state != EPD_G_READY) {
+		/* failed while running: the ranks got the error already */
+		drop(arg);
+		return false;
+	}
+	return true;
+}
+
 void epd_group_free(struct epd_group *g)
 {
 	for (int i = 0; i < EPD_MAX_HANDLES; i++)
@@ -116,33 +133,37 @@ static void group_destroy(struct epd_group *g)
 	uv_close((uv_handle_t *)&g->timer, group_timer_closed);
 }
 
-/* Reply to a member's pending request and clear it. */
-void epd_member_reply_ok(struct epd_member *m, const void *p, uint32_t len)
+/* Clear a member's pending request: its id, and where its result goes
+ * (the backend's completion callback, or NULL: the client). */
+static uint64_t take_pending(struct epd_member *m, epd_member_complete_fn *done)
 {
 	uint64_t req = m->pending_req;
-	epd_member_complete_fn done = m->complete;
+	*done = m->complete;
 	m->pending_req = 0;
 	m->pending_type = 0;
 	m->complete = NULL;
-	if (done) {
+	return req;
+}
+
+/* Reply to a member's pending request and clear it. */
+void epd_member_reply_ok(struct epd_member *m, const void *p, uint32_t len)
+{
+	epd_member_complete_fn done;
+	uint64_t req = take_pending(m, &done);
+	if (done)
 		done(m, 0, NULL, p, len);
-		return;
-	}
-	epd_session_send(m->client, EPP_OK, 0, req, p, len, NULL, 0);
+	else
+		epd_session_send(m->client, EPP_OK, 0, req, p, len, NULL, 0);
 }
 
 void epd_member_reply_err(struct epd_member *m, int code, const char *msg)
 {
-	uint64_t req = m->pending_req;
-	epd_member_complete_fn done = m->complete;
-	m->pending_req = 0;
-	m->pending_type = 0;
-	m->complete = NULL;
-	if (done) {
+	epd_member_complete_fn done;
+	uint64_t req = take_pending(m, &done);
+	if (done)
 		done(m, code, msg, NULL, 0);
-		return;
-	}
-	epd_session_error(m->client, req, code, "%s", msg);
+	else
+		epd_session_error(m->client, req, code, "%s", msg);
 }
 
 /* The global ranks of this node's local indices for which missing() holds,
@@ -295,17 +316,15 @@ static void group_timeout(uv_timer_t *t)
 	}
 	if (g->coll_type != EPP_BARRIER) {
 		uint16_t type = g->coll_type;
-		epd_list_ranks(miss, sizeof(miss), g, not_in_coll, &type);
-		epd_group_fail(g, EP_ETIMEDOUT,
-			       "%s timed out after %u ms; ranks never arrived: "
-			       "%s",
-			       epp_type_name(type), g->timeout_ms, miss);
+		epd_group_timed_out(g, epp_type_name(type), 0, "",
+				    "ranks never arrived", not_in_coll, &type,
+				    NULL, "-");
 		return;
 	}
 	uint64_t k = g->round + 1;
-	epd_list_ranks(miss, sizeof(miss), g, not_arrived, &k);
 	/* Remote rail peers that never arrived (scale-out phase). */
-	size_t off = strlen(miss);
+	size_t off = 0;
+	miss[0] = 0;
 	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++)
 		for (uint32_t n = 0; n < g->nnodes; n++) {
 			if (n == g->node_index ||
@@ -318,9 +337,27 @@ static void group_timeout(uv_timer_t *t)
 				break;
 			off += (size_t)w;
 		}
-	epd_group_fail(g, EP_ETIMEDOUT,
-		   "barrier %lu timed out after %u ms; ranks never arrived: %s",
-		   (unsigned long)k, g->timeout_ms, miss);
+	epd_group_timed_out(g, "barrier", k, "", "ranks never arrived",
+			    not_arrived, &k, miss, "-");
+}
+
+void epd_group_timed_out(struct epd_group *g, const char *op, uint64_t k,
+			 const char *where, const char *who,
+			 bool (*missing)(struct epd_group *, uint32_t l, void *),
+			 void *arg, const char *extra, const char *none)
+{
+	char miss[640], num[24] = "";
+	epd_list_ranks(miss, sizeof(miss), g, missing, arg);
+	if (extra && *extra) {
+		size_t off = strlen(miss);
+		snprintf(miss + off, sizeof(miss) - off, "%s%s", off ? "," : "",
+			 extra);
+	}
+	if (k)
+		snprintf(num, sizeof(num), " %llu", (unsigned long long)k);
+	epd_group_fail(g, EP_ETIMEDOUT, "%s%s timed out after %u ms%s; %s: %s",
+		       op, num, g->timeout_ms, where, who,
+		       *miss ? miss : none);
 }
 
 /* May uid create one more group of `bytes`? 0, or EP_ELIMIT with why. */

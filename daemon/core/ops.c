@@ -279,21 +279,17 @@ void epd_ops_finish(struct epd_group *g, uint16_t type, bool cached,
 }
 
 /* Back on the loop thread. */
+static void job_drop(void *j)
+{
+	job_free(j);
+}
+
 static void job_done(uv_work_t *req, int status)
 {
 	struct job *j = req->data;
 	struct epd_group *g = j->g;
-	g->busy = false;
-	if (g->free_pending) {
-		job_free(j);
-		epd_group_free(g);
+	if (!epd_group_job_ended(g, job_drop, j))
 		return;
-	}
-	if (g->state != EPD_G_READY) {
-		/* failed while running: the ranks got the error already */
-		job_free(j);
-		return;
-	}
 	if (status < 0 && !j->rc) {
 		j->rc = EP_EBACKEND;
 		snprintf(j->err, sizeof(j->err), "work cancelled: %s",

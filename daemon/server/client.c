@@ -130,7 +130,7 @@ static void handle_closed(uv_handle_t *h)
 	struct epd_client *c = h->data;
 	if (--c->pending_handles == 0) {
 		close(c->fd);
-		free(c->rbuf);
+		epp_rbuf_free(&c->rb);
 		free(c);
 	}
 }
@@ -416,53 +416,49 @@ static void frame_timeout(uv_timer_t *t)
 	snprintf(msg, sizeof(msg),
 		 "truncated frame: %zu bytes of a frame arrived, the rest not "
 		 "within %u ms",
-		 c->rlen, c->s.srv->cfg.frame_timeout_ms);
+		 epp_rbuf_live(&c->rb), c->s.srv->cfg.frame_timeout_ms);
 	client_fatal(c, 0, EP_EPROTO, msg);
 }
 
-/* Parse and handle every complete frame in rbuf. */
+static int client_frame(void *arg, const struct epp_hdr *h,
+			const uint8_t *frame)
+{
+	struct epd_client *c = arg;
+	if (h->nfds) {
+		client_fatal(c, h->req_id, EP_EPROTO,
+			     "clients may not send descriptors");
+		return 1;
+	}
+	handle_frame(c, h, frame + EPP_HDR_SIZE);
+	return c->closing || c->doomed;
+}
+
+/* Parse and handle every complete frame received. The buffer grows as
+ * bytes arrive, not when a header announces a large frame: a header costs
+ * no memory. */
 static void client_parse(struct epd_client *c)
 {
-	size_t off = 0;
-	while (!c->closing && !c->doomed && c->rlen - off >= EPP_HDR_SIZE) {
-		struct epp_hdr h;
-		char err[256];
-		int rc = epp_hdr_decode(c->rbuf + off, &h, err, sizeof(err));
-		if (rc) {
-			/* decode filled h before judging it: echo req_id */
-			client_fatal(c, h.req_id, rc, err);
-			return;
-		}
-		if (h.nfds) {
-			client_fatal(c, h.req_id, EP_EPROTO,
-				     "clients may not send descriptors");
-			return;
-		}
-		size_t need = EPP_HDR_SIZE + h.length;
-		/* (the buffer grows as bytes arrive, not when a header
-		 * announces a large frame: a header costs no memory) */
-		if (c->rlen - off < need)
-			break;
-		handle_frame(c, &h, c->rbuf + off + EPP_HDR_SIZE);
-		off += need;
-	}
+	const size_t before = epp_rbuf_live(&c->rb);
+	struct epp_hdr h;
+	char err[256];
+	int rc = epp_frames(&c->rb, 0, client_frame, c, &h, err, sizeof(err),
+			    NULL);
 	if (c->closing || c->doomed)
 		return;
-	memmove(c->rbuf, c->rbuf + off, c->rlen - off);
-	c->rlen -= off;
-	/* A large frame's buffer is given back once it was handled. */
-	if (c->rcap > RBUF_KEEP && c->rlen <= RBUF_MIN) {
-		uint8_t *nb = realloc(c->rbuf, RBUF_MIN);
-		if (nb) {
-			c->rbuf = nb;
-			c->rcap = RBUF_MIN;
-		}
+	if (rc) {
+		/* decode filled h before judging it: echo req_id */
+		client_fatal(c, h.req_id, rc, err);
+		return;
 	}
+	/* A large frame's buffer is given back once it was handled. */
+	epp_rbuf_shrink(&c->rb, RBUF_KEEP, RBUF_MIN);
 	/* One deadline for a whole frame from its first byte: a frame fed a
 	 * byte at a time does not get a new one with every byte. */
-	if (!c->rlen)
+	const size_t live = epp_rbuf_live(&c->rb);
+	if (!live)
 		uv_timer_stop(&c->frame_timer);
-	else if (off || !uv_is_active((uv_handle_t *)&c->frame_timer))
+	else if (live < before ||
+		 !uv_is_active((uv_handle_t *)&c->frame_timer))
 		uv_timer_start(&c->frame_timer, frame_timeout,
 			       c->s.srv->cfg.frame_timeout_ms, 0);
 }
@@ -474,24 +470,20 @@ static void client_parse(struct epd_client *c)
  * clients' replies waited. */
 #define READS_PER_TURN 8
 
+
 static void client_read(struct epd_client *c)
 {
 	for (int turn = 0; turn < READS_PER_TURN; turn++) {
-		if (c->rlen == c->rcap) {
-			size_t ncap = c->rcap * 2;
-			uint8_t *nb = realloc(c->rbuf, ncap);
-			if (!nb) {
-				epd_client_close(c, "out of memory");
-				return;
-			}
-			c->rbuf = nb;
-			c->rcap = ncap;
+		if (c->rb.len == c->rb.cap &&
+		    epp_rbuf_room(&c->rb, 1, RBUF_MIN)) {
+			epd_client_close(c, "out of memory");
+			return;
 		}
 		int fds[EPP_MAX_FDS];
 		unsigned nfds = 0;
 		bool trunc = false;
-		long n = epp_recvmsg(c->fd, c->rbuf + c->rlen,
-				     c->rcap - c->rlen, fds, &nfds, EPP_MAX_FDS,
+		long n = epp_recvmsg(c->fd, c->rb.p + c->rb.len,
+				     c->rb.cap - c->rb.len, fds, &nfds, EPP_MAX_FDS,
 				     &trunc);
 		for (unsigned i = 0; i < nfds; i++)
 			close(fds[i]);
@@ -510,14 +502,15 @@ static void client_read(struct epd_client *c)
 			return;
 		}
 		if (n == 0) {
-			if (c->rlen)
+			if (epp_rbuf_live(&c->rb))
 				epd_warn("client %lu: closed with %zu bytes of "
 					 "a truncated frame",
-					 (unsigned long)c->s.id, c->rlen);
+					 (unsigned long)c->s.id,
+					 epp_rbuf_live(&c->rb));
 			epd_client_close(c, "connection closed by peer");
 			return;
 		}
-		c->rlen += (size_t)n;
+		c->rb.len += (size_t)n;
 		client_parse(c);
 		if (c->closing || c->doomed)
 			return;
@@ -606,8 +599,7 @@ void epd_client_accept(struct epd_server *srv, int fd)
 	c->s.uid = cred.uid;
 	c->s.gid = cred.gid;
 	c->connected_ns = epd_now_ns();
-	c->rcap = RBUF_MIN;
-	c->rbuf = malloc(c->rcap);
+	int nomem = epp_rbuf_room(&c->rb, RBUF_MIN, RBUF_MIN);
 	LIST_INIT(&c->outq);
 	LIST_INIT(&c->s.members);
 	list_add_tail(&srv->clients, &c->node);
@@ -615,7 +607,7 @@ void epd_client_accept(struct epd_server *srv, int fd)
 	uv_timer_init(srv->loop, &c->frame_timer);
 	c->poll.data = c;
 	c->frame_timer.data = c;
-	if (!c->rbuf) {
+	if (nomem) {
 		epd_client_close(c, "out of memory");
 		return;
 	}

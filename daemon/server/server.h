@@ -8,6 +8,7 @@
 #define EPD_SERVER_H
 
 #include "core/core.h"
+#include "epp_rbuf.h"
 
 /* A queued outgoing frame. */
 struct epd_out {
@@ -27,8 +28,7 @@ struct epd_client {
 	uv_timer_t frame_timer; /* partial-frame timeout */
 	char name[64];
 	uint64_t connected_ns;
-	uint8_t *rbuf;
-	size_t rlen, rcap;
+	struct epp_rbuf rb; /* bytes received, not yet handled */
 	struct list_node outq;
 	size_t outq_bytes;
 	bool close_after_flush;

@@ -2,6 +2,7 @@
 /* proto/: every header field and payload rule, round trips and rejections. */
 #include "harness.h"
 #include "epp.h"
+#include "epp_rbuf.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -205,6 +206,95 @@ static void frames_with_fds(void)
 	close(sv[1]);
 }
 
+/* The stream buffer and the framing loop (epp_rbuf.h). */
+struct seen {
+	int n, stop_at;
+	uint16_t type[8];
+	uint8_t first[8];
+};
+
+static int on_frame(void *arg, const struct epp_hdr *h, const uint8_t *f)
+{
+	struct seen *s = arg;
+	s->type[s->n] = h->type;
+	s->first[s->n] = h->length ? f[EPP_HDR_SIZE] : 0;
+	s->n++;
+	return s->n == s->stop_at ? 7 : 0;
+}
+
+static void put_frame(struct epp_rbuf *b, uint16_t type, uint8_t fill,
+		      uint32_t len, size_t trailer)
+{
+	uint8_t hb[EPP_HDR_SIZE], body[256], tag[16];
+	struct epp_hdr h;
+	epp_hdr_init(&h, type, 1);
+	h.length = len;
+	epp_hdr_encode(&h, hb);
+	memset(body, fill, sizeof(body));
+	memset(tag, 0xee, sizeof(tag));
+	TH_OK(epp_rbuf_put(b, hb, sizeof(hb)));
+	TH_OK(epp_rbuf_put(b, body, len));
+	TH_OK(epp_rbuf_put(b, tag, trailer));
+}
+
+static void rbuf_frames(void)
+{
+	struct epp_rbuf b = {0};
+	struct epp_hdr h;
+	char err[128];
+	size_t want;
+	/* three frames with 16-byte trailers, the last one incomplete */
+	put_frame(&b, EPP_STATUS, 0x11, 5, 16);
+	put_frame(&b, EPP_BARRIER, 0x22, 200, 16);
+	put_frame(&b, EPP_LEAVE, 0x33, 9, 16);
+	b.len -= 4;
+	struct seen s = {0};
+	TH_OK(epp_frames(&b, 16, on_frame, &s, &h, err, sizeof(err), &want));
+	TH_CHECK(s.n == 2 && s.type[0] == EPP_STATUS && s.first[0] == 0x11 &&
+			 s.type[1] == EPP_BARRIER && s.first[1] == 0x22,
+		 "frames seen: %d", s.n);
+	TH_CHECK(want == EPP_HDR_SIZE + 9 + 16, "want %zu", want);
+	TH_CHECK(epp_rbuf_live(&b) == want - 4, "live %zu", epp_rbuf_live(&b));
+	/* more room than is left at the end: the live bytes move to the
+	 * front, the buffer does not grow */
+	size_t cap = b.cap;
+	TH_CHECK(b.off > 0, "frames were taken off the front");
+	TH_OK(epp_rbuf_room(&b, b.cap - b.len + 1, 0));
+	TH_CHECK(b.off == 0 && b.cap == cap, "compacted, cap %zu -> %zu", cap,
+		 b.cap);
+	memset(b.p + b.len, 0xee, 4);
+	b.len += 4;
+	TH_OK(epp_frames(&b, 16, on_frame, &s, &h, err, sizeof(err), &want));
+	TH_CHECK(s.n == 3 && s.first[2] == 0x33 && want == 0 &&
+			 epp_rbuf_live(&b) == 0,
+		 "the third frame, nothing left");
+	/* a stop from the callback: that frame is taken, the next stays */
+	put_frame(&b, EPP_STATUS, 1, 3, 0);
+	put_frame(&b, EPP_STATUS, 2, 3, 0);
+	struct seen t = {.stop_at = 1};
+	TH_CHECK(epp_frames(&b, 0, on_frame, &t, &h, err, sizeof(err),
+			    NULL) == 7 &&
+			 t.n == 1 && epp_rbuf_live(&b) == EPP_HDR_SIZE + 3,
+		 "stopped after one frame");
+	/* garbage: the header's error, nothing taken */
+	memset(b.p + b.off, 'x', EPP_HDR_SIZE);
+	TH_EXPECT_RC(epp_frames(&b, 0, on_frame, &t, &h, err, sizeof(err),
+				NULL),
+		     EP_EPROTO);
+	TH_CHECK(strstr(err, "bad magic") && t.n == 1 &&
+			 epp_rbuf_live(&b) == EPP_HDR_SIZE + 3,
+		 "garbage refused: %s", err);
+	/* a large buffer shrinks back once drained */
+	epp_rbuf_take(&b, epp_rbuf_live(&b));
+	TH_OK(epp_rbuf_room(&b, 1 << 20, 0));
+	size_t big = b.cap;
+	epp_rbuf_shrink(&b, 65536, 4096);
+	TH_CHECK(big >= (1 << 20) && b.cap == 4096, "cap %zu -> %zu", big,
+		 b.cap);
+	epp_rbuf_free(&b);
+	TH_CHECK(!b.p && !b.cap, "freed");
+}
+
 int main(void)
 {
 	th_init("proto", 30);
@@ -213,6 +303,7 @@ int main(void)
 	join_codec();
 	other_codecs();
 	frames_with_fds();
+	rbuf_frames();
 	printf("ok: proto\n");
 	return 0;
 }

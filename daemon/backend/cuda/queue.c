@@ -206,15 +206,12 @@ void cu_poll_cb(uv_timer_t *t)
 			uint64_t k = cu_widen(c->fb->seq, cu_known_top(c));
 			epd_list_ranks(miss, sizeof(miss), g, in_mask, &mask);
 			if (st == EK_BAR_TIMEOUT)
-				epd_group_fail(g, EP_ETIMEDOUT,
-					       "barrier %llu timed out after "
-					       "%u ms %s; ranks whose stream "
-					       "never arrived: %s",
-					       (unsigned long long)k,
-					       g->timeout_ms,
-					       c->hb ? "(host barrier)"
-						     : "on the device",
-					       miss);
+				epd_group_timed_out(
+					g, "barrier", k,
+					c->hb ? " (host barrier)"
+					      : " on the device",
+					"ranks whose stream never arrived",
+					in_mask, &mask, NULL, "-");
 			else
 				epd_group_fail(g, EP_EMISMATCH,
 					       "barrier %llu: ranks %s rang "
@@ -248,13 +245,9 @@ void cu_poll_cb(uv_timer_t *t)
 	}
 	uint64_t now = epd_now_ns(), budget = (uint64_t)g->timeout_ms * 1000000ull;
 	if (c->wait_ns && now - c->wait_ns > budget) {
-		char miss[512];
 		uint64_t k = c->enqueued + 1;
-		epd_list_ranks(miss, sizeof(miss), g, no_request, &k);
-		epd_group_fail(g, EP_ETIMEDOUT,
-			       "barrier %llu timed out after %u ms; ranks never "
-			       "arrived: %s",
-			       (unsigned long long)k, g->timeout_ms, miss);
+		epd_group_timed_out(g, "barrier", k, "", "ranks never arrived",
+				    no_request, &k, NULL, "-");
 		return;
 	}
 	if (c->completed >= c->enqueued) {
@@ -273,13 +266,10 @@ void cu_poll_cb(uv_timer_t *t)
 	if (c->enq_fast[(c->completed + 1) % MAX_INFLIGHT])
 		return;
 	if (now - c->oldest_ns > budget) {
-		char miss[512];
 		uint64_t k = c->completed + 1;
-		epd_list_ranks(miss, sizeof(miss), g, no_doorbell, &k);
-		epd_group_fail(g, EP_ETIMEDOUT,
-			       "barrier %llu timed out after %u ms on the "
-			       "device; ranks whose stream never arrived: %s",
-			       (unsigned long long)k, g->timeout_ms,
-			       *miss ? miss : "none (the daemon's stream)");
+		epd_group_timed_out(g, "barrier", k, " on the device",
+				    "ranks whose stream never arrived",
+				    no_doorbell, &k, NULL,
+				    "none (the daemon's stream)");
 	}
 }

@@ -35,6 +35,7 @@
  * RDMA device exists (the development and CI machines have none: see
  * README).
  */
+#include "epp_rbuf.h"
 #include "proxy.h"
 #include "transport/transport.h"
 #include "util/log.h"
@@ -134,8 +135,7 @@ struct epd_rconn {
 	/* send slots not in flight, and bytes not yet posted */
 	uint32_t free_slot[RD_SENDS];
 	int nfree;
-	uint8_t *pend;
-	size_t plen_bytes, pcap, poff;
+	struct epp_rbuf sq;
 };
 
 extern const struct epd_transport_ops epd_rdma_transport;
@@ -218,18 +218,18 @@ static int post_recv(struct epd_rconn *rc, uint32_t i)
 /* Post queued bytes while send slots are free. */
 static void pump(struct epd_rconn *rc)
 {
-	/* Not established yet: bytes wait in pend (the passive side can
+	/* Not established yet: bytes wait in sq (the passive side can
 	 * receive the dialler's hello, and answer it, before its own
 	 * ESTABLISHED event; its queue pair may not send before). */
 	if (!rc->connected)
 		return;
-	while (rc->nfree > 0 && rc->poff < rc->plen_bytes) {
+	while (rc->nfree > 0 && epp_rbuf_live(&rc->sq)) {
 		uint32_t s = rc->free_slot[--rc->nfree];
-		size_t n = rc->plen_bytes - rc->poff;
+		size_t n = epp_rbuf_live(&rc->sq);
 		if (n > RD_CHUNK)
 			n = RD_CHUNK;
 		uint8_t *buf = rc->mem + (size_t)(RD_RECVS + s) * RD_CHUNK;
-		memcpy(buf, rc->pend + rc->poff, n);
+		memcpy(buf, rc->sq.p + rc->sq.off, n);
 		struct ibv_sge sge = {.addr = (uintptr_t)buf,
 				      .length = (uint32_t)n,
 				      .lkey = rc->mr->lkey};
@@ -244,10 +244,8 @@ static void pump(struct epd_rconn *rc)
 			rconn_fail(rc, "ibv_post_send failed");
 			return;
 		}
-		rc->poff += n;
+		epp_rbuf_take(&rc->sq, n);
 	}
-	if (rc->poff == rc->plen_bytes)
-		rc->poff = rc->plen_bytes = 0;
 }
 
 static void on_cq(uv_poll_t *p, int status, int events)
@@ -599,7 +597,7 @@ static void rconn_free(struct epd_rconn *rc)
 	if (rc->next)
 		rc->next->pprev = rc->pprev;
 	free(rc->mem);
-	free(rc->pend);
+	epp_rbuf_free(&rc->sq);
 	free(rc);
 	rd->nconn--;
 	rdma_maybe_free(rd);
@@ -746,30 +744,14 @@ static int epd_rdma_send(struct epd_rconn *rc, const struct iovec *iov, int n)
 {
 	if (rc->closing || !rc->qp)
 		return -1;
-	if (rc->poff) { /* drop what is posted already */
-		memmove(rc->pend, rc->pend + rc->poff, rc->plen_bytes - rc->poff);
-		rc->plen_bytes -= rc->poff;
-		rc->poff = 0;
-	}
-	size_t need = rc->plen_bytes;
+	size_t need = 0;
 	for (int i = 0; i < n; i++)
 		need += iov[i].iov_len;
-	if (need > rc->pcap) {
-		size_t cap = rc->pcap ? rc->pcap : 65536;
-		while (cap < need)
-			cap *= 2;
-		uint8_t *p = realloc(rc->pend, cap);
-		if (!p)
-			return -1;
-		rc->pend = p;
-		rc->pcap = cap;
-	}
-	for (int i = 0; i < n; i++) {
-		if (iov[i].iov_len)
-			memcpy(rc->pend + rc->plen_bytes, iov[i].iov_base,
-			       iov[i].iov_len);
-		rc->plen_bytes += iov[i].iov_len;
-	}
+	/* room for the whole unit first: a stream never gets half of one */
+	if (epp_rbuf_room(&rc->sq, need, 65536))
+		return -1;
+	for (int i = 0; i < n; i++)
+		epp_rbuf_put(&rc->sq, iov[i].iov_base, iov[i].iov_len);
 	pump(rc);
 	return rc->closing ? -1 : 0;
 }

@@ -1,0 +1,144 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * libep on GPU ranks, the part every build has: the control page (host
+ * memory shared with the daemon), which carries completions and
+ * asynchronous errors, and the waits on it. The stream-ordered operations
+ * themselves are in libep_cuda.c (built with CUDA) or libep_nocuda.c.
+ */
+#include "libep_int.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+const uint8_t *ep__ctl_slot(const ep_group_t *g)
+{
+	uint32_t l = g->cfg.rank % g->cfg.ranks_per_node;
+	return (const uint8_t *)g->buf + (size_t)l * EPP_CTL_SLOT;
+}
+
+int ep__ctl_error(const ep_group_t *g)
+{
+	return __atomic_load_n((const int32_t *)(ep__ctl_slot(g) +
+						 EPP_CTL_ERR_CODE),
+			       __ATOMIC_ACQUIRE);
+}
+
+uint64_t ep__ctl_completed(const ep_group_t *g)
+{
+	return __atomic_load_n((const uint64_t *)(ep__ctl_slot(g) +
+						  EPP_CTL_COMPLETED),
+			       __ATOMIC_ACQUIRE);
+}
+
+/* An op that failed alone (the group goes on), reported once. */
+int ep__op_error(ep_group_t *g)
+{
+	if (!g->buf || g->cuda_device < 0)
+		return 0;
+	const uint8_t *sl = ep__ctl_slot(g);
+	uint64_t seq = __atomic_load_n((const uint64_t *)(sl +
+							  EPP_CTL_OP_ERR_SEQ),
+				       __ATOMIC_ACQUIRE);
+	if (seq <= g->op_err_seen || seq > g->sent)
+		return 0;
+	g->op_err_seen = seq;
+	int code = *(const int32_t *)(sl + EPP_CTL_OP_ERR_CODE);
+	uint64_t pos = *(const uint64_t *)(sl + EPP_CTL_OP_ERR_POS);
+	if (pos == UINT64_MAX) /* found on another node: in its log */
+		return ep__fail(code,
+				"op %llu changed nothing: an expert index out "
+				"of range (the daemons' logs name it)",
+				(unsigned long long)seq);
+	return ep__fail(code,
+			"op %llu changed nothing: expert index out of range "
+			"at rank %llu, token %llu, k %llu",
+			(unsigned long long)seq, (unsigned long long)(pos >> 48),
+			(unsigned long long)((pos >> 16) & 0xffffffffull),
+			(unsigned long long)(pos & 0xffff));
+}
+
+int ep_group_error(ep_group_t *g)
+{
+	if (!g)
+		return ep__fail(EP_EINVAL, "NULL group");
+	int e = g->buf ? ep__ctl_error(g) : 0;
+	if (e)
+		return ep__fail(e, "%.*s", (int)EPP_CTL_MSG_MAX,
+				(const char *)ep__ctl_slot(g) + EPP_CTL_ERR_MSG);
+	if (g->conn->async_err)
+		return g->conn->async_err;
+	return ep__op_error(g);
+}
+
+/* The kernel stores 32-bit sequence numbers. */
+uint64_t ep__completed_full(const ep_group_t *g)
+{
+	uint64_t v = ep__ctl_completed(g) & 0xffffffffull;
+	uint64_t full = (g->sent & ~0xffffffffull) | v;
+	if (full > g->sent)
+		full -= 1ull << 32;
+	return full;
+}
+
+static uint64_t now_ms(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
+}
+
+/* Wait until at most `behind` ops are incomplete. Ops that completed are
+ * good even if the group failed after them (a rank leaving once its work
+ * is done): the error belongs to the ops that did not complete. */
+int ep__wait_completed(ep_group_t *g, uint64_t behind)
+{
+	uint64_t end = now_ms() + (uint64_t)ep__group_op_timeout(g);
+	unsigned spins = 0;
+	while (g->sent - ep__completed_full(g) > behind) {
+		if (ep__ctl_error(g)) {
+			if (getenv("EP_DEBUG"))
+				fprintf(stderr,
+					"libep: rank %u: sent %llu completed "
+					"%llu (raw %llu)\n",
+					g->cfg.rank,
+					(unsigned long long)g->sent,
+					(unsigned long long)ep__completed_full(g),
+					(unsigned long long)ep__ctl_completed(g));
+			return ep_group_error(g);
+		}
+		if (now_ms() > end)
+			return ep__fail(EP_ETIMEDOUT,
+					"%llu stream-ordered ops still not "
+					"complete",
+					(unsigned long long)(g->sent -
+							     ep__completed_full(g)));
+		if (++spins > 100)
+			usleep(20);
+	}
+	return 0;
+}
+
+int ep_group_sync(ep_group_t *g)
+{
+	if (!g)
+		return ep__fail(EP_EINVAL, "NULL group");
+	if (g->cuda_device < 0)
+		return 0;
+	int rc = ep__wait_completed(g, 0);
+	return rc ? rc : ep__op_error(g);
+}
+
+uint64_t ep_dispatch_recv_count_device(const ep_group_t *g)
+{
+	return g && g->dev_ptr ? g->dev_ptr + EPP_DEV_RECV_COUNT : 0;
+}
+
+uint64_t ep_group_device_region(const ep_group_t *g, size_t *size)
+{
+	if (size)
+		*size = g ? g->dev_size : 0;
+	return g ? g->dev_ptr : 0;
+}

@@ -1,0 +1,56 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * libep built without CUDA: the stream-ordered API answers
+ * EP_EUNSUPPORTED (the host API works as always), and a join that names a
+ * GPU is refused before anything is sent. libep_cuda.c replaces this file
+ * in a build with CUDA.
+ */
+#include "libep_int.h"
+
+#include <unistd.h>
+
+int ep__cuda_prepare(int dev, uint8_t uuid[16], uint32_t *rank_flags)
+{
+	(void)dev, (void)uuid, (void)rank_flags;
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}
+
+int ep__cuda_map(ep_group_t *g, int fd, uint64_t size)
+{
+	(void)g, (void)size;
+	close(fd);
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}
+
+void ep__cuda_unmap(ep_group_t *g)
+{
+	(void)g;
+}
+
+int ep_barrier_stream(ep_group_t *g, void *stream)
+{
+	(void)g, (void)stream;
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}
+
+int ep_dispatch_stream(ep_group_t *g, uint32_t num_tokens, unsigned flags,
+		       const ep_handle_t *cached, void *stream,
+		       ep_handle_t *handle)
+{
+	(void)g, (void)num_tokens, (void)flags, (void)cached, (void)stream;
+	(void)handle;
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}
+
+int ep_combine_stream(ep_group_t *g, const ep_handle_t *h, unsigned flags,
+		      void *stream)
+{
+	(void)g, (void)h, (void)flags, (void)stream;
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}
+
+int ep_dispatch_recv_count(ep_group_t *g, ep_handle_t *h)
+{
+	(void)g, (void)h;
+	return 0; /* host dispatches return their count */
+}
