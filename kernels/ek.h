@@ -2,7 +2,7 @@
 /*
  * ek: the data-path kernels' interface, one per backend (host/, cuda/).
  *
- * Routing (DESIGN.md section 3): expert e lives on rank e / (E/W). Token t of
+ * Routing (doc/design.md, section 3): expert e lives on rank e / (E/W). Token t of
  * source rank s goes once to every rank that hosts one of its experts. On a
  * destination, rows are ordered by source rank, then source token; the row
  * of (s, t) on d is slot[s][t*W + d] = offset[s][d] + the number of tokens

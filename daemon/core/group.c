@@ -1,11 +1,13 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Groups: creation on the first JOIN, readiness once every local rank joined,
- * failure when a rank goes away or a collective times out, and the two-phase
- * barrier (scale-out rail, then scale-up node; DESIGN.md section 3).
+ * failure when a rank goes away or a collective times out, replies to
+ * members, the timeouts and their diagnosis, shutdown. The collectives'
+ * entry and the barrier are in coll.c.
  */
 #include "core.h"
 #include "backend.h"
+#include "group_int.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -260,7 +262,7 @@ static void join_reply(struct epd_member *m)
 			g->dev ? 2 : 1);
 }
 
-static bool not_joined(struct epd_group *g, uint32_t l, void *arg)
+bool epd_not_joined(struct epd_group *g, uint32_t l, void *arg)
 {
 	(void)arg;
 	return g->local[l] == NULL;
@@ -277,13 +279,13 @@ static bool not_in_coll(struct epd_group *g, uint32_t l, void *arg)
 	return !g->local[l] || g->local[l]->pending_type != *(uint16_t *)arg;
 }
 
-static void group_timeout(uv_timer_t *t)
+void epd_group_timeout(uv_timer_t *t)
 {
 	struct epd_group *g = t->data;
 	char miss[512];
 	if (g->state == EPD_G_FORMING) {
 		/* Joiners waiting for readiness give up and are removed. */
-		epd_list_ranks(miss, sizeof(miss), g, not_joined, NULL);
+		epd_list_ranks(miss, sizeof(miss), g, epd_not_joined, NULL);
 		char msg[700];
 		snprintf(msg, sizeof(msg),
 			 "group %s not ready after %u ms; ranks never joined: "
@@ -671,7 +673,7 @@ int epd_group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 		if (flags & EPP_F_JOIN_NOWAIT)
 			join_reply(m);
 		if (g->njoined == 1 || !uv_is_active((uv_handle_t *)&g->timer))
-			uv_timer_start(&g->timer, group_timeout, g->timeout_ms,
+			uv_timer_start(&g->timer, epd_group_timeout, g->timeout_ms,
 				       0);
 	}
 	return 0;
@@ -697,11 +699,11 @@ void epd_member_remove(struct epd_member *m, const char *why)
 		group_destroy(g);
 	else if (g->state == EPD_G_FORMING && !g->timer_closing &&
 		 !uv_is_active((uv_handle_t *)&g->timer))
-		uv_timer_start(&g->timer, group_timeout, g->timeout_ms, 0);
+		uv_timer_start(&g->timer, epd_group_timeout, g->timeout_ms, 0);
 }
 
 /* The member of group gid on this connection, or an ENOGROUP reply. */
-static struct epd_member *member_lookup(struct epd_session *c, uint64_t req_id,
+struct epd_member *epd_member_lookup(struct epd_session *c, uint64_t req_id,
 					uint64_t gid)
 {
 	struct epd_member *m = epd_member_find(c, gid);
@@ -715,7 +717,7 @@ static struct epd_member *member_lookup(struct epd_session *c, uint64_t req_id,
 
 int epd_group_leave(struct epd_session *c, uint64_t req_id, uint64_t gid)
 {
-	struct epd_member *m = member_lookup(c, req_id, gid);
+	struct epd_member *m = epd_member_lookup(c, req_id, gid);
 	if (!m)
 		return EP_ENOGROUP;
 	/* (a stream-ordered op in the host path does not hold a leave: the
@@ -728,232 +730,6 @@ int epd_group_leave(struct epd_session *c, uint64_t req_id, uint64_t gid)
 	epd_member_remove(m, "left");
 	epd_session_send(c, EPP_OK, 0, req_id, NULL, 0, NULL, 0);
 	return 0;
-}
-
-/* Phase 1 of round k for local index l: the rail (the ranks with local index
- * l on every node) has arrived. */
-static bool rail_arrived(struct epd_group *g, uint32_t l, uint64_t k)
-{
-	if (!g->local[l] || g->local[l]->barrier_seq < k)
-		return false;
-	for (uint32_t n = 0; n < g->nnodes; n++)
-		if (n != g->node_index && g->rail_remote[l * g->nnodes + n] < k)
-			return false;
-	return true;
-}
-
-static void barrier_progress(struct epd_group *g)
-{
-	uint64_t k = g->round + 1;
-	uint32_t rpn = g->shape.ranks_per_node;
-	/* Phase 1: scale-out (rail). */
-	for (uint32_t l = 0; l < rpn; l++)
-		if (g->rail_done[l] < k && rail_arrived(g, l, k))
-			g->rail_done[l] = k;
-	/* Phase 2: scale-up (node), only on completed phase-1 counters. */
-	for (uint32_t l = 0; l < rpn; l++)
-		if (g->rail_done[l] < k)
-			return;
-	g->round = k;
-	g->n_barrier++;
-	g->op_ns[0] += epd_now_ns() - g->coll_start_ns;
-	g->coll_type = 0;
-	g->coll_arrived = 0;
-	uv_timer_stop(&g->timer);
-	for (uint32_t l = 0; l < rpn; l++) {
-		struct epd_member *m = g->local[l];
-		if (m && m->pending_type == EPP_BARRIER)
-			epd_member_reply_ok(m, NULL, 0);
-	}
-}
-
-void epd_group_staged_barrier(struct epd_group *g, uint64_t seq,
-			      epd_member_complete_fn done)
-{
-	uint32_t rpn = g->shape.ranks_per_node;
-	g->coll_type = EPP_BARRIER;
-	g->coll_arrived = rpn;
-	g->coll_start_ns = epd_now_ns();
-	for (uint32_t l = 0; l < rpn; l++) {
-		struct epd_member *m = g->local[l];
-		m->barrier_seq++;
-		m->pending_req = seq;
-		m->pending_type = EPP_BARRIER;
-		m->complete = done;
-	}
-	if (epd_group_remote_check(g))
-		return; /* failed, and replied */
-	for (uint32_t l = 0; l < rpn; l++)
-		if (g->srv->span->arrival(g, l, g->local[l]->barrier_seq))
-			return;
-	epd_group_arm_timer(g);
-	barrier_progress(g);
-}
-
-void epd_group_arm_timer(struct epd_group *g)
-{
-	if (!uv_is_active((uv_handle_t *)&g->timer)) {
-		g->round_started_ns = epd_now_ns();
-		uv_timer_start(&g->timer, group_timeout, g->timeout_ms, 0);
-	}
-}
-
-struct epd_member *epd_coll_enter(struct epd_session *c, uint64_t req_id,
-				  uint64_t gid)
-{
-	struct epd_member *m = member_lookup(c, req_id, gid);
-	if (!m)
-		return NULL;
-	struct epd_group *g = m->group;
-	if (g->state == EPD_G_FAILED) {
-		g->n_errors++;
-		epd_session_error(c, req_id, g->fail_code, "group %s failed: %s",
-				 g->shape.name, g->last_error);
-		return NULL;
-	}
-	if (g->state == EPD_G_FORMING) {
-		char miss[512];
-		epd_list_ranks(miss, sizeof(miss), g, not_joined, NULL);
-		epd_session_error(c, req_id, EP_ENOTREADY,
-				 "group %s is not ready; ranks not joined: %s",
-				 g->shape.name, miss);
-		return NULL;
-	}
-	if (m->pending_req) {
-		epd_session_error(c, req_id, EP_EBUSY,
-				 "an operation of rank %u is in flight",
-				 m->rank);
-		return NULL;
-	}
-	return m;
-}
-
-/* After the rank's own request passed its checks (a request refused for
- * this rank alone -- stale handle, wrong shape -- never enters and so
- * never judges the others): do the ranks' programs agree? */
-bool epd_coll_agree(struct epd_member *m, uint64_t req_id, uint16_t type)
-{
-	struct epd_group *g = m->group;
-	struct epd_session *c = m->client;
-	if (g->coll_type && g->coll_type != type) {
-		/* The ranks' programs disagree: nothing can complete. */
-		epd_session_error(c, req_id, EP_EMISMATCH,
-				 "rank %u called %s while other ranks of group "
-				 "%s are in %s",
-				 m->rank, epp_type_name(type), g->shape.name,
-				 epp_type_name(g->coll_type));
-		epd_group_fail(g, EP_EMISMATCH,
-			       "rank %u called %s while other ranks were in %s",
-			       m->rank, epp_type_name(type),
-			       epp_type_name(g->coll_type));
-		return false;
-	}
-	return true;
-}
-
-int epd_group_async(struct epd_session *c, uint64_t req_id, uint64_t gid,
-		    const struct epd_aop *op)
-{
-	struct epd_member *m = member_lookup(c, req_id, gid);
-	if (!m)
-		return EP_ENOGROUP;
-	struct epd_group *g = m->group;
-	if (!g->dev) {
-		epd_session_error(c, req_id, EP_EUNSUPPORTED,
-				 "group %s has host ranks: no stream-ordered "
-				 "operations",
-				 g->shape.name);
-		return EP_EUNSUPPORTED;
-	}
-	/* A failed group already released the streams and wrote the error
-	 * to the control page; the rank reads it there. */
-	if (g->state == EPD_G_FAILED)
-		return g->fail_code;
-	if (g->state != EPD_G_READY) {
-		epd_session_error(c, req_id, EP_ENOTREADY,
-				 "group %s is not ready", g->shape.name);
-		return EP_ENOTREADY;
-	}
-	/* libep checks these; a request past them cannot be skipped in a
-	 * pipeline, so the group fails. */
-	const struct epp_join *s = &g->shape;
-	if (op->type == EPP_DISPATCH && op->tokens > s->max_tokens) {
-		epd_group_fail(g, EP_ETOOBIG,
-			       "rank %u dispatched %u tokens; the maximum is %u",
-			       m->rank, op->tokens, s->max_tokens);
-		return EP_ETOOBIG;
-	}
-	g->dev->op(m, op);
-	return 0;
-}
-
-int epd_group_barrier(struct epd_session *c, uint64_t req_id, uint64_t gid)
-{
-	struct epd_member *m = epd_coll_enter(c, req_id, gid);
-	if (!m || !epd_coll_agree(m, req_id, EPP_BARRIER))
-		return EP_EINVAL;
-	struct epd_group *g = m->group;
-	g->coll_type = EPP_BARRIER;
-	if (g->coll_arrived++ == 0)
-		g->coll_start_ns = epd_now_ns();
-	m->barrier_seq++;
-	m->pending_req = req_id;
-	m->pending_type = EPP_BARRIER;
-	/* Phase 1 needs the rail: tell the other nodes of the group. */
-	if (g->nnodes > 1 &&
-	    (epd_group_remote_check(g) ||
-	     g->srv->span->arrival(g, m->local, m->barrier_seq)))
-		return EP_EPEERLOST; /* the group failed and replied */
-	epd_group_arm_timer(g);
-	barrier_progress(g);
-	return 0;
-}
-
-bool epd_group_remote_check(struct epd_group *g)
-{
-	if (!g->rfail_code || g->state == EPD_G_FAILED)
-		return false;
-	bool past = false;
-	/* a barrier beyond the rounds the failed node entered */
-	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++)
-		if (g->local[l] && g->local[l]->pending_type == EPP_BARRIER &&
-		    g->local[l]->barrier_seq > g->rfail_round)
-			past = true;
-	/* a data op past the ones it completed */
-	if (g->coll_type && g->coll_type != EPP_BARRIER &&
-	    g->xop_next >= g->rfail_xop)
-		past = true;
-	if (!past)
-		return false;
-	g->failing_remote = true;
-	epd_group_fail(g, g->rfail_code, "%s", g->rfail_msg);
-	return true;
-}
-
-void epd_group_remote_failure(struct epd_group *g, const char *node,
-			      int code, const char *msg, uint64_t round,
-			      uint64_t xops)
-{
-	if (g->state == EPD_G_FAILED || g->rfail_code)
-		return;
-	g->rfail_code = code;
-	g->rfail_round = round;
-	g->rfail_xop = xops;
-	snprintf(g->rfail_msg, sizeof(g->rfail_msg), "on node %s: %s", node,
-		 msg);
-	epd_group_remote_check(g);
-}
-
-void epd_group_remote_arrival(struct epd_group *g, uint32_t node, uint32_t l,
-			      uint64_t seq)
-{
-	if (node >= g->nnodes || l >= g->shape.ranks_per_node)
-		return;
-	uint64_t *c = &g->rail_remote[l * g->nnodes + node];
-	if (seq > *c)
-		*c = seq;
-	if (g->state == EPD_G_READY)
-		barrier_progress(g);
 }
 
 void epd_groups_shutdown(struct epd_server *srv)

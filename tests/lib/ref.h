@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * An independent reference for dispatch and combine, written from the
- * definition (DESIGN.md section 3) as a plain all-to-all, sharing no code
+ * definition (doc/design.md, section 3) as a plain all-to-all, sharing no code
  * with kernels/. Inputs are generated from a seed, so every rank can build
  * every other rank's inputs and the whole expected result.
  */

@@ -1,146 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The rdma transport of the cluster (librdmacm + libibverbs): a reliable,
- * ordered byte stream per peer over an RC queue pair, which cluster.c uses
- * exactly as it uses a tcp connection (same frames, same HELLO/AUTH).
- *
- * Connection management: one rdma_cm event channel, watched from the libuv
- * loop (uv_poll). A dial resolves the address and the route, creates the
- * queue pair and connects with private data that cluster.c fills (version,
- * cluster id, node index, a proof of the key) and checks on the other side
- * before accepting, so a stranger is rejected before any queue pair is
- * made for it.
- *
- * Data: each connection registers one block: RD_RECVS receive buffers, all
- * posted, and RD_SENDS send buffers. Bytes to send are queued and cut into
- * chunks of RD_CHUNK, each one SEND; a receive completion hands its bytes
- * up and reposts the buffer. Flow control is the RC transport's: a SEND
- * that finds no posted buffer is retried by the hardware (receiver not
- * ready, retried without limit). Completions come through a completion
- * channel per connection, also watched from the loop.
- *
- * Token rows (xnode.c) move by RDMA WRITE, one work request per row, from
- * the source rank's registered input to the destination rank's registered
- * receive buffer on the peer (its address and key came in the group's
- * XWIN frame); the last write to a peer carries an immediate that tells it
- * the op's rows from this node are all placed (RC orders it after them).
- * Writes are queued on the proxy (proxy.h) by any thread and posted by its
- * thread, at most RD_WRITES outstanding per queue pair, a completion asked
- * for every RD_SIGNAL writes and on each immediate. The regions live in
- * one protection domain shared by the queue pairs of the first device
- * (rd->pd); a connection on another device gets its own and is not offered
- * for writes (frames carry its rows).
- *
- * Compiled whenever libibverbs and librdmacm are found; run only where an
- * RDMA device exists (the development and CI machines have none: see
- * README).
+ * The rdma transport (rdma_int.h): connection management. The CM event
+ * channel on the loop, listening and dialling with private data, device
+ * removal, freeing, and the transport table (transport.h).
  */
-#include "epp_rbuf.h"
-#include "proxy.h"
-#include "transport/transport.h"
-#include "util/log.h"
-
-#include <arpa/inet.h>
-#include <errno.h>
-#include <sched.h>
-#include <fcntl.h>
-#include <infiniband/verbs.h>
-#include <rdma/rdma_cma.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
-#define RD_CHUNK 65536
-#define RD_RECVS 32
-#define RD_SENDS 32
-#define RD_TIMEOUT_MS 2000
-#define RD_WRITES 1024 /* writes outstanding per queue pair */
-#define RD_SIGNAL 64   /* a completion every this many writes */
-#define RD_PROXY_SLOTS 8192
-/* wr_id of a signaled write: marker, immediate, writes covered, cookie */
-#define WR_WRITE (1ull << 63)
-#define WR_IMM (1ull << 62)
-#define WR_COUNT_SHIFT 47
-#define WR_COOKIE_MASK ((1ull << WR_COUNT_SHIFT) - 1)
-
-struct epd_rdma {
-	struct epd_transport base;
-	uv_loop_t *loop;
-	const struct epd_transport_cb *cb;
-	void *arg;
-	struct rdma_event_channel *ch;
-	struct rdma_cm_id *listener;
-	uv_poll_t poll;
-	int nconn; /* connections not yet freed (their ids use ch) */
-	bool closing, poll_closed;
-	/* the protection domain of the first device's queue pairs, where
-	 * regions for writes are registered; freed last */
-	struct ibv_pd *pd;
-	struct ibv_context *pd_ctx;
-	int nmr;
-	/* Device removal (RDMA_CM_EVENT_DEVICE_REMOVAL): the kernel waits
-	 * until every object on the device is gone. Regions are deregistered
-	 * at once (their owners free the husks later), connections on it
-	 * fail, the listener on it goes; the shared domain is freed with the
-	 * last queue pair in it (dead_users), and librdmacm closes its device
-	 * context once it learns the device is gone (sync_devices below). */
-	struct epd_rconn *conns; /* every connection not yet freed */
-	struct epd_rmr *mrs;     /* every region */
-	struct ibv_pd *dead_pd;
-	int dead_users;
-	bool drop_listener; /* destroy it once the event is acked */
-	bool relisten;      /* the listener went with a device */
-	uv_timer_t relisten_timer; /* tries to listen again, every second */
-	bool relisten_init;
-	struct sockaddr_storage listen_sa;
-	char removed[96];   /* the last removal, for errors and status */
-	struct epd_proxy *proxy;
-	/* connections closed while the proxy may still hold writes for
-	 * them: freed once it passed linger_ticket */
-	struct epd_rconn *linger;
-	uv_timer_t linger_timer;
-	bool linger_init;
-};
-
-struct epd_rmr {
-	struct epd_tmr base; /* its keys */
-	struct epd_rdma *rd;
-	struct ibv_mr *mr; /* NULL once its device was removed */
-	struct ibv_context *ctx;
-	struct epd_rmr *next, **pprev;
-};
-
-struct epd_rconn {
-	struct epd_tconn base; /* base.user: NULL once closed: no more
-				  callbacks */
-	struct epd_rdma *rd;
-	struct rdma_cm_id *id;
-	struct ibv_pd *pd;
-	struct ibv_comp_channel *cc;
-	struct ibv_cq *cq;
-	struct ibv_mr *mr;
-	uint8_t *mem; /* [RD_RECVS + RD_SENDS][RD_CHUNK] */
-	uv_poll_t cq_poll;
-	uv_timer_t reaper; /* closed last: frees the connection */
-	int handles;       /* open libuv handles */
-	bool polling, qp, connected, closing, own_pd;
-	int refs;               /* epd_rdma_hold */
-	int wr_out;             /* writes outstanding (atomic) */
-	uint32_t unsignaled;    /* proxy thread only */
-	uint64_t linger_ticket; /* proxy ticket to pass before the free */
-	struct epd_rconn *linger_next;
-	uint8_t pdata[64];
-	uint8_t plen;
-	struct epd_rconn *next, **pprev; /* rd->conns */
-	/* send slots not in flight, and bytes not yet posted */
-	uint32_t free_slot[RD_SENDS];
-	int nfree;
-	struct epp_rbuf sq;
-};
-
-extern const struct epd_transport_ops epd_rdma_transport;
-static void epd_rdma_close(struct epd_rconn *rc);
-static void rconn_fail(struct epd_rconn *rc, const char *why);
+#include "rdma_int.h"
 
 static bool epd_rdma_available(char *why, size_t len)
 {
@@ -181,137 +45,6 @@ static void peer_name(struct rdma_cm_id *id, char *out, size_t cap)
 			  &((const struct sockaddr_in6 *)sa)->sin6_addr, ip,
 			  sizeof(ip));
 	snprintf(out, cap, "rdma from %s", ip);
-}
-
-/* A receive's bytes, into the buffer the cluster gives. */
-static void deliver(struct epd_rconn *rc, const uint8_t *p, size_t n)
-{
-	size_t room = 0;
-	uint8_t *to = rc->rd->cb->rx_buf(rc->rd->arg, rc->base.user, n, &room);
-	if (!to || room < n) {
-		rconn_fail(rc, "out of memory");
-		return;
-	}
-	memcpy(to, p, n);
-	rc->rd->cb->rx(rc->rd->arg, rc->base.user, n);
-}
-
-static void rconn_fail(struct epd_rconn *rc, const char *why)
-{
-	void *u = rc->base.user;
-	rc->base.user = NULL;
-	if (u)
-		rc->rd->cb->closed(rc->rd->arg, u, why);
-	epd_rdma_close(rc);
-}
-
-static int post_recv(struct epd_rconn *rc, uint32_t i)
-{
-	struct ibv_sge sge = {.addr = (uintptr_t)(rc->mem + (size_t)i * RD_CHUNK),
-			      .length = RD_CHUNK,
-			      .lkey = rc->mr->lkey};
-	struct ibv_recv_wr wr = {.wr_id = i, .sg_list = &sge, .num_sge = 1},
-			   *bad;
-	return ibv_post_recv(rc->id->qp, &wr, &bad);
-}
-
-/* Post queued bytes while send slots are free. */
-static void pump(struct epd_rconn *rc)
-{
-	/* Not established yet: bytes wait in sq (the passive side can
-	 * receive the dialler's hello, and answer it, before its own
-	 * ESTABLISHED event; its queue pair may not send before). */
-	if (!rc->connected)
-		return;
-	while (rc->nfree > 0 && epp_rbuf_live(&rc->sq)) {
-		uint32_t s = rc->free_slot[--rc->nfree];
-		size_t n = epp_rbuf_live(&rc->sq);
-		if (n > RD_CHUNK)
-			n = RD_CHUNK;
-		uint8_t *buf = rc->mem + (size_t)(RD_RECVS + s) * RD_CHUNK;
-		memcpy(buf, rc->sq.p + rc->sq.off, n);
-		struct ibv_sge sge = {.addr = (uintptr_t)buf,
-				      .length = (uint32_t)n,
-				      .lkey = rc->mr->lkey};
-		struct ibv_send_wr wr = {.wr_id = RD_RECVS + s,
-					 .sg_list = &sge,
-					 .num_sge = 1,
-					 .opcode = IBV_WR_SEND,
-					 .send_flags = IBV_SEND_SIGNALED},
-				   *bad;
-		if (ibv_post_send(rc->id->qp, &wr, &bad)) {
-			rc->free_slot[rc->nfree++] = s;
-			rconn_fail(rc, "ibv_post_send failed");
-			return;
-		}
-		epp_rbuf_take(&rc->sq, n);
-	}
-}
-
-static void on_cq(uv_poll_t *p, int status, int events)
-{
-	struct epd_rconn *rc = p->data;
-	(void)events;
-	if (status < 0) {
-		rconn_fail(rc, uv_strerror(status));
-		return;
-	}
-	struct ibv_cq *cq;
-	void *ctx;
-	while (ibv_get_cq_event(rc->cc, &cq, &ctx) == 0) {
-		ibv_ack_cq_events(cq, 1);
-		if (ibv_req_notify_cq(cq, 0)) {
-			rconn_fail(rc, "ibv_req_notify_cq failed");
-			return;
-		}
-	}
-	struct ibv_wc wc[16];
-	int n = 0;
-	while (!rc->closing && (n = ibv_poll_cq(rc->cq, 16, wc)) > 0) {
-		for (int i = 0; i < n && !rc->closing; i++) {
-			if (wc[i].status != IBV_WC_SUCCESS) {
-				rconn_fail(rc, ibv_wc_status_str(wc[i].status));
-				return;
-			}
-			uint32_t slot = (uint32_t)wc[i].wr_id;
-			if (wc[i].opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
-				/* a peer's rows are placed; no bytes here */
-				if (rc->base.user && rc->rd->cb->imm)
-					rc->rd->cb->imm(rc->rd->arg, rc->base.user,
-							 ntohl(wc[i].imm_data));
-				if (!rc->closing && post_recv(rc, slot)) {
-					rconn_fail(rc, "ibv_post_recv failed");
-					return;
-				}
-			} else if (wc[i].wr_id & WR_WRITE) {
-				uint64_t id = wc[i].wr_id;
-				__atomic_fetch_sub(
-					&rc->wr_out,
-					(int)((id & ~(WR_WRITE | WR_IMM)) >>
-					      WR_COUNT_SHIFT),
-					__ATOMIC_RELEASE);
-				if (id & WR_IMM && rc->base.user &&
-				    rc->rd->cb->written)
-					rc->rd->cb->written(rc->rd->arg, rc->base.user,
-							     id & WR_COOKIE_MASK);
-			} else if (wc[i].opcode & IBV_WC_RECV) {
-				if (rc->base.user)
-					deliver(rc, rc->mem + (size_t)slot *
-								  RD_CHUNK,
-						wc[i].byte_len);
-				if (!rc->closing && post_recv(rc, slot)) {
-					rconn_fail(rc, "ibv_post_recv failed");
-					return;
-				}
-			} else {
-				rc->free_slot[rc->nfree++] = slot - RD_RECVS;
-			}
-		}
-		if (!rc->closing)
-			pump(rc);
-	}
-	if (n < 0 && !rc->closing)
-		rconn_fail(rc, "ibv_poll_cq failed");
 }
 
 /* Protection domain, completion channel and queue, the queue pair, the
@@ -362,7 +95,7 @@ static int setup_qp(struct epd_rconn *rc, char *why, size_t len)
 		return -1;
 	}
 	for (uint32_t i = 0; i < RD_RECVS; i++)
-		if (post_recv(rc, i)) {
+		if (rd_post_recv(rc, i)) {
 			snprintf(why, len, "ibv_post_recv: %s", strerror(errno));
 			return -1;
 		}
@@ -376,7 +109,7 @@ static int setup_qp(struct epd_rconn *rc, char *why, size_t len)
 	rc->cq_poll.data = rc;
 	rc->polling = true;
 	rc->handles++;
-	uv_poll_start(&rc->cq_poll, UV_READABLE, on_cq);
+	uv_poll_start(&rc->cq_poll, UV_READABLE, rd_on_cq);
 	return 0;
 }
 
@@ -527,7 +260,7 @@ static void cm_event(struct epd_rdma *rd, struct rdma_cm_event *ev)
 		if (!rc || rc->closing)
 			return;
 		rc->connected = true;
-		pump(rc); /* what was answered before the event */
+		rd_pump(rc); /* what was answered before the event */
 		if (rc->base.user && !rc->closing)
 			rd->cb->established(rd->arg, rc->base.user);
 		return;
@@ -567,9 +300,7 @@ static void cm_event(struct epd_rdma *rd, struct rdma_cm_event *ev)
 	}
 }
 
-static void rdma_maybe_free(struct epd_rdma *rd);
-
-static void rconn_free(struct epd_rconn *rc)
+void rconn_free(struct epd_rconn *rc)
 {
 	struct epd_rdma *rd = rc->rd;
 	if (rc->qp)
@@ -600,7 +331,7 @@ static void rconn_free(struct epd_rconn *rc)
 	epp_rbuf_free(&rc->sq);
 	free(rc);
 	rd->nconn--;
-	rdma_maybe_free(rd);
+	rd_rdma_maybe_free(rd);
 }
 
 static void on_cm(uv_poll_t *p, int status, int events)
@@ -625,7 +356,6 @@ static void on_cm(uv_poll_t *p, int status, int events)
 	}
 }
 
-static void rd_post(void *arg, const struct epd_cmd *c, size_t n);
 static int relisten(struct epd_rdma *rd);
 
 static void relisten_tick(uv_timer_t *t)
@@ -740,214 +470,7 @@ static struct epd_rconn *epd_rdma_dial(struct epd_rdma *rd, const struct sockadd
 	return rc;
 }
 
-static int epd_rdma_send(struct epd_rconn *rc, const struct iovec *iov, int n)
-{
-	if (rc->closing || !rc->qp)
-		return -1;
-	size_t need = 0;
-	for (int i = 0; i < n; i++)
-		need += iov[i].iov_len;
-	/* room for the whole unit first: a stream never gets half of one */
-	if (epp_rbuf_room(&rc->sq, need, 65536))
-		return -1;
-	for (int i = 0; i < n; i++)
-		epp_rbuf_put(&rc->sq, iov[i].iov_base, iov[i].iov_len);
-	pump(rc);
-	return rc->closing ? -1 : 0;
-}
-
-/* Free once nobody holds it and the proxy has taken every write queued
- * so far (it skips a closing connection's); else linger. */
-static void linger_tick(uv_timer_t *t)
-{
-	struct epd_rdma *rd = t->data;
-	struct epd_rconn **pp = &rd->linger;
-	while (*pp) {
-		struct epd_rconn *rc = *pp;
-		if (epd_proxy_passed(rd->proxy, rc->linger_ticket)) {
-			*pp = rc->linger_next;
-			rconn_free(rc);
-		} else {
-			pp = &rc->linger_next;
-		}
-	}
-	if (!rd->linger)
-		uv_timer_stop(t);
-}
-
-static void rconn_release(struct epd_rconn *rc)
-{
-	struct epd_rdma *rd = rc->rd;
-	if (rc->handles > 0 || rc->refs > 0)
-		return;
-	rc->linger_ticket = rd->proxy ? epd_proxy_head(rd->proxy) : 0;
-	if (!rd->proxy || epd_proxy_passed(rd->proxy, rc->linger_ticket)) {
-		rconn_free(rc);
-		return;
-	}
-	rc->linger_next = rd->linger;
-	rd->linger = rc;
-	if (!rd->linger_init) {
-		uv_timer_init(rd->loop, &rd->linger_timer);
-		rd->linger_timer.data = rd;
-		rd->linger_init = true;
-	}
-	if (!uv_is_active((uv_handle_t *)&rd->linger_timer))
-		uv_timer_start(&rd->linger_timer, linger_tick, 1, 1);
-}
-
-static void handle_closed(uv_handle_t *h)
-{
-	struct epd_rconn *rc = h->data;
-	rc->handles--;
-	rconn_release(rc);
-}
-
-static void epd_rdma_hold(struct epd_rconn *rc)
-{
-	rc->refs++;
-}
-
-static void epd_rdma_release(struct epd_rconn *rc)
-{
-	if (--rc->refs == 0)
-		rconn_release(rc);
-}
-
-static bool epd_rdma_can_write(const struct epd_rconn *rc)
-{
-	return rc && rc->connected && !rc->closing && !rc->own_pd &&
-	       rc->pd && rc->rd->proxy;
-}
-
-static struct epd_rmr *epd_rdma_reg(struct epd_rdma *rd, void *p, size_t len,
-			     bool remote_write, char *why, size_t wl)
-{
-	if (!rd->pd) {
-		snprintf(why, wl, "no RDMA connection yet");
-		return NULL;
-	}
-	struct epd_rmr *m = calloc(1, sizeof(*m));
-	if (!m) {
-		snprintf(why, wl, "out of memory");
-		return NULL;
-	}
-	m->rd = rd;
-	m->ctx = rd->pd_ctx;
-	m->mr = ibv_reg_mr(rd->pd, p, len,
-			   remote_write ? IBV_ACCESS_LOCAL_WRITE |
-						  IBV_ACCESS_REMOTE_WRITE
-					: 0);
-	if (!m->mr) {
-		snprintf(why, wl, "ibv_reg_mr of %zu bytes: %s", len,
-			 strerror(errno));
-		free(m);
-		return NULL;
-	}
-	m->base.lkey = m->mr->lkey;
-	m->base.rkey = m->mr->rkey;
-	rd->nmr++;
-	m->next = rd->mrs;
-	if (m->next)
-		m->next->pprev = &m->next;
-	m->pprev = &rd->mrs;
-	rd->mrs = m;
-	return m;
-}
-
-static void epd_rdma_dereg(struct epd_rmr *m)
-{
-	if (!m)
-		return;
-	struct epd_rdma *rd = m->rd;
-	if (m->mr)
-		ibv_dereg_mr(m->mr);
-	*m->pprev = m->next;
-	if (m->next)
-		m->next->pprev = m->pprev;
-	rd->nmr--;
-	free(m);
-	rdma_maybe_free(rd); /* the last region of a transport that closed */
-}
-
-/* 0 once the device is gone (writes with it fail, on a connection that
- * is failing anyway) */
-static uint64_t epd_rdma_write(struct epd_rdma *rd, struct epd_cmd *c)
-{
-	return rd->proxy ? epd_proxy_push(rd->proxy, c) : 0;
-}
-
-static uint64_t epd_rdma_stats(const struct epd_rdma *rd, uint64_t *batches)
-{
-	*batches = 0;
-	return rd->proxy ? epd_proxy_posted(rd->proxy, batches) : 0;
-}
-
-/* The proxy's poster (its thread): a chain of work requests per run of
- * commands for one connection, within its budget of outstanding writes.
- * A connection that is closing gets nothing (its writes are lost with
- * it; its groups fail on the loop). */
-static void rd_post(void *arg, const struct epd_cmd *c, size_t n)
-{
-	(void)arg;
-	struct ibv_send_wr wr[RD_SIGNAL];
-	struct ibv_sge sge[RD_SIGNAL];
-	size_t i = 0;
-	while (i < n) {
-		struct epd_rconn *rc = c[i].conn;
-		size_t j = i;
-		while (j < n && j - i < RD_SIGNAL && c[j].conn == rc)
-			j++;
-		const int k = (int)(j - i);
-		bool dead = false;
-		while (!(dead = __atomic_load_n(&rc->closing,
-						__ATOMIC_ACQUIRE)) &&
-		       __atomic_load_n(&rc->wr_out, __ATOMIC_ACQUIRE) + k >
-			       RD_WRITES)
-			sched_yield(); /* the loop reaps completions */
-		if (dead) {
-			i = j;
-			continue;
-		}
-		for (int m = 0; m < k; m++) {
-			const struct epd_cmd *x = &c[i + (size_t)m];
-			const bool imm = x->flags & EPD_CMD_IMM;
-			sge[m] = (struct ibv_sge){.addr = x->laddr,
-						  .length = x->len,
-						  .lkey = x->lkey};
-			wr[m] = (struct ibv_send_wr){
-				.next = m + 1 < k ? &wr[m + 1] : NULL,
-				.sg_list = &sge[m],
-				.num_sge = x->len ? 1 : 0,
-				.opcode = imm ? IBV_WR_RDMA_WRITE_WITH_IMM
-					      : IBV_WR_RDMA_WRITE,
-				.imm_data = htonl(x->imm),
-				.wr.rdma = {.remote_addr = x->raddr,
-					    .rkey = x->rkey}};
-			if (++rc->unsignaled == RD_SIGNAL || imm) {
-				wr[m].send_flags = IBV_SEND_SIGNALED;
-				wr[m].wr_id = WR_WRITE | (imm ? WR_IMM : 0) |
-					      ((uint64_t)rc->unsignaled
-					       << WR_COUNT_SHIFT) |
-					      (x->cookie & WR_COOKIE_MASK);
-				rc->unsignaled = 0;
-			}
-		}
-		__atomic_fetch_add(&rc->wr_out, k, __ATOMIC_RELEASE);
-		struct ibv_send_wr *bad = NULL;
-		if (ibv_post_send(rc->id->qp, wr, &bad)) {
-			/* the queue pair is broken: the loop sees its
-			 * completion errors and fails the connection */
-			int left = 0;
-			for (struct ibv_send_wr *w = bad; w; w = w->next)
-				left++;
-			__atomic_fetch_sub(&rc->wr_out, left, __ATOMIC_RELEASE);
-		}
-		i = j;
-	}
-}
-
-static void epd_rdma_close(struct epd_rconn *rc)
+void epd_rdma_close(struct epd_rconn *rc)
 {
 	if (!rc || rc->closing)
 		return;
@@ -958,23 +481,23 @@ static void epd_rdma_close(struct epd_rconn *rc)
 	rc->id->context = NULL; /* later events find no connection */
 	if (rc->polling) {
 		uv_poll_stop(&rc->cq_poll);
-		uv_close((uv_handle_t *)&rc->cq_poll, handle_closed);
+		uv_close((uv_handle_t *)&rc->cq_poll, rd_handle_closed);
 	}
-	uv_close((uv_handle_t *)&rc->reaper, handle_closed);
+	uv_close((uv_handle_t *)&rc->reaper, rd_handle_closed);
 }
 
 static void relisten_closed(uv_handle_t *h)
 {
 	struct epd_rdma *rd = h->data;
 	rd->relisten_init = false;
-	rdma_maybe_free(rd);
+	rd_rdma_maybe_free(rd);
 }
 
 static void linger_closed(uv_handle_t *h)
 {
 	struct epd_rdma *rd = h->data;
 	rd->linger_init = false;
-	rdma_maybe_free(rd);
+	rd_rdma_maybe_free(rd);
 }
 
 /* The channel goes last: after every id made on it. */
@@ -982,7 +505,7 @@ static void linger_closed(uv_handle_t *h)
  * more: connections, and regions (a freed group's windows stay
  * registered a grace period and may be released after the transport
  * closed: epd_rdma_dereg then frees it). */
-static void rdma_maybe_free(struct epd_rdma *rd)
+void rd_rdma_maybe_free(struct epd_rdma *rd)
 {
 	if (!rd->closing || !rd->poll_closed || rd->nconn > 0 || rd->nmr > 0)
 		return;
@@ -1013,7 +536,7 @@ static void cm_poll_closed(uv_handle_t *h)
 {
 	struct epd_rdma *rd = h->data;
 	rd->poll_closed = true;
-	rdma_maybe_free(rd);
+	rd_rdma_maybe_free(rd);
 }
 
 static void epd_rdma_free(struct epd_rdma *rd)

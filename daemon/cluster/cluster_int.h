@@ -1,0 +1,127 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The cluster's shared parts. cluster.c: the membership (peers, node up
+ * and down, heartbeats, the view, the transport's choice, status, the span
+ * operations the core calls); peer.c: one connection to another node
+ * (handshake, authenticated frames, the transport's callbacks, dialling).
+ *
+ * The cluster: daemons of other nodes, over a transport (transport.h: tcp,
+ * or rdma, the same byte stream over an RC queue pair, whose connect
+ * request carries version, cluster id, node index and a proof of the key,
+ * checked before a queue pair is made for the peer).
+ *
+ * Every node lists all nodes in the same order (`peers`); a node's index is
+ * its place there. One connection per pair: the lower index connects. Both
+ * ends send PEER_HELLO (protocol version, name, index, a fresh nonce); each
+ * answers with PEER_AUTH = HMAC-SHA256(cluster key, the other's nonce || its
+ * own name), so each proves knowledge of the key without sending it, and a
+ * replayed AUTH fails against a new nonce. (Since protocol 1.7 the proof
+ * binds both names, both nonces and the direction, and every later frame
+ * carries a tag: peerauth.h.) A node is up once the other's AUTH checks
+ * out; a wrong key, a newer major version, an unknown name or
+ * garbage are logged and the connection closed. Heartbeats every
+ * heartbeat_ms; a node silent for heartbeat_miss beats is down. Every change
+ * advances the view epoch; groups spanning a down node fail with peer-lost.
+ * The lower index reconnects, so a node can leave, restart and rejoin
+ * without restarting the others.
+ *
+ * Barrier arrivals travel as PEER_BARRIER to the rail peers (same local
+ * index on the other nodes of the group) and feed the group's rail
+ * counters (group.c), through the cross-node engine (xnode.c), which
+ * keeps them, as it keeps every frame for a group not ready here yet.
+ */
+#ifndef EPD_CLUSTER_INT_H
+#define EPD_CLUSTER_INT_H
+
+#include "cluster.h"
+#include "peerauth.h"
+#include "transport/transport.h"
+#include "epp_rbuf.h"
+
+#include <sys/uio.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <netdb.h>
+#include <sodium.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#define MAX_NODES 64
+#define NONCE 32
+
+enum { NODE_DOWN, NODE_UP, NODE_SELF };
+
+struct pconn {
+	struct epd_tconn *tc; /* the transport's; NULL once it is gone */
+	uv_timer_t reap;      /* closed to free the connection */
+	struct list_node node; /* in cluster->conns */
+	struct epd_cluster *cl;
+	int peer;  /* node index once its HELLO arrived, else -1 */
+	int target; /* outgoing: the node we dialled */
+	uint64_t born_ns;
+	struct epp_rbuf rb; /* bytes received, not yet handled */
+	bool hello_sent, got_hello, authed, closing;
+	uint16_t minor; /* the peer's protocol minor version */
+	uint8_t nonce[NONCE], peer_nonce[NONCE];
+	/* after the handshake: each direction's key and frame number;
+	 * tagging starts after our AUTH (tx) and after theirs (rx) */
+	uint8_t ktx[32], krx[32];
+	uint64_t ntx, nrx;
+	bool tx_tag, rx_tag;
+	char addr[64];
+};
+
+struct cnode {
+	char name[64];
+	char host[64];
+	int port;
+	int state;
+	struct pconn *conn; /* authenticated, or being dialled */
+	uint64_t last_rx_ns, since_ns;
+	uint64_t downs;
+	uint64_t next_dial_ns, backoff_ns; /* redial a failing node slower */
+	bool resolving; /* its host name is being looked up */
+	char row[MAX_NODES + 1]; /* its view of the cluster (heartbeats) */
+	uint64_t epoch;          /* and its view epoch */
+	char why[128];
+};
+
+struct epd_cluster {
+	struct epd_server *srv;
+	int self, n;
+	struct cnode node[MAX_NODES];
+	uint8_t key[32];
+	const struct epd_transport_ops *tops;
+	struct epd_transport *tr;
+	char transport_why[256]; /* why this transport */
+	uint8_t cluster_id[8];
+	uv_timer_t tick;
+	struct list_node conns;
+	uint64_t epoch, rejected;
+	uint64_t reject_ns; /* the last rejection: when, who, why */
+	char reject_addr[64], reject_why[256];
+	bool stopping;
+};
+
+static const struct addrinfo resolve_hints = {.ai_socktype = SOCK_STREAM,
+					      .ai_flags = AI_ADDRCONFIG};
+
+/* Shared between cluster.c and peer.c. */
+void cl_conn_close(struct pconn *c, const char *why);
+void cl_conn_send(struct pconn *c, uint16_t type, const void *p, uint32_t len);
+void cl_conn_write(struct pconn *c, uint16_t type, const void *a, size_t na, const void *b, size_t nb, struct epd_sref *ref);
+void cl_dial(struct epd_cluster *cl, int n);
+int cl_first_addr(const struct addrinfo *ai, int port, struct sockaddr_storage *sa);
+void cl_node_down(struct epd_cluster *cl, int n, const char *why);
+void cl_node_up(struct pconn *c);
+void cl_note_rejection(struct epd_cluster *cl, const char *who, const char *why);
+void cl_reject(struct pconn *c, const char *fmt, ...)
+	__attribute__((format(printf, 2, 3)));
+int cl_resolve(const char *host, int port, struct sockaddr_storage *sa);
+extern const struct epd_transport_cb cl_tr_cb;
+
+#endif
