@@ -260,14 +260,18 @@ static bool transport_usable(const struct epd_cluster *cl,
 }
 
 /* `transport`: a named one (it must work here), or auto: the first in
- * epd_transports that can carry the cluster (rdma before tcp), saying
+ * transports that can carry the cluster (rdma before tcp), saying
  * why the ones before it could not. */
-static int pick_transport(struct epd_cluster *cl, const char *name,
-			  char *err, size_t errlen)
+static int pick_transport(struct epd_cluster *cl,
+			  const struct epd_transport_ops *const *transports,
+			  const char *name, char *err, size_t errlen)
 {
 	char why[160];
 	if (strcmp(name, "auto")) {
-		const struct epd_transport_ops *t = epd_transport_find(name);
+		const struct epd_transport_ops *t = NULL;
+		for (int i = 0; transports[i] && !t; i++)
+			if (!strcmp(transports[i]->name, name))
+				t = transports[i];
 		if (!t) {
 			snprintf(err, errlen,
 				 "transport %s: not in this build (epd was "
@@ -285,8 +289,8 @@ static int pick_transport(struct epd_cluster *cl, const char *name,
 		return 0;
 	}
 	char skipped[256] = "";
-	for (int i = 0; epd_transports[i]; i++) {
-		const struct epd_transport_ops *t = epd_transports[i];
+	for (int i = 0; transports[i]; i++) {
+		const struct epd_transport_ops *t = transports[i];
 		if (transport_usable(cl, t, why, sizeof(why))) {
 			cl->tops = t;
 			if (skipped[0])
@@ -310,7 +314,9 @@ static int pick_transport(struct epd_cluster *cl, const char *name,
 
 static const struct epd_span_ops span_ops;
 
-int epd_cluster_init(struct epd_server *srv, char *err, size_t errlen)
+int epd_cluster_init(struct epd_server *srv,
+		     const struct epd_transport_ops *const *transports,
+		     char *err, size_t errlen)
 {
 	const struct epd_config *cfg = &srv->cfg;
 	if (!cfg->peers[0])
@@ -333,7 +339,7 @@ int epd_cluster_init(struct epd_server *srv, char *err, size_t errlen)
 	LIST_INIT(&cl->conns);
 	if (parse_peers(cl, cfg->peers, cfg->node_name, err, errlen))
 		goto err;
-	if (pick_transport(cl, cfg->transport, err, errlen))
+	if (pick_transport(cl, transports, cfg->transport, err, errlen))
 		goto err;
 	if (!cfg->cluster_key_file[0]) {
 		snprintf(err, errlen, "peers given but no cluster_key_file");

@@ -17,7 +17,12 @@ struct epd_sref;
 
 /* cluster.c: other nodes (nothing without `peers`); registers the span
  * operations (srv->span). */
-int epd_cluster_init(struct epd_server *srv, char *err, size_t errlen);
+struct epd_transport_ops;
+/* transports: those compiled in, NULL-terminated, in the order `transport
+ * = auto` tries them. */
+int epd_cluster_init(struct epd_server *srv,
+		     const struct epd_transport_ops *const *transports,
+		     char *err, size_t errlen);
 void epd_cluster_stop(struct epd_server *srv);
 void epd_cluster_free(struct epd_server *srv);
 /* The transport if it has one-sided writes (rdma), else NULL (tcp, or no

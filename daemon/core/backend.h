@@ -4,7 +4,8 @@
  * stream-ordered operations run. The host path (group.c, ops.c, the host
  * kernels) needs none of it: a host group has no backend (g->dev NULL).
  * A backend is compiled in by its Automake conditional and named in
- * backend.c; the server picks one at start (`backend = auto|host|cuda`).
+ * server/registry.c; the server picks one at start (`backend =
+ * auto|host|cuda`).
  *
  * The backend reports upward only through what it is given: a staged
  * operation's results come back through the completion callback it sets
@@ -50,8 +51,5 @@ struct epd_backend_ops {
 	void *(*group_status)(struct epd_group *g);
 };
 
-/* The device backends compiled in, NULL-terminated, in the order `auto`
- * tries them. */
-extern const struct epd_backend_ops *const epd_backends[];
 
 #endif

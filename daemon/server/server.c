@@ -339,7 +339,7 @@ int epd_server_init(struct epd_server *srv, uv_loop_t *loop,
 		return -1;
 	}
 	char err[256];
-	if (epd_cluster_init(srv, err, sizeof(err))) {
+	if (epd_cluster_init(srv, epd_transports, err, sizeof(err))) {
 		epd_err("%s", err);
 		close(srv->listen_fd);
 		if (srv->unlink_socket)

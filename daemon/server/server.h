@@ -61,6 +61,11 @@ bool epd_uid_allowed(const struct epd_config *cfg, uid_t uid);
  * Idempotent; nothing more is sent to or read from c. */
 void epd_client_doom(struct epd_client *c, const char *why);
 
+/* registry.c: the device backends and the transports compiled in,
+ * NULL-terminated, in the order `auto` tries them. */
+extern const struct epd_backend_ops *const epd_backends[];
+extern const struct epd_transport_ops *const epd_transports[];
+
 /* status.c: JSON text, malloc'd. */
 char *epd_status_json(struct epd_server *srv, uid_t viewer);
 

@@ -16,8 +16,8 @@
  *     has none, the cross-node op engine sends rows as frames.
  *
  * Implementations: transport/tcp (libuv), transport/rdma (librdmacm and
- * libibverbs, compiled in by its Automake conditional). transport.c lists
- * those compiled in. Everything runs on the libuv loop thread except
+ * libibverbs, compiled in by its Automake conditional); server/registry.c
+ * lists those compiled in, and the cluster is handed that list. Everything runs on the libuv loop thread except
  * write(), hold() and release() where said.
  *
  * The objects a transport hands out begin with these public parts (the
@@ -141,9 +141,5 @@ struct epd_transport_ops {
 	uint64_t (*stats)(const struct epd_transport *t, uint64_t *batches);
 };
 
-/* The transports compiled in, NULL-terminated, in the order `transport =
- * auto` tries them. */
-extern const struct epd_transport_ops *const epd_transports[];
-const struct epd_transport_ops *epd_transport_find(const char *name);
 
 #endif

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: MIT */
-/* daemon/hostbar.c, the host barrier thread, driven by CPU threads that
+/* daemon/backend/cuda/hostbar.c, the host barrier thread, driven by CPU threads that
  * play the ranks' streams: post the request (and wake the thread), ring,
  * wait for done. Nobody leaves barrier k before every rank rang it; a rank
  * that never rings is a timeout naming it; a rank that rings another number

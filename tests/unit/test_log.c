@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: MIT */
-/* daemon/log.c: the journal fields taken from the daemon's messages (each
+/* daemon/util/log.c: the journal fields taken from the daemon's messages (each
  * names its subject first), on messages as the daemon writes them; and a
  * message to a journal that cannot take it is still written, with its
  * priority prefix, not lost. */

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: MIT */
-/* daemon/peerauth.c: the rdma connect request's private data. Made by one
+/* daemon/cluster/peerauth.c: the rdma connect request's private data. Made by one
  * node and checked by another of the same cluster it passes; every field
  * changed, and another key, make the check fail with its reason. */
 #include "harness.h"

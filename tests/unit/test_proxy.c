@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: MIT */
-/* daemon/proxy.c, the data path's command ring and proxy thread, with a
+/* daemon/transport/rdma/proxy.c, the data path's command ring and proxy thread, with a
  * poster that does what an RDMA WRITE does (copies len bytes from laddr to
  * raddr). Several producers through a small ring (so they wait for room):
  * every command arrives exactly once, each producer's in the order it
