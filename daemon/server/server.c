@@ -4,6 +4,7 @@
  * (TERM/INT stop, HUP reloads), systemd notifications, the backend choice.
  */
 #include "server.h"
+#include "sd.h"
 #include "cluster/cluster.h"
 #include "core/backend.h"
 
@@ -20,22 +21,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#ifdef HAVE_LIBSYSTEMD
-#include <systemd/sd-daemon.h>
-#else
-static int sd_notifyf(int u, const char *f, ...)
-{
-	(void)u;
-	(void)f;
-	return 0;
-}
-static int sd_listen_fds(int u)
-{
-	(void)u;
-	return 0;
-}
-#define SD_LISTEN_FDS_START 3
-#endif
 
 static void notify_status(struct epd_server *srv)
 {
@@ -43,7 +28,7 @@ static void notify_status(struct epd_server *srv)
 	struct list_node *it, *tmp;
 	LIST_FOREACH(it, tmp, &srv->clients) nc++;
 	LIST_FOREACH(it, tmp, &srv->groups) ng++;
-	sd_notifyf(0, "STATUS=backend %s, %u clients, %u groups", srv->backend,
+	epd_sd_notify("STATUS=backend %s, %u clients, %u groups", srv->backend,
 		   nc, ng);
 }
 
@@ -96,13 +81,13 @@ static void on_listen(uv_poll_t *h, int status, int events)
 static int listen_socket(struct epd_server *srv)
 {
 	const struct epd_config *cfg = &srv->cfg;
-	int n = sd_listen_fds(1);
+	int n = epd_sd_listen_fds();
 	if (n > 1) {
 		epd_err("socket activation passed %d sockets; expected one", n);
 		return -1;
 	}
 	if (n == 1) {
-		srv->listen_fd = SD_LISTEN_FDS_START;
+		srv->listen_fd = epd_sd_first_fd();
 		srv->socket_activated = true;
 		fcntl(srv->listen_fd, F_SETFL,
 		      fcntl(srv->listen_fd, F_GETFL) | O_NONBLOCK);
@@ -224,7 +209,7 @@ static void on_hup(uv_signal_t *h, int sig)
 {
 	struct epd_server *srv = h->data;
 	(void)sig;
-	sd_notifyf(0, "RELOADING=1\nMONOTONIC_USEC=%lu",
+	epd_sd_notify("RELOADING=1\nMONOTONIC_USEC=%lu",
 		   (unsigned long)(epd_now_ns() / 1000));
 	struct epd_config c;
 	if (reload_config(srv, &c)) {
@@ -258,7 +243,7 @@ static void on_hup(uv_signal_t *h, int sig)
 			   srv->cfg.timeout_ms);
 		close_disallowed(srv);
 	}
-	sd_notifyf(0, "READY=1");
+	epd_sd_notify("READY=1");
 	notify_status(srv);
 }
 
@@ -371,7 +356,7 @@ int epd_server_init(struct epd_server *srv, uv_loop_t *loop,
 
 int epd_server_run(struct epd_server *srv)
 {
-	sd_notifyf(0, "READY=1\nMAINPID=%d", (int)getpid());
+	epd_sd_notify("READY=1\nMAINPID=%d", (int)getpid());
 	notify_status(srv);
 	uv_run(srv->loop, UV_RUN_DEFAULT);
 	epd_xop_stash_free(srv);
@@ -394,7 +379,7 @@ void epd_server_stop(struct epd_server *srv)
 	if (srv->stopping)
 		return;
 	srv->stopping = true;
-	sd_notifyf(0, "STOPPING=1");
+	epd_sd_notify("STOPPING=1");
 	uv_poll_stop(&srv->listen_poll);
 	uv_close((uv_handle_t *)&srv->listen_poll, NULL);
 	close(srv->listen_fd);

@@ -5,6 +5,12 @@
  * position (the diagonal case in particular: neither on the leaver's node
  * nor on its rail), a daemon killed and restarted, a wrong cluster key, a
  * wrong protocol version and garbage on the peer port.
+ *
+ * Over 800 lines on purpose: every scenario runs against the one cluster
+ * of three daemons this program starts, in order (later ones kill, stop
+ * and rejoin its nodes), and tests/rdma-vm boots a guest per program run;
+ * split into programs, each would pay a cluster start (seconds under the
+ * guest's software CPU) and the order between them would be lost.
  */
 #include "harness.h"
 #include "epp.h"
