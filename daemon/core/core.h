@@ -37,8 +37,6 @@
 struct epd_server;
 struct epd_group;
 struct epd_member;
-struct epd_cuda;
-struct epd_cuda_group;
 struct epd_cluster;
 struct epd_xnode;
 struct epd_xop;
@@ -133,9 +131,10 @@ struct epd_member {
 				  EPP_JOIN (waiting for ready) */
 	/* Parameters of the pending dispatch or combine. */
 	uint32_t op_tokens, op_flags, op_rows;
-	/* GPU ranks: the device (index into the daemon's list), MPS, and the
+	/* Device ranks: the device (index into the backend's list; -1: a host
+	 * rank), whether it runs under MPS, and the
 	 * stream-ordered ops this rank asked for (monotonic). */
-	int cuda_dev;
+	int dev_index;
 	bool mps;
 	uint64_t async_seq;
 	struct epd_aop *aq; /* ring of the rank's ops not yet enqueued */
@@ -222,10 +221,10 @@ struct epd_group {
 	char rfail_msg[EPP_ERRMSG_MAX];
 
 	/* GPU group: device regions, streams, stream-ordered progress. */
-	/* The device backend of its ranks (NULL: host ranks) and, for the
-	 * cuda backend, its state (touched by backend/cuda only). */
+	/* The device backend of its ranks (NULL: host ranks) and the
+	 * backend's state for the group (touched by that backend only). */
 	const struct epd_backend_ops *dev;
-	struct epd_cuda_group *cu;
+	void *dev_group;
 
 	/* rdma transport: its windows (xnode.c), or NULL: rows by frames */
 	struct epd_xwin *xw;
@@ -262,10 +261,10 @@ struct epd_server {
 	char backend_reason[256];
 	bool systemd;
 	struct epd_pool *pool;
-	/* The device backend found at start (NULL: host only), and the cuda
-	 * backend's state (touched by backend/cuda only). */
+	/* The device backend found at start (NULL: host only), and its state
+	 * (touched by that backend only). */
 	const struct epd_backend_ops *dev;
-	struct epd_cuda *cuda;
+	void *dev_state;
 	/* Other nodes (NULL: a single node): the cluster and its cross-node
 	 * op engine's state (cluster/ only), and what the core may ask of
 	 * them (NULL without a cluster). */

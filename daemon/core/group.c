@@ -626,7 +626,7 @@ int epd_group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 	m->group = g;
 	m->rank = j->rank;
 	m->local = l;
-	m->cuda_dev = -1;
+	m->dev_index = -1;
 	bool gpu = !epp_uuid_is_zero(j->gpu_uuid);
 	if (gpu != (g->dev != NULL) && g->njoined) {
 		free(m);

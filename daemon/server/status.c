@@ -96,7 +96,7 @@ static json_t *client_json(struct epd_client *c, uint64_t now)
 				      m->pending_req
 					      ? epp_type_name(m->pending_type)
 					      : "",
-				      "gpu", m->cuda_dev, "mps", m->mps));
+				      "gpu", m->dev_index, "mps", m->mps));
 	}
 	return json_pack("{s:I, s:i, s:I, s:s, s:f, s:o}", "id",
 			 (json_int_t)c->s.id, "pid", (int)c->s.pid, "uid",

@@ -27,8 +27,8 @@ volatile int32_t *cu_group_error_word(struct epd_group *g)
  * slice from the ranks' contexts), and is not configured off. */
 static bool resident_ok(const struct epd_group *g)
 {
-	const struct epd_cuda_group *c = g->cu;
-	const struct epd_cuda *cu = g->srv->cuda;
+	const struct epd_cuda_group *c = g->dev_group;
+	const struct epd_cuda *cu = g->srv->dev_state;
 	if (g->srv->cfg.cuda_no_resident)
 		return false;
 	for (int i = 0; i < c->ndevs; i++)
@@ -44,8 +44,8 @@ static bool resident_ok(const struct epd_group *g)
  * ring it instead of sending barriers. */
 static int fastbar_start(struct epd_group *g, char *err, size_t errlen)
 {
-	struct epd_cuda_group *c = g->cu;
-	struct cudev *d = &g->srv->cuda->dev[c->dev0];
+	struct epd_cuda_group *c = g->dev_group;
+	struct cudev *d = &cu_state(g->srv)->dev[c->dev0];
 	uint32_t rpn = g->shape.ranks_per_node;
 	void *hp = NULL;
 	CUdeviceptr hd = 0;
@@ -93,7 +93,7 @@ static int fastbar_start(struct epd_group *g, char *err, size_t errlen)
  * sending barriers. */
 static int hostbar_start(struct epd_group *g, char *err, size_t errlen)
 {
-	struct epd_cuda_group *c = g->cu;
+	struct epd_cuda_group *c = g->dev_group;
 	if (g->srv->cfg.no_host_barrier)
 		return 0;
 	int rc = epd_hostbar_start(&c->hb, g->map, g->shape.ranks_per_node,
@@ -152,7 +152,7 @@ uint64_t cu_widen(uint32_t v, uint64_t ref)
 /* Ops every rank saw complete, from the control page. */
 void cu_refresh_completed(struct epd_group *g)
 {
-	struct epd_cuda_group *c = g->cu;
+	struct epd_cuda_group *c = g->dev_group;
 	uint64_t ref = cu_known_top(c), done = UINT64_MAX;
 	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
 		uint64_t v = cu_widen((uint32_t)*cu_completed_word(g, l), ref);
@@ -172,7 +172,7 @@ void cu_refresh_completed(struct epd_group *g)
 struct ekc_barrier_args cu_barrier_args(struct epd_group *g, uint64_t k,
 					    uint32_t release)
 {
-	struct epd_cuda_group *c = g->cu;
+	struct epd_cuda_group *c = g->dev_group;
 	uint32_t rpn = g->shape.ranks_per_node;
 	struct ekc_barrier_args a = {
 		.completed = (uint64_t *)(uintptr_t)(c->ctl_dev +

@@ -154,6 +154,20 @@ struct epd_cuda_group {
 	uint64_t nhmap;
 };
 
+extern const struct epd_backend_ops epd_cuda_backend;
+
+/* The backend's state (srv->dev_state), and a group's (g->dev_group). */
+static inline struct epd_cuda *cu_state(const struct epd_server *srv)
+{
+	return srv->dev_state;
+}
+
+
+static inline struct epd_cuda_group *cu_group(const struct epd_group *g)
+{
+	return g->dev_group;
+}
+
 /* The driver API, loaded at run time (device.c). */
 extern struct ekc_driver *cu_drv;
 

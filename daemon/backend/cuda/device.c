@@ -111,9 +111,10 @@ static void wake_cb(uv_async_t *a)
 	LIST_FOREACH(it, tmp, &srv->groups)
 	{
 		struct epd_group *g = LIST_ENTRY(it, struct epd_group, node);
-		if (g->cu && g->cu->staged && g->state == EPD_G_READY &&
-		    !g->cu->poll_closing)
-			cu_poll_cb(&g->cu->poll);
+		struct epd_cuda_group *c = cu_group(g);
+		if (g->dev == &epd_cuda_backend && c && c->staged &&
+		    g->state == EPD_G_READY && !c->poll_closing)
+			cu_poll_cb(&c->poll);
 	}
 }
 
@@ -168,7 +169,7 @@ int epd_cuda_init(struct epd_server *srv, char *why, size_t len)
 		if (!d->gran)
 			d->gran = 2u << 20;
 	}
-	srv->cuda = cu;
+	srv->dev_state = cu;
 	uv_async_init(srv->loop, &cu->wake, wake_cb);
 	cu->wake.data = srv;
 	uv_unref((uv_handle_t *)&cu->wake);
@@ -180,7 +181,7 @@ int epd_cuda_init(struct epd_server *srv, char *why, size_t len)
 
 void epd_cuda_fini(struct epd_server *srv)
 {
-	struct epd_cuda *cu = srv->cuda;
+	struct epd_cuda *cu = srv->dev_state;
 	if (!cu)
 		return;
 	for (int i = 0; i < cu->ndev; i++)
@@ -195,7 +196,7 @@ void epd_cuda_fini(struct epd_server *srv)
 	uv_run(srv->loop, UV_RUN_NOWAIT);
 	/* the driver library stays loaded: unloading it is not safe */
 	free(cu);
-	srv->cuda = NULL;
+	srv->dev_state = NULL;
 }
 
 int cu_find_dev(struct epd_cuda *cu, const uint8_t uuid[16])
@@ -208,7 +209,7 @@ int cu_find_dev(struct epd_cuda *cu, const uint8_t uuid[16])
 
 void *epd_cuda_status(struct epd_server *srv)
 {
-	struct epd_cuda *cu = srv->cuda;
+	struct epd_cuda *cu = srv->dev_state;
 	if (!cu)
 		return NULL;
 	json_t *devs = json_array();

@@ -7,17 +7,17 @@
 
 int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 {
-	struct epd_cuda_group *c = g->cu;
-	struct epd_cuda *cu = g->srv->cuda;
+	struct epd_cuda_group *c = g->dev_group;
+	struct epd_cuda *cu = g->srv->dev_state;
 	uint32_t rpn = g->shape.ranks_per_node;
 	if (rpn > EKC_MAX_LOCAL) {
 		snprintf(err, errlen, "at most %d GPU ranks per node",
 			 EKC_MAX_LOCAL);
 		return EP_EUNSUPPORTED;
 	}
-	c->dev0 = g->local[0]->cuda_dev;
+	c->dev0 = g->local[0]->dev_index;
 	for (uint32_t l = 1; l < rpn; l++) {
-		int ok = 1, dl = g->local[l]->cuda_dev;
+		int ok = 1, dl = g->local[l]->dev_index;
 		if (dl != c->dev0)
 			cu_drv->cuDeviceCanAccessPeer(&ok, cu->dev[c->dev0].dev,
 						 cu->dev[dl].dev);
@@ -31,7 +31,7 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 	/* The GPUs of the group, dev0 first, and their ranks. */
 	c->ndevs = 0;
 	for (uint32_t l = 0; l < rpn; l++) {
-		int dl = g->local[l]->cuda_dev, i;
+		int dl = g->local[l]->dev_index, i;
 		for (i = 0; i < c->ndevs && c->devs[i] != dl; i++)
 			;
 		if (i == c->ndevs) {
@@ -157,7 +157,7 @@ void cu_poll_arm(struct epd_cuda_group *c)
 
 void epd_cuda_group_failed(struct epd_group *g)
 {
-	struct epd_cuda_group *c = g->cu;
+	struct epd_cuda_group *c = g->dev_group;
 	if (!c || c->released)
 		return;
 	c->released = true;
@@ -201,7 +201,7 @@ void epd_cuda_group_failed(struct epd_group *g)
 	if (!c->stream)
 		return;
 	char err[160];
-	if (cu_use_dev(g->srv->cuda, c->dev0, err, sizeof(err)))
+	if (cu_use_dev(g->srv->dev_state, c->dev0, err, sizeof(err)))
 		return;
 	for (uint32_t l = 0; l < rpn; l++) {
 		if (!c->ptr[l])
@@ -221,12 +221,12 @@ static void poll_closed(uv_handle_t *h)
 
 void epd_cuda_group_free(struct epd_group *g)
 {
-	struct epd_cuda_group *c = g->cu;
+	struct epd_cuda_group *c = g->dev_group;
 	if (!c)
 		return;
 	char err[160];
-	if (g->srv->cuda && c->dev0 >= 0 &&
-	    !cu_use_dev(g->srv->cuda, c->dev0, err, sizeof(err))) {
+	if (g->srv->dev_state && c->dev0 >= 0 &&
+	    !cu_use_dev(g->srv->dev_state, c->dev0, err, sizeof(err))) {
 		if (c->stream) {
 			/* released: the stream drains at once */
 			if (!c->released && c->enqueued > c->completed)
@@ -260,13 +260,13 @@ void epd_cuda_group_free(struct epd_group *g)
 	for (int i = 1; i < c->ndevs; i++) {
 		if (!c->dstream[i])
 			continue;
-		cu_drv->cuCtxSetCurrent(g->srv->cuda->dev[c->devs[i]].ctx);
+		cu_drv->cuCtxSetCurrent(cu_state(g->srv)->dev[c->devs[i]].ctx);
 		cu_drv->cuStreamSynchronize(c->dstream[i]);
 		cu_drv->cuStreamDestroy(c->dstream[i]);
 		cu_drv->cuEventDestroy(c->ev_out[i]);
 	}
-	if (c->dev0 >= 0 && g->srv->cuda)
-		cu_drv->cuCtxSetCurrent(g->srv->cuda->dev[c->dev0].ctx);
+	if (c->dev0 >= 0 && g->srv->dev_state)
+		cu_drv->cuCtxSetCurrent(cu_state(g->srv)->dev[c->dev0].ctx);
 	CUdeviceptr scratch[] = {c->mask, c->topk, c->blk, c->base, c->err,
 				 c->work, c->trace};
 	for (int i = 0; i < 2; i++)
@@ -285,17 +285,17 @@ void epd_cuda_group_free(struct epd_group *g)
 		cu_free_region(c, l);
 	free(c->h);
 	free(c->ptr);
-	g->cu = NULL;
+	g->dev_group = NULL;
 	c->poll_closing = true;
 	uv_close((uv_handle_t *)&c->poll, poll_closed);
 }
 
 void *epd_cuda_group_status(struct epd_group *g)
 {
-	struct epd_cuda_group *c = g->cu;
+	struct epd_cuda_group *c = g->dev_group;
 	if (!c)
 		return NULL;
-	unsigned sms = cu_sms_cap(g, &g->srv->cuda->dev[c->dev0]);
+	unsigned sms = cu_sms_cap(g, &cu_state(g->srv)->dev[c->dev0]);
 	/* the barrier engine's own time per barrier (last arrival seen to
 	 * release), in us */
 	double eng_us = 0;
@@ -313,7 +313,7 @@ void *epd_cuda_group_status(struct epd_group *g)
 			 "barrier_engine_us", eng_us, "row_copy", cu_use_tma(c, sms) ? "tma" : "simt",
 			 "row_copy_sms", (int)cu_copy_sms(c, sms),
 			 "dispatch_prep",
-			 cu_use_prep(g, &g->srv->cuda->dev[c->dev0]) ? "fused"
+			 cu_use_prep(g, &cu_state(g->srv)->dev[c->dev0]) ? "fused"
 								  : "split",
 			 "ops_enqueued", (json_int_t)c->enqueued,
 			 "ops_completed", (json_int_t)c->completed,

@@ -43,7 +43,7 @@ unsigned cu_sms_cap(const struct epd_group *g, const struct cudev *d)
  * until the whole grid fits, as a cooperative launch must. */
 bool cu_use_prep(const struct epd_group *g, const struct cudev *d)
 {
-	const struct epd_cuda_group *c = g->cu;
+	const struct epd_cuda_group *c = g->dev_group;
 	return !g->srv->cfg.cuda_no_fused_prep && d->occ_prep > 0 &&
 	       (uint64_t)c->nblk_max * g->shape.ranks_per_node <=
 		       (uint64_t)d->occ_prep * (uint64_t)d->sms;
@@ -95,8 +95,8 @@ static CUresult launch_copy(struct epd_cuda_group *c, const struct cudev *d,
 static CUresult spread(struct epd_group *g, struct ekc_disp_args *a,
 		       unsigned sms_cap, bool combine)
 {
-	struct epd_cuda_group *c = g->cu;
-	struct epd_cuda *cu = g->srv->cuda;
+	struct epd_cuda_group *c = g->dev_group;
+	struct epd_cuda *cu = g->srv->dev_state;
 	if (c->ndevs == 1)
 		return 0;
 	CUresult r = cu_drv->cuEventRecord(c->ev_in, c->stream);
@@ -165,8 +165,8 @@ void cu_trace_read(struct epd_cuda_group *c, int which)
 CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 			     struct epd_aop *const *ops, const char **what)
 {
-	struct epd_cuda_group *c = g->cu;
-	struct cudev *d = &g->srv->cuda->dev[c->dev0];
+	struct epd_cuda_group *c = g->dev_group;
+	struct cudev *d = &cu_state(g->srv)->dev[c->dev0];
 	const uint32_t W = g->shape.ranks_per_node;
 	const struct epd_aop *op0 = ops[0];
 	struct ekc_disp_args a = {
@@ -311,8 +311,8 @@ bool cu_ops_agree(struct epd_group *g, uint64_t k,
 	if (ops[0]->type != EPP_BARRIER &&
 	    (ops[0]->type == EPP_COMBINE ||
 	     (ops[0]->flags & EPP_DISPATCH_CACHED)) &&
-	    !(g->cu->staged ? cu_hmap_find(g->cu, ops[0]->handle) != 0
-			    : route_find(g->cu, ops[0]->handle) != NULL)) {
+	    !(cu_group(g)->staged ? cu_hmap_find(g->dev_group, ops[0]->handle) != 0
+			    : route_find(g->dev_group, ops[0]->handle) != NULL)) {
 		epd_group_fail(g, EP_ESTALE,
 			       "op %llu: handle %llu is unknown or was evicted "
 			       "(the group keeps the last %d dispatches)",

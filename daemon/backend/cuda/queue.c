@@ -9,8 +9,8 @@
 /* Enqueue every op that all local ranks asked for. */
 void cu_enqueue_ready(struct epd_group *g)
 {
-	struct epd_cuda_group *c = g->cu;
-	struct epd_cuda *cu = g->srv->cuda;
+	struct epd_cuda_group *c = g->dev_group;
+	struct epd_cuda *cu = g->srv->dev_state;
 	uint32_t rpn = g->shape.ranks_per_node;
 	uint64_t upto = UINT64_MAX;
 	for (uint32_t l = 0; l < rpn; l++)
@@ -116,7 +116,7 @@ void cu_enqueue_ready(struct epd_group *g)
 void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
 {
 	struct epd_group *g = m->group;
-	struct epd_cuda_group *c = g->cu;
+	struct epd_cuda_group *c = g->dev_group;
 	uint64_t seq = op->seq;
 	/* With the resident barrier, the numbers a rank skips are barriers
 	 * it rang on the device. */
@@ -168,7 +168,7 @@ static bool no_request(struct epd_group *g, uint32_t l, void *arg)
 static bool no_doorbell(struct epd_group *g, uint32_t l, void *arg)
 {
 	uint32_t v = 0;
-	if (cu_drv->cuMemcpyDtoH(&v, g->cu->ptr[l] + EKC_DOORBELL, 4))
+	if (cu_drv->cuMemcpyDtoH(&v, cu_group(g)->ptr[l] + EKC_DOORBELL, 4))
 		return false;
 	return (int32_t)(v - (uint32_t)*(uint64_t *)arg) < 0;
 }

@@ -8,8 +8,8 @@
 static struct epd_cuda_group *cg_get(struct epd_group *g, char *err,
 				     size_t errlen)
 {
-	if (g->cu)
-		return g->cu;
+	if (g->dev_group)
+		return g->dev_group;
 	uint32_t rpn = g->shape.ranks_per_node;
 	struct epd_cuda_group *c = calloc(1, sizeof(*c));
 	if (c) {
@@ -29,14 +29,14 @@ static struct epd_cuda_group *cg_get(struct epd_group *g, char *err,
 	c->dev0 = -1;
 	uv_timer_init(g->srv->loop, &c->poll);
 	c->poll.data = c;
-	g->cu = c;
+	g->dev_group = c;
 	return c;
 }
 
 int epd_cuda_add_rank(struct epd_group *g, struct epd_member *m,
 		      const struct epp_join *j, char *err, size_t errlen)
 {
-	struct epd_cuda *cu = g->srv->cuda;
+	struct epd_cuda *cu = g->srv->dev_state;
 	if (!cu) {
 		snprintf(err, errlen, "this epd runs the host backend (%s)",
 			 g->srv->backend_reason);
@@ -117,7 +117,7 @@ int epd_cuda_add_rank(struct epd_group *g, struct epd_member *m,
 	c->h[l] = h;
 	c->ptr[l] = ptr;
 	c->size = size;
-	m->cuda_dev = di;
+	m->dev_index = di;
 	m->mps = j->rank_flags & EPP_RANK_MPS;
 	epd_info("group %s: rank %u on GPU %d (%s), region of %zu MiB at "
 		 "0x%llx",
@@ -150,13 +150,13 @@ void epd_cuda_remove_rank(struct epd_group *g, uint32_t l)
 {
 	/* While forming, a leaving rank's region goes; once ready, the group
 	 * fails and everything goes with it. */
-	if (g->cu && g->state == EPD_G_FORMING)
-		cu_free_region(g->cu, l);
+	if (g->dev_group && g->state == EPD_G_FORMING)
+		cu_free_region(g->dev_group, l);
 }
 
 int epd_cuda_export(struct epd_group *g, uint32_t l, int *fd, uint64_t *size)
 {
-	struct epd_cuda_group *c = g->cu;
+	struct epd_cuda_group *c = g->dev_group;
 	int v = -1;
 	CUresult r = cu_drv->cuMemExportToShareableHandle(
 		&v, c->h[l], CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);

@@ -9,7 +9,7 @@
 /* Across nodes. A field of local rank l: on the device, in host memory. */
 static CUdeviceptr dfield(struct epd_group *g, uint32_t l, int f)
 {
-	return g->cu->ptr[l] + EKC_CTRL_BYTES + g->layout.off[f];
+	return cu_group(g)->ptr[l] + EKC_CTRL_BYTES + g->layout.off[f];
 }
 
 /* Copies of field f of every local rank, rows[l] rows of `per` bytes,
@@ -17,7 +17,7 @@ static CUdeviceptr dfield(struct epd_group *g, uint32_t l, int f)
 static CUresult stage_copy(struct epd_group *g, int f, const uint32_t *rows,
 			   size_t per, bool out)
 {
-	struct epd_cuda_group *c = g->cu;
+	struct epd_cuda_group *c = g->dev_group;
 	CUresult r = 0;
 	for (uint32_t l = 0; !r && l < g->shape.ranks_per_node; l++) {
 		size_t n = (size_t)rows[l] * per;
@@ -37,7 +37,7 @@ static CUresult stage_copy(struct epd_group *g, int f, const uint32_t *rows,
 void cu_stage_begin(struct epd_group *g, uint64_t k,
 			struct epd_aop *const *ops)
 {
-	struct epd_cuda_group *c = g->cu;
+	struct epd_cuda_group *c = g->dev_group;
 	const uint32_t rpn = g->shape.ranks_per_node, H = g->shape.hidden;
 	const uint32_t K = g->shape.topk, ns = g->layout.nscales;
 	const size_t rowb = (size_t)H * g->layout.elt;
@@ -82,7 +82,7 @@ void cu_stage_begin(struct epd_group *g, uint64_t k,
 		r = cu_drv->cuEventRecord(c->stage_ev, c->stream);
 	if (!r)
 		r = cu_drv->cuLaunchHostFunc(c->stream, cu_stage_wake,
-					&g->srv->cuda->wake);
+					&cu_state(g->srv)->wake);
 	if (r) {
 		char err[200];
 		ekc_fail(cu_drv, r, "staging op inputs", err, sizeof(err));
@@ -107,7 +107,7 @@ static void staged_reply(struct epd_member *m, int code, const char *msg,
  * nodes; each rank's result comes back to staged_reply. */
 void cu_stage_host(struct epd_group *g)
 {
-	struct epd_cuda_group *c = g->cu;
+	struct epd_cuda_group *c = g->dev_group;
 	c->stage_phase = 2;
 	c->stage_replies = 0;
 	c->stage_rc = 0;
@@ -135,7 +135,7 @@ void cu_stage_host(struct epd_group *g)
 /* Step 3: the results back to the device, then the release. */
 static void stage_finish(struct epd_group *g)
 {
-	struct epd_cuda_group *c = g->cu;
+	struct epd_cuda_group *c = g->dev_group;
 	const uint32_t rpn = g->shape.ranks_per_node, H = g->shape.hidden;
 	const uint32_t K = g->shape.topk, ns = g->layout.nscales;
 	const uint64_t k = c->stage_k;
@@ -143,7 +143,7 @@ static void stage_finish(struct epd_group *g)
 	if (g->state != EPD_G_READY)
 		return; /* failed: the streams were released */
 	char err[256];
-	if (cu_use_dev(g->srv->cuda, c->dev0, err, sizeof(err))) {
+	if (cu_use_dev(g->srv->dev_state, c->dev0, err, sizeof(err))) {
 		epd_group_fail(g, EP_EBACKEND, "%s", err);
 		return;
 	}
@@ -215,7 +215,7 @@ static void stage_finish(struct epd_group *g)
 	}
 	struct ekc_barrier_args a = cu_barrier_args(g, k, 2);
 	if (!r)
-		r = cu_launch(c, g->srv->cuda->dev[c->dev0].barrier, 1, 1,
+		r = cu_launch(c, cu_state(g->srv)->dev[c->dev0].barrier, 1, 1,
 			   (rpn + 31) / 32 * 32, &a);
 	if (r) {
 		ekc_fail(cu_drv, r, "staging op results", err, sizeof(err));
@@ -232,7 +232,7 @@ static void staged_reply(struct epd_member *m, int code, const char *msg,
 			 const void *p, uint32_t len)
 {
 	struct epd_group *g = m->group;
-	struct epd_cuda_group *c = g ? g->cu : NULL;
+	struct epd_cuda_group *c = g ? g->dev_group : NULL;
 	if (!c || c->stage_phase != 2)
 		return;
 	if (code && !c->stage_rc) {
@@ -256,7 +256,7 @@ static void staged_reply(struct epd_member *m, int code, const char *msg,
  * asked for and that wait behind a staged op are not missing. */
 void cu_request_wait(struct epd_group *g)
 {
-	struct epd_cuda_group *c = g->cu;
+	struct epd_cuda_group *c = g->dev_group;
 	uint64_t lo = UINT64_MAX, hi = 0;
 	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
 		uint64_t a = g->local[l]->async_seq;
