@@ -29,7 +29,7 @@ int ep__fail(int code, const char *fmt, ...)
 }
 
 /* Margin over the daemon's own timeout before the client gives up on it. */
-#define CLIENT_MARGIN_MS 10000
+#define CLIENT_MARGIN_MS EP__CTL_TIMEOUT_MS
 
 /* Read what the daemon already sent without waiting; note a shutdown. */
 static void drain_notices(ep_conn_t *c)

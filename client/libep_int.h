@@ -22,6 +22,9 @@ struct ep_conn {
 	struct list_node groups;
 };
 
+/* How long a control request (leave, status, release) may take. */
+#define EP__CTL_TIMEOUT_MS 10000
+
 struct ep_group {
 	struct list_node node; /* in conn->groups */
 	ep_conn_t *conn;

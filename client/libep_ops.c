@@ -192,6 +192,25 @@ int ep_combine_inplace(ep_group_t *g, const ep_handle_t *h, unsigned flags)
 	return rc;
 }
 
+int ep_handle_release(ep_group_t *g, const ep_handle_t *h)
+{
+	if (!g || !h)
+		return ep__fail(EP_EINVAL, "NULL argument");
+	struct epp_release rl = {.group_id = g->id,
+				 .handle = {.group_id = h->group_id,
+					    .epoch = h->epoch,
+					    .seq = h->seq}};
+	uint8_t buf[64];
+	size_t n = epp_release_encode(&rl, buf, sizeof(buf));
+	if (!n)
+		return ep__fail(EP_EINVAL, "cannot encode the release");
+	pthread_mutex_lock(&g->conn->mu);
+	int rc = ep__rpc(g->conn, EPP_RELEASE, 0, buf, (uint32_t)n, NULL,
+			 NULL, NULL, 0, EP__CTL_TIMEOUT_MS);
+	pthread_mutex_unlock(&g->conn->mu);
+	return rc;
+}
+
 static int check_shape(const ep_group_t *g, uint32_t hidden,
 		       ep_dtype_t dtype, uint32_t topk)
 {

@@ -208,6 +208,7 @@ const char *epp_type_name(uint16_t type)
 	case EPP_STATUS: return "status";
 	case EPP_DISPATCH: return "dispatch";
 	case EPP_COMBINE: return "combine";
+	case EPP_RELEASE: return "release";
 	case EPP_PEER_HELLO: return "peer-hello";
 	case EPP_PEER_AUTH: return "peer-auth";
 	case EPP_PEER_HEARTBEAT: return "peer-heartbeat";
@@ -520,6 +521,25 @@ int epp_combine_decode(const uint8_t *p, size_t len, struct epp_combine *c)
 	c->num_rows = epp_get_u32(&r);
 	c->hidden = epp_get_u32(&r);
 	c->flags = epp_get_u32(&r);
+	return epp_rd_end(&r);
+}
+
+size_t epp_release_encode(const struct epp_release *rl, uint8_t *out,
+			  size_t cap)
+{
+	struct epp_wr w;
+	epp_wr_init(&w, out, cap);
+	epp_put_u64(&w, rl->group_id);
+	put_handle(&w, &rl->handle);
+	return w.err ? 0 : w.off;
+}
+
+int epp_release_decode(const uint8_t *p, size_t len, struct epp_release *rl)
+{
+	struct epp_rd r;
+	epp_rd_init(&r, p, len);
+	rl->group_id = epp_get_u64(&r);
+	get_handle(&r, &rl->handle);
 	return epp_rd_end(&r);
 }
 

@@ -44,6 +44,9 @@
  *        16-byte tag (daemon/peerauth.h); a peer below 1.7 is refused.
  *        Group names on the peer port are keys (name~uid for a user's
  *        group). Client frames are unchanged.
+ *   1.8  RELEASE: a rank gives back its hold on a dispatch's handle. A
+ *        handle lives until every local rank released it (or the group
+ *        ends); the daemon no longer keeps only the last 32.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -62,7 +65,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 7
+#define EPP_VERSION_MINOR 8
 /* Stream-ordered ops a GPU rank may have in flight (libep waits before
  * more; the daemon's rings are this deep). */
 #define EPP_MAX_INFLIGHT 1024
@@ -80,6 +83,7 @@ enum epp_type {
 	EPP_STATUS = 5,  /* C->D: empty */
 	EPP_DISPATCH = 6, /* C->D: struct epp_dispatch; OK: epp_dispatch_ok */
 	EPP_COMBINE = 7,  /* C->D: struct epp_combine; OK: empty */
+	EPP_RELEASE = 8,  /* C->D: struct epp_release; OK: empty (1.8) */
 	/* Between daemons (peer port). */
 	EPP_PEER_HELLO = 32,     /* u16 major, u16 minor, str node, u32 index,
 				    32-byte nonce */
@@ -218,6 +222,18 @@ struct epp_combine {
 	struct epp_handle handle;
 	uint32_t num_rows, hidden, flags;
 };
+
+/* RELEASE: this rank no longer uses the handle (a GPU rank's handle is the
+ * dispatch's op number; its stream-ordered ops already sent may still use
+ * it: the daemon keeps the routing until they ran). */
+struct epp_release {
+	uint64_t group_id;
+	struct epp_handle handle;
+};
+
+size_t epp_release_encode(const struct epp_release *r, uint8_t *out,
+			  size_t cap);
+int epp_release_decode(const uint8_t *p, size_t len, struct epp_release *r);
 
 size_t epp_dispatch_encode(const struct epp_dispatch *d, uint8_t *out,
 			   size_t cap);

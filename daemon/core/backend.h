@@ -43,6 +43,10 @@ struct epd_backend_ops {
 	int (*group_ready)(struct epd_group *g, char *err, size_t errlen);
 	/* A stream-ordered op from m (checked against the group already). */
 	void (*op)(struct epd_member *m, const struct epd_aop *op);
+	/* m gives back its hold on handle seq (the ops it sent before may
+	 * still use it): 0, or an EP_ code with why. */
+	int (*release)(struct epd_group *g, struct epd_member *m, uint64_t seq,
+		       char *err, size_t errlen);
 	/* The group failed: errors to the ranks, every stream released.
 	 * Idempotent. */
 	void (*group_failed)(struct epd_group *g);

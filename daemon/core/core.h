@@ -32,7 +32,6 @@
 /* A group's key (EPP_GKEY_MAX, epp_peer.h): its name in its owner's
  * namespace ("name~uid"), or the bare name for root's groups and shared
  * ones; the key is what the nodes of a group agree on. */
-#define EPD_MAX_HANDLES 32 /* dispatch routings a group keeps */
 
 struct epd_server;
 struct epd_group;
@@ -106,6 +105,8 @@ struct epd_aop {
 	uint32_t tokens, flags;
 	uint16_t type; /* EPP_BARRIER, EPP_DISPATCH, EPP_COMBINE */
 	bool fast;     /* a barrier run by the resident kernel (no frame) */
+	bool released; /* a fresh dispatch whose handle the rank released
+			  before the daemon enqueued it (the backend's) */
 };
 
 /* A rank of a group, as joined through one client connection. */
@@ -187,9 +188,11 @@ struct epd_group {
 	bool free_pending; /* destroyed while busy: the job frees it */
 	bool destroyed;    /* off the server's list, its timer closing */
 
-	/* Routings of the last EPD_MAX_HANDLES dispatches, by seq. */
-	struct ek_route *routes[EPD_MAX_HANDLES];
-	uint64_t route_seq[EPD_MAX_HANDLES];
+	/* Handles: the routing of every dispatch not yet released by all
+	 * local ranks, sorted by seq (handles.c). */
+	struct epd_handle_ent *handles;
+	size_t nhandles, hcap;
+	uint64_t handle_bytes; /* their memory, against max_handle_bytes */
 	uint64_t next_seq;
 
 	uint64_t n_barrier, n_dispatch, n_combine, n_errors;
@@ -334,8 +337,26 @@ int epd_op_dispatch(struct epd_session *c, uint64_t req_id,
 int epd_op_combine(struct epd_session *c, uint64_t req_id,
 		   const struct epp_combine *cb);
 
-/* ops.c, shared with the cross-node engine (cluster/xnode.c) */
+/* handles.c: the group's handles. */
+struct epd_handle_ent;
+/* The routing of handle seq, or NULL (unknown, or released by all). */
 struct ek_route *epd_route_find(struct epd_group *g, uint64_t seq);
+/* Does local rank l still hold handle seq? */
+bool epd_handle_held(const struct epd_group *g, uint64_t seq, uint32_t l);
+/* Keep route (taken on success) as handle seq, held by every local rank;
+ * extra: bytes the backend holds for it too. EP_ELIMIT past
+ * max_handle_bytes, with why in err. */
+int epd_handle_add(struct epd_group *g, uint64_t seq, struct ek_route *r,
+		   uint64_t extra, char *err, size_t errlen);
+/* Local rank l gives its hold back (the last frees it): 0 or EP_ESTALE. */
+int epd_handle_release(struct epd_group *g, uint64_t seq, uint32_t l);
+/* Free handle seq whoever holds it (a backend that owns the holds). */
+void epd_handle_drop(struct epd_group *g, uint64_t seq);
+void epd_handles_free(struct epd_group *g);
+int epd_op_release(struct epd_session *c, uint64_t req_id,
+		   const struct epp_release *rl);
+
+/* ops.c, shared with the cross-node engine (cluster/xnode.c) */
 uint8_t *epd_region(struct epd_group *g, uint32_t l, int field);
 void epd_ops_finish(struct epd_group *g, uint16_t type, bool cached,
 		    uint64_t seq, struct ek_route **route, int rc,

@@ -98,8 +98,7 @@ bool epd_group_job_ended(struct epd_group *g, void (*drop)(void *),
 
 void epd_group_free(struct epd_group *g)
 {
-	for (int i = 0; i < EPD_MAX_HANDLES; i++)
-		ek_route_free(g->routes[i]);
+	epd_handles_free(g);
 	if (g->dev)
 		g->dev->group_free(g);
 	if (g->nnodes > 1 && g->srv->span)

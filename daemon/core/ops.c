@@ -45,19 +45,11 @@ struct job {
 	uint64_t bytes;
 };
 
-struct ek_route *epd_route_find(struct epd_group *g, uint64_t seq)
-{
-	if (seq == 0 || seq > g->next_seq ||
-	    g->next_seq - seq >= EPD_MAX_HANDLES)
-		return NULL;
-	uint64_t i = seq % EPD_MAX_HANDLES;
-	return g->route_seq[i] == seq ? g->routes[i] : NULL;
-}
-
 /* Is the handle usable with this group? Replies the error itself. */
 static bool handle_ok(struct epd_session *c, uint64_t req_id,
-		      struct epd_group *g, const struct epp_handle *h)
+		      struct epd_member *m, const struct epp_handle *h)
 {
+	struct epd_group *g = m->group;
 	if (h->group_id != g->id) {
 		epd_session_error(c, req_id, EP_ESTALE,
 				 "handle belongs to group id %llu, not to "
@@ -72,13 +64,15 @@ static bool handle_ok(struct epd_session *c, uint64_t req_id,
 				 h->epoch, g->epoch);
 		return false;
 	}
-	if (!epd_route_find(g, h->seq)) {
+	if (!epd_handle_held(g, h->seq, m->local)) {
 		epd_session_error(c, req_id, EP_ESTALE,
-				 "handle %llu is unknown or was evicted (group "
-				 "%s keeps the last %d dispatches, newest %llu)",
-				 (unsigned long long)h->seq, g->shape.name,
-				 EPD_MAX_HANDLES,
-				 (unsigned long long)g->next_seq);
+				 "handle %llu is not held by rank %u of group "
+				 "%s: %s",
+				 (unsigned long long)h->seq, m->rank,
+				 g->shape.name,
+				 h->seq && h->seq <= g->next_seq
+					 ? "released"
+					 : "no such dispatch");
 		return false;
 	}
 	return true;
@@ -255,11 +249,16 @@ void epd_ops_finish(struct epd_group *g, uint16_t type, bool cached,
 		g->n_dispatch++;
 		struct ek_route *r = *route;
 		if (!cached) {
+			char why[EPP_ERRMSG_MAX];
+			int hrc = epd_handle_add(g, g->next_seq + 1, r, 0, why,
+						 sizeof(why));
+			if (hrc) {
+				/* every node fails alike: a node without the
+				 * handle could not follow the others' ops */
+				epd_group_fail(g, hrc, "%s", why);
+				return;
+			}
 			h.seq = ++g->next_seq;
-			uint64_t i = h.seq % EPD_MAX_HANDLES;
-			ek_route_free(g->routes[i]);
-			g->routes[i] = r;
-			g->route_seq[i] = h.seq;
 			*route = NULL;
 		}
 		for (uint32_t l = 0; l < rpn; l++) {
@@ -457,7 +456,7 @@ int epd_op_dispatch(struct epd_session *c, uint64_t req_id,
 		return EP_ETOOBIG;
 	}
 	if (cached) {
-		if (!handle_ok(c, req_id, g, &d->handle))
+		if (!handle_ok(c, req_id, m, &d->handle))
 			return EP_ESTALE;
 		const struct ek_route *r = epd_route_find(g, d->handle.seq);
 		if (r->num_tokens[m->rank] != d->num_tokens) {
@@ -508,7 +507,7 @@ int epd_op_combine(struct epd_session *c, uint64_t req_id,
 				 cb->hidden, g->shape.name, g->shape.hidden);
 		return EP_ESHAPE;
 	}
-	if (!handle_ok(c, req_id, g, &cb->handle))
+	if (!handle_ok(c, req_id, m, &cb->handle))
 		return EP_ESTALE;
 	const struct ek_route *r = epd_route_find(g, cb->handle.seq);
 	if (cb->num_rows != r->num_recv[m->rank]) {

@@ -364,6 +364,16 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 			epd_op_combine(&c->s, h->req_id, &cb);
 		break;
 	}
+	case EPP_RELEASE: {
+		struct epp_release rl;
+		if (epp_release_decode(p, h->length, &rl))
+			epd_session_error(&c->s, h->req_id, EP_EPROTO,
+					 "malformed release payload (%u bytes)",
+					 h->length);
+		else
+			epd_op_release(&c->s, h->req_id, &rl);
+		break;
+	}
 	case EPP_STATUS: {
 		if (h->length) {
 			epd_session_error(&c->s, h->req_id, EP_EPROTO,

@@ -54,6 +54,11 @@ static json_t *group_json(struct epd_group *g)
 		json_object_set_new(o, "owner_uid",
 				    json_integer((json_int_t)g->owner));
 		json_object_set_new(o, "shared", json_boolean(g->shared));
+		/* handles not yet released (host routings) */
+		json_object_set_new(o, "handles",
+				    json_pack("{s:I, s:I}", "held",
+					      (json_int_t)g->nhandles, "bytes",
+					      (json_int_t)g->handle_bytes));
 	}
 	if (o && g->state == EPD_G_FAILED)
 		json_object_set_new(o, "last_error",

@@ -37,7 +37,8 @@ void epd_config_defaults(struct epd_config *c)
 					.bytes_per_uid = 1ull << 40,
 					.conns = 4096,
 					.groups = 1024,
-					.bytes = 4ull << 40};
+					.bytes = 4ull << 40,
+					.handle_bytes = 4ull << 30};
 }
 
 static int parse_u64(const char *v, uint64_t *out)
@@ -219,6 +220,9 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 			return -2;
 	} else if (!strcmp(key, "max_bytes")) {
 		if (parse_u64(v, &c->limits.bytes))
+			return -2;
+	} else if (!strcmp(key, "max_handle_bytes")) {
+		if (parse_u64(v, &c->limits.handle_bytes))
 			return -2;
 	} else if (!strcmp(key, "worker_threads")) {
 		if (parse_u32(v, 0, 256, 10, &u))

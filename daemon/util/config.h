@@ -52,6 +52,10 @@ struct epd_config {
 		uint64_t bytes_per_uid;
 		uint32_t conns, groups;
 		uint64_t bytes;
+		/* Per group: memory of the routings kept for handles not
+		 * yet released (host memory; on a GPU group also its device
+		 * tables). Past it a fresh dispatch fails the group. */
+		uint64_t handle_bytes;
 	} limits;
 };
 

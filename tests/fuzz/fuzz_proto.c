@@ -51,6 +51,24 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	}
 	struct epp_join_ok jo;
 	(void)epp_join_ok_decode(data, size, &jo);
+	/* fixed-size op payloads: a decode that succeeds consumed exactly
+	 * the bytes, and re-encodes to them */
+	uint8_t b2[128];
+	struct epp_dispatch d;
+	if (epp_dispatch_decode(data, size, &d) == 0)
+		must(epp_dispatch_encode(&d, b2, sizeof(b2)) == size &&
+			     !memcmp(b2, data, size),
+		     "dispatch re-encode");
+	struct epp_combine cb;
+	if (epp_combine_decode(data, size, &cb) == 0)
+		must(epp_combine_encode(&cb, b2, sizeof(b2)) == size &&
+			     !memcmp(b2, data, size),
+		     "combine re-encode");
+	struct epp_release rl;
+	if (epp_release_decode(data, size, &rl) == 0)
+		must(epp_release_encode(&rl, b2, sizeof(b2)) == size &&
+			     !memcmp(b2, data, size),
+		     "release re-encode");
 	struct epp_hello_ok ho;
 	if (epp_hello_ok_decode(data, size, &ho) == 0)
 		must(strlen(ho.daemon_version) < sizeof(ho.daemon_version),
@@ -68,8 +86,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 int main(int argc, char **argv)
 {
 	long iters = argc > 1 ? atol(argv[1]) : 200000;
-	uint8_t seeds[4][512];
-	size_t seedlen[4];
+	uint8_t seeds[6][512];
+	size_t seedlen[6];
 	struct epp_join j = {.world_size = 8, .ranks_per_node = 8, .rank = 3,
 			     .num_experts = 64, .hidden = 1024,
 			     .max_tokens = 128, .topk = 4, .dtype = 1};
@@ -85,9 +103,18 @@ int main(int argc, char **argv)
 	strcpy(ho.daemon_version, "0.1.0");
 	strcpy(ho.backend, "host");
 	seedlen[3] = epp_hello_ok_encode(&ho, seeds[3], 512);
+	struct epp_dispatch d = {.group_id = 3, .num_tokens = 7, .hidden = 256,
+				 .dtype = 1, .topk = 2,
+				 .flags = EPP_DISPATCH_CACHED,
+				 .handle = {.group_id = 3, .epoch = 1, .seq = 9}};
+	seedlen[4] = epp_dispatch_encode(&d, seeds[4], 512);
+	struct epp_release rl = {.group_id = 3,
+				 .handle = {.group_id = 3, .epoch = 1, .seq = 9}};
+	seedlen[5] = epp_release_encode(&rl, seeds[5], 512);
 	uint8_t buf[600];
-	const uint8_t *sp[4] = {seeds[0], seeds[1], seeds[2], seeds[3]};
-	fuzz_drive(iters, 0x9e3779b97f4a7c15ull, sp, seedlen, 4, 4, buf,
+	const uint8_t *sp[6] = {seeds[0], seeds[1], seeds[2],
+				seeds[3], seeds[4], seeds[5]};
+	fuzz_drive(iters, 0x9e3779b97f4a7c15ull, sp, seedlen, 6, 4, buf,
 		   sizeof(buf));
 	printf("ok: %ld fuzz inputs, every decoder held its rules\n", iters);
 	return 0;

@@ -128,8 +128,11 @@ int ep_barrier(ep_group_t *group);
  */
 
 /* A dispatch's routing, for combine and cached dispatch. A plain value:
- * copy it freely. The daemon keeps the routings of a group's last 32
- * dispatches; an older handle gets EP_ESTALE. */
+ * copy it freely. The daemon keeps a handle's routing until every local
+ * rank of the group released it (ep_handle_release) or the group ends;
+ * nothing is evicted. The routings held count against the daemon's
+ * max_handle_bytes: a dispatch past it fails the group with EP_ELIMIT,
+ * saying what is held. A handle the rank released gets EP_ESTALE. */
 typedef struct ep_handle {
 	uint64_t group_id;
 	uint64_t seq;
@@ -180,6 +183,14 @@ int ep_dispatch_inplace(ep_group_t *group, uint32_t num_tokens,
 /* Zero-copy combine of combine_y (handle->num_recv rows) into combined. */
 int ep_combine_inplace(ep_group_t *group, const ep_handle_t *handle,
 		       unsigned flags);
+
+/* This rank is done with the handle: its routing is freed once every
+ * local rank released it. A GPU rank may release right after enqueueing
+ * its last op that uses the handle: ops already sent keep it. Releasing a
+ * handle twice, or one of another group, gives EP_ESTALE; a host rank's
+ * release while an op of its group that uses the handle is in progress,
+ * EP_EBUSY. On a failed group it succeeds (its handles went with it). */
+int ep_handle_release(ep_group_t *group, const ep_handle_t *handle);
 
 struct ep_dispatch_in {
 	uint32_t num_tokens;

@@ -172,6 +172,7 @@ _lib.ep_dispatch_stream.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
                                     ctypes.c_void_p, ctypes.POINTER(Handle)]
 _lib.ep_combine_stream.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle),
                                    ctypes.c_uint, ctypes.c_void_p]
+_lib.ep_handle_release.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle)]
 _lib.ep_dispatch_recv_count_device.argtypes = [ctypes.c_void_p]
 _lib.ep_dispatch_recv_count_device.restype = ctypes.c_uint64
 _lib.ep_dispatch_recv_count.argtypes = [ctypes.c_void_p,
@@ -354,6 +355,12 @@ class Group:
         _check(_lib.ep_combine_stream(self._g, ctypes.byref(handle),
                                       COMBINE_BIAS if bias else 0,
                                       self._stream(stream)))
+
+    def release(self, handle):
+        """This rank is done with the handle (its combine and cached
+        dispatches ran, or, on a GPU rank, were enqueued): the daemon frees
+        the routing once every local rank released it."""
+        _check(_lib.ep_handle_release(self._g, ctypes.byref(handle)))
 
     def recv_count(self, handle):
         """Rows received by that dispatch (the CPU waits for it)."""

@@ -94,12 +94,12 @@ struct epd_cuda_group {
 	/* dispatch scratch (daemon-only device memory) */
 	CUdeviceptr mask, blk, base, err, work, topk;
 	uint32_t tmax, nblk_max;
-	struct route {
-		uint64_t seq; /* the dispatch op; 0: empty */
-		uint32_t tokens[EKC_MAX_LOCAL];
-		CUdeviceptr slot, recv;
-	} routes[EPD_MAX_HANDLES];
-	uint64_t ndisp;
+	/* Handles: one entry per fresh dispatch (its op number) until every
+	 * local rank released it and the stream passed the last op that may
+	 * use it; then the entry (and its device tables) is reused. */
+	struct route *routes;
+	uint32_t nroutes, rcap;
+	uint64_t route_bytes; /* device tables, against max_handle_bytes */
 	/* dispatch rows by the bulk-copy engine: shared memory per block and
 	 * resident blocks per SM (0: the SIMT copy) */
 	unsigned tma_smem;
@@ -148,10 +148,19 @@ struct epd_cuda_group {
 	int stage_rc;
 	char stage_err[256];
 	CUevent stage_ev;
-	struct {
-		uint64_t gpu, host;
-	} hmap[EPD_MAX_HANDLES]; /* GPU handle -> host routing */
-	uint64_t nhmap;
+};
+
+/* A GPU handle: the routing of dispatch op `seq`. */
+struct route {
+	uint64_t seq;  /* the dispatch's op number; 0: a free entry */
+	uint32_t tokens[EKC_MAX_LOCAL];
+	CUdeviceptr slot, recv; /* device tables (none for a staged group) */
+	uint64_t host; /* staged: the host path's handle */
+	uint64_t held; /* local ranks that have not released it */
+	/* Released by all: once the ops up to last_use are on the stream
+	 * (and out of the staged path), the entry is free. */
+	bool dead;
+	uint64_t last_use;
 };
 
 extern const struct epd_backend_ops epd_cuda_backend;
@@ -194,7 +203,20 @@ void cu_fastbar_stop(struct epd_cuda_group *c);
 int cu_find_dev(struct epd_cuda *cu, const uint8_t uuid[16]);
 void cu_free_region(struct epd_cuda_group *c, uint32_t l);
 volatile int32_t *cu_group_error_word(struct epd_group *g);
-uint64_t cu_hmap_find(const struct epd_cuda_group *c, uint64_t gpu);
+/* handles.c */
+struct route *cu_route_find(struct epd_cuda_group *c, uint64_t seq);
+/* The host path's handle of GPU handle seq (a staged group), or 0. */
+uint64_t cu_route_host(struct epd_cuda_group *c, uint64_t seq);
+/* The entry of fresh dispatch k (ops: the ranks' requests, for the token
+ * counts; host: a staged group's host handle, or 0 until known); false
+ * with the group failed (EP_ELIMIT past max_handle_bytes). */
+bool cu_route_make(struct epd_group *g, uint64_t k,
+		   struct epd_aop *const *ops, uint64_t host);
+bool cu_route_usable(struct epd_group *g, struct epd_member *m, uint64_t h);
+int epd_cuda_release(struct epd_group *g, struct epd_member *m, uint64_t h,
+		     char *err, size_t errlen);
+void cu_routes_free(struct epd_cuda_group *c);
+uint32_t cu_routes_held(const struct epd_cuda_group *c);
 uint64_t cu_known_top(const struct epd_cuda_group *c);
 CUresult cu_launch(struct epd_cuda_group *c, CUfunction f, unsigned gx, unsigned gy, unsigned bx, void *args);
 bool cu_ops_agree(struct epd_group *g, uint64_t k, struct epd_aop *const *ops);

@@ -245,6 +245,7 @@ const struct epd_backend_ops epd_cuda_backend = {
 	.export_region = epd_cuda_export,
 	.group_ready = epd_cuda_group_ready,
 	.op = epd_cuda_op,
+	.release = epd_cuda_release,
 	.group_failed = epd_cuda_group_failed,
 	.group_free = epd_cuda_group_free,
 	.group_status = epd_cuda_group_status,

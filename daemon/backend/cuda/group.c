@@ -95,7 +95,8 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 	if (r)
 		return cu_err(r, "cuStreamCreate", err, errlen);
 	/* Dispatch scratch: masks, block counts and bases, the error word,
-	 * and a routing (slots, receive counts) per kept handle. */
+	 * (each handle's routing tables are made by its dispatch:
+	 * handles.c). */
 	/* Rows of a multiple of 16 bytes, two per warp in shared memory: the
 	 * bulk-copy engine moves them. */
 	size_t rowb = (size_t)g->shape.hidden * g->layout.elt;
@@ -130,11 +131,6 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 		for (int i = 0; !r && i < 2; i++)
 			r = cu_drv->cuMemHostAlloc((void **)&c->trace_host[i],
 					      EKC_TR_N * 16, 0);
-	}
-	for (int i = 0; !r && i < EPD_MAX_HANDLES; i++) {
-		r = cu_drv->cuMemAlloc(&c->routes[i].slot, W * c->tmax * W * 4);
-		if (!r)
-			r = cu_drv->cuMemAlloc(&c->routes[i].recv, W * 4);
 	}
 	if (r)
 		return cu_err(r, "allocating the dispatch scratch", err,
@@ -275,12 +271,7 @@ void epd_cuda_group_free(struct epd_group *g)
 	for (size_t i = 0; i < sizeof(scratch) / sizeof(scratch[0]); i++)
 		if (scratch[i])
 			cu_drv->cuMemFree(scratch[i]);
-	for (int i = 0; i < EPD_MAX_HANDLES; i++) {
-		if (c->routes[i].slot)
-			cu_drv->cuMemFree(c->routes[i].slot);
-		if (c->routes[i].recv)
-			cu_drv->cuMemFree(c->routes[i].recv);
-	}
+	cu_routes_free(c);
 	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++)
 		cu_free_region(c, l);
 	free(c->h);
@@ -304,7 +295,7 @@ void *epd_cuda_group_status(struct epd_group *g)
 		uint64_t b = __atomic_load_n(&c->fb->busy_ns, __ATOMIC_RELAXED);
 		eng_us = n ? (double)b / (double)n / 1e3 : 0;
 	}
-	json_t *o = json_pack("{s:i, s:i, s:b, s:b, s:s, s:f, s:s, s:i, s:s, s:I, s:I, s:f, s:f}",
+	json_t *o = json_pack("{s:i, s:i, s:b, s:b, s:s, s:f, s:s, s:i, s:s, s:I, s:I, s:I, s:I, s:f, s:f}",
 			 "gpu", c->dev0, "gpus", c->ndevs, "staged", c->staged,
 			 "resident_barrier", c->fb && !c->hb, "barrier",
 			 c->hb	   ? "host"
@@ -317,6 +308,8 @@ void *epd_cuda_group_status(struct epd_group *g)
 								  : "split",
 			 "ops_enqueued", (json_int_t)c->enqueued,
 			 "ops_completed", (json_int_t)c->completed,
+			 "device_handles", (json_int_t)cu_routes_held(c),
+			 "device_handle_bytes", (json_int_t)c->route_bytes,
 			 "last_dispatch_us", c->last_us[0], "last_combine_us",
 			 c->last_us[1]);
 	if (o)

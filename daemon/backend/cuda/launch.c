@@ -5,23 +5,6 @@
  */
 #include "cuda_int.h"
 
-/* The host routing of a GPU handle (a group across nodes), or 0. */
-uint64_t cu_hmap_find(const struct epd_cuda_group *c, uint64_t gpu)
-{
-	for (int i = 0; i < EPD_MAX_HANDLES; i++)
-		if (c->hmap[i].gpu == gpu && gpu)
-			return c->hmap[i].host;
-	return 0;
-}
-
-static struct route *route_find(struct epd_cuda_group *c, uint64_t seq)
-{
-	for (int i = 0; i < EPD_MAX_HANDLES; i++)
-		if (c->routes[i].seq == seq && seq)
-			return &c->routes[i];
-	return NULL;
-}
-
 CUresult cu_launch(struct epd_cuda_group *c, CUfunction f, unsigned gx,
 		       unsigned gy, unsigned bx, void *args)
 {
@@ -196,17 +179,11 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 	bool fresh = op0->type == EPP_DISPATCH &&
 		     !(op0->flags & EPP_DISPATCH_CACHED);
 	struct route *rt;
-	if (fresh) {
-		/* the oldest routing makes room */
-		rt = &c->routes[c->ndisp++ % EPD_MAX_HANDLES];
-		rt->seq = k;
-		for (uint32_t l = 0; l < W; l++)
-			rt->tokens[l] = ops[l]->tokens;
-	} else {
-		rt = route_find(c, op0->handle); /* ops_agree checked it */
-		if (!rt)
-			return CUDA_ERROR_INVALID_VALUE;
-	}
+	/* a fresh dispatch's entry was made by cu_enqueue_ready; the others'
+	 * handle was checked by cu_ops_agree */
+	rt = cu_route_find(c, fresh ? k : op0->handle);
+	if (!rt)
+		return CUDA_ERROR_INVALID_VALUE;
 	memcpy(a.tokens, rt->tokens, sizeof(a.tokens));
 	a.slot = (int32_t *)(uintptr_t)rt->slot;
 	a.recv = (uint32_t *)(uintptr_t)rt->recv;
@@ -311,14 +288,14 @@ bool cu_ops_agree(struct epd_group *g, uint64_t k,
 	if (ops[0]->type != EPP_BARRIER &&
 	    (ops[0]->type == EPP_COMBINE ||
 	     (ops[0]->flags & EPP_DISPATCH_CACHED)) &&
-	    !(cu_group(g)->staged ? cu_hmap_find(g->dev_group, ops[0]->handle) != 0
-			    : route_find(g->dev_group, ops[0]->handle) != NULL)) {
+	    !(cu_group(g)->staged
+		      ? cu_route_host(g->dev_group, ops[0]->handle) != 0
+		      : cu_route_find(g->dev_group, ops[0]->handle) != NULL)) {
 		epd_group_fail(g, EP_ESTALE,
-			       "op %llu: handle %llu is unknown or was evicted "
-			       "(the group keeps the last %d dispatches)",
+			       "op %llu: handle %llu is unknown, released, or "
+			       "its dispatch failed",
 			       (unsigned long long)k,
-			       (unsigned long long)ops[0]->handle,
-			       EPD_MAX_HANDLES);
+			       (unsigned long long)ops[0]->handle);
 		return false;
 	}
 	return true;

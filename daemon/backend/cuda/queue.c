@@ -31,7 +31,10 @@ void cu_enqueue_ready(struct epd_group *g)
 		struct epd_aop *ops[EKC_MAX_LOCAL];
 		for (uint32_t l = 0; l < rpn; l++)
 			ops[l] = &g->local[l]->aq[k % MAX_INFLIGHT];
-		if (cu_ops_agree(g, k, ops))
+		if (cu_ops_agree(g, k, ops) &&
+		    (ops[0]->type != EPP_DISPATCH ||
+		     (ops[0]->flags & EPP_DISPATCH_CACHED) ||
+		     cu_route_make(g, k, ops, 0)))
 			cu_stage_begin(g, k, ops);
 		cu_request_wait(g);
 		return;
@@ -75,6 +78,10 @@ void cu_enqueue_ready(struct epd_group *g)
 		/* Under MPS the kernels poll the doorbells themselves: the
 		 * barrier kernel for a barrier, count/scan/combine for data
 		 * (no launch and no driver call per rank just to wait). */
+		if (!r && ops[0]->type == EPP_DISPATCH &&
+		    !(ops[0]->flags & EPP_DISPATCH_CACHED) &&
+		    !cu_route_make(g, k, ops, 0))
+			return; /* the group failed, saying why */
 		if (!r && data)
 			r = cu_enqueue_data(g, k, ops, &what);
 		/* Every op ends with the barrier kernel: it releases the ranks
@@ -138,8 +145,21 @@ void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
 			       m->rank, MAX_INFLIGHT);
 		return;
 	}
+	if ((op->type == EPP_COMBINE ||
+	     (op->type == EPP_DISPATCH && (op->flags & EPP_DISPATCH_CACHED))) &&
+	    !cu_route_usable(g, m, op->handle)) {
+		epd_group_fail(g, EP_ESTALE,
+			       "rank %u's stream-ordered %s %llu names handle "
+			       "%llu, which it does not hold (never made, or "
+			       "released)",
+			       m->rank, epp_type_name(op->type),
+			       (unsigned long long)seq,
+			       (unsigned long long)op->handle);
+		return;
+	}
 	m->aq[seq % MAX_INFLIGHT] = *op;
 	m->aq[seq % MAX_INFLIGHT].fast = false;
+	m->aq[seq % MAX_INFLIGHT].released = false;
 	m->async_seq = seq;
 	uint64_t now = epd_now_ns();
 	if (c->msg_seq[seq % MAX_INFLIGHT] != seq) {

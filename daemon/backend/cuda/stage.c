@@ -49,7 +49,7 @@ void cu_stage_begin(struct epd_group *g, uint64_t k,
 	c->stage_handle = op0->handle;
 	const struct ek_route *rt = NULL;
 	if (op0->type == EPP_COMBINE || c->stage_cached)
-		rt = epd_route_find(g, cu_hmap_find(c, op0->handle));
+		rt = epd_route_find(g, cu_route_host(c, op0->handle));
 	CUresult r = 0;
 	for (uint32_t l = 0; !r && l < rpn; l++) {
 		r = cu_drv->cuStreamWaitValue32(c->stream, c->ptr[l] + EKC_DOORBELL,
@@ -119,14 +119,14 @@ void cu_stage_host(struct epd_group *g)
 	case EPP_DISPATCH:
 		epd_ops_staged_enter(g, EPP_DISPATCH, c->stage_cached,
 				     c->stage_cached
-					     ? cu_hmap_find(c, c->stage_handle)
+					     ? cu_route_host(c, c->stage_handle)
 					     : 0,
 				     c->stage_tokens, c->stage_flags,
 				     c->stage_k, staged_reply);
 		break;
 	default:
 		epd_ops_staged_enter(g, EPP_COMBINE, false,
-				     cu_hmap_find(c, c->stage_handle),
+				     cu_route_host(c, c->stage_handle),
 				     c->stage_tokens, c->stage_flags,
 				     c->stage_k, staged_reply);
 	}
@@ -171,9 +171,11 @@ static void stage_finish(struct epd_group *g)
 		return;
 	} else if (c->stage_type == EPP_DISPATCH) {
 		if (!c->stage_cached) {
-			c->hmap[c->nhmap % EPD_MAX_HANDLES].gpu = k;
-			c->hmap[c->nhmap++ % EPD_MAX_HANDLES].host =
-				c->stage_hseq;
+			struct route *hr = cu_route_find(c, k);
+			if (hr)
+				hr->host = c->stage_hseq;
+			else /* released by every rank while it ran */
+				epd_handle_drop(g, c->stage_hseq);
 		}
 		const uint32_t *R = c->stage_recv;
 		r = stage_copy(g, EKC_F_RECV_X, R,
