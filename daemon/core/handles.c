@@ -189,8 +189,8 @@ int epd_op_release(struct epd_session *c, uint64_t req_id,
 	if (g->dev) {
 		rc = g->dev->release(g, m, h->seq, err, sizeof(err));
 	} else if (m->pending_req ||
-		   (g->coll_type &&
-		    (g->coll_type == EPP_COMBINE || g->coll_cached) &&
+		   ((g->coll_type == EPP_COMBINE ||
+		     (g->coll_type == EPP_DISPATCH && g->coll_cached)) &&
 		    g->coll_seq == h->seq)) {
 		/* a client that follows the protocol releases after the ops
 		 * that use the handle returned; the collective in progress

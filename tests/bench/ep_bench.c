@@ -177,6 +177,8 @@ static int rank_main(int rank, const struct opts *o, struct shared *s)
 				       ? (size_t)h.num_recv * o->hidden * 2
 				       : 0);
 			CALL("combine", ep_combine_inplace(g, &h, 0));
+			if (i < 2)
+				CALL("release", ep_handle_release(g, &h));
 		}
 		s->recv_rows[rank] = h.num_recv;
 		for (int i = 0; i < n; i++) {
@@ -190,6 +192,7 @@ static int rank_main(int rank, const struct opts *o, struct shared *s)
 			uint64_t t2 = now_ns();
 			CALL("combine", ep_combine_inplace(g, &h, 0));
 			uint64_t t3 = now_ns();
+			CALL("release", ep_handle_release(g, &h));
 			if (rank == 0) {
 				s->dispatch_us[i] = (double)(t1 - t0) / 1e3;
 				s->combine_us[i] = (double)(t3 - t2) / 1e3;

@@ -180,9 +180,11 @@ static int rank_main(int r, void *arg)
 		TH_OK(ep_dispatch_stream(g, T, EP_DISPATCH_WEIGHTS, NULL, st,
 					 &h));
 		TH_OK(ep_combine_stream(g, &h, 0, st));
+		TH_OK(ep_handle_release(g, &h));
 	}
 	TH_OK(ep_dispatch_stream(g, T, EP_DISPATCH_WEIGHTS, NULL, st, &h));
 	TH_OK(ep_dispatch_recv_count(g, &h));
+	TH_OK(ep_handle_release(g, &h));
 	s->recv[r] = h.num_recv;
 	CUevent ev[4];
 	for (int i = 0; i < 4; i++)
@@ -197,6 +199,7 @@ static int rank_main(int r, void *arg)
 		CU(tg_drv.cuEventRecord(ev[2], st));
 		TH_OK(ep_combine_stream(g, &h, 0, st));
 		CU(tg_drv.cuEventRecord(ev[3], st));
+		TH_OK(ep_handle_release(g, &h));
 		CU(tg_drv.cuStreamSynchronize(st));
 		if (r == 0) {
 			float a, bb;
@@ -229,6 +232,7 @@ static int rank_main(int r, void *arg)
 		CU(tg_drv.cuEventRecord(pev[i][2], st));
 		TH_OK(ep_combine_stream(g, &h, 0, st));
 		CU(tg_drv.cuEventRecord(pev[i][3], st));
+		TH_OK(ep_handle_release(g, &h));
 	}
 	CU(tg_drv.cuStreamSynchronize(st));
 	for (int i = 0; i < s->iters && r == 0; i++) {

@@ -273,6 +273,23 @@ static int case_rank(int r, void *arg)
 	recv_x_after(g, st, &b, gx3, R * H * elt);
 	SAME(gx3, gx2, R * H * elt, "fresh vs cached dispatch");
 
+	/* Handles live until released: 36 more fresh dispatches (half of
+	 * them released at once, before the daemon ran them), so that the
+	 * first handle is older than the 32 the daemon once kept. */
+	TH_OK(ep_handle_release(g, &h2));
+	TH_OK(ep_handle_release(g, &h3));
+	ep_handle_t kept[36];
+	int nkept = 0;
+	for (int i = 0; i < 36; i++) {
+		ep_handle_t hn;
+		TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &hn));
+		if (i % 2)
+			TH_OK(ep_handle_release(g, &hn));
+		else
+			kept[nkept++] = hn;
+	}
+	TH_EXPECT_RC(ep_handle_release(g, &h2), EP_ESTALE);
+
 	/* Combine of random rows (and bias) along the first handle, against
 	 * the host backend and the reference. */
 	uint16_t *ys[8];
@@ -293,6 +310,14 @@ static int case_rank(int r, void *arg)
 	pin(gcomb, (size_t)c->max_tokens * H * 2);
 	CU(tg_drv.cuMemcpyDtoHAsync(gcomb, tg_dptr(b.combined),
 				    (size_t)c->max_tokens * H * 2, st));
+	/* Released right after the combine was enqueued: a later dispatch
+	 * may take its tables, after the combine in stream order. */
+	TH_OK(ep_handle_release(g, &h));
+	for (int i = 0; i < nkept; i++)
+		TH_OK(ep_handle_release(g, &kept[i]));
+	ep_handle_t h4;
+	TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &h4));
+	TH_OK(ep_handle_release(g, &h4));
 	CU(tg_drv.cuStreamSynchronize(st));
 	TH_OK(ep_group_sync(g));
 	SAME(gcomb, hcomb, (size_t)me->T * H * 2, "combined vs host backend");

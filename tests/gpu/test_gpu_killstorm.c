@@ -77,6 +77,7 @@ static int bystander(int rank, void *arg)
 		ep_handle_t h;
 		TH_OK(ep_dispatch_stream(g, T, 0, NULL, st, &h));
 		TH_OK(ep_combine_stream(g, &h, 0, st));
+		TH_OK(ep_handle_release(g, &h));
 		TH_OK(ep_barrier_stream(g, st));
 		CU(tg_drv.cuStreamSynchronize(st));
 		TH_OK(ep_group_sync(g));
@@ -109,9 +110,12 @@ static int job_rank(int rank, void *arg)
 		int op = rand_r(&seed) % 3;
 		if (op == 0)
 			rc = ep_barrier_stream(g, st);
-		else if (op == 1 || !have)
-			rc = ep_dispatch_stream(g, T, 0, NULL, st, &h),
+		else if (op == 1 || !have) {
+			rc = have ? ep_handle_release(g, &h) : 0;
+			if (!rc)
+				rc = ep_dispatch_stream(g, T, 0, NULL, st, &h);
 			have = true;
+		}
 		else
 			rc = ep_combine_stream(g, &h, 0, st);
 		if (!rc && i % 8 == 7) {

@@ -113,6 +113,7 @@ static int rank_main(int r, void *arg)
 		}
 		TH_OK(ep_dispatch_stream(g, T, 0, &h, st, &hc));
 		TH_OK(ep_combine_stream(g, &h, 0, st));
+		TH_OK(ep_handle_release(g, &h));
 		CU(tg_drv.cuStreamSynchronize(st));
 		TH_OK(ep_group_sync(g));
 		if (r == 0)
@@ -138,6 +139,7 @@ static int fresh_rank(int r, void *arg)
 	for (int i = 0; i < 20; i++) {
 		TH_OK(ep_dispatch_stream(g, T, 0, NULL, st, &h));
 		TH_OK(ep_combine_stream(g, &h, 0, st));
+		TH_OK(ep_handle_release(g, &h));
 	}
 	CU(tg_drv.cuStreamSynchronize(st));
 	TH_OK(ep_group_sync(g));

@@ -307,6 +307,8 @@ static int xlost_rank(int rank, void *arg)
 		rc = ep_dispatch_inplace(g, 64, 0, NULL, &h);
 		if (!rc)
 			rc = ep_combine_inplace(g, &h, 0);
+		if (!rc)
+			rc = ep_handle_release(g, &h);
 		if (i == 2)
 			__atomic_fetch_add(&s->entered, 1, __ATOMIC_SEQ_CST);
 	}

@@ -132,7 +132,9 @@ static int job_rank(int rank, void *arg)
 				b.topk_idx[t] = (int64_t)(rand_r(&mine) %
 						(int)(cfg.num_experts + 1)) - 1;
 			memset(b.x, (int)i, (size_t)T * cfg.hidden * 2);
-			rc = ep_dispatch_inplace(g, T, 0, NULL, &h);
+			rc = have ? ep_handle_release(g, &h) : 0;
+			if (!rc)
+				rc = ep_dispatch_inplace(g, T, 0, NULL, &h);
 			have = rc == 0;
 		} else {
 			rc = ep_combine_inplace(g, &h, 0);

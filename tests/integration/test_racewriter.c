@@ -85,6 +85,7 @@ static int rank_main(int rank, void *arg)
 		if (rc == 0) {
 			TH_OK(ep_dispatch_inplace(g, T, 0, &h, &h));
 			TH_OK(ep_combine_inplace(g, &h, 0));
+			TH_OK(ep_handle_release(g, &h));
 			if (rank == 0)
 				s->ok++;
 		} else if (rank == 0) {
@@ -115,6 +116,7 @@ static int bystander(int rank, void *arg)
 		ep_handle_t h;
 		TH_OK(ep_dispatch_inplace(g, 8, 0, NULL, &h));
 		TH_OK(ep_combine_inplace(g, &h, 0));
+		TH_OK(ep_handle_release(g, &h));
 		/* both stop at the same round: rank 0 decides */
 		if (rank == 0 && s->by_stop)
 			s->by_stop = 2;

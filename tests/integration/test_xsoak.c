@@ -10,7 +10,14 @@
  * between the two runs (one node is checked against a reference by the
  * other tests).
  *
- * EPD_XSOAK_OPS sets the program's length (default 120 ops).
+ * Handles live as in training: a "forward pass" of 36 dispatches first,
+ * every handle kept (more than the 32 the daemon once kept), combines and
+ * cached dispatches along any live one, releases at random points (each
+ * rank at its own pace: a release is not a collective), and at the end a
+ * "backward pass" that combines each live handle in reverse order and
+ * releases it.
+ *
+ * EPD_XSOAK_OPS sets the random part's length (default 120 ops).
  */
 #include "harness.h"
 
@@ -22,6 +29,8 @@
 #define RPN 2
 #define MAXW (MAXN * RPN)
 #define MAXOPS 400
+#define MAXLIVE 48
+#define FORWARD 36
 #define H 256
 #define K 4
 #define TMAX 24
@@ -30,12 +39,22 @@ static struct th_daemon D[MAXN], SOLO;
 static char peers[512], keyfile[160];
 static char optv[MAXN][5][560];
 
-enum { OP_BARRIER, OP_DISPATCH, OP_DISPATCH_LOCAL, OP_CACHED, OP_COMBINE };
+enum {
+	OP_BARRIER,
+	OP_DISPATCH,
+	OP_DISPATCH_LOCAL,
+	OP_CACHED,     /* along live handle pick */
+	OP_COMBINE,    /* along the newest */
+	OP_COMBINE_OLD, /* along live handle pick */
+	OP_RELEASE,    /* of live handle pick */
+};
 
 struct soak {
 	int nodes, nops;
 	uint64_t seed;
 	uint8_t prog[MAXOPS];
+	uint8_t pick[MAXOPS]; /* which live handle (index) */
+	int maxlive;
 	char name[32];
 	bool solo;
 	uint64_t hash[2][MAXW][MAXOPS]; /* [solo, cluster] */
@@ -78,7 +97,8 @@ static int soak_rank(int r, void *arg)
 		.recv_topk_idx = malloc(cap * K * 8),
 		.recv_topk_weights = malloc(cap * K * 4),
 		.num_recv_tokens_per_expert = malloc(per * 4)};
-	ep_handle_t h = {0};
+	ep_handle_t h = {0}, hs[MAXLIVE];
+	int nlive = 0;
 	uint32_t T = 0;
 	uint64_t lat = s->seed * 31 + (uint64_t)r; /* this rank's lateness */
 	const int late_node = (int)(s->seed % (uint64_t)s->nodes);
@@ -93,8 +113,20 @@ static int soak_rank(int r, void *arg)
 		uint64_t gen = s->seed ^ ((uint64_t)i << 20) ^ (uint64_t)r;
 		uint64_t hsh = 0xcbf29ce484222325ull;
 		int op = s->prog[i];
+		if (op == OP_CACHED || op == OP_COMBINE_OLD)
+			h = hs[s->pick[i]];
+		else if (op == OP_COMBINE)
+			h = hs[nlive - 1];
+		if (op == OP_CACHED)
+			T = h.num_tokens;
 		if (op == OP_BARRIER) {
 			TH_OK(ep_barrier(g));
+		} else if (op == OP_RELEASE) {
+			int j = s->pick[i];
+			TH_OK(ep_handle_release(g, &hs[j]));
+			memmove(&hs[j], &hs[j + 1],
+				(size_t)(nlive - j - 1) * sizeof(hs[0]));
+			nlive--;
 		} else if (op == OP_DISPATCH || op == OP_DISPATCH_LOCAL ||
 			   op == OP_CACHED) {
 			bool cached = op == OP_CACHED;
@@ -119,8 +151,15 @@ static int soak_rank(int r, void *arg)
 			ep_handle_t nh;
 			TH_OK(ep_dispatch(g, &din, cached ? &h : NULL, &dout,
 					  &nh));
-			if (!cached)
-				h = nh;
+			if (!cached) {
+				if (nlive == MAXLIVE) { /* the oldest goes */
+					TH_OK(ep_handle_release(g, &hs[0]));
+					memmove(&hs[0], &hs[1],
+						(MAXLIVE - 1) * sizeof(hs[0]));
+					nlive--;
+				}
+				hs[nlive++] = h = nh;
+			}
 			uint32_t R = dout.num_recv;
 			hsh = fnv(hsh, &R, 4);
 			hsh = fnv(hsh, dout.recv_x, (size_t)R * H * 2);
@@ -139,6 +178,23 @@ static int soak_rank(int r, void *arg)
 			hsh = fnv(hsh, out, (size_t)h.num_tokens * H * 2);
 		}
 		s->hash[s->solo ? 0 : 1][r][i] = hsh;
+	}
+	TH_CHECK(nlive == 0, "rank %d: %d handles left", r, nlive);
+	TH_OK(ep_barrier(g));
+	if (!s->solo && r % RPN == 0) {
+		/* every node's daemon holds none of the group's routings */
+		char *js;
+		TH_OK(ep_daemon_status(c, &js));
+		const char *p = strstr(js, s->name);
+		const char *hp = p ? strstr(p, "\"handles\"") : NULL;
+		const char *n = hp ? strstr(hp, "\"held\"") : NULL;
+		TH_CHECK(n, "no handle count in the status");
+		n += 6;
+		while (*n == ':' || *n == ' ')
+			n++;
+		TH_CHECK(*n == '0', "node %d still holds handles: %.40s",
+			 r / RPN, n);
+		free(js);
 	}
 	TH_OK(ep_barrier(g));
 	TH_OK(ep_leave(g));
@@ -164,42 +220,72 @@ static void soak(int nodes, uint64_t seed, int nops)
 	s->nodes = nodes;
 	s->seed = seed;
 	s->nops = nops;
-	/* the program: a dispatch first; combines and cached dispatches of
-	 * the latest handle; runs of combines after local dispatches */
+	/* the program: a forward pass of dispatches; then combines of the
+	 * newest handle, combines and cached dispatches of any live one,
+	 * releases, runs of combines after local dispatches; then the
+	 * backward pass. live mirrors the ranks' count of live handles. */
 	uint64_t p = seed;
-	int i = 0, ahead = 0;
-	s->prog[i++] = OP_DISPATCH;
-	while (i < nops) {
-		uint32_t k = rnd(&p) % 10;
-		if (k < 2) {
+	int i = 0, ahead = 0, live = 0, maxlive = 0;
+#define FRESH(kind)                                                            \
+	do {                                                                   \
+		s->prog[i++] = (kind);                                         \
+		live += live < MAXLIVE;                                        \
+		maxlive = live > maxlive ? live : maxlive;                     \
+	} while (0)
+	for (int f = 0; f < FORWARD; f++)
+		FRESH(rnd(&p) % 3 ? OP_DISPATCH : OP_DISPATCH_LOCAL);
+	const int body = FORWARD + nops;
+	while (i < body) {
+		uint32_t k = rnd(&p) % 20;
+		if (k < 3) {
 			s->prog[i++] = OP_BARRIER;
-		} else if (k < 4) {
-			s->prog[i++] = OP_DISPATCH;
-		} else if (k < 6) {
+		} else if (k < 7) {
+			FRESH(OP_DISPATCH);
+		} else if (k < 10) {
 			/* local routing, then a run of independent combines */
-			s->prog[i++] = OP_DISPATCH_LOCAL;
-			for (int n = 0; n < 6 && i < nops; n++, ahead++)
+			FRESH(OP_DISPATCH_LOCAL);
+			for (int n = 0; n < 6 && i < body; n++, ahead++)
 				s->prog[i++] = OP_COMBINE;
-		} else if (k < 8) {
+		} else if (k < 13) {
+			s->pick[i] = (uint8_t)(rnd(&p) % (uint32_t)live);
 			s->prog[i++] = OP_CACHED;
+		} else if (k < 16) {
+			s->pick[i] = (uint8_t)(rnd(&p) % (uint32_t)live);
+			s->prog[i++] = OP_COMBINE_OLD;
+		} else if (k < 18 && live > 1) {
+			s->pick[i] = (uint8_t)(rnd(&p) % (uint32_t)live);
+			s->prog[i++] = OP_RELEASE;
+			live--;
 		} else {
 			s->prog[i++] = OP_COMBINE;
 		}
 	}
+	/* backward: newest first, each combined then released */
+	for (; live > 0; live--) {
+		s->pick[i] = (uint8_t)(live - 1);
+		s->prog[i++] = OP_COMBINE_OLD;
+		s->pick[i] = (uint8_t)(live - 1);
+		s->prog[i++] = OP_RELEASE;
+	}
+	s->nops = i;
+	s->maxlive = maxlive;
+	TH_CHECK(maxlive > 32, "the program keeps only %d handles", maxlive);
 	run(s, true);
 	run(s, false);
 	const int W = nodes * RPN;
 	for (int r = 0; r < W; r++)
-		for (int j = 0; j < nops; j++)
+		for (int j = 0; j < s->nops; j++)
 			TH_CHECK(s->hash[0][r][j] == s->hash[1][r][j],
 				 "%d nodes, seed %llu: rank %d op %d (type %d) "
 				 "differs from one node",
 				 nodes, (unsigned long long)seed, r, j,
 				 s->prog[j]);
 	printf("ok: %d nodes x %d ranks, %d ops (%d combines after local "
-	       "routings), random lateness, one node 400 ms late: bitwise "
-	       "equal to one node (seed %llu)\n",
-	       nodes, RPN, nops, ahead, (unsigned long long)seed);
+	       "routings, up to %d handles alive, released at random and in "
+	       "a backward pass), random lateness, one node 400 ms late: "
+	       "bitwise equal to one node (seed %llu)\n",
+	       nodes, RPN, s->nops, ahead, s->maxlive,
+	       (unsigned long long)seed);
 }
 
 static void start_cluster(int nodes, int base_port)
@@ -244,7 +330,7 @@ int main(void)
 	th_init("test_xsoak", 600);
 	int nops = 120;
 	const char *e = getenv("EPD_XSOAK_OPS");
-	if (e && atoi(e) > 0 && atoi(e) <= MAXOPS)
+	if (e && atoi(e) > 0 && atoi(e) <= MAXOPS - FORWARD - 2 * MAXLIVE)
 		nops = atoi(e);
 	char kdir[64];
 	snprintf(kdir, sizeof(kdir), "%s/epdkeys.XXXXXX",

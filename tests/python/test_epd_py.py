@@ -135,7 +135,15 @@ def rank_main(rank, sock, q):
                     want.append(f32_bf16(acc))
             assert bytes(out) == bytes(arr("H", want)), "combined"
             st = c.status()
-            assert any(gr["name"] == "py" for gr in st["groups"]), st
+            mine = [gr for gr in st["groups"] if gr["name"] == "py"]
+            assert mine and mine[0]["handles"]["held"] >= 1, st
+            # released: the routing is gone for this rank
+            g.release(res.handle)
+            try:
+                g.combine(y, res.handle, bias=arr("H", bias))
+                raise AssertionError("combined along a released handle")
+            except epd.Error as e:
+                assert e.code == -1009 and "released" in str(e), e
             g.barrier()
             g.leave()
         q.put((rank, None))
