@@ -196,7 +196,7 @@ static int mismatch_rank(int r, void *arg)
 }
 
 /* A stale handle fails the rank that names it, never the group: every
- * rank combines an evicted handle, rank 3 late (while the others already
+ * rank combines a handle it released, rank 3 late (while the others already
  * wait in the next barrier), and the barrier completes. */
 static int stale_rank(int r, void *arg)
 {
@@ -210,6 +210,7 @@ static int stale_rank(int r, void *arg)
 		TH_OK(ep_dispatch_inplace(g, 4, 0, NULL, i ? &h : &first));
 	if (r == 3)
 		th_sleep_ms(300);
+	TH_OK(ep_handle_release(g, &first));
 	TH_EXPECT_RC(ep_combine_inplace(g, &first, 0), EP_ESTALE);
 	TH_OK(ep_barrier(g));
 	TH_OK(ep_combine_inplace(g, &h, 0));
