@@ -12,12 +12,20 @@
  *  - past max_handle_bytes a dispatch fails the group for every rank with
  *    EP_ELIMIT, naming the limit; another group on the same daemon that
  *    releases its handles runs 200 dispatches under the same limit;
- *  - a release on a failed group succeeds.
+ *  - a release on a failed group succeeds;
+ *  - a raw client that releases a handle while its own combine on it
+ *    waits for the other rank (it could free the routing under the op)
+ *    gets EP_EBUSY and the combine completes; a malformed release frame
+ *    gets EP_EPROTO and the connection stays.
  */
 #include "harness.h"
+#include "epp.h"
 #include "ref.h"
 
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #define W 4
 #define LAYERS 40
@@ -245,6 +253,129 @@ static int within_limit(int r, void *arg)
 	return 0;
 }
 
+struct busy {
+	volatile int combine; /* set by the raw rank: rank 1 may combine */
+};
+
+static int busy_peer(int r, void *arg)
+{
+	struct busy *b = arg;
+	(void)r;
+	ep_conn_t *conn;
+	struct ep_group_config cfg = {
+		.name = "busy", .world_size = 2, .ranks_per_node = 2,
+		.rank = 1, .num_experts = 4, .hidden = 128,
+		.max_tokens_per_rank = 8, .topk = 2, .dtype = EP_DTYPE_BF16,
+		.timeout_ms = 20000};
+	ep_group_t *g = th_join(&D, &cfg, &conn);
+	ep_handle_t h;
+	TH_OK(ep_dispatch_inplace(g, 0, 0, NULL, &h));
+	while (!__atomic_load_n(&b->combine, __ATOMIC_ACQUIRE))
+		th_sleep_ms(5);
+	TH_OK(ep_combine_inplace(g, &h, 0));
+	TH_OK(ep_handle_release(g, &h));
+	TH_OK(ep_barrier(g));
+	TH_OK(ep_leave(g));
+	ep_close(conn);
+	return 0;
+}
+
+/* One frame out, one reply in: its type (and error code, message). */
+static uint16_t raw_call(int fd, uint16_t type, uint64_t req, const void *pl,
+			 uint32_t len, int *code, char *msg, size_t cap,
+			 uint8_t **reply)
+{
+	struct epp_hdr hd, rh;
+	epp_hdr_init(&hd, type, req);
+	hd.length = len;
+	TH_OK(epp_send_frame(fd, &hd, pl, NULL));
+	uint8_t *p;
+	TH_OK(epp_recv_frame(fd, &rh, &p, NULL, 10000, NULL, 0));
+	TH_CHECK(rh.req_id == req, "reply to %llu, want %llu",
+		 (unsigned long long)rh.req_id, (unsigned long long)req);
+	*code = 0;
+	if (rh.type == EPP_ERROR)
+		TH_OK(epp_error_decode(p, rh.length, code, msg, cap));
+	if (reply)
+		*reply = p;
+	else
+		free(p);
+	return rh.type;
+}
+
+static void release_while_busy(void)
+{
+	struct busy *b = th_shared(sizeof(*b));
+	pid_t peer;
+	th_spawn(&peer, 1, busy_peer, b);
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	memcpy(sa.sun_path, D.sock, strlen(D.sock) + 1);
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	TH_CHECK(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0,
+		 "connect");
+	struct epp_join j = {.world_size = 2, .ranks_per_node = 2, .rank = 0,
+			     .num_experts = 4, .hidden = 128, .max_tokens = 8,
+			     .topk = 2, .dtype = 1, .timeout_ms = 20000};
+	strcpy(j.name, "busy");
+	struct epp_join_ok jo;
+	th_raw_join(fd, &j, 1, &jo);
+	uint8_t buf[128], *p;
+	int code;
+	char msg[EPP_ERRMSG_MAX];
+	struct epp_dispatch d = {.group_id = jo.group_id, .hidden = 128,
+				 .dtype = 1, .topk = 2};
+	uint32_t n = (uint32_t)epp_dispatch_encode(&d, buf, sizeof(buf));
+	TH_CHECK(raw_call(fd, EPP_DISPATCH, 2, buf, n, &code, msg,
+			  sizeof(msg), &p) == EPP_OK,
+		 "dispatch: %d %s", code, msg);
+	struct epp_dispatch_ok ok;
+	TH_OK(epp_dispatch_ok_decode(p, 8 + 4 + 8 + 4, &ok));
+	free(p);
+	/* the combine waits for rank 1; the release behind it on the same
+	 * connection must not free the routing it will run on */
+	struct epp_combine cb = {.group_id = jo.group_id, .handle = ok.handle,
+				 .hidden = 128};
+	struct epp_hdr hd;
+	epp_hdr_init(&hd, EPP_COMBINE, 3);
+	hd.length = (uint32_t)epp_combine_encode(&cb, buf, sizeof(buf));
+	TH_OK(epp_send_frame(fd, &hd, buf, NULL));
+	struct epp_release rl = {.group_id = jo.group_id, .handle = ok.handle};
+	n = (uint32_t)epp_release_encode(&rl, buf, sizeof(buf));
+	TH_CHECK(raw_call(fd, EPP_RELEASE, 4, buf, n, &code, msg, sizeof(msg),
+			  NULL) == EPP_ERROR &&
+			 code == EP_EBUSY && strstr(msg, "in progress"),
+		 "release under its own combine: %d %s", code, msg);
+	printf("ok: a release behind the rank's own pending combine -> %s\n",
+	       msg);
+	__atomic_store_n(&b->combine, 1, __ATOMIC_RELEASE);
+	struct epp_hdr rh;
+	TH_OK(epp_recv_frame(fd, &rh, &p, NULL, 10000, NULL, 0));
+	TH_CHECK(rh.type == EPP_OK && rh.req_id == 3,
+		 "the combine completes: reply type %u req %llu", rh.type,
+		 (unsigned long long)rh.req_id);
+	free(p);
+	TH_CHECK(raw_call(fd, EPP_RELEASE, 5, buf, n, &code, msg, sizeof(msg),
+			  NULL) == EPP_OK,
+		 "release after the combine: %d %s", code, msg);
+	TH_CHECK(raw_call(fd, EPP_RELEASE, 6, buf, n, &code, msg, sizeof(msg),
+			  NULL) == EPP_ERROR &&
+			 code == EP_ESTALE,
+		 "a second release: %d %s", code, msg);
+	TH_CHECK(raw_call(fd, EPP_RELEASE, 7, buf, n - 1, &code, msg,
+			  sizeof(msg), NULL) == EPP_ERROR &&
+			 code == EP_EPROTO && strstr(msg, "malformed release"),
+		 "a short release: %d %s", code, msg);
+	/* the connection and the group go on */
+	uint64_t gid = jo.group_id;
+	TH_CHECK(raw_call(fd, EPP_BARRIER, 8, &gid, 8, &code, msg, sizeof(msg),
+			  NULL) == EPP_OK,
+		 "barrier after the refusals: %d %s", code, msg);
+	close(fd);
+	TH_CHECK(th_wait_all(&peer, 1, 60) == 0, "rank 1 failed");
+	printf("ok: released after the combine; a second release EP_ESTALE; "
+	       "a short frame EP_EPROTO; the group went on\n");
+}
+
 int main(void)
 {
 	th_init("test_handles", 300);
@@ -252,6 +383,7 @@ int main(void)
 	th_daemon_start(&D, NULL);
 	th_spawn(pids, W, forward_backward, NULL);
 	TH_CHECK(th_wait_all(pids, W, 240) == 0, "a rank failed");
+	release_while_busy();
 	printf("ok: %d handles alive at once, combined in reverse order and "
 	       "a cached dispatch on the oldest, bitwise equal to the "
 	       "reference; released handles refused (EP_ESTALE); status "
