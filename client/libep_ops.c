@@ -39,6 +39,8 @@ int ep_get_buffers(ep_group_t *g, struct ep_buffers *b)
 	b->combine_y = (uint16_t *)region(g, EPP_BUF_COMBINE_Y);
 	b->combine_bias = (uint16_t *)region(g, EPP_BUF_COMBINE_BIAS);
 	b->combined = (uint16_t *)region(g, EPP_BUF_COMBINED);
+	b->combine_topk_weights = (float *)region(g, EPP_BUF_COMBINE_W);
+	b->combined_topk_weights = (const float *)region(g, EPP_BUF_COMBINED_W);
 	b->max_tokens = g->layout.max_tokens;
 	b->max_recv = g->layout.max_recv;
 	return 0;
@@ -121,7 +123,7 @@ int ep__dispatch_request(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 int ep__combine_request(ep_group_t *g, const ep_handle_t *h, unsigned flags,
 			uint8_t *frame, uint32_t *len)
 {
-	if (flags & ~EP_COMBINE_BIAS)
+	if (flags & ~(EP_COMBINE_BIAS | EP_COMBINE_WEIGHTS))
 		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
 	int rc = ep__check_handle(g, h);
 	if (rc)
@@ -132,9 +134,12 @@ int ep__combine_request(ep_group_t *g, const ep_handle_t *h, unsigned flags,
 					   .seq = h->seq},
 				.num_rows = h->num_recv,
 				.hidden = g->cfg.hidden,
-				.flags = flags & EP_COMBINE_BIAS
-						 ? EPP_COMBINE_BIAS
-						 : 0};
+				.flags = (flags & EP_COMBINE_BIAS
+						  ? EPP_COMBINE_BIAS
+						  : 0) |
+					 (flags & EP_COMBINE_WEIGHTS
+						  ? EPP_COMBINE_WEIGHTS
+						  : 0)};
 	*len = (uint32_t)epp_combine_encode(&c, frame, 128);
 	return 0;
 }
@@ -300,8 +305,29 @@ int ep_combine(ep_group_t *g, const ep_handle_t *h, const uint16_t *y,
 	       uint32_t num_rows, uint32_t hidden, const uint16_t *bias,
 	       uint16_t *out)
 {
-	if (!g || !h || (num_rows && !y) || (h->num_tokens && !out))
+	struct ep_combine_in in = {.y = y, .num_rows = num_rows,
+				   .hidden = hidden, .bias = bias};
+	struct ep_combine_out o = {.out = out};
+	return ep_combine_ex(g, h, &in, &o);
+}
+
+int ep_combine_ex(ep_group_t *g, const ep_handle_t *h,
+		  const struct ep_combine_in *in, struct ep_combine_out *o)
+{
+	if (!g || !h || !in || !o)
 		return ep__fail(EP_EINVAL, "NULL argument");
+	const uint16_t *y = in->y, *bias = in->bias;
+	const uint32_t num_rows = in->num_rows, hidden = in->hidden;
+	uint16_t *out = o->out;
+	const float *w = in->topk_weights;
+	if ((num_rows && !y) || (h->num_tokens && !out))
+		return ep__fail(EP_EINVAL, "NULL argument");
+	bool cw = w || o->combined_topk_weights;
+	if (cw && ((num_rows && !w) ||
+		   (h->num_tokens && !o->combined_topk_weights)))
+		return ep__fail(EP_EINVAL,
+				"topk_weights and combined_topk_weights go "
+				"together");
 	if (g->dev_ptr)
 		return ep__fail(EP_EUNSUPPORTED,
 				"a GPU rank combines on a stream "
@@ -324,10 +350,18 @@ int ep_combine(ep_group_t *g, const ep_handle_t *h, const uint16_t *y,
 		memcpy(b.combine_y, y, (size_t)num_rows * H * 2);
 	if (bias && h->num_tokens)
 		memcpy(b.combine_bias, bias, (size_t)h->num_tokens * H * 2);
-	rc = ep_combine_inplace(g, h, bias ? EP_COMBINE_BIAS : 0);
+	const size_t K = g->cfg.topk;
+	if (cw && num_rows)
+		memcpy(b.combine_topk_weights, w, (size_t)num_rows * K * 4);
+	rc = ep_combine_inplace(g, h,
+				(bias ? EP_COMBINE_BIAS : 0) |
+					(cw ? EP_COMBINE_WEIGHTS : 0));
 	if (rc)
 		return rc;
 	if (h->num_tokens)
 		memcpy(out, b.combined, (size_t)h->num_tokens * H * 2);
+	if (cw && h->num_tokens)
+		memcpy(o->combined_topk_weights, b.combined_topk_weights,
+		       (size_t)h->num_tokens * K * 4);
 	return 0;
 }

@@ -40,6 +40,10 @@ struct ek_rank_io {
 	const uint16_t *combine_y;
 	const uint16_t *combine_bias; /* NULL: no bias */
 	uint16_t *combined;
+	/* combine with top-k weights: each received row's [K] f32 (every
+	 * destination's), and the home rank's sums [T, K]; NULL: none */
+	const float *combine_w;
+	float *combined_w;
 	uint32_t num_tokens;
 };
 
@@ -77,7 +81,8 @@ void ek_recv_per_expert(const struct ek_shape *s, const struct ek_route *r,
 			struct ek_rank_io *io, uint32_t d);
 /* Combine tokens [t0, t1) of home rank h: fp32 accumulation starting from
  * the bias (if any), then rows in ascending destination rank, one rounding
- * to bf16 (nearest even). */
+ * to bf16 (nearest even). With io[h].combined_w, also the rows' top-k
+ * weights: fp32 sums from +0.0 in the same order (no rounding). */
 void ek_combine_tokens(const struct ek_shape *s, const struct ek_route *r,
 		       struct ek_rank_io *io, uint32_t h, uint32_t t0,
 		       uint32_t t1);

@@ -573,6 +573,8 @@ int epp_buf_layout(const struct epp_join *s, struct epp_buf *b)
 	sizes[EPP_BUF_COMBINE_Y] = R * H * 2;
 	sizes[EPP_BUF_COMBINE_BIAS] = T * H * 2;
 	sizes[EPP_BUF_COMBINED] = T * H * 2;
+	sizes[EPP_BUF_COMBINE_W] = R * K * 4;
+	sizes[EPP_BUF_COMBINED_W] = T * K * 4;
 	uint64_t off = 0;
 	for (int i = 0; i < EPP_BUF_NFIELDS; i++) {
 		b->off[i] = off;

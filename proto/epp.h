@@ -47,6 +47,11 @@
  *   1.8  RELEASE: a rank gives back its hold on a dispatch's handle. A
  *        handle lives until every local rank released it (or the group
  *        ends); the daemon no longer keeps only the last 32.
+ *        COMBINE with EPP_COMBINE_WEIGHTS also sums each received row's
+ *        top-k weights (combine_w) into combined_w on the token's home
+ *        rank; the buffer layout gains those two fields at its end; peer
+ *        XROWS of such a combine carry the weights after each row (their
+ *        type field has EPP_XROWS_WEIGHTS).
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -198,6 +203,8 @@ struct epp_hello_ok {
 #define EPP_DISPATCH_WEIGHTS 0x1 /* topk_weights are given */
 #define EPP_DISPATCH_CACHED 0x2  /* reuse the routing of `handle` */
 #define EPP_COMBINE_BIAS 0x1     /* add the bias region */
+#define EPP_COMBINE_WEIGHTS 0x2  /* sum combine_w into combined_w (1.8) */
+#define EPP_XROWS_WEIGHTS 0x100  /* XROWS type bit: rows carry K f32 */
 
 /* A dispatch's routing, as the client holds it. */
 struct epp_handle {
@@ -259,6 +266,8 @@ int epp_combine_decode(const uint8_t *p, size_t len, struct epp_combine *c);
  *               recv_per_expert [E/W] i32
  *   combine     combine_y [R_max, H] bf16, combine_bias [T_max, H] bf16,
  *               combined [T_max, H] bf16
+ *   combine's top-k weights (1.8)  combine_w [R_max, K] f32 (the rank's
+ *               received rows' weights), combined_w [T_max, K] f32
  * R_max = W * T_max: every token of every rank could come here.
  */
 enum epp_buf_field {
@@ -275,6 +284,8 @@ enum epp_buf_field {
 	EPP_BUF_COMBINE_Y,
 	EPP_BUF_COMBINE_BIAS,
 	EPP_BUF_COMBINED,
+	EPP_BUF_COMBINE_W,
+	EPP_BUF_COMBINED_W,
 	EPP_BUF_NFIELDS,
 };
 

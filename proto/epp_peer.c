@@ -170,7 +170,9 @@ int epp_peer_xrows_decode(const struct epp_peer_op *op, size_t rec,
 	m->type = epp_get_u16(&r);
 	m->handle = epp_get_u64(&r);
 	m->count = epp_get_u32(&r);
-	if (r.err || (m->type != EPP_DISPATCH && m->type != EPP_COMBINE) ||
+	if (r.err ||
+	    (m->type != EPP_DISPATCH && m->type != EPP_COMBINE &&
+	     m->type != (EPP_COMBINE | EPP_XROWS_WEIGHTS)) ||
 	    op->body_len - r.off != (size_t)m->count * rec)
 		return EP_EPROTO;
 	m->recs = op->body + r.off;

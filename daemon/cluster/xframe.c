@@ -214,8 +214,13 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 	struct epp_peer_xrows xr;
 	uint16_t otype = 0;
 	epp_peer_xrows_type(&op, &otype); /* 0 on error: decode fails */
-	const size_t rb = xn_row_bytes(g, otype), rec = 8 + rb;
+	/* a combine's rows may carry their top-k weights after them */
+	const bool wrows = otype == (EPP_COMBINE | EPP_XROWS_WEIGHTS);
+	const size_t wb = wrows ? (size_t)g->shape.topk * 4 : 0;
+	const size_t rb = xn_row_bytes(g, otype & ~EPP_XROWS_WEIGHTS),
+		     rec = 8 + rb + wb;
 	int rbad = epp_peer_xrows_decode(&op, rec, &xr);
+	otype &= ~EPP_XROWS_WEIGHTS;
 	uint64_t handle = xr.handle;
 	uint32_t k = xr.count;
 	struct epd_xop *x = rbad ? NULL : xop_get(g, id, otype);
@@ -296,6 +301,26 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 			}
 			memcpy((uint8_t *)x->staging[d] + (size_t)slot * rb,
 			       q + 8, rb);
+			if (wrows) {
+				if (!x->wstaging[d]) {
+					x->wstaging[d] = (float *)xbuf_get(
+						g->srv,
+						(size_t)route->num_recv[d] * wb +
+							4,
+						&x->wstaging_cap[d]);
+					if (!x->wstaging[d]) {
+						epd_group_fail(g, EP_ENOMEM,
+							       "out of memory");
+						return;
+					}
+				}
+				memcpy((uint8_t *)x->wstaging[d] +
+					       (size_t)slot * wb,
+				       q + 8 + rb, wb);
+				x->rows_w++;
+			} else {
+				x->rows_nw++;
+			}
 		}
 		x->rows_got++;
 	}

@@ -25,6 +25,9 @@ static void xop_free(struct epd_xop *x)
 		if (x->staging && x->staging_cap)
 			xbuf_put(srv, (uint8_t *)x->staging[s],
 				 x->staging_cap[s]);
+		if (x->wstaging && x->wstaging_cap)
+			xbuf_put(srv, (uint8_t *)x->wstaging[s],
+				 x->wstaging_cap[s]);
 	}
 	if (x->out)
 		for (uint32_t n = 0; n < x->g->nnodes; n++)
@@ -45,6 +48,8 @@ static void xop_free(struct epd_xop *x)
 	free(x->weights);
 	free(x->staging);
 	free(x->staging_cap);
+	free(x->wstaging);
+	free(x->wstaging_cap);
 	free(x->have);
 	free(x->out);
 	free(x);
@@ -141,6 +146,8 @@ struct epd_xop *xop_get(struct epd_group *g, uint64_t id,
 	x->weights = calloc(W, sizeof(*x->weights));
 	x->staging = calloc(W, sizeof(*x->staging));
 	x->staging_cap = calloc(W, sizeof(*x->staging_cap));
+	x->wstaging = calloc(W, sizeof(*x->wstaging));
+	x->wstaging_cap = calloc(W, sizeof(*x->wstaging_cap));
 	x->have = calloc(W, 1);
 	x->out = calloc(g->nnodes, sizeof(*x->out));
 	x->wrc = calloc(g->nnodes, sizeof(*x->wrc));
@@ -149,7 +156,8 @@ struct epd_xop *xop_get(struct epd_group *g, uint64_t id,
 	x->wdone = calloc(g->nnodes, 1);
 	x->rows_from = calloc(g->nnodes, sizeof(*x->rows_from));
 	if (!x->tokens || !x->flags || !x->topk || !x->weights ||
-	    !x->staging || !x->staging_cap || !x->have || !x->out ||
+	    !x->staging || !x->staging_cap || !x->wstaging ||
+	    !x->wstaging_cap || !x->have || !x->out ||
 	    !x->wrc || !x->wimm || !x->wsent || !x->wdone || !x->rows_from) {
 		xop_free(x);
 		return NULL;
@@ -238,6 +246,8 @@ static struct ek_rank_io *make_io(struct epd_xop *x)
 			/* staged rows are complete only in stage 2; before,
 			 * the loop thread may still be filling staging[] */
 			o->combine_y = x->stage2 ? x->staging[s] : NULL;
+			o->combine_w = x->stage2 && x->cw ? x->wstaging[s]
+							  : NULL;
 			continue;
 		}
 		uint32_t l = xn_lidx(g, s);
@@ -268,6 +278,12 @@ static struct ek_rank_io *make_io(struct epd_xop *x)
 						    g, l, EPP_BUF_COMBINE_BIAS)
 					  : NULL;
 		o->combined = (uint16_t *)epd_region(g, l, EPP_BUF_COMBINED);
+		if (x->type == EPP_COMBINE && x->cw) {
+			o->combine_w =
+				(float *)epd_region(g, l, EPP_BUF_COMBINE_W);
+			o->combined_w =
+				(float *)epd_region(g, l, EPP_BUF_COMBINED_W);
+		}
 		o->num_tokens = x->tokens[s];
 	}
 	return io;
@@ -361,12 +377,17 @@ static void xjob_run(uv_work_t *req)
 						x->rows_expected++;
 						continue;
 					}
+					const size_t K = g->shape.topk;
 					xn_out_record(&x->out[s / rpn], d,
 						   (uint32_t)slot,
 						   io[d].combine_y +
 							   (size_t)slot *
 								   g->shape.hidden,
-						   rb, NULL, 0);
+						   rb,
+						   x->cw ? io[d].combine_w +
+								   (size_t)slot * K
+							 : NULL,
+						   x->cw ? K * 4 : 0);
 					x->bytes += rb;
 				}
 		}
@@ -378,7 +399,8 @@ static void xjob_run(uv_work_t *req)
 static void send_rows(struct epd_xop *x)
 {
 	struct epd_group *g = x->g;
-	const size_t rec = 8 + xn_row_bytes(g, x->type);
+	const size_t rec = 8 + xn_row_bytes(g, x->type) +
+			   (x->cw ? (size_t)g->shape.topk * 4 : 0);
 	for (uint32_t n = 0; n < g->nnodes; n++) {
 		struct outbuf *o = &x->out[n];
 		if (o->len > g->xout_hint)
@@ -401,7 +423,10 @@ static void send_rows(struct epd_xop *x)
 			struct epp_wr w;
 			epp_wr_init(&w, head, sizeof(head));
 			epp_peer_put_op(&w, g->key, x->id);
-			epp_peer_put_xrows(&w, x->type, x->handle, k);
+			epp_peer_put_xrows(&w,
+					   x->type | (x->cw ? EPP_XROWS_WEIGHTS
+							    : 0),
+					   x->handle, k);
 			/* without a ref (out of memory) the frame copies */
 			epd_cluster_send(g, n, EPP_PEER_XROWS, head, w.off,
 					 (ref ? ref->p : o->p) + i * rec,
@@ -440,6 +465,15 @@ void xop_check(struct epd_group *g)
 		if (x->wimm[n] && !x->wsent[n])
 			return;
 	if (x->type == EPP_COMBINE && !x->stage2) {
+		if (x->cw ? x->rows_nw != 0 : x->rows_w != 0) {
+			epd_group_fail(g, EP_EMISMATCH,
+				       "combine %llu: this node's ranks combine "
+				       "%s top-k weights, another node's %s",
+				       (unsigned long long)x->id,
+				       x->cw ? "with" : "without",
+				       x->cw ? "without" : "with");
+			return;
+		}
 		x->stage2 = true;
 		x->job_done = false;
 		xop_submit(x);
@@ -541,6 +575,7 @@ void epd_xop_start(struct epd_group *g)
 	const uint32_t rpn = g->shape.ranks_per_node;
 	x->started = true;
 	x->cached = g->coll_cached;
+	x->cw = x->type == EPP_COMBINE && g->coll_cw;
 	x->handle = g->coll_seq;
 	if (x->type == EPP_COMBINE || x->cached) {
 		struct ek_route *r = epd_route_find(g, x->handle);

@@ -97,6 +97,13 @@ struct epd_xop {
 	bool own_route;
 	uint16_t **staging; /* combine: [W], remote destinations */
 	size_t *staging_cap;
+	/* combine with top-k weights (cw: this node's ranks asked for it):
+	 * the remote destinations' rows' weights, and how many rows came
+	 * with and without them (every node must agree) */
+	bool cw;
+	float **wstaging;
+	size_t *wstaging_cap;
+	uint64_t rows_w, rows_nw;
 	struct outbuf *out; /* [nnodes] */
 	/* rdma writes: the connection of each node written to (held), and
 	 * per node: an immediate sent (job), its completion (loop), its

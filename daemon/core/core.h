@@ -184,6 +184,7 @@ struct epd_group {
 	uint32_t coll_arrived;
 	uint64_t coll_seq;
 	bool coll_cached;
+	bool coll_cw; /* a combine that sums top-k weights */
 	bool busy;         /* a job runs on the data-path threads */
 	bool free_pending; /* destroyed while busy: the job frees it */
 	bool destroyed;    /* off the server's list, its timer closing */

@@ -353,6 +353,12 @@ static void job_submit(struct epd_group *g)
 						  g, l, EPP_BUF_COMBINE_BIAS)
 					: NULL;
 		io->combined = (uint16_t *)epd_region(g, l, EPP_BUF_COMBINED);
+		if (j->type == EPP_COMBINE && g->coll_cw) {
+			io->combine_w =
+				(float *)epd_region(g, l, EPP_BUF_COMBINE_W);
+			io->combined_w =
+				(float *)epd_region(g, l, EPP_BUF_COMBINED_W);
+		}
 		io->num_tokens = m->op_tokens;
 		j->num_tokens[l] = m->op_tokens;
 	}
@@ -408,6 +414,7 @@ void epd_ops_staged_enter(struct epd_group *g, uint16_t type, bool cached,
 	uint32_t rpn = g->shape.ranks_per_node;
 	g->coll_type = type;
 	g->coll_cached = cached;
+	g->coll_cw = type == EPP_COMBINE && (flags[0] & EPP_COMBINE_WEIGHTS);
 	g->coll_seq = host_seq;
 	g->coll_arrived = rpn;
 	g->coll_start_ns = epd_now_ns();
@@ -496,7 +503,7 @@ int epd_op_combine(struct epd_session *c, uint64_t req_id,
 	if (!m)
 		return EP_EINVAL;
 	struct epd_group *g = m->group;
-	if (cb->flags & ~EPP_COMBINE_BIAS) {
+	if (cb->flags & ~(EPP_COMBINE_BIAS | EPP_COMBINE_WEIGHTS)) {
 		epd_session_error(c, req_id, EP_EINVAL,
 				 "unknown combine flags 0x%x", cb->flags);
 		return EP_EINVAL;
@@ -529,8 +536,21 @@ int epd_op_combine(struct epd_session *c, uint64_t req_id,
 			       "rank %u combines another handle", m->rank);
 		return EP_EMISMATCH;
 	}
+	bool cw = cb->flags & EPP_COMBINE_WEIGHTS;
+	if (g->coll_arrived && g->coll_cw != cw) {
+		epd_session_error(c, req_id, EP_EMISMATCH,
+				 "rank %u combines %s top-k weights, the other "
+				 "ranks %s",
+				 m->rank, cw ? "with" : "without",
+				 cw ? "without" : "with");
+		epd_group_fail(g, EP_EMISMATCH,
+			       "rank %u's combine disagrees on top-k weights",
+			       m->rank);
+		return EP_EMISMATCH;
+	}
 	g->coll_seq = cb->handle.seq;
 	g->coll_cached = false;
+	g->coll_cw = cw;
 	m->op_tokens = r->num_tokens[m->rank];
 	m->op_flags = cb->flags;
 	m->op_rows = cb->num_rows;

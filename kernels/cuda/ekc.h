@@ -182,6 +182,8 @@ enum {
 	EKC_F_Y,
 	EKC_F_BIAS,
 	EKC_F_OUT,
+	EKC_F_CW,     /* combine_w [R, K] f32 */
+	EKC_F_CW_OUT, /* combined_w [T, K] f32 */
 	EKC_F_N,
 };
 
@@ -204,6 +206,7 @@ struct ekc_disp_args {
 	uint64_t rank_mask;             /* copy: sources, combine: homes this
 					   launch handles (its GPU's ranks) */
 	uint64_t bias_mask;             /* combine: ranks that gave a bias */
+	uint32_t cw;                    /* combine: sum top-k weights too */
 	uint64_t *mask;    /* [W][Tmax] destination bit masks */
 	int64_t *topk;     /* [W][Tmax][K] each rank's topk_idx as the count
 			      read and checked it (daemon memory: the rank

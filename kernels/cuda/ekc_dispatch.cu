@@ -728,6 +728,22 @@ extern "C" __global__ void __launch_bounds__(256)
 			o.w = f32_bf16(acc[6]) | f32_bf16(acc[7]) << 16;
 			out[v] = o;
 		}
+		if (a.cw && lane < a.K) {
+			// the rows' top-k weights: fp32 sums from +0.0 in
+			// ascending rank order, as the host backend
+			const uint32_t K = a.K;
+			float acc = 0.0f;
+			for (uint32_t d = 0; d < W; d++) {
+				int32_t r = slot[d];
+				if (r >= 0)
+					acc = __fadd_rn(
+						acc,
+						__ldg((const float *)field(a, d,
+									   EKC_F_CW) +
+						      (uint64_t)r * K + lane));
+			}
+			((float *)field(a, h, EKC_F_CW_OUT))[t * K + lane] = acc;
+		}
 	}
 	if (lane == 0)
 		tr_end(a, EKC_TR_COMBINE);

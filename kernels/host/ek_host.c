@@ -251,6 +251,19 @@ void ek_combine_tokens(const struct ek_shape *s, const struct ek_route *r,
 							  : rne);
 			}
 		}
+		if (home->combined_w) {
+			const uint32_t K = s->topk;
+			float *ow = home->combined_w + (size_t)t * K;
+			for (uint32_t k = 0; k < K; k++) {
+				float a = 0.0f;
+				for (uint32_t d = 0; d < W; d++)
+					if (slot[d] >= 0)
+						a += io[d].combine_w
+							     [(size_t)slot[d] * K +
+							      k];
+				ow[k] = a;
+			}
+		}
 	}
 }
 

@@ -77,7 +77,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 			struct epp_peer_xrows xr;
 			if (epp_peer_xrows_decode(&op, recs[i], &xr) == 0) {
 				must(xr.type == EPP_DISPATCH ||
-					     xr.type == EPP_COMBINE,
+					     xr.type == EPP_COMBINE ||
+					     xr.type == (EPP_COMBINE |
+							 EPP_XROWS_WEIGHTS),
 				     "xrows type");
 				must(inside(xr.recs, (size_t)xr.count * recs[i],
 					    data, size),

@@ -174,7 +174,15 @@ static int xrank(int r, void *arg)
 		ys[d] = ref_gen_y(c, d, exp[d].R, 7);
 	up(b.combine_y, ys[r], R * H * 2);
 	up(b.combine_bias, me->bias, (size_t)me->T * H * 2);
-	TH_OK(ep_combine_stream(g, &h, c->bias ? EP_COMBINE_BIAS : 0, st));
+	/* and the rows' top-k weights, summed across the nodes too */
+	float *wy[8];
+	for (uint32_t d = 0; d < W; d++)
+		wy[d] = ref_gen_cw(c, d, exp[d].R);
+	up(b.combine_topk_weights, wy[r], (size_t)R * K * 4);
+	TH_OK(ep_combine_stream(g, &h,
+				(c->bias ? EP_COMBINE_BIAS : 0) |
+					EP_COMBINE_WEIGHTS,
+				st));
 	CU(tg_drv.cuStreamSynchronize(st));
 	TH_OK(ep_group_sync(g));
 	uint16_t *out = POISONED((size_t)c->max_tokens * H * 2),
@@ -182,6 +190,11 @@ static int xrank(int r, void *arg)
 	down(out, b.combined, (size_t)c->max_tokens * H * 2);
 	ref_combine(c, in, exp, ys, (uint32_t)r, want);
 	SAME(out, want, (size_t)me->T * H * 2, "combined");
+	float *gcw = malloc((size_t)me->T * K * 4 + 4),
+	      *rcw = malloc((size_t)me->T * K * 4 + 4);
+	down(gcw, b.combined_topk_weights, (size_t)me->T * K * 4);
+	ref_combine_weights(c, me->T, exp, wy, (uint32_t)r, rcw);
+	SAME(gcw, rcw, (size_t)me->T * K * 4, "combined_topk_weights");
 	TH_CHECK(ALL_POISON((uint8_t *)out + (size_t)me->T * H * 2,
 			    (size_t)(c->max_tokens - me->T) * H * 2),
 		 "%s rank %d: combined written past the tokens", x->name, r);

@@ -295,21 +295,41 @@ static int case_rank(int r, void *arg)
 	uint16_t *ys[8];
 	for (uint32_t d = 0; d < W; d++)
 		ys[d] = ref_gen_y(c, d, exp[d].R, 7);
+	/* the cases with weights sum top-k weights in the combine too */
+	const bool cw = c->weights;
+	float *wy[8];
+	for (uint32_t d = 0; d < W; d++)
+		wy[d] = ref_gen_cw(c, d, exp[d].R);
 	uint16_t *hcomb = POISONED((size_t)me->T * H * 2);
-	TH_OK(ep_combine(hg, &hh, ys[r], (uint32_t)R, H,
-			 c->bias ? me->bias : NULL, hcomb));
+	float *hcw = POISONED((size_t)me->T * K * 4);
+	struct ep_combine_in hin = {.y = ys[r], .num_rows = (uint32_t)R,
+				    .hidden = H,
+				    .bias = c->bias ? me->bias : NULL,
+				    .topk_weights = cw ? wy[r] : NULL};
+	struct ep_combine_out hout2 = {.out = hcomb,
+				       .combined_topk_weights = cw ? hcw : NULL};
+	TH_OK(ep_combine_ex(hg, &hh, &hin, &hout2));
 	uint16_t *rcomb = malloc((size_t)me->T * H * 2 + 2);
 	ref_combine(c, in, exp, ys, (uint32_t)r, rcomb);
+	float *rcw = malloc((size_t)me->T * K * 4 + 4);
+	ref_combine_weights(c, me->T, exp, wy, (uint32_t)r, rcw);
+	if (cw && R) /* pageable: the copy is done when this returns */
+		CU(tg_drv.cuMemcpyHtoDAsync(tg_dptr(b.combine_topk_weights),
+					    wy[r], (size_t)R * K * 4, st));
 	pin(ys[r], R * H * 2);
 	CU(tg_drv.cuMemcpyHtoDAsync(tg_dptr(b.combine_y), ys[r], R * H * 2, st));
 	CU(tg_drv.cuMemcpyHtoDAsync(tg_dptr(b.combine_bias), me->bias,
 				    (size_t)me->T * H * 2, st));
 	TH_OK(ep_barrier_stream(g, st));
-	TH_OK(ep_combine_stream(g, &h, c->bias ? EP_COMBINE_BIAS : 0, st));
+	TH_OK(ep_combine_stream(g, &h,
+				(c->bias ? EP_COMBINE_BIAS : 0) |
+					(cw ? EP_COMBINE_WEIGHTS : 0),
+				st));
 	uint16_t *gcomb = POISONED((size_t)c->max_tokens * H * 2);
 	pin(gcomb, (size_t)c->max_tokens * H * 2);
 	CU(tg_drv.cuMemcpyDtoHAsync(gcomb, tg_dptr(b.combined),
 				    (size_t)c->max_tokens * H * 2, st));
+
 	/* Released right after the combine was enqueued: a later dispatch
 	 * may take its tables, after the combine in stream order. */
 	TH_OK(ep_handle_release(g, &h));
@@ -322,6 +342,16 @@ static int case_rank(int r, void *arg)
 	TH_OK(ep_group_sync(g));
 	SAME(gcomb, hcomb, (size_t)me->T * H * 2, "combined vs host backend");
 	SAME(gcomb, rcomb, (size_t)me->T * H * 2, "combined vs reference");
+	float *gcw = POISONED((size_t)me->T * K * 4);
+	if (cw && me->T) /* no later op wrote them */
+		CU(tg_drv.cuMemcpyDtoH(gcw, tg_dptr(b.combined_topk_weights),
+				       (size_t)me->T * K * 4));
+	if (cw) {
+		SAME(hcw, rcw, (size_t)me->T * K * 4,
+		     "combined_topk_weights, host backend vs reference");
+		SAME(gcw, hcw, (size_t)me->T * K * 4,
+		     "combined_topk_weights vs host backend");
+	}
 	TH_CHECK(ALL_POISON((uint8_t *)gcomb + (size_t)me->T * H * 2,
 			    (size_t)(c->max_tokens - me->T) * H * 2),
 		 "combined written past the tokens");

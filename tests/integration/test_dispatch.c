@@ -147,6 +147,34 @@ static int case_rank(int r, void *arg)
 	ref_combine(c, in, exp, ys, (uint32_t)r, rout);
 	SAME(out, rout, (size_t)me->T * H * 2, "combined");
 
+	/* The same combine summing top-k weights too (DeepEP's
+	 * combined_topk_weights): each rank's rows get weights of mixed
+	 * signs and scales, so that the order of the fp32 sums shows. */
+	float *wy[8];
+	for (uint32_t d = 0; d < W; d++)
+		wy[d] = ref_gen_cw(c, d, exp[d].R);
+	float *cw = POISONED((size_t)me->T * K * 4);
+	float *rcw = malloc((size_t)me->T * K * 4 + 4);
+	memset(out, POISON, (size_t)me->T * H * 2);
+	struct ep_combine_in cin = {.y = ys[r], .num_rows = (uint32_t)R,
+				    .hidden = H,
+				    .bias = c->bias ? me->bias : NULL,
+				    .topk_weights = wy[r]};
+	struct ep_combine_out cout = {.out = out, .combined_topk_weights = cw};
+	TH_OK(ep_combine_ex(g, &h, &cin, &cout));
+	ref_combine_weights(c, me->T, exp, wy, (uint32_t)r, rcw);
+	SAME(out, rout, (size_t)me->T * H * 2, "combined (with weights)");
+	SAME(cw, rcw, (size_t)me->T * K * 4, "combined_topk_weights");
+	/* weights out but none in (rows to give them for): refused before
+	 * anything is sent */
+	cin.topk_weights = NULL;
+	if (R)
+		TH_EXPECT_RC(ep_combine_ex(g, &h, &cin, &cout), EP_EINVAL);
+	for (uint32_t d = 0; d < W; d++)
+		free(wy[d]);
+	free(cw);
+	free(rcw);
+
 	/* Combine of the dispatched rows themselves: n copies of the token,
 	 * exact in fp32 for n <= 8, so one rounding gives bf16(n * x). */
 	if (c->dtype == EP_DTYPE_BF16 && !c->bias) {

@@ -15,7 +15,7 @@
  * cached dispatches along any live one, releases at random points (each
  * rank at its own pace: a release is not a collective), and at the end a
  * "backward pass" that combines each live handle in reverse order and
- * releases it.
+ * releases it. Every third combine also sums top-k weights.
  *
  * EPD_XSOAK_OPS sets the random part's length (default 120 ops).
  */
@@ -92,6 +92,7 @@ static int soak_rank(int r, void *arg)
 	int64_t *topk = malloc((size_t)TMAX * K * 8);
 	float *wts = malloc((size_t)TMAX * K * 4);
 	uint16_t *y = malloc(cap * H * 2), *out = malloc((size_t)TMAX * H * 2);
+	float *cwin = malloc(cap * K * 4), *cwout = malloc((size_t)TMAX * K * 4);
 	struct ep_dispatch_out dout = {
 		.capacity = cap, .recv_x = malloc(cap * H * 2),
 		.recv_topk_idx = malloc(cap * K * 8),
@@ -174,8 +175,22 @@ static int soak_rank(int r, void *arg)
 		} else {
 			for (uint64_t t = 0; t < (uint64_t)h.num_recv * H; t++)
 				y[t] = (uint16_t)(0x3c00 + rnd(&gen) % 0x800);
-			TH_OK(ep_combine(g, &h, y, h.num_recv, H, NULL, out));
+			/* every third op also sums top-k weights (the same on
+			 * every rank: the op number decides) */
+			bool w = i % 3 == 0;
+			for (uint64_t t = 0; w && t < (uint64_t)h.num_recv * K;
+			     t++)
+				cwin[t] = (float)((int)(rnd(&gen) % 2001) - 1000) /
+					  (float)(1 + rnd(&gen) % 89);
+			struct ep_combine_in cin = {
+				.y = y, .num_rows = h.num_recv, .hidden = H,
+				.topk_weights = w ? cwin : NULL};
+			struct ep_combine_out co = {
+				.out = out, .combined_topk_weights = w ? cwout : NULL};
+			TH_OK(ep_combine_ex(g, &h, &cin, &co));
 			hsh = fnv(hsh, out, (size_t)h.num_tokens * H * 2);
+			if (w)
+				hsh = fnv(hsh, cwout, (size_t)h.num_tokens * K * 4);
 		}
 		s->hash[s->solo ? 0 : 1][r][i] = hsh;
 	}

@@ -247,6 +247,38 @@ void ref_combine(const struct ref_case *c, const struct ref_inputs *in,
 	}
 }
 
+float *ref_gen_cw(const struct ref_case *c, uint32_t d, uint32_t R)
+{
+	uint64_t g = c->seed * 0x9e3779b97f4a7c15ull + d + 1;
+	float *w = malloc((size_t)R * c->topk * 4 + 4);
+	for (size_t i = 0; i < (size_t)R * c->topk; i++) {
+		g = g * 6364136223846793005ull + 1442695040888963407ull;
+		w[i] = (float)((int)(g >> 40) % 20001 - 10000) /
+		       (float)(1 + (g >> 33) % 97);
+	}
+	return w;
+}
+
+void ref_combine_weights(const struct ref_case *c, uint32_t T,
+			 const struct ref_recv *recv, float *const *w,
+			 uint32_t h, float *out)
+{
+	const uint32_t K = c->topk;
+	for (uint32_t t = 0; t < T; t++)
+		for (uint32_t k = 0; k < K; k++) {
+			float acc = 0.0f;
+			for (uint32_t d = 0; d < c->world; d++)
+				for (uint32_t i = 0; i < recv[d].R; i++)
+					if (recv[d].src[2 * i] == (int32_t)h &&
+					    recv[d].src[2 * i + 1] ==
+						    (int32_t)t) {
+						acc += w[d][(size_t)i * K + k];
+						break;
+					}
+			out[(size_t)t * K + k] = acc;
+		}
+}
+
 void ref_layout(const struct ref_case *c, const struct ref_inputs *in,
 		int32_t *per_rank, int32_t *per_expert, uint8_t *in_rank)
 {

@@ -79,6 +79,15 @@ void ref_gen_world(const struct ref_case *c, struct ref_inputs *in,
 void ref_combine(const struct ref_case *c, const struct ref_inputs *in,
 		 const struct ref_recv *recv, uint16_t *const *y, uint32_t h,
 		 uint16_t *out);
+/* Combine weights for rank d's R rows ([R, K] f32, malloc'd): mixed signs
+ * and scales, so that the order of the sums shows. */
+float *ref_gen_cw(const struct ref_case *c, uint32_t d, uint32_t R);
+/* combined_topk_weights of home rank h (its T tokens), given each rank's
+ * combine weights w[d] ([R_d, K] f32): per token and slot, the fp32 sum
+ * from +0.0 over the ranks its rows are on, in ascending rank order. */
+void ref_combine_weights(const struct ref_case *c, uint32_t T,
+			 const struct ref_recv *recv, float *const *w,
+			 uint32_t h, float *out);
 /* Layout of rank r's inputs. */
 void ref_layout(const struct ref_case *c, const struct ref_inputs *in,
 		int32_t *per_rank, int32_t *per_expert, uint8_t *in_rank);

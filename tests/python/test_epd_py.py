@@ -134,6 +134,25 @@ def rank_main(rank, sock, q):
                             acc = f32(acc + bf16_f32(ys[d][rr.index((rank, t))][j]))
                     want.append(f32_bf16(acc))
             assert bytes(out) == bytes(arr("H", want)), "combined"
+            # with the rows' top-k weights: their fp32 sums per token and
+            # slot, in ascending rank order, come back too
+            rw = random.Random(SEED + 77)
+            wd = {d: [f32((rw.randrange(20001) - 10000) / (1 + rw.randrange(97)))
+                      for _ in range(len(ref_recv(all_in, d)) * K)]
+                  for d in range(W)}
+            out2, cw = g.combine(y, res.handle, bias=arr("H", bias),
+                                 topk_weights=arr("f", wd[rank]))
+            assert bytes(out2) == bytes(out), "combined (with weights)"
+            wantw = []
+            for t in range(T):
+                for k in range(K):
+                    acc = 0.0
+                    for d in range(W):
+                        rr = ref_recv(all_in, d)
+                        if (rank, t) in rr:
+                            acc = f32(acc + wd[d][rr.index((rank, t)) * K + k])
+                    wantw.append(acc)
+            assert bytes(cw) == bytes(arr("f", wantw)), "combined_topk_weights"
             st = c.status()
             mine = [gr for gr in st["groups"] if gr["name"] == "py"]
             assert mine and mine[0]["handles"]["held"] >= 1, st

@@ -160,6 +160,9 @@ struct ep_buffers {
 	const uint16_t *combined; /* [max_tokens, hidden] bf16 */
 	uint32_t max_tokens;
 	uint64_t max_recv;
+	/* combine with EP_COMBINE_WEIGHTS */
+	float *combine_topk_weights;        /* [max_recv, topk] f32 */
+	const float *combined_topk_weights; /* [max_tokens, topk] f32 */
 };
 
 int ep_get_buffers(ep_group_t *group, struct ep_buffers *out);
@@ -173,6 +176,10 @@ int ep_get_dispatch_layout(ep_group_t *group, const int64_t *topk_idx,
 
 #define EP_DISPATCH_WEIGHTS 0x1u /* topk_weights in the buffer are valid */
 #define EP_COMBINE_BIAS 0x1u     /* add combine_bias */
+#define EP_COMBINE_WEIGHTS 0x2u  /* also sum combine_topk_weights (each
+				    received row's [topk] f32) into
+				    combined_topk_weights on the token's home
+				    rank; every rank of the combine alike */
 
 /* Zero-copy dispatch of the first num_tokens rows of the send buffers.
  * cached: reuse that handle's routing (topk_idx is not read; only recv_x
@@ -224,6 +231,27 @@ int ep_dispatch(ep_group_t *group, const struct ep_dispatch_in *in,
 int ep_combine(ep_group_t *group, const ep_handle_t *handle,
 	       const uint16_t *y, uint32_t num_rows, uint32_t hidden,
 	       const uint16_t *bias, uint16_t *out);
+
+/* Combine with every input and output named (ep_combine is this with the
+ * top-k weights left out). With topk_weights [num_rows, topk] (the rows'
+ * weights as dispatch gave them, or changed), combined_topk_weights
+ * [handle->num_tokens, topk] receives, per token and slot, their fp32 sum
+ * over the ranks the token went to, in ascending rank order from +0.0
+ * (what DeepEP's combine returns; 0.0 for tokens sent nowhere). Both or
+ * neither; every rank of the combine alike (else EP_EMISMATCH). */
+struct ep_combine_in {
+	const uint16_t *y;   /* [num_rows, hidden] bf16 */
+	uint32_t num_rows;   /* = handle->num_recv */
+	uint32_t hidden;
+	const uint16_t *bias; /* [num_tokens, hidden] bf16, or NULL */
+	const float *topk_weights; /* [num_rows, topk] f32, or NULL */
+};
+struct ep_combine_out {
+	uint16_t *out;       /* [num_tokens, hidden] bf16 */
+	float *combined_topk_weights; /* [num_tokens, topk] f32, or NULL */
+};
+int ep_combine_ex(ep_group_t *group, const ep_handle_t *handle,
+		  const struct ep_combine_in *in, struct ep_combine_out *out);
 
 /* The daemon's status (version, clients, groups) as a JSON document;
  * *json is malloc'd, the caller frees it. */

@@ -51,6 +51,7 @@ JOIN_NOWAIT = 1
 JOIN_CUDA = 2
 DISPATCH_WEIGHTS = 1
 COMBINE_BIAS = 1
+COMBINE_WEIGHTS = 0x2  # EP_COMBINE_WEIGHTS
 
 
 def _candidates():
@@ -134,7 +135,20 @@ class _Buffers(ctypes.Structure):
         "recv_x_scales", "recv_topk_idx", "recv_topk_weights", "recv_src",
         "num_recv_tokens_per_expert", "combine_y", "combine_bias",
         "combined")] + [("max_tokens", ctypes.c_uint32),
-                        ("max_recv", ctypes.c_uint64)]
+                        ("max_recv", ctypes.c_uint64),
+                        ("combine_topk_weights", ctypes.c_void_p),
+                        ("combined_topk_weights", ctypes.c_void_p)]
+
+
+class _CombineIn(ctypes.Structure):
+    _fields_ = [("y", ctypes.c_void_p), ("num_rows", ctypes.c_uint32),
+                ("hidden", ctypes.c_uint32), ("bias", ctypes.c_void_p),
+                ("topk_weights", ctypes.c_void_p)]
+
+
+class _CombineOut(ctypes.Structure):
+    _fields_ = [("out", ctypes.c_void_p),
+                ("combined_topk_weights", ctypes.c_void_p)]
 
 
 class _DeviceArray:
@@ -165,6 +179,9 @@ _lib.ep_dispatch.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DispatchIn),
 _lib.ep_combine.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle),
                             ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32,
                             ctypes.c_void_p, ctypes.c_void_p]
+_lib.ep_combine_ex.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle),
+                               ctypes.POINTER(_CombineIn),
+                               ctypes.POINTER(_CombineOut)]
 _lib.ep_get_buffers.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Buffers)]
 _lib.ep_barrier_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 _lib.ep_dispatch_stream.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
@@ -351,9 +368,14 @@ class Group:
             ctypes.byref(h)))
         return h
 
-    def combine_stream(self, handle, stream=None, bias=False):
+    def combine_stream(self, handle, stream=None, bias=False,
+                       weights=False):
+        """Enqueue a combine of combine_y (and combine_bias with bias);
+        with weights, combine_topk_weights are summed into
+        combined_topk_weights too."""
         _check(_lib.ep_combine_stream(self._g, ctypes.byref(handle),
-                                      COMBINE_BIAS if bias else 0,
+                                      (COMBINE_BIAS if bias else 0) |
+                                      (COMBINE_WEIGHTS if weights else 0),
                                       self._stream(stream)))
 
     def release(self, handle):
@@ -380,15 +402,33 @@ class Group:
         rc = _lib.ep_group_error(self._g)
         return Error(rc, _lib.ep_errmsg().decode()) if rc else None
 
-    def combine(self, y, handle, bias=None, as_numpy=False):
-        H = self.cfg["hidden"]
+    def combine(self, y, handle, bias=None, as_numpy=False,
+                topk_weights=None):
+        """The combined rows [num_tokens, hidden] (bf16 bits). With
+        topk_weights ([num_recv, topk] f32, the rows' weights), also their
+        sums per token and slot over the ranks it went to, in ascending
+        rank order (DeepEP's combined_topk_weights): returns (rows,
+        weights) then."""
+        H, K = self.cfg["hidden"], self.cfg["topk"]
         py, k1 = _ptr(y, handle.num_recv * H * 2, "y")
         pb, k2 = _ptr(bias, handle.num_tokens * H * 2, "bias")
         bo, ro = _out(handle.num_tokens * H * 2, as_numpy, "uint16")
         addr = ctypes.addressof((ctypes.c_char * len(bo)).from_buffer(bo))
-        _check(_lib.ep_combine(self._g, ctypes.byref(handle), py,
-                               handle.num_recv, H, pb, addr))
-        return ro.reshape(handle.num_tokens, H) if as_numpy else ro
+        cin = _CombineIn(y=py, num_rows=handle.num_recv, hidden=H, bias=pb)
+        cout = _CombineOut(out=addr)
+        if topk_weights is not None:
+            pw, k3 = _ptr(topk_weights, handle.num_recv * K * 4,
+                          "topk_weights")
+            wo, rw = _out(handle.num_tokens * K * 4, as_numpy, "float32")
+            cin.topk_weights = pw
+            cout.combined_topk_weights = ctypes.addressof(
+                (ctypes.c_char * len(wo)).from_buffer(wo))
+        _check(_lib.ep_combine_ex(self._g, ctypes.byref(handle),
+                                  ctypes.byref(cin), ctypes.byref(cout)))
+        rows = ro.reshape(handle.num_tokens, H) if as_numpy else ro
+        if topk_weights is None:
+            return rows
+        return rows, (rw.reshape(handle.num_tokens, K) if as_numpy else rw)
 
 
 class Conn:

@@ -5,6 +5,9 @@
  */
 #include "cuda_int.h"
 
+_Static_assert((int)EKC_F_N == (int)EPP_BUF_NFIELDS,
+	       "the kernels' fields follow enum epp_buf_field");
+
 CUresult cu_launch(struct epd_cuda_group *c, CUfunction f, unsigned gx,
 		       unsigned gy, unsigned bx, void *args)
 {
@@ -174,6 +177,8 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 		    ops[l]->type == EPP_COMBINE)
 			a.bias_mask |= 1ull << l;
 	}
+	/* cu_ops_agree: every rank alike */
+	a.cw = op0->type == EPP_COMBINE && (op0->flags & EPP_COMBINE_WEIGHTS);
 	for (int f = 0; f < EKC_F_N; f++)
 		a.off[f] = EKC_CTRL_BYTES + g->layout.off[f];
 	bool fresh = op0->type == EPP_DISPATCH &&
@@ -273,6 +278,10 @@ bool cu_ops_agree(struct epd_group *g, uint64_t k,
 			why = "a cached dispatch while others dispatch afresh";
 		else if (ops[l]->handle != ops[0]->handle)
 			why = "another handle";
+		else if (ops[l]->type == EPP_COMBINE &&
+			 ((ops[l]->flags ^ ops[0]->flags) &
+			  EPP_COMBINE_WEIGHTS))
+			why = "a combine that differs on top-k weights";
 		if (why) {
 			epd_group_fail(g, EP_EMISMATCH,
 				       "op %llu: rank %u asked for %s than rank "

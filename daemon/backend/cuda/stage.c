@@ -77,6 +77,8 @@ void cu_stage_begin(struct epd_group *g, uint64_t k,
 		r = stage_copy(g, EKC_F_Y, R, (size_t)H * 2, true);
 		if (!r)
 			r = stage_copy(g, EKC_F_BIAS, Tw, (size_t)H * 2, true);
+		if (!r && (op0->flags & EPP_COMBINE_WEIGHTS))
+			r = stage_copy(g, EKC_F_CW, R, (size_t)K * 4, true);
 	}
 	if (!r)
 		r = cu_drv->cuEventRecord(c->stage_ev, c->stream);
@@ -214,6 +216,9 @@ static void stage_finish(struct epd_group *g)
 	} else if (c->stage_type == EPP_COMBINE) {
 		r = stage_copy(g, EKC_F_OUT, c->stage_tokens, (size_t)H * 2,
 			       false);
+		if (!r && (c->stage_flags[0] & EPP_COMBINE_WEIGHTS))
+			r = stage_copy(g, EKC_F_CW_OUT, c->stage_tokens,
+				       (size_t)K * 4, false);
 	}
 	struct ekc_barrier_args a = cu_barrier_args(g, k, 2);
 	if (!r)
