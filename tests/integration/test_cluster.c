@@ -568,6 +568,60 @@ static void check_shape_mismatch(void)
 	       s->msgs[0]);
 }
 
+/* Node 0's ranks combine with top-k weights, node 1's without: rows cross
+ * both ways, each node finds rows that disagree with its own ranks' ask,
+ * and every rank gets EP_EMISMATCH; no one waits for a timeout. */
+static int wmis_rank(int rank, void *arg)
+{
+	struct late *s = arg;
+	ep_conn_t *c;
+	struct ep_group_config cfg = th_group(s->name, 4, (uint32_t)rank,
+					      20000);
+	cfg.ranks_per_node = 2;
+	ep_group_t *g;
+	TH_OK(ep_connect(D[rank / 2].sock, &c));
+	TH_OK(ep_join(c, &cfg, 0, &g));
+	struct ep_buffers b;
+	TH_OK(ep_get_buffers(g, &b));
+	const uint32_t T = 8, K = 4;
+	for (uint32_t t = 0; t < T; t++) /* to every rank: experts 4d+1 */
+		for (uint32_t k = 0; k < K; k++)
+			b.topk_idx[t * K + k] = (int64_t)(4 * k + 1);
+	memset(b.x, 0x3c, (size_t)T * 256 * 2);
+	ep_handle_t h;
+	TH_OK(ep_dispatch_inplace(g, T, 0, NULL, &h));
+	memset(b.combine_y, 0x3c, (size_t)h.num_recv * 256 * 2);
+	for (uint64_t i = 0; i < (uint64_t)h.num_recv * K; i++)
+		b.combine_topk_weights[i] = 0.5f;
+	int rc = ep_combine_inplace(g, &h, rank < 2 ? EP_COMBINE_WEIGHTS : 0);
+	s->codes[rank] = rc;
+	snprintf(s->msgs[rank], sizeof(s->msgs[rank]), "%s", ep_errmsg());
+	ep_leave(g);
+	ep_close(c);
+	return 0;
+}
+
+static void check_weights_mismatch(void)
+{
+	struct late *s = th_shared(sizeof(*s));
+	snprintf(s->name, sizeof(s->name), "wmis");
+	pid_t pids[4];
+	uint64_t t0 = th_now_ns();
+	th_spawn(pids, 4, wmis_rank, s);
+	TH_CHECK(th_wait_all(pids, 4, 60) == 0, "a rank failed");
+	uint64_t ms = (th_now_ns() - t0) / 1000000;
+	for (int r = 0; r < 4; r++) {
+		TH_EXPECT_RC(s->codes[r], EP_EMISMATCH);
+		TH_CHECK(strstr(s->msgs[r], "top-k weights"), "message: %s",
+			 s->msgs[r]);
+	}
+	TH_CHECK(ms < 15000 * th_scale(), "took %llu ms",
+		 (unsigned long long)ms);
+	printf("ok: nodes whose ranks disagree on the combine's top-k "
+	       "weights: every rank gets mismatch: %s\n",
+	       s->msgs[0]);
+}
+
 /* A hung daemon (SIGSTOP) closes nothing: only the missed heartbeats tell
  * (100 ms x 5 here). */
 static void check_silent_node(void)
@@ -1530,6 +1584,7 @@ int main(void)
 	check_remote_stall();
 	check_remote_stall_one();
 	check_shape_mismatch();
+	check_weights_mismatch();
 	check_remote_rank_loss();
 	check_node_loss();
 	check_node_loss_streaming();
