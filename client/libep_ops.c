@@ -90,7 +90,10 @@ int ep__dispatch_request(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 	struct epp_dispatch dd, *d = &dd; /* filled, then encoded */
 	if (flags & ~EP_DISPATCH_WEIGHTS)
 		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
-	if (num_tokens > g->cfg.max_tokens)
+	/* A host rank's request goes to the daemon all the same: the op then
+	 * fails for every rank of the group at once (EP_ETOOBIG), instead of
+	 * the others waiting for this one until the timeout. */
+	if (num_tokens > g->cfg.max_tokens && g->dev_ptr)
 		return ep__fail(EP_ETOOBIG,
 				"%u tokens exceed the group's maximum of %u",
 				num_tokens, g->cfg.max_tokens);
@@ -246,10 +249,11 @@ int ep_dispatch(ep_group_t *g, const struct ep_dispatch_in *in,
 		return rc;
 	const uint32_t T = in->num_tokens, H = g->cfg.hidden,
 		       K = g->cfg.topk;
-	if (T > g->cfg.max_tokens)
-		return ep__fail(EP_ETOOBIG,
-				"%u tokens exceed the group's maximum of %u", T,
-				g->cfg.max_tokens);
+	if (T > g->cfg.max_tokens) /* nothing copied: every rank learns */
+		return ep_dispatch_inplace(g, T,
+					   in->topk_weights ? EP_DISPATCH_WEIGHTS
+							    : 0,
+					   cached, handle);
 	if (T && (!in->x || (g->layout.nscales && !in->x_scales) ||
 		  (!cached && !in->topk_idx)))
 		return ep__fail(EP_EINVAL, "x, x_scales (fp8) and topk_idx "

@@ -51,7 +51,10 @@
  *        top-k weights (combine_w) into combined_w on the token's home
  *        rank; the buffer layout gains those two fields at its end; peer
  *        XROWS of such a combine carry the weights after each row (their
- *        type field has EPP_XROWS_WEIGHTS).
+ *        type field has EPP_XROWS_WEIGHTS). A host rank's dispatch of more
+ *        tokens than the group's maximum fails that op for every rank
+ *        (EP_ETOOBIG), not for that rank alone: it takes part with no
+ *        tokens (peer XMETA flag EPP_DISPATCH_TOOBIG).
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -202,6 +205,9 @@ struct epp_hello_ok {
 /* DISPATCH: the rank's inputs are in its send region of the group buffer. */
 #define EPP_DISPATCH_WEIGHTS 0x1 /* topk_weights are given */
 #define EPP_DISPATCH_CACHED 0x2  /* reuse the routing of `handle` */
+/* Peer XMETA only (1.8): that rank asked for more tokens than the group's
+ * maximum; it takes part with none, and the op fails for every rank. */
+#define EPP_DISPATCH_TOOBIG 0x80
 #define EPP_COMBINE_BIAS 0x1     /* add the bias region */
 #define EPP_COMBINE_WEIGHTS 0x2  /* sum combine_w into combined_w (1.8) */
 #define EPP_XROWS_WEIGHTS 0x100  /* XROWS type bit: rows carry K f32 */

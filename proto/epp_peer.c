@@ -139,7 +139,8 @@ int epp_peer_xmeta_decode(const struct epp_peer_op *op,
 	m->rank = epp_get_u32(&r);
 	m->tokens = epp_get_u32(&r);
 	m->flags = epp_get_u32(&r);
-	if (r.err || (m->flags & ~(EPP_DISPATCH_WEIGHTS | EPP_DISPATCH_CACHED)))
+	if (r.err || (m->flags & ~(EPP_DISPATCH_WEIGHTS | EPP_DISPATCH_CACHED |
+				   EPP_DISPATCH_TOOBIG)))
 		return EP_EPROTO;
 	m->data = op->body + r.off;
 	m->data_len = op->body_len - r.off;

@@ -479,6 +479,10 @@ void xop_check(struct epd_group *g)
 		xop_submit(x);
 		return;
 	}
+	if (x->type == EPP_DISPATCH && !x->rc &&
+	    epd_ops_toobig(g, x->flags, x->W, x->err, sizeof(x->err)))
+		x->rc = EP_ETOOBIG; /* every node alike: no handle anywhere */
+	g->toobig_tokens = 0;
 	struct ek_route *r = x->route;
 	xop_retire(g, x);
 	epd_ops_finish(g, x->type, x->cached, x->handle, &r, x->rc, x->err,

@@ -185,6 +185,8 @@ struct epd_group {
 	uint64_t coll_seq;
 	bool coll_cached;
 	bool coll_cw; /* a combine that sums top-k weights */
+	/* the current dispatch's rank that asked for too many tokens */
+	uint32_t toobig_rank, toobig_tokens;
 	bool busy;         /* a job runs on the data-path threads */
 	bool free_pending; /* destroyed while busy: the job frees it */
 	bool destroyed;    /* off the server's list, its timer closing */
@@ -358,6 +360,10 @@ int epd_op_release(struct epd_session *c, uint64_t req_id,
 		   const struct epp_release *rl);
 
 /* ops.c, shared with the cross-node engine (cluster/xnode.c) */
+/* Did a rank of the dispatch (flags by rank, W of them) ask for more
+ * tokens than the maximum? Then why, naming it. */
+bool epd_ops_toobig(struct epd_group *g, const uint32_t *flags, uint32_t W,
+		    char *err, size_t errlen);
 uint8_t *epd_region(struct epd_group *g, uint32_t l, int field);
 void epd_ops_finish(struct epd_group *g, uint16_t type, bool cached,
 		    uint64_t seq, struct ek_route **route, int rc,

@@ -302,10 +302,46 @@ static void job_done(uv_work_t *req, int status)
 	job_free(j);
 }
 
+/* A dispatch one of whose ranks asked for too many tokens: every rank gets
+ * EP_ETOOBIG, nothing ran. Across nodes the other nodes' ranks may have
+ * asked too (flags[s], by global rank): the lowest such rank is named. */
+bool epd_ops_toobig(struct epd_group *g, const uint32_t *flags, uint32_t W,
+		    char *err, size_t errlen)
+{
+	for (uint32_t s = 0; s < W; s++) {
+		if (!(flags[s] & EPP_DISPATCH_TOOBIG))
+			continue;
+		if (s == g->toobig_rank && g->toobig_tokens)
+			snprintf(err, errlen,
+				 "rank %u dispatched %u tokens, above the "
+				 "group's maximum of %u per rank",
+				 s, g->toobig_tokens, g->shape.max_tokens);
+		else
+			snprintf(err, errlen,
+				 "rank %u dispatched more tokens than the "
+				 "group's maximum of %u per rank",
+				 s, g->shape.max_tokens);
+		return true;
+	}
+	return false;
+}
+
 static void job_submit(struct epd_group *g)
 {
 	uint32_t rpn = g->shape.ranks_per_node;
 	uv_timer_stop(&g->timer);
+	if (g->coll_type == EPP_DISPATCH) {
+		uint32_t fl[rpn];
+		for (uint32_t l = 0; l < rpn; l++)
+			fl[l] = g->local[l]->op_flags;
+		char why[256];
+		if (epd_ops_toobig(g, fl, rpn, why, sizeof(why))) {
+			g->toobig_tokens = 0;
+			epd_ops_finish(g, EPP_DISPATCH, g->coll_cached,
+				       g->coll_seq, NULL, EP_ETOOBIG, why, 0);
+			return;
+		}
+	}
 	struct job *j = calloc(1, sizeof(*j));
 	if (!j)
 		goto err;
@@ -455,18 +491,15 @@ int epd_op_dispatch(struct epd_session *c, uint64_t req_id,
 				 s->hidden, s->dtype, s->topk);
 		return EP_ESHAPE;
 	}
-	if (d->num_tokens > s->max_tokens) {
-		epd_session_error(c, req_id, EP_ETOOBIG,
-				 "%u tokens exceed the group's maximum of %u "
-				 "per rank",
-				 d->num_tokens, s->max_tokens);
-		return EP_ETOOBIG;
-	}
+	/* Too many tokens: the rank takes part with none and the op fails
+	 * for every rank of the group once all entered (the others would
+	 * otherwise wait for it until the timeout). */
+	bool toobig = d->num_tokens > s->max_tokens;
 	if (cached) {
 		if (!handle_ok(c, req_id, m, &d->handle))
 			return EP_ESTALE;
 		const struct ek_route *r = epd_route_find(g, d->handle.seq);
-		if (r->num_tokens[m->rank] != d->num_tokens) {
+		if (!toobig && r->num_tokens[m->rank] != d->num_tokens) {
 			epd_session_error(c, req_id, EP_ESHAPE,
 					 "cached dispatch of %u tokens with a "
 					 "handle of %u",
@@ -490,8 +523,12 @@ int epd_op_dispatch(struct epd_session *c, uint64_t req_id,
 	}
 	g->coll_cached = cached;
 	g->coll_seq = seq;
-	m->op_tokens = d->num_tokens;
-	m->op_flags = d->flags;
+	m->op_tokens = toobig ? 0 : d->num_tokens;
+	m->op_flags = d->flags | (toobig ? EPP_DISPATCH_TOOBIG : 0);
+	if (toobig) {
+		g->toobig_rank = m->rank;
+		g->toobig_tokens = d->num_tokens;
+	}
 	arrive(m, req_id, EPP_DISPATCH);
 	return 0;
 }

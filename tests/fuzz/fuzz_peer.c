@@ -68,7 +68,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 			must(inside(xm.data, xm.data_len, data, size),
 			     "xmeta data");
 			must(!(xm.flags & ~(EPP_DISPATCH_WEIGHTS |
-					    EPP_DISPATCH_CACHED)),
+					    EPP_DISPATCH_CACHED |
+					    EPP_DISPATCH_TOOBIG)),
 			     "xmeta flags");
 		}
 		/* rows of the sizes a group can have */

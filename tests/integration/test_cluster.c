@@ -622,6 +622,57 @@ static void check_weights_mismatch(void)
 	       s->msgs[0]);
 }
 
+/* Rank 3 (node 1) dispatches more tokens than the group's maximum: every
+ * rank on both nodes gets EP_ETOOBIG naming rank 3 at once, and the group
+ * goes on. */
+static int xbig_rank(int rank, void *arg)
+{
+	struct late *s = arg;
+	ep_conn_t *c;
+	struct ep_group_config cfg = th_group(s->name, 4, (uint32_t)rank,
+					      20000);
+	cfg.ranks_per_node = 2;
+	ep_group_t *g;
+	TH_OK(ep_connect(D[rank / 2].sock, &c));
+	TH_OK(ep_join(c, &cfg, 0, &g));
+	struct ep_buffers b;
+	TH_OK(ep_get_buffers(g, &b));
+	const uint32_t T = 8, K = 4;
+	for (uint32_t t = 0; t < T * K; t++)
+		b.topk_idx[t] = (int64_t)((t * 5 + (uint32_t)rank) % 16);
+	memset(b.x, 0x3c, (size_t)T * 256 * 2);
+	ep_handle_t h;
+	uint64_t t0 = th_now_ns();
+	s->codes[rank] = ep_dispatch_inplace(
+		g, rank == 3 ? cfg.max_tokens_per_rank + 1 : T, 0, NULL, &h);
+	snprintf(s->msgs[rank], sizeof(s->msgs[rank]), "%s", ep_errmsg());
+	TH_CHECK(th_now_ns() - t0 < 5000000000ull * th_scale(),
+		 "rank %d waited %llu ms", rank,
+		 (unsigned long long)((th_now_ns() - t0) / 1000000));
+	TH_OK(ep_dispatch_inplace(g, T, 0, NULL, &h));
+	TH_OK(ep_combine_inplace(g, &h, 0));
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	return 0;
+}
+
+static void check_xtoobig(void)
+{
+	struct late *s = th_shared(sizeof(*s));
+	snprintf(s->name, sizeof(s->name), "xbig");
+	pid_t pids[4];
+	th_spawn(pids, 4, xbig_rank, s);
+	TH_CHECK(th_wait_all(pids, 4, 60) == 0, "a rank failed");
+	for (int r = 0; r < 4; r++) {
+		TH_EXPECT_RC(s->codes[r], EP_ETOOBIG);
+		TH_CHECK(strstr(s->msgs[r], "rank 3 dispatched"), "message: %s",
+			 s->msgs[r]);
+	}
+	printf("ok: a rank on node 1 dispatches too many tokens: every rank "
+	       "of both nodes gets it at once (%s), and the group goes on\n",
+	       s->msgs[0]);
+}
+
 /* A hung daemon (SIGSTOP) closes nothing: only the missed heartbeats tell
  * (100 ms x 5 here). */
 static void check_silent_node(void)
@@ -1585,6 +1636,7 @@ int main(void)
 	check_remote_stall_one();
 	check_shape_mismatch();
 	check_weights_mismatch();
+	check_xtoobig();
 	check_remote_rank_loss();
 	check_node_loss();
 	check_node_loss_streaming();

@@ -47,6 +47,49 @@ static void fill(ep_group_t *g, int r, uint32_t T)
 		b.topk_idx[i] = (int64_t)((i * 7 + (uint32_t)r) % E);
 }
 
+/* Everyone dispatches; rank 1 asks for more tokens than the group's
+ * maximum (copy path, then in place): every rank
+ * gets EP_ETOOBIG naming it as soon as all entered, and the group goes
+ * on. */
+static int toobig_rank(int r, void *arg)
+{
+	struct shared *s = arg;
+	ep_conn_t *c;
+	struct ep_group_config cfg = cfg_of("toobig", r);
+	ep_group_t *g = th_join(s->d, &cfg, &c);
+	fill(g, r, 4);
+	ep_handle_t h, hh;
+	TH_OK(ep_dispatch_inplace(g, 4, 0, NULL, &h));
+	uint64_t t0 = th_now_ns();
+	uint16_t x[4 * H];
+	int64_t idx[4 * K] = {0};
+	struct ep_dispatch_out out = {.capacity = 0};
+	struct ep_dispatch_in in = {.num_tokens = r == 1 ? TMAX + 1 : 4,
+				    .hidden = H, .dtype = EP_DTYPE_BF16,
+				    .topk = K, .x = x, .topk_idx = idx};
+	memset(x, 0, sizeof(x));
+	TH_EXPECT_RC(ep_dispatch(g, &in, NULL, &out, &hh), EP_ETOOBIG);
+	TH_CHECK(strstr(ep_errmsg(), "rank 1 dispatched") &&
+			 strstr(ep_errmsg(), "maximum"),
+		 "message: %s", ep_errmsg());
+	snprintf(s->msg[r], sizeof(s->msg[r]), "%s", ep_errmsg());
+	TH_EXPECT_RC(ep_dispatch_inplace(g, r == 1 ? TMAX + 1 : 4, 0, NULL,
+					 &hh),
+		     EP_ETOOBIG);
+	/* long before the 5 s timeout */
+	TH_CHECK(th_now_ns() - t0 < 2000000000ull * th_scale(),
+		 "took %llu ms",
+		 (unsigned long long)((th_now_ns() - t0) / 1000000));
+	/* nothing changed: the handle still combines, a dispatch runs */
+	TH_OK(ep_combine_inplace(g, &h, 0));
+	fill(g, r, 4);
+	TH_OK(ep_dispatch_inplace(g, 4, 0, NULL, &hh));
+	TH_OK(ep_combine_inplace(g, &hh, 0));
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	return 0;
+}
+
 /* Everyone dispatches; rank 2 names an expert out of range. */
 static int bad_expert_rank(int r, void *arg)
 {
@@ -108,10 +151,6 @@ static int arg_rank(int r, void *arg)
 					    .dtype = EP_DTYPE_BF16, .topk = K,
 					    .x = x, .topk_idx = idx};
 		ep_handle_t hh;
-		in.num_tokens = TMAX + 1;
-		TH_EXPECT_RC(ep_dispatch(g, &in, NULL, &out, &hh), EP_ETOOBIG);
-		TH_EXPECT_RC(ep_dispatch_inplace(g, TMAX + 1, 0, NULL, &hh),
-			     EP_ETOOBIG);
 		in.num_tokens = 1;
 		in.hidden = H + 128;
 		TH_EXPECT_RC(ep_dispatch(g, &in, NULL, &out, &hh), EP_ESHAPE);
@@ -144,9 +183,8 @@ static int arg_rank(int r, void *arg)
 		TH_CHECK(ep_dispatch_recv_count_device(g) == 0 &&
 				 ep_dispatch_recv_count_device(NULL) == 0,
 			 "a host group has a device count");
-		printf("ok: too many tokens, wrong hidden/dtype/topk, foreign "
-		       "handle, stream calls on a host group: errors for that "
-		       "rank alone\n");
+		printf("ok: wrong hidden/dtype/topk, foreign handle, stream "
+		       "calls on a host group: errors for that rank alone\n");
 	}
 	/* Nobody entered a collective: the group goes on. */
 	TH_OK(ep_barrier(g));
@@ -349,7 +387,7 @@ static void raw_checks(const struct th_daemon *d)
 		const char *frag;
 	} cases[] = {
 		{{.num_tokens = 9, .hidden = 128, .dtype = 1, .topk = 2},
-		 EP_ETOOBIG, "9 tokens exceed"},
+		 EP_ETOOBIG, "dispatched 9 tokens"},
 		{{.num_tokens = 1, .hidden = 256, .dtype = 1, .topk = 2},
 		 EP_ESHAPE, "hidden 256"},
 		{{.num_tokens = 1, .hidden = 128, .dtype = 2, .topk = 2},
@@ -416,6 +454,11 @@ int main(void)
 	TH_CHECK(th_wait_all(pids, W, 60) == 0, "bad expert case");
 	th_spawn(pids, W, arg_rank, s);
 	TH_CHECK(th_wait_all(pids, W, 60) == 0, "argument case");
+	th_spawn(pids, W, toobig_rank, s);
+	TH_CHECK(th_wait_all(pids, W, 60) == 0, "too many tokens case");
+	printf("ok: one rank's dispatch of too many tokens -> every rank at "
+	       "once: %s\n",
+	       s->msg[0]);
 	th_spawn(pids, W, mismatch_rank, s);
 	TH_CHECK(th_wait_all(pids, W, 60) == 0, "mismatch case");
 	printf("ok: ranks combining different handles -> EP_EMISMATCH\n");
