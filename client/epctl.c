@@ -370,6 +370,14 @@ static void print_metrics(json_t *root)
 		{"epd_group_buffer_bytes", "gauge",
 		 "Bytes of the group's buffers on this node.", NULL,
 		 "buffer_bytes", false},
+		{"epd_group_handles", "gauge",
+		 "Dispatch handles not yet released by every local rank, per "
+		 "group (host routings).",
+		 "handles", "held", false},
+		{"epd_group_handle_bytes", "gauge",
+		 "Bytes of those routings, per group (against "
+		 "max_handle_bytes).",
+		 "handles", "bytes", false},
 		{"epd_group_failed", "gauge",
 		 "1 if the group failed (its last error in epctl status).", NULL,
 		 NULL, false},

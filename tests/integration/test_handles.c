@@ -118,6 +118,18 @@ static int forward_backward(int r, void *arg)
 		long n = held(conn, "layers");
 		TH_CHECK(n == LAYERS, "status: %ld handles held, want %d", n,
 			 LAYERS);
+		/* and the operator's metrics say so */
+		char cmd[512], line[256], want[96];
+		snprintf(cmd, sizeof(cmd), "%s -s %s metrics", th_epctl_bin(),
+			 D.sock);
+		snprintf(want, sizeof(want),
+			 "epd_group_handles{group=\"layers\"} %d\n", LAYERS);
+		FILE *p = popen(cmd, "r");
+		TH_CHECK(p, "popen %s", cmd);
+		bool seen = false;
+		while (fgets(line, sizeof(line), p))
+			seen |= !strcmp(line, want);
+		TH_CHECK(pclose(p) == 0 && seen, "epctl metrics lacks %s", want);
 	}
 	TH_OK(ep_barrier(g));
 	/* Backward: combines in reverse order, every one on its own routing. */
