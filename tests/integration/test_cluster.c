@@ -283,8 +283,10 @@ static int xlost_rank(int rank, void *arg)
 	struct late *s = arg;
 	ep_conn_t *c;
 	ep_group_t *g;
+	/* DeepSeek-sized rows: under a sanitizer on the VM's emulated CPU
+	 * one op can take seconds (the timeout scales, as the alarms do) */
 	struct ep_group_config cfg = th_group(s->name, 4, (uint32_t)rank,
-					      20000);
+					      20000 * th_scale());
 	cfg.ranks_per_node = 2;
 	cfg.hidden = 7168;
 	cfg.max_tokens_per_rank = 64; /* 64 x 8 rows of 14 KiB */
@@ -325,7 +327,8 @@ static void check_node_loss_streaming(void)
 	pid_t pids[4];
 	th_spawn(pids, 4, xlost_rank, s);
 	for (int t = 0; s->entered < 4; t++) {
-		TH_CHECK(t < 30000, "the ranks never got through 3 rounds: %s",
+		TH_CHECK(t < 30000 * (int)th_scale(),
+			 "the ranks never got through 3 rounds: %s",
 			 s->msgs[0][0] ? s->msgs[0] : s->msgs[2]);
 		th_sleep_ms(2);
 	}
