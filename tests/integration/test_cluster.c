@@ -554,18 +554,29 @@ static int shape_rank(int rank, void *arg)
 	return 0;
 }
 
-static void check_shape_mismatch(void)
+/* Four ranks of a 2 x 2 group named name run fn (each records its code
+ * and message in s); every one must end with code want and a message
+ * containing frag, within wait_s. Returns the shared state. */
+static struct late *every_rank_gets(const char *name, th_child_fn fn,
+				    unsigned wait_s, int want,
+				    const char *frag)
 {
 	struct late *s = th_shared(sizeof(*s));
-	snprintf(s->name, sizeof(s->name), "shapes");
+	snprintf(s->name, sizeof(s->name), "%s", name);
 	pid_t pids[4];
-	th_spawn(pids, 4, shape_rank, s);
-	TH_CHECK(th_wait_all(pids, 4, 30) == 0, "a rank failed");
+	th_spawn(pids, 4, fn, s);
+	TH_CHECK(th_wait_all(pids, 4, wait_s) == 0, "a rank failed");
 	for (int r = 0; r < 4; r++) {
-		TH_EXPECT_RC(s->codes[r], EP_EMISMATCH);
-		TH_CHECK(strstr(s->msgs[r], "hidden"), "message: %s",
-			 s->msgs[r]);
+		TH_EXPECT_RC(s->codes[r], want);
+		TH_CHECK(strstr(s->msgs[r], frag), "message: %s", s->msgs[r]);
 	}
+	return s;
+}
+
+static void check_shape_mismatch(void)
+{
+	struct late *s = every_rank_gets("shapes", shape_rank, 30,
+					 EP_EMISMATCH, "hidden");
 	printf("ok: nodes that disagree on a group's shape: every rank gets "
 	       "mismatch: %s\n",
 	       s->msgs[0]);
@@ -606,18 +617,10 @@ static int wmis_rank(int rank, void *arg)
 
 static void check_weights_mismatch(void)
 {
-	struct late *s = th_shared(sizeof(*s));
-	snprintf(s->name, sizeof(s->name), "wmis");
-	pid_t pids[4];
 	uint64_t t0 = th_now_ns();
-	th_spawn(pids, 4, wmis_rank, s);
-	TH_CHECK(th_wait_all(pids, 4, 60) == 0, "a rank failed");
+	struct late *s = every_rank_gets("wmis", wmis_rank, 60, EP_EMISMATCH,
+					 "top-k weights");
 	uint64_t ms = (th_now_ns() - t0) / 1000000;
-	for (int r = 0; r < 4; r++) {
-		TH_EXPECT_RC(s->codes[r], EP_EMISMATCH);
-		TH_CHECK(strstr(s->msgs[r], "top-k weights"), "message: %s",
-			 s->msgs[r]);
-	}
 	TH_CHECK(ms < 15000 * th_scale(), "took %llu ms",
 		 (unsigned long long)ms);
 	printf("ok: nodes whose ranks disagree on the combine's top-k "
@@ -661,16 +664,8 @@ static int xbig_rank(int rank, void *arg)
 
 static void check_xtoobig(void)
 {
-	struct late *s = th_shared(sizeof(*s));
-	snprintf(s->name, sizeof(s->name), "xbig");
-	pid_t pids[4];
-	th_spawn(pids, 4, xbig_rank, s);
-	TH_CHECK(th_wait_all(pids, 4, 60) == 0, "a rank failed");
-	for (int r = 0; r < 4; r++) {
-		TH_EXPECT_RC(s->codes[r], EP_ETOOBIG);
-		TH_CHECK(strstr(s->msgs[r], "rank 3 dispatched"), "message: %s",
-			 s->msgs[r]);
-	}
+	struct late *s = every_rank_gets("xbig", xbig_rank, 60, EP_ETOOBIG,
+					 "rank 3 dispatched");
 	printf("ok: a rank on node 1 dispatches too many tokens: every rank "
 	       "of both nodes gets it at once (%s), and the group goes on\n",
 	       s->msgs[0]);

@@ -198,22 +198,31 @@ static int forward_backward(int r, void *arg)
 	return 0;
 }
 
+/* Rank r's dispatch of layer's inputs (the copy path, recv_x only). */
+static void layer_io(int layer, int r, struct ep_dispatch_in *din,
+		     struct ep_dispatch_out *dout)
+{
+	struct ref_case c = layer_case(layer);
+	struct ref_inputs in[W], in2[W];
+	struct ref_recv exp[W], exp2[W];
+	ref_gen_world(&c, in, in2, exp, exp2);
+	const uint32_t cap = W * 24;
+	*din = (struct ep_dispatch_in){
+		.num_tokens = in[r].T, .hidden = 256, .dtype = EP_DTYPE_BF16,
+		.topk = 4, .x = in[r].x, .topk_idx = in[r].topk};
+	*dout = (struct ep_dispatch_out){.capacity = cap,
+					 .recv_x = malloc((size_t)cap * 512)};
+}
+
 /* Dispatch without releasing until the limit fails the group. */
 static int past_limit(int r, void *arg)
 {
 	int *failed_at = arg;
 	ep_conn_t *conn;
 	ep_group_t *g = join(&L, "hoard", r, &conn);
-	struct ref_case c = layer_case(1);
-	struct ref_inputs in[W], in2[W];
-	struct ref_recv exp[W], exp2[W];
-	ref_gen_world(&c, in, in2, exp, exp2);
-	const uint32_t cap = W * 24;
-	struct ep_dispatch_in din = {
-		.num_tokens = in[r].T, .hidden = 256, .dtype = EP_DTYPE_BF16,
-		.topk = 4, .x = in[r].x, .topk_idx = in[r].topk};
-	struct ep_dispatch_out dout = {.capacity = cap,
-				       .recv_x = malloc((size_t)cap * 512)};
+	struct ep_dispatch_in din;
+	struct ep_dispatch_out dout;
+	layer_io(1, r, &din, &dout);
 	ep_handle_t h;
 	int i, rc = 0;
 	for (i = 0; i < 1000; i++) {
@@ -240,16 +249,10 @@ static int within_limit(int r, void *arg)
 	(void)arg;
 	ep_conn_t *conn;
 	ep_group_t *g = join(&L, "tidy", r, &conn);
-	struct ref_case c = layer_case(2);
-	struct ref_inputs in[W], in2[W];
-	struct ref_recv exp[W], exp2[W];
-	ref_gen_world(&c, in, in2, exp, exp2);
 	const uint32_t cap = W * 24;
-	struct ep_dispatch_in din = {
-		.num_tokens = in[r].T, .hidden = 256, .dtype = EP_DTYPE_BF16,
-		.topk = 4, .x = in[r].x, .topk_idx = in[r].topk};
-	struct ep_dispatch_out dout = {.capacity = cap,
-				       .recv_x = malloc((size_t)cap * 512)};
+	struct ep_dispatch_in din;
+	struct ep_dispatch_out dout;
+	layer_io(2, r, &din, &dout);
 	uint16_t *y = calloc((size_t)cap * 256, 2), *out = malloc(24 * 512);
 	ep_handle_t h[3];
 	for (int i = 0; i < 200; i++) {

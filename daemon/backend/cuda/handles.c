@@ -67,9 +67,6 @@ static struct route *route_take(struct epd_group *g, uint64_t k)
 			return &c->routes[i];
 	uint64_t bytes = c->staged ? 0 : table_bytes(g);
 	uint64_t limit = g->srv->cfg.limits.handle_bytes;
-	uint32_t held = 0;
-	for (uint32_t i = 0; i < c->nroutes; i++)
-		held += !c->routes[i].dead;
 	if (limit && bytes && c->route_bytes + bytes > limit) {
 		epd_group_fail(g, EP_ELIMIT,
 			       "dispatch %llu: group %s holds %u handles not "
@@ -77,7 +74,8 @@ static struct route *route_take(struct epd_group *g, uint64_t k)
 			       "more (%llu bytes) exceeds max_handle_bytes = "
 			       "%llu: release handles (ep_handle_release) once "
 			       "their combine is enqueued",
-			       (unsigned long long)k, g->shape.name, held,
+			       (unsigned long long)k, g->shape.name,
+			       cu_routes_held(c),
 			       (unsigned long long)c->route_bytes,
 			       (unsigned long long)bytes,
 			       (unsigned long long)limit);
@@ -122,7 +120,6 @@ static struct route *route_take(struct epd_group *g, uint64_t k)
 bool cu_route_make(struct epd_group *g, uint64_t k,
 		   struct epd_aop *const *ops, uint64_t host)
 {
-	struct epd_cuda_group *c = g->dev_group;
 	const uint32_t W = g->shape.ranks_per_node;
 	struct route *rt = route_take(g, k);
 	if (!rt)
@@ -141,7 +138,6 @@ bool cu_route_make(struct epd_group *g, uint64_t k,
 	}
 	if (!rt->held)
 		rt->dead = true;
-	(void)c;
 	return true;
 }
 
