@@ -41,6 +41,7 @@ int ep_get_buffers(ep_group_t *g, struct ep_buffers *b)
 	b->combined = (uint16_t *)region(g, EPP_BUF_COMBINED);
 	b->combine_topk_weights = (float *)region(g, EPP_BUF_COMBINE_W);
 	b->combined_topk_weights = (const float *)region(g, EPP_BUF_COMBINED_W);
+	b->rank_prefix_matrix = (const int32_t *)region(g, EPP_BUF_RANK_PREFIX);
 	b->max_tokens = g->layout.max_tokens;
 	b->max_recv = g->layout.max_recv;
 	return 0;

@@ -44,6 +44,7 @@ struct ek_rank_io {
 	 * destination's), and the home rank's sums [T, K]; NULL: none */
 	const float *combine_w;
 	float *combined_w;
+	int32_t *rank_prefix; /* [W, W]: rows of d from sources 0..s */
 	uint32_t num_tokens;
 };
 
@@ -79,6 +80,10 @@ void ek_dispatch_tokens(const struct ek_shape *s, const struct ek_route *r,
 /* recv_per_expert of destination d from its received rows. */
 void ek_recv_per_expert(const struct ek_shape *s, const struct ek_route *r,
 			struct ek_rank_io *io, uint32_t d);
+/* rank_prefix of destination d (every rank's copy is the same matrix):
+ * entry [s][d'] = the sum of count[s'][d'] over s' <= s. */
+void ek_rank_prefix(const struct ek_route *r, struct ek_rank_io *io,
+		    uint32_t d);
 /* Combine tokens [t0, t1) of home rank h: fp32 accumulation starting from
  * the bias (if any), then rows in ascending destination rank, one rounding
  * to bf16 (nearest even). With io[h].combined_w, also the rows' top-k

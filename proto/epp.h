@@ -55,6 +55,8 @@
  *        tokens than the group's maximum fails that op for every rank
  *        (EP_ETOOBIG), not for that rank alone: it takes part with no
  *        tokens (peer XMETA flag EPP_DISPATCH_TOOBIG).
+ *   1.9  The buffer layout gains rank_prefix [W, W] i32 at its end, written
+ *        by every dispatch for every local rank. Frames are unchanged.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -73,7 +75,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 8
+#define EPP_VERSION_MINOR 9
 /* Stream-ordered ops a GPU rank may have in flight (libep waits before
  * more; the daemon's rings are this deep). */
 #define EPP_MAX_INFLIGHT 1024
@@ -292,6 +294,7 @@ enum epp_buf_field {
 	EPP_BUF_COMBINED,
 	EPP_BUF_COMBINE_W,
 	EPP_BUF_COMBINED_W,
+	EPP_BUF_RANK_PREFIX,
 	EPP_BUF_NFIELDS,
 };
 

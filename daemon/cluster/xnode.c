@@ -284,6 +284,8 @@ static struct ek_rank_io *make_io(struct epd_xop *x)
 			o->combined_w =
 				(float *)epd_region(g, l, EPP_BUF_COMBINED_W);
 		}
+		o->rank_prefix =
+			(int32_t *)epd_region(g, l, EPP_BUF_RANK_PREFIX);
 		o->num_tokens = x->tokens[s];
 	}
 	return io;
@@ -349,6 +351,8 @@ static void xjob_run(uv_work_t *req)
 			for (uint32_t l = 0; l < rpn; l++)
 				ek_recv_per_expert(&sh, r, io,
 						   g->node_index * rpn + l);
+		for (uint32_t l = 0; l < rpn; l++)
+			ek_rank_prefix(r, io, g->node_index * rpn + l);
 		if (xn_rows_out(x, io, r)) {
 			x->rc = EP_ESHUTDOWN;
 			snprintf(x->err, sizeof(x->err),

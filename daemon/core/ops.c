@@ -207,6 +207,8 @@ static void job_run(uv_work_t *req)
 		epd_pool_run(pool, j->nitems, do_dispatch, j);
 		if (!j->cached)
 			epd_pool_run(pool, W, do_per_expert, j);
+		for (uint32_t l = 0; l < W; l++)
+			ek_rank_prefix(j->route, j->io, l);
 		/* each token read once, each received row written once */
 		uint64_t tokens = 0;
 		for (uint32_t l = 0; l < W; l++)
@@ -395,6 +397,8 @@ static void job_submit(struct epd_group *g)
 			io->combined_w =
 				(float *)epd_region(g, l, EPP_BUF_COMBINED_W);
 		}
+		io->rank_prefix =
+			(int32_t *)epd_region(g, l, EPP_BUF_RANK_PREFIX);
 		io->num_tokens = m->op_tokens;
 		j->num_tokens[l] = m->op_tokens;
 	}

@@ -184,6 +184,7 @@ enum {
 	EKC_F_OUT,
 	EKC_F_CW,     /* combine_w [R, K] f32 */
 	EKC_F_CW_OUT, /* combined_w [T, K] f32 */
+	EKC_F_RANK_PREFIX, /* rank_prefix [W, W] i32 */
 	EKC_F_N,
 };
 
@@ -214,6 +215,8 @@ struct ekc_disp_args {
 	uint32_t *blk;     /* [W][nblk_max][W] block counts */
 	uint32_t *base;    /* [W][nblk_max][W] block bases */
 	uint32_t *recv;    /* [W] rows received */
+	uint32_t *rp;      /* [W][W] the handle's rank prefix matrix (inclusive
+			      over sources), copied to every rank's field */
 	int32_t *slot;     /* [W][Tmax][W] the handle's routing */
 	unsigned long long *err; /* first bad (s, t, k), or ~0 */
 	uint32_t *gsync;   /* ekc_prep's grid barrier, from ~0 */

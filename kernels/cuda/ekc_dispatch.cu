@@ -191,6 +191,38 @@ __device__ static __forceinline__ void publish_recv(const struct ekc_disp_args &
 	*(volatile uint64_t *)(h + EKC_CTL_RECV_SEQ) = a.seq;
 }
 
+// The handle's rank prefix matrix: for a fresh dispatch, column c from the
+// block counts (warp per column: [s][c] = rows of c from sources 0..s);
+// then every local rank's copy, for a fresh and a cached dispatch alike.
+// Called by a whole block once the block counts are final.
+__device__ static void rank_prefix(const struct ekc_disp_args &a)
+{
+	const uint32_t W = a.W, nb = a.nblk_max;
+	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+	if (has_error(a))
+		return; // final here, so uniform: the op changes nothing
+	if (!a.cached)
+		for (uint32_t c = warp; c < W; c += blockDim.x >> 5) {
+			uint32_t run = 0;
+			for (uint32_t s = 0; s < W; s++) {
+				const uint32_t nbs = (a.tokens[s] + TPB - 1) / TPB;
+				uint32_t v = 0;
+				for (uint32_t b = lane; b < nbs; b += 32)
+					v += a.blk[((uint64_t)s * nb + b) * W + c];
+				for (uint32_t o = 16; o; o >>= 1)
+					v += __shfl_xor_sync(0xffffffffu, v, o);
+				run += v;
+				if (lane == 0)
+					a.rp[s * W + c] = run;
+			}
+		}
+	__syncthreads();
+	for (uint32_t i = threadIdx.x; i < W * W * W; i += blockDim.x) {
+		const uint32_t l = i / (W * W), j = i % (W * W);
+		((int32_t *)field(a, l, EKC_F_RANK_PREFIX))[j] = (int32_t)a.rp[j];
+	}
+}
+
 // One block: warp w scans destination column w (and w + 32, ...) over the
 // (source, block) rows, 32 rows per step with warp shuffles; blocks past a
 // source's tokens count nothing. Then the per-expert counters are cleared
@@ -249,6 +281,7 @@ extern "C" __global__ void __launch_bounds__(1024) ekc_scan(struct ekc_disp_args
 	} else if (d < W) {
 		run = a.recv[d];
 	}
+	rank_prefix(a);
 	if (d >= W)
 		return;
 	// its count, or a bad expert index anywhere (the op changes nothing;
@@ -383,6 +416,7 @@ extern "C" __global__ void __launch_bounds__(TPB) ekc_prep(struct ekc_disp_args 
 		for (uint32_t i = threadIdx.x; i < W * per; i += blockDim.x)
 			((int32_t *)field(a, i / per, EKC_F_RECV_PE))[i % per] = 0;
 		__syncthreads();
+		rank_prefix(a);
 		for (uint32_t d = threadIdx.x; d < W; d += blockDim.x) {
 			a.recv[d] = tot[d];
 			publish_recv(a, d, tot[d]);

@@ -170,6 +170,22 @@ void ek_dispatch_tokens(const struct ek_shape *s, const struct ek_route *r,
 	}
 }
 
+void ek_rank_prefix(const struct ek_route *r, struct ek_rank_io *io,
+		    uint32_t d)
+{
+	const uint32_t W = r->world;
+	int32_t *rp = io[d].rank_prefix;
+	if (!rp)
+		return;
+	for (uint32_t c = 0; c < W; c++) {
+		uint32_t run = 0;
+		for (uint32_t s = 0; s < W; s++) {
+			run += r->count[(size_t)s * W + c];
+			rp[(size_t)s * W + c] = (int32_t)run;
+		}
+	}
+}
+
 void ek_recv_per_expert(const struct ek_shape *s, const struct ek_route *r,
 			struct ek_rank_io *io, uint32_t d)
 {

@@ -153,6 +153,10 @@ static int xrank(int r, void *arg)
 	SAME(tmp, exp[r].src, R * 8, "recv_src");
 	down(tmp, b.num_recv_tokens_per_expert, per * 4);
 	SAME(tmp, exp[r].per_expert, per * 4, "num_recv_tokens_per_expert");
+	int32_t rp[64], grp[64];
+	ref_rank_prefix(c, exp, rp);
+	down(grp, b.rank_prefix_matrix, W * W * 4);
+	SAME(grp, rp, W * W * 4, "rank_prefix_matrix");
 
 	/* Cached dispatch of new data (a barrier between: the op numbers
 	 * stay in step across the nodes). */

@@ -243,6 +243,18 @@ static int case_rank(int r, void *arg)
 	SAME(gsrc, exp[r].src, R * 8, "recv_src");
 	SAME(gpe, hout.num_recv_tokens_per_expert, per * 4,
 	     "num_recv_tokens_per_expert");
+	/* the rank prefix matrix, against the reference and the host
+	 * backend's */
+	int32_t rp[64], grp[64];
+	struct ep_buffers hb;
+	TH_OK(ep_get_buffers(hg, &hb));
+	ref_rank_prefix(c, exp, rp);
+	CU(tg_drv.cuMemcpyDtoHAsync(grp, tg_dptr(b.rank_prefix_matrix),
+				    W * W * 4, st));
+	CU(tg_drv.cuStreamSynchronize(st));
+	SAME(grp, rp, W * W * 4, "rank_prefix_matrix vs reference");
+	SAME(hb.rank_prefix_matrix, rp, W * W * 4,
+	     "host rank_prefix_matrix vs reference");
 
 	/* Again: identical bytes. Then cached dispatch of new data equals a
 	 * fresh dispatch of it (and the host backend's). */
@@ -262,11 +274,17 @@ static int case_rank(int r, void *arg)
 	 * numbers the daemon never sees). */
 	TH_OK(ep_barrier_stream(g, st));
 	TH_OK(ep_barrier_stream(g, st));
+	/* a cached dispatch writes the handle's matrix again */
+	CU(tg_drv.cuMemsetD8Async(tg_dptr(b.rank_prefix_matrix), POISON,
+				  W * W * 4, st));
 	TH_OK(ep_dispatch_stream(g, me->T, 0, &h, st, &hc2));
 	TH_CHECK(hc2.seq == h.seq, "cached handle");
 	memset(gx2, POISON, cap * H * elt);
+	CU(tg_drv.cuMemcpyDtoHAsync(grp, tg_dptr(b.rank_prefix_matrix),
+				    W * W * 4, st));
 	recv_x_after(g, st, &b, gx2, R * H * elt);
 	SAME(gx2, exp2[r].x, R * H * elt, "cached recv_x vs reference");
+	SAME(grp, rp, W * W * 4, "cached rank_prefix_matrix");
 	TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &h3));
 	uint8_t *gx3 = POISONED(cap * H * elt);
 	pin(gx3, cap * H * elt);

@@ -426,12 +426,19 @@ static int xrank(int r, void *arg)
 	struct ep_buffers b;
 	TH_OK(ep_get_buffers(g, &b));
 	XSAME(b.recv_src, exp[r].src, R * 8, "recv_src");
-	/* cached dispatch of new data */
+	/* the whole matrix on every node, other nodes' pairs included */
+	int32_t rp[64];
+	ref_rank_prefix(c, exp, rp);
+	XSAME(b.rank_prefix_matrix, rp, W * W * 4, "rank_prefix_matrix");
+	/* cached dispatch of new data (it writes the matrix again) */
 	struct ep_dispatch_in din2 = din;
 	din2.x = in2[r].x;
 	din2.x_scales = in2[r].scales;
+	memset((void *)b.rank_prefix_matrix, 0xa5, W * W * 4);
 	TH_OK(ep_dispatch(g, &din2, &h, &dout, &hc));
 	XSAME(dout.recv_x, exp2[r].x, R * H * elt, "cached recv_x");
+	XSAME(b.rank_prefix_matrix, rp, W * W * 4,
+	      "cached rank_prefix_matrix");
 	/* combine of random rows (and bias) along the first handle */
 	uint16_t *ys[8];
 	for (uint32_t d = 0; d < W; d++)

@@ -106,6 +106,9 @@ static int case_rank(int r, void *arg)
 	struct ep_buffers b;
 	TH_OK(ep_get_buffers(g, &b));
 	SAME(b.recv_src, want->src, R * 8, "recv_src");
+	int32_t rp[64];
+	ref_rank_prefix(c, exp, rp);
+	SAME(b.rank_prefix_matrix, rp, W * W * 4, "rank_prefix_matrix");
 
 	/* Run it again: identical bytes. */
 	struct ep_dispatch_out dout2 = dout;
@@ -123,7 +126,10 @@ static int case_rank(int r, void *arg)
 	memset(dout2.recv_x, POISON, cap * H * elt);
 	memset(dout2.recv_x_scales, POISON, cap * ns * 4);
 	ep_handle_t hc;
+	/* a cached dispatch writes the handle's rank_prefix_matrix too */
+	memset((void *)b.rank_prefix_matrix, POISON, W * W * 4);
 	TH_OK(ep_dispatch(g, &din2, &h, &dout2, &hc));
+	SAME(b.rank_prefix_matrix, rp, W * W * 4, "cached rank_prefix_matrix");
 	TH_CHECK(hc.seq == h.seq && hc.num_recv == R, "cached handle");
 	SAME(dout2.recv_x, exp2[r].x, R * H * elt, "cached recv_x");
 	if (c->dtype == EP_DTYPE_FP8)

@@ -279,6 +279,19 @@ void ref_combine_weights(const struct ref_case *c, uint32_t T,
 		}
 }
 
+void ref_rank_prefix(const struct ref_case *c, const struct ref_recv *exp,
+		     int32_t *rp)
+{
+	const uint32_t W = c->world;
+	for (uint32_t s = 0; s < W; s++)
+		for (uint32_t d = 0; d < W; d++) {
+			int32_t n = 0;
+			for (uint32_t i = 0; i < exp[d].R; i++)
+				n += exp[d].src[(size_t)i * 2] <= (int32_t)s;
+			rp[(size_t)s * W + d] = n;
+		}
+}
+
 void ref_layout(const struct ref_case *c, const struct ref_inputs *in,
 		int32_t *per_rank, int32_t *per_expert, uint8_t *in_rank)
 {

@@ -69,6 +69,10 @@ void ref_free_inputs(struct ref_inputs *in);
 void ref_dispatch(const struct ref_case *c, const struct ref_inputs *in,
 		  uint32_t d, struct ref_recv *out);
 void ref_free_recv(struct ref_recv *r);
+/* DeepEP's rank_prefix_matrix [W, W] from every rank's expected receive
+ * lists exp[W]: entry [s][d] counts the rows of exp[d] from ranks <= s. */
+void ref_rank_prefix(const struct ref_case *c, const struct ref_recv *exp,
+		     int32_t *rp);
 /* Every rank's inputs in[W] (salt 0) and in2[W] (salt 1: new data, the
  * same routing), and what every rank receives from each: exp[W], exp2[W]. */
 void ref_gen_world(const struct ref_case *c, struct ref_inputs *in,

@@ -163,6 +163,9 @@ struct ep_buffers {
 	/* combine with EP_COMBINE_WEIGHTS */
 	float *combine_topk_weights;        /* [max_recv, topk] f32 */
 	const float *combined_topk_weights; /* [max_tokens, topk] f32 */
+	/* after each dispatch: [world, world] i32, entry [s][d] the rows rank
+	 * d received from ranks 0..s (DeepEP's rank_prefix_matrix) */
+	const int32_t *rank_prefix_matrix;
 };
 
 int ep_get_buffers(ep_group_t *group, struct ep_buffers *out);

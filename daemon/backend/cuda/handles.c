@@ -53,7 +53,7 @@ static uint64_t table_bytes(const struct epd_group *g)
 {
 	const struct epd_cuda_group *c = g->dev_group;
 	uint64_t W = g->shape.ranks_per_node;
-	return W * c->tmax * W * 4 + W * 4;
+	return W * c->tmax * W * 4 + W * 4 + W * W * 4;
 }
 
 /* A free entry (with device tables unless staged), or NULL with the group
@@ -100,7 +100,7 @@ static struct route *route_take(struct epd_group *g, uint64_t k)
 		uint64_t W = g->shape.ranks_per_node;
 		CUresult r = cu_drv->cuMemAlloc(&rt->slot, W * c->tmax * W * 4);
 		if (!r)
-			r = cu_drv->cuMemAlloc(&rt->recv, W * 4);
+			r = cu_drv->cuMemAlloc(&rt->recv, W * 4 + W * W * 4);
 		if (r) {
 			if (rt->slot)
 				cu_drv->cuMemFree(rt->slot);

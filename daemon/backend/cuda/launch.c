@@ -192,6 +192,7 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 	memcpy(a.tokens, rt->tokens, sizeof(a.tokens));
 	a.slot = (int32_t *)(uintptr_t)rt->slot;
 	a.recv = (uint32_t *)(uintptr_t)rt->recv;
+	a.rp = a.recv + W; /* the same allocation (cu_route_make) */
 	a.cached = !fresh;
 	a.wait = d->mps; /* the kernels wait for the doorbells themselves */
 	unsigned sms = cu_sms_cap(g, d);

@@ -185,10 +185,15 @@ static void stage_finish(struct epd_group *g)
 		if (!r && ns)
 			r = stage_copy(g, EKC_F_RECV_SCALES, R, (size_t)ns * 4,
 				       false);
+		uint32_t one[EKC_MAX_LOCAL] = {0};
+		for (uint32_t l = 0; l < rpn; l++)
+			one[l] = 1;
+		if (!r) /* fresh and cached alike */
+			r = stage_copy(g, EKC_F_RANK_PREFIX, one,
+				       (size_t)g->shape.world_size *
+					       g->shape.world_size * 4,
+				       false);
 		if (!c->stage_cached) { /* a cached one: rows and scales */
-			uint32_t one[EKC_MAX_LOCAL];
-			for (uint32_t l = 0; l < rpn; l++)
-				one[l] = 1;
 			if (!r)
 				r = stage_copy(g, EKC_F_RECV_TOPK, R,
 					       (size_t)K * 8, false);
