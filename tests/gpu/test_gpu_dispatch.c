@@ -275,8 +275,8 @@ static int case_rank(int r, void *arg)
 	TH_OK(ep_barrier_stream(g, st));
 	TH_OK(ep_barrier_stream(g, st));
 	/* a cached dispatch writes the handle's matrix again */
-	CU(tg_drv.cuMemsetD8Async(tg_dptr(b.rank_prefix_matrix), POISON,
-				  W * W * 4, st));
+	CU(tg_drv.cuMemsetD32Async(tg_dptr(b.rank_prefix_matrix),
+				   0x01010101u * POISON, W * W, st));
 	TH_OK(ep_dispatch_stream(g, me->T, 0, &h, st, &hc2));
 	TH_CHECK(hc2.seq == h.seq, "cached handle");
 	memset(gx2, POISON, cap * H * elt);

@@ -137,7 +137,8 @@ class _Buffers(ctypes.Structure):
         "combined")] + [("max_tokens", ctypes.c_uint32),
                         ("max_recv", ctypes.c_uint64),
                         ("combine_topk_weights", ctypes.c_void_p),
-                        ("combined_topk_weights", ctypes.c_void_p)]
+                        ("combined_topk_weights", ctypes.c_void_p),
+                        ("rank_prefix_matrix", ctypes.c_void_p)]
 
 
 class _CombineIn(ctypes.Structure):
@@ -348,6 +349,41 @@ class Group:
         t = torch.as_tensor(_DeviceArray(ptr, shape, typestr), device="cuda")
         return t.view(torch.bfloat16) if dtype == "bf16" else t
 
+    def _field_ptr(self, field):
+        b = _Buffers()
+        _check(_lib.ep_get_buffers(self._g, ctypes.byref(b)))
+        ptr = getattr(b, field)
+        if not ptr:
+            raise ValueError(f"no field {field} in this group")
+        return ptr
+
+    def host_field(self, field, count, dtype):
+        """A copy of the first count elements of a field of a host
+        group's buffer (numpy array of dtype "int32", "float32", ...), as
+        the latest op left it: e.g. recv_src ([R, 2] source rank and
+        token) or rank_prefix_matrix ([W, W]) after a dispatch."""
+        import numpy
+        if self._per_gpu:
+            raise ValueError("host_field: a GPU group (use tensor())")
+        dt = numpy.dtype(dtype)
+        raw = ctypes.string_at(self._field_ptr(field), count * dt.itemsize)
+        return numpy.frombuffer(raw, dtype=dt).copy()
+
+    def rank_prefix_matrix(self):
+        """DeepEP's rank_prefix_matrix of the latest dispatch: [W, W]
+        int32, entry [s][d] the rows rank d received from ranks 0..s (a
+        numpy copy for a host group, a view on the device for a GPU
+        group: read it in stream order after the dispatch)."""
+        W = self.cfg["world_size"]
+        if self._per_gpu:
+            return self.tensor("rank_prefix_matrix", (W, W), "int32")
+        return self.host_field("rank_prefix_matrix", W * W,
+                               "int32").reshape(W, W)
+
+    @property
+    def _per_gpu(self):
+        return self.cfg.get("cuda_device") is not None
+
     @staticmethod
     def _stream(stream):
         if stream is None:
@@ -459,7 +495,8 @@ class Conn:
                    ranks_per_node=ranks_per_node, rank=rank,
                    num_experts=num_experts, hidden=hidden,
                    max_tokens_per_rank=max_tokens_per_rank, topk=topk,
-                   dtype=dtype, timeout_ms=timeout_ms)
+                   dtype=dtype, timeout_ms=timeout_ms,
+                   cuda_device=cuda_device)
         gc = _GroupConfig(name.encode(), world_size, ranks_per_node, rank,
                           num_experts, hidden, max_tokens_per_rank, topk,
                           dtype, timeout_ms,

@@ -1,0 +1,4 @@
+# SPDX-License-Identifier: MIT
+"""deep_ep.buffers as DeepEP 2.x lays it out."""
+from . import legacy  # noqa: F401
+from .legacy import Buffer  # noqa: F401

@@ -1,0 +1,650 @@
+# SPDX-License-Identifier: MIT
+"""DeepEP's normal-mode Buffer, run by epd.
+
+Each rank talks to its node's epd (the socket is $EPD_SOCKET or the
+default path). DeepEP sizes its buffer in bytes and takes hidden, dtype and
+top-k per call; an epd group is sized at join. So a Buffer joins one epd
+group per shape it meets (hidden, bf16 or fp8, top-k, number of experts),
+lazily, at the first dispatch of that shape: every rank makes the same
+calls in the same order (DeepEP requires it too), so every rank joins at
+the same call. At that join the ranks agree, through the torch group, on
+the group's maximum tokens per rank: the largest first call rounded up to
+a power of two (at least 128), or $EPD_DEEP_EP_MAX_TOKENS. A dispatch of
+more tokens than that raises ValueError naming the variable.
+
+Outputs are fresh tensors (copies out of epd's buffers, made on the comm
+stream); handles are DeepEP's 6-tuples, and the routing they name lives in
+the daemon until the tuple's recv_src_idx tensor is freed (released then:
+ep_handle_release). A dispatch from is_token_in_rank alone (no top-k)
+routes through a group with one expert per rank; its per-expert counts,
+when num_tokens_per_expert is given, are summed over the ranks with one
+all_reduce of the torch group (DeepEP's own exchange; the top-k path needs
+none). Low-latency functions raise NotImplementedError.
+"""
+import os
+import socket
+import uuid
+import weakref
+
+import epd
+from ..utils.event import EventHandle, EventOverlap
+from ..utils.envs import check_nvlink_connections, check_torch_deterministic
+
+
+def _torch():
+    import torch
+    return torch
+
+
+class Config:
+    """DeepEP's tuning config. epd picks its own launch shape; the values
+    are kept and reported, and the size hints answer honestly."""
+
+    def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6,
+                 num_max_nvl_chunked_recv_tokens=256,
+                 num_max_rdma_chunked_send_tokens=6,
+                 num_max_rdma_chunked_recv_tokens=128):
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
+        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
+        return 0  # epd's daemon owns and sizes the buffers
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes, num_ranks):
+        return 0
+
+    def __repr__(self):
+        return (f"Config(num_sms={self.num_sms}, nvl_chunk="
+                f"{self.num_max_nvl_chunked_send_tokens})")
+
+
+topk_idx_t = None  # set on import (torch.int64)
+
+
+def _release(sub_ref, h):
+    sub = sub_ref()
+    if sub is None or sub.g is None:
+        return
+    try:
+        sub.g.release(h)
+    except epd.Error:
+        pass  # the group failed or was left: nothing is held any more
+
+
+class _Routing:
+    """What a handle names: the group, epd's handle, and the sizes."""
+    __slots__ = ("sub", "h", "T", "R", "__weakref__")
+
+    def __init__(self, sub, h, T, R):
+        self.sub, self.h, self.T, self.R = sub, h, T, R
+
+
+class _Sub:
+    """One epd group of one shape, and views of this rank's buffers."""
+
+    def __init__(self, buf, key, tmax):
+        torch = _torch()
+        H, fp8, K, E = key
+        self.key, self.H, self.fp8, self.K, self.E = key, H, fp8, K, E
+        self.tmax, self.W = tmax, buf.group_size
+        self.per = E // self.W
+        self.cap = self.W * tmax
+        self.gpu = buf._device is not None
+        name = f"{buf._name}-{H}-{'f' if fp8 else 'b'}{K}-{E}"
+        self.g = buf._conn.join(
+            name, world_size=self.W, ranks_per_node=buf._rpn,
+            rank=buf.rank, num_experts=E, hidden=H,
+            max_tokens_per_rank=tmax, topk=K,
+            dtype=epd.FP8 if fp8 else epd.BF16,
+            cuda_device=buf._device)
+        if not self.gpu:
+            return
+        t, cap, ns = self.g.tensor, self.cap, H // 128
+        self.x = t("x", (tmax, H), "fp8" if fp8 else "bf16")
+        self.recv_x = t("recv_x", (cap, H), "fp8" if fp8 else "bf16")
+        if fp8:
+            self.scales = t("x_scales", (tmax, ns), "float32")
+            self.recv_scales = t("recv_x_scales", (cap, ns), "float32")
+        self.topk = t("topk_idx", (tmax, K), "int64")
+        self.w = t("topk_weights", (tmax, K), "float32")
+        self.recv_topk = t("recv_topk_idx", (cap, K), "int64")
+        self.recv_w = t("recv_topk_weights", (cap, K), "float32")
+        self.recv_src = t("recv_src", (cap, 2), "int32")
+        self.pe = t("num_recv_tokens_per_expert", (self.per,), "int32")
+        self.y = t("combine_y", (cap, H), "bf16")
+        self.bias = t("combine_bias", (tmax, H), "bf16")
+        self.out = t("combined", (tmax, H), "bf16")
+        self.cw = t("combine_topk_weights", (cap, K), "float32")
+        self.cw_out = t("combined_topk_weights", (tmax, K), "float32")
+        self.rp = self.g.rank_prefix_matrix()
+        self.count = torch.as_tensor(epd._DeviceArray(
+            self.g.recv_count_device(), (1,), "<i4"), device="cuda")
+        self.pe_host = torch.empty(max(self.per, 1), dtype=torch.int32,
+                                   pin_memory=True)
+
+    def leave(self):
+        if self.g is not None:
+            g, self.g = self.g, None
+            try:
+                g.leave()
+            except epd.Error:
+                pass
+
+
+class Buffer:
+    """DeepEP's intranode/internode normal-mode Buffer on epd (see the
+    module's docstring for what differs underneath)."""
+
+    num_sms = 20
+
+    def __init__(self, group=None, num_nvl_bytes=0, num_rdma_bytes=0,
+                 low_latency_mode=False, num_qps_per_rank=24,
+                 allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
+                 explicitly_destroy=False, enable_shrink=False, comm=None,
+                 socket_path=None):
+        torch = _torch()
+        import torch.distributed as dist
+        check_nvlink_connections(group)
+        if group is None:
+            if comm is not None:
+                raise NotImplementedError(
+                    "epd's deep_ep: mpi4py communicators are not "
+                    "supported; pass a torch.distributed group")
+            raise ValueError("Either 'group' or 'comm' must be provided.")
+        self.group, self.rank, self.group_size = group, group.rank(), group.size()
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self._subs = {}
+        self._conn = None
+        host = os.environ.get("EPD_DEEP_EP_HOST") == "1"
+        self._device = None
+        if torch.cuda.is_available() and not host:
+            self._device = torch.cuda.current_device()
+        sock = socket_path or os.environ.get("EPD_SOCKET")
+        me = (socket.gethostname(), sock, uuid.uuid4().hex[:12])
+        allv = [None] * self.group_size
+        dist.all_gather_object(allv, me, group)
+        hosts = [a[:2] for a in allv]
+        rpn = hosts.count(hosts[0])
+        for i, hv in enumerate(hosts):
+            if hosts.count(hv) != rpn or hosts[i - i % rpn] != hv:
+                raise ValueError(
+                    "epd's deep_ep: the group's ranks must be node-major "
+                    f"with the same number per node; got {hosts}")
+        self._rpn = rpn
+        self._name = "dep-" + allv[0][2]
+        self._conn = epd.connect(sock)
+        if self._device is not None:
+            self._comm = torch.cuda.Stream()
+            self._ar = torch.arange(self.group_size, dtype=torch.int64,
+                                    device="cuda")
+        self._layout_experts = None
+
+    # ---- life ----
+
+    def destroy(self):
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        self._destroy()
+
+    def _destroy(self):
+        for s in self._subs.values():
+            s.leave()
+        self._subs = {}
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __del__(self):
+        if not getattr(self, "explicitly_destroy", True):
+            try:
+                self._destroy()
+            except Exception:
+                pass
+
+    # ---- statics ----
+
+    @staticmethod
+    def is_sm90_compiled():
+        """True where fp8 dispatch works: epd's fp8 path is in every build;
+        torch needs float8_e4m3fn to hand it over."""
+        return hasattr(_torch(), "float8_e4m3fn")
+
+    @staticmethod
+    def set_num_sms(new_num_sms):
+        assert new_num_sms % 2 == 0, "The SM count must be even"
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture():
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_dispatch_config(num_ranks):
+        return Config(Buffer.num_sms, 6, 256, 6, 128)
+
+    @staticmethod
+    def get_combine_config(num_ranks):
+        return Config(Buffer.num_sms, 4, 256, 6, 128)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank,
+                                       hidden, num_ranks, num_experts):
+        raise NotImplementedError(_LL)
+
+    def get_comm_stream(self):
+        return self._comm if self._device is not None else None
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset=0,
+                                use_rdma_buffer=False):
+        raise NotImplementedError(
+            "epd's deep_ep: the daemon owns the buffers; there is no raw "
+            "local buffer to view")
+
+    # ---- layout ----
+
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None,
+                            async_finish=False, allocate_on_comm_stream=False):
+        """(num_tokens_per_rank [W] int32, None, num_tokens_per_expert [E]
+        int32, is_token_in_rank [T, W] bool, event): computed with torch on
+        the caller's stream (every -1 skipped; an expert counted once per
+        slot that names it, a rank once per token)."""
+        torch = _torch()
+        W = self.group_size
+        if num_experts % W:
+            raise ValueError(f"num_experts {num_experts} is not a multiple "
+                             f"of the group's {W} ranks")
+        self._layout_experts = num_experts
+        if previous_event is not None and previous_event.event is not None:
+            previous_event.event.current_stream_wait()
+        ti = topk_idx.long()
+        T = ti.size(0)
+        valid = ti >= 0
+        per_expert = torch.bincount(ti[valid], minlength=num_experts)
+        per_expert = per_expert[:num_experts].to(torch.int32)
+        ranks = torch.where(valid, ti // (num_experts // W),
+                            torch.full_like(ti, W))
+        in_rank = torch.zeros((T, W + 1), dtype=torch.bool,
+                              device=ti.device)
+        in_rank.scatter_(1, ranks, True)
+        in_rank = in_rank[:, :W].contiguous()
+        per_rank = in_rank.sum(dim=0).to(torch.int32)
+        ev = EventHandle() if async_finish else None
+        return per_rank, None, per_expert, in_rank, EventOverlap(ev)
+
+    # ---- the groups ----
+
+    def _sub(self, key, T):
+        sub = self._subs.get(key)
+        if sub is not None:
+            if T > sub.tmax:
+                raise ValueError(
+                    f"epd's deep_ep: {T} tokens, but the group of this "
+                    f"shape was sized for {sub.tmax} per rank at its first "
+                    f"dispatch; set EPD_DEEP_EP_MAX_TOKENS (the same on "
+                    f"every rank) to the largest count")
+            return sub
+        import torch.distributed as dist
+        env = os.environ.get("EPD_DEEP_EP_MAX_TOKENS")
+        if env:
+            tmax = int(env)
+        else:
+            ts = [None] * self.group_size
+            dist.all_gather_object(ts, int(T), self.group)
+            tmax = 128
+            while tmax < max(ts):
+                tmax *= 2
+        if T > tmax:
+            raise ValueError(f"epd's deep_ep: {T} tokens exceed "
+                             f"EPD_DEEP_EP_MAX_TOKENS={tmax}")
+        sub = _Sub(self, key, tmax)
+        self._subs[key] = sub
+        return sub
+
+    @staticmethod
+    def _routing(handle):
+        r = getattr(handle[3], "_epd", None) if handle is not None and \
+            len(handle) == 6 else None
+        if r is None:
+            raise ValueError("not a handle of epd's deep_ep dispatch")
+        if r.sub.g is None:
+            raise ValueError("the handle's Buffer was destroyed")
+        return r
+
+    # ---- dispatch ----
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None,
+                 num_tokens_per_rdma_rank=None, is_token_in_rank=None,
+                 num_tokens_per_expert=None, topk_idx=None,
+                 topk_weights=None, expert_alignment=1, num_worst_tokens=0,
+                 config=None, previous_event=None, async_finish=False,
+                 allocate_on_comm_stream=False):
+        """DeepEP's dispatch: (recv_x or (recv_x, recv_x_scales),
+        recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
+        handle, event)."""
+        torch = _torch()
+        check_torch_deterministic()
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        fp8 = x_scales is not None
+        T, H = x.shape
+        W = self.group_size
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("a cached dispatch takes no top-k")
+            rt = self._routing(handle)
+            sub = rt.sub
+            if (H, fp8) != (sub.H, sub.fp8) or T != rt.T:
+                raise ValueError(
+                    f"cached dispatch: x is [{T}, {H}] "
+                    f"{'fp8' if fp8 else 'bf16'}, the handle's dispatch was "
+                    f"[{rt.T}, {sub.H}] {'fp8' if sub.fp8 else 'bf16'}")
+            in_rank = handle[4]
+        else:
+            if is_token_in_rank is None and topk_idx is None:
+                raise ValueError("dispatch needs topk_idx or is_token_in_rank")
+            if topk_idx is not None:
+                E = num_tokens_per_expert.numel() if \
+                    num_tokens_per_expert is not None else self._layout_experts
+                if E is None:
+                    raise ValueError("dispatch: give num_tokens_per_expert "
+                                     "(or call get_dispatch_layout first)")
+                key = (H, fp8, topk_idx.size(1), E)
+            else:
+                key = (H, fp8, W, W)  # one expert per rank
+            sub = self._sub(key, T)
+            in_rank = is_token_in_rank
+            if in_rank is None:
+                in_rank = self.get_dispatch_layout(topk_idx, key[3])[3]
+        if num_worst_tokens and num_worst_tokens > sub.cap:
+            raise ValueError(f"num_worst_tokens {num_worst_tokens} exceeds "
+                             f"what the group holds ({sub.cap} rows)")
+        run = self._gpu_dispatch if sub.gpu else self._host_dispatch
+        out = run(sub, x, x_scales, topk_idx, topk_weights, in_rank,
+                  handle, num_worst_tokens, previous_event, async_finish,
+                  allocate_on_comm_stream)
+        recv_x, recv_xs, rti, rtw, pe, rt_new, rp, rsrc, ev = out
+        if handle is not None:
+            return ((recv_x, recv_xs) if fp8 else recv_x, None, None, None,
+                    None, ev)
+        if num_worst_tokens:
+            pe_list = []
+        elif topk_idx is None:
+            pe_list = self._global_counts(sub, num_tokens_per_expert)
+        else:
+            pe_list = pe
+        if expert_alignment > 1:
+            a = expert_alignment
+            pe_list = [(c + a - 1) // a * a for c in pe_list]
+        if topk_idx is None:
+            rti = rtw = None
+        rsrc._epd = rt_new
+        weakref.finalize(rsrc, _release, weakref.ref(sub), rt_new.h)
+        empty = torch.empty(0, dtype=torch.int32, device=x.device)
+        hnd = (rp, empty, empty, rsrc, in_rank, empty)
+        return ((recv_x, recv_xs) if fp8 else recv_x, rti, rtw, pe_list,
+                hnd, ev)
+
+    def _global_counts(self, sub, num_tokens_per_expert):
+        """Per local expert, over every source: DeepEP's counts for a
+        dispatch without top-k (one all_reduce of the torch group)."""
+        if num_tokens_per_expert is None:
+            return []
+        torch = _torch()
+        import torch.distributed as dist
+        E = num_tokens_per_expert.numel()
+        t = num_tokens_per_expert.to(torch.int64)
+        if dist.get_backend(self.group) == "gloo":
+            t = t.cpu()
+        t = t.clone()
+        dist.all_reduce(t, group=self.group)
+        per = E // self.group_size
+        return t[self.rank * per:(self.rank + 1) * per].tolist()
+
+    def _streams(self, previous_event):
+        torch = _torch()
+        compute = torch.cuda.current_stream()
+        if previous_event is not None and previous_event.event is not None:
+            self._comm.wait_event(previous_event.event.event)
+        else:
+            self._comm.wait_stream(compute)
+        return compute, self._comm
+
+    def _finish(self, compute, comm, outs, async_finish, alloc_comm):
+        if not alloc_comm:
+            for t in outs:
+                if t is not None:
+                    t.record_stream(comm)
+        if async_finish:
+            return EventOverlap(EventHandle(comm), outs)
+        compute.wait_stream(comm)
+        return EventOverlap(None)
+
+    def _gpu_dispatch(self, sub, x, xs, topk_idx, topk_weights, in_rank,
+                      handle, worst, prev, async_finish, alloc_comm):
+        torch = _torch()
+        T, H, K = x.size(0), sub.H, sub.K
+        cached = handle is not None
+        rt = self._routing(handle) if cached else None
+        compute, comm = self._streams(prev)
+        with torch.cuda.stream(comm):
+            if T:
+                sub.x[:T].copy_(x.view(torch.uint8) if sub.fp8 else x)
+                if sub.fp8:
+                    sub.scales[:T].copy_(xs)  # any strides
+                if not cached:
+                    if topk_idx is not None:
+                        sub.topk[:T].copy_(topk_idx)
+                    else:
+                        sub.topk[:T].copy_(torch.where(
+                            in_rank.bool(), self._ar.expand(T, -1),
+                            torch.full_like(sub.topk[:T], -1)))
+                    if topk_weights is not None:
+                        sub.w[:T].copy_(topk_weights)
+            h = sub.g.dispatch_stream(
+                T, stream=comm, weights=topk_weights is not None,
+                handle=rt.h if cached else None)
+            if not cached and not worst:
+                sub.pe_host.copy_(sub.pe, non_blocking=True)
+                pe_ev = torch.cuda.Event()
+                pe_ev.record(comm)
+        if cached:
+            R = rt.R
+        elif worst:
+            R = worst
+        else:
+            R = sub.g.recv_count(h)  # the CPU waits for the count
+        dt = torch.float8_e4m3fn if sub.fp8 else torch.bfloat16
+        dev = x.device
+        with torch.cuda.stream(comm if alloc_comm else compute):
+            recv_x = torch.empty((R, H), dtype=dt, device=dev)
+            recv_xs = torch.empty((R, H // 128), dtype=torch.float32,
+                                  device=dev) if sub.fp8 else None
+            if not cached:
+                rti = torch.empty((R, K), dtype=torch.int64, device=dev)
+                rtw = torch.empty((R, K), dtype=torch.float32, device=dev)
+                rsrc = torch.empty((R,), dtype=torch.int32, device=dev)
+                rp = torch.empty((sub.W, sub.W), dtype=torch.int32,
+                                 device=dev)
+        with torch.cuda.stream(comm):
+            recv_x.view(torch.uint8 if sub.fp8 else dt).copy_(sub.recv_x[:R])
+            if sub.fp8:
+                recv_xs.copy_(sub.recv_scales[:R])
+            outs = [recv_x, recv_xs]
+            if not cached:
+                rti.copy_(sub.recv_topk[:R])
+                rtw.copy_(sub.recv_w[:R])
+                rsrc.copy_(sub.recv_src[:R, 1])
+                rp.copy_(sub.rp)
+                if worst:  # rows past the received count: index -1
+                    pad = torch.arange(R, device=dev) >= \
+                        sub.count[0].to(torch.int64)
+                    rti.masked_fill_(pad.unsqueeze(1), -1)
+                    rtw.masked_fill_(pad.unsqueeze(1), 0.0)
+                    rsrc.masked_fill_(pad, -1)
+                outs += [rti, rtw, rsrc, rp]
+        ev = self._finish(compute, comm, outs, async_finish, alloc_comm)
+        if cached:
+            return recv_x, recv_xs, None, None, None, None, None, None, ev
+        pe = []
+        if not worst:
+            pe_ev.synchronize()
+            pe = sub.pe_host[:sub.per].tolist()
+        return (recv_x, recv_xs, rti, rtw, pe, _Routing(sub, h, T, R), rp,
+                rsrc, ev)
+
+    def _host_dispatch(self, sub, x, xs, topk_idx, topk_weights, in_rank,
+                       handle, worst, prev, async_finish, alloc_comm):
+        torch = _torch()
+        T, H, K, W = x.size(0), sub.H, sub.K, sub.W
+        cached = handle is not None
+        rt = self._routing(handle) if cached else None
+        xn = x.contiguous().view(torch.uint8 if sub.fp8 else torch.int16)
+        sn = xs.float().contiguous().numpy() if sub.fp8 else None
+        tn = wn = None
+        if not cached:
+            if topk_idx is not None:
+                tn = topk_idx.long().contiguous().numpy()
+            else:
+                ar = torch.arange(W, dtype=torch.int64).expand(T, -1)
+                tn = torch.where(in_rank.bool(), ar,
+                                 torch.full_like(ar, -1)).contiguous().numpy()
+            if topk_weights is not None:
+                wn = topk_weights.float().contiguous().numpy()
+        res = sub.g.dispatch(xn.numpy(), tn, T, topk_weights=wn,
+                             x_scales=sn, handle=rt.h if cached else None,
+                             as_numpy=True)
+        R = res.num_recv
+        n = worst or R
+
+        def rows(a, dtype, fill):
+            t = torch.from_numpy(a.copy()).view(dtype)
+            if n == R:
+                return t
+            o = torch.full((n,) + tuple(t.shape[1:]), fill, dtype=t.dtype)
+            o[:R] = t
+            return o
+        if sub.fp8:
+            recv_x = rows(res.recv_x, torch.uint8, 0)
+            if hasattr(torch, "float8_e4m3fn") and \
+                    x.dtype == torch.float8_e4m3fn:
+                recv_x = recv_x.view(torch.float8_e4m3fn)
+            recv_xs = rows(res.recv_x_scales, torch.float32, 0)
+        else:
+            recv_x = rows(res.recv_x.view("int16"), torch.int16, 0).view(
+                torch.bfloat16)
+            recv_xs = None
+        ev = EventOverlap(EventHandle() if async_finish else None)
+        if cached:
+            return recv_x, recv_xs, None, None, None, None, None, None, ev
+        rti = rows(res.recv_topk_idx, torch.int64, -1)
+        rtw = rows(res.recv_topk_weights, torch.float32, 0)
+        src = sub.g.host_field("recv_src", R * 2, "int32").reshape(R, 2)
+        rsrc = rows(src[:, 1].copy(), torch.int32, -1)
+        rp = torch.from_numpy(sub.g.rank_prefix_matrix())
+        pe = res.num_recv_tokens_per_expert.tolist()
+        return (recv_x, recv_xs, rti, rtw, pe, _Routing(sub, res.handle, T, n),
+                rp, rsrc, ev)
+
+    # ---- combine ----
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None,
+                previous_event=None, async_finish=False,
+                allocate_on_comm_stream=False):
+        """DeepEP's combine: (combined_x [T, H] bf16, combined_topk_weights
+        [T, K] f32 or None, event). The rows are summed in fp32 from the
+        bias in ascending rank order, rounded once to bf16."""
+        torch = _torch()
+        check_torch_deterministic()
+        rt = self._routing(handle)
+        sub = rt.sub
+        if isinstance(bias, tuple):
+            if len(bias) != 2:
+                raise ValueError("bias: a tensor or a pair")
+            if bias[1] is not None:
+                raise NotImplementedError(
+                    "epd's deep_ep: a pair of biases is not supported yet "
+                    "(one bias is)")
+            bias = bias[0]
+        if x.dim() != 2 or x.size(0) != rt.R or x.size(1) != sub.H or \
+                x.dtype != torch.bfloat16:
+            raise ValueError(f"combine: x must be [{rt.R}, {sub.H}] bf16, "
+                             f"got {list(x.shape)} {x.dtype}")
+        if topk_weights is not None and tuple(topk_weights.shape) != \
+                (rt.R, sub.K):
+            raise ValueError(f"combine: topk_weights must be [{rt.R}, "
+                             f"{sub.K}], got {list(topk_weights.shape)}")
+        run = self._gpu_combine if sub.gpu else self._host_combine
+        return run(sub, rt, x, topk_weights, bias, previous_event,
+                   async_finish, allocate_on_comm_stream)
+
+    def _gpu_combine(self, sub, rt, x, tw, bias, prev, async_finish,
+                     alloc_comm):
+        torch = _torch()
+        T, H, K, R = rt.T, sub.H, sub.K, rt.R
+        compute, comm = self._streams(prev)
+        with torch.cuda.stream(comm):
+            if R:
+                sub.y[:R].copy_(x)
+                if tw is not None:
+                    sub.cw[:R].copy_(tw)
+            if bias is not None and T:
+                sub.bias[:T].copy_(bias)
+            sub.g.combine_stream(rt.h, stream=comm, bias=bias is not None,
+                                 weights=tw is not None)
+        with torch.cuda.stream(comm if alloc_comm else compute):
+            out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
+            wout = torch.empty((T, K), dtype=torch.float32,
+                               device=x.device) if tw is not None else None
+        with torch.cuda.stream(comm):
+            out.copy_(sub.out[:T])
+            if wout is not None:
+                wout.copy_(sub.cw_out[:T])
+        ev = self._finish(compute, comm, [out, wout], async_finish,
+                          alloc_comm)
+        return out, wout, ev
+
+    def _host_combine(self, sub, rt, x, tw, bias, prev, async_finish,
+                      alloc_comm):
+        torch = _torch()
+        R = rt.h.num_recv  # rows past it (num_worst_tokens) are padding
+        y = x[:R].contiguous().view(torch.int16).numpy()
+        b = bias.contiguous().view(torch.int16).numpy() if bias is not None \
+            else None
+        w = tw[:R].float().contiguous().numpy() if tw is not None else None
+        res = sub.g.combine(y, rt.h, bias=b, as_numpy=True, topk_weights=w)
+        rows, wts = res if w is not None else (res, None)
+        out = torch.from_numpy(rows.view("int16").copy()).view(torch.bfloat16)
+        wout = torch.from_numpy(wts.copy()) if wts is not None else None
+        return out, wout, EventOverlap(EventHandle() if async_finish
+                                       else None)
+
+    # ---- low latency: not yet ----
+
+    def clean_low_latency_buffer(self, *a, **kw):
+        raise NotImplementedError(_LL)
+
+    def low_latency_dispatch(self, *a, **kw):
+        raise NotImplementedError(_LL)
+
+    def low_latency_combine(self, *a, **kw):
+        raise NotImplementedError(_LL)
+
+    def get_next_low_latency_combine_buffer(self, *a, **kw):
+        raise NotImplementedError(_LL)
+
+    def low_latency_update_mask_buffer(self, *a, **kw):
+        raise NotImplementedError(_LL)
+
+    def low_latency_query_mask_buffer(self, *a, **kw):
+        raise NotImplementedError(_LL)
+
+    def low_latency_clean_mask_buffer(self, *a, **kw):
+        raise NotImplementedError(_LL)
+
+
+_LL = ("epd's deep_ep: low-latency mode is not implemented yet (normal "
+       "mode dispatch and combine are)")

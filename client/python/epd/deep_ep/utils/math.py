@@ -1,0 +1,102 @@
+# SPDX-License-Identifier: MIT
+"""The numeric helpers DeepEP's tests import (written for epd from their
+documented behaviour)."""
+
+
+def ceil_div(x, y):
+    return (x + y - 1) // y
+
+
+def align(x, y):
+    return ceil_div(x, y) * y
+
+
+def safe_div(a, b):
+    if b == 0:
+        if a == 0:
+            return 0
+        raise ZeroDivisionError(f"{a} / 0")
+    return a / b
+
+
+def calc_diff(x, y):
+    """1 - cosine-like similarity of x + 1 and y + 1 (0 when equal)."""
+    x, y = x.double() + 1, y.double() + 1
+    return (1 - 2 * (x * y).sum() / (x * x + y * y).sum()).item()
+
+
+def per_token_cast_to_fp8(x):
+    """[m, n] -> (e4m3 [m, n], fp32 scales [m, ceil(n/128)]): each group
+    of 128 columns scaled so that its largest magnitude is 448."""
+    import torch
+    m, n = x.shape
+    pad = align(n, 128) - n
+    xp = torch.nn.functional.pad(x, (0, pad)).view(m, -1, 128)
+    amax = xp.abs().float().amax(dim=2).clamp(min=1e-4)
+    q = (xp.float() * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn)
+    return q.view(m, -1)[:, :n].contiguous(), amax / 448.0
+
+
+def per_token_cast_back(x_fp8, x_scales):
+    """Inverse of per_token_cast_to_fp8 (scales fp32, or int32 UE8M0 with
+    the exponent byte in each lane), to bf16."""
+    import torch
+    if x_fp8.numel() == 0:
+        return x_fp8.to(torch.bfloat16)
+    m, n = x_fp8.shape
+    if x_scales.dtype == torch.int32:
+        x_scales = (x_scales.view(torch.uint8).to(torch.int32) << 23).view(
+            torch.float32)
+    pad = align(n, 128) - n
+    xp = torch.nn.functional.pad(x_fp8.float(), (0, pad)).view(m, -1, 128)
+    y = xp * x_scales.float().reshape(m, -1, 1)
+    return y.view(m, -1)[:, :n].to(torch.bfloat16).contiguous()
+
+
+def inplace_unique(x, num_slots):
+    """Each row of x (values in [0, num_slots) or -1) becomes its distinct
+    values in descending order, padded with -1."""
+    import torch
+    filled = x.masked_fill(x < 0, num_slots)
+    present = torch.zeros((x.size(0), num_slots + 1), dtype=torch.bool,
+                          device=x.device)
+    present.scatter_(1, filled.long(), True)
+    present = present[:, :num_slots]
+    idx = torch.arange(num_slots, device=x.device).expand_as(present)
+    vals = torch.where(present, idx, torch.full_like(idx, -1))
+    vals = vals.sort(dim=1, descending=True).values
+    x.fill_(-1)
+    n = min(num_slots, x.size(1))
+    x[:, :n] = vals[:, :n].to(x.dtype)
+
+
+def create_grouped_scores(scores, group_idx, num_groups):
+    import torch
+    t, e = scores.shape
+    mask = torch.zeros((t, num_groups), dtype=torch.bool, device=scores.device)
+    mask.scatter_(1, group_idx, True)
+    return (scores.view(t, num_groups, -1) * mask.unsqueeze(-1)).view(t, e)
+
+
+def hash_tensor(t):
+    return t.view(-1).view(__import__("torch").int32).sum().item()
+
+
+def hash_tensors(*tensors):
+    v = 0
+    for t in tensors:
+        if isinstance(t, (tuple, list)):
+            v ^= hash_tensors(*t)
+        elif t is not None:
+            v ^= hash_tensor(t)
+    return v
+
+
+def count_bytes(*tensors):
+    n = 0
+    for t in tensors:
+        if isinstance(t, (tuple, list)):
+            n += count_bytes(*t)
+        elif t is not None:
+            n += t.numel() * t.element_size()
+    return n

@@ -1,0 +1,423 @@
+# SPDX-License-Identifier: MIT
+"""epd's deep_ep (DeepEP's normal-mode Buffer) against a daemon, with 2 and
+4 rank processes over a gloo group ($EPD_TEST_WORLDS), on the host backend
+with CPU tensors, or (EPD_TEST_BACKEND=cuda) on the GPU. Every output is
+compared bitwise with a reference written here from DeepEP's documented
+semantics: get_dispatch_layout, dispatch (bf16, fp8 with column-major
+scales, with and without top-k, expert_alignment, num_worst_tokens,
+async_finish, previous_event), rank_prefix_matrix and recv_src_idx in the
+handle, cached dispatch, combine of rows (with a bias) and of top-k
+weights, handles alive over 20 layers and released when dropped, and the
+clear errors. Skipped (77) without torch."""
+import gc
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+H, K, E = 256, 4, 16
+SEED = int(os.environ.get("EPD_TEST_SEED", int(time.time())))
+CUDA = os.environ.get("EPD_TEST_BACKEND", "host") == "cuda"
+
+
+def tokens(r):
+    return [37, 0, 64, 5, 21, 64, 1, 50][r % 8]
+
+
+def gen(torch, r, salt):
+    g = torch.Generator()
+    g.manual_seed(SEED * 1009 + r * 31 + salt)
+    return g
+
+
+def inputs(torch, r, W, salt=0):
+    """Rank r's inputs (salt changes the data, never the routing)."""
+    T = tokens(r)
+    g, gr = gen(torch, r, salt), gen(torch, r, 0)
+    x = torch.randn((T, H), generator=g).to(torch.bfloat16)
+    q = torch.randint(0, 256, (T, H), generator=g, dtype=torch.int32).to(
+        torch.uint8)
+    q[(q & 0x7F) == 0x7F] = 0  # no NaN patterns in the e4m3 bytes
+    sc = torch.rand((T, H // 128), generator=g) + 0.5
+    idx = torch.rand((T, E), generator=gr).argsort(dim=1)[:, :K]
+    idx[torch.rand((T, K), generator=gr) < 0.2] = -1
+    w = torch.rand((T, K), generator=g)
+    bias = torch.randn((T, H), generator=g).to(torch.bfloat16)
+    return dict(T=T, x=x, q=q, sc=sc, idx=idx.long(), w=w, bias=bias)
+
+
+def ref_world(torch, W, salt=0):
+    ins = [inputs(torch, r, W, salt) for r in range(W)]
+    per = E // W
+    recv = []
+    for d in range(W):
+        rows = []  # (source, token), source-major
+        for s in range(W):
+            for t in range(ins[s]["T"]):
+                if any(e >= 0 and e // per == d for e in ins[s]["idx"][t].tolist()):
+                    rows.append((s, t))
+        recv.append(rows)
+    return ins, recv
+
+
+def gather(ins, rows, key, torch):
+    if not rows:
+        return ins[0][key][:0]
+    return torch.stack([ins[s][key][t] for s, t in rows])
+
+
+def same(a, b, what):
+    a, b = a.cpu(), b.cpu()
+    if a.dtype != b.dtype:
+        raise AssertionError(f"{what}: dtype {a.dtype} != {b.dtype}")
+    if a.shape != b.shape or not torch_equal(a, b):
+        raise AssertionError(f"{what}: differs ({list(a.shape)} vs "
+                             f"{list(b.shape)})")
+
+
+def torch_equal(a, b):
+    import torch
+    if a.dtype in (torch.bfloat16, torch.float32, torch.float16):
+        a, b = a.contiguous().view(torch.int16 if a.element_size() == 2
+                                   else torch.int32), \
+            b.contiguous().view(torch.int16 if b.element_size() == 2
+                                else torch.int32)
+    return torch.equal(a, b)
+
+
+def rank_main(r, W, sock, store, q):
+    try:
+        os.environ["EPD_SOCKET"] = sock
+        if not CUDA:
+            os.environ["EPD_DEEP_EP_HOST"] = "1"
+        import torch
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"file://{store}",
+                                rank=r, world_size=W)
+        if CUDA:
+            torch.cuda.set_device(0)
+        group = dist.new_group(list(range(W)))
+        import epd.deep_ep as deep_ep
+        buf = deep_ep.Buffer(group, int(1e9), 0, explicitly_destroy=True)
+        checks(torch, dist, deep_ep, buf, group, r, W, sock)
+        buf.destroy()
+        dist.barrier()
+        dist.destroy_process_group()
+        q.put((r, None))
+    except BaseException:
+        q.put((r, traceback.format_exc()))
+
+
+def dev(torch, t):
+    return t.cuda() if CUDA else t
+
+
+def checks(torch, dist, deep_ep, buf, group, r, W, sock):
+    per = E // W
+    ins, recv = ref_world(torch, W)
+    ins2, _ = ref_world(torch, W, salt=1)
+    me, rows = ins[r], recv[r]
+    T, R = me["T"], len(rows)
+    D = lambda t: dev(torch, t)  # noqa: E731
+
+    # Layout vs a computation with Python loops.
+    pr, prr, pe, inr, _ = buf.get_dispatch_layout(D(me["idx"]), E)
+    assert prr is None
+    want_pe = [sum(1 for t in range(T) for e in me["idx"][t].tolist()
+                   if e == i) for i in range(E)]
+    want_in = [[any(e >= 0 and e // per == d for e in me["idx"][t].tolist())
+                for d in range(W)] for t in range(T)]
+    same(pe, torch.tensor(want_pe, dtype=torch.int32), "num_tokens_per_expert")
+    same(inr, torch.tensor(want_in, dtype=torch.bool).reshape(T, W),
+         "is_token_in_rank")
+    same(pr, torch.tensor([sum(row[d] for row in want_in) for d in range(W)],
+                          dtype=torch.int32), "num_tokens_per_rank")
+
+    # The expected results on this rank.
+    src = torch.tensor([t for _, t in rows], dtype=torch.int32)
+    rp = torch.zeros((W, W), dtype=torch.int32)
+    for d in range(W):
+        for s in range(W):
+            rp[s][d] = sum(1 for s2, _ in recv[d] if s2 <= s)
+    ridx = gather(ins, rows, "idx", torch).reshape(R, K)
+    local = (ridx >= 0) & (ridx // per == r)
+    want_idx = torch.where(local, ridx - r * per, torch.full_like(ridx, -1))
+    want_w = torch.where(local, gather(ins, rows, "w", torch).reshape(R, K),
+                         torch.zeros((R, K)))
+    cnt = [int((want_idx == i).any(dim=1).sum()) for i in range(per)]
+    glob = [sum(int((ins[s]["idx"] == r * per + i).sum()) for s in range(W))
+            for i in range(per)]
+
+    def dispatch(x, **kw):
+        a = kw.pop("async_", False)
+        if kw.pop("previous", False):
+            kw["previous_event"] = buf.capture()
+        out = buf.dispatch(x, async_finish=a, **kw)
+        if a:
+            out[5].current_stream_wait()
+        return out
+
+    layout = dict(num_tokens_per_rank=pr, is_token_in_rank=inr,
+                  num_tokens_per_expert=pe)
+    handles = {}
+    for fmt in ("bf16", "fp8"):
+        for with_topk in (True, False):
+            for a_, prev in ((False, False), (True, False), (False, True),
+                             (True, True)):
+                if fmt == "fp8":
+                    # e4m3 bytes and column-major fp32 scales (DeepGEMM's)
+                    xq = D(me["q"])
+                    if CUDA and hasattr(torch, "float8_e4m3fn"):
+                        xq = xq.view(torch.float8_e4m3fn)
+                    x = (xq, D(me["sc"]).T.contiguous().T)
+                else:
+                    x = D(me["x"])
+                kw = dict(layout)
+                align = 4 if a_ else 1
+                if with_topk:
+                    kw.update(topk_idx=D(me["idx"]), topk_weights=D(me["w"]),
+                              expert_alignment=align)
+                rx, ri, rw, lst, h, _ = dispatch(x, async_=a_, previous=prev,
+                                                 **kw)
+                tag = f"{fmt} topk={with_topk} async={a_} prev={prev}"
+                if fmt == "fp8":
+                    same(rx[0].view(torch.uint8),
+                         gather(ins, rows, "q", torch).reshape(R, H),
+                         f"{tag}: recv_x")
+                    same(rx[1], gather(ins, rows, "sc", torch).reshape(
+                        R, H // 128), f"{tag}: recv_x_scales")
+                else:
+                    same(rx, gather(ins, rows, "x", torch).reshape(R, H),
+                         f"{tag}: recv_x")
+                same(h[0], rp, f"{tag}: rank_prefix_matrix")
+                same(h[3], src, f"{tag}: recv_src_idx")
+                if with_topk:
+                    same(ri, want_idx, f"{tag}: recv_topk_idx")
+                    same(rw, want_w, f"{tag}: recv_topk_weights")
+                    assert lst == [(c + align - 1) // align * align
+                                   for c in cnt], (tag, lst, cnt)
+                else:
+                    assert ri is None and rw is None, tag
+                    assert lst == glob, (tag, lst, glob)
+                handles[(fmt, with_topk)] = h
+
+                if with_topk and not prev:
+                    # outputs padded to a fixed size; no CPU sync
+                    worst = W * 64
+                    wx, wi, ww, wl, wh, _ = dispatch(
+                        x, async_=a_, num_worst_tokens=worst, **kw)
+                    assert wl == [], tag
+                    wx0 = wx[0] if fmt == "fp8" else wx
+                    assert wx0.size(0) == worst and wi.size(0) == worst
+                    assert ww.size(0) == worst, tag
+                    if fmt == "fp8":
+                        same(wx0[:R].view(torch.uint8), rx[0].view(torch.uint8),
+                             f"{tag}: worst recv_x")
+                    else:
+                        same(wx0[:R], rx, f"{tag}: worst recv_x")
+                    same(wi[:R], ri, f"{tag}: worst recv_topk_idx")
+                    same(ww[:R], rw, f"{tag}: worst recv_topk_weights")
+                    assert bool((wi[R:] == -1).all()), f"{tag}: padding"
+                    # its combine takes the padded rows
+                    yw = torch.zeros((worst, H), dtype=torch.bfloat16)
+                    yw[:R] = rx.cpu() if fmt == "bf16" else \
+                        gather(ins, rows, "x", torch).reshape(R, H)
+                    cw, _, _ = buf.combine(D(yw), wh)
+                    wantc = ref_combine(torch, ins, recv, r, W,
+                                        lambda d, s, t: ins[s]["x"][t])
+                    same(cw, wantc, f"{tag}: combine of a worst-size handle")
+
+                # cached dispatch of new data: the routing's rows
+                if fmt == "fp8":
+                    xq2 = D(ins2[r]["q"])
+                    if CUDA and hasattr(torch, "float8_e4m3fn"):
+                        xq2 = xq2.view(torch.float8_e4m3fn)
+                    cx = dispatch((xq2, D(ins2[r]["sc"])), handle=h,
+                                  async_=a_, previous=prev)[0]
+                    same(cx[0].view(torch.uint8),
+                         gather(ins2, rows, "q", torch).reshape(R, H),
+                         f"{tag}: cached recv_x")
+                else:
+                    cx = dispatch(D(ins2[r]["x"]), handle=h, async_=a_,
+                                  previous=prev)[0]
+                    same(cx, gather(ins2, rows, "x", torch).reshape(R, H),
+                         f"{tag}: cached recv_x")
+
+    # Combine: random rows per destination, summed in fp32 from the bias
+    # in ascending rank order, one rounding to bf16; and the weights.
+    def yrow(d, s, t):
+        return ys[d][recv[d].index((s, t))]
+    ys = [torch.randn((len(recv[d]), H), generator=gen(torch, d, 7)).to(
+        torch.bfloat16) for d in range(W)]
+    wys = [torch.randn((len(recv[d]), K), generator=gen(torch, d, 8))
+           for d in range(W)]
+    for with_topk in (True, False):
+        h = handles[("bf16", with_topk)]
+        for a_, prev in ((False, False), (True, True)):
+            kw = dict(async_finish=a_)
+            if prev:
+                kw["previous_event"] = buf.capture()
+            tw = D(wys[r]) if with_topk else None
+            out, ow, ev = buf.combine(D(ys[r]), h, topk_weights=tw, **kw)
+            if a_:
+                ev.current_stream_wait()
+            same(out, ref_combine(torch, ins, recv, r, W, yrow),
+                 f"combine topk={with_topk} async={a_}")
+            if with_topk:
+                wr = torch.zeros((T, K))
+                for d in range(W):
+                    for i, (s, t) in enumerate(recv[d]):
+                        if s == r:
+                            wr[t] += wys[d][i]
+                same(ow, wr, "combined_topk_weights")
+            else:
+                assert ow is None
+        out, _, _ = buf.combine(D(ys[r]), h, bias=D(me["bias"]))
+        same(out, ref_combine(torch, ins, recv, r, W, yrow, me["bias"]),
+             "combine with a bias")
+        out, _, _ = buf.combine(D(ys[r]), h, bias=(D(me["bias"]), None))
+        same(out, ref_combine(torch, ins, recv, r, W, yrow, me["bias"]),
+             "combine with a bias as a pair (bias, None)")
+    # a fp8 handle's combine takes bf16 rows
+    out, _, _ = buf.combine(D(ys[r]), handles[("fp8", True)])
+    same(out, ref_combine(torch, ins, recv, r, W, yrow), "combine (fp8 handle)")
+
+    # Clear errors.
+    h = handles[("bf16", True)]
+    for bad, exc in ((lambda: buf.combine(D(ys[r][:0] if R else
+                                            torch.zeros((1, H), dtype=torch.bfloat16)), h),
+                      ValueError),
+                     (lambda: buf.combine(D(ys[r]), h,
+                                          bias=(D(me["bias"]), D(me["bias"]))),
+                      NotImplementedError),
+                     (lambda: buf.low_latency_dispatch(None, None, 1, E),
+                      NotImplementedError),
+                     (lambda: buf.combine(D(ys[r]), (1, 2, 3)), ValueError)):
+        try:
+            bad()
+            raise AssertionError(f"no {exc.__name__}")
+        except exc:
+            pass
+    # more tokens than the shape's group was sized for: every rank raises
+    big = D(torch.zeros((129 if T <= 128 else 2 * T, H), dtype=torch.bfloat16))
+    try:
+        buf.dispatch(big, handle=None, topk_idx=D(torch.full(
+            (big.size(0), K), -1, dtype=torch.long)), **layout)
+        raise AssertionError("no error for too many tokens")
+    except ValueError as e:
+        assert "EPD_DEEP_EP_MAX_TOKENS" in str(e), e
+
+    # 20 layers' handles alive from forward to backward: combine in
+    # reverse order; then every handle is released when dropped.
+    layers = []
+    for i in range(20):
+        xi = D(inputs(torch, r, W, salt=100 + i)["x"])
+        rx, _, _, _, hi, _ = buf.dispatch(xi, topk_idx=D(me["idx"]), **layout)
+        layers.append((i, rx, hi))
+    for i, rx, hi in reversed(layers):
+        out, _, _ = buf.combine(rx, hi)
+        li = [dict(ins[s], x=inputs(torch, s, W, salt=100 + i)["x"])
+              for s in range(W)]
+        same(out, ref_combine(torch, li, recv, r, W, None, xsum=True),
+             f"layer {i}: combine of its own rows")
+    import epd
+    held_before = group_handles(epd, sock)
+    assert held_before > 0, "handles alive, but the daemon holds none"
+    del layers, handles, h, hi, wh
+    gc.collect()
+    dist.barrier(group)
+    for _ in range(100):
+        if group_handles(epd, sock) == 0:
+            break
+        time.sleep(0.05)
+    left = group_handles(epd, sock)
+    assert left == 0, f"{left} handles still held after every rank dropped them"
+
+
+def group_handles(epd, sock):
+    st = epd.status(sock)
+    return sum(g.get("handles", {}).get("held", 0)
+               for g in st.get("groups", []) if g["name"].startswith("dep-"))
+
+
+def ref_combine(torch, ins, recv, h, W, row, bias=None, xsum=False):
+    T = ins[h]["T"]
+    acc = bias.float().clone() if bias is not None else torch.zeros((T, H))
+    for d in range(W):
+        for i, (s, t) in enumerate(recv[d]):
+            if s == h:
+                acc[t] += (ins[s]["x"][t] if xsum else row(d, s, t)).float()
+    return acc.to(torch.bfloat16)
+
+
+def run_world(W, sock, d):
+    store = os.path.join(d, f"store{W}")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, W, sock, store, q))
+             for r in range(W)]
+    for p in procs:
+        p.start()
+    errs = []
+    try:
+        errs = [q.get(timeout=600) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    bad = [e for e in errs if e[1]]
+    for r, tb in bad:
+        print(f"rank {r}:\n{tb}")
+    return not bad and len(errs) == W
+
+
+def main():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("skip: no torch for", sys.executable)
+        return 77
+    import epd
+    binary = os.environ.get("EPD_BIN", "./epd")
+    d = tempfile.mkdtemp(prefix="epddeepep.")
+    sock = os.path.join(d, "epd.sock")
+    log = open(os.path.join(d, "epd.log"), "w")
+    p = subprocess.Popen([binary, "-s", sock, "-c", "/dev/null", "--backend",
+                          "cuda" if CUDA else "host"], stdout=log, stderr=log)
+    ok = True
+    try:
+        for _ in range(1000):
+            try:
+                epd.status(sock)
+                break
+            except epd.Error:
+                time.sleep(0.01)
+        worlds = [int(w) for w in os.environ.get("EPD_TEST_WORLDS",
+                                                 "2 4").split()]
+        for W in worlds:
+            t0 = time.time()
+            if not run_world(W, sock, d):
+                ok = False
+                print(f"FAIL: deep_ep with {W} ranks (seed {SEED})")
+                break
+            print(f"ok: deep_ep {W} ranks ({'cuda' if CUDA else 'host'}, "
+                  f"seed {SEED}, {time.time() - t0:.1f} s): layout, "
+                  "dispatch bf16/fp8 with and without top-k, alignment, "
+                  "num_worst_tokens, async and previous events, "
+                  "rank_prefix_matrix, cached dispatch, combine of rows, "
+                  "bias and weights bitwise equal to the reference; 20 "
+                  "layers' handles alive and released when dropped")
+        return 0 if ok else 1
+    finally:
+        p.terminate()
+        p.wait(20)
+        if p.returncode != 0 or not ok:
+            print(open(os.path.join(d, "epd.log")).read()[-4000:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
