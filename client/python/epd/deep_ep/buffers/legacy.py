@@ -122,7 +122,7 @@ class _Sub:
         self.rp = self.g.rank_prefix_matrix()
         self.count = torch.as_tensor(epd._DeviceArray(
             self.g.recv_count_device(), (1,), "<i4"), device="cuda")
-        self.pe_host = torch.empty(max(self.per, 1), dtype=torch.int32,
+        self.pe_host = torch.empty(max(self.per, 1), dtype=torch.int32, device="cpu",
                                    pin_memory=True)
 
     def leave(self):

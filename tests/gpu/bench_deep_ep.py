@@ -1,0 +1,127 @@
+# SPDX-License-Identifier: MIT
+"""The deep_ep shim's cost on the DeepSeek-V3 shape: W ranks sharing this
+GPU (spawned, gloo group; EPD_SOCKET names the daemon), 4096 tokens per
+rank, hidden 7168, top-8 of 256 experts, random bf16 rows (never zeros).
+
+For dispatch and combine, the time per op of (a) epd's own API on the
+group the shim joined (inputs already in epd's buffer, the dispatch's
+count waited for on the CPU as the shim must, outputs left in epd's
+buffer) and (b) the shim's Buffer.dispatch/combine (DeepEP's semantics:
+inputs copied in, fresh output tensors copied out, handles released when
+dropped). Each is N ops back to back after a barrier, timed on every rank;
+the slowest rank's mean is printed, and shim/own as the overhead.
+
+    perf deep_ep W=8 dispatch own_us=.. shim_us=.. ratio=.. combine ...
+"""
+import os
+import sys
+import time
+
+T, H, K, E = (int(os.environ.get(k, v)) for k, v in
+              (("EPD_BENCH_T", 4096), ("EPD_BENCH_H", 7168),
+               ("EPD_BENCH_K", 8), ("EPD_BENCH_E", 256)))
+N = int(os.environ.get("EPD_BENCH_ITERS", 20))
+
+
+def rank_main(r, W, store, q):
+    try:
+        import torch
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"file://{store}",
+                                rank=r, world_size=W)
+        torch.cuda.set_device(0)
+        group = dist.new_group(list(range(W)))
+        import epd.deep_ep as deep_ep
+        buf = deep_ep.Buffer(group, int(2e9), 0, explicitly_destroy=True)
+        g = torch.Generator(device="cuda")
+        g.manual_seed(1234 + r)
+        x = torch.randn((T, H), device="cuda", generator=g).to(torch.bfloat16)
+        scores = torch.rand((T, E), device="cuda", generator=g) + 0.1
+        topk = torch.topk(scores, K, dim=1).indices
+        w = torch.rand((T, K), device="cuda", generator=g)
+        pr, _, pe, inr, _ = buf.get_dispatch_layout(topk, E)
+        lay = dict(num_tokens_per_rank=pr, is_token_in_rank=inr,
+                   num_tokens_per_expert=pe, topk_idx=topk, topk_weights=w)
+        rx, _, _, _, hnd, _ = buf.dispatch(x, **lay)
+        sub = buf._subs[(H, False, K, E)]
+        eg, st = sub.g, torch.cuda.current_stream()
+        sub.x[:T].copy_(x)
+        sub.topk[:T].copy_(topk)
+        sub.w[:T].copy_(w)
+        R = rx.size(0)
+        sub.y[:R].copy_(rx)
+
+        def timed(fn):
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            for _ in range(N):
+                fn()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t0) / N * 1e6
+
+        def own_dispatch():
+            h = eg.dispatch_stream(T, stream=st, weights=True)
+            eg.recv_count(h)
+            eg.release(h)
+        h0 = eg.dispatch_stream(T, stream=st, weights=True)
+        eg.recv_count(h0)
+
+        def own_combine():
+            eg.combine_stream(h0, stream=st)
+
+        def shim_dispatch():
+            buf.dispatch(x, **lay)
+
+        def shim_combine():
+            buf.combine(rx, hnd)
+        res = {}
+        for name, fn in (("own_d", own_dispatch), ("shim_d", shim_dispatch),
+                         ("own_c", own_combine), ("shim_c", shim_combine),
+                         ("own_d2", own_dispatch), ("shim_d2", shim_dispatch)):
+            res[name] = timed(fn)
+        eg.release(h0)
+        allr = [None] * W
+        dist.all_gather_object(allr, res, group)
+        del hnd
+        buf.destroy()
+        q.put((r, allr, R))
+    except BaseException:
+        import traceback
+        q.put((r, traceback.format_exc(), 0))
+
+
+def main():
+    import multiprocessing as mp
+    import tempfile
+    W = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+    d = tempfile.mkdtemp(prefix="bench-deep-ep.")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=rank_main, args=(r, W, f"{d}/store", q))
+          for r in range(W)]
+    for p in ps:
+        p.start()
+    out = [q.get(timeout=500) for _ in ps]
+    for p in ps:
+        p.join(30)
+    bad = [o for o in out if isinstance(o[1], str)]
+    if bad:
+        print(bad[0][1])
+        return 1
+    allr = out[0][1]
+    worst = {k: max(r[k] for r in allr) for k in allr[0]}
+    od = min(worst["own_d"], worst["own_d2"])
+    sd = min(worst["shim_d"], worst["shim_d2"])
+    oc, sc = worst["own_c"], worst["shim_c"]
+    print(f"perf deep_ep W={W} T={T} H={H} top-{K}/{E}: dispatch own_us={od:.0f} "
+          f"shim_us={sd:.0f} ratio={sd / od:.3f}; combine own_us={oc:.0f} "
+          f"shim_us={sc:.0f} ratio={sc / oc:.3f} (slowest rank's mean of "
+          f"{N}; dispatch: better of two rounds)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
