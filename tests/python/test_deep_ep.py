@@ -246,6 +246,24 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
                     same(cx, gather(ins2, rows, "x", torch).reshape(R, H),
                          f"{tag}: cached recv_x")
 
+    # A cached dispatch in the other dtype than the handle's dispatch
+    # (DeepEP's routing does not depend on it): twice, the second time on
+    # the handle the first one made in that dtype's group.
+    for (fmt, with_topk), h in handles.items():
+        for _ in range(2):
+            if fmt == "bf16":
+                xq2 = D(ins2[r]["q"])
+                if CUDA and hasattr(torch, "float8_e4m3fn"):
+                    xq2 = xq2.view(torch.float8_e4m3fn)
+                cx = buf.dispatch((xq2, D(ins2[r]["sc"])), handle=h)[0]
+                same(cx[0].view(torch.uint8),
+                     gather(ins2, rows, "q", torch).reshape(R, H),
+                     f"fp8 cached dispatch on a bf16 handle (topk={with_topk})")
+            else:
+                cx = buf.dispatch(D(ins2[r]["x"]), handle=h)[0]
+                same(cx, gather(ins2, rows, "x", torch).reshape(R, H),
+                     f"bf16 cached dispatch on a fp8 handle (topk={with_topk})")
+
     # Combine: random rows per destination, summed in fp32 from the bias
     # in ascending rank order, one rounding to bf16; and the weights.
     def yrow(d, s, t):
@@ -339,7 +357,9 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
 
 def group_handles(epd, sock):
     st = epd.status(sock)
-    return sum(g.get("handles", {}).get("held", 0)
+    # host routings, and a GPU group's device routings
+    return sum(g.get("handles", {}).get("held", 0) +
+               g.get("cuda", {}).get("device_handles", 0)
                for g in st.get("groups", []) if g["name"].startswith("dep-"))
 
 

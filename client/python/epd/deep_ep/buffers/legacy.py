@@ -64,22 +64,30 @@ class Config:
 topk_idx_t = None  # set on import (torch.int64)
 
 
-def _release(sub_ref, h):
-    sub = sub_ref()
-    if sub is None or sub.g is None:
-        return
-    try:
-        sub.g.release(h)
-    except epd.Error:
-        pass  # the group failed or was left: nothing is held any more
+def _release_all(entries):
+    """A handle's tuple was dropped: release its routing in every group
+    that holds it (the dispatch's, and another dtype's cached ones)."""
+    for sub_ref, h in entries:
+        sub = sub_ref()
+        if sub is None or sub.g is None:
+            continue
+        try:
+            sub.g.release(h)
+        except epd.Error:
+            pass  # the group failed or was left: nothing is held any more
 
 
 class _Routing:
-    """What a handle names: the group, epd's handle, and the sizes."""
-    __slots__ = ("sub", "h", "T", "R", "__weakref__")
+    """What a handle names: the group, epd's handle, the sizes, the routing
+    input (topk, kept for a cached dispatch in the other dtype, which runs
+    in that dtype's group: alts) and what to release."""
+    __slots__ = ("sub", "h", "T", "R", "topk", "alts", "entries",
+                 "__weakref__")
 
-    def __init__(self, sub, h, T, R):
-        self.sub, self.h, self.T, self.R = sub, h, T, R
+    def __init__(self, sub, h, T, R, topk=None):
+        self.sub, self.h, self.T, self.R, self.topk = sub, h, T, R, topk
+        self.alts = {}
+        self.entries = [(weakref.ref(sub), h)]
 
 
 class _Sub:
@@ -337,12 +345,27 @@ class Buffer:
                 raise ValueError("a cached dispatch takes no top-k")
             rt = self._routing(handle)
             sub = rt.sub
-            if (H, fp8) != (sub.H, sub.fp8) or T != rt.T:
+            if H != sub.H or T != rt.T:
                 raise ValueError(
-                    f"cached dispatch: x is [{T}, {H}] "
-                    f"{'fp8' if fp8 else 'bf16'}, the handle's dispatch was "
-                    f"[{rt.T}, {sub.H}] {'fp8' if sub.fp8 else 'bf16'}")
+                    f"cached dispatch: x is [{T}, {H}], the handle's "
+                    f"dispatch was [{rt.T}, {sub.H}]")
             in_rank = handle[4]
+            if fp8 != sub.fp8:
+                # the same routing in the other dtype's group: a fresh
+                # dispatch of the kept routing input there, once; cached
+                # dispatches on its handle after that
+                alt = rt.alts.get(fp8)
+                sub2 = alt.sub if alt else \
+                    self._sub((H, fp8, sub.K, sub.E), T)
+                run = self._gpu_dispatch if sub2.gpu else self._host_dispatch
+                out = run(sub2, x, x_scales, rt.topk, None, in_rank, alt,
+                          0, previous_event, async_finish,
+                          allocate_on_comm_stream)
+                if alt is None:
+                    rt.alts[fp8] = out[5]
+                    rt.entries.append((weakref.ref(sub2), out[5].h))
+                return ((out[0], out[1]) if fp8 else out[0], None, None,
+                        None, None, out[8])
         else:
             if is_token_in_rank is None and topk_idx is None:
                 raise ValueError("dispatch needs topk_idx or is_token_in_rank")
@@ -364,7 +387,8 @@ class Buffer:
                              f"what the group holds ({sub.cap} rows)")
         run = self._gpu_dispatch if sub.gpu else self._host_dispatch
         out = run(sub, x, x_scales, topk_idx, topk_weights, in_rank,
-                  handle, num_worst_tokens, previous_event, async_finish,
+                  self._routing(handle) if handle is not None else None,
+                  num_worst_tokens, previous_event, async_finish,
                   allocate_on_comm_stream)
         recv_x, recv_xs, rti, rtw, pe, rt_new, rp, rsrc, ev = out
         if handle is not None:
@@ -382,7 +406,7 @@ class Buffer:
         if topk_idx is None:
             rti = rtw = None
         rsrc._epd = rt_new
-        weakref.finalize(rsrc, _release, weakref.ref(sub), rt_new.h)
+        weakref.finalize(rsrc, _release_all, rt_new.entries)
         empty = torch.empty(0, dtype=torch.int32, device=x.device)
         hnd = (rp, empty, empty, rsrc, in_rank, empty)
         return ((recv_x, recv_xs) if fp8 else recv_x, rti, rtw, pe_list,
@@ -424,11 +448,10 @@ class Buffer:
         return EventOverlap(None)
 
     def _gpu_dispatch(self, sub, x, xs, topk_idx, topk_weights, in_rank,
-                      handle, worst, prev, async_finish, alloc_comm):
+                      rt, worst, prev, async_finish, alloc_comm):
         torch = _torch()
         T, H, K = x.size(0), sub.H, sub.K
-        cached = handle is not None
-        rt = self._routing(handle) if cached else None
+        cached = rt is not None
         compute, comm = self._streams(prev)
         with torch.cuda.stream(comm):
             if T:
@@ -444,6 +467,8 @@ class Buffer:
                             torch.full_like(sub.topk[:T], -1)))
                     if topk_weights is not None:
                         sub.w[:T].copy_(topk_weights)
+            if not cached:
+                kept = sub.topk[:T].clone()  # the routing input
             h = sub.g.dispatch_stream(
                 T, stream=comm, weights=topk_weights is not None,
                 handle=rt.h if cached else None)
@@ -493,15 +518,14 @@ class Buffer:
         if not worst:
             pe_ev.synchronize()
             pe = sub.pe_host[:sub.per].tolist()
-        return (recv_x, recv_xs, rti, rtw, pe, _Routing(sub, h, T, R), rp,
-                rsrc, ev)
+        return (recv_x, recv_xs, rti, rtw, pe, _Routing(sub, h, T, R, kept),
+                rp, rsrc, ev)
 
     def _host_dispatch(self, sub, x, xs, topk_idx, topk_weights, in_rank,
-                       handle, worst, prev, async_finish, alloc_comm):
+                       rt, worst, prev, async_finish, alloc_comm):
         torch = _torch()
         T, H, K, W = x.size(0), sub.H, sub.K, sub.W
-        cached = handle is not None
-        rt = self._routing(handle) if cached else None
+        cached = rt is not None
         xn = x.contiguous().view(torch.uint8 if sub.fp8 else torch.int16)
         sn = xs.float().contiguous().numpy() if sub.fp8 else None
         tn = wn = None
@@ -546,8 +570,9 @@ class Buffer:
         rsrc = rows(src[:, 1].copy(), torch.int32, -1)
         rp = torch.from_numpy(sub.g.rank_prefix_matrix())
         pe = res.num_recv_tokens_per_expert.tolist()
-        return (recv_x, recv_xs, rti, rtw, pe, _Routing(sub, res.handle, T, n),
-                rp, rsrc, ev)
+        return (recv_x, recv_xs, rti, rtw, pe,
+                _Routing(sub, res.handle, T, n, torch.from_numpy(tn.copy())), rp,
+                rsrc, ev)
 
     # ---- combine ----
 
