@@ -1,0 +1,252 @@
+# SPDX-License-Identifier: MIT
+"""A Megatron-shaped MoE stack on epd.deep_ep, as an example and a test.
+
+Each of L layers (58, DeepSeek-V3's MoE layers, by default) is: a gate
+(linear, top-k, softmax over the chosen logits), DeepEP dispatch of the
+tokens with their probabilities, each rank's local experts (one linear map
+each, rows weighted by their probability, summed in fp32), DeepEP combine,
+and a residual. Dispatch and combine are autograd functions the way
+Megatron's fused_a2a writes them: dispatch's backward is a combine of the
+gradients (rows and probabilities), combine's backward a cached dispatch.
+So all L handles are alive from the forward pass to the backward pass.
+
+Every rank also runs the whole stack in one process (every rank's tokens
+and every expert, no communication) and compares: the output of its tokens,
+the gradient of its input and of its local experts' weights. The single
+process rounds where DeepEP's semantics do (rows and their gradients are
+bf16 per destination, summed in fp32 in ascending rank order and rounded
+once); GEMMs of different batch sizes may still differ in their last fp32
+bit, so the comparison allows 1e-9 of DeepEP's calc_diff (measured: 5e-15).
+Run by tests/python/deep_ep in CI (host backend, CPU
+tensors) and by tests/gpu/run on the GPU (EPD_TEST_BACKEND=cuda).
+
+    python3 tests/python/test_megatron_moe.py   # epd running; EPD_SOCKET
+"""
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+L = int(os.environ.get("EPD_MOE_LAYERS", 58))
+TOL = 1e-9  # calc_diff; see the docstring
+H, K, T0 = 128, 2, 24
+CUDA = os.environ.get("EPD_TEST_BACKEND", "host") == "cuda"
+
+
+def ntok(r):
+    return T0 + 7 * r
+
+
+def setup(torch, W):
+    E = 2 * W
+    g = torch.Generator()
+    g.manual_seed(4242)
+    gates = [torch.randn((H, E), generator=g) / H ** 0.5 for _ in range(L)]
+    experts = [[torch.randn((H, H), generator=g) / H ** 0.5 for _ in range(E)]
+               for _ in range(L)]
+    xs = [torch.randn((ntok(r), H), generator=g).to(torch.bfloat16)
+          for r in range(W)]
+    gout = [torch.randn((ntok(r), H), generator=g) for r in range(W)]
+    return E, gates, experts, xs, gout
+
+
+def route(torch, x, gate):
+    logits = x.float() @ gate
+    top, idx = torch.topk(logits, K, dim=1)
+    return idx, torch.softmax(top, dim=1)
+
+
+def expert_rows(torch, x, idx, prob, experts, base, per):
+    """Rows [n, H]: for each row, sum over its slots that name a local
+    expert (base + j) of prob * x @ W, in fp32 by slot order, then bf16."""
+    y = torch.zeros((x.size(0), H), dtype=torch.float32, device=x.device)
+    for k in range(idx.size(1)):
+        for j in range(per):
+            m = idx[:, k] == j
+            if bool(m.any()):
+                y[m] = y[m] + prob[m, k:k + 1] * (x[m].float() @ experts[base + j])
+    return y.to(torch.bfloat16)
+
+
+def make_functions(torch):
+    class Dispatch(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, prob, idx, buf, E):
+            pr, _, pe, inr, _ = buf.get_dispatch_layout(idx, E)
+            rx, ri, rw, _, h, _ = buf.dispatch(
+                x, topk_idx=idx, topk_weights=prob, num_tokens_per_rank=pr,
+                is_token_in_rank=inr, num_tokens_per_expert=pe)
+            ctx.buf, ctx.h = buf, h
+            ctx.mark_non_differentiable(ri)
+            return rx, rw, ri, h
+
+        @staticmethod
+        def backward(ctx, grx, grw, _gri, _gh):
+            gx, gw, _ = ctx.buf.combine(grx.to(torch.bfloat16).contiguous(),
+                                        ctx.h, topk_weights=grw.contiguous())
+            return gx, gw, None, None, None
+
+    class Combine(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y, h, buf):
+            ctx.buf, ctx.h = buf, h
+            return buf.combine(y, h)[0]
+
+        @staticmethod
+        def backward(ctx, gout):
+            gy = ctx.buf.dispatch(gout.to(torch.bfloat16).contiguous(),
+                                  handle=ctx.h)[0]
+            return gy, None, None
+    return Dispatch, Combine
+
+
+def rank_main(r, W, sock, store, q):
+    try:
+        os.environ["EPD_SOCKET"] = sock
+        if not CUDA:
+            os.environ["EPD_DEEP_EP_HOST"] = "1"
+        import torch
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"file://{store}",
+                                rank=r, world_size=W)
+        if CUDA:
+            torch.cuda.set_device(0)
+        group = dist.new_group(list(range(W)))
+        import epd.deep_ep as deep_ep
+        from epd.deep_ep.utils.math import calc_diff
+        buf = deep_ep.Buffer(group, int(1e9), 0, explicitly_destroy=True)
+        E, gates, experts, xs, gout = setup(torch, W)
+        per = E // W
+        dev = "cuda" if CUDA else "cpu"
+        Dispatch, Combine = make_functions(torch)
+
+        # distributed: this rank's tokens, its local experts
+        mine = [[w.to(dev).clone().requires_grad_(i // per == r)
+                 for i, w in enumerate(le)]
+                for le in experts]
+        x0 = xs[r].to(dev).clone().requires_grad_(True)
+        x = x0
+        t0 = time.time()
+        for li in range(L):
+            idx, prob = route(torch, x, gates[li].to(dev))
+            rx, rw, ri, h = Dispatch.apply(x, prob, idx, buf, E)
+            y = expert_rows(torch, rx, ri, rw, mine[li], r * per, per)
+            x = x + Combine.apply(y, h, buf)
+        alive = len(buf._subs) and status_handles(sock)
+        (x.float() * gout[r].to(dev)).sum().backward()
+        t1 = time.time()
+
+        # one process: every rank's tokens, every expert
+        ref_e = [[w.clone().requires_grad_(True) for w in le] for le in experts]
+        rx0 = [xx.clone().requires_grad_(True) for xx in xs]
+        cur = list(rx0)
+        for li in range(L):
+            routes = [route(torch, c, gates[li]) for c in cur]
+            outs = []
+            for s in range(W):
+                idx, prob = routes[s]
+                # each destination's row gradient is bf16 (DeepEP's rows),
+                # their sum fp32 rounded once: dispatch's backward combine
+                cf = cur[s].float()
+                acc = torch.zeros((idx.size(0), H))
+                for d in range(W):  # ascending destination rank
+                    loc = (idx >= d * per) & (idx < (d + 1) * per)
+                    sel = loc.any(dim=1)
+                    if not bool(sel.any()):
+                        continue
+                    li_idx = torch.where(loc, idx - d * per, torch.full_like(idx, -1))
+                    yd = expert_rows(torch, cf[sel].to(torch.bfloat16), li_idx[sel], prob[sel],
+                                     ref_e[li], d * per, per)
+                    acc[sel] = acc[sel] + yd.float()
+                outs.append(cur[s] + acc.to(torch.bfloat16))
+            cur = outs
+        sum((c.float() * g).sum() for c, g in zip(cur, gout)).backward()
+
+        diffs = {}
+
+        def close(a, b, what):
+            d = calc_diff(a.detach().float().cpu(), b.detach().float().cpu())
+            diffs[what] = d
+            assert d < TOL, f"rank {r}: {what}: calc_diff {d:.3g}"
+        close(x, cur[r], f"output after {L} layers")
+        close(x0.grad, rx0[r].grad, "gradient of the input")
+        for li in (0, L // 2, L - 1):
+            for j in range(per):
+                e = r * per + j
+                close(mine[li][e].grad, ref_e[li][e].grad,
+                      f"layer {li} expert {e} weight gradient")
+        buf.destroy()
+        dist.barrier()
+        dist.destroy_process_group()
+        q.put((r, None, alive, t1 - t0, max(diffs.values())))
+    except BaseException:
+        q.put((r, traceback.format_exc(), 0, 0, 0))
+
+
+def status_handles(sock):
+    import epd
+    st = epd.status(sock)
+    return sum(g.get("handles", {}).get("held", 0) +
+               g.get("cuda", {}).get("device_handles", 0)
+               for g in st.get("groups", []) if g["name"].startswith("dep-"))
+
+
+def main():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("skip: no torch for", sys.executable)
+        return 77
+    import subprocess
+    import epd
+    W = int(os.environ.get("EPD_MOE_RANKS", 4))
+    d = tempfile.mkdtemp(prefix="epdmoe.")
+    sock = os.environ.get("EPD_SOCKET")
+    p = None
+    if not sock or os.environ.get("EPD_BIN"):
+        sock = os.path.join(d, "epd.sock")
+        log = open(os.path.join(d, "epd.log"), "w")
+        p = subprocess.Popen([os.environ.get("EPD_BIN", "./epd"), "-s", sock,
+                              "-c", "/dev/null", "--backend",
+                              "cuda" if CUDA else "host"],
+                             stdout=log, stderr=log)
+        for _ in range(1000):
+            try:
+                epd.status(sock)
+                break
+            except epd.Error:
+                time.sleep(0.01)
+    try:
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        ps = [ctx.Process(target=rank_main, args=(r, W, sock, f"{d}/store", q))
+              for r in range(W)]
+        for pr in ps:
+            pr.start()
+        res = [q.get(timeout=900) for _ in ps]
+        for pr in ps:
+            pr.join(30)
+        bad = [x for x in res if x[1]]
+        for x in bad:
+            print(f"rank {x[0]}:\n{x[1]}")
+        if bad:
+            return 1
+        alive = max(x[2] for x in res)
+        # every rank's L handles at once (one per layer, in each group)
+        assert alive >= L, f"only {alive} handles alive before the backward"
+        print(f"ok: {L}-layer MoE stack, {W} ranks ({'cuda' if CUDA else 'host'}): "
+              f"{alive} handles alive from forward to backward; output, input "
+              f"gradient and expert weight gradients equal to one process "
+              f"(largest calc_diff {max(x[4] for x in res):.2g}; forward+backward "
+              f"{max(x[3] for x in res):.1f} s)")
+        return 0
+    finally:
+        if p:
+            p.terminate()
+            p.wait(20)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
