@@ -122,18 +122,23 @@ def rank_main(r, W, sock, store, q):
         dev = "cuda" if CUDA else "cpu"
         Dispatch, Combine = make_functions(torch)
 
-        # distributed: this rank's tokens, its local experts
-        mine = [[w.to(dev).clone().requires_grad_(i // per == r)
+        # distributed: this rank's tokens, its local experts. epd gets
+        # tensors on the device; the gate and expert math run on the CPU
+        # (where the one-process reference runs: a GPU GEMM rounds
+        # differently, and one flipped top-k choice changes the rest)
+        mine = [[w.clone().requires_grad_(i // per == r)
                  for i, w in enumerate(le)]
                 for le in experts]
         x0 = xs[r].to(dev).clone().requires_grad_(True)
         x = x0
         t0 = time.time()
         for li in range(L):
-            idx, prob = route(torch, x, gates[li].to(dev))
-            rx, rw, ri, h = Dispatch.apply(x, prob, idx, buf, E)
-            y = expert_rows(torch, rx, ri, rw, mine[li], r * per, per)
-            x = x + Combine.apply(y, h, buf)
+            idx, prob = route(torch, x.cpu(), gates[li])
+            rx, rw, ri, h = Dispatch.apply(x, prob.to(dev), idx.to(dev),
+                                           buf, E)
+            y = expert_rows(torch, rx.cpu(), ri.cpu(), rw.cpu(), mine[li],
+                            r * per, per)
+            x = x + Combine.apply(y.to(dev), h, buf)
         alive = len(buf._subs) and status_handles(sock)
         (x.float() * gout[r].to(dev)).sum().backward()
         t1 = time.time()
