@@ -52,8 +52,12 @@ def setup(torch, W):
     return E, gates, experts, xs, gout
 
 
+# The gate and the experts multiply in fp64 and round to fp32: a GEMM's
+# blocking (which depends on the batch and the CPU) then cannot change a
+# row's fp32 result, so rounding to bf16 and the top-k choices are the
+# same in the distributed stack and the one-process reference.
 def route(torch, x, gate):
-    logits = x.float() @ gate
+    logits = (x.double() @ gate.double()).float()
     top, idx = torch.topk(logits, K, dim=1)
     return idx, torch.softmax(top, dim=1)
 
@@ -66,7 +70,8 @@ def expert_rows(torch, x, idx, prob, experts, base, per):
         for j in range(per):
             m = idx[:, k] == j
             if bool(m.any()):
-                y[m] = y[m] + prob[m, k:k + 1] * (x[m].float() @ experts[base + j])
+                xw = (x[m].double() @ experts[base + j].double()).float()
+                y[m] = y[m] + prob[m, k:k + 1] * xw
     return y.to(torch.bfloat16)
 
 
