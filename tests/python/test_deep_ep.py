@@ -95,6 +95,7 @@ def rank_main(r, W, sock, store, q):
             os.environ["EPD_DEEP_EP_HOST"] = "1"
         import torch
         import torch.distributed as dist
+        torch.set_num_threads(1)  # W processes share the CPUs
         dist.init_process_group("gloo", init_method=f"file://{store}",
                                 rank=r, world_size=W)
         if CUDA:
@@ -245,6 +246,28 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
                                   previous=prev)[0]
                     same(cx, gather(ins2, rows, "x", torch).reshape(R, H),
                          f"{tag}: cached recv_x")
+
+    # fp8 with DeepEP's UE8M0 scales (int32, four exponent bytes each):
+    # the receiver gets the same packed words, fresh and cached
+    def ue8m0(rk, salt):
+        g = gen(torch, rk, 50 + salt)
+        e = torch.randint(100, 150, (tokens(rk), H // 128), generator=g,
+                          dtype=torch.int32).to(torch.uint8)
+        pad = torch.zeros((tokens(rk), (-(H // 128)) % 4), dtype=torch.uint8)
+        return torch.cat([e, pad], dim=1).contiguous().view(torch.int32)
+    xq = D(me["q"])
+    if CUDA and hasattr(torch, "float8_e4m3fn"):
+        xq = xq.view(torch.float8_e4m3fn)
+    rx, _, _, _, hu, _ = buf.dispatch((xq, D(ue8m0(r, 0))), topk_idx=D(me["idx"]),
+                                      **layout)
+    want = torch.stack([ue8m0(s, 0)[t] for s, t in rows]) if rows else \
+        ue8m0(r, 0)[:0]
+    same(rx[1], want, "UE8M0 recv_x_scales")
+    cx = buf.dispatch((xq, D(ue8m0(r, 1))), handle=hu)[0]
+    want = torch.stack([ue8m0(s, 1)[t] for s, t in rows]) if rows else \
+        ue8m0(r, 1)[:0]
+    same(cx[1], want, "UE8M0 cached recv_x_scales")
+    del hu
 
     # A cached dispatch in the other dtype than the handle's dispatch
     # (DeepEP's routing does not depend on it): twice, the second time on

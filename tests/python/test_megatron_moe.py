@@ -114,6 +114,7 @@ def rank_main(r, W, sock, store, q):
             os.environ["EPD_DEEP_EP_HOST"] = "1"
         import torch
         import torch.distributed as dist
+        torch.set_num_threads(1)  # W processes share the CPUs
         dist.init_process_group("gloo", init_method=f"file://{store}",
                                 rank=r, world_size=W)
         if CUDA:

@@ -77,6 +77,27 @@ def _release_all(entries):
             pass  # the group failed or was left: nothing is held any more
 
 
+def _ue8m0_unpack(packed, n):
+    """DeepEP's UE8M0 scales (int32 [T, ceil(n/4)], one exponent byte per
+    128 columns, little-endian) as the fp32 scales [T, n] they stand for
+    (2^(e-127), exact)."""
+    torch = _torch()
+    b = packed.contiguous().view(torch.uint8)[:, :n].to(torch.int32)
+    return (b << 23).view(torch.float32)
+
+
+def _ue8m0_pack(scales):
+    """The inverse: fp32 powers of two [R, n] to int32 [R, ceil(n/4)]."""
+    torch = _torch()
+    R, n = scales.shape
+    e = ((scales.contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+    pad = (-n) % 4
+    if pad:
+        e = torch.cat([e, torch.zeros((R, pad), dtype=torch.uint8,
+                                      device=e.device)], dim=1)
+    return e.contiguous().view(torch.int32)
+
+
 class _Routing:
     """What a handle names: the group, epd's handle, the sizes, the routing
     input (topk, kept for a cached dispatch in the other dtype, which runs
@@ -339,6 +360,9 @@ class Buffer:
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         fp8 = x_scales is not None
         T, H = x.shape
+        ue8m0 = fp8 and x_scales.dtype == torch.int32
+        if ue8m0:  # packed exponents: fp32 powers of two for the group
+            x_scales = _ue8m0_unpack(x_scales, H // 128)
         W = self.group_size
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
@@ -364,7 +388,8 @@ class Buffer:
                 if alt is None:
                     rt.alts[fp8] = out[5]
                     rt.entries.append((weakref.ref(sub2), out[5].h))
-                return ((out[0], out[1]) if fp8 else out[0], None, None,
+                rxs = _ue8m0_pack(out[1]) if ue8m0 else out[1]
+                return ((out[0], rxs) if fp8 else out[0], None, None,
                         None, None, out[8])
         else:
             if is_token_in_rank is None and topk_idx is None:
@@ -391,6 +416,8 @@ class Buffer:
                   num_worst_tokens, previous_event, async_finish,
                   allocate_on_comm_stream)
         recv_x, recv_xs, rti, rtw, pe, rt_new, rp, rsrc, ev = out
+        if ue8m0:
+            recv_xs = _ue8m0_pack(recv_xs)
         if handle is not None:
             return ((recv_x, recv_xs) if fp8 else recv_x, None, None, None,
                     None, ev)
