@@ -42,6 +42,7 @@ int ep_get_buffers(ep_group_t *g, struct ep_buffers *b)
 	b->combine_topk_weights = (float *)region(g, EPP_BUF_COMBINE_W);
 	b->combined_topk_weights = (const float *)region(g, EPP_BUF_COMBINED_W);
 	b->rank_prefix_matrix = (const int32_t *)region(g, EPP_BUF_RANK_PREFIX);
+	b->combine_bias2 = (uint16_t *)region(g, EPP_BUF_COMBINE_BIAS2);
 	b->max_tokens = g->layout.max_tokens;
 	b->max_recv = g->layout.max_recv;
 	return 0;
@@ -127,7 +128,7 @@ int ep__dispatch_request(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 int ep__combine_request(ep_group_t *g, const ep_handle_t *h, unsigned flags,
 			uint8_t *frame, uint32_t *len)
 {
-	if (flags & ~(EP_COMBINE_BIAS | EP_COMBINE_WEIGHTS))
+	if (flags & ~(EP_COMBINE_BIAS | EP_COMBINE_BIAS2 | EP_COMBINE_WEIGHTS))
 		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
 	int rc = ep__check_handle(g, h);
 	if (rc)
@@ -140,6 +141,9 @@ int ep__combine_request(ep_group_t *g, const ep_handle_t *h, unsigned flags,
 				.hidden = g->cfg.hidden,
 				.flags = (flags & EP_COMBINE_BIAS
 						  ? EPP_COMBINE_BIAS
+						  : 0) |
+					 (flags & EP_COMBINE_BIAS2
+						  ? EPP_COMBINE_BIAS2
 						  : 0) |
 					 (flags & EP_COMBINE_WEIGHTS
 						  ? EPP_COMBINE_WEIGHTS
@@ -321,7 +325,7 @@ int ep_combine_ex(ep_group_t *g, const ep_handle_t *h,
 {
 	if (!g || !h || !in || !o)
 		return ep__fail(EP_EINVAL, "NULL argument");
-	const uint16_t *y = in->y, *bias = in->bias;
+	const uint16_t *y = in->y, *bias = in->bias, *bias2 = in->bias2;
 	const uint32_t num_rows = in->num_rows, hidden = in->hidden;
 	uint16_t *out = o->out;
 	const float *w = in->topk_weights;
@@ -355,11 +359,14 @@ int ep_combine_ex(ep_group_t *g, const ep_handle_t *h,
 		memcpy(b.combine_y, y, (size_t)num_rows * H * 2);
 	if (bias && h->num_tokens)
 		memcpy(b.combine_bias, bias, (size_t)h->num_tokens * H * 2);
+	if (bias2 && h->num_tokens)
+		memcpy(b.combine_bias2, bias2, (size_t)h->num_tokens * H * 2);
 	const size_t K = g->cfg.topk;
 	if (cw && num_rows)
 		memcpy(b.combine_topk_weights, w, (size_t)num_rows * K * 4);
 	rc = ep_combine_inplace(g, h,
 				(bias ? EP_COMBINE_BIAS : 0) |
+					(bias2 ? EP_COMBINE_BIAS2 : 0) |
 					(cw ? EP_COMBINE_WEIGHTS : 0));
 	if (rc)
 		return rc;

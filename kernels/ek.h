@@ -39,6 +39,7 @@ struct ek_rank_io {
 	int32_t *recv_per_expert; /* [E/W] */
 	const uint16_t *combine_y;
 	const uint16_t *combine_bias; /* NULL: no bias */
+	const uint16_t *combine_bias2; /* NULL: no second bias */
 	uint16_t *combined;
 	/* combine with top-k weights: each received row's [K] f32 (every
 	 * destination's), and the home rank's sums [T, K]; NULL: none */
@@ -86,7 +87,8 @@ void ek_rank_prefix(const struct ek_route *r, struct ek_rank_io *io,
 		    uint32_t d);
 /* Combine tokens [t0, t1) of home rank h: fp32 accumulation starting from
  * the bias (if any), then rows in ascending destination rank, one rounding
- * to bf16 (nearest even). With io[h].combined_w, also the rows' top-k
+ * to bf16 (nearest even); a second bias is added to the first before the
+ * rows (DeepEP's pair: from +0.0 when there is no first). With io[h].combined_w, also the rows' top-k
  * weights: fp32 sums from +0.0 in the same order (no rounding). */
 void ek_combine_tokens(const struct ek_shape *s, const struct ek_route *r,
 		       struct ek_rank_io *io, uint32_t h, uint32_t t0,

@@ -577,6 +577,7 @@ int epp_buf_layout(const struct epp_join *s, struct epp_buf *b)
 	sizes[EPP_BUF_COMBINED_W] = T * K * 4;
 	sizes[EPP_BUF_RANK_PREFIX] =
 		(uint64_t)s->world_size * s->world_size * 4;
+	sizes[EPP_BUF_COMBINE_BIAS2] = T * H * 2;
 	uint64_t off = 0;
 	for (int i = 0; i < EPP_BUF_NFIELDS; i++) {
 		b->off[i] = off;

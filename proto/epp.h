@@ -55,8 +55,9 @@
  *        tokens than the group's maximum fails that op for every rank
  *        (EP_ETOOBIG), not for that rank alone: it takes part with no
  *        tokens (peer XMETA flag EPP_DISPATCH_TOOBIG).
- *   1.9  The buffer layout gains rank_prefix [W, W] i32 at its end, written
- *        by every dispatch for every local rank. Frames are unchanged.
+ *   1.9  The buffer layout gains rank_prefix [W, W] i32, written by every
+ *        dispatch for every local rank, and combine_bias2 [T_max, H] bf16
+ *        at its end; COMBINE flag EPP_COMBINE_BIAS2 adds that second bias.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -211,6 +212,7 @@ struct epp_hello_ok {
  * maximum; it takes part with none, and the op fails for every rank. */
 #define EPP_DISPATCH_TOOBIG 0x80
 #define EPP_COMBINE_BIAS 0x1     /* add the bias region */
+#define EPP_COMBINE_BIAS2 0x4    /* and the second bias region (1.9) */
 #define EPP_COMBINE_WEIGHTS 0x2  /* sum combine_w into combined_w (1.8) */
 #define EPP_XROWS_WEIGHTS 0x100  /* XROWS type bit: rows carry K f32 */
 
@@ -276,6 +278,11 @@ int epp_combine_decode(const uint8_t *p, size_t len, struct epp_combine *c);
  *               combined [T_max, H] bf16
  *   combine's top-k weights (1.8)  combine_w [R_max, K] f32 (the rank's
  *               received rows' weights), combined_w [T_max, K] f32
+ *   (1.9)       rank_prefix [W, W] i32: after each dispatch (fresh or
+ *               cached), [s][d] = the rows rank d received from ranks
+ *               0..s (DeepEP's rank_prefix_matrix), the same on every
+ *               rank; combine_bias2 [T_max, H] bf16 (EPP_COMBINE_BIAS2:
+ *               DeepEP's pair of biases, added after the first)
  * R_max = W * T_max: every token of every rank could come here.
  */
 enum epp_buf_field {
@@ -295,6 +302,7 @@ enum epp_buf_field {
 	EPP_BUF_COMBINE_W,
 	EPP_BUF_COMBINED_W,
 	EPP_BUF_RANK_PREFIX,
+	EPP_BUF_COMBINE_BIAS2,
 	EPP_BUF_NFIELDS,
 };
 

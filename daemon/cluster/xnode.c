@@ -277,6 +277,11 @@ static struct ek_rank_io *make_io(struct epd_xop *x)
 					  ? (uint16_t *)epd_region(
 						    g, l, EPP_BUF_COMBINE_BIAS)
 					  : NULL;
+		o->combine_bias2 = x->flags[s] & EPP_COMBINE_BIAS2 &&
+						   x->type == EPP_COMBINE
+					   ? (uint16_t *)epd_region(
+						     g, l, EPP_BUF_COMBINE_BIAS2)
+					   : NULL;
 		o->combined = (uint16_t *)epd_region(g, l, EPP_BUF_COMBINED);
 		if (x->type == EPP_COMBINE && x->cw) {
 			o->combine_w =

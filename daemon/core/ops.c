@@ -390,6 +390,12 @@ static void job_submit(struct epd_group *g)
 		io->combine_bias = bias ? (uint16_t *)epd_region(
 						  g, l, EPP_BUF_COMBINE_BIAS)
 					: NULL;
+		io->combine_bias2 =
+			j->type == EPP_COMBINE &&
+					(m->op_flags & EPP_COMBINE_BIAS2)
+				? (uint16_t *)epd_region(g, l,
+							 EPP_BUF_COMBINE_BIAS2)
+				: NULL;
 		io->combined = (uint16_t *)epd_region(g, l, EPP_BUF_COMBINED);
 		if (j->type == EPP_COMBINE && g->coll_cw) {
 			io->combine_w =
@@ -544,7 +550,8 @@ int epd_op_combine(struct epd_session *c, uint64_t req_id,
 	if (!m)
 		return EP_EINVAL;
 	struct epd_group *g = m->group;
-	if (cb->flags & ~(EPP_COMBINE_BIAS | EPP_COMBINE_WEIGHTS)) {
+	if (cb->flags &
+	    ~(EPP_COMBINE_BIAS | EPP_COMBINE_BIAS2 | EPP_COMBINE_WEIGHTS)) {
 		epd_session_error(c, req_id, EP_EINVAL,
 				 "unknown combine flags 0x%x", cb->flags);
 		return EP_EINVAL;

@@ -185,6 +185,7 @@ enum {
 	EKC_F_CW,     /* combine_w [R, K] f32 */
 	EKC_F_CW_OUT, /* combined_w [T, K] f32 */
 	EKC_F_RANK_PREFIX, /* rank_prefix [W, W] i32 */
+	EKC_F_BIAS2,       /* combine_bias2 [T, H] bf16 */
 	EKC_F_N,
 };
 
@@ -207,6 +208,7 @@ struct ekc_disp_args {
 	uint64_t rank_mask;             /* copy: sources, combine: homes this
 					   launch handles (its GPU's ranks) */
 	uint64_t bias_mask;             /* combine: ranks that gave a bias */
+	uint64_t bias2_mask;            /* and a second one */
 	uint32_t cw;                    /* combine: sum top-k weights too */
 	uint64_t *mask;    /* [W][Tmax] destination bit masks */
 	int64_t *topk;     /* [W][Tmax][K] each rank's topk_idx as the count

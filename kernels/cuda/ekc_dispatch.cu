@@ -709,6 +709,10 @@ extern "C" __global__ void __launch_bounds__(256)
 					    ? (const uint4 *)field(a, h, EKC_F_BIAS) +
 						      t * nvec
 					    : nullptr;
+		const uint4 *bias2 = (a.bias2_mask >> h) & 1
+					     ? (const uint4 *)field(a, h, EKC_F_BIAS2) +
+						       t * nvec
+					     : nullptr;
 		uint4 *out = (uint4 *)field(a, h, EKC_F_OUT) + t * nvec;
 		for (uint64_t v = lane; v < nvec; v += 32) {
 			float acc[8];
@@ -724,6 +728,17 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
 				for (int i = 0; i < 8; i++)
 					acc[i] = 0.0f;
+			}
+			if (bias2) { // DeepEP's second bias, after the first
+				uint4 q = bias2[v];
+				uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+				for (int i = 0; i < 4; i++) {
+					acc[2 * i] = __fadd_rn(
+						acc[2 * i], bf16_f32(w[i] & 0xffffu));
+					acc[2 * i + 1] = __fadd_rn(
+						acc[2 * i + 1], bf16_f32(w[i] >> 16));
+				}
 			}
 			for (uint32_t d0 = 0; d0 < W; d0 += 8) {
 				uint4 y[8];

@@ -249,6 +249,12 @@ void ek_combine_tokens(const struct ek_shape *s, const struct ek_route *r,
 				for (uint32_t i = 0; i < n; i++)
 					acc.u[i] = 0;
 			}
+			if (home->combine_bias2) {
+				const uint16_t *b = home->combine_bias2 +
+						    (size_t)t * H + c0;
+				for (uint32_t i = 0; i < n; i++)
+					acc.f[i] += bf16_to_f32(b[i]);
+			}
 			for (uint32_t d = 0; d < W; d++) {
 				if (slot[d] < 0)
 					continue;

@@ -152,6 +152,18 @@ static int case_rank(int r, void *arg)
 			 c->bias ? me->bias : NULL, out));
 	ref_combine(c, in, exp, ys, (uint32_t)r, rout);
 	SAME(out, rout, (size_t)me->T * H * 2, "combined");
+	/* with a second bias after the first (DeepEP's pair): new data's */
+	struct ep_combine_in cin2 = {.y = ys[r], .num_rows = (uint32_t)R,
+				     .hidden = H,
+				     .bias = c->bias ? me->bias : NULL,
+				     .bias2 = in2[r].bias};
+	struct ep_combine_out cout2 = {.out = out};
+	memset(out, POISON, (size_t)me->T * H * 2);
+	TH_OK(ep_combine_ex(g, &h, &cin2, &cout2));
+	uint16_t *rout2 = malloc((size_t)me->T * H * 2 + 2);
+	ref_combine2(c, in, exp, ys, (uint32_t)r, in2[r].bias, rout2);
+	SAME(out, rout2, (size_t)me->T * H * 2, "combined with two biases");
+	free(rout2);
 
 	/* The same combine summing top-k weights too (DeepEP's
 	 * combined_topk_weights): each rank's rows get weights of mixed

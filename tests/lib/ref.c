@@ -221,6 +221,13 @@ void ref_combine(const struct ref_case *c, const struct ref_inputs *in,
 		 const struct ref_recv *recv, uint16_t *const *y, uint32_t h,
 		 uint16_t *out)
 {
+	ref_combine2(c, in, recv, y, h, NULL, out);
+}
+
+void ref_combine2(const struct ref_case *c, const struct ref_inputs *in,
+		  const struct ref_recv *recv, uint16_t *const *y, uint32_t h,
+		  const uint16_t *bias2, uint16_t *out)
+{
 	const uint32_t H = c->hidden;
 	for (uint32_t t = 0; t < in[h].T; t++) {
 		/* the row of (h, t) on each rank, -1 where it did not go */
@@ -238,6 +245,8 @@ void ref_combine(const struct ref_case *c, const struct ref_inputs *in,
 			float acc = c->bias ? ref_f32(in[h].bias[(size_t)t * H +
 								  j])
 					    : 0.0f;
+			if (bias2)
+				acc += ref_f32(bias2[(size_t)t * H + j]);
 			for (uint32_t d = 0; d < c->world; d++)
 				if (at[d] >= 0)
 					acc += ref_f32(

@@ -83,6 +83,11 @@ void ref_gen_world(const struct ref_case *c, struct ref_inputs *in,
 void ref_combine(const struct ref_case *c, const struct ref_inputs *in,
 		 const struct ref_recv *recv, uint16_t *const *y, uint32_t h,
 		 uint16_t *out);
+/* The same with a second bias [T, H] added after the first (DeepEP's
+ * pair; NULL: none). */
+void ref_combine2(const struct ref_case *c, const struct ref_inputs *in,
+		  const struct ref_recv *recv, uint16_t *const *y, uint32_t h,
+		  const uint16_t *bias2, uint16_t *out);
 /* Combine weights for rank d's R rows ([R, K] f32, malloc'd): mixed signs
  * and scales, so that the order of the sums shows. */
 float *ref_gen_cw(const struct ref_case *c, uint32_t d, uint32_t R);

@@ -322,6 +322,13 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
         out, _, _ = buf.combine(D(ys[r]), h, bias=(D(me["bias"]), None))
         same(out, ref_combine(torch, ins, recv, r, W, yrow, me["bias"]),
              "combine with a bias as a pair (bias, None)")
+        b2 = ins2[r]["bias"]
+        out, _, _ = buf.combine(D(ys[r]), h, bias=(D(me["bias"]), D(b2)))
+        same(out, ref_combine(torch, ins, recv, r, W, yrow, me["bias"], b2),
+             "combine with a pair of biases")
+        out, _, _ = buf.combine(D(ys[r]), h, bias=(None, D(b2)))
+        same(out, ref_combine(torch, ins, recv, r, W, yrow, None, b2),
+             "combine with (None, bias)")
     # a fp8 handle's combine takes bf16 rows
     out, _, _ = buf.combine(D(ys[r]), handles[("fp8", True)])
     same(out, ref_combine(torch, ins, recv, r, W, yrow), "combine (fp8 handle)")
@@ -332,8 +339,8 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
                                             torch.zeros((1, H), dtype=torch.bfloat16)), h),
                       ValueError),
                      (lambda: buf.combine(D(ys[r]), h,
-                                          bias=(D(me["bias"]), D(me["bias"]))),
-                      NotImplementedError),
+                                          bias=D(me["bias"].float())),
+                      ValueError),
                      (lambda: buf.low_latency_dispatch(None, None, 1, E),
                       NotImplementedError),
                      (lambda: buf.combine(D(ys[r]), (1, 2, 3)), ValueError)):
@@ -386,9 +393,12 @@ def group_handles(epd, sock):
                for g in st.get("groups", []) if g["name"].startswith("dep-"))
 
 
-def ref_combine(torch, ins, recv, h, W, row, bias=None, xsum=False):
+def ref_combine(torch, ins, recv, h, W, row, bias=None, bias2=None,
+                xsum=False):
     T = ins[h]["T"]
     acc = bias.float().clone() if bias is not None else torch.zeros((T, H))
+    if bias2 is not None:
+        acc += bias2.float()
     for d in range(W):
         for i, (s, t) in enumerate(recv[d]):
             if s == h:

@@ -166,6 +166,7 @@ struct ep_buffers {
 	/* after each dispatch: [world, world] i32, entry [s][d] the rows rank
 	 * d received from ranks 0..s (DeepEP's rank_prefix_matrix) */
 	const int32_t *rank_prefix_matrix;
+	uint16_t *combine_bias2; /* [max_tokens, hidden] bf16 */
 };
 
 int ep_get_buffers(ep_group_t *group, struct ep_buffers *out);
@@ -179,6 +180,7 @@ int ep_get_dispatch_layout(ep_group_t *group, const int64_t *topk_idx,
 
 #define EP_DISPATCH_WEIGHTS 0x1u /* topk_weights in the buffer are valid */
 #define EP_COMBINE_BIAS 0x1u     /* add combine_bias */
+#define EP_COMBINE_BIAS2 0x4u    /* and combine_bias2 (DeepEP's bias pair) */
 #define EP_COMBINE_WEIGHTS 0x2u  /* also sum combine_topk_weights (each
 				    received row's [topk] f32) into
 				    combined_topk_weights on the token's home
@@ -248,6 +250,8 @@ struct ep_combine_in {
 	uint32_t hidden;
 	const uint16_t *bias; /* [num_tokens, hidden] bf16, or NULL */
 	const float *topk_weights; /* [num_rows, topk] f32, or NULL */
+	/* a second bias added after the first (DeepEP's pair), or NULL */
+	const uint16_t *bias2;
 };
 struct ep_combine_out {
 	uint16_t *out;       /* [num_tokens, hidden] bf16 */

@@ -52,6 +52,7 @@ JOIN_CUDA = 2
 DISPATCH_WEIGHTS = 1
 COMBINE_BIAS = 1
 COMBINE_WEIGHTS = 0x2  # EP_COMBINE_WEIGHTS
+COMBINE_BIAS2 = 0x4  # EP_COMBINE_BIAS2
 
 
 def _candidates():
@@ -138,13 +139,15 @@ class _Buffers(ctypes.Structure):
                         ("max_recv", ctypes.c_uint64),
                         ("combine_topk_weights", ctypes.c_void_p),
                         ("combined_topk_weights", ctypes.c_void_p),
-                        ("rank_prefix_matrix", ctypes.c_void_p)]
+                        ("rank_prefix_matrix", ctypes.c_void_p),
+                        ("combine_bias2", ctypes.c_void_p)]
 
 
 class _CombineIn(ctypes.Structure):
     _fields_ = [("y", ctypes.c_void_p), ("num_rows", ctypes.c_uint32),
                 ("hidden", ctypes.c_uint32), ("bias", ctypes.c_void_p),
-                ("topk_weights", ctypes.c_void_p)]
+                ("topk_weights", ctypes.c_void_p),
+                ("bias2", ctypes.c_void_p)]
 
 
 class _CombineOut(ctypes.Structure):
@@ -405,12 +408,13 @@ class Group:
         return h
 
     def combine_stream(self, handle, stream=None, bias=False,
-                       weights=False):
-        """Enqueue a combine of combine_y (and combine_bias with bias);
-        with weights, combine_topk_weights are summed into
-        combined_topk_weights too."""
+                       weights=False, bias2=False):
+        """Enqueue a combine of combine_y (and combine_bias with bias,
+        combine_bias2 with bias2, DeepEP's second bias); with weights,
+        combine_topk_weights are summed into combined_topk_weights too."""
         _check(_lib.ep_combine_stream(self._g, ctypes.byref(handle),
                                       (COMBINE_BIAS if bias else 0) |
+                                      (COMBINE_BIAS2 if bias2 else 0) |
                                       (COMBINE_WEIGHTS if weights else 0),
                                       self._stream(stream)))
 
@@ -439,7 +443,7 @@ class Group:
         return Error(rc, _lib.ep_errmsg().decode()) if rc else None
 
     def combine(self, y, handle, bias=None, as_numpy=False,
-                topk_weights=None):
+                topk_weights=None, bias2=None):
         """The combined rows [num_tokens, hidden] (bf16 bits). With
         topk_weights ([num_recv, topk] f32, the rows' weights), also their
         sums per token and slot over the ranks it went to, in ascending
@@ -448,9 +452,11 @@ class Group:
         H, K = self.cfg["hidden"], self.cfg["topk"]
         py, k1 = _ptr(y, handle.num_recv * H * 2, "y")
         pb, k2 = _ptr(bias, handle.num_tokens * H * 2, "bias")
+        pb2, k5 = _ptr(bias2, handle.num_tokens * H * 2, "bias2")
         bo, ro = _out(handle.num_tokens * H * 2, as_numpy, "uint16")
         addr = ctypes.addressof((ctypes.c_char * len(bo)).from_buffer(bo))
-        cin = _CombineIn(y=py, num_rows=handle.num_recv, hidden=H, bias=pb)
+        cin = _CombineIn(y=py, num_rows=handle.num_recv, hidden=H, bias=pb,
+                         bias2=pb2)
         cout = _CombineOut(out=addr)
         if topk_weights is not None:
             pw, k3 = _ptr(topk_weights, handle.num_recv * K * 4,

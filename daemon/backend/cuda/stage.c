@@ -42,7 +42,8 @@ void cu_stage_begin(struct epd_group *g, uint64_t k,
 	const uint32_t K = g->shape.topk, ns = g->layout.nscales;
 	const size_t rowb = (size_t)H * g->layout.elt;
 	const struct epd_aop *op0 = ops[0];
-	uint32_t T[EKC_MAX_LOCAL], R[EKC_MAX_LOCAL], Tw[EKC_MAX_LOCAL];
+	uint32_t T[EKC_MAX_LOCAL] = {0}, R[EKC_MAX_LOCAL] = {0},
+		 Tw[EKC_MAX_LOCAL] = {0};
 	c->stage_type = op0->type;
 	c->stage_cached = op0->type == EPP_DISPATCH &&
 			  (op0->flags & EPP_DISPATCH_CACHED);
@@ -77,6 +78,10 @@ void cu_stage_begin(struct epd_group *g, uint64_t k,
 		r = stage_copy(g, EKC_F_Y, R, (size_t)H * 2, true);
 		if (!r)
 			r = stage_copy(g, EKC_F_BIAS, Tw, (size_t)H * 2, true);
+		for (uint32_t l = 0; l < rpn; l++)
+			Tw[l] = ops[l]->flags & EPP_COMBINE_BIAS2 ? T[l] : 0;
+		if (!r)
+			r = stage_copy(g, EKC_F_BIAS2, Tw, (size_t)H * 2, true);
 		if (!r && (op0->flags & EPP_COMBINE_WEIGHTS))
 			r = stage_copy(g, EKC_F_CW, R, (size_t)K * 4, true);
 	}

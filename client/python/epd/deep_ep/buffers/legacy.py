@@ -145,6 +145,7 @@ class _Sub:
         self.pe = t("num_recv_tokens_per_expert", (self.per,), "int32")
         self.y = t("combine_y", (cap, H), "bf16")
         self.bias = t("combine_bias", (tmax, H), "bf16")
+        self.bias2 = t("combine_bias2", (tmax, H), "bf16")
         self.out = t("combined", (tmax, H), "bf16")
         self.cw = t("combine_topk_weights", (cap, K), "float32")
         self.cw_out = t("combined_topk_weights", (tmax, K), "float32")
@@ -608,19 +609,23 @@ class Buffer:
                 allocate_on_comm_stream=False):
         """DeepEP's combine: (combined_x [T, H] bf16, combined_topk_weights
         [T, K] f32 or None, event). The rows are summed in fp32 from the
-        bias in ascending rank order, rounded once to bf16."""
+        bias (a pair: the first plus the second) in ascending rank order,
+        rounded once to bf16."""
         torch = _torch()
         check_torch_deterministic()
         rt = self._routing(handle)
         sub = rt.sub
+        bias2 = None
         if isinstance(bias, tuple):
             if len(bias) != 2:
                 raise ValueError("bias: a tensor or a pair")
-            if bias[1] is not None:
-                raise NotImplementedError(
-                    "epd's deep_ep: a pair of biases is not supported yet "
-                    "(one bias is)")
-            bias = bias[0]
+            bias, bias2 = bias
+        for b in (bias, bias2):
+            if b is not None and (tuple(b.shape) != (rt.T, sub.H) or
+                                  b.dtype != torch.bfloat16):
+                raise ValueError(f"combine: a bias must be [{rt.T}, "
+                                 f"{sub.H}] bf16, got {list(b.shape)} "
+                                 f"{b.dtype}")
         if x.dim() != 2 or x.size(0) != rt.R or x.size(1) != sub.H or \
                 x.dtype != torch.bfloat16:
             raise ValueError(f"combine: x must be [{rt.R}, {sub.H}] bf16, "
@@ -630,10 +635,10 @@ class Buffer:
             raise ValueError(f"combine: topk_weights must be [{rt.R}, "
                              f"{sub.K}], got {list(topk_weights.shape)}")
         run = self._gpu_combine if sub.gpu else self._host_combine
-        return run(sub, rt, x, topk_weights, bias, previous_event,
+        return run(sub, rt, x, topk_weights, bias, bias2, previous_event,
                    async_finish, allocate_on_comm_stream)
 
-    def _gpu_combine(self, sub, rt, x, tw, bias, prev, async_finish,
+    def _gpu_combine(self, sub, rt, x, tw, bias, bias2, prev, async_finish,
                      alloc_comm):
         torch = _torch()
         T, H, K, R = rt.T, sub.H, sub.K, rt.R
@@ -645,8 +650,11 @@ class Buffer:
                     sub.cw[:R].copy_(tw)
             if bias is not None and T:
                 sub.bias[:T].copy_(bias)
+            if bias2 is not None and T:
+                sub.bias2[:T].copy_(bias2)
             sub.g.combine_stream(rt.h, stream=comm, bias=bias is not None,
-                                 weights=tw is not None)
+                                 weights=tw is not None,
+                                 bias2=bias2 is not None)
         with torch.cuda.stream(comm if alloc_comm else compute):
             out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
             wout = torch.empty((T, K), dtype=torch.float32,
@@ -659,15 +667,18 @@ class Buffer:
                           alloc_comm)
         return out, wout, ev
 
-    def _host_combine(self, sub, rt, x, tw, bias, prev, async_finish,
+    def _host_combine(self, sub, rt, x, tw, bias, bias2, prev, async_finish,
                       alloc_comm):
         torch = _torch()
         R = rt.h.num_recv  # rows past it (num_worst_tokens) are padding
         y = x[:R].contiguous().view(torch.int16).numpy()
         b = bias.contiguous().view(torch.int16).numpy() if bias is not None \
             else None
+        b2 = bias2.contiguous().view(torch.int16).numpy() \
+            if bias2 is not None else None
         w = tw[:R].float().contiguous().numpy() if tw is not None else None
-        res = sub.g.combine(y, rt.h, bias=b, as_numpy=True, topk_weights=w)
+        res = sub.g.combine(y, rt.h, bias=b, as_numpy=True, topk_weights=w,
+                            bias2=b2)
         rows, wts = res if w is not None else (res, None)
         out = torch.from_numpy(rows.view("int16").copy()).view(torch.bfloat16)
         wout = torch.from_numpy(wts.copy()) if wts is not None else None
