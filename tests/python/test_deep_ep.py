@@ -10,13 +10,11 @@ handle, cached dispatch, combine of rows (with a bias) and of top-k
 weights, handles alive over 20 layers and released when dropped, and the
 clear errors. Skipped (77) without torch."""
 import gc
-import multiprocessing as mp
 import os
-import subprocess
 import sys
-import tempfile
 import time
-import traceback
+
+from torch_ranks import run_ranks, start_epd, stop_epd
 
 H, K, E = 256, 4, 16
 SEED = int(os.environ.get("EPD_TEST_SEED", int(time.time())))
@@ -88,28 +86,11 @@ def torch_equal(a, b):
     return torch.equal(a, b)
 
 
-def rank_main(r, W, sock, store, q):
-    try:
-        os.environ["EPD_SOCKET"] = sock
-        if not CUDA:
-            os.environ["EPD_DEEP_EP_HOST"] = "1"
-        import torch
-        import torch.distributed as dist
-        torch.set_num_threads(1)  # W processes share the CPUs
-        dist.init_process_group("gloo", init_method=f"file://{store}",
-                                rank=r, world_size=W)
-        if CUDA:
-            torch.cuda.set_device(0)
-        group = dist.new_group(list(range(W)))
-        import epd.deep_ep as deep_ep
-        buf = deep_ep.Buffer(group, int(1e9), 0, explicitly_destroy=True)
-        checks(torch, dist, deep_ep, buf, group, r, W, sock)
-        buf.destroy()
-        dist.barrier()
-        dist.destroy_process_group()
-        q.put((r, None))
-    except BaseException:
-        q.put((r, traceback.format_exc()))
+def rank_main(torch, dist, group, r, W, sock):
+    import epd.deep_ep as deep_ep
+    buf = deep_ep.Buffer(group, int(1e9), 0, explicitly_destroy=True)
+    checks(torch, dist, deep_ep, buf, group, r, W, sock)
+    buf.destroy()
 
 
 def dev(torch, t):
@@ -406,70 +387,35 @@ def ref_combine(torch, ins, recv, h, W, row, bias=None, bias2=None,
     return acc.to(torch.bfloat16)
 
 
-def run_world(W, sock, d):
-    store = os.path.join(d, f"store{W}")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, W, sock, store, q))
-             for r in range(W)]
-    for p in procs:
-        p.start()
-    errs = []
-    try:
-        errs = [q.get(timeout=600) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    bad = [e for e in errs if e[1]]
-    for r, tb in bad:
-        print(f"rank {r}:\n{tb}")
-    return not bad and len(errs) == W
-
-
 def main():
     try:
         import torch  # noqa: F401
     except ImportError:
         print("skip: no torch for", sys.executable)
         return 77
-    import epd
-    binary = os.environ.get("EPD_BIN", "./epd")
-    d = tempfile.mkdtemp(prefix="epddeepep.")
-    sock = os.path.join(d, "epd.sock")
-    log = open(os.path.join(d, "epd.log"), "w")
-    p = subprocess.Popen([binary, "-s", sock, "-c", "/dev/null", "--backend",
-                          "cuda" if CUDA else "host"], stdout=log, stderr=log)
+    p, sock, d = start_epd("cuda" if CUDA else "host")
     ok = True
     try:
-        for _ in range(1000):
-            try:
-                epd.status(sock)
-                break
-            except epd.Error:
-                time.sleep(0.01)
         worlds = [int(w) for w in os.environ.get("EPD_TEST_WORLDS",
                                                  "2 4").split()]
         for W in worlds:
             t0 = time.time()
-            if not run_world(W, sock, d):
+            if run_ranks(rank_main, W, sock, CUDA, (sock,)) is None:
                 ok = False
                 print(f"FAIL: deep_ep with {W} ranks (seed {SEED})")
                 break
             print(f"ok: deep_ep {W} ranks ({'cuda' if CUDA else 'host'}, "
                   f"seed {SEED}, {time.time() - t0:.1f} s): layout, "
-                  "dispatch bf16/fp8 with and without top-k, alignment, "
-                  "num_worst_tokens, async and previous events, "
-                  "rank_prefix_matrix, cached dispatch, combine of rows, "
-                  "bias and weights bitwise equal to the reference; 20 "
-                  "layers' handles alive and released when dropped")
-        return 0 if ok else 1
+                  "dispatch bf16/fp8 (fp32 column-major and UE8M0 scales) "
+                  "with and without top-k, alignment, num_worst_tokens, "
+                  "async and previous events, rank_prefix_matrix, cached "
+                  "dispatch (also in the other dtype), combine of rows, a "
+                  "bias, a pair of biases and weights bitwise equal to the "
+                  "reference; 20 layers' handles alive and released when "
+                  "dropped")
     finally:
-        p.terminate()
-        p.wait(20)
-        if p.returncode != 0 or not ok:
-            print(open(os.path.join(d, "epd.log")).read()[-4000:])
+        ok = stop_epd(p, d, show_log=not ok) and ok
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -22,12 +22,11 @@ tensors) and by tests/gpu/run on the GPU (EPD_TEST_BACKEND=cuda).
 
     python3 tests/python/test_megatron_moe.py   # epd running; EPD_SOCKET
 """
-import multiprocessing as mp
 import os
 import sys
-import tempfile
 import time
-import traceback
+
+from torch_ranks import run_ranks, start_epd, stop_epd
 
 L = int(os.environ.get("EPD_MOE_LAYERS", 58))
 TOL = 1e-9  # calc_diff; see the docstring
@@ -107,93 +106,77 @@ def make_functions(torch):
     return Dispatch, Combine
 
 
-def rank_main(r, W, sock, store, q):
-    try:
-        os.environ["EPD_SOCKET"] = sock
-        if not CUDA:
-            os.environ["EPD_DEEP_EP_HOST"] = "1"
-        import torch
-        import torch.distributed as dist
-        torch.set_num_threads(1)  # W processes share the CPUs
-        dist.init_process_group("gloo", init_method=f"file://{store}",
-                                rank=r, world_size=W)
-        if CUDA:
-            torch.cuda.set_device(0)
-        group = dist.new_group(list(range(W)))
-        import epd.deep_ep as deep_ep
-        from epd.deep_ep.utils.math import calc_diff
-        buf = deep_ep.Buffer(group, int(1e9), 0, explicitly_destroy=True)
-        E, gates, experts, xs, gout = setup(torch, W)
-        per = E // W
-        dev = "cuda" if CUDA else "cpu"
-        Dispatch, Combine = make_functions(torch)
+def rank_main(torch, dist, group, r, W, sock):
+    import epd.deep_ep as deep_ep
+    from epd.deep_ep.utils.math import calc_diff
+    buf = deep_ep.Buffer(group, int(1e9), 0, explicitly_destroy=True)
+    E, gates, experts, xs, gout = setup(torch, W)
+    per = E // W
+    dev = "cuda" if CUDA else "cpu"
+    Dispatch, Combine = make_functions(torch)
 
-        # distributed: this rank's tokens, its local experts. epd gets
-        # tensors on the device; the gate and expert math run on the CPU
-        # (where the one-process reference runs: a GPU GEMM rounds
-        # differently, and one flipped top-k choice changes the rest)
-        mine = [[w.clone().requires_grad_(i // per == r)
-                 for i, w in enumerate(le)]
-                for le in experts]
-        x0 = xs[r].to(dev).clone().requires_grad_(True)
-        x = x0
-        t0 = time.time()
-        for li in range(L):
-            idx, prob = route(torch, x.cpu(), gates[li])
-            rx, rw, ri, h = Dispatch.apply(x, prob.to(dev), idx.to(dev),
-                                           buf, E)
-            y = expert_rows(torch, rx.cpu(), ri.cpu(), rw.cpu(), mine[li],
-                            r * per, per)
-            x = x + Combine.apply(y.to(dev), h, buf)
-        alive = len(buf._subs) and status_handles(sock)
-        (x.float() * gout[r].to(dev)).sum().backward()
-        t1 = time.time()
+    # distributed: this rank's tokens, its local experts. epd gets
+    # tensors on the device; the gate and expert math run on the CPU
+    # (where the one-process reference runs: a GPU GEMM rounds
+    # differently, and one flipped top-k choice changes the rest)
+    mine = [[w.clone().requires_grad_(i // per == r)
+             for i, w in enumerate(le)]
+            for le in experts]
+    x0 = xs[r].to(dev).clone().requires_grad_(True)
+    x = x0
+    t0 = time.time()
+    for li in range(L):
+        idx, prob = route(torch, x.cpu(), gates[li])
+        rx, rw, ri, h = Dispatch.apply(x, prob.to(dev), idx.to(dev),
+                                       buf, E)
+        y = expert_rows(torch, rx.cpu(), ri.cpu(), rw.cpu(), mine[li],
+                        r * per, per)
+        x = x + Combine.apply(y.to(dev), h, buf)
+    alive = len(buf._subs) and status_handles(sock)
+    (x.float() * gout[r].to(dev)).sum().backward()
+    t1 = time.time()
 
-        # one process: every rank's tokens, every expert
-        ref_e = [[w.clone().requires_grad_(True) for w in le] for le in experts]
-        rx0 = [xx.clone().requires_grad_(True) for xx in xs]
-        cur = list(rx0)
-        for li in range(L):
-            routes = [route(torch, c, gates[li]) for c in cur]
-            outs = []
-            for s in range(W):
-                idx, prob = routes[s]
-                # each destination's row gradient is bf16 (DeepEP's rows),
-                # their sum fp32 rounded once: dispatch's backward combine
-                cf = cur[s].float()
-                acc = torch.zeros((idx.size(0), H))
-                for d in range(W):  # ascending destination rank
-                    loc = (idx >= d * per) & (idx < (d + 1) * per)
-                    sel = loc.any(dim=1)
-                    if not bool(sel.any()):
-                        continue
-                    li_idx = torch.where(loc, idx - d * per, torch.full_like(idx, -1))
-                    yd = expert_rows(torch, cf[sel].to(torch.bfloat16), li_idx[sel], prob[sel],
-                                     ref_e[li], d * per, per)
-                    acc[sel] = acc[sel] + yd.float()
-                outs.append(cur[s] + acc.to(torch.bfloat16))
-            cur = outs
-        sum((c.float() * g).sum() for c, g in zip(cur, gout)).backward()
+    # one process: every rank's tokens, every expert
+    ref_e = [[w.clone().requires_grad_(True) for w in le] for le in experts]
+    rx0 = [xx.clone().requires_grad_(True) for xx in xs]
+    cur = list(rx0)
+    for li in range(L):
+        routes = [route(torch, c, gates[li]) for c in cur]
+        outs = []
+        for s in range(W):
+            idx, prob = routes[s]
+            # each destination's row gradient is bf16 (DeepEP's rows),
+            # their sum fp32 rounded once: dispatch's backward combine
+            cf = cur[s].float()
+            acc = torch.zeros((idx.size(0), H))
+            for d in range(W):  # ascending destination rank
+                loc = (idx >= d * per) & (idx < (d + 1) * per)
+                sel = loc.any(dim=1)
+                if not bool(sel.any()):
+                    continue
+                li_idx = torch.where(loc, idx - d * per, torch.full_like(idx, -1))
+                yd = expert_rows(torch, cf[sel].to(torch.bfloat16), li_idx[sel], prob[sel],
+                                 ref_e[li], d * per, per)
+                acc[sel] = acc[sel] + yd.float()
+            outs.append(cur[s] + acc.to(torch.bfloat16))
+        cur = outs
+    sum((c.float() * g).sum() for c, g in zip(cur, gout)).backward()
 
-        diffs = {}
+    diffs = {}
 
-        def close(a, b, what):
-            d = calc_diff(a.detach().float().cpu(), b.detach().float().cpu())
-            diffs[what] = d
-            assert d < TOL, f"rank {r}: {what}: calc_diff {d:.3g}"
-        close(x, cur[r], f"output after {L} layers")
-        close(x0.grad, rx0[r].grad, "gradient of the input")
-        for li in (0, L // 2, L - 1):
-            for j in range(per):
-                e = r * per + j
-                close(mine[li][e].grad, ref_e[li][e].grad,
-                      f"layer {li} expert {e} weight gradient")
-        buf.destroy()
-        dist.barrier()
-        dist.destroy_process_group()
-        q.put((r, None, alive, t1 - t0, max(diffs.values())))
-    except BaseException:
-        q.put((r, traceback.format_exc(), 0, 0, 0))
+    def close(a, b, what):
+        d = calc_diff(a.detach().float().cpu(), b.detach().float().cpu())
+        diffs[what] = d
+        assert d < TOL, f"rank {r}: {what}: calc_diff {d:.3g}"
+    close(x, cur[r], f"output after {L} layers")
+    close(x0.grad, rx0[r].grad, "gradient of the input")
+    for li in (0, L // 2, L - 1):
+        for j in range(per):
+            e = r * per + j
+            close(mine[li][e].grad, ref_e[li][e].grad,
+                  f"layer {li} expert {e} weight gradient")
+    buf.destroy()
+    return alive, t1 - t0, max(diffs.values())
 
 
 def status_handles(sock):
@@ -210,53 +193,25 @@ def main():
     except ImportError:
         print("skip: no torch for", sys.executable)
         return 77
-    import subprocess
-    import epd
     W = int(os.environ.get("EPD_MOE_RANKS", 4))
-    d = tempfile.mkdtemp(prefix="epdmoe.")
-    sock = os.environ.get("EPD_SOCKET")
-    p = None
-    if not sock or os.environ.get("EPD_BIN"):
-        sock = os.path.join(d, "epd.sock")
-        log = open(os.path.join(d, "epd.log"), "w")
-        p = subprocess.Popen([os.environ.get("EPD_BIN", "./epd"), "-s", sock,
-                              "-c", "/dev/null", "--backend",
-                              "cuda" if CUDA else "host"],
-                             stdout=log, stderr=log)
-        for _ in range(1000):
-            try:
-                epd.status(sock)
-                break
-            except epd.Error:
-                time.sleep(0.01)
+    p, sock, d = start_epd("cuda" if CUDA else "host")
+    ok = False
     try:
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        ps = [ctx.Process(target=rank_main, args=(r, W, sock, f"{d}/store", q))
-              for r in range(W)]
-        for pr in ps:
-            pr.start()
-        res = [q.get(timeout=900) for _ in ps]
-        for pr in ps:
-            pr.join(30)
-        bad = [x for x in res if x[1]]
-        for x in bad:
-            print(f"rank {x[0]}:\n{x[1]}")
-        if bad:
+        res = run_ranks(rank_main, W, sock, CUDA, (sock,), timeout=900)
+        if res is None:
             return 1
-        alive = max(x[2] for x in res)
-        # every rank's L handles at once (one per layer, in each group)
+        alive = max(x[0] for x in res)
+        # every rank's L handles at once (one per layer)
         assert alive >= L, f"only {alive} handles alive before the backward"
         print(f"ok: {L}-layer MoE stack, {W} ranks ({'cuda' if CUDA else 'host'}): "
               f"{alive} handles alive from forward to backward; output, input "
               f"gradient and expert weight gradients equal to one process "
-              f"(largest calc_diff {max(x[4] for x in res):.2g}; forward+backward "
-              f"{max(x[3] for x in res):.1f} s)")
+              f"(largest calc_diff {max(x[2] for x in res):.2g}; forward+backward "
+              f"{max(x[1] for x in res):.1f} s)")
+        ok = True
         return 0
     finally:
-        if p:
-            p.terminate()
-            p.wait(20)
+        ok = stop_epd(p, d, show_log=not ok) and ok
 
 
 if __name__ == "__main__":
