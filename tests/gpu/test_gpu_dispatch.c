@@ -347,6 +347,19 @@ static int case_rank(int r, void *arg)
 	pin(gcomb, (size_t)c->max_tokens * H * 2);
 	CU(tg_drv.cuMemcpyDtoHAsync(gcomb, tg_dptr(b.combined),
 				    (size_t)c->max_tokens * H * 2, st));
+	/* DeepEP's pair of biases: the second added after the first */
+	CU(tg_drv.cuMemcpyHtoDAsync(tg_dptr(b.combine_bias2), in2[r].bias,
+				    (size_t)me->T * H * 2, st));
+	TH_OK(ep_combine_stream(g, &h,
+				(c->bias ? EP_COMBINE_BIAS : 0) |
+					EP_COMBINE_BIAS2,
+				st));
+	uint16_t *gcomb2 = POISONED((size_t)c->max_tokens * H * 2);
+	pin(gcomb2, (size_t)c->max_tokens * H * 2);
+	CU(tg_drv.cuMemcpyDtoHAsync(gcomb2, tg_dptr(b.combined),
+				    (size_t)c->max_tokens * H * 2, st));
+	uint16_t *rcomb2 = malloc((size_t)me->T * H * 2 + 2);
+	ref_combine2(c, in, exp, ys, (uint32_t)r, in2[r].bias, rcomb2);
 
 	/* Released right after the combine was enqueued: a later dispatch
 	 * may take its tables, after the combine in stream order. */
@@ -360,6 +373,8 @@ static int case_rank(int r, void *arg)
 	TH_OK(ep_group_sync(g));
 	SAME(gcomb, hcomb, (size_t)me->T * H * 2, "combined vs host backend");
 	SAME(gcomb, rcomb, (size_t)me->T * H * 2, "combined vs reference");
+	SAME(gcomb2, rcomb2, (size_t)me->T * H * 2,
+	     "combined with two biases vs reference");
 	float *gcw = POISONED((size_t)me->T * K * 4);
 	if (cw && me->T) /* no later op wrote them */
 		CU(tg_drv.cuMemcpyDtoH(gcw, tg_dptr(b.combined_topk_weights),
