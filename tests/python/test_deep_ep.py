@@ -14,7 +14,8 @@ import os
 import sys
 import time
 
-from torch_ranks import run_ranks, start_epd, stop_epd
+from torch_ranks import (run_ranks, start_cluster, start_epd, stop_cluster,
+                         stop_epd)
 
 H, K, E = 256, 4, 16
 SEED = int(os.environ.get("EPD_TEST_SEED", int(time.time())))
@@ -86,7 +87,8 @@ def torch_equal(a, b):
     return torch.equal(a, b)
 
 
-def rank_main(torch, dist, group, r, W, sock):
+def rank_main(torch, dist, group, r, W):
+    sock = os.environ["EPD_SOCKET"]  # this rank's node
     import epd.deep_ep as deep_ep
     buf = deep_ep.Buffer(group, int(1e9), 0, explicitly_destroy=True)
     checks(torch, dist, deep_ep, buf, group, r, W, sock)
@@ -400,7 +402,7 @@ def main():
                                                  "2 4").split()]
         for W in worlds:
             t0 = time.time()
-            if run_ranks(rank_main, W, sock, CUDA, (sock,)) is None:
+            if run_ranks(rank_main, W, sock, CUDA) is None:
                 ok = False
                 print(f"FAIL: deep_ep with {W} ranks (seed {SEED})")
                 break
@@ -415,6 +417,20 @@ def main():
                   "dropped")
     finally:
         ok = stop_epd(p, d, show_log=not ok) and ok
+    if ok and not CUDA and os.environ.get("EPD_TEST_NODES", "2") != "0":
+        # the same checks with the group over two nodes (two clustered
+        # daemons, two ranks each): the same reference, so bitwise equal
+        # to one node
+        ps, socks, d = start_cluster(2, "host")
+        try:
+            t0 = time.time()
+            ok = run_ranks(rank_main, 4, [socks[r // 2] for r in range(4)],
+                           False) is not None
+            print(f"{'ok' if ok else 'FAIL'}: deep_ep 2 nodes x 2 ranks "
+                  f"(host, tcp, seed {SEED}, {time.time() - t0:.1f} s): the "
+                  "same checks, bitwise equal to the same reference")
+        finally:
+            ok = stop_cluster(ps, d, show_log=not ok) and ok
     return 0 if ok else 1
 
 

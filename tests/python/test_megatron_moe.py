@@ -26,7 +26,8 @@ import os
 import sys
 import time
 
-from torch_ranks import run_ranks, start_epd, stop_epd
+from torch_ranks import (run_ranks, start_cluster, start_epd, stop_cluster,
+                         stop_epd)
 
 L = int(os.environ.get("EPD_MOE_LAYERS", 58))
 TOL = 1e-9  # calc_diff; see the docstring
@@ -106,7 +107,8 @@ def make_functions(torch):
     return Dispatch, Combine
 
 
-def rank_main(torch, dist, group, r, W, sock):
+def rank_main(torch, dist, group, r, W):
+    sock = os.environ["EPD_SOCKET"]  # this rank's node
     import epd.deep_ep as deep_ep
     from epd.deep_ep.utils.math import calc_diff
     buf = deep_ep.Buffer(group, int(1e9), 0, explicitly_destroy=True)
@@ -187,6 +189,21 @@ def status_handles(sock):
                for g in st.get("groups", []) if g["name"].startswith("dep-"))
 
 
+def stack(W, sock, where):
+    res = run_ranks(rank_main, W, sock, CUDA, timeout=900)
+    if res is None:
+        return False
+    alive = max(x[0] for x in res)
+    # every rank's L handles at once (one per layer)
+    assert alive >= L, f"only {alive} handles alive before the backward"
+    print(f"ok: {L}-layer MoE stack, {where}: {alive} handles alive from "
+          f"forward to backward; output, input gradient and expert weight "
+          f"gradients equal to one process (largest calc_diff "
+          f"{max(x[2] for x in res):.2g}; forward+backward "
+          f"{max(x[1] for x in res):.1f} s)")
+    return True
+
+
 def main():
     try:
         import torch  # noqa: F401
@@ -197,21 +214,17 @@ def main():
     p, sock, d = start_epd("cuda" if CUDA else "host")
     ok = False
     try:
-        res = run_ranks(rank_main, W, sock, CUDA, (sock,), timeout=900)
-        if res is None:
-            return 1
-        alive = max(x[0] for x in res)
-        # every rank's L handles at once (one per layer)
-        assert alive >= L, f"only {alive} handles alive before the backward"
-        print(f"ok: {L}-layer MoE stack, {W} ranks ({'cuda' if CUDA else 'host'}): "
-              f"{alive} handles alive from forward to backward; output, input "
-              f"gradient and expert weight gradients equal to one process "
-              f"(largest calc_diff {max(x[2] for x in res):.2g}; forward+backward "
-              f"{max(x[1] for x in res):.1f} s)")
-        ok = True
-        return 0
+        ok = stack(W, sock, f"{W} ranks ({'cuda' if CUDA else 'host'})")
     finally:
         ok = stop_epd(p, d, show_log=not ok) and ok
+    if ok and not CUDA and os.environ.get("EPD_TEST_NODES", "2") != "0":
+        ps, socks, d = start_cluster(2, "host")
+        try:
+            ok = stack(4, [socks[r // 2] for r in range(4)],
+                       "2 nodes x 2 ranks (host, tcp)")
+        finally:
+            ok = stop_cluster(ps, d, show_log=not ok) and ok
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

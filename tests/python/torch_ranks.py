@@ -27,6 +27,53 @@ def start_epd(backend):
     return p, sock, d
 
 
+def start_cluster(nodes, backend):
+    """([process], [socket], folder): `nodes` daemons clustered over tcp on
+    this machine (each a node of its own), once every node sees every
+    other up. Ranks that use different sockets are different nodes to
+    epd.deep_ep (it tells nodes apart by host name and socket)."""
+    import random
+    import epd
+    d = tempfile.mkdtemp(prefix="epdcluster.")
+    key = os.path.join(d, "cluster.key")
+    with open(key, "w") as f:
+        f.write(f"a-secret-of-this-test-cluster-{os.getpid()}\n")
+    base = random.randrange(20000, 60000 - nodes)
+    peers = ", ".join(f"n{i}@127.0.0.1:{base + i}" for i in range(nodes))
+    ps, socks = [], []
+    for i in range(nodes):
+        sock = os.path.join(d, f"n{i}.sock")
+        log = open(os.path.join(d, f"n{i}.log"), "w")
+        ps.append(subprocess.Popen(
+            [os.environ.get("EPD_BIN", "./epd"), "-s", sock, "-c",
+             "/dev/null", "--backend", backend, "-o", f"node_name=n{i}",
+             "-o", f"peers={peers}", "-o", f"cluster_key_file={key}",
+             "-o", "heartbeat_ms=100", "-o", "transport=tcp"],
+            stdout=log, stderr=log))
+        socks.append(sock)
+    for _ in range(3000):
+        try:
+            if all(all(p["state"] in ("self", "up") for p in
+                       epd.status(s)["cluster"]["peers"]) for s in socks):
+                break
+        except epd.Error:
+            pass
+        time.sleep(0.01)
+    return ps, socks, d
+
+
+def stop_cluster(ps, d, show_log=False):
+    ok = True
+    for i, p in enumerate(ps):
+        p.terminate()
+        p.wait(20)
+        if p.returncode != 0 or show_log:
+            print(f"node {i}:",
+                  open(os.path.join(d, f"n{i}.log")).read()[-3000:])
+        ok = ok and p.returncode == 0
+    return ok
+
+
 def stop_epd(p, d, show_log=False):
     """Stop it; its log's tail when it failed or show_log."""
     p.terminate()
@@ -59,13 +106,16 @@ def _wrap(target, r, W, store, cuda, sock, args, q):
 
 def run_ranks(target, W, sock, cuda, args=(), timeout=600):
     """target(torch, dist, group, rank, W, *args) in W spawned processes
-    (module-level target); [each rank's return value], or None after
-    printing every failed rank's traceback."""
+    (module-level target; $EPD_SOCKET is the rank's daemon); [each rank's
+    return value], or None after printing every failed rank's
+    traceback."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     store = os.path.join(tempfile.mkdtemp(prefix="epdstore."), "store")
+    # sock: one daemon for every rank, or a list: rank r's is sock[r]
+    socks = sock if isinstance(sock, list) else [sock] * W
     ps = [ctx.Process(target=_wrap,
-                      args=(target, r, W, store, cuda, sock, args, q))
+                      args=(target, r, W, store, cuda, socks[r], args, q))
           for r in range(W)]
     for p in ps:
         p.start()
