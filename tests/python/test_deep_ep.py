@@ -395,6 +395,9 @@ def main():
     except ImportError:
         print("skip: no torch for", sys.executable)
         return 77
+    # the rank processes import this file again: they must not pick
+    # their own seed from the clock
+    os.environ["EPD_TEST_SEED"] = str(SEED)
     p, sock, d = start_epd("cuda" if CUDA else "host")
     ok = True
     try:

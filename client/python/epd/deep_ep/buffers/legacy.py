@@ -434,7 +434,9 @@ class Buffer:
         if topk_idx is None:
             rti = rtw = None
         rsrc._epd = rt_new
-        weakref.finalize(rsrc, _release_all, rt_new.entries)
+        # not at interpreter exit: the daemon frees a connection's holds
+        # when it closes, and libep may be half torn down by then
+        weakref.finalize(rsrc, _release_all, rt_new.entries).atexit = False
         empty = torch.empty(0, dtype=torch.int32, device=x.device)
         hnd = (rp, empty, empty, rsrc, in_rank, empty)
         return ((recv_x, recv_xs) if fp8 else recv_x, rti, rtw, pe_list,
