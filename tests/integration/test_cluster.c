@@ -589,6 +589,22 @@ static void check_shape_mismatch(void)
 	       s->msgs[0]);
 }
 
+/* Rank `rank` of the 2 x 2 group s->name (hidden 256) on its node's
+ * daemon, its buffers in *b, 8 rows of x filled with 0x3c. */
+static ep_group_t *join_2x2(struct late *s, int rank, ep_conn_t **c,
+			    struct ep_buffers *b)
+{
+	struct ep_group_config cfg = th_group(s->name, 4, (uint32_t)rank,
+					      20000);
+	cfg.ranks_per_node = 2;
+	ep_group_t *g;
+	TH_OK(ep_connect(D[rank / 2].sock, c));
+	TH_OK(ep_join(*c, &cfg, 0, &g));
+	TH_OK(ep_get_buffers(g, b));
+	memset(b->x, 0x3c, (size_t)8 * 256 * 2);
+	return g;
+}
+
 /* Node 0's ranks combine with top-k weights, node 1's without: rows cross
  * both ways, each node finds rows that disagree with its own ranks' ask,
  * and every rank gets EP_EMISMATCH; no one waits for a timeout. */
@@ -596,19 +612,12 @@ static int wmis_rank(int rank, void *arg)
 {
 	struct late *s = arg;
 	ep_conn_t *c;
-	struct ep_group_config cfg = th_group(s->name, 4, (uint32_t)rank,
-					      20000);
-	cfg.ranks_per_node = 2;
-	ep_group_t *g;
-	TH_OK(ep_connect(D[rank / 2].sock, &c));
-	TH_OK(ep_join(c, &cfg, 0, &g));
 	struct ep_buffers b;
-	TH_OK(ep_get_buffers(g, &b));
+	ep_group_t *g = join_2x2(s, rank, &c, &b);
 	const uint32_t T = 8, K = 4;
 	for (uint32_t t = 0; t < T; t++) /* to every rank: experts 4d+1 */
 		for (uint32_t k = 0; k < K; k++)
 			b.topk_idx[t * K + k] = (int64_t)(4 * k + 1);
-	memset(b.x, 0x3c, (size_t)T * 256 * 2);
 	ep_handle_t h;
 	TH_OK(ep_dispatch_inplace(g, T, 0, NULL, &h));
 	memset(b.combine_y, 0x3c, (size_t)h.num_recv * 256 * 2);
@@ -642,22 +651,15 @@ static int xbig_rank(int rank, void *arg)
 {
 	struct late *s = arg;
 	ep_conn_t *c;
-	struct ep_group_config cfg = th_group(s->name, 4, (uint32_t)rank,
-					      20000);
-	cfg.ranks_per_node = 2;
-	ep_group_t *g;
-	TH_OK(ep_connect(D[rank / 2].sock, &c));
-	TH_OK(ep_join(c, &cfg, 0, &g));
 	struct ep_buffers b;
-	TH_OK(ep_get_buffers(g, &b));
+	ep_group_t *g = join_2x2(s, rank, &c, &b);
 	const uint32_t T = 8, K = 4;
 	for (uint32_t t = 0; t < T * K; t++)
 		b.topk_idx[t] = (int64_t)((t * 5 + (uint32_t)rank) % 16);
-	memset(b.x, 0x3c, (size_t)T * 256 * 2);
 	ep_handle_t h;
 	uint64_t t0 = th_now_ns();
 	s->codes[rank] = ep_dispatch_inplace(
-		g, rank == 3 ? cfg.max_tokens_per_rank + 1 : T, 0, NULL, &h);
+		g, rank == 3 ? b.max_tokens + 1 : T, 0, NULL, &h);
 	snprintf(s->msgs[rank], sizeof(s->msgs[rank]), "%s", ep_errmsg());
 	TH_CHECK(th_now_ns() - t0 < 5000000000ull * th_scale(),
 		 "rank %d waited %llu ms", rank,

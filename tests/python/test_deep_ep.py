@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from torch_ranks import (run_ranks, start_cluster, start_epd, stop_cluster,
+from torch_ranks import (held_handles, on_two_nodes, run_ranks, start_epd,
                          stop_epd)
 
 H, K, E = 256, 4, 16
@@ -354,26 +354,17 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
               for s in range(W)]
         same(out, ref_combine(torch, li, recv, r, W, None, xsum=True),
              f"layer {i}: combine of its own rows")
-    import epd
-    held_before = group_handles(epd, sock)
+    held_before = held_handles(sock)
     assert held_before > 0, "handles alive, but the daemon holds none"
     del layers, handles, h, hi, wh
     gc.collect()
     dist.barrier(group)
     for _ in range(100):
-        if group_handles(epd, sock) == 0:
+        if held_handles(sock) == 0:
             break
         time.sleep(0.05)
-    left = group_handles(epd, sock)
+    left = held_handles(sock)
     assert left == 0, f"{left} handles still held after every rank dropped them"
-
-
-def group_handles(epd, sock):
-    st = epd.status(sock)
-    # host routings, and a GPU group's device routings
-    return sum(g.get("handles", {}).get("held", 0) +
-               g.get("cuda", {}).get("device_handles", 0)
-               for g in st.get("groups", []) if g["name"].startswith("dep-"))
 
 
 def ref_combine(torch, ins, recv, h, W, row, bias=None, bias2=None,
@@ -420,21 +411,20 @@ def main():
                   "dropped")
     finally:
         ok = stop_epd(p, d, show_log=not ok) and ok
-    if ok and not CUDA and os.environ.get("EPD_TEST_NODES", "2") != "0":
-        # the same checks with the group over two nodes (two clustered
-        # daemons, two ranks each): the same reference, so bitwise equal
-        # to one node
-        ps, socks, d = start_cluster(2, "host")
-        try:
-            t0 = time.time()
-            ok = run_ranks(rank_main, 4, [socks[r // 2] for r in range(4)],
-                           False) is not None
-            print(f"{'ok' if ok else 'FAIL'}: deep_ep 2 nodes x 2 ranks "
-                  f"(host, tcp, seed {SEED}, {time.time() - t0:.1f} s): the "
-                  "same checks, bitwise equal to the same reference")
-        finally:
-            ok = stop_cluster(ps, d, show_log=not ok) and ok
+    if ok and not CUDA:
+        # the same checks with the group over two nodes: the same
+        # reference, so bitwise equal to one node
+        ok = on_two_nodes(two_nodes)
     return 0 if ok else 1
+
+
+def two_nodes(socks):
+    t0 = time.time()
+    ok = run_ranks(rank_main, 4, socks, False) is not None
+    print(f"{'ok' if ok else 'FAIL'}: deep_ep 2 nodes x 2 ranks (host, "
+          f"tcp, seed {SEED}, {time.time() - t0:.1f} s): the same checks, "
+          "bitwise equal to the same reference")
+    return ok
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import os
 import sys
 import time
 
-from torch_ranks import (run_ranks, start_cluster, start_epd, stop_cluster,
+from torch_ranks import (held_handles, on_two_nodes, run_ranks, start_epd,
                          stop_epd)
 
 L = int(os.environ.get("EPD_MOE_LAYERS", 58))
@@ -134,7 +134,7 @@ def rank_main(torch, dist, group, r, W):
         y = expert_rows(torch, rx.cpu(), ri.cpu(), rw.cpu(), mine[li],
                         r * per, per)
         x = x + Combine.apply(y.to(dev), h, buf)
-    alive = len(buf._subs) and status_handles(sock)
+    alive = len(buf._subs) and held_handles(sock)
     (x.float() * gout[r].to(dev)).sum().backward()
     t1 = time.time()
 
@@ -181,14 +181,6 @@ def rank_main(torch, dist, group, r, W):
     return alive, t1 - t0, max(diffs.values())
 
 
-def status_handles(sock):
-    import epd
-    st = epd.status(sock)
-    return sum(g.get("handles", {}).get("held", 0) +
-               g.get("cuda", {}).get("device_handles", 0)
-               for g in st.get("groups", []) if g["name"].startswith("dep-"))
-
-
 def stack(W, sock, where):
     res = run_ranks(rank_main, W, sock, CUDA, timeout=900)
     if res is None:
@@ -217,13 +209,9 @@ def main():
         ok = stack(W, sock, f"{W} ranks ({'cuda' if CUDA else 'host'})")
     finally:
         ok = stop_epd(p, d, show_log=not ok) and ok
-    if ok and not CUDA and os.environ.get("EPD_TEST_NODES", "2") != "0":
-        ps, socks, d = start_cluster(2, "host")
-        try:
-            ok = stack(4, [socks[r // 2] for r in range(4)],
-                       "2 nodes x 2 ranks (host, tcp)")
-        finally:
-            ok = stop_cluster(ps, d, show_log=not ok) and ok
+    if ok and not CUDA:
+        ok = on_two_nodes(lambda socks: stack(
+            4, socks, "2 nodes x 2 ranks (host, tcp)"))
     return 0 if ok else 1
 
 

@@ -27,6 +27,16 @@ def start_epd(backend):
     return p, sock, d
 
 
+def held_handles(sock):
+    """Handles the daemon at sock holds for epd.deep_ep's groups: host
+    routings, and a GPU group's device routings."""
+    import epd
+    st = epd.status(sock)
+    return sum(g.get("handles", {}).get("held", 0) +
+               g.get("cuda", {}).get("device_handles", 0)
+               for g in st.get("groups", []) if g["name"].startswith("dep-"))
+
+
 def start_cluster(nodes, backend):
     """([process], [socket], folder): `nodes` daemons clustered over tcp on
     this machine (each a node of its own), once every node sees every
@@ -60,6 +70,21 @@ def start_cluster(nodes, backend):
             pass
         time.sleep(0.01)
     return ps, socks, d
+
+
+def on_two_nodes(body):
+    """body(socks) over two clustered host daemons, socks[r] being rank r's
+    of four (two a node), unless EPD_TEST_NODES=0; its truth, and the
+    daemons' clean exit."""
+    if os.environ.get("EPD_TEST_NODES", "2") == "0":
+        return True
+    ps, socks, d = start_cluster(2, "host")
+    ok = False
+    try:
+        ok = body([socks[r // 2] for r in range(4)])
+    finally:
+        ok = stop_cluster(ps, d, show_log=not ok) and ok
+    return ok
 
 
 def stop_cluster(ps, d, show_log=False):

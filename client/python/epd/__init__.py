@@ -343,13 +343,9 @@ class Group:
         as in struct ep_buffers: x, topk_idx, recv_x, combine_y, ...);
         bf16 fields come back as torch.bfloat16."""
         import torch
-        b = _Buffers()
-        _check(_lib.ep_get_buffers(self._g, ctypes.byref(b)))
-        ptr = getattr(b, field)
-        if not ptr:
-            raise ValueError(f"no field {field} in this group")
         typestr, _ = self._TYPES[dtype]
-        t = torch.as_tensor(_DeviceArray(ptr, shape, typestr), device="cuda")
+        t = torch.as_tensor(_DeviceArray(self._field_ptr(field), shape,
+                                         typestr), device="cuda")
         return t.view(torch.bfloat16) if dtype == "bf16" else t
 
     def _field_ptr(self, field):

@@ -152,8 +152,9 @@ class _Sub:
         self.rp = self.g.rank_prefix_matrix()
         self.count = torch.as_tensor(epd._DeviceArray(
             self.g.recv_count_device(), (1,), "<i4"), device="cuda")
-        self.pe_host = torch.empty(max(self.per, 1), dtype=torch.int32, device="cpu",
-                                   pin_memory=True)
+        self.pe_host = torch.empty(max(self.per, 1), dtype=torch.int32,
+                                   device="cpu", pin_memory=True)
+        self.pe_ev = torch.cuda.Event()  # pe_host's copy done
 
     def leave(self):
         if self.g is not None:
@@ -365,6 +366,7 @@ class Buffer:
         if ue8m0:  # packed exponents: fp32 powers of two for the group
             x_scales = _ue8m0_unpack(x_scales, H // 128)
         W = self.group_size
+        rt = None
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ValueError("a cached dispatch takes no top-k")
@@ -412,8 +414,7 @@ class Buffer:
             raise ValueError(f"num_worst_tokens {num_worst_tokens} exceeds "
                              f"what the group holds ({sub.cap} rows)")
         run = self._gpu_dispatch if sub.gpu else self._host_dispatch
-        out = run(sub, x, x_scales, topk_idx, topk_weights, in_rank,
-                  self._routing(handle) if handle is not None else None,
+        out = run(sub, x, x_scales, topk_idx, topk_weights, in_rank, rt,
                   num_worst_tokens, previous_event, async_finish,
                   allocate_on_comm_stream)
         recv_x, recv_xs, rti, rtw, pe, rt_new, rp, rsrc, ev = out
@@ -504,8 +505,7 @@ class Buffer:
                 handle=rt.h if cached else None)
             if not cached and not worst:
                 sub.pe_host.copy_(sub.pe, non_blocking=True)
-                pe_ev = torch.cuda.Event()
-                pe_ev.record(comm)
+                sub.pe_ev.record(comm)
         if cached:
             R = rt.R
         elif worst:
@@ -546,7 +546,7 @@ class Buffer:
             return recv_x, recv_xs, None, None, None, None, None, None, ev
         pe = []
         if not worst:
-            pe_ev.synchronize()
+            sub.pe_ev.synchronize()
             pe = sub.pe_host[:sub.per].tolist()
         return (recv_x, recv_xs, rti, rtw, pe, _Routing(sub, h, T, R, kept),
                 rp, rsrc, ev)
@@ -689,26 +689,13 @@ class Buffer:
 
     # ---- low latency: not yet ----
 
-    def clean_low_latency_buffer(self, *a, **kw):
+    def _not_yet(self, *a, **kw):
         raise NotImplementedError(_LL)
 
-    def low_latency_dispatch(self, *a, **kw):
-        raise NotImplementedError(_LL)
-
-    def low_latency_combine(self, *a, **kw):
-        raise NotImplementedError(_LL)
-
-    def get_next_low_latency_combine_buffer(self, *a, **kw):
-        raise NotImplementedError(_LL)
-
-    def low_latency_update_mask_buffer(self, *a, **kw):
-        raise NotImplementedError(_LL)
-
-    def low_latency_query_mask_buffer(self, *a, **kw):
-        raise NotImplementedError(_LL)
-
-    def low_latency_clean_mask_buffer(self, *a, **kw):
-        raise NotImplementedError(_LL)
+    clean_low_latency_buffer = low_latency_dispatch = low_latency_combine = \
+        get_next_low_latency_combine_buffer = \
+        low_latency_update_mask_buffer = low_latency_query_mask_buffer = \
+        low_latency_clean_mask_buffer = _not_yet
 
 
 _LL = ("epd's deep_ep: low-latency mode is not implemented yet (normal "
