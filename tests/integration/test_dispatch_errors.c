@@ -429,6 +429,23 @@ static void raw_checks(const struct th_daemon *d)
 	TH_OK(epp_recv_frame(fd, &rh, &p, NULL, 5000, NULL, 0));
 	TH_CHECK(rh.type == EPP_ERROR, "combine of an unknown handle");
 	free(p);
+	/* A combine flag past the known ones (1.9: bias, weights, bias2). */
+	cb.flags = 0x8;
+	epp_hdr_init(&hd, EPP_COMBINE, 32);
+	hd.length = (uint32_t)epp_combine_encode(&cb, buf, sizeof(buf));
+	TH_OK(epp_send_frame(fd, &hd, buf, NULL));
+	TH_OK(epp_recv_frame(fd, &rh, &p, NULL, 5000, NULL, 0));
+	{
+		int code;
+		char msg[EPP_ERRMSG_MAX];
+		TH_CHECK(rh.type == EPP_ERROR, "combine of unknown flags");
+		TH_OK(epp_error_decode(p, rh.length, &code, msg, sizeof(msg)));
+		TH_CHECK(code == EP_EINVAL &&
+				 strstr(msg, "unknown combine flags 0x8"),
+			 "unknown combine flags: %d %s", code, msg);
+		printf("ok: raw combine -> %s\n", msg);
+	}
+	free(p);
 	/* The world-1 group still dispatches. */
 	struct epp_dispatch ok = {.group_id = jo.group_id, .num_tokens = 0,
 				  .hidden = 128, .dtype = 1, .topk = 2};
