@@ -8,7 +8,8 @@ group the shim joined (inputs already in epd's buffer, the dispatch's
 count waited for on the CPU as the shim must, outputs left in epd's
 buffer) and (b) the shim's Buffer.dispatch/combine (DeepEP's semantics:
 inputs copied in, fresh output tensors copied out, handles released when
-dropped). Each is N ops back to back after a barrier, timed on every rank;
+dropped), and (c) epd's own API doing the same copies with plain torch
+(the fair baseline for the wrapper's own cost). Each is N ops back to back after a barrier, timed on every rank;
 the slowest rank's mean is printed, and shim/own as the overhead.
 
     perf deep_ep W=8 dispatch own_us=.. shim_us=.. ratio=.. combine ...
@@ -72,6 +73,36 @@ def rank_main(r, W, store, q):
         def own_combine():
             eg.combine_stream(h0, stream=st)
 
+        # (c) epd's own API doing the copies DeepEP's semantics need (x
+        # in, fresh outputs out) with plain torch copies and no wrapper:
+        # what the shim adds beyond that is the wrapper's own cost
+        def copies_dispatch():
+            sub.x[:T].copy_(x)
+            sub.topk[:T].copy_(topk)
+            sub.w[:T].copy_(w)
+            h = eg.dispatch_stream(T, stream=st, weights=True)
+            n = eg.recv_count(h)
+            for f, dt in ((sub.recv_x, torch.bfloat16),
+                          (sub.recv_topk, torch.int64),
+                          (sub.recv_w, torch.float32)):
+                torch.empty((n,) + tuple(f.shape[1:]), dtype=dt,
+                            device="cuda").copy_(f[:n])
+            eg.release(h)
+
+        def copies_combine():
+            sub.y[:R].copy_(rx)
+            eg.combine_stream(h0, stream=st)
+            torch.empty((T, H), dtype=torch.bfloat16,
+                        device="cuda").copy_(sub.out[:T])
+
+        # the copies alone, every rank at once
+        def copy_y_in():
+            sub.y[:R].copy_(rx)
+
+        def copy_recv_out():
+            torch.empty((R, H), dtype=torch.bfloat16,
+                        device="cuda").copy_(sub.recv_x[:R])
+
         def shim_dispatch():
             buf.dispatch(x, **lay)
 
@@ -80,7 +111,9 @@ def rank_main(r, W, store, q):
         res = {}
         for name, fn in (("own_d", own_dispatch), ("shim_d", shim_dispatch),
                          ("own_c", own_combine), ("shim_c", shim_combine),
-                         ("own_d2", own_dispatch), ("shim_d2", shim_dispatch)):
+                         ("own_d2", own_dispatch), ("shim_d2", shim_dispatch),
+                         ("cp_d", copies_dispatch), ("cp_c", copies_combine),
+                         ("y_in", copy_y_in), ("recv_out", copy_recv_out)):
             res[name] = timed(fn)
         eg.release(h0)
         allr = [None] * W
@@ -120,6 +153,12 @@ def main():
           f"shim_us={sd:.0f} ratio={sd / od:.3f}; combine own_us={oc:.0f} "
           f"shim_us={sc:.0f} ratio={sc / oc:.3f} (slowest rank's mean of "
           f"{N}; dispatch: better of two rounds)")
+    cd, cc = worst["cp_d"], worst["cp_c"]
+    print(f"perf deep_ep W={W} own API with the same copies: dispatch "
+          f"us={cd:.0f} shim/that={sd / cd:.3f}; combine us={cc:.0f} "
+          f"shim/that={sc / cc:.3f}; the copies alone, all ranks at once: "
+          f"expert rows in {worst['y_in']:.0f} us, received rows out "
+          f"{worst['recv_out']:.0f} us")
     return 0
 
 
