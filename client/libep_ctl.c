@@ -45,8 +45,25 @@ int ep__op_error(ep_group_t *g)
 	if (seq <= g->op_err_seen || seq > g->sent)
 		return 0;
 	g->op_err_seen = seq;
+	if (seq == g->toobig_seq)
+		return 0; /* this rank's own, told at once */
 	int code = *(const int32_t *)(sl + EPP_CTL_OP_ERR_CODE);
 	uint64_t pos = *(const uint64_t *)(sl + EPP_CTL_OP_ERR_POS);
+	if (code == EP_ETOOBIG && pos != UINT64_MAX)
+		return ep__fail(code,
+				"op %llu changed nothing: rank %llu dispatched "
+				"%llu tokens, above the group's maximum of %u "
+				"per rank",
+				(unsigned long long)seq,
+				(unsigned long long)((pos >> 32) & 0x7fffffffull),
+				(unsigned long long)(pos & 0xffffffffull),
+				g->cfg.max_tokens);
+	if (code == EP_ETOOBIG) /* staged: the daemon's log names the rank */
+		return ep__fail(code,
+				"op %llu changed nothing: a rank dispatched "
+				"more tokens than the group's maximum of %u per "
+				"rank (the daemons' logs name it)",
+				(unsigned long long)seq, g->cfg.max_tokens);
 	if (pos == UINT64_MAX) /* found on another node: in its log */
 		return ep__fail(code,
 				"op %llu changed nothing: an expert index out "

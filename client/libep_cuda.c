@@ -383,6 +383,18 @@ int ep_dispatch_stream(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 	rc = async_op(g, EPP_DISPATCH, buf, n, stream, &seq);
 	if (rc)
 		return rc;
+	g->last_dispatch = seq;
+	if (num_tokens > g->cfg.max_tokens) {
+		/* enqueued all the same: every rank's op fails (the others
+		 * learn from its count or ep_group_sync), this one now */
+		g->toobig_seq = seq;
+		return ep__fail(EP_ETOOBIG,
+				"%u tokens exceed the group's maximum of %u per "
+				"rank: dispatch %llu fails for every rank of the "
+				"group and changes nothing",
+				num_tokens, g->cfg.max_tokens,
+				(unsigned long long)seq);
+	}
 	*handle = (ep_handle_t){.group_id = g->id,
 				.seq = cached ? cached->seq : seq,
 				.epoch = g->epoch,

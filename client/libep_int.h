@@ -45,6 +45,8 @@ struct ep_group {
 	uint64_t ctl_dev; /* the control page, registered: its device view */
 	uint64_t sent; /* stream-ordered ops enqueued */
 	uint64_t op_err_seen; /* last op error reported */
+	uint64_t toobig_seq;  /* a dispatch of too many tokens: reported to
+				 this rank when it was enqueued */
 	uint64_t last_dispatch; /* seq of the last dispatch op */
 };
 

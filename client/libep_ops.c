@@ -92,13 +92,10 @@ int ep__dispatch_request(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 	struct epp_dispatch dd, *d = &dd; /* filled, then encoded */
 	if (flags & ~EP_DISPATCH_WEIGHTS)
 		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
-	/* A host rank's request goes to the daemon all the same: the op then
-	 * fails for every rank of the group at once (EP_ETOOBIG), instead of
-	 * the others waiting for this one until the timeout. */
-	if (num_tokens > g->cfg.max_tokens && g->dev_ptr)
-		return ep__fail(EP_ETOOBIG,
-				"%u tokens exceed the group's maximum of %u",
-				num_tokens, g->cfg.max_tokens);
+	/* Too many tokens: the request goes to the daemon all the same (a GPU
+	 * rank's with its doorbell): the op then fails for every rank of the
+	 * group at once (EP_ETOOBIG), changing nothing, instead of the others
+	 * waiting for this one until the timeout. */
 	*d = (struct epp_dispatch){.group_id = g->id,
 				   .num_tokens = num_tokens,
 				   .hidden = g->cfg.hidden,

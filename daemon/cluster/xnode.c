@@ -404,6 +404,18 @@ static void xjob_run(uv_work_t *req)
 	free(io);
 }
 
+/* A dispatch with a rank that asked for too many tokens fails with
+ * EP_ETOOBIG, also over a bad expert index found meanwhile, as on one node
+ * (the flags are every node's alike, and so is the result; no handle
+ * anywhere). */
+static void toobig_wins(struct epd_group *g, struct epd_xop *x)
+{
+	if (x->type == EPP_DISPATCH && (!x->rc || x->rc == EP_EEXPERT) &&
+	    epd_ops_toobig(g, x->flags, x->W, x->err, sizeof(x->err)))
+		x->rc = EP_ETOOBIG;
+	g->toobig_tokens = 0;
+}
+
 /* Send the packed rows, chunked into frames. */
 static void send_rows(struct epd_xop *x)
 {
@@ -488,10 +500,7 @@ void xop_check(struct epd_group *g)
 		xop_submit(x);
 		return;
 	}
-	if (x->type == EPP_DISPATCH && !x->rc &&
-	    epd_ops_toobig(g, x->flags, x->W, x->err, sizeof(x->err)))
-		x->rc = EP_ETOOBIG; /* every node alike: no handle anywhere */
-	g->toobig_tokens = 0;
+	toobig_wins(g, x);
 	struct ek_route *r = x->route;
 	xop_retire(g, x);
 	epd_ops_finish(g, x->type, x->cached, x->handle, &r, x->rc, x->err,
@@ -517,6 +526,8 @@ static void xjob_done(uv_work_t *req, int status)
 		x->rc = EP_EBACKEND;
 		snprintf(x->err, sizeof(x->err), "work cancelled");
 	}
+	if (x->rc == EP_EEXPERT)
+		toobig_wins(g, x);
 	if (x->rc) {
 		/* every node reaches the same verdict: nothing was sent */
 		xop_retire(g, x);

@@ -156,14 +156,36 @@ int epd_group_async(struct epd_session *c, uint64_t req_id, uint64_t gid,
 				 "group %s is not ready", g->shape.name);
 		return EP_ENOTREADY;
 	}
-	/* libep checks these; a request past them cannot be skipped in a
-	 * pipeline, so the group fails. */
+	/* Too many tokens: as for a host rank, the rank takes part with none
+	 * and that op fails for every rank (EP_ETOOBIG), changing nothing;
+	 * the group goes on. The others would otherwise learn only from the
+	 * timeout. */
 	const struct epp_join *s = &g->shape;
+	uint32_t known = op->type == EPP_DISPATCH
+				 ? EPP_DISPATCH_WEIGHTS | EPP_DISPATCH_CACHED
+			 : op->type == EPP_COMBINE
+				 ? EPP_COMBINE_BIAS | EPP_COMBINE_BIAS2 |
+					   EPP_COMBINE_WEIGHTS
+				 : 0;
+	if (op->flags & ~known) {
+		/* its doorbell is on the stream already: the op cannot be
+		 * skipped, so the group fails at once (not at the timeout) */
+		epd_group_fail(g, EP_EINVAL,
+			       "rank %u sent a stream-ordered %s with unknown "
+			       "flags 0x%x",
+			       m->rank, epp_type_name(op->type),
+			       op->flags & ~known);
+		return EP_EINVAL;
+	}
 	if (op->type == EPP_DISPATCH && op->tokens > s->max_tokens) {
-		epd_group_fail(g, EP_ETOOBIG,
-			       "rank %u dispatched %u tokens; the maximum is %u",
-			       m->rank, op->tokens, s->max_tokens);
-		return EP_ETOOBIG;
+		struct epd_aop o = *op;
+		o.asked = op->tokens;
+		o.tokens = 0;
+		o.flags |= EPP_DISPATCH_TOOBIG;
+		g->toobig_rank = m->rank; /* for the staged path's message */
+		g->toobig_tokens = op->tokens;
+		g->dev->op(m, &o);
+		return 0;
 	}
 	g->dev->op(m, op);
 	return 0;

@@ -103,6 +103,8 @@ struct epd_aop {
 	uint64_t seq;
 	uint64_t handle; /* cached dispatch, combine: the dispatch's seq */
 	uint32_t tokens, flags;
+	uint32_t asked; /* a dispatch with EPP_DISPATCH_TOOBIG: the tokens the
+			   rank asked for (it takes part with none) */
 	uint16_t type; /* EPP_BARRIER, EPP_DISPATCH, EPP_COMBINE */
 	bool fast;     /* a barrier run by the resident kernel (no frame) */
 	bool released; /* a fresh dispatch whose handle the rank released

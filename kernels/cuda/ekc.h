@@ -197,6 +197,14 @@ enum {
 #define EKC_CTL_RECV_SEQ 32u
 #define EKC_CTL_OP_ERR_POS 40u
 #define EKC_EEXPERT (-1012) /* EP_EEXPERT */
+#define EKC_ETOOBIG (-1010) /* EP_ETOOBIG */
+/* The op's error word (ekc_disp_args.err) holds the first bad (rank,
+ * token, k) of an expert index (EP_EEXPERT), or, with this bit, a rank
+ * that asked for more tokens than the group's maximum: (rank << 32) |
+ * tokens asked (EP_ETOOBIG; set by the daemon before the kernels). Too
+ * many tokens wins over a bad index, as on the host backend: the count
+ * then judges no index. */
+#define EKC_ERR_TOOBIG (1ull << 63)
 
 /* Dispatch and combine arguments. Pointers are device addresses; off[]
  * are offsets from a region's base. */

@@ -113,6 +113,10 @@ __device__ static __forceinline__ void count_block(const struct ekc_disp_args &a
 {
 	const uint32_t t = b * TPB + threadIdx.x;
 	const uint32_t T = a.tokens[s], W = a.W, K = a.K, per = a.E / a.W;
+	// a rank asked for too many tokens (set before this kernel): that
+	// error is the op's, as on the host backend; no index is judged
+	const unsigned long long e0 = *(volatile unsigned long long *)a.err;
+	const bool toobig = e0 != ~0ull && (e0 & EKC_ERR_TOOBIG);
 	uint64_t mask = 0;
 	if (t < T) {
 		const int64_t *ti = (const int64_t *)field(a, s, EKC_F_TOPK) +
@@ -127,7 +131,8 @@ __device__ static __forceinline__ void count_block(const struct ekc_disp_args &a
 				unsigned long long p =
 					((unsigned long long)s << 48) |
 					((unsigned long long)t << 16) | k;
-				atomicMin(a.err, p);
+				if (!toobig)
+					atomicMin(a.err, p);
 				continue;
 			}
 			if (e >= 0)
@@ -183,7 +188,8 @@ __device__ static __forceinline__ void publish_recv(const struct ekc_disp_args &
 				       EKC_RECV_COUNT) = run;
 	if (err != ~0ull) {
 		*(volatile uint64_t *)(h + EKC_CTL_OP_ERR_POS) = err;
-		*(volatile int32_t *)(h + EKC_CTL_OP_ERR_CODE) = EKC_EEXPERT;
+		*(volatile int32_t *)(h + EKC_CTL_OP_ERR_CODE) =
+			err & EKC_ERR_TOOBIG ? EKC_ETOOBIG : EKC_EEXPERT;
 		__threadfence_system();
 		*(volatile uint64_t *)(h + EKC_CTL_OP_ERR_SEQ) = a.seq;
 	}

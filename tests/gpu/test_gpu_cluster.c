@@ -116,6 +116,32 @@ static int xrank(int r, void *arg)
 	TH_CHECK(ALL_POISON(chk, cap * H * elt),
 		 "%s rank %d: a failed dispatch wrote recv_x", x->name, r);
 
+	/* Node 0's last rank asks for too many tokens: it gets EP_ETOOBIG at
+	 * once, every rank of both nodes from its count (not after the
+	 * timeout), nothing is written, and the group goes on. */
+	t0 = th_now_ns();
+	if (r == x->rpn - 1) {
+		TH_EXPECT_RC(ep_dispatch_stream(g, c->max_tokens + 1, 0, NULL,
+						st, &hb),
+			     EP_ETOOBIG);
+		TH_OK(ep_group_sync(g));
+	} else {
+		TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &hb));
+		TH_EXPECT_RC(ep_dispatch_recv_count(g, &hb), EP_ETOOBIG);
+		TH_CHECK(strstr(ep_errmsg(), "maximum"), "message: %s",
+			 ep_errmsg());
+		TH_OK(ep_group_sync(g));
+		ep_handle_release(g, &hb);
+	}
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_CHECK(th_now_ns() - t0 < 5000000000ull,
+		 "%s rank %d: too many tokens reported after %llu ms", x->name,
+		 r, (unsigned long long)((th_now_ns() - t0) / 1000000));
+	down(chk, b.recv_x, cap * H * elt);
+	TH_CHECK(ALL_POISON(chk, cap * H * elt),
+		 "%s rank %d: a dispatch of too many tokens wrote recv_x",
+		 x->name, r);
+
 	/* Dispatch. */
 	up(b.x, me->x, (size_t)me->T * H * elt);
 	if (ns)
@@ -318,8 +344,9 @@ int main(void)
 		TH_CHECK(th_wait_all(pids, (int)x->c.world, 120) == 0,
 			 "case %zu failed (seed %llu)", i,
 			 (unsigned long long)x->c.seed);
-		printf("ok: %d nodes x %d GPU ranks (%s), %s: a bad expert failed one "
-		       "op everywhere and changed nothing; dispatch, cached "
+		printf("ok: %d nodes x %d GPU ranks (%s), %s: a bad expert and a "
+		       "rank with too many tokens each failed one op "
+		       "everywhere and changed nothing; dispatch, cached "
 		       "dispatch, combine bitwise equal to the reference; "
 		       "barriers across the nodes\n",
 		       NODES, x->rpn, tr,

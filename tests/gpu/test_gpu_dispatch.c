@@ -28,6 +28,7 @@ struct ctx {
 	struct ref_case c;
 	int index;
 	int bad_rank; /* >= 0: that rank sends a bad expert index first */
+	int big_rank; /* >= 0: that rank asks for too many tokens first */
 	volatile uint32_t gate[8];
 };
 
@@ -135,6 +136,47 @@ static int case_rank(int r, void *arg)
 		CU(tg_drv.cuStreamSynchronize(st));
 		TH_EXPECT_RC(ep_group_sync(g), EP_EEXPERT);
 		free(bad);
+		uint32_t cnt = 0;
+		CU(tg_drv.cuMemcpyDtoH(&cnt, ep_dispatch_recv_count_device(g),
+				       4));
+		TH_CHECK(cnt == 0x5a5a5a5au,
+			 "a failed dispatch wrote the device count: %u", cnt);
+		uint8_t *chk = malloc(cap * H * elt);
+		CU(tg_drv.cuMemcpyDtoH(chk, tg_dptr(b.recv_x), cap * H * elt));
+		TH_CHECK(ALL_POISON(chk, cap * H * elt),
+			 "a failed dispatch wrote recv_x");
+		free(chk);
+	}
+	if (x->big_rank >= 0) {
+		/* one rank asks for more tokens than the group holds: it gets
+		 * EP_ETOOBIG at once, every other rank from its count, all
+		 * naming that rank; nothing changes and the group goes on */
+		ep_handle_t hb;
+		CU(tg_drv.cuMemsetD32(ep_dispatch_recv_count_device(g),
+				      0x5a5a5a5au, 1));
+		uint64_t t0 = th_now_ns();
+		if (r == x->big_rank) {
+			TH_EXPECT_RC(ep_dispatch_stream(g, c->max_tokens + 1, 0,
+							NULL, st, &hb),
+				     EP_ETOOBIG);
+			TH_CHECK(strstr(ep_errmsg(), "exceed"), "message: %s",
+				 ep_errmsg());
+			TH_OK(ep_group_sync(g)); /* told once, not twice */
+		} else {
+			TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &hb));
+			TH_EXPECT_RC(ep_dispatch_recv_count(g, &hb), EP_ETOOBIG);
+			char want[32];
+			snprintf(want, sizeof(want), "rank %d dispatched %u",
+				 x->big_rank, c->max_tokens + 1);
+			TH_CHECK(strstr(ep_errmsg(), want), "message: %s",
+				 ep_errmsg());
+			TH_OK(ep_group_sync(g)); /* reported once */
+			ep_handle_release(g, &hb);
+		}
+		CU(tg_drv.cuStreamSynchronize(st));
+		TH_CHECK(th_now_ns() - t0 < 2000000000ull,
+			 "too many tokens took %llu ms to report",
+			 (unsigned long long)((th_now_ns() - t0) / 1000000));
 		uint32_t cnt = 0;
 		CU(tg_drv.cuMemcpyDtoH(&cnt, ep_dispatch_recv_count_device(g),
 				       4));
@@ -490,12 +532,14 @@ static void run_case(struct ctx *x)
 	TH_CHECK(th_wait_all(pids, (int)x->c.world, 120) == 0,
 		 "case %d failed (seed %llu)", x->index,
 		 (unsigned long long)x->c.seed);
-	printf("ok: case %d: world %u E %u H %u K %u T_max %u %s mode %d%s%s "
+	printf("ok: case %d: world %u E %u H %u K %u T_max %u %s mode %d%s%s%s "
 	       "-- GPU == host backend == reference\n",
 	       x->index, x->c.world, x->c.experts, x->c.hidden, x->c.topk,
 	       x->c.max_tokens, x->c.dtype == EP_DTYPE_FP8 ? "fp8" : "bf16",
 	       x->c.mode, x->c.weights ? " weights" : "",
-	       x->c.bias ? " bias" : "");
+	       x->c.bias ? " bias" : "",
+	       x->big_rank >= 0 ? " (after a rank asked for too many tokens: "
+				  "EP_ETOOBIG on every rank)" : "");
 }
 
 int main(void)
@@ -516,6 +560,7 @@ int main(void)
 	x->gpu = &gpu;
 	x->host = &host;
 	x->bad_rank = -1;
+	x->big_rank = -1;
 	/* the shared corners, then the DeepSeek-V3 shape with uneven T */
 	struct ref_case fixed[REF_CORNERS + 1];
 	memcpy(fixed, ref_corners, sizeof(ref_corners));
@@ -529,6 +574,9 @@ int main(void)
 		x->c.seed = seed + (uint64_t)i;
 		x->index = n;
 		x->bad_rank = i == 0 ? 2 : -1; /* and a bad expert first */
+		/* too many tokens first; in case 0 after the bad index, which
+		 * is still in rank 2's buffer: too many tokens wins */
+		x->big_rank = i <= 1 ? 3 : -1;
 		run_case(x);
 	}
 	/* the same cases with the SIMT row copy (the bulk-copy kernel is the
@@ -541,6 +589,7 @@ int main(void)
 		x->c.seed = seed + 100 + (uint64_t)i;
 		x->index = n;
 		x->bad_rank = -1;
+		x->big_rank = i == 0 ? 1 : -1; /* the three launches' path */
 		run_case(x);
 	}
 	printf("ok: the fixed cases with the SIMT row copy and three prep "
@@ -548,6 +597,7 @@ int main(void)
 	th_daemon_stop(&gpu);
 	th_daemon_start(&gpu, "--backend", "cuda", NULL);
 	x->bad_rank = -1;
+	x->big_rank = -1;
 	for (int i = 0; i < ncases; i++, n++) {
 		struct ref_case *c = &x->c;
 		ref_random_case(c, &rs, seed, i, 600);

@@ -644,9 +644,10 @@ static void check_weights_mismatch(void)
 	       s->msgs[0]);
 }
 
-/* Rank 3 (node 1) dispatches more tokens than the group's maximum: every
- * rank on both nodes gets EP_ETOOBIG naming rank 3 at once, and the group
- * goes on. */
+/* Rank 3 (node 1) dispatches more tokens than the group's maximum while
+ * rank 0 (node 0) gives a bad expert index: every rank on both nodes gets
+ * EP_ETOOBIG naming rank 3 at once (too many tokens wins, as on one node
+ * and on the GPU), and the group goes on. */
 static int xbig_rank(int rank, void *arg)
 {
 	struct late *s = arg;
@@ -656,10 +657,14 @@ static int xbig_rank(int rank, void *arg)
 	const uint32_t T = 8, K = 4;
 	for (uint32_t t = 0; t < T * K; t++)
 		b.topk_idx[t] = (int64_t)((t * 5 + (uint32_t)rank) % 16);
+	if (rank == 0)
+		b.topk_idx[K + 1] = 16; /* out of range */
 	ep_handle_t h;
 	uint64_t t0 = th_now_ns();
 	s->codes[rank] = ep_dispatch_inplace(
 		g, rank == 3 ? b.max_tokens + 1 : T, 0, NULL, &h);
+	if (rank == 0)
+		b.topk_idx[K + 1] = 3;
 	snprintf(s->msgs[rank], sizeof(s->msgs[rank]), "%s", ep_errmsg());
 	TH_CHECK(th_now_ns() - t0 < 5000000000ull * th_scale(),
 		 "rank %d waited %llu ms", rank,

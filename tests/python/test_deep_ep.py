@@ -332,14 +332,29 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
             raise AssertionError(f"no {exc.__name__}")
         except exc:
             pass
-    # more tokens than the shape's group was sized for: every rank raises
-    big = D(torch.zeros((129 if T <= 128 else 2 * T, H), dtype=torch.bfloat16))
+    # one rank dispatches more tokens than the shape's group was sized
+    # for: every rank raises at once (the others from the daemon, naming
+    # that rank, not after the group's timeout), and the group goes on
+    # (the layers below)
+    big_rank = W - 1
+    nbig = 129 if T <= 128 else 2 * T
+    t0 = time.monotonic()
     try:
-        buf.dispatch(big, handle=None, topk_idx=D(torch.full(
-            (big.size(0), K), -1, dtype=torch.long)), **layout)
+        if r == big_rank:
+            big = D(torch.zeros((nbig, H), dtype=torch.bfloat16))
+            buf.dispatch(big, handle=None, topk_idx=D(torch.full(
+                (nbig, K), -1, dtype=torch.long)),
+                num_tokens_per_rank=None, is_token_in_rank=None,
+                num_tokens_per_expert=layout["num_tokens_per_expert"])
+        else:
+            buf.dispatch(D(me["x"]), topk_idx=D(me["idx"]), **layout)
         raise AssertionError("no error for too many tokens")
     except ValueError as e:
         assert "EPD_DEEP_EP_MAX_TOKENS" in str(e), e
+        if r != big_rank:
+            assert f"rank {big_rank}" in str(e), e
+    took = time.monotonic() - t0
+    assert took < 5, f"too many tokens reported after {took:.1f} s"
 
     # 20 layers' handles alive from forward to backward: combine in
     # reverse order; then every handle is released when dropped.

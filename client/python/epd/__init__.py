@@ -47,6 +47,7 @@ __all__ = ["connect", "Error", "Conn", "Group", "Handle", "DispatchResult",
 BF16 = 1
 FP8 = 2
 EINVAL = -errno.EINVAL  # EP_EINVAL (ep/ep.h)
+ETOOBIG = -1010  # EP_ETOOBIG: more tokens than the group holds
 JOIN_NOWAIT = 1
 JOIN_CUDA = 2
 DISPATCH_WEIGHTS = 1

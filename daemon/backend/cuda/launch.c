@@ -230,6 +230,20 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 	}
 	*what = "dispatch";
 	r = cu_drv->cuMemsetD32Async(c->err, 0xffffffffu, 3, c->stream);
+	/* a rank that asked for too many tokens (it takes part with none):
+	 * the kernels change nothing and every rank gets EP_ETOOBIG */
+	for (uint32_t l = 0; !r && l < W; l++) {
+		if (!(ops[l]->flags & EPP_DISPATCH_TOOBIG))
+			continue;
+		uint64_t e = EKC_ERR_TOOBIG |
+			     (uint64_t)g->local[l]->rank << 32 | ops[l]->asked;
+		r = cu_drv->cuMemsetD32Async(c->err, (uint32_t)e, 1, c->stream);
+		if (!r)
+			r = cu_drv->cuMemsetD32Async(c->err + 4,
+						(uint32_t)(e >> 32), 1,
+						c->stream);
+		break;
+	}
 	bool split = true;
 	if (!r && fresh && cu_use_prep(g, d)) {
 		void *params[] = {&a};

@@ -159,7 +159,10 @@ void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
 	}
 	m->aq[seq % MAX_INFLIGHT] = *op;
 	m->aq[seq % MAX_INFLIGHT].fast = false;
-	m->aq[seq % MAX_INFLIGHT].released = false;
+	/* a rank that asked for too many tokens got no handle: it holds none
+	 * of the op's routing (the others release theirs) */
+	m->aq[seq % MAX_INFLIGHT].released =
+		op->type == EPP_DISPATCH && (op->flags & EPP_DISPATCH_TOOBIG);
 	m->async_seq = seq;
 	uint64_t now = epd_now_ns();
 	if (c->msg_seq[seq % MAX_INFLIGHT] != seq) {

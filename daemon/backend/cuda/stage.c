@@ -155,9 +155,9 @@ static void stage_finish(struct epd_group *g)
 		return;
 	}
 	CUresult r = 0;
-	if (c->stage_rc == EP_EEXPERT) {
-		/* that op alone fails, changing nothing (the position is in
-		 * this daemon's log) */
+	if (c->stage_rc == EP_EEXPERT || c->stage_rc == EP_ETOOBIG) {
+		/* that op alone fails, changing nothing (the position, or
+		 * the rank with too many tokens, is in this daemon's log) */
 		epd_warn("group %s: op %llu: %s", g->shape.name,
 			 (unsigned long long)k, c->stage_err);
 		for (uint32_t l = 0; l < rpn; l++) {
@@ -165,7 +165,7 @@ static void stage_finish(struct epd_group *g)
 			__atomic_store_n((uint64_t *)(s + EPP_CTL_OP_ERR_POS),
 					 UINT64_MAX, __ATOMIC_RELAXED);
 			__atomic_store_n((int32_t *)(s + EPP_CTL_OP_ERR_CODE),
-					 EP_EEXPERT, __ATOMIC_RELAXED);
+					 c->stage_rc, __ATOMIC_RELAXED);
 			__atomic_store_n((uint64_t *)(s + EPP_CTL_RECV), 0,
 					 __ATOMIC_RELAXED);
 			__atomic_store_n((uint64_t *)(s + EPP_CTL_RECV_SEQ), k,

@@ -310,14 +310,12 @@ class Buffer:
     # ---- the groups ----
 
     def _sub(self, key, T):
+        # more tokens than a group holds is not refused here: the op goes
+        # to the daemon all the same and fails for every rank at once
+        # (dispatch() raises ValueError on each), instead of the others
+        # waiting for this rank until the group's timeout
         sub = self._subs.get(key)
         if sub is not None:
-            if T > sub.tmax:
-                raise ValueError(
-                    f"epd's deep_ep: {T} tokens, but the group of this "
-                    f"shape was sized for {sub.tmax} per rank at its first "
-                    f"dispatch; set EPD_DEEP_EP_MAX_TOKENS (the same on "
-                    f"every rank) to the largest count")
             return sub
         import torch.distributed as dist
         env = os.environ.get("EPD_DEEP_EP_MAX_TOKENS")
@@ -329,9 +327,6 @@ class Buffer:
             tmax = 128
             while tmax < max(ts):
                 tmax *= 2
-        if T > tmax:
-            raise ValueError(f"epd's deep_ep: {T} tokens exceed "
-                             f"EPD_DEEP_EP_MAX_TOKENS={tmax}")
         sub = _Sub(self, key, tmax)
         self._subs[key] = sub
         return sub
@@ -414,9 +409,19 @@ class Buffer:
             raise ValueError(f"num_worst_tokens {num_worst_tokens} exceeds "
                              f"what the group holds ({sub.cap} rows)")
         run = self._gpu_dispatch if sub.gpu else self._host_dispatch
-        out = run(sub, x, x_scales, topk_idx, topk_weights, in_rank, rt,
-                  num_worst_tokens, previous_event, async_finish,
-                  allocate_on_comm_stream)
+        try:
+            out = run(sub, x, x_scales, topk_idx, topk_weights, in_rank, rt,
+                      num_worst_tokens, previous_event, async_finish,
+                      allocate_on_comm_stream)
+        except epd.Error as e:
+            if e.code != epd.ETOOBIG:
+                raise
+            # this rank's or another's: every rank of the group raises
+            raise ValueError(
+                f"epd's deep_ep: {e.message}; the group of this shape was "
+                f"sized for {sub.tmax} tokens per rank at its first "
+                f"dispatch: set EPD_DEEP_EP_MAX_TOKENS (the same on every "
+                f"rank) to the largest count") from e
         recv_x, recv_xs, rti, rtw, pe, rt_new, rp, rsrc, ev = out
         if ue8m0:
             recv_xs = _ue8m0_pack(recv_xs)
@@ -484,6 +489,10 @@ class Buffer:
         T, H, K = x.size(0), sub.H, sub.K
         cached = rt is not None
         compute, comm = self._streams(prev)
+        if T > sub.tmax:  # nothing copied; every rank's op fails
+            sub.g.dispatch_stream(T, stream=comm,
+                                  weights=topk_weights is not None)
+            raise AssertionError("a dispatch of too many tokens succeeded")
         with torch.cuda.stream(comm):
             if T:
                 sub.x[:T].copy_(x.view(torch.uint8) if sub.fp8 else x)
@@ -511,7 +520,11 @@ class Buffer:
         elif worst:
             R = worst
         else:
-            R = sub.g.recv_count(h)  # the CPU waits for the count
+            try:
+                R = sub.g.recv_count(h)  # the CPU waits for the count
+            except epd.Error:
+                sub.g.release(h)  # the op failed: no handle to give out
+                raise
         dt = torch.float8_e4m3fn if sub.fp8 else torch.bfloat16
         dev = x.device
         with torch.cuda.stream(comm if alloc_comm else compute):
