@@ -527,8 +527,14 @@ class Buffer:
                 raise
         dt = torch.float8_e4m3fn if sub.fp8 else torch.bfloat16
         dev = x.device
-        with torch.cuda.stream(comm if alloc_comm else compute):
+        # the rows first: the GPU copies them while the CPU makes the rest
+        # (it waited for the count, so the GPU is idle until then)
+        alloc = comm if alloc_comm else compute
+        with torch.cuda.stream(alloc):
             recv_x = torch.empty((R, H), dtype=dt, device=dev)
+        with torch.cuda.stream(comm):  # (ordered after compute above)
+            recv_x.view(torch.uint8 if sub.fp8 else dt).copy_(sub.recv_x[:R])
+        with torch.cuda.stream(alloc):
             recv_xs = torch.empty((R, H // 128), dtype=torch.float32,
                                   device=dev) if sub.fp8 else None
             if not cached:
@@ -538,7 +544,6 @@ class Buffer:
                 rp = torch.empty((sub.W, sub.W), dtype=torch.int32,
                                  device=dev)
         with torch.cuda.stream(comm):
-            recv_x.view(torch.uint8 if sub.fp8 else dt).copy_(sub.recv_x[:R])
             if sub.fp8:
                 recv_xs.copy_(sub.recv_scales[:R])
             outs = [recv_x, recv_xs]
