@@ -279,7 +279,11 @@ int ep_barrier_stream(ep_group_t *group, void *stream);
  * combine of combine_y into combined. *handle is filled at once; its
  * num_recv is unknown (UINT32_MAX) until ep_dispatch_recv_count. A bad
  * expert index fails that op alone, changing nothing; the error comes back
- * from ep_group_sync and ep_group_error. */
+ * from ep_group_sync and ep_group_error. More tokens than the group's
+ * maximum: the op is enqueued all the same (stream order), this call
+ * returns EP_ETOOBIG and fills no handle, and every other rank's op fails
+ * with EP_ETOOBIG naming this rank (from ep_dispatch_recv_count or
+ * ep_group_sync); the group goes on. */
 int ep_dispatch_stream(ep_group_t *group, uint32_t num_tokens, unsigned flags,
 		       const ep_handle_t *cached, void *stream,
 		       ep_handle_t *handle);
