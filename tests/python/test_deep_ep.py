@@ -7,8 +7,11 @@ semantics: get_dispatch_layout, dispatch (bf16, fp8 with column-major
 scales, with and without top-k, expert_alignment, num_worst_tokens,
 async_finish, previous_event), rank_prefix_matrix and recv_src_idx in the
 handle, cached dispatch, combine of rows (with a bias) and of top-k
-weights, handles alive over 20 layers and released when dropped, and the
-clear errors. Skipped (77) without torch."""
+weights, low-latency dispatch (per-expert layout, src_info,
+layout_range, counts, fp8 where torch has it) and its weighted combine,
+handles alive over 20 layers and released when dropped, one rank with too
+many tokens (every rank raises), and the clear errors. Skipped (77)
+without torch."""
 import gc
 import os
 import sys
@@ -85,6 +88,123 @@ def torch_equal(a, b):
             b.contiguous().view(torch.int16 if b.element_size() == 2
                                 else torch.int32)
     return torch.equal(a, b)
+
+
+def ref_ll_cast(torch, x, round_scale):
+    """DeepEP's low-latency fp8 cast as documented: per 128 channels,
+    scale = max(amax, 1e-4) / 448, rounded up to a power of two with
+    round_scale (here through frexp), values times 1 / scale."""
+    m = x.size(0)
+    xb = x.float().view(m, H // 128, 128)
+    amax = xb.abs().amax(dim=2).clamp(min=1e-4)
+    if round_scale:
+        mant, ex = torch.frexp(amax / 448.0)
+        ex = torch.where(mant == 0.5, ex - 1, ex)
+        s = torch.ldexp(torch.ones_like(amax), ex)
+        q = xb * (1.0 / s).unsqueeze(2)
+    else:
+        s = amax / 448.0
+        q = xb * (448.0 / amax).unsqueeze(2)
+    return q.to(torch.float8_e4m3fn).view(m, H), s
+
+
+def ll_checks(torch, buf, ins, r, W, D):
+    """DeepEP's low-latency dispatch and combine against a reference built
+    from every rank's inputs: each local expert's rows in source rank
+    order, then token order; src_info, layout_range, counts; fp8 with
+    fp32 or UE8M0 scales; the combine's weighted sum in fp32 over top-k at
+    home; zero copy; too many tokens on every rank."""
+    per, N = E // W, 64
+    me, T = ins[r], ins[r]["T"]
+    fp8 = hasattr(torch, "float8_e4m3fn")
+    modes = [(False, False, False)]
+    if fp8:
+        modes += [(True, False, False), (True, True, False), (True, True, True)]
+    u8 = lambda t: t.cpu().contiguous().view(torch.uint8)  # noqa: E731
+    for n, (use_fp8, rnd, ue8m0) in enumerate(modes):
+        stats = D(torch.full((per,), 3, dtype=torch.int32))
+        recv, cnt, handle, ev, hook = buf.low_latency_dispatch(
+            D(me["x"]), D(me["idx"]), N, E,
+            cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
+            round_scale=rnd, use_ue8m0=ue8m0, async_finish=n % 2 == 1,
+            return_recv_hook=n % 2 == 0)
+        hook() if n % 2 == 0 else ev.current_stream_wait()
+        src_info, layout, hn, hh, he = handle
+        assert (hn, hh, he) == (N, H, E), handle[2:]
+        for i in range(per):
+            eg = r * per + i
+            rows = [(s, t) for s in range(W) for t in range(ins[s]["T"])
+                    for k in range(K) if int(ins[s]["idx"][t, k]) == eg]
+            c = len(rows)
+            what = f"low-latency expert {i} ({use_fp8=}, {rnd=}, {ue8m0=})"
+            assert int(cnt[i]) == c, (what, int(cnt[i]), c)
+            assert int(stats[i]) == c + 3, (what, "stats")
+            same(src_info[i, :c], torch.tensor([t for _, t in rows],
+                                               dtype=torch.int32),
+                 what + ": src_info")
+            want_l, b = [], 0
+            for s in range(W):
+                k_s = sum(1 for s2, _ in rows if s2 == s)
+                want_l.append((b << 32) | k_s)
+                b += k_s
+            same(layout[i], torch.tensor(want_l, dtype=torch.int64),
+                 what + ": layout_range")
+            wx = gather(ins, rows, "x", torch).reshape(c, H)
+            if not use_fp8:
+                same(recv[i, :c], wx, what + ": rows")
+                continue
+            q, s = ref_ll_cast(torch, wx, rnd)
+            assert torch.equal(u8(recv[0][i, :c]), u8(q)), what + ": fp8 rows"
+            if ue8m0:
+                e8 = ((s.view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
+                pad = (-e8.size(1)) % 4
+                e8 = torch.cat([e8, torch.zeros((c, pad), dtype=torch.uint8)], 1)
+                same(recv[1][i, :c], e8.contiguous().view(torch.int32),
+                     what + ": UE8M0 scales")
+            else:
+                same(recv[1][i, :c], s, what + ": scales")
+        del recv, handle, src_info, layout
+    # combine: each expert returns its rows times 2^(expert % 4) (exact)
+    recv, cnt, handle, _, _ = buf.low_latency_dispatch(
+        D(me["x"]), D(me["idx"]), N, E, use_fp8=False)
+    y = recv.clone()
+    for i in range(per):
+        y[i] = (recv[i].float() * 2.0 ** ((r * per + i) % 4)).to(torch.bfloat16)
+    acc = torch.zeros((T, H), dtype=torch.float32)
+    for k in range(K):
+        e = me["idx"][:, k]
+        term = me["x"].float() * torch.pow(2.0, (e % 4).float()).unsqueeze(1) \
+            * me["w"][:, k:k + 1]
+        acc = torch.where((e >= 0).unsqueeze(1), acc + term, acc)
+    want = acc.to(torch.bfloat16)
+    out = D(torch.empty((T, H), dtype=torch.bfloat16))
+    got, ev, hook = buf.low_latency_combine(y, D(me["idx"]), D(me["w"]),
+                                            handle, out=out,
+                                            return_recv_hook=True)
+    hook()
+    assert got.data_ptr() == out.data_ptr(), "combine did not fill out="
+    same(got, want, "low-latency combine")
+    buf.get_next_low_latency_combine_buffer(handle)[:] = y
+    got, ev, _ = buf.low_latency_combine(torch.empty(0), D(me["idx"]),
+                                         D(me["w"]), handle, zero_copy=True,
+                                         async_finish=True)
+    ev.current_stream_wait()
+    same(got, want, "low-latency combine, zero copy")
+    del recv, handle, y
+    # more tokens than num_max_dispatch_tokens_per_rank on some rank:
+    # every rank raises, and the group of the shape goes on
+    try:
+        buf.low_latency_dispatch(D(me["x"]), D(me["idx"]), 16, E,
+                                 use_fp8=False)
+        ok = max(tokens(s) for s in range(W)) <= 16
+    except ValueError as e:
+        assert "num_max_dispatch_tokens_per_rank=16" in str(e), e
+        ok = max(tokens(s) for s in range(W)) > 16
+    assert ok, "too many low-latency tokens: no error, or an error for none"
+    small = {k: v[:min(T, 16)] for k, v in me.items() if k != "T"}
+    recv, cnt, handle, _, _ = buf.low_latency_dispatch(
+        D(small["x"]), D(small["idx"]), 16, E, use_fp8=False)
+    del recv, handle
 
 
 def rank_main(torch, dist, group, r, W):
@@ -324,7 +444,7 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
                      (lambda: buf.combine(D(ys[r]), h,
                                           bias=D(me["bias"].float())),
                       ValueError),
-                     (lambda: buf.low_latency_dispatch(None, None, 1, E),
+                     (lambda: buf.low_latency_update_mask_buffer(0, True),
                       NotImplementedError),
                      (lambda: buf.combine(D(ys[r]), (1, 2, 3)), ValueError)):
         try:
@@ -355,6 +475,8 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
             assert f"rank {big_rank}" in str(e), e
     took = time.monotonic() - t0
     assert took < 5, f"too many tokens reported after {took:.1f} s"
+
+    ll_checks(torch, buf, ins, r, W, D)
 
     # 20 layers' handles alive from forward to backward: combine in
     # reverse order; then every handle is released when dropped.
@@ -421,9 +543,11 @@ def main():
                   "with and without top-k, alignment, num_worst_tokens, "
                   "async and previous events, rank_prefix_matrix, cached "
                   "dispatch (also in the other dtype), combine of rows, a "
-                  "bias, a pair of biases and weights bitwise equal to the "
-                  "reference; 20 layers' handles alive and released when "
-                  "dropped")
+                  "bias, a pair of biases and weights, low-latency dispatch "
+                  f"({'bf16 and fp8' if hasattr(torch, 'float8_e4m3fn') else 'bf16; no fp8 in this torch'}) "
+                  "and weighted combine bitwise equal to the reference; too "
+                  "many tokens raised on every rank; 20 layers' handles "
+                  "alive and released when dropped")
     finally:
         ok = stop_epd(p, d, show_log=not ok) and ok
     if ok and not CUDA:

@@ -10,7 +10,8 @@ calls in the same order (DeepEP requires it too), so every rank joins at
 the same call. At that join the ranks agree, through the torch group, on
 the group's maximum tokens per rank: the largest first call rounded up to
 a power of two (at least 128), or $EPD_DEEP_EP_MAX_TOKENS. A dispatch of
-more tokens than that raises ValueError naming the variable.
+more tokens than that raises ValueError naming the variable, on every rank
+at once (the op goes to the daemon all the same and fails there).
 
 Outputs are fresh tensors (copies out of epd's buffers, made on the comm
 stream); handles are DeepEP's 6-tuples, and the routing they name lives in
@@ -19,7 +20,15 @@ ep_handle_release). A dispatch from is_token_in_rank alone (no top-k)
 routes through a group with one expert per rank; its per-expert counts,
 when num_tokens_per_expert is given, are summed over the ranks with one
 all_reduce of the torch group (DeepEP's own exchange; the top-k path needs
-none). Low-latency functions raise NotImplementedError.
+none).
+
+Low-latency mode has DeepEP's semantics (the per-local-expert layout,
+src_info, layout_range, counts, fp8 with per-128 scales, the weighted
+combine) over the normal path: each (token, k) is a pseudo token of one
+expert in a group of its own shape, and the weighted sum is made at home.
+It is correct, not yet fast (the decode kernels are the next step); the
+receive hook has nothing left to do; masking ranks (shrink mode) raises
+NotImplementedError.
 """
 import os
 import socket
@@ -114,7 +123,7 @@ class _Routing:
 class _Sub:
     """One epd group of one shape, and views of this rank's buffers."""
 
-    def __init__(self, buf, key, tmax):
+    def __init__(self, buf, key, tmax, tag=""):
         torch = _torch()
         H, fp8, K, E = key
         self.key, self.H, self.fp8, self.K, self.E = key, H, fp8, K, E
@@ -122,7 +131,7 @@ class _Sub:
         self.per = E // self.W
         self.cap = self.W * tmax
         self.gpu = buf._device is not None
-        name = f"{buf._name}-{H}-{'f' if fp8 else 'b'}{K}-{E}"
+        name = f"{buf._name}-{tag}{H}-{'f' if fp8 else 'b'}{K}-{E}"
         self.g = buf._conn.join(
             name, world_size=self.W, ranks_per_node=buf._rpn,
             rank=buf.rank, num_experts=E, hidden=H,
@@ -265,7 +274,11 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank,
                                        hidden, num_ranks, num_experts):
-        raise NotImplementedError(_LL)
+        """A size hint only (epd sizes its own buffers): two receive
+        buffers of every expert's rows, rounded up to 128 MiB."""
+        b = 2 * num_max_dispatch_tokens_per_rank * num_ranks * \
+            (num_experts // max(num_ranks, 1)) * (hidden * 2 + 64)
+        return (b + (128 << 20) - 1) // (128 << 20) * (128 << 20)
 
     def get_comm_stream(self):
         return self._comm if self._device is not None else None
@@ -705,16 +718,235 @@ class Buffer:
         return out, wout, EventOverlap(EventHandle() if async_finish
                                        else None)
 
-    # ---- low latency: not yet ----
+    # ---- low latency: DeepEP's semantics over the normal path ----
+
+    def _ll_sub(self, H, E, K, nmax):
+        """The group of a low-latency shape: one pseudo token per (token,
+        k) with that one expert, at most nmax * K per rank, exactly (a rank
+        past nmax tokens fails the op for every rank)."""
+        key = ("ll", H, E, K, nmax)
+        sub = self._subs.get(key)
+        if sub is None:
+            sub = _Sub(self, (H, False, 1, E), nmax * K, tag=f"ll{nmax}x{K}-")
+            self._subs[key] = sub
+        return sub
+
+    def low_latency_dispatch(self, x, topk_idx,
+                             num_max_dispatch_tokens_per_rank, num_experts,
+                             cumulative_local_expert_recv_stats=None,
+                             dispatch_wait_recv_cost_stats=None,
+                             use_fp8=True, round_scale=False, use_ue8m0=False,
+                             async_finish=False, return_recv_hook=False):
+        """DeepEP's low-latency dispatch: (recv_x [local experts, ranks x
+        num_max, H] (bf16, or fp8 with per-128 scales, column-major),
+        recv_count, handle, event, hook). Each local expert's rows are
+        packed in source rank order, then source token order (DeepEP's
+        order between and within source ranks depends on timing; this one
+        is fixed), with layout_range and src_info as DeepEP's. The rows
+        are ready on return: the hook has nothing left to do."""
+        torch = _torch()
+        check_torch_deterministic()
+        N, E, W = num_max_dispatch_tokens_per_rank, num_experts, \
+            self.group_size
+        if x.dim() != 2 or x.dtype != torch.bfloat16:
+            raise ValueError("low_latency_dispatch: x must be [T, H] bf16")
+        T, H = x.shape
+        if topk_idx.dim() != 2 or topk_idx.size(0) != T:
+            raise ValueError(f"low_latency_dispatch: topk_idx must be "
+                             f"[{T}, K]")
+        if E % W or N < 1:
+            raise ValueError(f"low_latency_dispatch: {E} experts over {W} "
+                             f"ranks, at most {N} tokens")
+        if use_fp8 and (H % 128 or not hasattr(torch, "float8_e4m3fn")):
+            raise ValueError("low_latency_dispatch: fp8 needs hidden % 128 "
+                             "== 0 and a torch with float8_e4m3fn")
+        if use_ue8m0 and not round_scale:
+            raise ValueError("low_latency_dispatch: use_ue8m0 needs "
+                             "round_scale")
+        K, El, WN = topk_idx.size(1), E // W, W * N
+        sub = self._ll_sub(H, E, K, N)
+        idx = topk_idx.long().reshape(T * K, 1)
+        xr = x.repeat_interleave(K, dim=0)
+        run = self._gpu_dispatch if sub.gpu else self._host_dispatch
+        try:
+            out = run(sub, xr, None, idx, None, None, None, 0, None, False,
+                      False)
+        except epd.Error as e:
+            if e.code != epd.ETOOBIG:
+                raise
+            raise ValueError(
+                f"epd's deep_ep: {e.message}; low_latency_dispatch takes at "
+                f"most num_max_dispatch_tokens_per_rank={N} tokens per "
+                f"rank") from e
+        recv_x, _, rti, _, _, rt, rp, rsrc, _ = out
+        dev = recv_x.device
+        R = recv_x.size(0)
+        # every received pseudo token has its one expert here
+        e = rti[:, 0].to(dev)
+        ends = rp[:, self.rank].to(device=dev, dtype=torch.int64)
+        src_rank = torch.searchsorted(ends, torch.arange(R, device=dev),
+                                      right=True)
+        # rows by expert, in received order within one (unique keys: the
+        # sort is deterministic); counts from the sorted keys (no atomics,
+        # so also under torch.use_deterministic_algorithms)
+        order = torch.argsort(e * max(R, 1) + torch.arange(R, device=dev))
+        es = e[order]
+        bounds = torch.searchsorted(es, torch.arange(El + 1, device=dev))
+        start, counts = bounds[:-1], bounds[1:] - bounds[:-1]
+        pos = torch.arange(R, device=dev) - start[es]
+        rows = recv_x[order]
+        src_info = torch.full((El, WN), -1, dtype=torch.int32, device=dev)
+        src_info[es, pos] = (rsrc.to(device=dev, dtype=torch.int64)[order] //
+                             K).to(torch.int32)
+        # per (expert, source rank): sources are in order within an expert
+        k2 = es * W + src_rank[order]
+        b2 = torch.searchsorted(k2, torch.arange(El * W + 1, device=dev))
+        per = (b2[1:] - b2[:-1]).view(El, W)
+        layout = ((b2[:-1].view(El, W) - start.unsqueeze(1)) << 32) | per
+        recv_count = counts.to(torch.int32)
+        if cumulative_local_expert_recv_stats is not None:
+            cumulative_local_expert_recv_stats.add_(
+                recv_count.to(cumulative_local_expert_recv_stats.device))
+        if use_fp8:
+            q, sinv = _ll_cast(rows, round_scale)
+            px = torch.empty((El, WN, H), dtype=torch.float8_e4m3fn,
+                             device=dev)
+            px.view(torch.uint8)[es, pos] = q.view(torch.uint8)
+            if use_ue8m0:
+                packed = _ue8m0_pack(sinv)
+                ps = torch.zeros((El, packed.size(1), WN), dtype=torch.int32,
+                                 device=dev).transpose(1, 2)
+                ps[es, pos] = packed
+            else:
+                ps = torch.zeros((El, H // 128, WN), dtype=torch.float32,
+                                 device=dev).transpose(1, 2)
+                ps[es, pos] = sinv
+            recv = (px, ps)
+        else:
+            recv = torch.empty((El, WN, H), dtype=torch.bfloat16, device=dev)
+            recv[es, pos] = rows
+        ll = _LLRouting(rt, rsrc, order, es, pos, T, K, (El, WN, H))
+        src_info._epd = ll
+        weakref.finalize(src_info, _release_all, rt.entries).atexit = False
+        handle = (src_info, layout, N, H, E)
+        ev = EventOverlap(EventHandle() if async_finish else None)
+        return recv, recv_count, handle, ev, _ready
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle,
+                            use_logfmt=False, zero_copy=False,
+                            async_finish=False, return_recv_hook=False,
+                            out=None, combine_wait_recv_cost_stats=None):
+        """DeepEP's low-latency combine: (combined_x [T, H] bf16, event,
+        hook). Each token's rows come back as they are (bf16; use_logfmt
+        changes nothing, the rows are exact) and are summed at home in
+        fp32 from +0.0 in top-k order, each times its weight (an index -1
+        skipped), rounded once to bf16."""
+        torch = _torch()
+        check_torch_deterministic()
+        ll = getattr(handle[0], "_epd", None) if isinstance(handle, tuple) \
+            and len(handle) == 5 else None
+        if not isinstance(ll, _LLRouting):
+            raise ValueError("not a handle of epd's deep_ep "
+                             "low_latency_dispatch")
+        sub = ll.rt.sub
+        if sub.g is None:
+            raise ValueError("the handle's Buffer was destroyed")
+        if zero_copy:
+            if ll.zbuf is None:
+                raise ValueError("zero_copy: call "
+                                 "get_next_low_latency_combine_buffer first")
+            x = ll.zbuf
+        if tuple(x.shape) != ll.shape or x.dtype != torch.bfloat16:
+            raise ValueError(f"low_latency_combine: x must be "
+                             f"{list(ll.shape)} bf16, got {list(x.shape)} "
+                             f"{x.dtype}")
+        T, K = ll.T, ll.K
+        for t, n in ((topk_idx, "topk_idx"), (topk_weights, "topk_weights")):
+            if tuple(t.shape) != (T, K):
+                raise ValueError(f"low_latency_combine: {n} must be [{T}, "
+                                 f"{K}], got {list(t.shape)}")
+        H = ll.shape[2]
+        y = torch.empty((ll.order.numel(), H), dtype=torch.bfloat16,
+                        device=x.device)
+        y[ll.order] = x[ll.es, ll.pos]
+        run = self._gpu_combine if sub.gpu else self._host_combine
+        part, _, _ = run(sub, ll.rt, y, None, None, None, None, False, False)
+        part = part.to(x.device).view(T, K, H)
+        valid = (topk_idx >= 0).to(x.device)
+        w = topk_weights.to(device=x.device, dtype=torch.float32)
+        acc = torch.zeros((T, H), dtype=torch.float32, device=x.device)
+        for k in range(K):
+            term = part[:, k].float() * w[:, k:k + 1]
+            acc = torch.where(valid[:, k:k + 1], acc + term, acc)
+        res = acc.to(torch.bfloat16)
+        if out is not None:
+            out.copy_(res)
+            res = out
+        ev = EventOverlap(EventHandle() if async_finish else None)
+        return res, ev, _ready
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """The tensor a zero_copy low_latency_combine of this handle reads
+        (its x): [local experts, ranks x num_max, H] bf16."""
+        torch = _torch()
+        ll = getattr(handle[0], "_epd", None) if isinstance(handle, tuple) \
+            and len(handle) == 5 else None
+        if not isinstance(ll, _LLRouting):
+            raise ValueError("not a handle of epd's deep_ep "
+                             "low_latency_dispatch")
+        if ll.zbuf is None:
+            ll.zbuf = torch.empty(ll.shape, dtype=torch.bfloat16,
+                                  device=ll.order.device)
+        return ll.zbuf
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank,
+                                 hidden, num_experts):
+        """Nothing to clean: epd's buffers carry no state between ops."""
 
     def _not_yet(self, *a, **kw):
-        raise NotImplementedError(_LL)
+        raise NotImplementedError(_MASK)
 
-    clean_low_latency_buffer = low_latency_dispatch = low_latency_combine = \
-        get_next_low_latency_combine_buffer = \
-        low_latency_update_mask_buffer = low_latency_query_mask_buffer = \
+    low_latency_update_mask_buffer = low_latency_query_mask_buffer = \
         low_latency_clean_mask_buffer = _not_yet
 
 
-_LL = ("epd's deep_ep: low-latency mode is not implemented yet (normal "
-       "mode dispatch and combine are)")
+_MASK = ("epd's deep_ep: masking ranks (DeepEP's shrink mode) is not "
+         "implemented; a rank that dies fails its groups with "
+         "EP_EPEERLOST instead")
+
+
+def _ready():
+    """The receive hook: the data is there already."""
+
+
+class _LLRouting:
+    """A low-latency handle's inside: the normal-mode routing of its
+    pseudo tokens, and where each received row sits in the per-expert
+    layout (order: rows by expert; es, pos: their expert and place)."""
+    __slots__ = ("rt", "rsrc", "order", "es", "pos", "T", "K", "shape",
+                 "zbuf")
+
+    def __init__(self, rt, rsrc, order, es, pos, T, K, shape):
+        self.rt, self.rsrc, self.order, self.es, self.pos = \
+            rt, rsrc, order, es, pos
+        self.T, self.K, self.shape, self.zbuf = T, K, shape, None
+
+
+def _ll_cast(x, round_scale):
+    """DeepEP's per-128-channel fp8 cast of bf16 rows: scale = amax / 448
+    (amax at least 1e-4), a power of two rounded up with round_scale;
+    rows times 448 / amax (or the power's inverse), to e4m3."""
+    torch = _torch()
+    m, n = x.shape
+    xb = x.float().view(m, n // 128, 128)
+    amax = xb.abs().amax(dim=2).clamp(min=1e-4)
+    if round_scale:
+        bits = (amax / 448.0).view(torch.int32)
+        up = ((bits & 0x7FFFFF) != 0).to(torch.int32)
+        sinv = (((bits >> 23) + up) << 23).view(torch.float32)
+        mul = 1.0 / sinv
+    else:
+        sinv = amax / 448.0
+        mul = 448.0 / amax
+    q = (xb * mul.unsqueeze(2)).to(torch.float8_e4m3fn).view(m, n)
+    return q, sinv
