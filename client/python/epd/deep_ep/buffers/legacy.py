@@ -421,20 +421,13 @@ class Buffer:
         if num_worst_tokens and num_worst_tokens > sub.cap:
             raise ValueError(f"num_worst_tokens {num_worst_tokens} exceeds "
                              f"what the group holds ({sub.cap} rows)")
-        run = self._gpu_dispatch if sub.gpu else self._host_dispatch
-        try:
-            out = run(sub, x, x_scales, topk_idx, topk_weights, in_rank, rt,
-                      num_worst_tokens, previous_event, async_finish,
-                      allocate_on_comm_stream)
-        except epd.Error as e:
-            if e.code != epd.ETOOBIG:
-                raise
-            # this rank's or another's: every rank of the group raises
-            raise ValueError(
-                f"epd's deep_ep: {e.message}; the group of this shape was "
-                f"sized for {sub.tmax} tokens per rank at its first "
-                f"dispatch: set EPD_DEEP_EP_MAX_TOKENS (the same on every "
-                f"rank) to the largest count") from e
+        out = self._run_dispatch(
+            sub, (x, x_scales, topk_idx, topk_weights, in_rank, rt,
+                  num_worst_tokens, previous_event, async_finish,
+                  allocate_on_comm_stream),
+            f"the group of this shape was sized for {sub.tmax} tokens per "
+            f"rank at its first dispatch: set EPD_DEEP_EP_MAX_TOKENS (the "
+            f"same on every rank) to the largest count")
         recv_x, recv_xs, rti, rtw, pe, rt_new, rp, rsrc, ev = out
         if ue8m0:
             recv_xs = _ue8m0_pack(recv_xs)
@@ -460,6 +453,18 @@ class Buffer:
         hnd = (rp, empty, empty, rsrc, in_rank, empty)
         return ((recv_x, recv_xs) if fp8 else recv_x, rti, rtw, pe_list,
                 hnd, ev)
+
+    def _run_dispatch(self, sub, args, too_many):
+        """The GPU or host dispatch of sub; too many tokens (this rank's or
+        another's: every rank of the group gets it) as ValueError."""
+        run = self._gpu_dispatch if sub.gpu else self._host_dispatch
+        try:
+            return run(sub, *args)
+        except epd.Error as e:
+            if e.code != epd.ETOOBIG:
+                raise
+            raise ValueError(f"epd's deep_ep: {e.message}; {too_many}") \
+                from e
 
     def _global_counts(self, sub, num_tokens_per_expert):
         """Per local expert, over every source: DeepEP's counts for a
@@ -767,17 +772,10 @@ class Buffer:
         sub = self._ll_sub(H, E, K, N)
         idx = topk_idx.long().reshape(T * K, 1)
         xr = x.repeat_interleave(K, dim=0)
-        run = self._gpu_dispatch if sub.gpu else self._host_dispatch
-        try:
-            out = run(sub, xr, None, idx, None, None, None, 0, None, False,
-                      False)
-        except epd.Error as e:
-            if e.code != epd.ETOOBIG:
-                raise
-            raise ValueError(
-                f"epd's deep_ep: {e.message}; low_latency_dispatch takes at "
-                f"most num_max_dispatch_tokens_per_rank={N} tokens per "
-                f"rank") from e
+        out = self._run_dispatch(
+            sub, (xr, None, idx, None, None, None, 0, None, False, False),
+            f"low_latency_dispatch takes at most "
+            f"num_max_dispatch_tokens_per_rank={N} tokens per rank")
         recv_x, _, rti, _, _, rt, rp, rsrc, _ = out
         dev = recv_x.device
         R = recv_x.size(0)
