@@ -156,10 +156,6 @@ int epd_group_async(struct epd_session *c, uint64_t req_id, uint64_t gid,
 				 "group %s is not ready", g->shape.name);
 		return EP_ENOTREADY;
 	}
-	/* Too many tokens: as for a host rank, the rank takes part with none
-	 * and that op fails for every rank (EP_ETOOBIG), changing nothing;
-	 * the group goes on. The others would otherwise learn only from the
-	 * timeout. */
 	const struct epp_join *s = &g->shape;
 	uint32_t known = op->type == EPP_DISPATCH
 				 ? EPP_DISPATCH_WEIGHTS | EPP_DISPATCH_CACHED
@@ -177,6 +173,10 @@ int epd_group_async(struct epd_session *c, uint64_t req_id, uint64_t gid,
 			       op->flags & ~known);
 		return EP_EINVAL;
 	}
+	/* Too many tokens: as for a host rank, the rank takes part with none
+	 * and that op fails for every rank (EP_ETOOBIG), changing nothing;
+	 * the group goes on. The others would otherwise learn only from the
+	 * timeout. */
 	if (op->type == EPP_DISPATCH && op->tokens > s->max_tokens) {
 		struct epd_aop o = *op;
 		o.asked = op->tokens;

@@ -38,6 +38,7 @@ import weakref
 import epd
 from ..utils.event import EventHandle, EventOverlap
 from ..utils.envs import check_nvlink_connections, check_torch_deterministic
+from ..utils.math import per_token_cast_to_fp8
 
 
 def _torch():
@@ -736,6 +737,15 @@ class Buffer:
             self._subs[key] = sub
         return sub
 
+    @staticmethod
+    def _ll_routing(handle):
+        ll = getattr(handle[0], "_epd", None) if isinstance(handle, tuple) \
+            and len(handle) == 5 else None
+        if not isinstance(ll, _LLRouting):
+            raise ValueError("not a handle of epd's deep_ep "
+                             "low_latency_dispatch")
+        return ll
+
     def low_latency_dispatch(self, x, topk_idx,
                              num_max_dispatch_tokens_per_rank, num_experts,
                              cumulative_local_expert_recv_stats=None,
@@ -779,19 +789,19 @@ class Buffer:
         recv_x, _, rti, _, _, rt, rp, rsrc, _ = out
         dev = recv_x.device
         R = recv_x.size(0)
+        ar = torch.arange(R, device=dev)
         # every received pseudo token has its one expert here
         e = rti[:, 0].to(dev)
         ends = rp[:, self.rank].to(device=dev, dtype=torch.int64)
-        src_rank = torch.searchsorted(ends, torch.arange(R, device=dev),
-                                      right=True)
+        src_rank = torch.searchsorted(ends, ar, right=True)
         # rows by expert, in received order within one (unique keys: the
         # sort is deterministic); counts from the sorted keys (no atomics,
         # so also under torch.use_deterministic_algorithms)
-        order = torch.argsort(e * max(R, 1) + torch.arange(R, device=dev))
+        order = torch.argsort(e * max(R, 1) + ar)
         es = e[order]
         bounds = torch.searchsorted(es, torch.arange(El + 1, device=dev))
         start, counts = bounds[:-1], bounds[1:] - bounds[:-1]
-        pos = torch.arange(R, device=dev) - start[es]
+        pos = ar - start[es]
         rows = recv_x[order]
         src_info = torch.full((El, WN), -1, dtype=torch.int32, device=dev)
         src_info[es, pos] = (rsrc.to(device=dev, dtype=torch.int64)[order] //
@@ -806,7 +816,7 @@ class Buffer:
             cumulative_local_expert_recv_stats.add_(
                 recv_count.to(cumulative_local_expert_recv_stats.device))
         if use_fp8:
-            q, sinv = _ll_cast(rows, round_scale)
+            q, sinv = per_token_cast_to_fp8(rows, round_scale)
             px = torch.empty((El, WN, H), dtype=torch.float8_e4m3fn,
                              device=dev)
             px.view(torch.uint8)[es, pos] = q.view(torch.uint8)
@@ -823,7 +833,7 @@ class Buffer:
         else:
             recv = torch.empty((El, WN, H), dtype=torch.bfloat16, device=dev)
             recv[es, pos] = rows
-        ll = _LLRouting(rt, rsrc, order, es, pos, T, K, (El, WN, H))
+        ll = _LLRouting(rt, order, es, pos, T, K, (El, WN, H))
         src_info._epd = ll
         weakref.finalize(src_info, _release_all, rt.entries).atexit = False
         handle = (src_info, layout, N, H, E)
@@ -841,11 +851,7 @@ class Buffer:
         skipped), rounded once to bf16."""
         torch = _torch()
         check_torch_deterministic()
-        ll = getattr(handle[0], "_epd", None) if isinstance(handle, tuple) \
-            and len(handle) == 5 else None
-        if not isinstance(ll, _LLRouting):
-            raise ValueError("not a handle of epd's deep_ep "
-                             "low_latency_dispatch")
+        ll = self._ll_routing(handle)
         sub = ll.rt.sub
         if sub.g is None:
             raise ValueError("the handle's Buffer was destroyed")
@@ -887,11 +893,7 @@ class Buffer:
         """The tensor a zero_copy low_latency_combine of this handle reads
         (its x): [local experts, ranks x num_max, H] bf16."""
         torch = _torch()
-        ll = getattr(handle[0], "_epd", None) if isinstance(handle, tuple) \
-            and len(handle) == 5 else None
-        if not isinstance(ll, _LLRouting):
-            raise ValueError("not a handle of epd's deep_ep "
-                             "low_latency_dispatch")
+        ll = self._ll_routing(handle)
         if ll.zbuf is None:
             ll.zbuf = torch.empty(ll.shape, dtype=torch.bfloat16,
                                   device=ll.order.device)
@@ -921,30 +923,8 @@ class _LLRouting:
     """A low-latency handle's inside: the normal-mode routing of its
     pseudo tokens, and where each received row sits in the per-expert
     layout (order: rows by expert; es, pos: their expert and place)."""
-    __slots__ = ("rt", "rsrc", "order", "es", "pos", "T", "K", "shape",
-                 "zbuf")
+    __slots__ = ("rt", "order", "es", "pos", "T", "K", "shape", "zbuf")
 
-    def __init__(self, rt, rsrc, order, es, pos, T, K, shape):
-        self.rt, self.rsrc, self.order, self.es, self.pos = \
-            rt, rsrc, order, es, pos
+    def __init__(self, rt, order, es, pos, T, K, shape):
+        self.rt, self.order, self.es, self.pos = rt, order, es, pos
         self.T, self.K, self.shape, self.zbuf = T, K, shape, None
-
-
-def _ll_cast(x, round_scale):
-    """DeepEP's per-128-channel fp8 cast of bf16 rows: scale = amax / 448
-    (amax at least 1e-4), a power of two rounded up with round_scale;
-    rows times 448 / amax (or the power's inverse), to e4m3."""
-    torch = _torch()
-    m, n = x.shape
-    xb = x.float().view(m, n // 128, 128)
-    amax = xb.abs().amax(dim=2).clamp(min=1e-4)
-    if round_scale:
-        bits = (amax / 448.0).view(torch.int32)
-        up = ((bits & 0x7FFFFF) != 0).to(torch.int32)
-        sinv = (((bits >> 23) + up) << 23).view(torch.float32)
-        mul = 1.0 / sinv
-    else:
-        sinv = amax / 448.0
-        mul = 448.0 / amax
-    q = (xb * mul.unsqueeze(2)).to(torch.float8_e4m3fn).view(m, n)
-    return q, sinv

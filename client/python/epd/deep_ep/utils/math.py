@@ -25,16 +25,26 @@ def calc_diff(x, y):
     return (1 - 2 * (x * y).sum() / (x * x + y * y).sum()).item()
 
 
-def per_token_cast_to_fp8(x):
+def per_token_cast_to_fp8(x, round_scale=False):
     """[m, n] -> (e4m3 [m, n], fp32 scales [m, ceil(n/128)]): each group
-    of 128 columns scaled so that its largest magnitude is 448."""
+    of 128 columns scaled so that its largest magnitude is 448 (amax at
+    least 1e-4). With round_scale (epd's addition, as DeepEP's low-latency
+    cast) the scale amax / 448 is rounded up to a power of two and the
+    values are multiplied by its inverse."""
     import torch
     m, n = x.shape
     pad = align(n, 128) - n
-    xp = torch.nn.functional.pad(x, (0, pad)).view(m, -1, 128)
+    xp = torch.nn.functional.pad(x, (0, pad)).view(m, (n + pad) // 128, 128)
     amax = xp.abs().float().amax(dim=2).clamp(min=1e-4)
-    q = (xp.float() * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn)
-    return q.view(m, -1)[:, :n].contiguous(), amax / 448.0
+    if round_scale:
+        bits = (amax / 448.0).view(torch.int32)
+        up = ((bits & 0x7FFFFF) != 0).to(torch.int32)
+        scale = (((bits >> 23) + up) << 23).view(torch.float32)
+        mul = 1.0 / scale
+    else:
+        scale, mul = amax / 448.0, 448.0 / amax
+    q = (xp.float() * mul.unsqueeze(2)).to(torch.float8_e4m3fn)
+    return q.view(m, n + pad)[:, :n].contiguous(), scale
 
 
 def per_token_cast_back(x_fp8, x_scales):
