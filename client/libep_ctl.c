@@ -87,15 +87,18 @@ int ep_group_error(ep_group_t *g)
 				(const char *)ep__ctl_slot(g) + EPP_CTL_ERR_MSG);
 	if (g->conn->async_err)
 		return g->conn->async_err;
-	return ep__op_error(g);
+	int ge = ep__graph_error(g);
+	return ge ? ge : ep__op_error(g);
 }
 
 /* The kernel stores 32-bit sequence numbers. */
 uint64_t ep__completed_full(const ep_group_t *g)
 {
 	uint64_t v = ep__ctl_completed(g) & 0xffffffffull;
-	uint64_t full = (g->sent & ~0xffffffffull) | v;
-	if (full > g->sent)
+	/* a replayed graph's host node advances sent on CUDA's thread */
+	uint64_t sent = __atomic_load_n(&g->sent, __ATOMIC_ACQUIRE);
+	uint64_t full = (sent & ~0xffffffffull) | v;
+	if (full > sent)
 		full -= 1ull << 32;
 	return full;
 }
@@ -114,7 +117,9 @@ int ep__wait_completed(ep_group_t *g, uint64_t behind)
 {
 	uint64_t end = now_ms() + (uint64_t)ep__group_op_timeout(g);
 	unsigned spins = 0;
-	while (g->sent - ep__completed_full(g) > behind) {
+	while (__atomic_load_n(&g->sent, __ATOMIC_ACQUIRE) -
+		       ep__completed_full(g) >
+	       behind) {
 		if (ep__ctl_error(g)) {
 			if (getenv("EP_DEBUG"))
 				fprintf(stderr,

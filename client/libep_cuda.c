@@ -5,7 +5,7 @@
  * stream, "doorbell := k" then "wait until done >= k"; the daemon's stream
  * does the rest. Built only with CUDA (libep_nocuda.c otherwise).
  */
-#include "libep_int.h"
+#include "libep_cuda_int.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,8 +16,6 @@
 #include <pthread.h>
 #include <sys/syscall.h>
 
-#include "ekc.h"
-
 #define MAX_INFLIGHT EPP_MAX_INFLIGHT
 
 /* The rank's words of the host barrier (EPP_FEAT_HOST_BARRIER). */
@@ -27,14 +25,14 @@ static uint64_t hb_words(const ep_group_t *g)
 				    EPP_CTL_HB_STRIDE;
 }
 
-static struct ekc_driver drv;
+struct ekc_driver ep__drv;
 static int drv_rc = -1;
 static char drv_err[256];
 static pthread_once_t drv_once = PTHREAD_ONCE_INIT;
 
 static void drv_load(void)
 {
-	drv_rc = ekc_load(&drv, drv_err, sizeof(drv_err));
+	drv_rc = ekc_load(&ep__drv, drv_err, sizeof(drv_err));
 }
 
 static int driver(void)
@@ -43,10 +41,10 @@ static int driver(void)
 	return drv_rc ? ep__fail(EP_EUNSUPPORTED, "%s", drv_err) : 0;
 }
 
-static int cufail(CUresult r, const char *what)
+int ep__cufail(CUresult r, const char *what)
 {
 	char err[200];
-	ekc_fail(&drv, r, what, err, sizeof(err));
+	ekc_fail(&ep__drv, r, what, err, sizeof(err));
 	return ep__fail(EP_EBACKEND, "%s", err);
 }
 
@@ -56,16 +54,16 @@ static int ensure_ctx(int dev)
 {
 	CUcontext cur = NULL;
 	CUdevice d;
-	if (drv.cuCtxGetCurrent(&cur) == CUDA_SUCCESS && cur &&
-	    drv.cuCtxGetDevice(&d) == CUDA_SUCCESS && (int)d == dev)
+	if (ep__drv.cuCtxGetCurrent(&cur) == CUDA_SUCCESS && cur &&
+	    ep__drv.cuCtxGetDevice(&d) == CUDA_SUCCESS && (int)d == dev)
 		return 0;
 	CUcontext pc;
-	CUresult r = drv.cuDeviceGet(&d, dev);
+	CUresult r = ep__drv.cuDeviceGet(&d, dev);
 	if (!r)
-		r = drv.cuDevicePrimaryCtxRetain(&pc, d);
+		r = ep__drv.cuDevicePrimaryCtxRetain(&pc, d);
 	if (!r)
-		r = drv.cuCtxSetCurrent(pc);
-	return r ? cufail(r, "making a context current") : 0;
+		r = ep__drv.cuCtxSetCurrent(pc);
+	return r ? ep__cufail(r, "making a context current") : 0;
 }
 
 static CUfunction ring_fn(void);
@@ -76,18 +74,18 @@ int ep__cuda_prepare(int dev, uint8_t uuid[16], uint32_t *rank_flags)
 	if (rc)
 		return rc;
 	CUdevice d;
-	CUresult r = drv.cuDeviceGet(&d, dev);
+	CUresult r = ep__drv.cuDeviceGet(&d, dev);
 	if (r)
-		return cufail(r, "cuDeviceGet");
+		return ep__cufail(r, "cuDeviceGet");
 	CUuuid u;
-	r = drv.cuDeviceGetUuid(&u, d);
+	r = ep__drv.cuDeviceGetUuid(&u, d);
 	if (r)
-		return cufail(r, "cuDeviceGetUuid");
+		return ep__cufail(r, "cuDeviceGetUuid");
 	memcpy(uuid, u.bytes, 16);
 	if (rc = ensure_ctx(dev), rc)
 		return rc;
 	int mps = 0;
-	drv.cuDeviceGetAttribute(&mps, CU_DEVICE_ATTRIBUTE_MPS_ENABLED, d);
+	ep__drv.cuDeviceGetAttribute(&mps, CU_DEVICE_ATTRIBUTE_MPS_ENABLED, d);
 	*rank_flags = mps ? EPP_RANK_MPS : 0;
 	/* Under MPS, load the kernels' module now: loading it later, behind
 	 * work the rank already queued (a stream gated on something only
@@ -105,68 +103,76 @@ int ep__cuda_map(ep_group_t *g, int fd, uint64_t size)
 		return rc;
 	}
 	CUmemGenericAllocationHandle h;
-	CUresult r = drv.cuMemImportFromShareableHandle(
+	CUresult r = ep__drv.cuMemImportFromShareableHandle(
 		&h, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
 	close(fd);
 	if (r)
-		return cufail(r, "cuMemImportFromShareableHandle");
+		return ep__cufail(r, "cuMemImportFromShareableHandle");
 	CUdeviceptr p;
-	r = drv.cuMemAddressReserve(&p, size, 0, 0, 0);
+	r = ep__drv.cuMemAddressReserve(&p, size, 0, 0, 0);
 	if (r) {
-		drv.cuMemRelease(h);
-		return cufail(r, "cuMemAddressReserve");
+		ep__drv.cuMemRelease(h);
+		return ep__cufail(r, "cuMemAddressReserve");
 	}
-	r = drv.cuMemMap(p, size, 0, h, 0);
+	r = ep__drv.cuMemMap(p, size, 0, h, 0);
 	if (r) {
-		drv.cuMemAddressFree(p, size);
-		drv.cuMemRelease(h);
-		return cufail(r, "cuMemMap");
+		ep__drv.cuMemAddressFree(p, size);
+		ep__drv.cuMemRelease(h);
+		return ep__cufail(r, "cuMemMap");
 	}
 	CUmemAccessDesc a = {
 		.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE,
 			     .id = g->cuda_device},
 		.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-	r = drv.cuMemSetAccess(p, size, &a, 1);
+	r = ep__drv.cuMemSetAccess(p, size, &a, 1);
 	if (r) {
-		drv.cuMemUnmap(p, size);
-		drv.cuMemAddressFree(p, size);
-		drv.cuMemRelease(h);
-		return cufail(r, "cuMemSetAccess");
+		ep__drv.cuMemUnmap(p, size);
+		ep__drv.cuMemAddressFree(p, size);
+		ep__drv.cuMemRelease(h);
+		return ep__cufail(r, "cuMemSetAccess");
 	}
 	g->dev_ptr = p;
 	g->dev_handle = h;
 	g->dev_size = size;
 	/* The control page for the GPU: a host barrier's doorbell and done
 	 * word are there (registered now, before any op is queued). */
-	r = drv.cuMemHostRegister(g->buf, EPP_BUF_HEADER,
+	r = ep__drv.cuMemHostRegister(g->buf, EPP_BUF_HEADER,
 				  CU_MEMHOSTREGISTER_DEVICEMAP |
 					  CU_MEMHOSTREGISTER_PORTABLE);
 	CUdeviceptr cd = 0;
-	if (!r && (r = drv.cuMemHostGetDevicePointer(&cd, g->buf, 0)))
-		drv.cuMemHostUnregister(g->buf);
+	if (!r && (r = ep__drv.cuMemHostGetDevicePointer(&cd, g->buf, 0)))
+		ep__drv.cuMemHostUnregister(g->buf);
 	if (r) {
 		ep__cuda_unmap(g);
-		return cufail(r, "registering the control page");
+		return ep__cufail(r, "registering the control page");
 	}
 	g->ctl_dev = cd;
+	/* Loaded now: a capture may not load a module (and under MPS a load
+	 * behind queued work can deadlock). */
+	(void)ring_fn();
+	int grc = ep__graph_init(g);
+	if (grc) {
+		ep__cuda_unmap(g);
+		return grc;
+	}
 	return 0;
 }
 
 void ep__cuda_unmap(ep_group_t *g)
 {
+	ep__graph_fini(g);
 	if (g->ctl_dev)
-		drv.cuMemHostUnregister(g->buf);
+		ep__drv.cuMemHostUnregister(g->buf);
 	g->ctl_dev = 0;
 	if (!g->dev_ptr)
 		return;
-	drv.cuMemUnmap(g->dev_ptr, g->dev_size);
-	drv.cuMemAddressFree(g->dev_ptr, g->dev_size);
-	drv.cuMemRelease(g->dev_handle);
+	ep__drv.cuMemUnmap(g->dev_ptr, g->dev_size);
+	ep__drv.cuMemAddressFree(g->dev_ptr, g->dev_size);
+	ep__drv.cuMemRelease(g->dev_handle);
 	g->dev_ptr = 0;
 }
 
-/* The group's features (EPP_FEAT_*), set by the daemon before READY. */
-static uint32_t features(const ep_group_t *g)
+uint32_t ep__features(const ep_group_t *g)
 {
 	if (!g->buf || g->cuda_device < 0)
 		return 0;
@@ -176,18 +182,19 @@ static uint32_t features(const ep_group_t *g)
 			       __ATOMIC_ACQUIRE);
 }
 
-/* ekc_ring_wait in the current context: the kernels' module is loaded once
- * per context (the fatbin is linked into libep). NULL if it cannot be:
- * the rank then rings and waits with stream memory operations. */
-static CUfunction ring_fn(void)
+/* ekc_ring_wait (which 0) or ekc_post_wait (1) in the current context:
+ * the kernels' module is loaded once per context (the fatbin is linked
+ * into libep). NULL if it cannot be: the rank then rings and waits with
+ * stream memory operations (and cannot capture ops into graphs). */
+static CUfunction kernel_fn(int which)
 {
 	static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 	static struct {
 		CUcontext ctx;
-		CUfunction fn;
+		CUfunction fn[2];
 	} cache[16];
 	CUcontext cur = NULL;
-	if (drv.cuCtxGetCurrent(&cur) || !cur)
+	if (ep__drv.cuCtxGetCurrent(&cur) || !cur)
 		return NULL;
 	CUfunction fn = NULL;
 	pthread_mutex_lock(&mu);
@@ -195,24 +202,39 @@ static CUfunction ring_fn(void)
 	for (i = 0; i < 16 && cache[i].ctx && cache[i].ctx != cur; i++)
 		;
 	if (i < 16 && cache[i].ctx == cur) {
-		fn = cache[i].fn;
+		fn = cache[i].fn[which];
 	} else if (i < 16) {
 		CUmodule mod;
-		if (!drv.cuModuleLoadData(&mod, ekc_fatbin) &&
-		    drv.cuModuleGetFunction(&fn, mod, "ekc_ring_wait"))
-			fn = NULL;
 		cache[i].ctx = cur;
-		cache[i].fn = fn;
+		if (!ep__drv.cuModuleLoadData(&mod, ekc_fatbin)) {
+			if (ep__drv.cuModuleGetFunction(&cache[i].fn[0], mod,
+							"ekc_ring_wait"))
+				cache[i].fn[0] = NULL;
+			if (ep__drv.cuModuleGetFunction(&cache[i].fn[1], mod,
+							"ekc_post_wait"))
+				cache[i].fn[1] = NULL;
+		}
+		fn = cache[i].fn[which];
 	}
 	pthread_mutex_unlock(&mu);
 	return fn;
+}
+
+static CUfunction ring_fn(void)
+{
+	return kernel_fn(0);
+}
+
+CUfunction ep__post_fn(void)
+{
+	return kernel_fn(1);
 }
 
 /* How long the ring kernel spins before it leaves the wait to the stream
  * memory operation behind it: EP_RING_SPIN_US, default 2 ms (longer than
  * any op of a healthy group on one GPU; the bound on how long a killed
  * rank's kernel holds the GPU's MPS server). */
-static uint64_t ring_spin_ns(void)
+uint64_t ep__ring_spin_ns(void)
 {
 	static uint64_t ns;
 	uint64_t v = __atomic_load_n(&ns, __ATOMIC_RELAXED);
@@ -228,8 +250,7 @@ static uint64_t ring_spin_ns(void)
 	return v;
 }
 
-/* The op's frame to the daemon: payload, then its number k. */
-static int send_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
+int ep__send_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 		   uint32_t len, uint64_t k)
 {
 	uint8_t buf[192];
@@ -272,36 +293,24 @@ static int async_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 	int rc = ep__ctl_error(g) ? ep_group_error(g) : 0;
 	if (rc)
 		return rc;
-	/* Captured into a CUDA graph, the op's frame to the daemon would be
-	 * sent once, at capture, and every replay would wait on a doorbell
-	 * number nobody serves again: stale outputs, no error. Refuse at
-	 * once until graphs are supported for real. */
-	CUstreamCaptureStatus cap = CU_STREAM_CAPTURE_STATUS_NONE;
-	CUresult cr = drv.cuStreamIsCapturing((CUstream)stream, &cap);
-	if (cr)
-		return cufail(cr, "asking whether the stream is captured");
-	if (cap != CU_STREAM_CAPTURE_STATUS_NONE)
-		return ep__fail(EP_EUNSUPPORTED,
-				"the stream is being captured into a CUDA "
-				"graph; epd's stream-ordered operations "
-				"cannot be captured yet (a replay would not "
-				"reach the daemon)");
+	if ((rc = ep__graph_direct_ok(g)))
+		return rc;
 	if (g->sent - ep__completed_full(g) >= MAX_INFLIGHT - 1 &&
 	    (rc = ep__wait_completed(g, MAX_INFLIGHT - 2)))
 		return rc;
 	uint64_t k = g->sent + 1;
-	if (!g->ring_tried && features(g) & EPP_FEAT_KERNEL_WAIT) {
+	if (!g->ring_tried && ep__features(g) & EPP_FEAT_KERNEL_WAIT) {
 		/* EP_NO_KERNEL_WAIT=1: stream memory operations instead */
 		const char *no = getenv("EP_NO_KERNEL_WAIT");
 		g->ring_fn = no && *no == '1' ? NULL : ring_fn();
 		g->ring_tried = true;
 	}
-	if (type && (rc = send_op(g, type, payload, len, k)))
+	if (type && (rc = ep__send_op(g, type, payload, len, k)))
 		return rc;
 	CUstream s = (CUstream)stream;
 	CUdeviceptr bell = g->dev_ptr + (type ? EKC_DOORBELL : EKC_BAR_DOORBELL);
 	CUresult r;
-	if (!type && features(g) & EPP_FEAT_HOST_BARRIER) {
+	if (!type && ep__features(g) & EPP_FEAT_HOST_BARRIER) {
 		/* Post the request first: the daemon's thread may sleep until
 		 * a rank has a barrier queued (and is woken if it does). */
 		uint8_t *w = (uint8_t *)g->buf + hb_words(g);
@@ -314,10 +323,10 @@ static int async_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 			syscall(SYS_futex, sleeping, FUTEX_WAKE, 1, NULL, NULL,
 				0);
 		CUdeviceptr hw = g->ctl_dev + hb_words(g);
-		r = drv.cuStreamWriteValue32(s, hw + EPP_HB_BELL, (cuuint32_t)k,
+		r = ep__drv.cuStreamWriteValue32(s, hw + EPP_HB_BELL, (cuuint32_t)k,
 					     0);
 		if (!r)
-			r = drv.cuStreamWaitValue32(s, hw + EPP_HB_DONE,
+			r = ep__drv.cuStreamWaitValue32(s, hw + EPP_HB_DONE,
 						    (cuuint32_t)k,
 						    CU_STREAM_WAIT_VALUE_GEQ);
 	} else if (g->ring_fn) {
@@ -332,25 +341,53 @@ static int async_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 			.done = (const uint32_t *)(uintptr_t)(g->dev_ptr +
 							      EKC_DONE),
 			.k = (uint32_t)k,
-			.budget_ns = ring_spin_ns()};
+			.budget_ns = ep__ring_spin_ns()};
 		void *params[] = {&a};
-		r = drv.cuLaunchKernel((CUfunction)g->ring_fn, 1, 1, 1, 32, 1,
+		r = ep__drv.cuLaunchKernel((CUfunction)g->ring_fn, 1, 1, 1, 32, 1,
 				       1, 0, s, params, NULL);
 		if (!r)
-			r = drv.cuStreamWaitValue32(s, g->dev_ptr + EKC_DONE,
+			r = ep__drv.cuStreamWaitValue32(s, g->dev_ptr + EKC_DONE,
 						    (cuuint32_t)k,
 						    CU_STREAM_WAIT_VALUE_GEQ);
 	} else {
-		r = drv.cuStreamWriteValue32(s, bell, (cuuint32_t)k, 0);
+		r = ep__drv.cuStreamWriteValue32(s, bell, (cuuint32_t)k, 0);
 		if (!r)
-			r = drv.cuStreamWaitValue32(s, g->dev_ptr + EKC_DONE,
+			r = ep__drv.cuStreamWaitValue32(s, g->dev_ptr + EKC_DONE,
 						    (cuuint32_t)k,
 						    CU_STREAM_WAIT_VALUE_GEQ);
 	}
 	if (r)
-		return cufail(r, "enqueueing on the stream");
+		return ep__cufail(r, "enqueueing on the stream");
 	g->sent = k;
 	*seq = k;
+	return 0;
+}
+
+/* Is the stream being captured into a CUDA graph? 0 and *yes, or the
+ * error (also: not a GPU rank, the group failed). */
+static int capturing(ep_group_t *g, void *stream, bool *yes)
+{
+	if (g->cuda_device < 0)
+		return ep__fail(EP_EUNSUPPORTED,
+				"not a GPU rank (join with EP_JOIN_CUDA)");
+	int rc = ep__ctl_error(g) ? ep_group_error(g) : 0;
+	if (rc)
+		return rc;
+	CUstreamCaptureStatus cap = CU_STREAM_CAPTURE_STATUS_NONE;
+	CUresult cr = ep__drv.cuStreamIsCapturing((CUstream)stream, &cap);
+	if (cr)
+		return ep__cufail(cr, "asking whether the stream is captured");
+	*yes = cap != CU_STREAM_CAPTURE_STATUS_NONE;
+	return 0;
+}
+
+static int graph_handle_direct(const ep_handle_t *h)
+{
+	if (h && h->seq & EP__GSEQ)
+		return ep__fail(EP_EINVAL,
+				"the handle of a dispatch captured into a CUDA "
+				"graph names a new routing at each replay: only "
+				"ops captured into graphs may use it");
 	return 0;
 }
 
@@ -359,11 +396,20 @@ int ep_barrier_stream(ep_group_t *g, void *stream)
 	uint8_t buf[8];
 	struct epp_wr w;
 	uint64_t seq;
+	bool cap;
 	if (!g)
 		return ep__fail(EP_EINVAL, "NULL group");
+	int rc = capturing(g, stream, &cap);
+	if (rc)
+		return rc;
+	bool dev = ep__features(g) &
+		   (EPP_FEAT_FAST_BARRIER | EPP_FEAT_HOST_BARRIER);
+	if (cap)
+		return ep__graph_capture(g, dev ? 0 : EPP_BARRIER, 0, 0, NULL,
+					 (CUstream)stream, NULL);
 	epp_wr_init(&w, buf, sizeof(buf));
 	epp_put_u64(&w, g->id);
-	if (features(g) & (EPP_FEAT_FAST_BARRIER | EPP_FEAT_HOST_BARRIER))
+	if (dev)
 		return async_op(g, 0, NULL, 0, stream, &seq);
 	return async_op(g, EPP_BARRIER, buf, 8, stream, &seq);
 }
@@ -376,8 +422,25 @@ int ep_dispatch_stream(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 		return ep__fail(EP_EINVAL, "NULL argument");
 	uint8_t buf[128];
 	uint32_t n;
-	int rc = ep__dispatch_request(g, num_tokens, flags, cached, buf, &n);
+	bool cap;
+	int rc = capturing(g, stream, &cap);
+	if (!rc)
+		rc = ep__dispatch_request(g, num_tokens, flags, cached, buf, &n);
 	if (rc)
+		return rc;
+	if (cap) {
+		/* a replay cannot tell this rank alone: refused at capture */
+		if (num_tokens > g->cfg.max_tokens)
+			return ep__fail(EP_ETOOBIG,
+					"%u tokens exceed the group's maximum "
+					"of %u per rank: not captured",
+					num_tokens, g->cfg.max_tokens);
+		return ep__graph_capture(
+			g, EPP_DISPATCH, num_tokens,
+			flags | (cached ? EP__GFLAG_CACHED : 0), cached,
+			(CUstream)stream, handle);
+	}
+	if ((rc = graph_handle_direct(cached)))
 		return rc;
 	uint64_t seq;
 	rc = async_op(g, EPP_DISPATCH, buf, n, stream, &seq);
@@ -400,7 +463,6 @@ int ep_dispatch_stream(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 				.epoch = g->epoch,
 				.num_tokens = num_tokens,
 				.num_recv = UINT32_MAX};
-	g->last_dispatch = seq;
 	return 0;
 }
 
@@ -411,8 +473,16 @@ int ep_combine_stream(ep_group_t *g, const ep_handle_t *h, unsigned flags,
 		return ep__fail(EP_EINVAL, "NULL argument");
 	uint8_t buf[128];
 	uint32_t n;
-	int rc = ep__combine_request(g, h, flags, buf, &n);
+	bool cap;
+	int rc = capturing(g, stream, &cap);
+	if (!rc)
+		rc = ep__combine_request(g, h, flags, buf, &n);
 	if (rc)
+		return rc;
+	if (cap)
+		return ep__graph_capture(g, EPP_COMBINE, 0, flags, h,
+					 (CUstream)stream, NULL);
+	if ((rc = graph_handle_direct(h)))
 		return rc;
 	uint64_t seq;
 	return async_op(g, EPP_COMBINE, buf, n, stream, &seq);
@@ -424,6 +494,10 @@ int ep_dispatch_recv_count(ep_group_t *g, ep_handle_t *h)
 		return ep__fail(EP_EINVAL, "NULL argument");
 	if (g->cuda_device < 0)
 		return 0; /* host dispatches return their count */
+	if (h->seq & EP__GSEQ)
+		return ep__fail(EP_EINVAL,
+				"a captured dispatch's count is read on the "
+				"device (ep_dispatch_recv_count_device)");
 	/* The count of the most recent dispatch (fresh or cached) of h's
 	 * routing is in the control page once it completed. */
 	int rc = ep__wait_completed(g, g->sent - g->last_dispatch);

@@ -48,7 +48,16 @@ struct ep_group {
 	uint64_t toobig_seq;  /* a dispatch of too many tokens: reported to
 				 this rank when it was enqueued */
 	uint64_t last_dispatch; /* seq of the last dispatch op */
+	struct ep_graphs *gr;   /* ops captured into CUDA graphs (libep_graph.c) */
 };
+
+/* A handle made by a dispatch captured into a CUDA graph: seq is this bit
+ * and the record's id (the routing is a new one at every replay). */
+#define EP__GSEQ (1ull << 63)
+/* ep__graph_capture: a cached dispatch */
+#define EP__GFLAG_CACHED (1u << 31)
+/* 0, or the error of a replayed graph's op that could not be posted. */
+int ep__graph_error(ep_group_t *g);
 
 /* libep_cuda.c, or libep_nocuda.c (EP_EUNSUPPORTED) in a build without
  * CUDA. Fill uuid and rank flags of device dev for a JOIN. */

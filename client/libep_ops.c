@@ -206,6 +206,11 @@ int ep_handle_release(ep_group_t *g, const ep_handle_t *h)
 {
 	if (!g || !h)
 		return ep__fail(EP_EINVAL, "NULL argument");
+	if (h->seq & EP__GSEQ)
+		return ep__fail(EP_EINVAL,
+				"the handle of a dispatch captured into a CUDA "
+				"graph: the graph releases each replay's "
+				"routing itself");
 	struct epp_release rl = {.group_id = g->id,
 				 .handle = {.group_id = h->group_id,
 					    .epoch = h->epoch,

@@ -58,6 +58,9 @@
  *   1.9  The buffer layout gains rank_prefix [W, W] i32, written by every
  *        dispatch for every local rank, and combine_bias2 [T_max, H] bf16
  *        at its end; COMBINE flag EPP_COMBINE_BIAS2 adds that second bias.
+ *   1.10 RELEASE with EPP_F_ASYNC: no reply on success (an error is an
+ *        ERROR reply no one waits for). libep sends it from a CUDA graph's
+ *        host node, which may not block on a reply.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -76,7 +79,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 9
+#define EPP_VERSION_MINOR 10
 /* Stream-ordered ops a GPU rank may have in flight (libep waits before
  * more; the daemon's rings are this deep). */
 #define EPP_MAX_INFLIGHT 1024
@@ -122,8 +125,10 @@ enum epp_type {
 
 enum epp_flags {
 	EPP_F_JOIN_NOWAIT = 0x1, /* JOIN: reply before the group is ready */
-	EPP_F_ASYNC = 0x2,       /* BARRIER: stream-ordered; errors go to the
-				    control page, no reply on success */
+	EPP_F_ASYNC = 0x2,       /* BARRIER, DISPATCH, COMBINE: stream-
+				    ordered; errors go to the control page,
+				    no reply on success. RELEASE: no reply
+				    on success */
 	EPP_F_ALL = 0x3,
 };
 

@@ -358,8 +358,9 @@ int epd_handle_release(struct epd_group *g, uint64_t seq, uint32_t l);
 /* Free handle seq whoever holds it (a backend that owns the holds). */
 void epd_handle_drop(struct epd_group *g, uint64_t seq);
 void epd_handles_free(struct epd_group *g);
+/* quiet: no OK on success (EPP_F_ASYNC); an error is replied either way */
 int epd_op_release(struct epd_session *c, uint64_t req_id,
-		   const struct epp_release *rl);
+		   const struct epp_release *rl, bool quiet);
 
 /* ops.c, shared with the cross-node engine (cluster/xnode.c) */
 /* Did a rank of the dispatch (flags by rank, W of them) ask for more

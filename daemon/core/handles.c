@@ -158,7 +158,7 @@ void epd_handles_free(struct epd_group *g)
 
 /* EPP_RELEASE from a client. */
 int epd_op_release(struct epd_session *c, uint64_t req_id,
-		   const struct epp_release *rl)
+		   const struct epp_release *rl, bool quiet)
 {
 	struct epd_member *m = epd_member_find(c, rl->group_id);
 	if (!m) {
@@ -181,7 +181,9 @@ int epd_op_release(struct epd_session *c, uint64_t req_id,
 	}
 	if (g->state == EPD_G_FAILED) {
 		/* its handles go with it: nothing to give back */
-		epd_session_send(c, EPP_OK, 0, req_id, NULL, 0, NULL, 0);
+		if (!quiet)
+			epd_session_send(c, EPP_OK, 0, req_id, NULL, 0, NULL,
+					 0);
 		return 0;
 	}
 	char err[EPP_ERRMSG_MAX];
@@ -216,6 +218,7 @@ int epd_op_release(struct epd_session *c, uint64_t req_id,
 		epd_session_error(c, req_id, rc, "%s", err);
 		return rc;
 	}
-	epd_session_send(c, EPP_OK, 0, req_id, NULL, 0, NULL, 0);
+	if (!quiet)
+		epd_session_send(c, EPP_OK, 0, req_id, NULL, 0, NULL, 0);
 	return 0;
 }

@@ -246,6 +246,18 @@ static void handle_async(struct epd_client *c, const struct epp_hdr *h,
 	struct epd_aop op = {.type = h->type};
 	uint64_t gid = 0;
 	int bad = 0;
+	if (h->type == EPP_RELEASE) {
+		/* from a replayed CUDA graph's host node: no reply on
+		 * success (nothing after the handle) */
+		struct epp_release rl;
+		if (epp_release_decode(p, h->length, &rl))
+			epd_session_error(&c->s, h->req_id, EP_EPROTO,
+					 "malformed release payload (%u bytes)",
+					 h->length);
+		else
+			epd_op_release(&c->s, h->req_id, &rl, true);
+		return;
+	}
 	if (h->length < 8) {
 		bad = 1;
 	} else {
@@ -371,7 +383,7 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 					 "malformed release payload (%u bytes)",
 					 h->length);
 		else
-			epd_op_release(&c->s, h->req_id, &rl);
+			epd_op_release(&c->s, h->req_id, &rl, false);
 		break;
 	}
 	case EPP_STATUS: {

@@ -85,7 +85,13 @@
 	X(cuStreamIsCapturing)                                                 \
 	X(cuStreamBeginCapture)                                                \
 	X(cuStreamEndCapture)                                                  \
-	X(cuGraphDestroy)
+	X(cuGraphDestroy)                                                      \
+	X(cuGraphInstantiateWithFlags)                                         \
+	X(cuGraphLaunch)                                                       \
+	X(cuGraphExecDestroy)                                                  \
+	X(cuUserObjectCreate)                                                  \
+	X(cuUserObjectRelease)                                                 \
+	X(cuGraphRetainUserObject)
 
 struct ekc_driver {
 	void *lib;
@@ -93,6 +99,8 @@ struct ekc_driver {
 #define EKC_MEMBER(f) __typeof__(f) *f;
 	EKC_FUNCS(EKC_MEMBER)
 #undef EKC_MEMBER
+	/* the CUDA 12.3 form (with edge data), asked for by that version */
+	__typeof__(cuStreamGetCaptureInfo_v3) *cuStreamGetCaptureInfo3;
 };
 
 /* Load the driver once per process. 0, or -1 with why in err (no library,
@@ -160,6 +168,29 @@ struct ekc_ring_args {
 	const uint32_t *done;
 	uint32_t k;
 	uint32_t pad;
+	uint64_t budget_ns;
+};
+
+/* A stream-ordered op captured into a CUDA graph (libep_graph.c): its
+ * number is known only when a replay reaches it, so a host node of the
+ * graph writes it into the op's slot (pinned host memory) and this kernel
+ * reads it there, rings, spins for done as ekc_ring_wait does, and on
+ * success opens the op's gate, on which a stream wait of the graph
+ * (a fixed value: gate == 1) holds the rest. skip: the host node could not
+ * post the op (its error is the group's): open the gate, ring nothing.
+ * budget_ns 0: ring only (no MPS: a spinning kernel would hold the GPU's
+ * time slice; libep's watcher opens the gate). */
+struct ekc_gslot {
+	uint32_t k;    /* op number of the current replay */
+	uint32_t skip; /* nonzero: not posted */
+	uint32_t gate; /* 1 once op k is done for this rank */
+	uint32_t pad[13];
+};
+struct ekc_post_args {
+	const struct ekc_gslot *slot; /* device view of the host slot */
+	uint32_t *gate;               /* &slot->gate, the same view */
+	uint32_t *bell;
+	const uint32_t *done;
 	uint64_t budget_ns;
 };
 

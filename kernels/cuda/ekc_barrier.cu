@@ -120,6 +120,37 @@ extern "C" __global__ void __launch_bounds__(32) ekc_ring_wait(struct ekc_ring_a
 	fence_acquire(); // the op's outputs, for what follows on the stream
 }
 
+// A captured op (struct ekc_post_args): the number from the host node,
+// then as ekc_ring_wait; the gate opens only once done >= k was seen.
+extern "C" __global__ void __launch_bounds__(32) ekc_post_wait(struct ekc_post_args a)
+{
+	if (threadIdx.x)
+		return;
+	const volatile struct ekc_gslot *s = a.slot;
+	if (s->skip) {
+		*(volatile uint32_t *)a.gate = 1;
+		__threadfence_system();
+		return;
+	}
+	const uint32_t k = s->k;
+	asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(a.bell),
+		     "r"(k)
+		     : "memory");
+	if (!a.budget_ns)
+		return;
+	const uint64_t end = now_ns() + a.budget_ns;
+	uint32_t spins = 0;
+	while ((int32_t)(ld_relaxed(a.done) - k) < 0) {
+		if ((++spins & 255) == 0 && now_ns() > end)
+			return; // libep's watcher opens the gate
+		if (spins > 64)
+			__nanosleep(200);
+	}
+	fence_acquire();
+	*(volatile uint32_t *)a.gate = 1;
+	__threadfence_system();
+}
+
 __device__ static inline uint32_t ld_host(const volatile uint32_t *p)
 {
 	return *p;

@@ -37,6 +37,19 @@ int ekc_load(struct ekc_driver *d, char *err, size_t errlen)
 	}
 	EKC_FUNCS(EKC_GET)
 #undef EKC_GET
+	{
+		CUdriverProcAddressQueryResult st;
+		if (gpa("cuStreamGetCaptureInfo",
+			(void **)&d->cuStreamGetCaptureInfo3, 12030,
+			CU_GET_PROC_ADDRESS_DEFAULT, &st) != CUDA_SUCCESS ||
+		    !d->cuStreamGetCaptureInfo3) {
+			snprintf(err, errlen,
+				 "CUDA driver lacks cuStreamGetCaptureInfo "
+				 "(12.3; status %d)",
+				 (int)st);
+			goto err_close;
+		}
+	}
 	CUresult r = d->cuInit(0);
 	if (r != CUDA_SUCCESS) {
 		const char *s = NULL;

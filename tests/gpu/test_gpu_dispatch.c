@@ -214,21 +214,6 @@ static int case_rank(int r, void *arg)
 	CU(tg_drv.cuMemsetD32Async(ep_dispatch_recv_count_device(g),
 				   0xa5a5a5a5u, 1, st));
 	ep_handle_t h;
-	{
-		/* a dispatch captured into a CUDA graph is refused at once
-		 * (its replays would not reach the daemon); the group goes
-		 * on with the real one below */
-		CUstream cs;
-		CUgraph graph;
-		CU(tg_drv.cuStreamCreate(&cs, CU_STREAM_NON_BLOCKING));
-		CU(tg_drv.cuStreamBeginCapture(cs,
-					       CU_STREAM_CAPTURE_MODE_RELAXED));
-		TH_EXPECT_RC(ep_dispatch_stream(g, me->T, 0, NULL, cs, &h),
-			     EP_EUNSUPPORTED);
-		CU(tg_drv.cuStreamEndCapture(cs, &graph));
-		CU(tg_drv.cuGraphDestroy(graph));
-		CU(tg_drv.cuStreamDestroy(cs));
-	}
 	TH_OK(ep_dispatch_stream(g, me->T,
 				 c->weights ? EP_DISPATCH_WEIGHTS : 0, NULL,
 				 st, &h));

@@ -1,0 +1,36 @@
+/* SPDX-License-Identifier: MIT */
+/* libep internals shared by libep_cuda.c and libep_graph.c (CUDA builds). */
+#ifndef LIBEP_CUDA_INT_H
+#define LIBEP_CUDA_INT_H
+
+#include "libep_int.h"
+#include "ekc.h"
+
+extern struct ekc_driver ep__drv;
+/* EP_EBACKEND with the driver's words for r. */
+int ep__cufail(CUresult r, const char *what);
+/* The group's features (EPP_FEAT_*), set by the daemon before READY. */
+uint32_t ep__features(const ep_group_t *g);
+/* How long a rank's ring kernel spins (EP_RING_SPIN_US). */
+uint64_t ep__ring_spin_ns(void);
+/* The op's frame to the daemon: payload, then its number k. */
+int ep__send_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
+		uint32_t len, uint64_t k);
+/* ekc_post_wait in the current context (loaded with the ring kernel when
+ * the group was mapped), or NULL. */
+CUfunction ep__post_fn(void);
+
+/* libep_graph.c: the group's graph state (at map), its end (at unmap), and
+ * an op captured on stream s: type 0 a barrier of the resident kernel,
+ * else EPP_BARRIER, EPP_DISPATCH (flags EP_DISPATCH_* | EP__GFLAG_CACHED
+ * with h the cached handle) or EPP_COMBINE (EP_COMBINE_*, h). A captured
+ * dispatch's handle in *out. */
+int ep__graph_init(ep_group_t *g);
+void ep__graph_fini(ep_group_t *g);
+int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
+		      unsigned flags, const ep_handle_t *h, CUstream s,
+		      ep_handle_t *out);
+/* 0, or EP_EBUSY while records of the group's captured ops live. */
+int ep__graph_direct_ok(ep_group_t *g);
+
+#endif

@@ -1,0 +1,574 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * libep on GPU ranks: stream-ordered ops captured into CUDA graphs.
+ *
+ * A direct stream op gets its number k, and sends its frame to the daemon,
+ * when the rank enqueues it; the stream only rings doorbell := k and waits
+ * for done >= k. Captured that way, every replay would ring the number of
+ * the capture and reach no daemon. A captured op is instead three nodes:
+ *
+ *   host node   takes the group's next number k, sends the op's frame
+ *               (its handle resolved to the number the dispatch it names got
+ *               in this replay) and writes k into the op's slot, a line of
+ *               pinned host memory, closing the slot's gate;
+ *   kernel      reads k from the slot, rings, spins for done >= k a short
+ *               while (as ekc_ring_wait) and opens the gate;
+ *   stream wait gate == 1, a fixed value: it holds the stream when the
+ *               kernel's spin ran out (then this file's watcher thread
+ *               opens the gate once the control page says k completed).
+ *
+ * Numbers thus advance at replay time, in the order replays run, and the
+ * daemon sees the same frames as for direct ops (nothing changes there).
+ * Each captured op is a record, owned by the graph through a CUDA user
+ * object: CUDA drops it when the graph and every instance are destroyed.
+ * A captured fresh dispatch releases the routing of its previous replay
+ * when it is replayed (every op that used it was sent before), and its last
+ * one when the record goes.
+ *
+ * While any record lives, this rank's direct stream ops of the group are
+ * refused (EP_EBUSY): a replay's host node may not have run yet, and a
+ * direct op numbered before it would be rung after it on the stream.
+ */
+#include "libep_cuda_int.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sched.h>
+#include <time.h>
+#include <unistd.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+
+#define NSLOTS 1024u
+#define SLOTS_BYTES (NSLOTS * sizeof(struct ekc_gslot))
+
+struct gop {
+	struct ep_graphs *gs;
+	uint32_t id, slot;
+	uint16_t type; /* EPP_DISPATCH, EPP_COMBINE; 0: barrier */
+	uint32_t tokens;
+	unsigned flags;
+	ep_handle_t h;   /* cached dispatch, combine: the handle named */
+	struct gop *src; /* ... when that handle is a captured dispatch's */
+	unsigned refs;   /* the graph's, and each op naming this one */
+	uint64_t k;      /* the number of the latest replay (0: none yet) */
+	bool pending;    /* posted; the watcher opens its gate once done */
+	bool dead;       /* the graph let it go */
+};
+
+struct ep_graphs {
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	ep_group_t *g; /* NULL once the group is left */
+	struct ekc_gslot *slots;
+	CUdeviceptr slots_dev;
+	bool slot_used[NSLOTS];
+	struct gop **ops; /* by id; NULL once freed */
+	uint32_t nops, cap;
+	uint32_t live;    /* records the graphs hold */
+	uint32_t npending;
+	pthread_t watcher;
+	bool watching, stop;
+	bool mps; /* the rank's context runs under MPS */
+	uint64_t posted_ns; /* the latest post (the watcher polls hard after) */
+	int err; /* a replay that could not post: the group's error */
+	char msg[256];
+};
+
+/* The rank's words of the host barrier (EPP_FEAT_HOST_BARRIER). */
+static uint64_t hb_words(const ep_group_t *g)
+{
+	return EPP_CTL_HB + (uint64_t)(g->cfg.rank % g->cfg.ranks_per_node) *
+				    EPP_CTL_HB_STRIDE;
+}
+
+static struct gop *handle_op(struct ep_graphs *gs, const ep_handle_t *h)
+{
+	uint64_t id = h->seq & ~EP__GSEQ;
+	return id < gs->nops ? gs->ops[id] : NULL;
+}
+
+int ep__graph_init(ep_group_t *g)
+{
+	struct ep_graphs *gs = calloc(1, sizeof(*gs));
+	if (!gs)
+		return ep__fail(EP_ENOMEM, "no memory for the graph state");
+	CUresult r = ep__drv.cuMemHostAlloc((void **)&gs->slots, SLOTS_BYTES,
+					    CU_MEMHOSTALLOC_DEVICEMAP |
+						    CU_MEMHOSTALLOC_PORTABLE);
+	if (!r)
+		r = ep__drv.cuMemHostGetDevicePointer(&gs->slots_dev, gs->slots,
+						      0);
+	if (r) {
+		if (gs->slots)
+			ep__drv.cuMemFreeHost(gs->slots);
+		free(gs);
+		return ep__cufail(r, "allocating the graph slots");
+	}
+	memset(gs->slots, 0, SLOTS_BYTES);
+	CUdevice d;
+	int mps = 0;
+	if (!ep__drv.cuDeviceGet(&d, g->cuda_device))
+		ep__drv.cuDeviceGetAttribute(&mps, CU_DEVICE_ATTRIBUTE_MPS_ENABLED,
+					     d);
+	gs->mps = mps != 0;
+	pthread_mutex_init(&gs->mu, NULL);
+	pthread_cond_init(&gs->cv, NULL);
+	gs->g = g;
+	g->gr = gs;
+	return 0;
+}
+
+/* Async release of routing k (no reply; an error is the connection's). */
+static void release_async(ep_group_t *g, uint64_t k)
+{
+	struct epp_release rl = {.group_id = g->id,
+				 .handle = {.group_id = g->id,
+					    .epoch = g->epoch,
+					    .seq = k}};
+	uint8_t buf[64];
+	size_t n = epp_release_encode(&rl, buf, sizeof(buf));
+	ep_conn_t *c = g->conn;
+	pthread_mutex_lock(&c->mu);
+	if (n && !c->dead) {
+		struct epp_hdr h;
+		epp_hdr_init(&h, EPP_RELEASE, ++c->next_req);
+		h.flags = EPP_F_ASYNC;
+		h.length = (uint32_t)n;
+		int rc = epp_send_frame(c->fd, &h, buf, NULL);
+		if (rc)
+			c->dead = rc;
+	}
+	pthread_mutex_unlock(&c->mu);
+}
+
+/* Free what is unreferenced; gs->mu held. */
+static void op_put(struct ep_graphs *gs, struct gop *o)
+{
+	while (o && --o->refs == 0) {
+		struct gop *src = o->src;
+		gs->ops[o->id] = NULL;
+		free(o);
+		o = src;
+	}
+}
+
+static void gs_free_if_done(struct ep_graphs *gs)
+{
+	/* gs->mu held, and released here */
+	bool done = !gs->g && !gs->live;
+	pthread_mutex_unlock(&gs->mu);
+	if (!done)
+		return;
+	/* Only the slots' pinned memory would need a CUDA call, which a
+	 * user object's destructor may not make: it stays (64 KiB, once per
+	 * group left while its graphs lived). */
+	free(gs->ops);
+	pthread_mutex_destroy(&gs->mu);
+	pthread_cond_destroy(&gs->cv);
+	free(gs);
+}
+
+/* The graph let the record go (CUDA's thread; no CUDA calls). */
+static void op_destroy(void *p)
+{
+	struct gop *o = p;
+	struct ep_graphs *gs = o->gs;
+	pthread_mutex_lock(&gs->mu);
+	o->dead = true;
+	if (o->pending) {
+		o->pending = false;
+		gs->npending--;
+	}
+	if (gs->g && o->type == EPP_DISPATCH &&
+	    !(o->flags & EP__GFLAG_CACHED) && o->k)
+		release_async(gs->g, o->k);
+	gs->slot_used[o->slot] = false;
+	gs->live--;
+	op_put(gs, o);
+	gs_free_if_done(gs);
+}
+
+static bool getenv_one(const char *name)
+{
+	const char *v = getenv(name);
+	return v && v[0] == '1' && !v[1];
+}
+
+static uint64_t mono_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void gs_error(struct ep_graphs *gs, int code, const char *msg)
+{
+	if (!gs->err) {
+		gs->err = code;
+		snprintf(gs->msg, sizeof(gs->msg), "%s", msg);
+	}
+}
+
+/* The group's error from the control page (recorded), or 0. Not
+ * ep_group_error: that takes gs->mu, which the caller holds. */
+static int group_failed(struct ep_graphs *gs, ep_group_t *g)
+{
+	int rc = ep__ctl_error(g);
+	if (rc) {
+		char m[EPP_CTL_MSG_MAX + 1];
+		memcpy(m, ep__ctl_slot(g) + EPP_CTL_ERR_MSG, EPP_CTL_MSG_MAX);
+		m[EPP_CTL_MSG_MAX] = 0;
+		gs_error(gs, rc, m);
+	}
+	return rc;
+}
+
+/* Wait until one more op may be in flight (as ep__wait_completed, whose
+ * error path would take gs->mu). */
+static int inflight_room(struct ep_graphs *gs, ep_group_t *g)
+{
+	uint64_t end = mono_ns() +
+		       (uint64_t)ep__group_op_timeout(g) * 1000000ull;
+	while (g->sent - ep__completed_full(g) >= EPP_MAX_INFLIGHT - 1) {
+		int rc = group_failed(gs, g);
+		if (rc)
+			return rc;
+		if (mono_ns() > end) {
+			gs_error(gs, EP_ETIMEDOUT,
+				 "the ops before a replayed op did not "
+				 "complete in time");
+			return EP_ETIMEDOUT;
+		}
+		usleep(20);
+	}
+	return 0;
+}
+
+/* A replay reached the record: number it and send its frame (CUDA's
+ * thread; no CUDA calls). */
+static void op_post(void *p)
+{
+	struct gop *o = p;
+	struct ep_graphs *gs = o->gs;
+	volatile struct ekc_gslot *s = &gs->slots[o->slot];
+	pthread_mutex_lock(&gs->mu);
+	ep_group_t *g = gs->g;
+	if (o->pending) { /* the last replay's wait passed: it is done */
+		o->pending = false;
+		gs->npending--;
+	}
+	int rc = gs->err;
+	if (!g && !rc) {
+		rc = EP_ENOGROUP;
+		gs_error(gs, rc, "a graph was replayed after its group was "
+				 "left");
+	}
+	if (!rc)
+		rc = group_failed(gs, g);
+	ep_handle_t h = o->h;
+	if (!rc && o->src) {
+		if (!o->src->k) {
+			rc = EP_EINVAL;
+			gs_error(gs, rc,
+				 "a captured op names the handle of a captured "
+				 "dispatch that no replay ran yet");
+		}
+		h.seq = o->src->k;
+	}
+	uint8_t buf[128];
+	uint32_t n = 0;
+	if (!rc && o->type == EPP_DISPATCH)
+		rc = ep__dispatch_request(g, o->tokens, o->flags & ~EP__GFLAG_CACHED,
+					  o->flags & EP__GFLAG_CACHED ? &h
+								      : NULL,
+					  buf, &n);
+	else if (!rc && o->type == EPP_COMBINE)
+		rc = ep__combine_request(g, &h, o->flags, buf, &n);
+	else if (!rc && o->type == EPP_BARRIER) {
+		struct epp_wr w;
+		epp_wr_init(&w, buf, 8);
+		epp_put_u64(&w, g->id);
+		n = 8;
+	}
+	if (!rc)
+		rc = inflight_room(gs, g);
+	if (!rc && o->type == EPP_DISPATCH &&
+	    !(o->flags & EP__GFLAG_CACHED) && o->k)
+		release_async(g, o->k); /* the last replay's routing */
+	uint64_t k = g ? g->sent + 1 : 0;
+	if (!rc && o->type && (rc = ep__send_op(g, o->type, buf, n, k)))
+		gs_error(gs, rc, ep_errmsg());
+	if (!rc && !o->type && ep__features(g) & EPP_FEAT_HOST_BARRIER) {
+		/* the host barrier: post the number, wake its thread */
+		uint8_t *w = (uint8_t *)g->buf + hb_words(g);
+		uint32_t *sleeping = (uint32_t *)((uint8_t *)g->buf +
+						  EPP_CTL_GROUP_SLOT +
+						  EPP_CTL_HB_SLEEP);
+		__atomic_store_n((uint32_t *)(w + EPP_HB_REQ), (uint32_t)k,
+				 __ATOMIC_SEQ_CST);
+		if (__atomic_load_n(sleeping, __ATOMIC_SEQ_CST))
+			syscall(SYS_futex, sleeping, FUTEX_WAKE, 1, NULL, NULL,
+				0);
+	}
+	if (rc) {
+		s->skip = 1;
+	} else {
+		__atomic_store_n(&g->sent, k, __ATOMIC_RELEASE);
+		if (o->type == EPP_DISPATCH)
+			g->last_dispatch = k;
+		o->k = k;
+		s->gate = 0;
+		s->k = (uint32_t)k;
+		s->skip = 0;
+		o->pending = true;
+		gs->npending++;
+		gs->posted_ns = mono_ns();
+		pthread_cond_signal(&gs->cv);
+	}
+	__atomic_thread_fence(__ATOMIC_SEQ_CST);
+	pthread_mutex_unlock(&gs->mu);
+}
+
+/* Opens the gate of every posted record whose op completed (or of all
+ * once the group failed): the stream waits that a kernel's spin left. */
+static void *watch(void *arg)
+{
+	struct ep_graphs *gs = arg;
+	pthread_mutex_lock(&gs->mu);
+	while (!gs->stop) {
+		if (!gs->npending) {
+			pthread_cond_wait(&gs->cv, &gs->mu);
+			continue;
+		}
+		ep_group_t *g = gs->g;
+		uint64_t done = ep__completed_full(g);
+		bool failed = ep__ctl_error(g) != 0;
+		for (uint32_t i = 0; i < gs->nops; i++) {
+			struct gop *o = gs->ops[i];
+			if (!o || !o->pending || (o->k > done && !failed))
+				continue;
+			__atomic_store_n(&gs->slots[o->slot].gate, 1,
+					 __ATOMIC_RELEASE);
+			o->pending = false;
+			gs->npending--;
+		}
+		/* hard for a millisecond after a post (a gate the kernel did
+		 * not open: no MPS, or a long op), gently after */
+		bool hard = mono_ns() - gs->posted_ns < 1000000u;
+		pthread_mutex_unlock(&gs->mu);
+		if (hard)
+			sched_yield();
+		else
+			usleep(50);
+		pthread_mutex_lock(&gs->mu);
+	}
+	pthread_mutex_unlock(&gs->mu);
+	return NULL;
+}
+
+void ep__graph_fini(ep_group_t *g)
+{
+	struct ep_graphs *gs = g->gr;
+	if (!gs)
+		return;
+	g->gr = NULL;
+	pthread_mutex_lock(&gs->mu);
+	/* a replay still waiting on a gate gets it opened (its error is
+	 * EP_ENOGROUP from here on) */
+	for (uint32_t i = 0; i < gs->nops; i++)
+		if (gs->ops[i] && gs->ops[i]->pending)
+			__atomic_store_n(&gs->slots[gs->ops[i]->slot].gate, 1,
+					 __ATOMIC_RELEASE);
+	gs->stop = true;
+	pthread_cond_signal(&gs->cv);
+	bool watching = gs->watching;
+	pthread_mutex_unlock(&gs->mu);
+	if (watching)
+		pthread_join(gs->watcher, NULL);
+	pthread_mutex_lock(&gs->mu);
+	gs->g = NULL;
+	if (!gs->live) {
+		pthread_mutex_unlock(&gs->mu);
+		ep__drv.cuMemFreeHost(gs->slots);
+		pthread_mutex_lock(&gs->mu);
+	}
+	gs_free_if_done(gs);
+}
+
+int ep__graph_error(ep_group_t *g)
+{
+	struct ep_graphs *gs = g->gr;
+	if (!gs)
+		return 0;
+	pthread_mutex_lock(&gs->mu);
+	int rc = gs->err;
+	char msg[sizeof(gs->msg)];
+	memcpy(msg, gs->msg, sizeof(msg));
+	pthread_mutex_unlock(&gs->mu);
+	return rc ? ep__fail(rc, "a replayed CUDA graph: %s", msg) : 0;
+}
+
+int ep__graph_direct_ok(ep_group_t *g)
+{
+	struct ep_graphs *gs = g->gr;
+	if (!gs)
+		return 0;
+	pthread_mutex_lock(&gs->mu);
+	uint32_t live = gs->live;
+	pthread_mutex_unlock(&gs->mu);
+	if (live)
+		return ep__fail(EP_EBUSY,
+				"%u stream-ordered ops of this group are "
+				"captured in CUDA graphs that still exist: "
+				"until CUDA released them (after "
+				"cuGraphExecDestroy and cuGraphDestroy), this "
+				"rank's ops of the group go into graphs only "
+				"(eager work: join a second group)",
+				live);
+	return 0;
+}
+
+int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
+		      unsigned flags, const ep_handle_t *h, CUstream s,
+		      ep_handle_t *out)
+{
+	struct ep_graphs *gs = g->gr;
+	if (!gs)
+		return ep__fail(EP_EUNSUPPORTED, "no graph state for the group");
+	CUstreamCaptureStatus st;
+	CUgraph graph;
+	CUresult r = ep__drv.cuStreamGetCaptureInfo3(s, &st, NULL, &graph,
+						     NULL, NULL, NULL);
+	if (r)
+		return ep__cufail(r, "cuStreamGetCaptureInfo");
+	if (st != CU_STREAM_CAPTURE_STATUS_ACTIVE)
+		return ep__fail(EP_EINVAL,
+				"the stream's capture was invalidated");
+	CUfunction fn = ep__post_fn();
+	if (!fn)
+		return ep__fail(EP_EBACKEND,
+				"libep's kernels are not loaded in this "
+				"context");
+	struct gop *o = calloc(1, sizeof(*o));
+	if (!o)
+		return ep__fail(EP_ENOMEM, "no memory for a captured op");
+	o->gs = gs;
+	o->type = type;
+	o->tokens = tokens;
+	o->flags = flags;
+	o->refs = 1;
+	if (h)
+		o->h = *h;
+	pthread_mutex_lock(&gs->mu);
+	int rc = 0;
+	if (h && h->seq & EP__GSEQ) {
+		o->src = handle_op(gs, h);
+		if (!o->src || o->src->dead)
+			rc = ep__fail(EP_ESTALE,
+				      "the handle of a captured dispatch whose "
+				      "graph is gone");
+		else
+			o->src->refs++;
+	}
+	uint32_t slot = 0;
+	while (!rc && slot < NSLOTS && gs->slot_used[slot])
+		slot++;
+	if (!rc && slot == NSLOTS)
+		rc = ep__fail(EP_ELIMIT,
+			      "%u ops of this group are captured in graphs "
+			      "that exist: destroy some first",
+			      NSLOTS);
+	if (!rc && gs->nops == gs->cap) {
+		uint32_t nc = gs->cap ? gs->cap * 2 : 64;
+		struct gop **no = realloc(gs->ops, nc * sizeof(*no));
+		if (!no)
+			rc = ep__fail(EP_ENOMEM, "no memory for a captured op");
+		else {
+			gs->ops = no;
+			gs->cap = nc;
+		}
+	}
+	if (!rc && !gs->watching) {
+		if (pthread_create(&gs->watcher, NULL, watch, gs))
+			rc = ep__fail(EP_ENOMEM, "cannot start libep's graph "
+						 "watcher thread");
+		else
+			gs->watching = true;
+	}
+	if (rc) {
+		if (o->src)
+			op_put(gs, o->src);
+		pthread_mutex_unlock(&gs->mu);
+		free(o);
+		return rc;
+	}
+	o->slot = slot;
+	o->id = gs->nops;
+	gs->slot_used[slot] = true;
+	gs->ops[gs->nops++] = o;
+	gs->live++;
+	memset(&gs->slots[slot], 0, sizeof(gs->slots[slot]));
+	pthread_mutex_unlock(&gs->mu);
+
+	/* The record is the graph's from here on, even if a node below
+	 * cannot be added (the capture then fails and the graph goes). */
+	CUuserObject uo;
+	r = ep__drv.cuUserObjectCreate(&uo, o, op_destroy, 1,
+				       CU_USER_OBJECT_NO_DESTRUCTOR_SYNC);
+	if (r) {
+		pthread_mutex_lock(&gs->mu);
+		gs->live--;
+		gs->slot_used[slot] = false;
+		op_put(gs, o);
+		pthread_mutex_unlock(&gs->mu);
+		return ep__cufail(r, "cuUserObjectCreate");
+	}
+	r = ep__drv.cuGraphRetainUserObject(graph, uo, 1,
+					    CU_GRAPH_USER_OBJECT_MOVE);
+	if (r) {
+		ep__drv.cuUserObjectRelease(uo, 1);
+		return ep__cufail(r, "cuGraphRetainUserObject");
+	}
+	CUdeviceptr sd = gs->slots_dev + slot * sizeof(struct ekc_gslot);
+	CUdeviceptr bell = g->dev_ptr + (type ? EKC_DOORBELL : EKC_BAR_DOORBELL);
+	CUdeviceptr done = g->dev_ptr + EKC_DONE;
+	if (!type && ep__features(g) & EPP_FEAT_HOST_BARRIER) {
+		bell = g->ctl_dev + hb_words(g) + EPP_HB_BELL;
+		done = g->ctl_dev + hb_words(g) + EPP_HB_DONE;
+	}
+	/* Under MPS the kernel spins for done a short while (the rank and
+	 * the daemon share the GPU's SMs); without, a spinning kernel would
+	 * hold the GPU's time slice from the daemon: it only rings, and the
+	 * watcher opens the gate. */
+	struct ekc_post_args a = {
+		.slot = (const struct ekc_gslot *)(uintptr_t)sd,
+		.gate = (uint32_t *)(uintptr_t)(sd + offsetof(struct ekc_gslot,
+							      gate)),
+		.bell = (uint32_t *)(uintptr_t)bell,
+		.done = (const uint32_t *)(uintptr_t)done,
+		.budget_ns = gs->mps && !getenv_one("EP_NO_KERNEL_WAIT")
+				     ? ep__ring_spin_ns()
+				     : 0};
+	void *params[] = {&a};
+	r = ep__drv.cuLaunchHostFunc(s, op_post, o);
+	if (!r)
+		r = ep__drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, params,
+					   NULL);
+	if (!r)
+		r = ep__drv.cuStreamWaitValue32(
+			s, sd + offsetof(struct ekc_gslot, gate), 1,
+			CU_STREAM_WAIT_VALUE_EQ);
+	if (r)
+		return ep__cufail(r, "capturing the op's nodes");
+	if (out)
+		*out = (ep_handle_t){.group_id = g->id,
+				     .seq = h && (flags & EP__GFLAG_CACHED)
+						    ? h->seq
+						    : EP__GSEQ | o->id,
+				     .epoch = g->epoch,
+				     .num_tokens = tokens,
+				     .num_recv = UINT32_MAX};
+	return 0;
+}
