@@ -41,6 +41,7 @@
 #include <sys/syscall.h>
 
 #define NSLOTS 1024u
+#define EP__GCHAIN 16 /* ops a host node posts (< EPP_MAX_INFLIGHT - 1) */
 #define SLOTS_BYTES (NSLOTS * sizeof(struct ekc_gslot))
 
 struct gop {
@@ -54,6 +55,11 @@ struct gop {
 	unsigned refs;   /* the graph's, and each op naming this one */
 	uint64_t k;      /* the number of the latest replay (0: none yet) */
 	bool pending;    /* posted; the watcher opens its gate once done */
+	/* a chain head posts the ops captured right behind it on the same
+	 * stream (each depending on the one before) in its host node */
+	struct gop *chain[EP__GCHAIN];
+	uint32_t nchain;
+	struct gop *head; /* a chain's other op: its head */
 	bool dead;       /* the graph let it go */
 };
 
@@ -72,6 +78,11 @@ struct ep_graphs {
 	bool watching, stop;
 	bool mps; /* the rank's context runs under MPS */
 	uint64_t posted_ns; /* the latest post (the watcher polls hard after) */
+	/* the op captured last: a new one depending on its stream wait
+	 * alone, in the same capture, joins its chain */
+	struct gop *tail;
+	CUgraphNode tail_node;
+	cuuint64_t tail_cid;
 	int err; /* a replay that could not post: the group's error */
 	char msg[256];
 };
@@ -146,12 +157,15 @@ static void release_async(ep_group_t *g, uint64_t k)
 /* Free what is unreferenced; gs->mu held. */
 static void op_put(struct ep_graphs *gs, struct gop *o)
 {
-	while (o && --o->refs == 0) {
-		struct gop *src = o->src;
-		gs->ops[o->id] = NULL;
-		free(o);
-		o = src;
-	}
+	if (!o || --o->refs)
+		return;
+	if (gs->tail == o)
+		gs->tail = NULL;
+	gs->ops[o->id] = NULL;
+	op_put(gs, o->src);
+	for (uint32_t i = 0; i < o->nchain; i++)
+		op_put(gs, o->chain[i]);
+	free(o);
 }
 
 static void gs_free_if_done(struct ep_graphs *gs)
@@ -246,20 +260,19 @@ static int inflight_room(struct ep_graphs *gs, ep_group_t *g)
 	return 0;
 }
 
-/* A replay reached the record: number it and send its frame (CUDA's
- * thread; no CUDA calls). */
-static void op_post(void *p)
+/* Number op o, send its frame and write its slot; rc nonzero (an earlier
+ * op of the chain failed) or a failure here: mark it skipped. gs->mu
+ * held. */
+static int post_one(struct ep_graphs *gs, ep_group_t *g, struct gop *o,
+		    int rc)
 {
-	struct gop *o = p;
-	struct ep_graphs *gs = o->gs;
 	volatile struct ekc_gslot *s = &gs->slots[o->slot];
-	pthread_mutex_lock(&gs->mu);
-	ep_group_t *g = gs->g;
 	if (o->pending) { /* the last replay's wait passed: it is done */
 		o->pending = false;
 		gs->npending--;
 	}
-	int rc = gs->err;
+	if (!rc)
+		rc = gs->err;
 	if (!g && !rc) {
 		rc = EP_ENOGROUP;
 		gs_error(gs, rc, "a graph was replayed after its group was "
@@ -292,6 +305,8 @@ static void op_post(void *p)
 		epp_put_u64(&w, g->id);
 		n = 8;
 	}
+	if (rc && !gs->err)
+		gs_error(gs, rc, ep_errmsg());
 	if (!rc)
 		rc = inflight_room(gs, g);
 	if (!rc && o->type == EPP_DISPATCH &&
@@ -314,19 +329,34 @@ static void op_post(void *p)
 	}
 	if (rc) {
 		s->skip = 1;
-	} else {
-		__atomic_store_n(&g->sent, k, __ATOMIC_RELEASE);
-		if (o->type == EPP_DISPATCH)
-			g->last_dispatch = k;
-		o->k = k;
-		s->gate = 0;
-		s->k = (uint32_t)k;
-		s->skip = 0;
-		o->pending = true;
-		gs->npending++;
-		gs->posted_ns = mono_ns();
-		pthread_cond_signal(&gs->cv);
+		return rc;
 	}
+	__atomic_store_n(&g->sent, k, __ATOMIC_RELEASE);
+	if (o->type == EPP_DISPATCH)
+		g->last_dispatch = k;
+	o->k = k;
+	s->gate = 0;
+	s->k = (uint32_t)k;
+	s->skip = 0;
+	o->pending = true;
+	gs->npending++;
+	return 0;
+}
+
+/* A replay reached the head of a chain of captured ops: number every op
+ * of the chain and send their frames at once, so that the daemon has
+ * them early, as for direct ops (CUDA's thread; no CUDA calls). */
+static void op_post(void *p)
+{
+	struct gop *head = p;
+	struct ep_graphs *gs = head->gs;
+	pthread_mutex_lock(&gs->mu);
+	ep_group_t *g = gs->g;
+	int rc = post_one(gs, g, head, 0);
+	for (uint32_t i = 0; i < head->nchain; i++)
+		rc = post_one(gs, g, head->chain[i], rc);
+	gs->posted_ns = mono_ns();
+	pthread_cond_signal(&gs->cv);
 	__atomic_thread_fence(__ATOMIC_SEQ_CST);
 	pthread_mutex_unlock(&gs->mu);
 }
@@ -430,6 +460,45 @@ int ep__graph_direct_ok(ep_group_t *g)
 	return 0;
 }
 
+/* Does every path from the capture's current dependencies deps[n] lead
+ * back to node (so that what is captured now runs after it)? Looked for
+ * through the graph's edges, up to a bound (no: a new chain). */
+static bool after(CUgraphNode node, const CUgraphNode *deps, size_t n)
+{
+	enum { MAXV = 512 };
+	CUgraphNode q[MAXV];
+	size_t nq = 0;
+	if (!n || n > MAXV)
+		return false;
+	/* every dependency must reach node: one that does not (a branch
+	 * forked before it) could run first */
+	for (size_t d = 0; d < n; d++) {
+		size_t head = nq;
+		bool found = false;
+		q[nq++] = deps[d];
+		while (head < nq && !found) {
+			CUgraphNode v = q[head++];
+			if (v == node) {
+				found = true;
+				break;
+			}
+			size_t m = 0;
+			if (ep__drv.cuGraphNodeGetDependencies2(v, NULL, NULL, &m) ||
+			    nq + m > MAXV)
+				return false;
+			if (!m)
+				continue;
+			if (ep__drv.cuGraphNodeGetDependencies2(v, q + nq, NULL, &m))
+				return false;
+			nq += m;
+		}
+		if (!found)
+			return false;
+		nq = 0;
+	}
+	return true;
+}
+
 int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
 		      unsigned flags, const ep_handle_t *h, CUstream s,
 		      ep_handle_t *out)
@@ -439,8 +508,11 @@ int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
 		return ep__fail(EP_EUNSUPPORTED, "no graph state for the group");
 	CUstreamCaptureStatus st;
 	CUgraph graph;
-	CUresult r = ep__drv.cuStreamGetCaptureInfo3(s, &st, NULL, &graph,
-						     NULL, NULL, NULL);
+	cuuint64_t cid;
+	const CUgraphNode *deps = NULL;
+	size_t ndeps = 0;
+	CUresult r = ep__drv.cuStreamGetCaptureInfo3(s, &st, &cid, &graph, &deps,
+						     NULL, &ndeps);
 	if (r)
 		return ep__cufail(r, "cuStreamGetCaptureInfo");
 	if (st != CU_STREAM_CAPTURE_STATUS_ACTIVE)
@@ -471,6 +543,14 @@ int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
 				      "graph is gone");
 		else
 			o->src->refs++;
+	}
+	struct gop *head = NULL;
+	if (!rc && gs->tail && !gs->tail->dead && gs->tail_cid == cid &&
+	    !getenv_one("EP_GRAPH_NO_CHAIN") &&
+	    after(gs->tail_node, deps, ndeps)) {
+		head = gs->tail->head ? gs->tail->head : gs->tail;
+		if (head->nchain == EP__GCHAIN)
+			head = NULL;
 	}
 	uint32_t slot = 0;
 	while (!rc && slot < NSLOTS && gs->slot_used[slot])
@@ -506,6 +586,11 @@ int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
 	}
 	o->slot = slot;
 	o->id = gs->nops;
+	if (head) { /* posted by the head's host node */
+		o->head = head;
+		head->chain[head->nchain++] = o;
+		o->refs++;
+	}
 	gs->slot_used[slot] = true;
 	gs->ops[gs->nops++] = o;
 	gs->live++;
@@ -552,7 +637,7 @@ int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
 				     ? ep__ring_spin_ns()
 				     : 0};
 	void *params[] = {&a};
-	r = ep__drv.cuLaunchHostFunc(s, op_post, o);
+	r = head ? CUDA_SUCCESS : ep__drv.cuLaunchHostFunc(s, op_post, o);
 	if (!r)
 		r = ep__drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, params,
 					   NULL);
@@ -562,6 +647,16 @@ int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
 			CU_STREAM_WAIT_VALUE_EQ);
 	if (r)
 		return ep__cufail(r, "capturing the op's nodes");
+	/* the stream wait just captured: the node a next op must follow to
+	 * join this chain */
+	if (!ep__drv.cuStreamGetCaptureInfo3(s, &st, NULL, NULL, &deps, NULL,
+					      &ndeps)) {
+		pthread_mutex_lock(&gs->mu);
+		gs->tail = ndeps == 1 ? o : NULL;
+		gs->tail_node = ndeps == 1 ? deps[0] : NULL;
+		gs->tail_cid = cid;
+		pthread_mutex_unlock(&gs->mu);
+	}
 	if (out)
 		*out = (ep_handle_t){.group_id = g->id,
 				     .seq = h && (flags & EP__GFLAG_CACHED)

@@ -99,8 +99,9 @@ struct ekc_driver {
 #define EKC_MEMBER(f) __typeof__(f) *f;
 	EKC_FUNCS(EKC_MEMBER)
 #undef EKC_MEMBER
-	/* the CUDA 12.3 form (with edge data), asked for by that version */
+	/* the CUDA 12.3 forms (with edge data), asked for by that version */
 	__typeof__(cuStreamGetCaptureInfo_v3) *cuStreamGetCaptureInfo3;
+	__typeof__(cuGraphNodeGetDependencies_v2) *cuGraphNodeGetDependencies2;
 };
 
 /* Load the driver once per process. 0, or -1 with why in err (no library,

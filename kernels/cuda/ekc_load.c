@@ -37,19 +37,22 @@ int ekc_load(struct ekc_driver *d, char *err, size_t errlen)
 	}
 	EKC_FUNCS(EKC_GET)
 #undef EKC_GET
-	{
-		CUdriverProcAddressQueryResult st;
-		if (gpa("cuStreamGetCaptureInfo",
-			(void **)&d->cuStreamGetCaptureInfo3, 12030,
-			CU_GET_PROC_ADDRESS_DEFAULT, &st) != CUDA_SUCCESS ||
-		    !d->cuStreamGetCaptureInfo3) {
-			snprintf(err, errlen,
-				 "CUDA driver lacks cuStreamGetCaptureInfo "
-				 "(12.3; status %d)",
-				 (int)st);
-			goto err_close;
-		}
+	/* CUDA 12.3 forms */
+#define EKC_GET123(f, member)                                                  \
+	{                                                                      \
+		CUdriverProcAddressQueryResult st;                             \
+		if (gpa(#f, (void **)&d->member, 12030,                        \
+			CU_GET_PROC_ADDRESS_DEFAULT, &st) != CUDA_SUCCESS ||   \
+		    !d->member) {                                              \
+			snprintf(err, errlen,                                  \
+				 "CUDA driver lacks %s (12.3; status %d)", #f, \
+				 (int)st);                                     \
+			goto err_close;                                        \
+		}                                                              \
 	}
+	EKC_GET123(cuStreamGetCaptureInfo, cuStreamGetCaptureInfo3)
+	EKC_GET123(cuGraphNodeGetDependencies, cuGraphNodeGetDependencies2)
+#undef EKC_GET123
 	CUresult r = d->cuInit(0);
 	if (r != CUDA_SUCCESS) {
 		const char *s = NULL;

@@ -13,6 +13,10 @@
  * and a rank killed between replays: the others' replays end (no hang) and
  * report the loss.
  *
+ * The ops of one replay are posted by the first one's host node (they
+ * follow it on one stream); the same replays run again with a host node
+ * per op (EP_GRAPH_NO_CHAIN=1).
+ *
  * EPD_GRAPH_REPLAYS sets the replays (default 1000); EPD_TEST_SEED repeats
  * a run. Exit 77 without a GPU.
  */
@@ -31,7 +35,8 @@ struct ctx {
 	struct ref_case c;
 	int replays;
 	int victim; /* >= 0: that rank dies after the replays */
-	double us[W];
+	int no_chain; /* EP_GRAPH_NO_CHAIN=1: a host node per op */
+	double us[W], direct_us[W];
 	volatile uint32_t ready[W];
 	volatile uint32_t dummy[8];
 };
@@ -73,6 +78,8 @@ static int graph_rank(int r, void *arg)
 	const uint64_t cap = (uint64_t)W * c.max_tokens;
 	int gpu, i = -1;
 	CUdeviceptr ddev;
+	if (x->no_chain)
+		setenv("EP_GRAPH_NO_CHAIN", "1", 1);
 	CUstream st = tg_rank_init(r, &gpu, (void *)x->dummy, sizeof(x->dummy),
 				   &ddev);
 	struct ep_group_config cfg = {
@@ -231,6 +238,36 @@ static int graph_rank(int r, void *arg)
 			th_sleep_ms(2);
 	}
 	TH_OK(rc);
+	/* the same work as direct ops, for the replay's time against it
+	 * (printed, not judged) */
+	{
+		enum { N = 200 };
+		double dus[N];
+		for (int j = 0; j < N; j++) {
+			uint64_t t0 = th_now_ns();
+			TH_OK(ep_barrier_stream(g, st));
+			h2d(tg_dptr(b.x), x_h, (size_t)T * H * 2, st);
+			h2d(tg_dptr(b.topk_idx), topk_h, (size_t)T * K * 8, st);
+			h2d(tg_dptr(b.topk_weights), w_h, (size_t)T * K * 4, st);
+			ep_handle_t dh, dh2;
+			TH_OK(ep_dispatch_stream(g, T, EP_DISPATCH_WEIGHTS, NULL,
+						 st, &dh));
+			d2h(rx_h, tg_dptr(b.recv_x), cap * H * 2, st);
+			d2h(src_h, tg_dptr(b.recv_src), cap * 8, st);
+			d2h(cnt_h, ep_dispatch_recv_count_device(g), 4, st);
+			h2d(tg_dptr(b.combine_y), y_h, cap * H * 2, st);
+			h2d(tg_dptr(b.combine_bias), bias_h, (size_t)T * H * 2, st);
+			TH_OK(ep_combine_stream(g, &dh, EP_COMBINE_BIAS, st));
+			d2h(comb_h, tg_dptr(b.combined), (size_t)T * H * 2, st);
+			h2d(tg_dptr(b.x), x2_h, (size_t)T * H * 2, st);
+			TH_OK(ep_dispatch_stream(g, T, 0, &dh, st, &dh2));
+			d2h(rx2_h, tg_dptr(b.recv_x), cap * H * 2, st);
+			CU(tg_drv.cuStreamSynchronize(st));
+			dus[j] = (double)(th_now_ns() - t0) / 1e3;
+			TH_OK(ep_handle_release(g, &dh));
+		}
+		x->direct_us[r] = tg_median(dus, N);
+	}
 	/* a captured handle whose graph is gone is refused at capture */
 	CU(tg_drv.cuStreamBeginCapture(cs, CU_STREAM_CAPTURE_MODE_GLOBAL));
 	TH_EXPECT_RC(ep_combine_stream(g, &gh, 0, cs), EP_ESTALE);
@@ -307,8 +344,20 @@ int main(void)
 	       "dispatch, fresh inputs each, bitwise equal to the reference; "
 	       "median replay (with its copies) %.1f / %.1f / %.1f / %.1f us\n",
 	       replays, x->us[0], x->us[1], x->us[2], x->us[3]);
+	printf("ok: the same work as direct ops: median %.1f / %.1f / %.1f / "
+	       "%.1f us (replay / direct on rank 0: %.2f)\n",
+	       x->direct_us[0], x->direct_us[1], x->direct_us[2],
+	       x->direct_us[3], x->us[0] / x->direct_us[0]);
 	printf("ok: captured handles refused where they cannot work; direct "
 	       "ops refused while the graph lives, served after\n");
+	x->replays = replays < 200 ? replays : 200;
+	x->no_chain = 1;
+	run(x, "replays, a host node per op");
+	printf("ok: %d replays with a host node per op (EP_GRAPH_NO_CHAIN=1), "
+	       "bitwise equal to the reference; median replay %.1f us, direct "
+	       "%.1f us\n",
+	       x->replays, x->us[0], x->direct_us[0]);
+	x->no_chain = 0;
 	x->replays = 20;
 	x->victim = 1;
 	run(x, "a rank killed between replays");

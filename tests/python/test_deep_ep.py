@@ -92,8 +92,10 @@ def torch_equal(a, b):
 
 def ref_ll_cast(torch, x, round_scale):
     """DeepEP's low-latency fp8 cast as documented: per 128 channels,
-    scale = max(amax, 1e-4) / 448, rounded up to a power of two with
-    round_scale (here through frexp), values times 1 / scale."""
+    scale = max(amax, 1e-4) * (1 / 448) (a product, as DeepEP's kernel
+    computes it), rounded up to a power of two with round_scale (here
+    through frexp) and values times 1 / scale, else values times
+    448 / amax."""
     m = x.size(0)
     xb = x.float().view(m, H // 128, 128)
     amax = xb.abs().amax(dim=2).clamp(min=1e-4)
@@ -103,7 +105,7 @@ def ref_ll_cast(torch, x, round_scale):
         s = torch.ldexp(torch.ones_like(amax), ex)
         q = xb * (1.0 / s).unsqueeze(2)
     else:
-        s = amax / 448.0
+        s = amax * (1.0 / 448.0)
         q = xb * (448.0 / amax).unsqueeze(2)
     return q.to(torch.float8_e4m3fn).view(m, H), s
 

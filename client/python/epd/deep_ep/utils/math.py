@@ -28,7 +28,8 @@ def calc_diff(x, y):
 def per_token_cast_to_fp8(x, round_scale=False):
     """[m, n] -> (e4m3 [m, n], fp32 scales [m, ceil(n/128)]): each group
     of 128 columns scaled so that its largest magnitude is 448 (amax at
-    least 1e-4). With round_scale (epd's addition, as DeepEP's low-latency
+    least 1e-4; scale amax * (1 / 448), values times 448 / amax). With
+    round_scale (epd's addition, as DeepEP's low-latency
     cast) the scale amax / 448 is rounded up to a power of two and the
     values are multiplied by its inverse."""
     import torch
@@ -42,7 +43,9 @@ def per_token_cast_to_fp8(x, round_scale=False):
         scale = (((bits >> 23) + up) << 23).view(torch.float32)
         mul = 1.0 / scale
     else:
-        scale, mul = amax / 448.0, 448.0 / amax
+        # the scale as a product (as DeepEP's kernels and PyTorch on a GPU
+        # compute amax / 448.0): the same bits on the CPU and the GPU
+        scale, mul = amax * (1.0 / 448.0), 448.0 / amax
     q = (xp.float() * mul.unsqueeze(2)).to(torch.float8_e4m3fn)
     return q.view(m, n + pad)[:, :n].contiguous(), scale
 
