@@ -52,6 +52,23 @@ static void drain_notices(ep_conn_t *c)
 	}
 }
 
+int ep__send(ep_conn_t *c, struct epp_hdr *h, const void *payload,
+	     bool async)
+{
+	pthread_mutex_lock(&c->wmu);
+	int rc = __atomic_load_n(&c->dead, __ATOMIC_ACQUIRE);
+	if (!rc) {
+		h->req_id = __atomic_add_fetch(&c->next_req, 1,
+					       __ATOMIC_RELAXED) |
+			    (async ? EP__REQ_ASYNC : 0);
+		rc = epp_send_frame(c->fd, h, payload, NULL);
+		if (rc)
+			__atomic_store_n(&c->dead, rc, __ATOMIC_RELEASE);
+	}
+	pthread_mutex_unlock(&c->wmu);
+	return rc;
+}
+
 int ep__rpc(ep_conn_t *c, uint16_t type, uint16_t flags, const void *payload,
 	    uint32_t len, uint8_t **reply, uint32_t *rlen, int *fds,
 	    unsigned maxfds, int timeout_ms)
@@ -60,10 +77,10 @@ int ep__rpc(ep_conn_t *c, uint16_t type, uint16_t flags, const void *payload,
 		return ep__fail(c->dead, "connection unusable: %s",
 				ep_strerror(c->dead));
 	struct epp_hdr h;
-	epp_hdr_init(&h, type, ++c->next_req);
+	epp_hdr_init(&h, type, 0);
 	h.flags = flags;
 	h.length = len;
-	int rc = epp_send_frame(c->fd, &h, payload, NULL);
+	int rc = ep__send(c, &h, payload, false);
 	if (rc) {
 		/* A shutdown notice may be waiting behind the closed stream. */
 		drain_notices(c);
@@ -102,7 +119,8 @@ int ep__rpc(ep_conn_t *c, uint16_t type, uint16_t flags, const void *payload,
 				close(got[i]);
 			continue;
 		}
-		if (rh.type == EPP_ERROR && rh.req_id < h.req_id) {
+		if (rh.type == EPP_ERROR &&
+		    (rh.req_id < h.req_id || rh.req_id & EP__REQ_ASYNC)) {
 			/* a stream-ordered request failed (no one waits) */
 			int code;
 			char msg[EPP_ERRMSG_MAX];
@@ -190,6 +208,7 @@ int ep_connect(const char *path, ep_conn_t **out)
 	c->fd = fd;
 	LIST_INIT(&c->groups);
 	pthread_mutex_init(&c->mu, NULL);
+	pthread_mutex_init(&c->wmu, NULL);
 	/* HELLO: version check, and what the daemon is. */
 	uint8_t buf[128];
 	struct epp_wr w;
@@ -239,6 +258,7 @@ void ep_close(ep_conn_t *c)
 	group_free(LIST_ENTRY(it, ep_group_t, node));
 	close(c->fd); /* the daemon removes this connection's ranks */
 	pthread_mutex_destroy(&c->mu);
+	pthread_mutex_destroy(&c->wmu);
 	free(c);
 }
 

@@ -259,20 +259,10 @@ int ep__send_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 	epp_wr_init(&w, buf + len, 8);
 	epp_put_u64(&w, k);
 	struct epp_hdr h;
-	ep_conn_t *c = g->conn;
-	int rc;
-	pthread_mutex_lock(&c->mu);
-	if (c->dead) {
-		rc = c->dead;
-	} else {
-		epp_hdr_init(&h, type, ++c->next_req);
-		h.flags = EPP_F_ASYNC;
-		h.length = len + 8;
-		rc = epp_send_frame(c->fd, &h, buf, NULL);
-		if (rc)
-			c->dead = rc;
-	}
-	pthread_mutex_unlock(&c->mu);
+	epp_hdr_init(&h, type, 0);
+	h.flags = EPP_F_ASYNC;
+	h.length = len + 8;
+	int rc = ep__send(g->conn, &h, buf, true);
 	if (rc)
 		return ep__fail(rc, "send to epd failed: %s", ep_strerror(rc));
 	return 0;

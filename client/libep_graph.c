@@ -140,18 +140,13 @@ static void release_async(ep_group_t *g, uint64_t k)
 					    .seq = k}};
 	uint8_t buf[64];
 	size_t n = epp_release_encode(&rl, buf, sizeof(buf));
-	ep_conn_t *c = g->conn;
-	pthread_mutex_lock(&c->mu);
-	if (n && !c->dead) {
-		struct epp_hdr h;
-		epp_hdr_init(&h, EPP_RELEASE, ++c->next_req);
-		h.flags = EPP_F_ASYNC;
-		h.length = (uint32_t)n;
-		int rc = epp_send_frame(c->fd, &h, buf, NULL);
-		if (rc)
-			c->dead = rc;
-	}
-	pthread_mutex_unlock(&c->mu);
+	if (!n)
+		return;
+	struct epp_hdr h;
+	epp_hdr_init(&h, EPP_RELEASE, 0);
+	h.flags = EPP_F_ASYNC;
+	h.length = (uint32_t)n;
+	(void)ep__send(g->conn, &h, buf, true);
 }
 
 /* Free what is unreferenced; gs->mu held. */

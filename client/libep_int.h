@@ -12,8 +12,11 @@
 
 struct ep_conn {
 	int fd;
-	pthread_mutex_t mu;
-	uint64_t next_req;
+	/* mu: one request and its reply at a time (the reader); wmu: one
+	 * frame written at a time, taken alone by stream-ordered frames (a
+	 * CUDA graph's host node must not wait for a request's reply) */
+	pthread_mutex_t mu, wmu;
+	uint64_t next_req; /* atomic */
 	uint64_t client_id;
 	int dead;      /* set once the stream is unusable */
 	int async_err; /* an error reply to a stream-ordered request */
@@ -21,6 +24,14 @@ struct ep_conn {
 	char backend[16];
 	struct list_node groups;
 };
+
+/* The req_id of a frame no reply is waited for (stream-ordered): its
+ * ERROR is the connection's asynchronous error whenever it arrives. */
+#define EP__REQ_ASYNC (1ull << 63)
+/* Send one frame (h's req_id assigned here, with EP__REQ_ASYNC if async)
+ * under c->wmu; an error makes the connection dead and is returned. */
+int ep__send(ep_conn_t *c, struct epp_hdr *h, const void *payload,
+	     bool async);
 
 /* How long a control request (leave, status, release) may take. */
 #define EP__CTL_TIMEOUT_MS 10000

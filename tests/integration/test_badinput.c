@@ -318,6 +318,21 @@ int main(void)
 		send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_JOIN,
 			 EPP_F_ASYNC, (uint32_t)n, 24, buf);
 		expect_error(fd, 24, EP_EPROTO, "not valid for join");
+		/* RELEASE with EPP_F_ASYNC (a graph's host node): no reply
+		 * on success, an ERROR (with the async request's id) when
+		 * it is malformed or names no handle */
+		send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_RELEASE,
+			 EPP_F_ASYNC, 4, 25 | (1ull << 63), buf);
+		expect_error(fd, 25 | (1ull << 63), EP_EPROTO,
+			     "malformed release payload");
+		struct epp_release rl = {.group_id = jo.group_id,
+					 .handle = {.group_id = jo.group_id,
+						    .epoch = jo.epoch,
+						    .seq = 77}};
+		size_t rn = epp_release_encode(&rl, buf, sizeof(buf));
+		send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_RELEASE,
+			 EPP_F_ASYNC, (uint32_t)rn, 26, buf);
+		expect_error(fd, 26, EP_ESTALE, "not held");
 		expect_usable(fd);
 	}
 	close(fd);
