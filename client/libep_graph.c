@@ -76,7 +76,6 @@ struct ep_graphs {
 	uint32_t npending;
 	pthread_t watcher;
 	bool watching, stop;
-	bool mps; /* the rank's context runs under MPS */
 	uint64_t posted_ns; /* the latest post (the watcher polls hard after) */
 	/* the op captured last: a new one depending on its stream wait
 	 * alone, in the same capture, joins its chain */
@@ -102,6 +101,9 @@ static struct gop *handle_op(struct ep_graphs *gs, const ep_handle_t *h)
 
 int ep__graph_init(ep_group_t *g)
 {
+	const char *off = getenv("EP_GRAPHS");
+	if (off && off[0] == '0' && !off[1])
+		return 0; /* EP_GRAPHS=0: no graph state, captures refused */
 	struct ep_graphs *gs = calloc(1, sizeof(*gs));
 	if (!gs)
 		return ep__fail(EP_ENOMEM, "no memory for the graph state");
@@ -118,12 +120,6 @@ int ep__graph_init(ep_group_t *g)
 		return ep__cufail(r, "allocating the graph slots");
 	}
 	memset(gs->slots, 0, SLOTS_BYTES);
-	CUdevice d;
-	int mps = 0;
-	if (!ep__drv.cuDeviceGet(&d, g->cuda_device))
-		ep__drv.cuDeviceGetAttribute(&mps, CU_DEVICE_ATTRIBUTE_MPS_ENABLED,
-					     d);
-	gs->mps = mps != 0;
 	pthread_mutex_init(&gs->mu, NULL);
 	pthread_cond_init(&gs->cv, NULL);
 	gs->g = g;
@@ -500,7 +496,7 @@ int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
 {
 	struct ep_graphs *gs = g->gr;
 	if (!gs)
-		return ep__fail(EP_EUNSUPPORTED, "no graph state for the group");
+		return ep__fail(EP_EUNSUPPORTED, "CUDA graph capture is off for this rank (EP_GRAPHS=0)");
 	CUstreamCaptureStatus st;
 	CUgraph graph;
 	cuuint64_t cid;
@@ -618,17 +614,21 @@ int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
 		bell = g->ctl_dev + hb_words(g) + EPP_HB_BELL;
 		done = g->ctl_dev + hb_words(g) + EPP_HB_DONE;
 	}
-	/* Under MPS the kernel spins for done a short while (the rank and
-	 * the daemon share the GPU's SMs); without, a spinning kernel would
-	 * hold the GPU's time slice from the daemon: it only rings, and the
-	 * watcher opens the gate. */
+	/* As a direct op's wait: the kernel spins for done a short while
+	 * only where the daemon says ranks may (EPP_FEAT_KERNEL_WAIT, the
+	 * opt-in resident barrier under MPS). Otherwise it only rings and
+	 * the watcher opens the gate: without MPS a spinning kernel holds
+	 * the GPU's time slice from the daemon, and under MPS a rank's
+	 * kernel spinning on what the daemon's kernels write, while those
+	 * spin on doorbells, wedges every client of the GPU. */
 	struct ekc_post_args a = {
 		.slot = (const struct ekc_gslot *)(uintptr_t)sd,
 		.gate = (uint32_t *)(uintptr_t)(sd + offsetof(struct ekc_gslot,
 							      gate)),
 		.bell = (uint32_t *)(uintptr_t)bell,
 		.done = (const uint32_t *)(uintptr_t)done,
-		.budget_ns = gs->mps && !getenv_one("EP_NO_KERNEL_WAIT")
+		.budget_ns = ep__features(g) & EPP_FEAT_KERNEL_WAIT &&
+					     !getenv_one("EP_NO_KERNEL_WAIT")
 				     ? ep__ring_spin_ns()
 				     : 0};
 	void *params[] = {&a};
