@@ -272,6 +272,19 @@ int ep_daemon_status(ep_conn_t *conn, char **json);
  * asynchronous: once a group fails (a rank died, a timeout), every rank's
  * stream is released, and the error is returned by the next call and by
  * ep_group_error() and ep_group_sync().
+ *
+ * CUDA graphs: an op enqueued on a stream being captured is numbered, and
+ * reaches the daemon, at each replay (every rank replays the same ops in
+ * the same order). A captured dispatch's handle names the routing of the
+ * current replay: captured combines and cached dispatches may use it;
+ * ep_dispatch_recv_count, ep_handle_release (the graph releases each
+ * replay's routing itself) and direct ops may not (EP_EINVAL; read the
+ * count with ep_dispatch_recv_count_device). Too many tokens is refused
+ * at capture (EP_ETOOBIG). While graphs holding this rank's ops of the
+ * group exist, its direct stream ops of the group are refused (EP_EBUSY);
+ * they work again shortly after cuGraphExecDestroy and cuGraphDestroy.
+ * An op a replay could not post (the group failed) is skipped: the error
+ * comes from ep_group_error and ep_group_sync.
  */
 int ep_barrier_stream(ep_group_t *group, void *stream);
 /* Stream-ordered dispatch of the first num_tokens rows of the device send
