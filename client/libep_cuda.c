@@ -18,11 +18,21 @@
 
 #define MAX_INFLIGHT EPP_MAX_INFLIGHT
 
-/* The rank's words of the host barrier (EPP_FEAT_HOST_BARRIER). */
-static uint64_t hb_words(const ep_group_t *g)
+uint64_t ep__hb_words(const ep_group_t *g)
 {
 	return EPP_CTL_HB + (uint64_t)(g->cfg.rank % g->cfg.ranks_per_node) *
 				    EPP_CTL_HB_STRIDE;
+}
+
+void ep__hb_post(ep_group_t *g, uint64_t k)
+{
+	uint8_t *w = (uint8_t *)g->buf + ep__hb_words(g);
+	uint32_t *sleeping = (uint32_t *)((uint8_t *)g->buf +
+					  EPP_CTL_GROUP_SLOT + EPP_CTL_HB_SLEEP);
+	__atomic_store_n((uint32_t *)(w + EPP_HB_REQ), (uint32_t)k,
+			 __ATOMIC_SEQ_CST);
+	if (__atomic_load_n(sleeping, __ATOMIC_SEQ_CST))
+		syscall(SYS_futex, sleeping, FUTEX_WAKE, 1, NULL, NULL, 0);
 }
 
 struct ekc_driver ep__drv;
@@ -275,15 +285,9 @@ int ep__send_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 static int async_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 		    uint32_t len, void *stream, uint64_t *seq)
 {
-	if (!g)
-		return ep__fail(EP_EINVAL, "NULL group");
-	if (g->cuda_device < 0)
-		return ep__fail(EP_EUNSUPPORTED,
-				"not a GPU rank (join with EP_JOIN_CUDA)");
-	int rc = ep__ctl_error(g) ? ep_group_error(g) : 0;
+	/* capturing() checked the rank and the group's error */
+	int rc = ep__graph_direct_ok(g);
 	if (rc)
-		return rc;
-	if ((rc = ep__graph_direct_ok(g)))
 		return rc;
 	if (g->sent - ep__completed_full(g) >= MAX_INFLIGHT - 1 &&
 	    (rc = ep__wait_completed(g, MAX_INFLIGHT - 2)))
@@ -303,16 +307,8 @@ static int async_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 	if (!type && ep__features(g) & EPP_FEAT_HOST_BARRIER) {
 		/* Post the request first: the daemon's thread may sleep until
 		 * a rank has a barrier queued (and is woken if it does). */
-		uint8_t *w = (uint8_t *)g->buf + hb_words(g);
-		uint32_t *sleeping = (uint32_t *)((uint8_t *)g->buf +
-						  EPP_CTL_GROUP_SLOT +
-						  EPP_CTL_HB_SLEEP);
-		__atomic_store_n((uint32_t *)(w + EPP_HB_REQ), (uint32_t)k,
-				 __ATOMIC_SEQ_CST);
-		if (__atomic_load_n(sleeping, __ATOMIC_SEQ_CST))
-			syscall(SYS_futex, sleeping, FUTEX_WAKE, 1, NULL, NULL,
-				0);
-		CUdeviceptr hw = g->ctl_dev + hb_words(g);
+		ep__hb_post(g, k);
+		CUdeviceptr hw = g->ctl_dev + ep__hb_words(g);
 		r = ep__drv.cuStreamWriteValue32(s, hw + EPP_HB_BELL, (cuuint32_t)k,
 					     0);
 		if (!r)

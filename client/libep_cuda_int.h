@@ -16,6 +16,10 @@ uint64_t ep__ring_spin_ns(void);
 /* The op's frame to the daemon: payload, then its number k. */
 int ep__send_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 		uint32_t len, uint64_t k);
+/* The rank's words of the host barrier (EPP_FEAT_HOST_BARRIER), and the
+ * post of barrier k there (waking the daemon's thread if it sleeps). */
+uint64_t ep__hb_words(const ep_group_t *g);
+void ep__hb_post(ep_group_t *g, uint64_t k);
 /* ekc_post_wait in the current context (loaded with the ring kernel when
  * the group was mapped), or NULL. */
 CUfunction ep__post_fn(void);

@@ -37,8 +37,6 @@
 #include <sched.h>
 #include <time.h>
 #include <unistd.h>
-#include <linux/futex.h>
-#include <sys/syscall.h>
 
 #define NSLOTS 1024u
 #define EP__GCHAIN 16 /* ops a host node posts (< EPP_MAX_INFLIGHT - 1) */
@@ -85,13 +83,6 @@ struct ep_graphs {
 	int err; /* a replay that could not post: the group's error */
 	char msg[256];
 };
-
-/* The rank's words of the host barrier (EPP_FEAT_HOST_BARRIER). */
-static uint64_t hb_words(const ep_group_t *g)
-{
-	return EPP_CTL_HB + (uint64_t)(g->cfg.rank % g->cfg.ranks_per_node) *
-				    EPP_CTL_HB_STRIDE;
-}
 
 static struct gop *handle_op(struct ep_graphs *gs, const ep_handle_t *h)
 {
@@ -306,18 +297,8 @@ static int post_one(struct ep_graphs *gs, ep_group_t *g, struct gop *o,
 	uint64_t k = g ? g->sent + 1 : 0;
 	if (!rc && o->type && (rc = ep__send_op(g, o->type, buf, n, k)))
 		gs_error(gs, rc, ep_errmsg());
-	if (!rc && !o->type && ep__features(g) & EPP_FEAT_HOST_BARRIER) {
-		/* the host barrier: post the number, wake its thread */
-		uint8_t *w = (uint8_t *)g->buf + hb_words(g);
-		uint32_t *sleeping = (uint32_t *)((uint8_t *)g->buf +
-						  EPP_CTL_GROUP_SLOT +
-						  EPP_CTL_HB_SLEEP);
-		__atomic_store_n((uint32_t *)(w + EPP_HB_REQ), (uint32_t)k,
-				 __ATOMIC_SEQ_CST);
-		if (__atomic_load_n(sleeping, __ATOMIC_SEQ_CST))
-			syscall(SYS_futex, sleeping, FUTEX_WAKE, 1, NULL, NULL,
-				0);
-	}
+	if (!rc && !o->type && ep__features(g) & EPP_FEAT_HOST_BARRIER)
+		ep__hb_post(g, k);
 	if (rc) {
 		s->skip = 1;
 		return rc;
@@ -611,8 +592,8 @@ int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
 	CUdeviceptr bell = g->dev_ptr + (type ? EKC_DOORBELL : EKC_BAR_DOORBELL);
 	CUdeviceptr done = g->dev_ptr + EKC_DONE;
 	if (!type && ep__features(g) & EPP_FEAT_HOST_BARRIER) {
-		bell = g->ctl_dev + hb_words(g) + EPP_HB_BELL;
-		done = g->ctl_dev + hb_words(g) + EPP_HB_DONE;
+		bell = g->ctl_dev + ep__hb_words(g) + EPP_HB_BELL;
+		done = g->ctl_dev + ep__hb_words(g) + EPP_HB_DONE;
 	}
 	/* As a direct op's wait: the kernel spins for done a short while
 	 * only where the daemon says ranks may (EPP_FEAT_KERNEL_WAIT, the

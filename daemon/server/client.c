@@ -240,6 +240,19 @@ static int get_group_id(struct epd_client *c, const struct epp_hdr *h,
 }
 
 /* Stream-ordered requests: the usual payload, then u64 seq. */
+/* RELEASE; quiet (EPP_F_ASYNC): no reply on success */
+static void handle_release(struct epd_client *c, const struct epp_hdr *h,
+			   const uint8_t *p, bool quiet)
+{
+	struct epp_release rl;
+	if (epp_release_decode(p, h->length, &rl))
+		epd_session_error(&c->s, h->req_id, EP_EPROTO,
+				 "malformed release payload (%u bytes)",
+				 h->length);
+	else
+		epd_op_release(&c->s, h->req_id, &rl, quiet);
+}
+
 static void handle_async(struct epd_client *c, const struct epp_hdr *h,
 			 const uint8_t *p)
 {
@@ -249,13 +262,7 @@ static void handle_async(struct epd_client *c, const struct epp_hdr *h,
 	if (h->type == EPP_RELEASE) {
 		/* from a replayed CUDA graph's host node: no reply on
 		 * success (nothing after the handle) */
-		struct epp_release rl;
-		if (epp_release_decode(p, h->length, &rl))
-			epd_session_error(&c->s, h->req_id, EP_EPROTO,
-					 "malformed release payload (%u bytes)",
-					 h->length);
-		else
-			epd_op_release(&c->s, h->req_id, &rl, true);
+		handle_release(c, h, p, true);
 		return;
 	}
 	if (h->length < 8) {
@@ -376,16 +383,9 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 			epd_op_combine(&c->s, h->req_id, &cb);
 		break;
 	}
-	case EPP_RELEASE: {
-		struct epp_release rl;
-		if (epp_release_decode(p, h->length, &rl))
-			epd_session_error(&c->s, h->req_id, EP_EPROTO,
-					 "malformed release payload (%u bytes)",
-					 h->length);
-		else
-			epd_op_release(&c->s, h->req_id, &rl, false);
+	case EPP_RELEASE:
+		handle_release(c, h, p, false);
 		break;
-	}
 	case EPP_STATUS: {
 		if (h->length) {
 			epd_session_error(&c->s, h->req_id, EP_EPROTO,
