@@ -314,7 +314,9 @@ uint64_t ep_dispatch_recv_count_device(const ep_group_t *group);
 /* 0, or the group's asynchronous error (non-blocking). */
 int ep_group_error(ep_group_t *group);
 /* Wait until this rank's stream-ordered ops completed on the device: 0.
- * If the group failed (or the timeout passed) first, its error. */
+ * If the group failed (or the timeout passed) first, its error. A
+ * replayed graph's ops count once the replay reached them (synchronize
+ * the stream first to wait for a whole replay). */
 int ep_group_sync(ep_group_t *group);
 /* This rank's region of device memory (CUdeviceptr) and, in *size, its
  * size: every field ep_get_buffers returns for a GPU group lies inside it.
