@@ -249,7 +249,18 @@ static int post_one(struct ep_graphs *gs, ep_group_t *g, struct gop *o,
 		    int rc)
 {
 	volatile struct ekc_gslot *s = &gs->slots[o->slot];
-	if (o->pending) { /* the last replay's wait passed: it is done */
+	if (o->pending) {
+		/* The last replay's wait passed (its gate is open): it is
+		 * done. A closed gate: that replay still runs, so this is a
+		 * second instance of the graph replayed at the same time,
+		 * which would share the op's slot. */
+		if (!rc && !s->gate && !s->skip) {
+			rc = EP_EBUSY;
+			gs_error(gs, rc,
+				 "two instances of one CUDA graph replayed at "
+				 "the same time (its ops' slots are shared); "
+				 "capture the graph once per instance");
+		}
 		o->pending = false;
 		gs->npending--;
 	}
