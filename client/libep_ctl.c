@@ -110,17 +110,19 @@ static uint64_t now_ms(void)
 	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
 }
 
-/* Wait until at most `behind` ops are incomplete. Ops that completed are
- * good even if the group failed after them (a rank leaving once its work
- * is done): the error belongs to the ops that did not complete. */
-int ep__wait_completed(ep_group_t *g, uint64_t behind)
+uint64_t ep__inflight(const ep_group_t *g)
+{
+	return __atomic_load_n(&g->sent, __ATOMIC_ACQUIRE) -
+	       ep__completed_full(g);
+}
+
+int ep__wait_until(ep_group_t *g, uint64_t behind)
 {
 	uint64_t end = now_ms() + (uint64_t)ep__group_op_timeout(g);
 	unsigned spins = 0;
-	while (__atomic_load_n(&g->sent, __ATOMIC_ACQUIRE) -
-		       ep__completed_full(g) >
-	       behind) {
-		if (ep__ctl_error(g)) {
+	while (ep__inflight(g) > behind) {
+		int e = ep__ctl_error(g);
+		if (e) {
 			if (getenv("EP_DEBUG"))
 				fprintf(stderr,
 					"libep: rank %u: sent %llu completed "
@@ -129,18 +131,26 @@ int ep__wait_completed(ep_group_t *g, uint64_t behind)
 					(unsigned long long)g->sent,
 					(unsigned long long)ep__completed_full(g),
 					(unsigned long long)ep__ctl_completed(g));
-			return ep_group_error(g);
+			return e;
 		}
 		if (now_ms() > end)
 			return ep__fail(EP_ETIMEDOUT,
 					"%llu stream-ordered ops still not "
 					"complete",
-					(unsigned long long)(g->sent -
-							     ep__completed_full(g)));
+					(unsigned long long)ep__inflight(g));
 		if (++spins > 100)
 			usleep(20);
 	}
 	return 0;
+}
+
+/* Wait until at most `behind` ops are incomplete. Ops that completed are
+ * good even if the group failed after them (a rank leaving once its work
+ * is done): the error belongs to the ops that did not complete. */
+int ep__wait_completed(ep_group_t *g, uint64_t behind)
+{
+	int rc = ep__wait_until(g, behind);
+	return rc && rc != EP_ETIMEDOUT ? ep_group_error(g) : rc;
 }
 
 int ep_group_sync(ep_group_t *g)

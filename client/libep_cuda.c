@@ -260,6 +260,13 @@ uint64_t ep__ring_spin_ns(void)
 	return v;
 }
 
+bool ep__kernel_wait(const ep_group_t *g)
+{
+	/* EP_NO_KERNEL_WAIT=1: stream memory operations instead */
+	const char *no = getenv("EP_NO_KERNEL_WAIT");
+	return (ep__features(g) & EPP_FEAT_KERNEL_WAIT) && !(no && *no == '1');
+}
+
 int ep__send_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 		   uint32_t len, uint64_t k)
 {
@@ -289,14 +296,12 @@ static int async_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 	int rc = ep__graph_direct_ok(g);
 	if (rc)
 		return rc;
-	if (g->sent - ep__completed_full(g) >= MAX_INFLIGHT - 1 &&
+	if (ep__inflight(g) >= MAX_INFLIGHT - 1 &&
 	    (rc = ep__wait_completed(g, MAX_INFLIGHT - 2)))
 		return rc;
 	uint64_t k = g->sent + 1;
 	if (!g->ring_tried && ep__features(g) & EPP_FEAT_KERNEL_WAIT) {
-		/* EP_NO_KERNEL_WAIT=1: stream memory operations instead */
-		const char *no = getenv("EP_NO_KERNEL_WAIT");
-		g->ring_fn = no && *no == '1' ? NULL : ring_fn();
+		g->ring_fn = ep__kernel_wait(g) ? ring_fn() : NULL;
 		g->ring_tried = true;
 	}
 	if (type && (rc = ep__send_op(g, type, payload, len, k)))

@@ -11,6 +11,9 @@ extern struct ekc_driver ep__drv;
 int ep__cufail(CUresult r, const char *what);
 /* The group's features (EPP_FEAT_*), set by the daemon before READY. */
 uint32_t ep__features(const ep_group_t *g);
+/* May this rank wait for an op with a spinning kernel (the daemon's
+ * EPP_FEAT_KERNEL_WAIT, unless EP_NO_KERNEL_WAIT=1)? */
+bool ep__kernel_wait(const ep_group_t *g);
 /* How long a rank's ring kernel spins (EP_RING_SPIN_US). */
 uint64_t ep__ring_spin_ns(void);
 /* The op's frame to the daemon: payload, then its number k. */

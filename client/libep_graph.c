@@ -70,7 +70,8 @@ struct ep_graphs {
 	bool slot_used[NSLOTS];
 	struct gop **ops; /* by id; NULL once freed */
 	uint32_t nops, cap;
-	uint32_t live;    /* records the graphs hold */
+	uint32_t live;    /* records the graphs hold (written under mu, read
+			     without it by every direct op) */
 	uint32_t npending;
 	pthread_t watcher;
 	bool watching, stop;
@@ -84,6 +85,29 @@ struct ep_graphs {
 	char msg[256];
 };
 
+/* Is environment variable name exactly val? */
+static bool env_is(const char *name, const char *val)
+{
+	const char *v = getenv(name);
+	return v && !strcmp(v, val);
+}
+
+/* A fresh dispatch that a replay ran: it holds that replay's routing. */
+static bool holds_routing(const struct gop *o)
+{
+	return o->type == EPP_DISPATCH && !(o->flags & EP__GFLAG_CACHED) &&
+	       o->k;
+}
+
+/* Its gate no longer watched; gs->mu held. */
+static void unpend(struct ep_graphs *gs, struct gop *o)
+{
+	if (o->pending) {
+		o->pending = false;
+		gs->npending--;
+	}
+}
+
 static struct gop *handle_op(struct ep_graphs *gs, const ep_handle_t *h)
 {
 	uint64_t id = h->seq & ~EP__GSEQ;
@@ -92,9 +116,8 @@ static struct gop *handle_op(struct ep_graphs *gs, const ep_handle_t *h)
 
 int ep__graph_init(ep_group_t *g)
 {
-	const char *off = getenv("EP_GRAPHS");
-	if (off && off[0] == '0' && !off[1])
-		return 0; /* EP_GRAPHS=0: no graph state, captures refused */
+	if (env_is("EP_GRAPHS", "0"))
+		return 0; /* no graph state, captures refused */
 	struct ep_graphs *gs = calloc(1, sizeof(*gs));
 	if (!gs)
 		return ep__fail(EP_ENOMEM, "no memory for the graph state");
@@ -121,19 +144,16 @@ int ep__graph_init(ep_group_t *g)
 /* Async release of routing k (no reply; an error is the connection's). */
 static void release_async(ep_group_t *g, uint64_t k)
 {
-	struct epp_release rl = {.group_id = g->id,
-				 .handle = {.group_id = g->id,
-					    .epoch = g->epoch,
-					    .seq = k}};
+	ep_handle_t h = {.group_id = g->id, .seq = k, .epoch = g->epoch};
 	uint8_t buf[64];
-	size_t n = epp_release_encode(&rl, buf, sizeof(buf));
+	size_t n = ep__release_encode(g, &h, buf, sizeof(buf));
 	if (!n)
 		return;
-	struct epp_hdr h;
-	epp_hdr_init(&h, EPP_RELEASE, 0);
-	h.flags = EPP_F_ASYNC;
-	h.length = (uint32_t)n;
-	(void)ep__send(g->conn, &h, buf, true);
+	struct epp_hdr hd;
+	epp_hdr_init(&hd, EPP_RELEASE, 0);
+	hd.flags = EPP_F_ASYNC;
+	hd.length = (uint32_t)n;
+	(void)ep__send(g->conn, &hd, buf, true);
 }
 
 /* Free what is unreferenced; gs->mu held. */
@@ -173,23 +193,13 @@ static void op_destroy(void *p)
 	struct ep_graphs *gs = o->gs;
 	pthread_mutex_lock(&gs->mu);
 	o->dead = true;
-	if (o->pending) {
-		o->pending = false;
-		gs->npending--;
-	}
-	if (gs->g && o->type == EPP_DISPATCH &&
-	    !(o->flags & EP__GFLAG_CACHED) && o->k)
+	unpend(gs, o);
+	if (gs->g && holds_routing(o))
 		release_async(gs->g, o->k);
 	gs->slot_used[o->slot] = false;
-	gs->live--;
+	__atomic_store_n(&gs->live, gs->live - 1, __ATOMIC_RELAXED);
 	op_put(gs, o);
 	gs_free_if_done(gs);
-}
-
-static bool getenv_one(const char *name)
-{
-	const char *v = getenv(name);
-	return v && v[0] == '1' && !v[1];
 }
 
 static uint64_t mono_ns(void)
@@ -221,25 +231,16 @@ static int group_failed(struct ep_graphs *gs, ep_group_t *g)
 	return rc;
 }
 
-/* Wait until one more op may be in flight (as ep__wait_completed, whose
- * error path would take gs->mu). */
+/* Wait until one more op may be in flight (ep__wait_until: its callers'
+ * error path, ep_group_error, would take gs->mu). */
 static int inflight_room(struct ep_graphs *gs, ep_group_t *g)
 {
-	uint64_t end = mono_ns() +
-		       (uint64_t)ep__group_op_timeout(g) * 1000000ull;
-	while (g->sent - ep__completed_full(g) >= EPP_MAX_INFLIGHT - 1) {
-		int rc = group_failed(gs, g);
-		if (rc)
-			return rc;
-		if (mono_ns() > end) {
-			gs_error(gs, EP_ETIMEDOUT,
-				 "the ops before a replayed op did not "
-				 "complete in time");
-			return EP_ETIMEDOUT;
-		}
-		usleep(20);
-	}
-	return 0;
+	int rc = ep__wait_until(g, EPP_MAX_INFLIGHT - 2);
+	if (rc == EP_ETIMEDOUT)
+		gs_error(gs, rc, ep_errmsg());
+	else if (rc)
+		group_failed(gs, g);
+	return rc;
 }
 
 /* Number op o, send its frame and write its slot; rc nonzero (an earlier
@@ -261,8 +262,7 @@ static int post_one(struct ep_graphs *gs, ep_group_t *g, struct gop *o,
 				 "the same time (its ops' slots are shared); "
 				 "capture the graph once per instance");
 		}
-		o->pending = false;
-		gs->npending--;
+		unpend(gs, o);
 	}
 	if (!rc)
 		rc = gs->err;
@@ -298,12 +298,11 @@ static int post_one(struct ep_graphs *gs, ep_group_t *g, struct gop *o,
 		epp_put_u64(&w, g->id);
 		n = 8;
 	}
-	if (rc && !gs->err)
+	if (rc)
 		gs_error(gs, rc, ep_errmsg());
 	if (!rc)
 		rc = inflight_room(gs, g);
-	if (!rc && o->type == EPP_DISPATCH &&
-	    !(o->flags & EP__GFLAG_CACHED) && o->k)
+	if (!rc && holds_routing(o))
 		release_async(g, o->k); /* the last replay's routing */
 	uint64_t k = g ? g->sent + 1 : 0;
 	if (!rc && o->type && (rc = ep__send_op(g, o->type, buf, n, k)))
@@ -364,8 +363,7 @@ static void *watch(void *arg)
 				continue;
 			__atomic_store_n(&gs->slots[o->slot].gate, 1,
 					 __ATOMIC_RELEASE);
-			o->pending = false;
-			gs->npending--;
+			unpend(gs, o);
 		}
 		/* hard for a millisecond after a post (a gate the kernel did
 		 * not open: no MPS, or a long op), gently after */
@@ -428,9 +426,8 @@ int ep__graph_direct_ok(ep_group_t *g)
 	struct ep_graphs *gs = g->gr;
 	if (!gs)
 		return 0;
-	pthread_mutex_lock(&gs->mu);
-	uint32_t live = gs->live;
-	pthread_mutex_unlock(&gs->mu);
+	/* every direct op asks: a load, not the lock */
+	uint32_t live = __atomic_load_n(&gs->live, __ATOMIC_RELAXED);
 	if (live)
 		return ep__fail(EP_EBUSY,
 				"%u stream-ordered ops of this group are "
@@ -529,7 +526,7 @@ int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
 	}
 	struct gop *head = NULL;
 	if (!rc && gs->tail && !gs->tail->dead && gs->tail_cid == cid &&
-	    !getenv_one("EP_GRAPH_NO_CHAIN") &&
+	    !env_is("EP_GRAPH_NO_CHAIN", "1") &&
 	    after(gs->tail_node, deps, ndeps)) {
 		head = gs->tail->head ? gs->tail->head : gs->tail;
 		if (head->nchain == EP__GCHAIN)
@@ -576,7 +573,7 @@ int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
 	}
 	gs->slot_used[slot] = true;
 	gs->ops[gs->nops++] = o;
-	gs->live++;
+	__atomic_store_n(&gs->live, gs->live + 1, __ATOMIC_RELAXED);
 	memset(&gs->slots[slot], 0, sizeof(gs->slots[slot]));
 	pthread_mutex_unlock(&gs->mu);
 
@@ -587,7 +584,7 @@ int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
 				       CU_USER_OBJECT_NO_DESTRUCTOR_SYNC);
 	if (r) {
 		pthread_mutex_lock(&gs->mu);
-		gs->live--;
+		__atomic_store_n(&gs->live, gs->live - 1, __ATOMIC_RELAXED);
 		gs->slot_used[slot] = false;
 		op_put(gs, o);
 		pthread_mutex_unlock(&gs->mu);
@@ -619,10 +616,7 @@ int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
 							      gate)),
 		.bell = (uint32_t *)(uintptr_t)bell,
 		.done = (const uint32_t *)(uintptr_t)done,
-		.budget_ns = ep__features(g) & EPP_FEAT_KERNEL_WAIT &&
-					     !getenv_one("EP_NO_KERNEL_WAIT")
-				     ? ep__ring_spin_ns()
-				     : 0};
+		.budget_ns = ep__kernel_wait(g) ? ep__ring_spin_ns() : 0};
 	void *params[] = {&a};
 	r = head ? CUDA_SUCCESS : ep__drv.cuLaunchHostFunc(s, op_post, o);
 	if (!r)

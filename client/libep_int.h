@@ -84,6 +84,11 @@ int ep__ctl_error(const ep_group_t *g);
 const uint8_t *ep__ctl_slot(const ep_group_t *g);
 uint64_t ep__completed_full(const ep_group_t *g);
 int ep__wait_completed(ep_group_t *g, uint64_t behind);
+/* Ops sent and not complete; the wait of ep__wait_completed, returning
+ * the control page's error code as it is (no call that could take a
+ * caller's lock), or EP_ETIMEDOUT with its message. */
+uint64_t ep__inflight(const ep_group_t *g);
+int ep__wait_until(ep_group_t *g, uint64_t behind);
 int ep__op_error(ep_group_t *g);
 int ep__check_handle(const ep_group_t *g, const ep_handle_t *h);
 /* This rank's COMBINE / DISPATCH request, checked as the daemon will,
@@ -93,6 +98,10 @@ int ep__combine_request(ep_group_t *g, const ep_handle_t *h, unsigned flags,
 int ep__dispatch_request(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 			 const ep_handle_t *cached, uint8_t *frame,
 			 uint32_t *len);
+/* g's RELEASE of handle h, encoded into buf[cap]: its length, 0 if it
+ * does not fit. */
+size_t ep__release_encode(const ep_group_t *g, const ep_handle_t *h,
+			  uint8_t *buf, size_t cap);
 /* A GPU rank's buffers follow the control words in its region. */
 #define EP__DEV_DATA 4096u
 uint64_t ep__ctl_completed(const ep_group_t *g);

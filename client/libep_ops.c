@@ -202,6 +202,16 @@ int ep_combine_inplace(ep_group_t *g, const ep_handle_t *h, unsigned flags)
 	return rc;
 }
 
+size_t ep__release_encode(const ep_group_t *g, const ep_handle_t *h,
+			  uint8_t *buf, size_t cap)
+{
+	struct epp_release rl = {.group_id = g->id,
+				 .handle = {.group_id = h->group_id,
+					    .epoch = h->epoch,
+					    .seq = h->seq}};
+	return epp_release_encode(&rl, buf, cap);
+}
+
 int ep_handle_release(ep_group_t *g, const ep_handle_t *h)
 {
 	if (!g || !h)
@@ -211,12 +221,8 @@ int ep_handle_release(ep_group_t *g, const ep_handle_t *h)
 				"the handle of a dispatch captured into a CUDA "
 				"graph: the graph releases each replay's "
 				"routing itself");
-	struct epp_release rl = {.group_id = g->id,
-				 .handle = {.group_id = h->group_id,
-					    .epoch = h->epoch,
-					    .seq = h->seq}};
 	uint8_t buf[64];
-	size_t n = epp_release_encode(&rl, buf, sizeof(buf));
+	size_t n = ep__release_encode(g, h, buf, sizeof(buf));
 	if (!n)
 		return ep__fail(EP_EINVAL, "cannot encode the release");
 	pthread_mutex_lock(&g->conn->mu);

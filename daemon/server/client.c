@@ -239,7 +239,6 @@ static int get_group_id(struct epd_client *c, const struct epp_hdr *h,
 	return 0;
 }
 
-/* Stream-ordered requests: the usual payload, then u64 seq. */
 /* RELEASE; quiet (EPP_F_ASYNC): no reply on success */
 static void handle_release(struct epd_client *c, const struct epp_hdr *h,
 			   const uint8_t *p, bool quiet)
@@ -253,6 +252,7 @@ static void handle_release(struct epd_client *c, const struct epp_hdr *h,
 		epd_op_release(&c->s, h->req_id, &rl, quiet);
 }
 
+/* Stream-ordered requests: the usual payload, then u64 seq. */
 static void handle_async(struct epd_client *c, const struct epp_hdr *h,
 			 const uint8_t *p)
 {
