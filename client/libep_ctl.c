@@ -64,6 +64,13 @@ int ep__op_error(ep_group_t *g)
 				"more tokens than the group's maximum of %u per "
 				"rank (the daemons' logs name it)",
 				(unsigned long long)seq, g->cfg.max_tokens);
+	if (code == EP_ETIMEDOUT) /* the group fails with it as well */
+		return ep__fail(code,
+				"op %llu changed nothing: the daemon's kernel "
+				"waited the group's timeout for local rank "
+				"%llu's stream to reach it",
+				(unsigned long long)seq,
+				(unsigned long long)(pos & 0xffffffffull));
 	if (pos == UINT64_MAX) /* found on another node: in its log */
 		return ep__fail(code,
 				"op %llu changed nothing: an expert index out "
@@ -131,7 +138,11 @@ int ep__wait_until(ep_group_t *g, uint64_t behind)
 					(unsigned long long)g->sent,
 					(unsigned long long)ep__completed_full(g),
 					(unsigned long long)ep__ctl_completed(g));
-			return e;
+			/* the daemon's word for it (no lock taken: the graph
+			 * code calls this with its own held) */
+			return ep__fail(e, "%.*s", (int)EPP_CTL_MSG_MAX,
+					(const char *)ep__ctl_slot(g) +
+						EPP_CTL_ERR_MSG);
 		}
 		if (now_ms() > end)
 			return ep__fail(EP_ETIMEDOUT,
@@ -149,8 +160,9 @@ int ep__wait_until(ep_group_t *g, uint64_t behind)
  * is done): the error belongs to the ops that did not complete. */
 int ep__wait_completed(ep_group_t *g, uint64_t behind)
 {
-	int rc = ep__wait_until(g, behind);
-	return rc && rc != EP_ETIMEDOUT ? ep_group_error(g) : rc;
+	/* the group's error comes with the daemon's message, which may be
+	 * EP_ETIMEDOUT too (a rank never arrived): never told apart by code */
+	return ep__wait_until(g, behind);
 }
 
 int ep_group_sync(ep_group_t *g)

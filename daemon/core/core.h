@@ -258,6 +258,8 @@ struct epd_server {
 	dev_t sock_dev; /* the socket file we bound */
 	ino_t sock_ino;
 	uv_signal_t sig_term, sig_int, sig_hup;
+	uv_timer_t sd_watchdog; /* WATCHDOG=1 to systemd, when it asks */
+	uint64_t sd_watchdog_usec;
 	uv_idle_t reaper; /* closes doomed clients (client.c) */
 	struct list_node clients;
 	struct list_node groups;

@@ -21,6 +21,12 @@ int epd_sd_listen_fds(void)
 	return sd_listen_fds(1);
 }
 
+uint64_t epd_sd_watchdog_usec(void)
+{
+	uint64_t usec = 0;
+	return sd_watchdog_enabled(0, &usec) > 0 ? usec : 0;
+}
+
 int epd_sd_first_fd(void)
 {
 	return SD_LISTEN_FDS_START;

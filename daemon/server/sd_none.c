@@ -16,6 +16,11 @@ int epd_sd_listen_fds(void)
 	return 0;
 }
 
+uint64_t epd_sd_watchdog_usec(void)
+{
+	return 0;
+}
+
 int epd_sd_first_fd(void)
 {
 	return 3;

@@ -7,6 +7,7 @@
 #include "sd.h"
 #include "cluster/cluster.h"
 #include "core/backend.h"
+#include "util/stall.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -205,6 +206,15 @@ static int reload_config(struct epd_server *srv, struct epd_config *c)
 	return 0;
 }
 
+/* A loop turn missed for this long is logged (util/stall.h). */
+#define STALL_WARN_MS 1000
+
+static void on_sd_watchdog(uv_timer_t *t)
+{
+	(void)t;
+	epd_sd_notify("WATCHDOG=1");
+}
+
 static void on_hup(uv_signal_t *h, int sig)
 {
 	struct epd_server *srv = h->data;
@@ -344,6 +354,17 @@ int epd_server_init(struct epd_server *srv, uv_loop_t *loop,
 	uv_signal_start(&srv->sig_term, on_stop_signal, SIGTERM);
 	uv_signal_start(&srv->sig_int, on_stop_signal, SIGINT);
 	uv_signal_start(&srv->sig_hup, on_hup, SIGHUP);
+	/* a loop that stands still is said in the log (util/stall.h), and,
+	 * under systemd's WatchdogSec=, gets the service restarted */
+	epd_stall_start(loop, STALL_WARN_MS);
+	uv_timer_init(loop, &srv->sd_watchdog);
+	srv->sd_watchdog.data = srv;
+	srv->sd_watchdog_usec = epd_sd_watchdog_usec();
+	if (srv->sd_watchdog_usec) {
+		uint64_t ms = srv->sd_watchdog_usec / 2000;
+		uv_timer_start(&srv->sd_watchdog, on_sd_watchdog, ms ? ms : 1,
+			       ms ? ms : 1);
+	}
 	epd_notice("epd %s listening on %s (backend %s: %s; %u data-path "
 		   "threads)",
 		   PACKAGE_VERSION,
@@ -403,4 +424,6 @@ void epd_server_stop(struct epd_server *srv)
 	uv_close((uv_handle_t *)&srv->sig_term, NULL);
 	uv_close((uv_handle_t *)&srv->sig_int, NULL);
 	uv_close((uv_handle_t *)&srv->sig_hup, NULL);
+	uv_close((uv_handle_t *)&srv->sd_watchdog, NULL);
+	epd_stall_stop();
 }

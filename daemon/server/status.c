@@ -3,6 +3,7 @@
 #include "server.h"
 #include "cluster/cluster.h"
 #include "core/backend.h"
+#include "util/stall.h"
 
 #include <jansson.h>
 #include <stdlib.h>
@@ -169,6 +170,12 @@ char *epd_status_json(struct epd_server *srv, uid_t viewer)
 				      "bytes", (json_int_t)srv->cfg.limits.bytes));
 	json_object_set_new(json_object_get(root, "daemon"), "limit_refusals",
 			    json_integer((json_int_t)srv->n_limited));
+	/* how often the event loop stood still (util/stall.h) */
+	uint64_t stalls, longest;
+	epd_stall_stats(&stalls, &longest);
+	json_object_set_new(json_object_get(root, "daemon"), "loop_stalls",
+			    json_pack("{s:I, s:I}", "count", (json_int_t)stalls,
+				      "longest_ms", (json_int_t)longest));
 	/* the device backend's devices ("cuda": null without one) */
 	json_t *cu = srv->dev ? srv->dev->status(srv) : NULL;
 	json_object_set_new(json_object_get(root, "daemon"),

@@ -70,6 +70,7 @@
 	X(cuLaunchKernel)                                                      \
 	X(cuLaunchCooperativeKernel)                                           \
 	X(cuMemAlloc)                                                          \
+	X(cuMemAllocAsync)                                                     \
 	X(cuMemFree)                                                           \
 	X(cuMemcpyHtoDAsync)                                                   \
 	X(cuMemcpyDtoD)                                                        \
@@ -230,6 +231,7 @@ enum {
 #define EKC_CTL_OP_ERR_POS 40u
 #define EKC_EEXPERT (-1012) /* EP_EEXPERT */
 #define EKC_ETOOBIG (-1010) /* EP_ETOOBIG */
+#define EKC_ETIMEDOUT (-110) /* EP_ETIMEDOUT (-ETIMEDOUT) */
 /* The op's error word (ekc_disp_args.err) holds the first bad (rank,
  * token, k) of an expert index (EP_EEXPERT), or, with this bit, a rank
  * that asked for more tokens than the group's maximum: (rank << 32) |
@@ -237,6 +239,10 @@ enum {
  * many tokens wins over a bad index, as on the host backend: the count
  * then judges no index. */
 #define EKC_ERR_TOOBIG (1ull << 63)
+/* With this bit (and no position): a kernel's wait for rank l's doorbell
+ * ran past the group's timeout, (l); the op changes nothing more and the
+ * kernel raised the group's error word (the daemon fails the group). */
+#define EKC_ERR_WAIT (1ull << 62)
 
 /* Dispatch and combine arguments. Pointers are device addresses; off[]
  * are offsets from a region's base. */
@@ -268,6 +274,11 @@ struct ekc_disp_args {
 	uint32_t seq;
 	uint32_t cached;
 	uint32_t wait; /* kernels wait for the doorbells themselves (MPS) */
+	/* How long such a wait (and ekc_prep's grid barrier) may spin, in
+	 * ns: the group's timeout. Past it the kernel writes 1 + the local
+	 * rank to group_err (host memory, the poll's word) and gives up. */
+	uint64_t budget_ns;
+	volatile int32_t *group_err;
 	/* EPD_CUDA_TRACE: [EKC_TR_N][2] globaltimer ns of each stage's first
 	 * start and (stored inverted, so both are atomicMin) last end, or
 	 * NULL */

@@ -78,18 +78,52 @@ __device__ static inline void tr_end(const struct ekc_disp_args &a, int st)
 }
 
 // Under MPS no front-end wait precedes the data kernels: a kernel waits
-// for the doorbells of the ranks it reads (inputs) or writes (outputs).
-// No budget here: a rank that never rings is found by the daemon's poll,
-// which fails the group and rings every doorbell far ahead.
-__device__ static inline void wait_doorbell(const struct ekc_disp_args &a,
+// for the doorbells of the ranks it reads (inputs) or writes (outputs). A
+// rank that never rings is found by the daemon's poll, which fails the
+// group and rings every doorbell far ahead. The wait is bounded all the
+// same (no kernel of the daemon's spins without end, whatever the host
+// side does): past the group's timeout it marks the op failed, raises the
+// group's error word for the poll and returns false; the op's later
+// stages then change nothing.
+__device__ static bool spin_expired(const struct ekc_disp_args &a,
+				    uint32_t *spins, unsigned long long *end)
+{
+	if ((++*spins & 1023) != 0)
+		return false;
+	const unsigned long long now = tr_now();
+	if (!*end) {
+		*end = now + a.budget_ns;
+		return false;
+	}
+	return now > *end;
+}
+
+__device__ static void wait_failed(const struct ekc_disp_args &a,
+				   uint32_t rank)
+{
+	atomicMin(a.err, EKC_ERR_WAIT | rank);
+	__threadfence();
+	if (a.group_err) {
+		*a.group_err = (int32_t)(1 + rank);
+		__threadfence_system();
+	}
+}
+
+__device__ static inline bool wait_doorbell(const struct ekc_disp_args &a,
 					    uint32_t rank)
 {
 	const volatile uint32_t *db =
 		(const volatile uint32_t *)((uint8_t *)a.region[rank] +
 					    EKC_DOORBELL);
+	uint32_t spins = 0;
+	unsigned long long end = 0;
 	while ((int32_t)(*db - a.seq) < 0)
-		;
+		if (spin_expired(a, &spins, &end)) {
+			wait_failed(a, rank);
+			return false;
+		}
 	__threadfence();
+	return true;
 }
 
 // Work is handed out a token (a warp's item) at a time from a counter
@@ -148,12 +182,13 @@ __device__ static __forceinline__ void count_block(const struct ekc_disp_args &a
 	}
 }
 
-__device__ static inline void wait_doorbell_traced(
+__device__ static inline bool wait_doorbell_traced(
 	const struct ekc_disp_args &a, uint32_t rank)
 {
-	wait_doorbell(a, rank);
+	const bool ok = wait_doorbell(a, rank);
 	tr_begin(a, EKC_TR_DOORBELL); // first seen
 	tr_end(a, EKC_TR_DOORBELL);   // last seen
+	return ok;
 }
 
 extern "C" __global__ void __launch_bounds__(TPB)
@@ -165,9 +200,11 @@ extern "C" __global__ void __launch_bounds__(TPB)
 	if (threadIdx.x == 0)
 		tr_begin(a, EKC_TR_COUNT);
 	if (a.wait) {
-		if (threadIdx.x == 0)
-			wait_doorbell_traced(a, s); // the block reads s's input
-		__syncthreads();
+		bool bad = false;
+		if (threadIdx.x == 0) // the block reads s's input
+			bad = !wait_doorbell_traced(a, s);
+		if (__syncthreads_or(bad))
+			return; // the op failed (wait_failed): judge nothing
 	}
 	count_block(a, s, b);
 	if (threadIdx.x == 0)
@@ -189,7 +226,9 @@ __device__ static __forceinline__ void publish_recv(const struct ekc_disp_args &
 	if (err != ~0ull) {
 		*(volatile uint64_t *)(h + EKC_CTL_OP_ERR_POS) = err;
 		*(volatile int32_t *)(h + EKC_CTL_OP_ERR_CODE) =
-			err & EKC_ERR_TOOBIG ? EKC_ETOOBIG : EKC_EEXPERT;
+			err & EKC_ERR_TOOBIG  ? EKC_ETOOBIG
+			: err & EKC_ERR_WAIT ? EKC_ETIMEDOUT
+					     : EKC_EEXPERT;
 		__threadfence_system();
 		*(volatile uint64_t *)(h + EKC_CTL_OP_ERR_SEQ) = a.seq;
 	}
@@ -244,6 +283,9 @@ extern "C" __global__ void __launch_bounds__(1024) ekc_scan(struct ekc_disp_args
 	if (a.wait) {
 		// the first kernel that writes outputs: every rank must have
 		// reached this op (done with the last op's outputs)
+		// a failed wait marked the op failed: the bases below are
+		// then never used (the copy changes nothing) but the error
+		// is published as any other
 		if (d < W)
 			wait_doorbell(a, d);
 		__syncthreads();
@@ -358,8 +400,15 @@ __device__ static inline void grid_sync(const struct ekc_disp_args &a)
 		const uint32_t n = gridDim.x * gridDim.y;
 		__threadfence();
 		atomicAdd(a.gsync, 1u);
+		uint32_t spins = 0;
+		unsigned long long end = 0;
 		while (*(volatile uint32_t *)a.gsync + 1u < n)
-			;
+			if (spin_expired(a, &spins, &end)) {
+				// a block never became resident: the op fails
+				// (rank 0 named) rather than the GPU wedging
+				wait_failed(a, 0);
+				break;
+			}
 		__threadfence();
 	}
 	__syncthreads();
@@ -389,15 +438,16 @@ extern "C" __global__ void __launch_bounds__(TPB) ekc_prep(struct ekc_disp_args 
 	const uint32_t s = blockIdx.y, b = blockIdx.x, W = a.W;
 	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 	const bool mine = b < (a.tokens[s] + TPB - 1) / TPB;
+	__shared__ bool bad; // this block's wait failed: it counts nothing
 	if (threadIdx.x == 0) {
 		tr_begin(a, EKC_TR_COUNT);
 		// block 0 of every source, even one without tokens: past the
 		// grid barrier every rank has reached this op
-		if (a.wait && (mine || b == 0))
-			wait_doorbell_traced(a, s);
+		bad = a.wait && (mine || b == 0) &&
+		      !wait_doorbell_traced(a, s);
 	}
 	__syncthreads();
-	if (mine)
+	if (mine && !bad) // uniform for the block
 		count_block(a, s, b);
 	if (threadIdx.x == 0)
 		tr_end(a, EKC_TR_COUNT);
@@ -699,9 +749,13 @@ extern "C" __global__ void __launch_bounds__(256)
 	if (threadIdx.x == 0)
 		tr_begin(a, EKC_TR_COMBINE);
 	if (a.wait) {
-		for (uint32_t d = threadIdx.x; d < W; d += blockDim.x)
-			wait_doorbell(a, d);
-		__syncthreads();
+		bool bad = false;
+		for (uint32_t d = threadIdx.x; d < W && !bad; d += blockDim.x)
+			bad = !wait_doorbell(a, d);
+		// a rank never rang (wait_failed raised the group's error):
+		// its rows may be in use, so nothing is read or written
+		if (__syncthreads_or(bad))
+			return;
 		if (threadIdx.x == 0)
 			tr_end(a, EKC_TR_DOORBELL);
 	}

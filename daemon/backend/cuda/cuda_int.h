@@ -57,6 +57,7 @@ struct cudev {
 	char name[96];
 	int sms;
 	bool mps;
+	bool pools; /* the stream-ordered allocator (cuMemAllocAsync) */
 	char code[96]; /* which image of the fatbin the driver loaded */
 };
 
@@ -216,6 +217,12 @@ bool cu_route_usable(struct epd_group *g, struct epd_member *m, uint64_t h);
 int epd_cuda_release(struct epd_group *g, struct epd_member *m, uint64_t h,
 		     char *err, size_t errlen);
 void cu_routes_free(struct epd_cuda_group *c);
+/* group.c: device memory of the group's, from the stream-ordered pool
+ * where the device has one: freeing it then never waits for other work on
+ * the GPU (cuMemFree of cuMemAlloc's memory may wait for the whole device,
+ * and the loop thread must not: group.c, drain). Free with cuMemFree once
+ * the group's streams drained. */
+CUresult cu_dev_alloc(struct epd_cuda_group *c, CUdeviceptr *p, size_t n);
 uint32_t cu_routes_held(const struct epd_cuda_group *c);
 uint64_t cu_known_top(const struct epd_cuda_group *c);
 CUresult cu_launch(struct epd_cuda_group *c, CUfunction f, unsigned gx, unsigned gy, unsigned bx, void *args);

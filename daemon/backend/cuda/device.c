@@ -51,6 +51,10 @@ int cu_use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen)
 		cu_drv->cuDeviceGetAttribute(&mps, CU_DEVICE_ATTRIBUTE_MPS_ENABLED,
 					d->dev);
 		d->mps = mps;
+		int pools = 0;
+		cu_drv->cuDeviceGetAttribute(
+			&pools, CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED, d->dev);
+		d->pools = pools;
 		/* The fatbin holds sm_90 code and compute_90 PTX: on another
 		 * architecture the driver compiles the PTX at load. Say which. */
 		int bin = 0, ptx = 0, ccmaj = 0, ccmin = 0;

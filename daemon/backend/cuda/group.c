@@ -113,21 +113,24 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 	c->tmax = g->shape.max_tokens ? g->shape.max_tokens : 1;
 	c->nblk_max = (c->tmax + 255) / 256;
 	size_t W = rpn;
-	r = cu_drv->cuMemAlloc(&c->mask, W * c->tmax * 8);
+	r = cu_dev_alloc(c, &c->mask, W * c->tmax * 8);
 	if (!r)
-		r = cu_drv->cuMemAlloc(&c->topk, W * c->tmax * g->shape.topk * 8);
+		r = cu_dev_alloc(c, &c->topk, W * c->tmax * g->shape.topk * 8);
 	if (!r)
-		r = cu_drv->cuMemAlloc(&c->blk, W * c->nblk_max * W * 4);
+		r = cu_dev_alloc(c, &c->blk, W * c->nblk_max * W * 4);
 	if (!r)
-		r = cu_drv->cuMemAlloc(&c->base, W * c->nblk_max * W * 4);
+		r = cu_dev_alloc(c, &c->base, W * c->nblk_max * W * 4);
 	if (!r)
-		r = cu_drv->cuMemAlloc(&c->err, 16); /* + ekc_prep's grid barrier */
+		r = cu_dev_alloc(c, &c->err, 16); /* + ekc_prep's grid barrier */
 	if (!r)
-		r = cu_drv->cuMemAlloc(&c->work, MAX_DEV * 4);
-	if (!r)
-		r = cu_drv->cuMemsetD32(c->work, 0xffffffffu, MAX_DEV);
+		r = cu_dev_alloc(c, &c->work, MAX_DEV * 4);
+	if (!r) { /* a copy, not a memset kernel (region.c says why) */
+		uint32_t ones[MAX_DEV];
+		memset(ones, 0xff, sizeof(ones));
+		r = cu_drv->cuMemcpyHtoD(c->work, ones, sizeof(ones));
+	}
 	if (!r && getenv("EPD_CUDA_TRACE")) {
-		r = cu_drv->cuMemAlloc(&c->trace, EKC_TR_N * 16);
+		r = cu_dev_alloc(c, &c->trace, EKC_TR_N * 16);
 		for (int i = 0; !r && i < 2; i++)
 			r = cu_drv->cuMemHostAlloc((void **)&c->trace_host[i],
 					      EKC_TR_N * 16, 0);
@@ -149,6 +152,22 @@ void cu_poll_arm(struct epd_cuda_group *c)
 		uv_timer_start(&c->poll, cu_poll_cb, POLL_MS, POLL_MS);
 		c->poll_slow = false;
 	}
+}
+
+CUresult cu_dev_alloc(struct epd_cuda_group *c, CUdeviceptr *p, size_t n)
+{
+	*p = 0;
+	/* the default pool's memory is not mapped for peer GPUs (that takes
+	 * cuMemPoolSetAccess, for every user of the pool): a group over
+	 * several GPUs keeps cuMemAlloc */
+	if (!cu_state(c->g->srv)->dev[c->dev0].pools || c->ndevs > 1)
+		return cu_drv->cuMemAlloc(p, n);
+	/* on the aux stream, which holds at most release writes: usable on
+	 * every stream once it is synchronised */
+	CUresult r = cu_drv->cuMemAllocAsync(p, n, c->aux);
+	if (!r)
+		r = cu_drv->cuStreamSynchronize(c->aux);
+	return r;
 }
 
 void epd_cuda_group_failed(struct epd_group *g)
@@ -215,12 +234,47 @@ static void poll_closed(uv_handle_t *h)
 	free(h->data);
 }
 
+/* Wait for a released group's stream, at most DRAIN_MS. The loop thread
+ * must not block without bound on the GPU: work of other groups may hold
+ * the SMs this stream needs until the loop serves them (a rank's exit, a
+ * release). False: it did not drain (or the context is gone). */
+#define DRAIN_MS 2000
+static bool drain(CUstream s, const char *group, const char *which)
+{
+	uint64_t t0 = epd_now_ns();
+	for (unsigned us = 20;; us = us < 2000 ? us * 2 : us) {
+		CUresult q = cu_drv->cuStreamQuery(s);
+		if (q == CUDA_SUCCESS)
+			return true;
+		if (q != CUDA_ERROR_NOT_READY) {
+			const char *e = NULL;
+			cu_drv->cuGetErrorString(q, &e);
+			epd_err("group %s: its %s stream: %s", group, which,
+				e ? e : "unknown error");
+			return false;
+		}
+		if (epd_now_ns() - t0 > DRAIN_MS * 1000000ull) {
+			epd_err("group %s: its %s stream has not finished %u ms "
+				"after the group was released", group, which,
+				DRAIN_MS);
+			return false;
+		}
+		struct timespec ts = {0, (long)us * 1000};
+		nanosleep(&ts, NULL);
+	}
+}
+
 void epd_cuda_group_free(struct epd_group *g)
 {
 	struct epd_cuda_group *c = g->dev_group;
 	if (!c)
 		return;
 	char err[160];
+	/* Every stream of the group drained: its memory may go. If not, the
+	 * device memory stays allocated and the control page registered
+	 * (leaked, said in the log) rather than freed under work in flight. */
+	bool drained = true;
+	const char *name = g->shape.name;
 	if (g->srv->dev_state && c->dev0 >= 0 &&
 	    !cu_use_dev(g->srv->dev_state, c->dev0, err, sizeof(err))) {
 		if (c->stream) {
@@ -229,17 +283,31 @@ void epd_cuda_group_free(struct epd_group *g)
 				epd_cuda_group_failed(g);
 			cu_fastbar_stop(c);
 			if (c->fbstream) {
-				cu_drv->cuStreamSynchronize(c->fbstream);
+				drained &= drain(c->fbstream, name, "barrier");
 				cu_drv->cuStreamDestroy(c->fbstream);
 			}
-			cu_drv->cuStreamSynchronize(c->aux);
-			cu_drv->cuStreamSynchronize(c->stream);
+			drained &= drain(c->aux, name, "release");
+			drained &= drain(c->stream, name, "op");
+			/* destroyed with work in it, a stream goes when the
+			 * work is done */
 			cu_drv->cuStreamDestroy(c->stream);
 			cu_drv->cuStreamDestroy(c->aux);
 		}
-		if (c->registered)
+		for (int i = 1; i < c->ndevs; i++) {
+			if (!c->dstream[i])
+				continue;
+			cu_drv->cuCtxSetCurrent(cu_state(g->srv)->dev[c->devs[i]].ctx);
+			drained &= drain(c->dstream[i], name, "peer GPU's");
+		}
+		cu_drv->cuCtxSetCurrent(cu_state(g->srv)->dev[c->dev0].ctx);
+		if (!drained)
+			epd_err("group %s: its GPU memory (%zu MiB per rank and "
+				"the scratch) is left allocated: work still "
+				"running may write it",
+				name, c->size >> 20);
+		if (c->registered && drained)
 			cu_drv->cuMemHostUnregister(g->map);
-		if (c->fb && !c->hb)
+		if (c->fb && !c->hb && drained)
 			cu_drv->cuMemFreeHost(c->fb);
 	}
 	/* the host barrier thread reads the control page: gone before it */
@@ -257,23 +325,26 @@ void epd_cuda_group_free(struct epd_group *g)
 		if (!c->dstream[i])
 			continue;
 		cu_drv->cuCtxSetCurrent(cu_state(g->srv)->dev[c->devs[i]].ctx);
-		cu_drv->cuStreamSynchronize(c->dstream[i]);
 		cu_drv->cuStreamDestroy(c->dstream[i]);
 		cu_drv->cuEventDestroy(c->ev_out[i]);
 	}
 	if (c->dev0 >= 0 && g->srv->dev_state)
 		cu_drv->cuCtxSetCurrent(cu_state(g->srv)->dev[c->dev0].ctx);
-	CUdeviceptr scratch[] = {c->mask, c->topk, c->blk, c->base, c->err,
-				 c->work, c->trace};
-	for (int i = 0; i < 2; i++)
-		if (c->trace_host[i])
-			cu_drv->cuMemFreeHost(c->trace_host[i]);
-	for (size_t i = 0; i < sizeof(scratch) / sizeof(scratch[0]); i++)
-		if (scratch[i])
-			cu_drv->cuMemFree(scratch[i]);
-	cu_routes_free(c);
-	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++)
-		cu_free_region(c, l);
+	if (drained) {
+		CUdeviceptr scratch[] = {c->mask, c->topk, c->blk, c->base,
+					 c->err,  c->work, c->trace};
+		for (int i = 0; i < 2; i++)
+			if (c->trace_host[i])
+				cu_drv->cuMemFreeHost(c->trace_host[i]);
+		for (size_t i = 0; i < sizeof(scratch) / sizeof(scratch[0]); i++)
+			if (scratch[i])
+				cu_drv->cuMemFree(scratch[i]);
+		cu_routes_free(c);
+		for (uint32_t l = 0; l < g->shape.ranks_per_node; l++)
+			cu_free_region(c, l);
+	} else {
+		free(c->routes);
+	}
 	free(c->h);
 	free(c->ptr);
 	g->dev_group = NULL;

@@ -98,9 +98,9 @@ static struct route *route_take(struct epd_group *g, uint64_t k)
 	memset(rt, 0, sizeof(*rt));
 	if (!c->staged) {
 		uint64_t W = g->shape.ranks_per_node;
-		CUresult r = cu_drv->cuMemAlloc(&rt->slot, W * c->tmax * W * 4);
+		CUresult r = cu_dev_alloc(c, &rt->slot, W * c->tmax * W * 4);
 		if (!r)
-			r = cu_drv->cuMemAlloc(&rt->recv, W * 4 + W * W * 4);
+			r = cu_dev_alloc(c, &rt->recv, W * 4 + W * W * 4);
 		if (r) {
 			if (rt->slot)
 				cu_drv->cuMemFree(rt->slot);

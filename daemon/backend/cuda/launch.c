@@ -7,6 +7,9 @@
 
 _Static_assert((int)EKC_F_N == (int)EPP_BUF_NFIELDS,
 	       "the kernels' fields follow enum epp_buf_field");
+_Static_assert(EKC_EEXPERT == EP_EEXPERT && EKC_ETOOBIG == EP_ETOOBIG &&
+		       EKC_ETIMEDOUT == EP_ETIMEDOUT,
+	       "the kernels' op error codes are libep's");
 
 CUresult cu_launch(struct epd_cuda_group *c, CUfunction f, unsigned gx,
 		       unsigned gy, unsigned bx, void *args)
@@ -167,7 +170,10 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 		.err = (unsigned long long *)(uintptr_t)c->err,
 		.gsync = (uint32_t *)(uintptr_t)(c->err + 8),
 		.work = (uint32_t *)(uintptr_t)c->work,
-		.host_ctl = (void *)(uintptr_t)c->ctl_dev};
+		.host_ctl = (void *)(uintptr_t)c->ctl_dev,
+		.budget_ns = (uint64_t)g->timeout_ms * 1000000ull,
+		.group_err = (volatile int32_t *)(uintptr_t)(c->ctl_dev +
+							     EPP_CTL_GROUP_SLOT)};
 	for (uint32_t l = 0; l < W; l++) {
 		a.region[l] = c->ptr[l];
 		if (ops[l]->flags & EPP_DISPATCH_WEIGHTS &&

@@ -103,9 +103,14 @@ int epd_cuda_add_rank(struct epd_group *g, struct epd_member *m,
 		rc = ekc_fail(cu_drv, r, "cuMemSetAccess", err, errlen);
 		goto err_unmap;
 	}
-	r = cu_drv->cuMemsetD8(ptr, 0, EKC_CTRL_BYTES);
+	/* Zeroed by a copy, not a memset: a memset is a kernel, and this
+	 * thread must not wait for SMs that other groups' kernels may hold
+	 * (group.c, drain: the loop thread never waits on the GPU unbounded). */
+	static const uint8_t zero[EKC_CTRL_BYTES];
+	r = cu_drv->cuMemcpyHtoD(ptr, zero, sizeof(zero));
 	if (r) {
-		rc = ekc_fail(cu_drv, r, "cuMemsetD8", err, errlen);
+		rc = ekc_fail(cu_drv, r, "zeroing the region's control bytes",
+			      err, errlen);
 		goto err_unmap;
 	}
 	m->aq = calloc(MAX_INFLIGHT, sizeof(*m->aq));
