@@ -4,6 +4,7 @@
  * outgoing frames (with descriptors), and the request dispatch table.
  */
 #include "server.h"
+#include "util/stall.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -311,6 +312,7 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 {
 	uint64_t gid;
 	char err[256];
+	epd_stall_mark(epp_type_name(h->type), c->name);
 	epd_debug("client %lu: %s req %lu len %u", (unsigned long)c->s.id,
 		  epp_type_name(h->type), (unsigned long)h->req_id, h->length);
 	if (c->refused) {

@@ -70,8 +70,9 @@ static void *watch(void *arg)
 		uint64_t ms = now > b ? (now - b) / 1000000ull : 0;
 		if (ms < w.warn_ms + TICK_MS) {
 			if (stalled_since && b >= stalled_since) {
-				uint64_t len = (b - stalled_since) / 1000000ull +
-					       w.warn_ms + TICK_MS;
+				/* from the turn before the stall to the one
+				 * after it */
+				uint64_t len = (b - stalled_since) / 1000000ull;
 				epd_notice("event loop: running again after a "
 					   "stall of about %llu ms",
 					   (unsigned long long)len);

@@ -28,6 +28,7 @@
 #include "core/core.h"
 #include "core/backend.h"
 #include "hostbar.h"
+#include "util/stall.h"
 
 #include <jansson.h>
 #include <stdio.h>

@@ -7,6 +7,7 @@
 
 int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 {
+	epd_stall_mark("making a group's GPU state", g->shape.name);
 	struct epd_cuda_group *c = g->dev_group;
 	struct epd_cuda *cu = g->srv->dev_state;
 	uint32_t rpn = g->shape.ranks_per_node;
@@ -172,6 +173,7 @@ CUresult cu_dev_alloc(struct epd_cuda_group *c, CUdeviceptr *p, size_t n)
 
 void epd_cuda_group_failed(struct epd_group *g)
 {
+	epd_stall_mark("releasing a failed group's streams", g->shape.name);
 	struct epd_cuda_group *c = g->dev_group;
 	if (!c || c->released)
 		return;
@@ -266,6 +268,7 @@ static bool drain(CUstream s, const char *group, const char *which)
 
 void epd_cuda_group_free(struct epd_group *g)
 {
+	epd_stall_mark("freeing a group's GPU state", g->shape.name);
 	struct epd_cuda_group *c = g->dev_group;
 	if (!c)
 		return;

@@ -9,6 +9,7 @@
 /* Enqueue every op that all local ranks asked for. */
 void cu_enqueue_ready(struct epd_group *g)
 {
+	epd_stall_mark("enqueueing GPU ops", g->shape.name);
 	struct epd_cuda_group *c = g->dev_group;
 	struct epd_cuda *cu = g->srv->dev_state;
 	uint32_t rpn = g->shape.ranks_per_node;
@@ -198,6 +199,7 @@ static bool no_doorbell(struct epd_group *g, uint32_t l, void *arg)
 
 void cu_poll_cb(uv_timer_t *t)
 {
+	epd_stall_mark("polling GPU ops", NULL);
 	struct epd_cuda_group *c = t->data;
 	struct epd_group *g = c->g;
 	if (g->state != EPD_G_READY) {

@@ -36,6 +36,7 @@ static struct epd_cuda_group *cg_get(struct epd_group *g, char *err,
 int epd_cuda_add_rank(struct epd_group *g, struct epd_member *m,
 		      const struct epp_join *j, char *err, size_t errlen)
 {
+	epd_stall_mark("making a rank's GPU region", g->shape.name);
 	struct epd_cuda *cu = g->srv->dev_state;
 	if (!cu) {
 		snprintf(err, errlen, "this epd runs the host backend (%s)",
