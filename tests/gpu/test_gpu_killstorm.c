@@ -153,7 +153,10 @@ int main(void)
 	unsigned seed = (unsigned)getpid();
 	uint64_t end = th_now_ns() + (uint64_t)seconds * 1000000000ull;
 	int jobs = 0, killed = 0;
+	uint64_t slowest = 0;
+	int slowest_job = -1;
 	while (th_now_ns() < end) {
+		uint64_t j0 = th_now_ns();
 		s->world = 2 + (uint32_t)(rand_r(&seed) % (MAXW - 1));
 		s->seed = (unsigned)rand_r(&seed);
 		snprintf(s->name, sizeof(s->name), "gjob%d", jobs);
@@ -188,14 +191,27 @@ int main(void)
 					 s->name);
 		}
 		TH_CHECK(th_daemon_alive(&d), "daemon died at job %d", jobs);
+		/* the survivors were told at once, not after the group's
+		 * timeout: a kill must not stop the GPU for others */
+		uint64_t took = (th_now_ns() - j0) / 1000000ull;
+		if (took > slowest) {
+			slowest = took;
+			slowest_job = jobs;
+		}
 		jobs++;
 	}
 	int fd1 = -1;
 	for (int i = 0; i < 100 && (fd1 = fds_of(d.pid)) != fd0; i++)
 		th_sleep_ms(50);
 	printf("ok: %d GPU jobs, %d ranks killed; bystander %lu rounds; "
-	       "daemon descriptors %d before, %d after\n",
-	       jobs, killed, (unsigned long)s->by_rounds, fd0, fd1);
+	       "daemon descriptors %d before, %d after; slowest job %llu ms "
+	       "(gjob%d)\n",
+	       jobs, killed, (unsigned long)s->by_rounds, fd0, fd1,
+	       (unsigned long long)slowest, slowest_job);
+	TH_CHECK(slowest < 10000,
+		 "gjob%d took %llu ms: its survivors waited for the group's "
+		 "timeout (20 s) instead of being released at the kill",
+		 slowest_job, (unsigned long long)slowest);
 	TH_CHECK(fd1 == fd0, "descriptors %d, %d before the storm", fd1, fd0);
 	s->stop = 1;
 	TH_CHECK(th_wait_all(by, 2, 60) == 0, "the bystander failed");
