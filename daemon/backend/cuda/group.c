@@ -310,6 +310,13 @@ void epd_cuda_group_free(struct epd_group *g)
 				name, c->size >> 20);
 		if (c->registered && drained)
 			cu_drv->cuMemHostUnregister(g->map);
+		else if (c->registered) {
+			/* the control page stays registered, so it stays
+			 * mapped too: unmapped, its addresses would come back
+			 * in a later mmap that the driver refuses to register
+			 * ("already mapped") */
+			g->map = NULL;
+		}
 		if (c->fb && !c->hb && drained)
 			cu_drv->cuMemFreeHost(c->fb);
 	}
