@@ -236,14 +236,15 @@ static void poll_closed(uv_handle_t *h)
 	free(h->data);
 }
 
-/* Wait for a released group's stream, at most DRAIN_MS. The loop thread
+/* Wait for a released group's stream until end (one deadline, DRAIN_MS
+ * from the start of the free, for all its streams). The loop thread
  * must not block without bound on the GPU: work of other groups may hold
  * the SMs this stream needs until the loop serves them (a rank's exit, a
  * release). False: it did not drain (or the context is gone). */
 #define DRAIN_MS 2000
-static bool drain(CUstream s, const char *group, const char *which)
+static bool drain(CUstream s, uint64_t end, const char *group,
+		  const char *which)
 {
-	uint64_t t0 = epd_now_ns();
 	for (unsigned us = 20;; us = us < 2000 ? us * 2 : us) {
 		CUresult q = cu_drv->cuStreamQuery(s);
 		if (q == CUDA_SUCCESS)
@@ -255,7 +256,7 @@ static bool drain(CUstream s, const char *group, const char *which)
 				e ? e : "unknown error");
 			return false;
 		}
-		if (epd_now_ns() - t0 > DRAIN_MS * 1000000ull) {
+		if (epd_now_ns() > end) {
 			epd_err("group %s: its %s stream has not finished %u ms "
 				"after the group was released", group, which,
 				DRAIN_MS);
@@ -278,6 +279,7 @@ void epd_cuda_group_free(struct epd_group *g)
 	 * (leaked, said in the log) rather than freed under work in flight. */
 	bool drained = true;
 	const char *name = g->shape.name;
+	const uint64_t end = epd_now_ns() + DRAIN_MS * 1000000ull;
 	if (g->srv->dev_state && c->dev0 >= 0 &&
 	    !cu_use_dev(g->srv->dev_state, c->dev0, err, sizeof(err))) {
 		if (c->stream) {
@@ -286,11 +288,11 @@ void epd_cuda_group_free(struct epd_group *g)
 				epd_cuda_group_failed(g);
 			cu_fastbar_stop(c);
 			if (c->fbstream) {
-				drained &= drain(c->fbstream, name, "barrier");
+				drained &= drain(c->fbstream, end, name, "barrier");
 				cu_drv->cuStreamDestroy(c->fbstream);
 			}
-			drained &= drain(c->aux, name, "release");
-			drained &= drain(c->stream, name, "op");
+			drained &= drain(c->aux, end, name, "release");
+			drained &= drain(c->stream, end, name, "op");
 			/* destroyed with work in it, a stream goes when the
 			 * work is done */
 			cu_drv->cuStreamDestroy(c->stream);
@@ -300,7 +302,7 @@ void epd_cuda_group_free(struct epd_group *g)
 			if (!c->dstream[i])
 				continue;
 			cu_drv->cuCtxSetCurrent(cu_state(g->srv)->dev[c->devs[i]].ctx);
-			drained &= drain(c->dstream[i], name, "peer GPU's");
+			drained &= drain(c->dstream[i], end, name, "peer GPU's");
 		}
 		cu_drv->cuCtxSetCurrent(cu_state(g->srv)->dev[c->dev0].ctx);
 		if (!drained)
