@@ -18,6 +18,7 @@
 
 #include "../ek.h"
 
+#ifndef __CUDACC__ /* the host side only (kernels need none of it) */
 /* Every driver entry point epd and libep use. */
 #define EKC_FUNCS(X)                                                           \
 	X(cuInit)                                                              \
@@ -113,6 +114,8 @@ int ekc_load(struct ekc_driver *d, char *err, size_t errlen);
 int ekc_fail(const struct ekc_driver *d, CUresult r, const char *what,
 	     char *err, size_t errlen);
 
+#endif
+
 /* Layout of a rank's device region: control words, then the data fields of
  * struct epp_buf at EKC_CTRL_BYTES. Words sit on separate 128-byte lines. */
 #define EKC_CTRL_BYTES 4096u
@@ -199,6 +202,15 @@ struct ekc_post_args {
 /* ekc_copy_tma: warps per block; each warp holds two rows in shared
  * memory. */
 #define EKC_TMA_WARPS 4
+/* A block of the data kernels fills an SM (threads or registers), so that
+ * the SMs a grid takes are its blocks: cuda_sms=N takes N SMs. Blocks of
+ * fewer threads spread over as many SMs as they are blocks (the block
+ * scheduler fills idle SMs first). ekc_copy_tma's block is EKC_TMA_WARPS
+ * warps times the copies of its shared memory an SM holds, up to
+ * EKC_TMA_MAX_WARPS. */
+#define EKC_COPY_THREADS 1024
+#define EKC_COMBINE_THREADS 768
+#define EKC_TMA_MAX_WARPS 16
 
 /* Fields of a rank's region, as in enum epp_buf_field (same order). */
 enum {
@@ -283,10 +295,17 @@ struct ekc_disp_args {
 	 * start and (stored inverted, so both are atomicMin) last end, or
 	 * NULL */
 	unsigned long long *trace;
+	/* EPD_CUDA_TRACE: bit i set by a block that ran on SM i (the
+	 * combine), or NULL */
+	uint32_t *smmask;
 };
 
 enum { EKC_TR_DOORBELL, EKC_TR_COUNT, EKC_TR_SCAN, EKC_TR_SLOT, EKC_TR_COPY,
        EKC_TR_COMBINE, EKC_TR_N };
+/* The trace buffer: the stages' [EKC_TR_N][2] times, then smmask (8 words:
+ * SMs 0-255). */
+#define EKC_TR_SMMASK (EKC_TR_N * 16)
+#define EKC_TR_BYTES (EKC_TR_SMMASK + 32)
 
 /* The fatbin of the kernels in kernels/cuda, embedded at build time. */
 extern const unsigned char ekc_fatbin[];

@@ -71,6 +71,16 @@ __device__ static inline void tr_begin(const struct ekc_disp_args &a, int st)
 		atomicMin(&a.trace[2 * st], tr_now());
 }
 
+// EPD_CUDA_TRACE: the SM this block runs on, as a bit of smmask.
+__device__ static inline void mark_sm(const struct ekc_disp_args &a)
+{
+	if (a.smmask && threadIdx.x == 0) {
+		uint32_t sm;
+		asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+		atomicOr(&a.smmask[(sm / 32) & 7], 1u << (sm % 32));
+	}
+}
+
 __device__ static inline void tr_end(const struct ekc_disp_args &a, int st)
 {
 	if (a.trace)
@@ -544,8 +554,9 @@ __device__ static inline void copy_meta(const struct ekc_disp_args &a,
 }
 
 // A warp per source token: read its row once, write it to every
-// destination. 16-byte vectors, four in flight per lane.
-extern "C" __global__ void __launch_bounds__(256, 4)
+// destination. 16-byte vectors, four in flight per lane. A block fills
+// an SM (EKC_COPY_THREADS), so that a grid of N blocks takes N SMs.
+extern "C" __global__ void __launch_bounds__(EKC_COPY_THREADS, 1)
 	ekc_copy(struct ekc_disp_args a)
 {
 	if (has_error(a))
@@ -554,6 +565,7 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 	const uint32_t W = a.W;
 	if (threadIdx.x == 0)
 		tr_begin(a, EKC_TR_COPY);
+	mark_sm(a);
 	const uint64_t nvec = (uint64_t)a.H * a.elt / 16;
 	const uint64_t total = masked_total(a);
 	for (uint64_t g = next_item(a, lane), gn; g < total; g = gn) {
@@ -651,17 +663,18 @@ __device__ static inline void tma_store(void *dst, uint32_t src,
 		     : "memory");
 }
 
-extern "C" __global__ void __launch_bounds__(TMA_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(EKC_TMA_MAX_WARPS * 32)
 	ekc_copy_tma(struct ekc_disp_args a)
 {
 	extern __shared__ __align__(128) uint8_t rows[]; // [warp][2][row]
-	__shared__ __align__(8) uint64_t bars[TMA_WARPS][2];
+	__shared__ __align__(8) uint64_t bars[EKC_TMA_MAX_WARPS][2];
 	if (has_error(a))
 		return; // a bad expert index: change nothing
 	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 	const uint32_t bytes = a.H * a.elt, W = a.W;
 	if (threadIdx.x == 0)
 		tr_begin(a, EKC_TR_COPY);
+	mark_sm(a);
 	const uint32_t buf0 = smem_addr(rows + (size_t)warp * 2 * bytes);
 	const uint32_t bar0 = smem_addr(&bars[warp][0]);
 	if (lane == 0) {
@@ -740,14 +753,16 @@ __device__ static inline uint32_t f32_bf16(float f)
 
 // A warp per home token; each lane 8 channels (16 bytes) at a time. The
 // rows of all destinations are loaded first (in flight together), then
-// added in ascending rank order: the order of the sums is fixed.
-extern "C" __global__ void __launch_bounds__(256)
+// added in ascending rank order: the order of the sums is fixed. A block
+// fills an SM (EKC_COMBINE_THREADS).
+extern "C" __global__ void __launch_bounds__(EKC_COMBINE_THREADS, 1)
 	ekc_combine(struct ekc_disp_args a)
 {
 	const uint32_t lane = threadIdx.x & 31, W = a.W, H = a.H;
 	const uint64_t nvec = H / 8;
 	if (threadIdx.x == 0)
 		tr_begin(a, EKC_TR_COMBINE);
+	mark_sm(a);
 	if (a.wait) {
 		bool bad = false;
 		for (uint32_t d = threadIdx.x; d < W && !bad; d += blockDim.x)

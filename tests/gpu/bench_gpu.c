@@ -41,6 +41,8 @@ static void print_trace(const char *js, const char *what)
 
 struct shared {
 	const struct th_daemon *d;
+	int sms_cap; /* cuda_sms of this daemon (0: all) */
+	int sms_used[2]; /* EPD_CUDA_TRACE: the SMs of the copy, combine */
 	uint32_t T, H, K, E;
 	int fp8, iters;
 	uint64_t recv[MAXW];
@@ -258,6 +260,14 @@ static int rank_main(int r, void *arg)
 		if ((p = strstr(js, "\"last_combine_us\":")))
 			s->kcomb_us = atof(p + 18);
 		print_trace(js, "pipelined");
+		/* the SMs the row copy and the combine ran on (trace) */
+		for (int op = 0; op < 2; op++) {
+			const char *q = strstr(js, "\"trace_us\":");
+			q = q ? strstr(q, op ? "\"combine\":{" : "\"dispatch\":{")
+			      : NULL;
+			q = q ? strstr(q, "\"sms\":") : NULL;
+			s->sms_used[op] = q ? atoi(q + 6) : -1;
+		}
 		p = strstr(js, "\"row_copy_sms\":");
 		printf("perf: row copy %s on %d SMs, prep %s, barrier %s\n",
 		       strstr(js, "\"row_copy\":\"tma\"") ? "tma" : "simt",
@@ -336,10 +346,23 @@ int main(void)
 						kv, NULL);
 			s->d = &d;
 			s->fp8 = fp8;
+			s->sms_cap = atoi(sms[i]);
 			pid_t pids[MAXW];
 			th_spawn(pids, W, rank_main, s);
 			TH_CHECK(th_wait_all(pids, W, 300) == 0, "a rank failed");
 			th_daemon_stop(&d);
+			if (getenv("EPD_CUDA_TRACE")) {
+				/* cuda_sms=N: the kernels ran on N SMs at most */
+				printf("perf: SMs the kernels ran on (cuda_sms=%s): "
+				       "row copy %d, combine %d\n", sms[i],
+				       s->sms_used[0], s->sms_used[1]);
+				TH_CHECK(s->sms_used[0] > 0 && s->sms_used[1] > 0,
+					 "the trace gave no SM counts");
+				TH_CHECK(!s->sms_cap ||
+						 (s->sms_used[0] <= s->sms_cap &&
+						  s->sms_used[1] <= s->sms_cap),
+					 "the kernels ran on more SMs than cuda_sms");
+			}
 			uint64_t rows = 0;
 			for (int r = 0; r < W; r++)
 				rows += s->recv[r];

@@ -54,6 +54,7 @@ struct cudev {
 	int smem_optin; /* dynamic shared memory a block may opt into */
 	size_t gran;
 	int occ_copy, occ_combine, occ_prep; /* resident blocks per SM */
+	int copy_threads, combine_threads;   /* a block (fat_block) */
 	uint8_t uuid[16];
 	char name[96];
 	int sms;
@@ -104,8 +105,9 @@ struct epd_cuda_group {
 	uint64_t route_bytes; /* device tables, against max_handle_bytes */
 	/* dispatch rows by the bulk-copy engine: shared memory per block and
 	 * resident blocks per SM (0: the SIMT copy) */
-	unsigned tma_smem;
-	int occ_tma;
+	unsigned tma_smem;    /* a block's shared memory: tma_warps x 2 rows */
+	int occ_tma;          /* its blocks per SM */
+	unsigned tma_threads; /* its threads */
 	/* Several GPUs: each pushes its own ranks' tokens (dispatch) and pulls
 	 * its own ranks' tokens (combine); devs[0] is dev0, whose stream
 	 * orders everything. */
@@ -124,6 +126,7 @@ struct epd_cuda_group {
 	CUdeviceptr trace;
 	unsigned long long *trace_host[2];
 	double trace_us[2][EKC_TR_N][2];
+	int sms_used[2]; /* SMs the last copy / combine ran on (trace) */
 	uv_timer_t poll;
 	bool poll_closing, poll_slow;
 	bool released;

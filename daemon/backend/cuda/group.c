@@ -103,13 +103,30 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 	size_t rowb = (size_t)g->shape.hidden * g->layout.elt;
 	size_t smem = (size_t)EKC_TMA_WARPS * 2 * rowb;
 	struct cudev *d0 = &cu->dev[c->dev0];
+	int per = 0;
 	if (!g->srv->cfg.cuda_no_tma && rowb % 16 == 0 &&
 	    smem <= (size_t)d0->smem_optin &&
 	    !cu_drv->cuOccupancyMaxActiveBlocksPerMultiprocessor(
-		    &c->occ_tma, d0->copy_tma, EKC_TMA_WARPS * 32, smem) &&
-	    c->occ_tma > 0)
-		c->tma_smem = (unsigned)smem;
-	else
+		    &per, d0->copy_tma, EKC_TMA_WARPS * 32, smem) &&
+	    per > 0) {
+		/* one block per SM of all the groups of warps an SM holds
+		 * (ekc.h: N blocks take N SMs) */
+		int k = per;
+		if (k > EKC_TMA_MAX_WARPS / EKC_TMA_WARPS)
+			k = EKC_TMA_MAX_WARPS / EKC_TMA_WARPS;
+		while (k > 1 && (size_t)k * smem > (size_t)d0->smem_optin)
+			k--;
+		c->tma_smem = (unsigned)(k * smem);
+		c->tma_threads = (unsigned)(k * EKC_TMA_WARPS * 32);
+		if (cu_drv->cuOccupancyMaxActiveBlocksPerMultiprocessor(
+			    &c->occ_tma, d0->copy_tma, (int)c->tma_threads,
+			    c->tma_smem) ||
+		    c->occ_tma < 1) {
+			c->tma_smem = (unsigned)smem;
+			c->tma_threads = EKC_TMA_WARPS * 32;
+			c->occ_tma = per;
+		}
+	} else
 		c->occ_tma = 0;
 	c->tmax = g->shape.max_tokens ? g->shape.max_tokens : 1;
 	c->nblk_max = (c->tmax + 255) / 256;
@@ -131,10 +148,10 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 		r = cu_drv->cuMemcpyHtoD(c->work, ones, sizeof(ones));
 	}
 	if (!r && getenv("EPD_CUDA_TRACE")) {
-		r = cu_dev_alloc(c, &c->trace, EKC_TR_N * 16);
+		r = cu_dev_alloc(c, &c->trace, EKC_TR_BYTES);
 		for (int i = 0; !r && i < 2; i++)
 			r = cu_drv->cuMemHostAlloc((void **)&c->trace_host[i],
-					      EKC_TR_N * 16, 0);
+					      EKC_TR_BYTES, 0);
 	}
 	if (r)
 		return cu_err(r, "allocating the dispatch scratch", err,
@@ -416,6 +433,8 @@ void *epd_cuda_group_status(struct epd_group *g)
 						json_pack("[f, f]",
 							  c->trace_us[w][i][0],
 							  c->trace_us[w][i][1]));
+			/* the SMs its row copy or combine ran on */
+			json_object_set_new(st, "sms", json_integer(c->sms_used[w]));
 			json_object_set_new(tr, w ? "combine" : "dispatch", st);
 		}
 		json_object_set_new(o, "trace_us", tr);

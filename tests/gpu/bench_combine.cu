@@ -1,0 +1,1037 @@
+// SPDX-License-Identifier: MIT
+// bench_combine: the combine kernels alone, on one GPU, DeepSeek-V3 shape
+// (8 home ranks, 4096 tokens each, hidden 7168, top-8 of 256 experts,
+// random routing and random bf16 rows). For each kernel and grid it
+// prints the time, the SMs its blocks ran on (read from %smid, so a grid
+// of several blocks per SM is not mistaken for few SMs), GB/s counting
+// each row read once and each output written once, and the ratio to a
+// device-to-device copy measured in the same run. Every ring variant's
+// output (rows and summed top-k weights) is compared bit for bit with
+// ekc_combine's (the kernel the GPU tests check against the host
+// backend), with no bias, one bias, and both biases with weights.
+//
+// EPD_BENCH_GRIDS=16,24,... overrides the SM counts; exit 1 on a mismatch.
+#include <cuda_runtime.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "ekc_dispatch.cu"
+
+// Two combines tried for few SMs and not kept (PERFORMANCE.md, thirteenth
+// session): kept here so that the figures can be measured again.
+// Combine through a ring in shared memory, for few SMs: a block per SM,
+// each lane keeping CMB_RING 16-byte loads in flight (cp.async, no
+// registers held while they fly), so that bytes in flight, not SMs, set
+// the speed. A warp takes a home token from the counter; its lanes load
+// the token's sources (the bias, the second bias, then each destination's
+// row in ascending rank order) for their columns, the ring running ahead
+// across tokens; each lane sums what lands, in that order, and rounds
+// once: the same sums, in the same order, as ekc_combine and the host.
+//
+// Items: (token, column step, source), one cp.async group each, issued
+// CMB_RING ahead of the one being summed; a lane reads back only what it
+// loaded itself (wait_group orders it), so no barrier is needed. Tokens
+// fetched ahead wait in a queue held one entry per lane.
+__device__ static inline void cp_async16(uint32_t dst, const void *src)
+{
+	asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst),
+		     "l"(src)
+		     : "memory");
+}
+
+__device__ static inline void cp_commit()
+{
+	asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int N> __device__ static inline void cp_wait()
+{
+	asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ static inline uint4 lds16(uint32_t addr)
+{
+	uint4 q;
+	asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+		     : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w)
+		     : "r"(addr)
+		     : "memory");
+	return q;
+}
+
+// The top-k weights of home token (h, t): fp32 sums from +0.0 over its
+// rows in ascending rank order (lanes < K), as ekc_combine.
+__device__ static inline void combine_weights(const struct ekc_disp_args &a,
+					      uint32_t lane, uint32_t h,
+					      uint64_t t)
+{
+	if (!a.cw || lane >= a.K)
+		return;
+	const uint32_t K = a.K;
+	const int32_t *slot = a.slot + ((uint64_t)h * a.Tmax + t) * a.W;
+	float acc = 0.0f;
+	for (uint32_t d = 0; d < a.W; d++) {
+		int32_t r = slot[d];
+		if (r >= 0)
+			acc = __fadd_rn(acc, __ldg((const float *)field(
+							   a, d, EKC_F_CW) +
+						   (uint64_t)r * K + lane));
+	}
+	((float *)field(a, h, EKC_F_CW_OUT))[t * K + lane] = acc;
+}
+
+template <int NT, int R>
+__device__ static __forceinline__ void combine_ring(const struct ekc_disp_args &a)
+{
+	extern __shared__ __align__(16) uint8_t cring[]; // [R][NT] x 16 B
+	// the producer's current token: each source's row base
+	__shared__ const uint4 *srcs[NT / 32][EKC_MAX_LOCAL + 2];
+	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+	const uint32_t W = a.W;
+	const uint32_t nvec = a.H / 8, nstep = (nvec + 31) / 32;
+	if (threadIdx.x == 0)
+		tr_begin(a, EKC_TR_COMBINE);
+	mark_sm(a);
+	if (a.wait) {
+		bool bad = false;
+		for (uint32_t d = threadIdx.x; d < W && !bad; d += blockDim.x)
+			bad = !wait_doorbell(a, d);
+		if (__syncthreads_or(bad))
+			return;
+		if (threadIdx.x == 0)
+			tr_end(a, EKC_TR_DOORBELL);
+	}
+	const uint64_t total = masked_total(a);
+	const uint32_t stride = NT * 16;
+	const uint32_t ring0 = smem_addr(cring) + threadIdx.x * 16,
+		       ring_end = ring0 + R * stride;
+	const uint4 **list = srcs[warp];
+	// queue of fetched tokens: entry i in lane i % 32
+	uint64_t qg = 0, qm = 0;
+	uint32_t qhead = 0, qtail = 0;
+	bool exhausted = false;
+	// the next token's counter value, fetched a token ahead (lane 0)
+	uint32_t raw = lane == 0 ? atomicAdd(a.work, 1u) + 1u : 0;
+	// producer: current token's step, source, sources; slot to fill
+	bool pon = false;
+	uint32_t pv = 0, pj = 0, pn = 0, pslot = ring0;
+	// consumer
+	bool con = false, cbias = false;
+	uint32_t cv = 0, cj = 0, cn = 0, cslot = ring0, ch = 0;
+	uint64_t ct = 0;
+	uint4 *out = nullptr;
+	uint32_t pi = 0, ci = 0; // items issued, summed
+	float acc[8];
+	for (;;) {
+		while (pi - ci < (uint32_t)R) {
+			if (!pon) {
+				if (exhausted || qtail - qhead == 32)
+					break;
+				const uint64_t g = __shfl_sync(0xffffffffu, raw, 0);
+				if (g >= total) {
+					exhausted = true;
+					break;
+				}
+				if (lane == 0)
+					raw = atomicAdd(a.work, 1u) + 1u;
+				uint64_t t;
+				const uint32_t h = masked_token(a, g, &t);
+				const int32_t *slot =
+					a.slot + ((uint64_t)h * a.Tmax + t) * W;
+				const int32_t r0 = lane < W ? slot[lane] : -1;
+				const int32_t r1 =
+					lane + 32 < W ? slot[lane + 32] : -1;
+				const uint64_t m0 = __ballot_sync(0xffffffffu, r0 >= 0),
+					       m1 = __ballot_sync(0xffffffffu, r1 >= 0);
+				const uint64_t m = m0 | m1 << 32;
+				if (lane == (qtail & 31)) {
+					qg = g;
+					qm = m;
+				}
+				qtail++;
+				const bool b1 = (a.bias_mask >> h) & 1,
+					   b2 = (a.bias2_mask >> h) & 1;
+				const uint32_t nb = b1 + b2;
+				pn = nb + __popcll(m);
+				if (!pn)
+					continue; // zeros: nothing to load
+				__syncwarp(); // the last token's list is read
+				if (lane == 0 && b1)
+					list[0] = (const uint4 *)field(a, h, EKC_F_BIAS) +
+						  t * nvec;
+				if (lane == 0 && b2)
+					list[b1] = (const uint4 *)field(a, h,
+									EKC_F_BIAS2) +
+						   t * nvec;
+				const uint64_t below = (1ull << lane) - 1;
+				if (r0 >= 0)
+					list[nb + __popcll(m0 & below)] =
+						(const uint4 *)field(a, lane, EKC_F_Y) +
+						(uint64_t)r0 * nvec;
+				if (r1 >= 0)
+					list[nb + __popcll(m0) + __popcll(m1 & below)] =
+						(const uint4 *)field(a, lane + 32,
+								     EKC_F_Y) +
+						(uint64_t)r1 * nvec;
+				__syncwarp();
+				pon = true;
+				pv = lane;
+				pj = 0;
+			}
+			if (pv < nvec)
+				cp_async16(pslot, list[pj] + pv);
+			cp_commit();
+			pi++;
+			pslot = pslot + stride == ring_end ? ring0 : pslot + stride;
+			if (++pj == pn) {
+				pj = 0;
+				pv += 32;
+				if (pv >= nstep * 32)
+					pon = false;
+			}
+		}
+		if (!con) {
+			if (qhead == qtail)
+				break; // nothing fetched, nothing left
+			const uint64_t g = __shfl_sync(0xffffffffu, qg, qhead & 31);
+			const uint64_t m = __shfl_sync(0xffffffffu, qm, qhead & 31);
+			qhead++;
+			ch = masked_token(a, g, &ct);
+			cbias = (a.bias_mask >> ch) & 1;
+			cn = cbias + ((a.bias2_mask >> ch) & 1) + __popcll(m);
+			out = (uint4 *)field(a, ch, EKC_F_OUT) + ct * nvec;
+			if (!cn) { // no row, no bias: +0.0
+				for (uint32_t v = lane; v < nvec; v += 32)
+					out[v] = make_uint4(0, 0, 0, 0);
+				combine_weights(a, lane, ch, ct);
+				continue;
+			}
+			con = true;
+			cv = lane;
+			cj = 0;
+		}
+		if (pi - ci == (uint32_t)R)
+			cp_wait<R - 1>();
+		else
+			cp_wait<0>();
+		const uint4 q = lds16(cslot);
+		ci++;
+		cslot = cslot + stride == ring_end ? ring0 : cslot + stride;
+		const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+		if (cj == 0 && cbias) {
+#pragma unroll
+			for (int i = 0; i < 4; i++) {
+				acc[2 * i] = __uint_as_float(w[i] << 16);
+				acc[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+			}
+		} else {
+			if (cj == 0) {
+#pragma unroll
+				for (int i = 0; i < 8; i++)
+					acc[i] = 0.0f;
+			}
+#pragma unroll
+			for (int i = 0; i < 4; i++) {
+				acc[2 * i] = __fadd_rn(acc[2 * i],
+						       __uint_as_float(w[i] << 16));
+				acc[2 * i + 1] = __fadd_rn(
+					acc[2 * i + 1],
+					__uint_as_float(w[i] & 0xffff0000u));
+			}
+		}
+		if (++cj == cn) {
+			if (cv < nvec) {
+				uint4 o;
+				o.x = f32_bf16(acc[0]) | f32_bf16(acc[1]) << 16;
+				o.y = f32_bf16(acc[2]) | f32_bf16(acc[3]) << 16;
+				o.z = f32_bf16(acc[4]) | f32_bf16(acc[5]) << 16;
+				o.w = f32_bf16(acc[6]) | f32_bf16(acc[7]) << 16;
+				out[cv] = o;
+			}
+			cj = 0;
+			cv += 32;
+			if (cv >= nstep * 32) {
+				con = false;
+				combine_weights(a, lane, ch, ct);
+			}
+		}
+	}
+	cp_wait<0>();
+	if (lane == 0)
+		tr_end(a, EKC_TR_COMBINE);
+}
+
+
+// Combine with the loads in flight held in registers, for few SMs and
+// many. A warp takes a home token; a lane's work for it is a sequence of
+// items (a chunk of S column steps of 32 x 16 bytes, from one source):
+// chunk by chunk, the sources in order (the bias, the second bias, then
+// each destination's row in ascending rank order). An item is S
+// independent 16-byte loads at fixed offsets from one base (the warp's
+// list of the token's sources, in shared memory); D items are in flight
+// while the oldest is summed. The sums, their order and the rounding are
+// those of the host backend. The next token's routing is read while this
+// one's last items land.
+#define BENCH_PIPE_WARPS 8
+template <int S, int D, int L = 1>
+__device__ static __forceinline__ void combine_pipe(const struct ekc_disp_args &a)
+{
+	__shared__ const uint4 *srcs[BENCH_PIPE_WARPS][EKC_MAX_LOCAL + 2];
+	const uint32_t lane = threadIdx.x & 31, W = a.W;
+	const uint4 **list = srcs[threadIdx.x >> 5];
+	const uint32_t nvec = a.H / 8;
+	const uint32_t C = (nvec + 32 * S - 1) / (32 * S); // chunks of a row
+	if (threadIdx.x == 0)
+		tr_begin(a, EKC_TR_COMBINE);
+	mark_sm(a);
+	if (a.wait) {
+		bool bad = false;
+		for (uint32_t d = threadIdx.x; d < W && !bad; d += blockDim.x)
+			bad = !wait_doorbell(a, d);
+		if (__syncthreads_or(bad))
+			return;
+		if (threadIdx.x == 0)
+			tr_end(a, EKC_TR_DOORBELL);
+	}
+	const uint64_t total = masked_total(a);
+	uint64_t g = next_item(a, lane);
+	// the token after, taken a token ahead (lane 0)
+	uint32_t raw = lane == 0 ? atomicAdd(a.work, 1u) + 1u : 0;
+	int32_t r0 = -1, r1 = -1; // this token's rows (lane d: rank d, d + 32)
+	uint64_t t = 0;
+	uint32_t h = 0;
+	if (g < total) {
+		h = masked_token(a, g, &t);
+		const int32_t *slot = a.slot + ((uint64_t)h * a.Tmax + t) * W;
+		r0 = lane < W ? slot[lane] : -1;
+		r1 = lane + 32 < W ? slot[lane + 32] : -1;
+	}
+	float acc[S][8];
+	uint4 buf[D][S];
+	while (g < total) {
+		const uint32_t m0 = __ballot_sync(0xffffffffu, r0 >= 0),
+			       m1 = __ballot_sync(0xffffffffu, r1 >= 0);
+		const bool b1 = (a.bias_mask >> h) & 1, b2 = (a.bias2_mask >> h) & 1;
+		const uint32_t nb = b1 + b2;
+		const uint32_t n = nb + __popc(m0) + __popc(m1);
+		uint4 *out = (uint4 *)field(a, h, EKC_F_OUT) + t * nvec;
+		__syncwarp(); // the last token's list is read
+		if (lane == 0 && b1)
+			list[0] = (const uint4 *)field(a, h, EKC_F_BIAS) + t * nvec;
+		if (lane == 0 && b2)
+			list[b1] = (const uint4 *)field(a, h, EKC_F_BIAS2) + t * nvec;
+		const uint32_t below = (1u << lane) - 1;
+		if (r0 >= 0)
+			list[nb + __popc(m0 & below)] =
+				(const uint4 *)field(a, lane, EKC_F_Y) +
+				(uint64_t)r0 * nvec;
+		if (r1 >= 0)
+			list[nb + __popc(m0) + __popc(m1 & below)] =
+				(const uint4 *)field(a, lane + 32, EKC_F_Y) +
+				(uint64_t)r1 * nvec;
+		__syncwarp();
+		const uint32_t items = C * n;
+		uint32_t lj = 0, lc = 0, cj = 0, cc = 0;
+		auto load = [&](uint4 (&b)[S]) {
+			const uint32_t v0 = lc * 32 * S + lane;
+			const uint4 *p = list[lj] + v0;
+#pragma unroll
+			for (int s = 0; s < S; s++)
+				if (v0 + 32 * s < nvec)
+					b[s] = L == 0   ? __ldg(p + 32 * s)
+					       : L == 1 ? __ldcg(p + 32 * s)
+							: __ldcs(p + 32 * s);
+			if (++lj == n) {
+				lj = 0;
+				lc++;
+			}
+		};
+		auto sum = [&](const uint4 (&b)[S]) {
+			if (cj == 0 && b1) { // the bias is the sum's start
+#pragma unroll
+				for (int s = 0; s < S; s++) {
+					const uint32_t w[4] = {b[s].x, b[s].y, b[s].z,
+							       b[s].w};
+#pragma unroll
+					for (int i = 0; i < 4; i++) {
+						acc[s][2 * i] = __uint_as_float(w[i] << 16);
+						acc[s][2 * i + 1] =
+							__uint_as_float(w[i] & 0xffff0000u);
+					}
+				}
+			} else {
+				if (cj == 0) {
+#pragma unroll
+					for (int s = 0; s < S; s++)
+#pragma unroll
+						for (int i = 0; i < 8; i++)
+							acc[s][i] = 0.0f;
+				}
+#pragma unroll
+				for (int s = 0; s < S; s++) {
+					const uint32_t w[4] = {b[s].x, b[s].y, b[s].z,
+							       b[s].w};
+#pragma unroll
+					for (int i = 0; i < 4; i++) {
+						acc[s][2 * i] = __fadd_rn(
+							acc[s][2 * i],
+							__uint_as_float(w[i] << 16));
+						acc[s][2 * i + 1] = __fadd_rn(
+							acc[s][2 * i + 1],
+							__uint_as_float(w[i] & 0xffff0000u));
+					}
+				}
+			}
+			if (++cj == n) {
+				const uint32_t v0 = cc * 32 * S + lane;
+#pragma unroll
+				for (int s = 0; s < S; s++) {
+					if (v0 + 32 * s >= nvec)
+						continue;
+					uint4 o;
+					o.x = f32_bf16(acc[s][0]) | f32_bf16(acc[s][1]) << 16;
+					o.y = f32_bf16(acc[s][2]) | f32_bf16(acc[s][3]) << 16;
+					o.z = f32_bf16(acc[s][4]) | f32_bf16(acc[s][5]) << 16;
+					o.w = f32_bf16(acc[s][6]) | f32_bf16(acc[s][7]) << 16;
+					out[v0 + 32 * s] = o;
+				}
+				cj = 0;
+				cc++;
+			}
+		};
+		if (!n) { // no row, no bias: +0.0
+			for (uint32_t v = lane; v < nvec; v += 32)
+				out[v] = make_uint4(0, 0, 0, 0);
+		}
+#pragma unroll
+		for (int i = 0; i < D; i++)
+			if (i < items)
+				load(buf[i]);
+		// the next token: its number and routing, in flight meanwhile
+		const uint64_t gn = __shfl_sync(0xffffffffu, raw, 0);
+		if (lane == 0)
+			raw = atomicAdd(a.work, 1u) + 1u;
+		uint64_t tn = 0;
+		uint32_t hn = 0;
+		int32_t n0 = -1, n1 = -1;
+		if (gn < total) {
+			hn = masked_token(a, gn, &tn);
+			const int32_t *slot = a.slot + ((uint64_t)hn * a.Tmax + tn) * W;
+			n0 = lane < W ? slot[lane] : -1;
+			n1 = lane + 32 < W ? slot[lane + 32] : -1;
+		}
+		for (uint32_t k = 0; k < items; k += D) {
+#pragma unroll
+			for (int i = 0; i < D; i++) {
+				if (k + i < items) {
+					sum(buf[i]);
+					if (k + i + D < items)
+						load(buf[i]);
+				}
+			}
+		}
+		combine_weights(a, lane, h, t);
+		g = gn;
+		h = hn;
+		t = tn;
+		r0 = n0;
+		r1 = n1;
+	}
+	if (lane == 0)
+		tr_end(a, EKC_TR_COMBINE);
+}
+
+#define CK(x)                                                                  \
+	do {                                                                   \
+		cudaError_t e_ = (x);                                          \
+		if (e_ != cudaSuccess) {                                       \
+			fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, \
+				#x, cudaGetErrorString(e_));                   \
+			exit(2);                                               \
+		}                                                              \
+	} while (0)
+
+// Variants of the ring kernel: threads per block, loads in flight each.
+#define VARIANTS(X) X(1024, 12)
+#define DEF(nt, r)                                                             \
+	extern "C" __global__ void __launch_bounds__(nt, 1)                    \
+		ring_##nt##_##r(struct ekc_disp_args a)                        \
+	{                                                                      \
+		combine_ring<nt, r>(a);                                        \
+	}
+VARIANTS(DEF)
+#undef DEF
+// Register pipelines: S column steps an item, D items in flight.
+#define PIPES(X) X(1, 6, 4, 0) X(1, 6, 4, 1) X(2, 4, 3, 0) X(2, 4, 3, 1) X(2, 2, 4, 0) X(2, 2, 4, 1) X(2, 2, 4, 2) X(4, 2, 2, 0) X(4, 2, 2, 1)
+#define DEFP(s_, d_, b_, l_)                                                   \
+	extern "C" __global__ void __launch_bounds__(256, b_)                  \
+		pipe_##s_##_##d_##_##b_##_##l_(struct ekc_disp_args a)         \
+	{                                                                      \
+		combine_pipe<s_, d_, l_>(a);                                   \
+	}
+PIPES(DEFP)
+#undef DEFP
+
+struct variant {
+	const char *name;
+	void (*fn)(struct ekc_disp_args);
+	int nt, smem;
+	int per_sm; // blocks a grid has per SM it is given
+};
+static std::vector<struct variant> variants = {
+	{"ekc_combine", ekc_combine, 256, 0, 0},
+#define ROW(nt, r) {"ring " #nt "x" #r, ring_##nt##_##r, nt, nt * r * 16, 1},
+	VARIANTS(ROW)
+#undef ROW
+#define ROWP(s_, d_, b_, l_) {"pipe S" #s_ "D" #d_ "/" #b_ " " #l_, pipe_##s_##_##d_##_##b_##_##l_, 256, 0, 0},
+	PIPES(ROWP)
+#undef ROWP
+};
+
+// Moderate random bf16 values (exponents -4..3, random signs), some -0.0.
+__global__ void fill_bf16(uint16_t *p, size_t n, uint64_t seed)
+{
+	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+	     i += (size_t)gridDim.x * blockDim.x) {
+		uint64_t z = (i + 1) * 0x9e3779b97f4a7c15ull ^ seed;
+		z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+		z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+		z ^= z >> 31;
+		uint16_t v = (uint16_t)((z & 0x807f) | ((123 + (z >> 8) % 8) << 7));
+		p[i] = (z >> 40) % 997 == 0 ? 0x8000 : v;
+	}
+}
+
+__global__ void fill_f32(float *p, size_t n, uint64_t seed)
+{
+	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+	     i += (size_t)gridDim.x * blockDim.x)
+		p[i] = (float)((i * 2654435761u ^ seed) % 1000) / 997.0f - 0.5f;
+}
+
+// Reads n 16-byte vectors through the same kind of ring: the per-SM read
+// ceiling for a grid of one block per SM.
+template <int NT, int R>
+__global__ void __launch_bounds__(NT, 1) read_ring(const uint4 *p, size_t n,
+						  uint32_t *sink)
+{
+	extern __shared__ __align__(16) uint8_t cring[];
+	const uint32_t stride = NT * 16;
+	const uint32_t ring0 = smem_addr(cring) + threadIdx.x * 16;
+	const size_t step = (size_t)gridDim.x * NT;
+	size_t i = blockIdx.x * (size_t)NT + threadIdx.x;
+	uint32_t x = 0;
+	uint32_t s = ring0;
+	for (int k = 0; k < R; k++) {
+		cp_async16(ring0 + k * stride, p + (i + k * step) % n);
+		cp_commit();
+	}
+	const size_t iters = n / step;
+	for (size_t it = 0; it < iters; it++) {
+		cp_wait<R - 1>();
+		uint4 q = lds16(s);
+		x ^= q.x ^ q.y ^ q.z ^ q.w;
+		cp_async16(s, p + (i + (it + R) * step) % n);
+		cp_commit();
+		s = s + stride == ring0 + R * stride ? ring0 : s + stride;
+	}
+	cp_wait<0>();
+	if (x == 0x12345678u)
+		*sink = x;
+}
+
+// Reads n 16-byte vectors with plain loads, U in flight per thread.
+template <int U, bool NC = false>
+__global__ void __launch_bounds__(1024) read_ldg(const uint4 *p, size_t n,
+						 uint32_t *sink)
+{
+	const size_t step = (size_t)gridDim.x * blockDim.x;
+	uint32_t x = 0;
+	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+	     i + (U - 1) * step < n; i += U * step) {
+		uint4 q[U];
+#pragma unroll
+		for (int k = 0; k < U; k++)
+			q[k] = NC ? __ldg(p + i + k * step) : __ldcg(p + i + k * step);
+#pragma unroll
+		for (int k = 0; k < U; k++)
+			x ^= q[k].x ^ q[k].y ^ q[k].z ^ q[k].w;
+	}
+	if (x == 0x12345678u)
+		*sink = x;
+}
+
+// Holds one SM until *go is set: the SMs that other work holds in
+// training, so that the kernel under test runs on the SMs left, as many as
+// it is given. Nothing else fits beside it: it takes all of the SM's shared
+// memory (launched with it), half its threads, and registers enough (48
+// live words a thread) that no block of the kernels here fits in the rest.
+// It polls device memory: polling host memory from a hundred SMs slows the
+// whole GPU down twentyfold.
+__global__ void __launch_bounds__(1024, 1)
+	blocker(const uint32_t *junk, volatile uint32_t *up,
+		const volatile uint32_t *go, uint32_t *sink)
+{
+	uint32_t v[48];
+#pragma unroll
+	for (int i = 0; i < 48; i++)
+		v[i] = junk[(threadIdx.x * 48 + i) % 4096];
+	if (threadIdx.x == 0) {
+		// a plain store: atomics on host memory need native host
+		// atomics, which PCIe hosts lack
+		up[blockIdx.x] = 1;
+		__threadfence_system();
+	}
+	while (!*go)
+		__nanosleep(20000);
+	uint32_t x = 0;
+#pragma unroll
+	for (int i = 0; i < 48; i++)
+		x = x * 31 + v[i];
+	if (x == 0x12345678u)
+		*sink = x;
+}
+
+static double median(std::vector<double> v)
+{
+	std::sort(v.begin(), v.end());
+	return v[v.size() / 2];
+}
+
+int main(void)
+{
+	const uint32_t W = 8, T = 4096, H = 7168, K = 8, E = 256;
+	const size_t rowb = (size_t)H * 2;
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	// lazy loading would load a kernel at its first launch, which waits
+	// for the GPU to go idle: never, with the blockers holding it
+	setenv("CUDA_MODULE_LOADING", "EAGER", 1);
+	int dev = 0, sms = 0, optin = 0;
+	CK(cudaSetDevice(dev));
+	CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+	CK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+				  dev));
+	// routing: K distinct experts per token, rows in (source, token) order
+	std::vector<int32_t> slot((size_t)W * T * W, -1);
+	std::vector<uint32_t> recv(W, 0);
+	uint64_t s = 42;
+	auto rnd = [&]() {
+		s = s * 6364136223846793005ull + 1442695040888963407ull;
+		return (uint32_t)(s >> 33);
+	};
+	for (uint32_t h = 0; h < W; h++)
+		for (uint32_t t = 0; t < T; t++) {
+			uint32_t e[8], n = 0;
+			while (n < K) {
+				uint32_t x = rnd() % E;
+				bool dup = false;
+				for (uint32_t j = 0; j < n; j++)
+					dup |= e[j] == x;
+				if (!dup)
+					e[n++] = x;
+			}
+			uint32_t mask = 0;
+			for (uint32_t j = 0; j < K; j++)
+				mask |= 1u << (e[j] / (E / W));
+			for (uint32_t d = 0; d < W; d++)
+				if (mask >> d & 1)
+					slot[((size_t)h * T + t) * W + d] = recv[d]++;
+		}
+	uint64_t rows = 0;
+	uint32_t rmax = 0;
+	for (uint32_t d = 0; d < W; d++) {
+		rows += recv[d];
+		rmax = std::max(rmax, recv[d]);
+	}
+	struct ekc_disp_args a;
+	memset(&a, 0, sizeof(a));
+	size_t off = EKC_CTRL_BYTES;
+	auto place = [&](int f, size_t bytes) {
+		a.off[f] = off;
+		off += (bytes + 255) & ~(size_t)255;
+	};
+	place(EKC_F_Y, (size_t)rmax * rowb);
+	place(EKC_F_OUT, (size_t)T * rowb);
+	place(EKC_F_BIAS, (size_t)T * rowb);
+	place(EKC_F_BIAS2, (size_t)T * rowb);
+	place(EKC_F_CW, (size_t)rmax * K * 4);
+	place(EKC_F_CW_OUT, (size_t)T * K * 4);
+	for (uint32_t r = 0; r < W; r++) {
+		void *p;
+		CK(cudaMalloc(&p, off));
+		a.region[r] = (CUdeviceptr)(uintptr_t)p;
+		uint8_t *b = (uint8_t *)p;
+		fill_bf16<<<1024, 256>>>((uint16_t *)(b + a.off[EKC_F_Y]),
+					 (size_t)rmax * H, 11 + r);
+		fill_bf16<<<1024, 256>>>((uint16_t *)(b + a.off[EKC_F_BIAS]),
+					 (size_t)T * H, 101 + r);
+		fill_bf16<<<1024, 256>>>((uint16_t *)(b + a.off[EKC_F_BIAS2]),
+					 (size_t)T * H, 201 + r);
+		fill_f32<<<256, 256>>>((float *)(b + a.off[EKC_F_CW]),
+				       (size_t)rmax * K, 301 + r);
+		a.tokens[r] = T;
+	}
+	CK(cudaGetLastError());
+	int32_t *dslot;
+	unsigned long long *derr;
+	uint32_t *dwork, *dsm;
+	CK(cudaMalloc(&dslot, slot.size() * 4));
+	CK(cudaMemcpy(dslot, slot.data(), slot.size() * 4, cudaMemcpyHostToDevice));
+	CK(cudaMalloc(&derr, 8));
+	CK(cudaMemset(derr, 0xff, 8));
+	CK(cudaMalloc(&dwork, 4));
+	CK(cudaMalloc(&dsm, 32));
+	a.slot = dslot;
+	a.err = derr;
+	a.work = dwork;
+	a.W = W;
+	a.H = H;
+	a.K = K;
+	a.E = E;
+	a.elt = 2;
+	a.Tmax = T;
+	a.rank_mask = (1ull << W) - 1;
+	a.smmask = dsm;
+
+	// the ceiling: a device-to-device copy of 2 GiB
+	double d2d;
+	{
+		size_t n = 2ull << 30;
+		void *x, *y;
+		CK(cudaMalloc(&x, n));
+		CK(cudaMalloc(&y, n));
+		CK(cudaMemset(x, 1, n));
+		cudaEvent_t e0, e1;
+		CK(cudaEventCreate(&e0));
+		CK(cudaEventCreate(&e1));
+		std::vector<double> t;
+		for (int i = 0; i < 7; i++) {
+			CK(cudaEventRecord(e0));
+			CK(cudaMemcpy(y, x, n, cudaMemcpyDeviceToDevice));
+			CK(cudaEventRecord(e1));
+			CK(cudaEventSynchronize(e1));
+			float ms;
+			CK(cudaEventElapsedTime(&ms, e0, e1));
+			t.push_back(ms);
+		}
+		d2d = 2.0 * n / (median(t) / 1e3) / 1e9;
+		// per-SM read ceiling through a ring
+		uint32_t *sink;
+		CK(cudaMalloc(&sink, 4));
+		CK(cudaFuncSetAttribute(read_ring<512, 24>,
+					cudaFuncAttributeMaxDynamicSharedMemorySize,
+					512 * 24 * 16));
+		int grids[] = {1, 8, 24, 66, sms};
+		for (int gi = 0; gi < 5; gi++) {
+			int nb = grids[gi];
+			size_t nv = n / 16;
+			t.clear();
+			for (int i = 0; i < 5; i++) {
+				CK(cudaEventRecord(e0));
+				read_ring<512, 24><<<nb, 512, 512 * 24 * 16>>>(
+					(const uint4 *)x, nv, sink);
+				CK(cudaEventRecord(e1));
+				CK(cudaEventSynchronize(e1));
+				float ms;
+				CK(cudaEventElapsedTime(&ms, e0, e1));
+				t.push_back(ms);
+			}
+			CK(cudaGetLastError());
+			size_t step = (size_t)nb * 512;
+			double bytes = (double)(nv / step) * step * 16;
+			double gbs = bytes / (median(t) / 1e3) / 1e9;
+			printf("perf: read ceiling, ring 512x24, %d blocks: %.0f GB/s, "
+			       "%.1f GB/s per SM\n", nb, gbs, gbs / nb);
+		}
+		CK(cudaFree(x));
+		CK(cudaFree(y));
+		CK(cudaEventDestroy(e0));
+		CK(cudaEventDestroy(e1));
+	}
+	printf("perf: D2D copy %.0f GB/s; %u SMs; rows %llu\n", d2d, sms,
+	       (unsigned long long)rows);
+
+	for (auto &v : variants) {
+		if (v.smem)
+			CK(cudaFuncSetAttribute(
+				v.fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+				v.smem));
+		if (!v.per_sm)
+			CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+				&v.per_sm, v.fn, v.nt, v.smem));
+		cudaFuncAttributes fa;
+		CK(cudaFuncGetAttributes(&fa, v.fn));
+		printf("kernel: %-16s %4d threads, %3d registers, %3zu bytes "
+		       "spilled, %d blocks per SM\n", v.name, v.nt, fa.numRegs,
+		       fa.localSizeBytes, v.per_sm);
+	}
+	const size_t outb = (size_t)T * rowb, cwb = (size_t)T * K * 4;
+	std::vector<uint8_t> ref(W * (outb + cwb)), got(W * (outb + cwb));
+	auto fetch = [&](std::vector<uint8_t> &dst) {
+		for (uint32_t r = 0; r < W; r++) {
+			uint8_t *b = (uint8_t *)(uintptr_t)a.region[r];
+			CK(cudaMemcpy(&dst[r * (outb + cwb)], b + a.off[EKC_F_OUT],
+				      outb, cudaMemcpyDeviceToHost));
+			CK(cudaMemcpy(&dst[r * (outb + cwb) + outb],
+				      b + a.off[EKC_F_CW_OUT], cwb,
+				      cudaMemcpyDeviceToHost));
+		}
+	};
+	auto scrub = [&]() {
+		for (uint32_t r = 0; r < W; r++) {
+			uint8_t *b = (uint8_t *)(uintptr_t)a.region[r];
+			CK(cudaMemset(b + a.off[EKC_F_OUT], 0xa5, outb));
+			CK(cudaMemset(b + a.off[EKC_F_CW_OUT], 0xa5, cwb));
+		}
+	};
+	// The reference, on the CPU: per home token and column, fp32 sums in
+	// the host backend's order, rounded once to bf16 (nearest even).
+	std::vector<uint16_t> hy[W], hb[W], hb2[W];
+	std::vector<float> hcw[W];
+	for (uint32_t r = 0; r < W; r++) {
+		uint8_t *b = (uint8_t *)(uintptr_t)a.region[r];
+		hy[r].resize((size_t)rmax * H);
+		hb[r].resize((size_t)T * H);
+		hb2[r].resize((size_t)T * H);
+		hcw[r].resize((size_t)rmax * K);
+		CK(cudaMemcpy(hy[r].data(), b + a.off[EKC_F_Y], hy[r].size() * 2,
+			      cudaMemcpyDeviceToHost));
+		CK(cudaMemcpy(hb[r].data(), b + a.off[EKC_F_BIAS], hb[r].size() * 2,
+			      cudaMemcpyDeviceToHost));
+		CK(cudaMemcpy(hb2[r].data(), b + a.off[EKC_F_BIAS2],
+			      hb2[r].size() * 2, cudaMemcpyDeviceToHost));
+		CK(cudaMemcpy(hcw[r].data(), b + a.off[EKC_F_CW], hcw[r].size() * 4,
+			      cudaMemcpyDeviceToHost));
+	}
+	auto f32 = [](uint16_t x) {
+		uint32_t u = (uint32_t)x << 16;
+		float f;
+		memcpy(&f, &u, 4);
+		return f;
+	};
+	auto bf16 = [](float f) {
+		uint32_t u;
+		memcpy(&u, &f, 4);
+		if ((u & 0x7fffffffu) > 0x7f800000u)
+			return (uint16_t)((u >> 16) | 0x40);
+		return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+	};
+	auto reference = [&]() {
+		for (uint32_t h = 0; h < W; h++) {
+			uint16_t *o = (uint16_t *)&ref[h * (outb + cwb)];
+			float *ow = (float *)&ref[h * (outb + cwb) + outb];
+			for (uint32_t t = 0; t < T; t++) {
+				const int32_t *sl = &slot[((size_t)h * T + t) * W];
+				for (uint32_t c = 0; c < H; c++) {
+					float acc = 0.0f;
+					if ((a.bias_mask >> h) & 1) {
+						acc = f32(hb[h][(size_t)t * H + c]);
+					}
+					if ((a.bias2_mask >> h) & 1)
+						acc = acc + f32(hb2[h][(size_t)t * H + c]);
+					for (uint32_t d = 0; d < W; d++)
+						if (sl[d] >= 0)
+							acc = acc + f32(hy[d][(size_t)sl[d] * H + c]);
+					o[(size_t)t * H + c] = bf16(acc);
+				}
+				for (uint32_t k = 0; k < K; k++) {
+					float w = 0.0f;
+					for (uint32_t d = 0; d < W; d++)
+						if (sl[d] >= 0)
+							w = w + hcw[d][(size_t)sl[d] * K + k];
+					ow[(size_t)t * K + k] = a.cw ? w : 0.0f;
+				}
+			}
+		}
+	};
+	auto launch = [&](const struct variant &v, int grid, cudaStream_t s) {
+		if (v.smem)
+			v.fn<<<grid, v.nt, v.smem, s>>>(a);
+		else
+			v.fn<<<grid, v.nt, 0, s>>>(a);
+	};
+	int fails = 0;
+	// bitwise: no bias; one bias; both biases and the weights
+	for (int mode = 0; mode < 3; mode++) {
+		a.bias_mask = mode >= 1 ? 0x5a : 0;
+		a.bias2_mask = mode == 2 ? 0x3c : 0;
+		a.cw = mode == 2;
+		reference();
+		int bad = 0;
+		for (const auto &v : variants) {
+			int grids[] = {1, 24, sms};
+			for (int n : grids) {
+				scrub();
+				CK(cudaMemset(dwork, 0xff, 4));
+				launch(v, n * v.per_sm, 0);
+				CK(cudaDeviceSynchronize());
+				CK(cudaGetLastError());
+				fetch(got);
+				size_t i = 0;
+				while (i < ref.size() && ref[i] == got[i])
+					i++;
+				// the weights of a run without them are not
+				// written: compare the rows then
+				bool same = i == ref.size();
+				if (!a.cw && !same) {
+					same = true;
+					for (uint32_t r = 0; r < W && same; r++)
+						same = !memcmp(&ref[r * (outb + cwb)],
+							       &got[r * (outb + cwb)], outb);
+				}
+				if (!same) {
+					bad++;
+					printf("FAIL: %s on %d SMs, mode %d: differs "
+					       "from the reference at byte %zu\n",
+					       v.name, n, mode, i);
+				}
+			}
+		}
+		fails += bad;
+		printf("bitwise: mode %d (%s): %s\n", mode,
+		       mode == 0 ? "no bias" : mode == 1 ? "bias" : "two biases, weights",
+		       bad ? "MISMATCH" : "every kernel at 1, 24 and all SMs' grids "
+				      "equals the CPU reference");
+	}
+	a.bias_mask = a.bias2_mask = 0;
+	a.cw = 0;
+
+	// timing, on exactly N SMs: the others held by blockers
+	const char *env = getenv("EPD_BENCH_GRIDS");
+	std::vector<int> grids;
+	if (env) {
+		char buf[256];
+		snprintf(buf, sizeof(buf), "%s", env);
+		for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ","))
+			grids.push_back(atoi(tok) > 0 ? atoi(tok) : sms);
+	} else
+		grids = {16, 24, 32, 66, sms};
+	const double bytes = ((double)T * W + (double)rows) * rowb;
+	cudaEvent_t e0, e1;
+	CK(cudaEventCreate(&e0));
+	CK(cudaEventCreate(&e1));
+	cudaStream_t sb, st;
+	CK(cudaStreamCreateWithFlags(&sb, cudaStreamNonBlocking));
+	CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+	uint32_t *hflags, *dflags, *dgo, *junk, *one;
+	CK(cudaHostAlloc((void **)&hflags, 4 * (sms + 1), cudaHostAllocMapped));
+	CK(cudaHostGetDevicePointer((void **)&dflags, hflags, 0));
+	CK(cudaMalloc(&dgo, 4));
+	CK(cudaMalloc(&junk, 4 * 4096 + 4));
+	CK(cudaMemset(junk, 0, 4 * 4096 + 4));
+	CK(cudaHostAlloc((void **)&one, 4, 0));
+	*one = 1;
+	cudaStream_t sc;
+	CK(cudaStreamCreateWithFlags(&sc, cudaStreamNonBlocking));
+	const int bsmem = optin - 1024;
+	CK(cudaFuncSetAttribute(blocker, cudaFuncAttributeMaxDynamicSharedMemorySize,
+				bsmem));
+	// run fn on st with all but n SMs held; its device time in ms
+	auto confined = [&](int n, auto fn) {
+		volatile uint32_t *up = hflags + 1;
+		CK(cudaMemset(dgo, 0, 4));
+		CK(cudaDeviceSynchronize());
+		int nb = sms - n;
+		for (int i = 0; i < nb; i++)
+			up[i] = 0;
+		if (nb > 0) {
+			blocker<<<nb, 1024, bsmem, sb>>>(junk, dflags + 1, dgo,
+							  junk + 4096);
+			CK(cudaGetLastError());
+			time_t t0 = time(NULL);
+			for (int i = 0; i < nb; i++)
+				while (!up[i])
+					if (time(NULL) - t0 > 10) {
+						fprintf(stderr, "blockers never "
+							"started\n");
+						exit(2);
+					}
+		}
+		CK(cudaEventRecord(e0, st));
+		fn();
+		CK(cudaEventRecord(e1, st));
+		time_t t1 = time(NULL);
+		cudaError_t q;
+		while ((q = cudaEventQuery(e1)) == cudaErrorNotReady)
+			if (time(NULL) - t1 > 10) {
+				fprintf(stderr, "the kernel on %d SMs never ended "
+					"(blockers %d)\n", n, nb);
+				exit(2);
+			}
+		CK(q);
+		CK(cudaMemcpyAsync(dgo, one, 4, cudaMemcpyHostToDevice, sc));
+		CK(cudaDeviceSynchronize());
+		CK(cudaGetLastError());
+		float ms;
+		CK(cudaEventElapsedTime(&ms, e0, e1));
+		return (double)ms;
+	};
+	auto sms_used = [&]() {
+		uint32_t m[8];
+		CK(cudaMemcpy(m, dsm, 32, cudaMemcpyDeviceToHost));
+		int used = 0;
+		for (int i = 0; i < 8; i++)
+			used += __builtin_popcount(m[i]);
+		return used;
+	};
+	// the read ceilings on n SMs
+	{
+		size_t n = 2ull << 30;
+		void *x;
+		uint32_t *sink;
+		CK(cudaMalloc(&x, n));
+		CK(cudaMemset(x, 1, n));
+		CK(cudaMalloc(&sink, 4));
+		for (int g : grids) {
+			std::vector<double> t1, t2, t3;
+			for (int i = 0; i < 5; i++) {
+				t1.push_back(confined(g, [&]() {
+					read_ldg<4><<<4 * g, 512, 0, st>>>(
+						(const uint4 *)x, n / 16, sink);
+				}));
+				t2.push_back(confined(g, [&]() {
+					read_ldg<4, true><<<4 * g, 512, 0, st>>>(
+						(const uint4 *)x, n / 16, sink);
+				}));
+				t3.push_back(confined(g, [&]() {
+					read_ring<512, 24><<<g, 512, 512 * 24 * 16, st>>>(
+						(const uint4 *)x, n / 16, sink);
+				}));
+			}
+			printf("perf: read ceiling on %d SMs: ld.cg / ld.nc 4 in "
+			       "flight %.0f / %.0f GB/s (%.1f / %.1f per SM), "
+			       "cp.async ring %.0f GB/s (%.1f per SM)\n", g,
+			       n / median(t1) / 1e6, n / median(t2) / 1e6,
+			       n / median(t1) / 1e6 / g, n / median(t2) / 1e6 / g,
+			       n / median(t3) / 1e6, n / median(t3) / 1e6 / g);
+		}
+		CK(cudaFree(x));
+	}
+	auto timeit = [&](const struct variant &v, int grid, int n) {
+		std::vector<double> t;
+		for (int i = 0; i < 7; i++) {
+			CK(cudaMemset(dsm, 0, 32));
+			CK(cudaMemset(dwork, 0xff, 4));
+			CK(cudaDeviceSynchronize());
+			t.push_back(confined(n, [&]() { launch(v, grid, st); }));
+		}
+		double ms = median(t), gbs = bytes / (ms / 1e3) / 1e9;
+		printf("perf: %-16s %4d blocks on %3d SMs (%3d used): %.3f ms, "
+		       "%4.0f GB/s, %.2f of D2D\n",
+		       v.name, grid, n, sms_used(), ms, gbs, gbs / d2d);
+	};
+	for (int g : grids) {
+		// ekc_combine as the daemon launched it (cuda_sms x
+		// occupancy, free to spread), then each held to g SMs
+		timeit(variants[0], g * variants[0].per_sm, sms);
+		for (const auto &v : variants)
+			timeit(v, g * v.per_sm, g);
+	}
+	printf("%s\n", fails ? "bench_combine: MISMATCH" : "bench_combine: ok");
+	return fails ? 1 : 0;
+}
