@@ -202,15 +202,6 @@ struct ekc_post_args {
 /* ekc_copy_tma: warps per block; each warp holds two rows in shared
  * memory. */
 #define EKC_TMA_WARPS 4
-/* A block of the data kernels fills an SM (threads or registers), so that
- * the SMs a grid takes are its blocks: cuda_sms=N takes N SMs. Blocks of
- * fewer threads spread over as many SMs as they are blocks (the block
- * scheduler fills idle SMs first). ekc_copy_tma's block is EKC_TMA_WARPS
- * warps times the copies of its shared memory an SM holds, up to
- * EKC_TMA_MAX_WARPS. */
-#define EKC_COPY_THREADS 1024
-#define EKC_COMBINE_THREADS 768
-#define EKC_TMA_MAX_WARPS 16
 
 /* Fields of a rank's region, as in enum epp_buf_field (same order). */
 enum {
@@ -295,8 +286,8 @@ struct ekc_disp_args {
 	 * start and (stored inverted, so both are atomicMin) last end, or
 	 * NULL */
 	unsigned long long *trace;
-	/* EPD_CUDA_TRACE: bit i set by a block that ran on SM i (the
-	 * combine), or NULL */
+	/* EPD_CUDA_TRACE: bit i set by a block of the row copy or the
+	 * combine that ran on SM i, or NULL */
 	uint32_t *smmask;
 };
 

@@ -554,9 +554,8 @@ __device__ static inline void copy_meta(const struct ekc_disp_args &a,
 }
 
 // A warp per source token: read its row once, write it to every
-// destination. 16-byte vectors, four in flight per lane. A block fills
-// an SM (EKC_COPY_THREADS), so that a grid of N blocks takes N SMs.
-extern "C" __global__ void __launch_bounds__(EKC_COPY_THREADS, 1)
+// destination. 16-byte vectors, four in flight per lane.
+extern "C" __global__ void __launch_bounds__(256, 4)
 	ekc_copy(struct ekc_disp_args a)
 {
 	if (has_error(a))
@@ -663,11 +662,11 @@ __device__ static inline void tma_store(void *dst, uint32_t src,
 		     : "memory");
 }
 
-extern "C" __global__ void __launch_bounds__(EKC_TMA_MAX_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(TMA_WARPS * 32)
 	ekc_copy_tma(struct ekc_disp_args a)
 {
 	extern __shared__ __align__(128) uint8_t rows[]; // [warp][2][row]
-	__shared__ __align__(8) uint64_t bars[EKC_TMA_MAX_WARPS][2];
+	__shared__ __align__(8) uint64_t bars[TMA_WARPS][2];
 	if (has_error(a))
 		return; // a bad expert index: change nothing
 	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -753,9 +752,8 @@ __device__ static inline uint32_t f32_bf16(float f)
 
 // A warp per home token; each lane 8 channels (16 bytes) at a time. The
 // rows of all destinations are loaded first (in flight together), then
-// added in ascending rank order: the order of the sums is fixed. A block
-// fills an SM (EKC_COMBINE_THREADS).
-extern "C" __global__ void __launch_bounds__(EKC_COMBINE_THREADS, 1)
+// added in ascending rank order: the order of the sums is fixed.
+extern "C" __global__ void __launch_bounds__(256)
 	ekc_combine(struct ekc_disp_args a)
 {
 	const uint32_t lane = threadIdx.x & 31, W = a.W, H = a.H;

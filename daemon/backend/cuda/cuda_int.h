@@ -54,7 +54,6 @@ struct cudev {
 	int smem_optin; /* dynamic shared memory a block may opt into */
 	size_t gran;
 	int occ_copy, occ_combine, occ_prep; /* resident blocks per SM */
-	int copy_threads, combine_threads;   /* a block (fat_block) */
 	uint8_t uuid[16];
 	char name[96];
 	int sms;
@@ -105,9 +104,8 @@ struct epd_cuda_group {
 	uint64_t route_bytes; /* device tables, against max_handle_bytes */
 	/* dispatch rows by the bulk-copy engine: shared memory per block and
 	 * resident blocks per SM (0: the SIMT copy) */
-	unsigned tma_smem;    /* a block's shared memory: tma_warps x 2 rows */
-	int occ_tma;          /* its blocks per SM */
-	unsigned tma_threads; /* its threads */
+	unsigned tma_smem;
+	int occ_tma;
 	/* Several GPUs: each pushes its own ranks' tokens (dispatch) and pulls
 	 * its own ranks' tokens (combine); devs[0] is dev0, whose stream
 	 * orders everything. */

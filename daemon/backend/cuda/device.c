@@ -15,24 +15,6 @@ int cu_err(CUresult r, const char *what, char *err, size_t errlen)
 }
 
 /* Make dev's primary context current (retained once). */
-/* The block of a data kernel: `fat` threads (a whole SM) when one such
- * block fits, else 256 threads, as many as fit per SM. */
-static void fat_block(CUfunction f, int fat, int *threads, int *occ)
-{
-	int n = 0;
-	if (!cu_drv->cuOccupancyMaxActiveBlocksPerMultiprocessor(&n, f, fat, 0) &&
-	    n >= 1) {
-		*threads = fat;
-		*occ = n;
-		return;
-	}
-	*threads = 256;
-	if (cu_drv->cuOccupancyMaxActiveBlocksPerMultiprocessor(&n, f, 256, 0) ||
-	    n < 1)
-		n = 1;
-	*occ = n;
-}
-
 int cu_use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen)
 {
 	struct cudev *d = &cu->dev[i];
@@ -96,11 +78,15 @@ int cu_use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen)
 		epd_info("GPU %d (%s): kernels: %s", i, d->name, d->code);
 		/* A grid of the resident blocks (warps take tokens from a
 		 * counter, so blocks held back by other kernels cost no
-		 * second wave), each filling an SM: N blocks take N SMs. */
-		fat_block(d->copy, EKC_COPY_THREADS, &d->copy_threads,
-			  &d->occ_copy);
-		fat_block(d->combine, EKC_COMBINE_THREADS, &d->combine_threads,
-			  &d->occ_combine);
+		 * second wave). */
+		if (cu_drv->cuOccupancyMaxActiveBlocksPerMultiprocessor(
+			    &d->occ_copy, d->copy, 256, 0) ||
+		    d->occ_copy < 1)
+			d->occ_copy = 1;
+		if (cu_drv->cuOccupancyMaxActiveBlocksPerMultiprocessor(
+			    &d->occ_combine, d->combine, 256, 0) ||
+		    d->occ_combine < 1)
+			d->occ_combine = 1;
 		if (cu_drv->cuOccupancyMaxActiveBlocksPerMultiprocessor(
 			    &d->occ_prep, d->prep, 256, 0))
 			d->occ_prep = 0; /* count, scan, slot: three launches */

@@ -103,30 +103,13 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 	size_t rowb = (size_t)g->shape.hidden * g->layout.elt;
 	size_t smem = (size_t)EKC_TMA_WARPS * 2 * rowb;
 	struct cudev *d0 = &cu->dev[c->dev0];
-	int per = 0;
 	if (!g->srv->cfg.cuda_no_tma && rowb % 16 == 0 &&
 	    smem <= (size_t)d0->smem_optin &&
 	    !cu_drv->cuOccupancyMaxActiveBlocksPerMultiprocessor(
-		    &per, d0->copy_tma, EKC_TMA_WARPS * 32, smem) &&
-	    per > 0) {
-		/* one block per SM of all the groups of warps an SM holds
-		 * (ekc.h: N blocks take N SMs) */
-		int k = per;
-		if (k > EKC_TMA_MAX_WARPS / EKC_TMA_WARPS)
-			k = EKC_TMA_MAX_WARPS / EKC_TMA_WARPS;
-		while (k > 1 && (size_t)k * smem > (size_t)d0->smem_optin)
-			k--;
-		c->tma_smem = (unsigned)(k * smem);
-		c->tma_threads = (unsigned)(k * EKC_TMA_WARPS * 32);
-		if (cu_drv->cuOccupancyMaxActiveBlocksPerMultiprocessor(
-			    &c->occ_tma, d0->copy_tma, (int)c->tma_threads,
-			    c->tma_smem) ||
-		    c->occ_tma < 1) {
-			c->tma_smem = (unsigned)smem;
-			c->tma_threads = EKC_TMA_WARPS * 32;
-			c->occ_tma = per;
-		}
-	} else
+		    &c->occ_tma, d0->copy_tma, EKC_TMA_WARPS * 32, smem) &&
+	    c->occ_tma > 0)
+		c->tma_smem = (unsigned)smem;
+	else
 		c->occ_tma = 0;
 	c->tmax = g->shape.max_tokens ? g->shape.max_tokens : 1;
 	c->nblk_max = (c->tmax + 255) / 256;

@@ -38,28 +38,26 @@ bool cu_use_prep(const struct epd_group *g, const struct cudev *d)
 		       (uint64_t)d->occ_prep * (uint64_t)d->sms;
 }
 
-/* Below 32 SMs the SMs' bulk-copy units are the limit (measured with
- * blocks of 4 warps, before a block filled an SM: 0.48 of D2D on 32 SMs
- * against 0.66 for the SIMT copy on 64). */
+/* Below 32 SMs the SMs' bulk-copy units are the limit (measured: 0.48 of
+ * D2D at 16 SMs against 0.66 for the SIMT copy). */
 bool cu_use_tma(const struct epd_cuda_group *c, unsigned sms)
 {
 	return c->tma_smem && sms >= 32;
 }
 
 /* The SMs of the row copy: the bulk copies of 14 KB rows saturate memory
- * from ~64 SMs on, and more of them contend (H200, DeepSeek-V3 shape, bf16:
- * 0.80-0.82 of D2D on 64 SMs, 0.76 on 132); shorter rows need more SMs
- * (fp8, 7 KB: 0.68-0.72 on all). These were measured with blocks of 4
- * warps, two per SM's worth, spread one per SM: the SMs were twice the
- * cap of the time. cuda_copy_sms caps them (auto: 64 SMs per 14 KB of
- * row), leaving the rest to the ranks. */
+ * from ~32 SMs on, and more of them contend (H200, DeepSeek-V3 shape, bf16:
+ * 0.80-0.82 of D2D at 32 SMs, 0.76 at 132); shorter rows need more SMs
+ * (fp8, 7 KB: 0.49 at 32, 0.68-0.72 at 64-80, 0.68 at 132). cuda_copy_sms
+ * caps them (auto: 32 SMs per 14 KB of row), leaving the rest to the
+ * ranks. */
 unsigned cu_copy_sms(const struct epd_cuda_group *c, unsigned sms)
 {
 	unsigned cap = c->g->srv->cfg.cuda_copy_sms;
 	if (cap == EPD_COPY_SMS_AUTO) {
 		uint64_t rowb = (uint64_t)c->g->shape.hidden * c->g->layout.elt;
-		uint64_t n = rowb ? (64ull * 14336 + rowb - 1) / rowb : 64;
-		cap = n < 64 ? 64 : n > 1024 ? 1024 : (unsigned)n;
+		uint64_t n = rowb ? (32ull * 14336 + rowb - 1) / rowb : 32;
+		cap = n < 32 ? 32 : n > 1024 ? 1024 : (unsigned)n;
 	}
 	if (cu_use_tma(c, sms) && cap && sms > cap && cu_use_tma(c, cap))
 		return cap;
@@ -74,11 +72,10 @@ static CUresult launch_copy(struct epd_cuda_group *c, const struct cudev *d,
 	sms = cu_copy_sms(c, sms);
 	if (cu_use_tma(c, sms))
 		return cu_drv->cuLaunchKernel(d->copy_tma, sms * (unsigned)c->occ_tma,
-					 1, 1, c->tma_threads, 1, 1,
+					 1, 1, EKC_TMA_WARPS * 32, 1, 1,
 					 c->tma_smem, s, params, NULL);
 	return cu_drv->cuLaunchKernel(d->copy, sms * (unsigned)d->occ_copy, 1, 1,
-				 (unsigned)d->copy_threads, 1, 1, 0, s, params,
-				 NULL);
+				 256, 1, 1, 0, s, params, NULL);
 }
 
 /* The other GPUs' part of a copy or combine: each waits for dev0's
@@ -105,8 +102,8 @@ static CUresult spread(struct epd_group *g, struct ekc_disp_args *a,
 		if (!r && combine)
 			r = cu_drv->cuLaunchKernel(d->combine,
 					      sms * (unsigned)d->occ_combine, 1,
-					      1, (unsigned)d->combine_threads, 1,
-					      1, 0, c->dstream[i], params, NULL);
+					      1, 256, 1, 1, 0, c->dstream[i],
+					      params, NULL);
 		else if (!r)
 			r = launch_copy(c, d, sms, c->dstream[i], &b);
 		if (!r)
@@ -238,7 +235,7 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 		r = spread(g, &a, sms, true);
 		if (!r)
 			r = cu_launch(c, d->combine, sms * (unsigned)d->occ_combine,
-				   1, (unsigned)d->combine_threads, &a);
+				   1, 256, &a);
 		if (!r)
 			r = join_devs(c);
 		if (!r)
