@@ -185,6 +185,11 @@ struct epp_join_ok {
  * then the group's features (u32 at EPP_CTL_FEATURES), set before READY. */
 #define EPP_CTL_GROUP_SLOT (EPP_BUF_HEADER - EPP_CTL_SLOT)
 #define EPP_CTL_FEATURES 8u
+/* u32: nonzero once the daemon gave the group up (released every rank's
+ * stream); the group's kernels stop waiting when they see it. The daemon's
+ * CPU stores it, so no GPU queue stands between the release and a kernel
+ * that spins for a rank that will never come. */
+#define EPP_CTL_RELEASED 16u
 #define EPP_FEAT_FAST_BARRIER 1u /* barriers by device doorbell alone */
 #define EPP_FEAT_KERNEL_WAIT 2u  /* MPS: ranks ring and wait with a kernel */
 #define EPP_FEAT_HOST_BARRIER 4u /* barriers by host doorbell alone */

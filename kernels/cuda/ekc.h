@@ -144,6 +144,9 @@ struct ekc_barrier_args {
 					    waited for every doorbell) */
 	uint32_t *work;  /* the data kernels' work counters, reset to ~0 */
 	uint32_t nwork;
+	/* host-mapped: nonzero once the daemon released the group (its
+	 * waits end at once, writing no error: the group's is set) */
+	const volatile uint32_t *released;
 };
 
 /* The resident barrier (under MPS): one warp in the daemon's context runs
@@ -282,6 +285,10 @@ struct ekc_disp_args {
 	 * rank to group_err (host memory, the poll's word) and gives up. */
 	uint64_t budget_ns;
 	volatile int32_t *group_err;
+	/* host-mapped: nonzero once the daemon released the group (its
+	 * CPU's store, on no GPU queue): a wait ends at once, the op
+	 * changes nothing more and group_err is left alone */
+	const volatile uint32_t *released;
 	/* EPD_CUDA_TRACE: [EKC_TR_N][2] globaltimer ns of each stage's first
 	 * start and (stored inverted, so both are atomicMin) last end, or
 	 * NULL */

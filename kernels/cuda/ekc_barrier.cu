@@ -36,12 +36,15 @@ __device__ static inline void fence_acquire(void)
 
 // Wait until *p reached k, or the budget ran out: never trap (a trap leaves
 // a sticky error that kills the daemon's context). Returns false on timeout.
-// Relaxed polls, one fence once the value is seen.
-__device__ static bool wait_geq(const uint32_t *p, uint32_t k, uint64_t end)
+// Relaxed polls, one fence once the value is seen. A released group
+// (*rel, host memory) ends the wait at once.
+__device__ static bool wait_geq(const uint32_t *p, uint32_t k, uint64_t end,
+				const volatile uint32_t *rel)
 {
 	uint32_t spins = 0;
 	while ((int32_t)(ld_relaxed(p) - k) < 0) {
-		if ((++spins & 1023) == 0 && now_ns() > end)
+		if ((++spins & 1023) == 0 &&
+		    (now_ns() > end || (rel && *rel)))
 			return false;
 	}
 	fence_acquire();
@@ -64,8 +67,9 @@ extern "C" __global__ void ekc_barrier(struct ekc_barrier_args a)
 		// Phase 1: this rail. The doorbell was waited for by the
 		// stream; the check stays so the kernel is correct on its own.
 		const uint64_t end = now_ns() + a.budget_ns;
-		if (!wait_geq(doorbell, k, end)) {
-			*(volatile int32_t *)a.error = (int32_t)(1 + l); /* host */
+		if (!wait_geq(doorbell, k, end, a.released)) {
+			if (!(a.released && *a.released))
+				*(volatile int32_t *)a.error = (int32_t)(1 + l);
 			return;
 		}
 		// Monotonic: never below what a release already wrote.
@@ -76,8 +80,10 @@ extern "C" __global__ void ekc_barrier(struct ekc_barrier_args a)
 		for (uint32_t j = 0; j < a.rpn; j++) {
 			const uint32_t *rj = (const uint32_t *)((uint8_t *)a.ctrl[j] +
 								EKC_RAIL_DONE);
-			if (!wait_geq(rj, k, end)) {
-				*(volatile int32_t *)a.error = (int32_t)(1 + j);
+			if (!wait_geq(rj, k, end, a.released)) {
+				if (!(a.released && *a.released))
+					*(volatile int32_t *)a.error =
+						(int32_t)(1 + j);
 				return;
 			}
 		}

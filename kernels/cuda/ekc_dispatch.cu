@@ -100,6 +100,8 @@ __device__ static bool spin_expired(const struct ekc_disp_args &a,
 {
 	if ((++*spins & 1023) != 0)
 		return false;
+	if (a.released && *a.released)
+		return true; // the daemon gave the group up
 	const unsigned long long now = tr_now();
 	if (!*end) {
 		*end = now + a.budget_ns;
@@ -113,7 +115,8 @@ __device__ static void wait_failed(const struct ekc_disp_args &a,
 {
 	atomicMin(a.err, EKC_ERR_WAIT | rank);
 	__threadfence();
-	if (a.group_err) {
+	// a released group has its error; only a real timeout raises one
+	if (a.group_err && !(a.released && *a.released)) {
 		*a.group_err = (int32_t)(1 + rank);
 		__threadfence_system();
 	}

@@ -185,7 +185,9 @@ struct ekc_barrier_args cu_barrier_args(struct epd_group *g, uint64_t k,
 		.seq = (uint32_t)k,
 		.release = release,
 		.work = (uint32_t *)(uintptr_t)c->work,
-		.nwork = (uint32_t)c->ndevs};
+		.nwork = (uint32_t)c->ndevs,
+		.released = (const volatile uint32_t *)(uintptr_t)(
+			c->ctl_dev + EPP_CTL_GROUP_SLOT + EPP_CTL_RELEASED)};
 	for (uint32_t l = 0; l < rpn; l++)
 		a.ctrl[l] = c->ptr[l];
 	return a;

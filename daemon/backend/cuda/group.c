@@ -203,6 +203,16 @@ void epd_cuda_group_failed(struct epd_group *g)
 			 (unsigned long long)c->fb->count,
 			 (unsigned long long)c->fb->last, words);
 	}
+	/* The group's kernels that wait for a doorbell (or a grid barrier)
+	 * stop now: a store of this CPU's, seen by their next poll. The
+	 * stream writes below may queue behind such a kernel (streams share
+	 * the GPU's hardware queues), which would otherwise spin the whole
+	 * group timeout for a rank that is gone and hold every stream
+	 * behind it (found by the MPS kill storm: survivors released 20 s
+	 * late, and once the whole GPU standing still). */
+	__atomic_store_n((uint32_t *)(g->map + EPP_CTL_GROUP_SLOT +
+				      EPP_CTL_RELEASED),
+			 1u, __ATOMIC_RELEASE);
 	/* Release: every doorbell and done word far ahead of any op a rank
 	 * could have queued, from the aux stream. Not the resident barrier's
 	 * doorbells: it would take a far value for a barrier every rank rang

@@ -177,7 +177,9 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 		.host_ctl = (void *)(uintptr_t)c->ctl_dev,
 		.budget_ns = (uint64_t)g->timeout_ms * 1000000ull,
 		.group_err = (volatile int32_t *)(uintptr_t)(c->ctl_dev +
-							     EPP_CTL_GROUP_SLOT)};
+							     EPP_CTL_GROUP_SLOT),
+		.released = (const volatile uint32_t *)(uintptr_t)(
+			c->ctl_dev + EPP_CTL_GROUP_SLOT + EPP_CTL_RELEASED)};
 	for (uint32_t l = 0; l < W; l++) {
 		a.region[l] = c->ptr[l];
 		if (ops[l]->flags & EPP_DISPATCH_WEIGHTS &&
