@@ -753,6 +753,39 @@ __device__ static inline uint32_t f32_bf16(float f)
 	return ((u & 0x7fffffffu) > 0x7f800000u ? qnan : rne) & 0xffffu;
 }
 
+// Eight fp32 sums, each rounded once to bf16 (nearest even), as one
+// 16-byte vector.
+__device__ static inline uint4 pack_bf16x8(const float acc[8])
+{
+	uint4 o;
+	o.x = f32_bf16(acc[0]) | f32_bf16(acc[1]) << 16;
+	o.y = f32_bf16(acc[2]) | f32_bf16(acc[3]) << 16;
+	o.z = f32_bf16(acc[4]) | f32_bf16(acc[5]) << 16;
+	o.w = f32_bf16(acc[6]) | f32_bf16(acc[7]) << 16;
+	return o;
+}
+
+// A combine's start, by the whole block: trace marks, then (under MPS)
+// every rank's doorbell. False: a rank never rang (wait_failed raised the
+// group's error, or the group was released): its rows may be in use, so
+// nothing is read or written.
+__device__ static inline bool combine_begin(const struct ekc_disp_args &a)
+{
+	if (threadIdx.x == 0)
+		tr_begin(a, EKC_TR_COMBINE);
+	mark_sm(a);
+	if (!a.wait)
+		return true;
+	bool bad = false;
+	for (uint32_t d = threadIdx.x; d < a.W && !bad; d += blockDim.x)
+		bad = !wait_doorbell(a, d);
+	if (__syncthreads_or(bad))
+		return false;
+	if (threadIdx.x == 0)
+		tr_end(a, EKC_TR_DOORBELL);
+	return true;
+}
+
 // A warp per home token; each lane 8 channels (16 bytes) at a time. The
 // rows of all destinations are loaded first (in flight together), then
 // added in ascending rank order: the order of the sums is fixed.
@@ -761,20 +794,8 @@ extern "C" __global__ void __launch_bounds__(256)
 {
 	const uint32_t lane = threadIdx.x & 31, W = a.W, H = a.H;
 	const uint64_t nvec = H / 8;
-	if (threadIdx.x == 0)
-		tr_begin(a, EKC_TR_COMBINE);
-	mark_sm(a);
-	if (a.wait) {
-		bool bad = false;
-		for (uint32_t d = threadIdx.x; d < W && !bad; d += blockDim.x)
-			bad = !wait_doorbell(a, d);
-		// a rank never rang (wait_failed raised the group's error):
-		// its rows may be in use, so nothing is read or written
-		if (__syncthreads_or(bad))
-			return;
-		if (threadIdx.x == 0)
-			tr_end(a, EKC_TR_DOORBELL);
-	}
+	if (!combine_begin(a))
+		return;
 	const uint64_t total = masked_total(a);
 	for (uint64_t g = next_item(a, lane), gn; g < total; g = gn) {
 		gn = next_item(a, lane);
@@ -846,12 +867,7 @@ extern "C" __global__ void __launch_bounds__(256)
 					}
 				}
 			}
-			uint4 o;
-			o.x = f32_bf16(acc[0]) | f32_bf16(acc[1]) << 16;
-			o.y = f32_bf16(acc[2]) | f32_bf16(acc[3]) << 16;
-			o.z = f32_bf16(acc[4]) | f32_bf16(acc[5]) << 16;
-			o.w = f32_bf16(acc[6]) | f32_bf16(acc[7]) << 16;
-			out[v] = o;
+			out[v] = pack_bf16x8(acc);
 		}
 		if (a.cw && lane < a.K) {
 			// the rows' top-k weights: fp32 sums from +0.0 in

@@ -85,6 +85,61 @@ __device__ static inline void combine_weights(const struct ekc_disp_args &a,
 	((float *)field(a, h, EKC_F_CW_OUT))[t * K + lane] = acc;
 }
 
+// acc = the eight bf16 of q (a sum's start); acc += them, in fp32.
+__device__ static inline void set_bf16x8(float acc[8], uint4 q)
+{
+	const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+	for (int i = 0; i < 4; i++) {
+		acc[2 * i] = __uint_as_float(w[i] << 16);
+		acc[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+	}
+}
+
+__device__ static inline void add_bf16x8(float acc[8], uint4 q)
+{
+	const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+	for (int i = 0; i < 4; i++) {
+		acc[2 * i] = __fadd_rn(acc[2 * i], __uint_as_float(w[i] << 16));
+		acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1],
+					   __uint_as_float(w[i] & 0xffff0000u));
+	}
+}
+
+__device__ static inline void zero8(float acc[8])
+{
+#pragma unroll
+	for (int i = 0; i < 8; i++)
+		acc[i] = 0.0f;
+}
+
+// The warp's list of home token (h, t)'s sources, in summing order: the
+// bias, the second bias, then each destination's row by ascending rank
+// (lane d holds rank d's row in r0, rank d + 32's in r1, or -1).
+__device__ static inline void token_list(const struct ekc_disp_args &a,
+					 const uint4 **list, uint32_t lane,
+					 uint32_t h, uint64_t t, bool b1, bool b2,
+					 int32_t r0, int32_t r1, uint32_t nvec)
+{
+	const uint32_t m0 = __ballot_sync(0xffffffffu, r0 >= 0),
+		       m1 = __ballot_sync(0xffffffffu, r1 >= 0);
+	const uint32_t nb = b1 + b2, below = (1u << lane) - 1;
+	__syncwarp(); // the last token's list is read
+	if (lane == 0 && b1)
+		list[0] = (const uint4 *)field(a, h, EKC_F_BIAS) + t * nvec;
+	if (lane == 0 && b2)
+		list[b1] = (const uint4 *)field(a, h, EKC_F_BIAS2) + t * nvec;
+	if (r0 >= 0)
+		list[nb + __popc(m0 & below)] =
+			(const uint4 *)field(a, lane, EKC_F_Y) + (uint64_t)r0 * nvec;
+	if (r1 >= 0)
+		list[nb + __popc(m0) + __popc(m1 & below)] =
+			(const uint4 *)field(a, lane + 32, EKC_F_Y) +
+			(uint64_t)r1 * nvec;
+	__syncwarp();
+}
+
 template <int NT, int R>
 __device__ static __forceinline__ void combine_ring(const struct ekc_disp_args &a)
 {
@@ -94,18 +149,8 @@ __device__ static __forceinline__ void combine_ring(const struct ekc_disp_args &
 	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 	const uint32_t W = a.W;
 	const uint32_t nvec = a.H / 8, nstep = (nvec + 31) / 32;
-	if (threadIdx.x == 0)
-		tr_begin(a, EKC_TR_COMBINE);
-	mark_sm(a);
-	if (a.wait) {
-		bool bad = false;
-		for (uint32_t d = threadIdx.x; d < W && !bad; d += blockDim.x)
-			bad = !wait_doorbell(a, d);
-		if (__syncthreads_or(bad))
-			return;
-		if (threadIdx.x == 0)
-			tr_end(a, EKC_TR_DOORBELL);
-	}
+	if (!combine_begin(a))
+		return;
 	const uint64_t total = masked_total(a);
 	const uint32_t stride = NT * 16;
 	const uint32_t ring0 = smem_addr(cring) + threadIdx.x * 16,
@@ -160,25 +205,7 @@ __device__ static __forceinline__ void combine_ring(const struct ekc_disp_args &
 				pn = nb + __popcll(m);
 				if (!pn)
 					continue; // zeros: nothing to load
-				__syncwarp(); // the last token's list is read
-				if (lane == 0 && b1)
-					list[0] = (const uint4 *)field(a, h, EKC_F_BIAS) +
-						  t * nvec;
-				if (lane == 0 && b2)
-					list[b1] = (const uint4 *)field(a, h,
-									EKC_F_BIAS2) +
-						   t * nvec;
-				const uint64_t below = (1ull << lane) - 1;
-				if (r0 >= 0)
-					list[nb + __popcll(m0 & below)] =
-						(const uint4 *)field(a, lane, EKC_F_Y) +
-						(uint64_t)r0 * nvec;
-				if (r1 >= 0)
-					list[nb + __popcll(m0) + __popcll(m1 & below)] =
-						(const uint4 *)field(a, lane + 32,
-								     EKC_F_Y) +
-						(uint64_t)r1 * nvec;
-				__syncwarp();
+				token_list(a, list, lane, h, t, b1, b2, r0, r1, nvec);
 				pon = true;
 				pv = lane;
 				pj = 0;
@@ -222,36 +249,16 @@ __device__ static __forceinline__ void combine_ring(const struct ekc_disp_args &
 		const uint4 q = lds16(cslot);
 		ci++;
 		cslot = cslot + stride == ring_end ? ring0 : cslot + stride;
-		const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-		if (cj == 0 && cbias) {
-#pragma unroll
-			for (int i = 0; i < 4; i++) {
-				acc[2 * i] = __uint_as_float(w[i] << 16);
-				acc[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-			}
-		} else {
-			if (cj == 0) {
-#pragma unroll
-				for (int i = 0; i < 8; i++)
-					acc[i] = 0.0f;
-			}
-#pragma unroll
-			for (int i = 0; i < 4; i++) {
-				acc[2 * i] = __fadd_rn(acc[2 * i],
-						       __uint_as_float(w[i] << 16));
-				acc[2 * i + 1] = __fadd_rn(
-					acc[2 * i + 1],
-					__uint_as_float(w[i] & 0xffff0000u));
-			}
+		if (cj == 0 && cbias) // the bias is the sum's start
+			set_bf16x8(acc, q);
+		else {
+			if (cj == 0)
+				zero8(acc);
+			add_bf16x8(acc, q);
 		}
 		if (++cj == cn) {
 			if (cv < nvec) {
-				uint4 o;
-				o.x = f32_bf16(acc[0]) | f32_bf16(acc[1]) << 16;
-				o.y = f32_bf16(acc[2]) | f32_bf16(acc[3]) << 16;
-				o.z = f32_bf16(acc[4]) | f32_bf16(acc[5]) << 16;
-				o.w = f32_bf16(acc[6]) | f32_bf16(acc[7]) << 16;
-				out[cv] = o;
+				out[cv] = pack_bf16x8(acc);
 			}
 			cj = 0;
 			cv += 32;
@@ -286,18 +293,8 @@ __device__ static __forceinline__ void combine_pipe(const struct ekc_disp_args &
 	const uint4 **list = srcs[threadIdx.x >> 5];
 	const uint32_t nvec = a.H / 8;
 	const uint32_t C = (nvec + 32 * S - 1) / (32 * S); // chunks of a row
-	if (threadIdx.x == 0)
-		tr_begin(a, EKC_TR_COMBINE);
-	mark_sm(a);
-	if (a.wait) {
-		bool bad = false;
-		for (uint32_t d = threadIdx.x; d < W && !bad; d += blockDim.x)
-			bad = !wait_doorbell(a, d);
-		if (__syncthreads_or(bad))
-			return;
-		if (threadIdx.x == 0)
-			tr_end(a, EKC_TR_DOORBELL);
-	}
+	if (!combine_begin(a))
+		return;
 	const uint64_t total = masked_total(a);
 	uint64_t g = next_item(a, lane);
 	// the token after, taken a token ahead (lane 0)
@@ -320,21 +317,7 @@ __device__ static __forceinline__ void combine_pipe(const struct ekc_disp_args &
 		const uint32_t nb = b1 + b2;
 		const uint32_t n = nb + __popc(m0) + __popc(m1);
 		uint4 *out = (uint4 *)field(a, h, EKC_F_OUT) + t * nvec;
-		__syncwarp(); // the last token's list is read
-		if (lane == 0 && b1)
-			list[0] = (const uint4 *)field(a, h, EKC_F_BIAS) + t * nvec;
-		if (lane == 0 && b2)
-			list[b1] = (const uint4 *)field(a, h, EKC_F_BIAS2) + t * nvec;
-		const uint32_t below = (1u << lane) - 1;
-		if (r0 >= 0)
-			list[nb + __popc(m0 & below)] =
-				(const uint4 *)field(a, lane, EKC_F_Y) +
-				(uint64_t)r0 * nvec;
-		if (r1 >= 0)
-			list[nb + __popc(m0) + __popc(m1 & below)] =
-				(const uint4 *)field(a, lane + 32, EKC_F_Y) +
-				(uint64_t)r1 * nvec;
-		__syncwarp();
+		token_list(a, list, lane, h, t, b1, b2, r0, r1, nvec);
 		const uint32_t items = C * n;
 		uint32_t lj = 0, lc = 0, cj = 0, cc = 0;
 		auto load = [&](uint4 (&b)[S]) {
@@ -354,37 +337,14 @@ __device__ static __forceinline__ void combine_pipe(const struct ekc_disp_args &
 		auto sum = [&](const uint4 (&b)[S]) {
 			if (cj == 0 && b1) { // the bias is the sum's start
 #pragma unroll
-				for (int s = 0; s < S; s++) {
-					const uint32_t w[4] = {b[s].x, b[s].y, b[s].z,
-							       b[s].w};
-#pragma unroll
-					for (int i = 0; i < 4; i++) {
-						acc[s][2 * i] = __uint_as_float(w[i] << 16);
-						acc[s][2 * i + 1] =
-							__uint_as_float(w[i] & 0xffff0000u);
-					}
-				}
+				for (int s = 0; s < S; s++)
+					set_bf16x8(acc[s], b[s]);
 			} else {
-				if (cj == 0) {
-#pragma unroll
-					for (int s = 0; s < S; s++)
-#pragma unroll
-						for (int i = 0; i < 8; i++)
-							acc[s][i] = 0.0f;
-				}
 #pragma unroll
 				for (int s = 0; s < S; s++) {
-					const uint32_t w[4] = {b[s].x, b[s].y, b[s].z,
-							       b[s].w};
-#pragma unroll
-					for (int i = 0; i < 4; i++) {
-						acc[s][2 * i] = __fadd_rn(
-							acc[s][2 * i],
-							__uint_as_float(w[i] << 16));
-						acc[s][2 * i + 1] = __fadd_rn(
-							acc[s][2 * i + 1],
-							__uint_as_float(w[i] & 0xffff0000u));
-					}
+					if (cj == 0)
+						zero8(acc[s]);
+					add_bf16x8(acc[s], b[s]);
 				}
 			}
 			if (++cj == n) {
@@ -393,12 +353,7 @@ __device__ static __forceinline__ void combine_pipe(const struct ekc_disp_args &
 				for (int s = 0; s < S; s++) {
 					if (v0 + 32 * s >= nvec)
 						continue;
-					uint4 o;
-					o.x = f32_bf16(acc[s][0]) | f32_bf16(acc[s][1]) << 16;
-					o.y = f32_bf16(acc[s][2]) | f32_bf16(acc[s][3]) << 16;
-					o.z = f32_bf16(acc[s][4]) | f32_bf16(acc[s][5]) << 16;
-					o.w = f32_bf16(acc[s][6]) | f32_bf16(acc[s][7]) << 16;
-					out[v0 + 32 * s] = o;
+					out[v0 + 32 * s] = pack_bf16x8(acc[s]);
 				}
 				cj = 0;
 				cc++;
