@@ -309,4 +309,102 @@ enum { EKC_TR_DOORBELL, EKC_TR_COUNT, EKC_TR_SCAN, EKC_TR_SLOT, EKC_TR_COPY,
 extern const unsigned char ekc_fatbin[];
 extern const size_t ekc_fatbin_size;
 
+
+/*
+ * Low-latency (decode) dispatch and combine (ekc_ll.cu): kernels on the
+ * rank's own stream that write straight into its peers' public regions,
+ * mapped in this process; no daemon in an op's path. Each rank's public
+ * region holds, per parity p = seq & 1 (two ops in flight):
+ *   cnt[p]   [W][E] u64   (seq << 32 | rows), source s's rows per expert,
+ *                         written by every source into every rank (an
+ *                         all-gather of the counts)
+ *   done[p]  [W] u64      seq: source s's rows to this rank have landed
+ *   cdone[p] [W] u64      combine seq: source s's combine rows landed
+ *   tk[p]    [El][W*N] i32  source's t*K+k of each received row
+ *   rx[p]    [El][W*N][H] bf16  received rows, per local expert packed in
+ *                         source rank order, then source (t, k) order
+ *   comb[p]  [N*K][H] bf16  combine rows, by the home's (t, k)
+ * Tags are sequence numbers the kernels advance themselves (the private
+ * words below), so captured work replays correctly. The private region
+ * (never mapped by a peer): u32 dseq, cseq, err, dispatch and combine
+ * block counters, then key[N*K] i32 and pos[N*K] i32 from 64 on.
+ */
+#define EKC_LL_MAXW 64
+#define EKC_LL_MAXE 1024
+#define EKC_LL_PRIV_DSEQ 0
+#define EKC_LL_PRIV_CSEQ 1
+#define EKC_LL_PRIV_ERR 2
+#define EKC_LL_PRIV_DCTR 3
+#define EKC_LL_PRIV_CCTR 4
+#define EKC_LL_PRIV_TABLES 64u /* bytes */
+/* err bits */
+#define EKC_LL_ETIMEDOUT 1u /* a peer's rows or counts never came */
+#define EKC_LL_EEXPERT 2u   /* a top-k index outside [-1, E) */
+#define EKC_LL_EPEER 4u     /* a peer's counts or (t, k) out of range */
+#define EKC_LL_ETOOBIG 8u   /* more than N tokens, or > W*N rows/expert */
+
+struct ekc_ll_layout {
+	uint64_t cnt[2], done[2], cdone[2], flags_end;
+	uint64_t tk[2], rx[2], comb[2], total;
+	uint64_t priv_total;
+};
+
+static inline uint64_t ekc_ll_align(uint64_t v)
+{
+	return (v + 4095) & ~(uint64_t)4095;
+}
+
+static inline void ekc_ll_layout_of(uint32_t W, uint32_t N, uint32_t H,
+				 uint32_t El, uint32_t K,
+				 struct ekc_ll_layout *L)
+{
+	const uint64_t E = (uint64_t)El * W, WN = (uint64_t)W * N;
+	uint64_t o = 0;
+	for (int p = 0; p < 2; p++) {
+		L->cnt[p] = o;
+		o += W * E * 8;
+	}
+	for (int p = 0; p < 2; p++) {
+		L->done[p] = o;
+		o += W * 8;
+	}
+	for (int p = 0; p < 2; p++) {
+		L->cdone[p] = o;
+		o += W * 8;
+	}
+	o = L->flags_end = ekc_ll_align(o);
+	for (int p = 0; p < 2; p++) {
+		L->tk[p] = o;
+		o = ekc_ll_align(o + El * WN * 4);
+	}
+	for (int p = 0; p < 2; p++) {
+		L->rx[p] = o;
+		o = ekc_ll_align(o + El * WN * H * 2);
+	}
+	for (int p = 0; p < 2; p++) {
+		L->comb[p] = o;
+		o = ekc_ll_align(o + (uint64_t)N * K * H * 2);
+	}
+	L->total = o;
+	L->priv_total = EKC_LL_PRIV_TABLES + (uint64_t)N * K * 8;
+}
+
+/* One low-latency op of one rank. Device addresses throughout. */
+struct ekc_ll_args {
+	uint64_t peer[EKC_LL_MAXW]; /* each rank's public region, mapped here */
+	struct ekc_ll_layout L;
+	uint64_t priv;       /* this rank's private words and tables */
+	uint64_t x;          /* dispatch: [T, H] bf16 */
+	uint64_t topk;       /* [T, K] i64 (dispatch; combine: the same) */
+	uint64_t weights;    /* combine: [T, K] f32 */
+	uint64_t ex;         /* combine: [El, W*N, H] bf16, the experts' rows */
+	uint64_t out;        /* combine: [T, H] bf16 */
+	uint64_t recv_count; /* dispatch: [El] i32 */
+	uint64_t layout;     /* dispatch: [El, W] i64 (begin << 32 | rows) */
+	uint64_t src_info;   /* dispatch: [El, W*N] i32 source token or -1 */
+	uint64_t timeout_ns;
+	uint32_t rank, W, N, H, El, K, T;
+	uint32_t dseq; /* combine: the dispatch it returns (0: the latest) */
+};
+
 #endif

@@ -2,3 +2,4 @@
 // One translation unit for the fatbin: every kernel epd loads.
 #include "ekc_barrier.cu"
 #include "ekc_dispatch.cu"
+#include "ekc_ll.cu"

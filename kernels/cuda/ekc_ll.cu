@@ -1,0 +1,460 @@
+// SPDX-License-Identifier: MIT
+// Low-latency (decode) dispatch and combine: kernels on the rank's own
+// stream that write straight into the peers' public regions (layout and
+// arguments in ekc.h). Deterministic: a row's place comes from an
+// all-gather of per-expert counts and a stable in-order scan, never from
+// an atomic's order, and the combine sums in fp32 from +0.0 in top-k
+// order, each row times its weight, rounded once to bf16.
+//
+//   ekc_ll_dispatch        counts (block 0: positions of this rank's (t, k)
+//                          in top-k order, tagged counts to every rank),
+//                          then rows to the experts' ranks, then done
+//                          flags; with_recv: also the receive below
+//   ekc_ll_dispatch_recv   wait for every source's done, then recv_count,
+//                          layout and src_info (the hook's second half)
+//   ekc_ll_combine         each received row back to its home's (t, k)
+//                          slot, done flags; with_recv: the sum below
+//   ekc_ll_combine_recv    wait for every source, sum top-k rows
+//
+// Every peer-written value that steers a write (counts, (t, k)) is bounds-
+// checked where it is used; errors set bits in the private err word, never
+// trap; every wait ends after timeout_ns.
+//
+// Needs now_ns, ld_relaxed, fence_acquire (ekc_barrier.cu), bf16_f32 and
+// pack_bf16x8 (ekc_dispatch.cu): included after them in ekc_all.cu.
+#include "ekc.h"
+
+#define LL_TPB 512
+#define LL_U 4 // 16-byte vectors per lane per slice
+#define LL_SLICE (32 * 16 * LL_U) // bytes of a row per work item
+
+__device__ static inline uint64_t ll_ld64(const uint64_t *p)
+{
+	uint64_t v;
+	asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p));
+	return v;
+}
+
+__device__ static inline void ll_st64(uint64_t *p, uint64_t v)
+{
+	asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v)
+		     : "memory");
+}
+
+__device__ static inline uint32_t *ll_priv(const struct ekc_ll_args &a)
+{
+	return (uint32_t *)a.priv;
+}
+
+__device__ static inline void ll_fail(const struct ekc_ll_args &a, uint32_t bit)
+{
+	atomicOr(ll_priv(a) + EKC_LL_PRIV_ERR, bit);
+}
+
+// Wait until the 64-bit word's tag (high half, or the whole word when
+// whole) equals tag. False on timeout (err raised).
+__device__ static bool ll_wait_tag(const struct ekc_ll_args &a,
+				   const uint64_t *p, uint32_t tag, bool whole,
+				   uint64_t t0)
+{
+	for (uint32_t spins = 0;; spins++) {
+		uint64_t v = ll_ld64(p);
+		if ((whole ? v : v >> 32) == (uint64_t)tag) {
+			fence_acquire();
+			return true;
+		}
+		if ((spins & 63) == 63 && now_ns() - t0 > a.timeout_ns) {
+			ll_fail(a, EKC_LL_ETIMEDOUT);
+			return false;
+		}
+	}
+}
+
+__device__ static inline uint8_t *ll_pub(const struct ekc_ll_args &a,
+					 uint32_t d, uint64_t off)
+{
+	return (uint8_t *)a.peer[d] + off;
+}
+
+// The calling block's arrival at the grid's counter; true in the last
+// block to arrive (the counter is reset there for the next op).
+__device__ static bool ll_last_block(const struct ekc_ll_args &a, int ctr)
+{
+	__shared__ uint32_t last;
+	__syncthreads();
+	if (threadIdx.x == 0) {
+		__threadfence_system();
+		uint32_t old = atomicAdd(ll_priv(a) + ctr, 1);
+		last = old == gridDim.x - 1;
+		if (last)
+			ll_priv(a)[ctr] = 0;
+	}
+	__syncthreads();
+	if (last)
+		__threadfence_system();
+	return last;
+}
+
+// The copy of one work item's slice: LL_U vectors per lane of the row at
+// src, to each of n destinations.
+__device__ static inline void ll_load(const uint8_t *src, uint32_t bytes,
+				      uint32_t lane, uint4 v[LL_U])
+{
+#pragma unroll
+	for (int u = 0; u < LL_U; u++) {
+		uint32_t o = (u * 32 + lane) * 16;
+		if (o < bytes)
+			v[u] = *(const uint4 *)(src + o);
+	}
+}
+
+// The same from memory peers write (L2, never a stale L1 line).
+__device__ static inline void ll_load_cg(const uint8_t *src, uint32_t bytes,
+					 uint32_t lane, uint4 v[LL_U])
+{
+#pragma unroll
+	for (int u = 0; u < LL_U; u++) {
+		uint32_t o = (u * 32 + lane) * 16;
+		if (o < bytes)
+			v[u] = __ldcg((const uint4 *)(src + o));
+	}
+}
+
+__device__ static inline uint32_t ll_rows(const uint64_t *cnt, uint64_t j)
+{
+	return (uint32_t)__ldcg((const unsigned long long *)cnt + j);
+}
+
+__device__ static inline void ll_store(uint8_t *dst, uint32_t bytes,
+				       uint32_t lane, const uint4 v[LL_U])
+{
+#pragma unroll
+	for (int u = 0; u < LL_U; u++) {
+		uint32_t o = (u * 32 + lane) * 16;
+		if (o < bytes)
+			*(uint4 *)(dst + o) = v[u];
+	}
+}
+
+// Block 0 of a dispatch: each (t, k)'s expert (key, -1 when skipped) and
+// its position among this rank's rows to that expert, in (t, k) order,
+// by one warp (match groups, then one add per expert and step); then the
+// counts, tagged with seq, to every rank's table.
+__device__ static void ll_plan(const struct ekc_ll_args &a, uint32_t T,
+			       uint32_t seq, uint32_t par, uint32_t *cnt)
+{
+	const uint32_t E = a.El * a.W, TK = T * a.K;
+	const int64_t *topk = (const int64_t *)a.topk;
+	int32_t *key = (int32_t *)(a.priv + EKC_LL_PRIV_TABLES);
+	int32_t *pos = key + (uint64_t)a.N * a.K;
+	for (uint32_t e = threadIdx.x; e < E; e += blockDim.x)
+		cnt[e] = 0;
+	__syncthreads();
+	if (threadIdx.x < 32) {
+		const uint32_t lane = threadIdx.x;
+		for (uint32_t b = 0; b < TK; b += 32) {
+			uint32_t i = b + lane;
+			int64_t e = i < TK ? topk[i] : -1;
+			if (e < -1 || e >= (int64_t)E) {
+				ll_fail(a, EKC_LL_EEXPERT);
+				e = -1;
+			}
+			uint32_t k = e < 0 ? 0xffffffffu : (uint32_t)e;
+			uint32_t m = __match_any_sync(0xffffffffu, k);
+			uint32_t c = e >= 0 ? cnt[k] : 0;
+			uint32_t before = __popc(m & ((1u << lane) - 1));
+			__syncwarp();
+			if (e >= 0 && before == 0)
+				cnt[k] = c + __popc(m);
+			__syncwarp();
+			if (i < TK) {
+				key[i] = (int32_t)e;
+				pos[i] = e >= 0 ? (int32_t)(c + before) : -1;
+			}
+		}
+	}
+	__syncthreads();
+	__threadfence();
+	for (uint32_t j = threadIdx.x; j < a.W * E; j += blockDim.x) {
+		uint32_t d = j / E, e = j % E;
+		ll_st64((uint64_t *)ll_pub(a, d, a.L.cnt[par]) +
+				(uint64_t)a.rank * E + e,
+			(uint64_t)seq << 32 | cnt[e]);
+	}
+}
+
+// The receive side of dispatch seq, by every block of the grid: wait for
+// every source's done flag, then recv_count and layout (block 0) and
+// src_info (grid-strided).
+__device__ static void ll_dispatch_recv(const struct ekc_ll_args &a,
+					uint32_t seq, uint64_t t0)
+{
+	__shared__ uint32_t rows[EKC_LL_MAXE];
+	const uint32_t par = seq & 1, E = a.El * a.W, WN = a.W * a.N;
+	const uint64_t *done = (const uint64_t *)ll_pub(a, a.rank, a.L.done[par]);
+	const uint64_t *cnt = (const uint64_t *)ll_pub(a, a.rank, a.L.cnt[par]);
+	const int32_t *tk = (const int32_t *)ll_pub(a, a.rank, a.L.tk[par]);
+	for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
+		ll_wait_tag(a, done + s, seq, true, t0);
+	__syncthreads();
+	fence_acquire();
+	for (uint32_t el = threadIdx.x; el < a.El; el += blockDim.x) {
+		uint64_t begin = 0;
+		for (uint32_t s = 0; s < a.W; s++) {
+			uint32_t c = ll_rows(cnt, (uint64_t)s * E +
+						     a.rank * a.El + el);
+			if (blockIdx.x == 0)
+				((int64_t *)a.layout)[el * a.W + s] =
+					(int64_t)(begin << 32 | c);
+			begin += c;
+		}
+		if (begin > WN) {
+			ll_fail(a, EKC_LL_ETOOBIG);
+			begin = WN;
+		}
+		rows[el] = (uint32_t)begin;
+		if (blockIdx.x == 0)
+			((int32_t *)a.recv_count)[el] = (int32_t)begin;
+	}
+	__syncthreads();
+	const uint64_t n = (uint64_t)a.El * WN;
+	for (uint64_t j = blockIdx.x * blockDim.x + threadIdx.x; j < n;
+	     j += (uint64_t)gridDim.x * blockDim.x) {
+		uint32_t el = (uint32_t)(j / WN), p = (uint32_t)(j % WN);
+		int32_t v = -1;
+		if (p < rows[el]) {
+			int32_t i = __ldcg(tk + j);
+			if (i >= 0 && (uint32_t)i < a.N * a.K)
+				v = i / (int32_t)a.K;
+			else
+				ll_fail(a, EKC_LL_EPEER);
+		}
+		((int32_t *)a.src_info)[j] = v;
+	}
+}
+
+extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
+ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
+{
+	__shared__ uint32_t off[EKC_LL_MAXE];
+	const uint64_t t0 = now_ns();
+	uint32_t *pv = ll_priv(a);
+	const uint32_t seq = *(volatile uint32_t *)(pv + EKC_LL_PRIV_DSEQ) + 1;
+	const uint32_t par = seq & 1, E = a.El * a.W, WN = a.W * a.N;
+	uint32_t T = a.T;
+	if (T > a.N) {
+		if (blockIdx.x == 0 && threadIdx.x == 0)
+			ll_fail(a, EKC_LL_ETOOBIG);
+		T = 0; // take part with no rows: every rank still finishes
+	}
+	if (blockIdx.x == 0)
+		ll_plan(a, T, seq, par, off);
+	// Every source's counts (this rank's own, from block 0, included).
+	const uint64_t *cnt = (const uint64_t *)ll_pub(a, a.rank, a.L.cnt[par]);
+	for (uint32_t j = threadIdx.x; j < a.W * E; j += blockDim.x)
+		ll_wait_tag(a, cnt + j, seq, false, t0);
+	__syncthreads();
+	fence_acquire();
+	// Where this rank's rows start in each expert: the rows of the sources
+	// before it.
+	for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
+		uint64_t b = 0;
+		for (uint32_t s = 0; s < a.rank; s++)
+			b += ll_rows(cnt, (uint64_t)s * E + e);
+		off[e] = b > WN ? WN : (uint32_t)b;
+	}
+	__syncthreads();
+	const int32_t *key = (const int32_t *)(a.priv + EKC_LL_PRIV_TABLES);
+	const int32_t *pos = key + (uint64_t)a.N * a.K;
+	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
+	const uint32_t lane = threadIdx.x & 31;
+	const uint64_t nw = (uint64_t)gridDim.x * (blockDim.x / 32);
+	for (uint64_t it = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+	     it < (uint64_t)T * S; it += nw) {
+		const uint32_t t = (uint32_t)(it / S), sl = (uint32_t)(it % S);
+		const uint32_t o = sl * LL_SLICE;
+		const uint32_t bytes = rowb - o < LL_SLICE ? rowb - o : LL_SLICE;
+		uint4 v[LL_U];
+		ll_load((const uint8_t *)a.x + (uint64_t)t * rowb + o, bytes,
+			lane, v);
+		for (uint32_t k = 0; k < a.K; k++) {
+			const uint32_t i = t * a.K + k;
+			const int32_t e = __ldcg(key + i);
+			if (e < 0)
+				continue;
+			const uint32_t gp = off[e] + (uint32_t)__ldcg(pos + i);
+			if (gp >= WN) {
+				if (lane == 0 && sl == 0)
+					ll_fail(a, EKC_LL_ETOOBIG);
+				continue;
+			}
+			const uint32_t d = e / a.El, el = e % a.El;
+			const uint64_t row = (uint64_t)el * WN + gp;
+			ll_store(ll_pub(a, d, a.L.rx[par]) + row * rowb + o,
+				 bytes, lane, v);
+			if (sl == 0 && lane == 0)
+				((int32_t *)ll_pub(a, d, a.L.tk[par]))[row] =
+					(int32_t)i;
+		}
+	}
+	if (ll_last_block(a, EKC_LL_PRIV_DCTR)) {
+		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
+			ll_st64((uint64_t *)ll_pub(a, d, a.L.done[par]) + a.rank,
+				seq);
+		if (threadIdx.x == 0)
+			pv[EKC_LL_PRIV_DSEQ] = seq;
+	}
+	if (with_recv)
+		ll_dispatch_recv(a, seq, t0);
+}
+
+extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
+ekc_ll_dispatch_recv(const struct ekc_ll_args a)
+{
+	const uint64_t t0 = now_ns();
+	ll_dispatch_recv(a, *(volatile uint32_t *)(ll_priv(a) +
+						   EKC_LL_PRIV_DSEQ), t0);
+}
+
+// The sum at home of combine seq: wait for every source, then each token's
+// rows in top-k order (an index -1 skipped), times its weight.
+__device__ static void ll_combine_recv(const struct ekc_ll_args &a,
+				       uint32_t seq, uint64_t t0)
+{
+	const uint32_t par = seq & 1, E = a.El * a.W;
+	const uint64_t *cdone =
+		(const uint64_t *)ll_pub(a, a.rank, a.L.cdone[par]);
+	for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
+		ll_wait_tag(a, cdone + s, seq, true, t0);
+	__syncthreads();
+	fence_acquire();
+	const uint32_t T = a.T > a.N ? 0 : a.T;
+	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
+	const uint32_t lane = threadIdx.x & 31;
+	const uint8_t *comb = ll_pub(a, a.rank, a.L.comb[par]);
+	const int64_t *topk = (const int64_t *)a.topk;
+	const float *w = (const float *)a.weights;
+	const uint64_t nw = (uint64_t)gridDim.x * (blockDim.x / 32);
+	for (uint64_t it = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+	     it < (uint64_t)T * S; it += nw) {
+		const uint32_t t = (uint32_t)(it / S), sl = (uint32_t)(it % S);
+		const uint32_t o = sl * LL_SLICE;
+		const uint32_t bytes = rowb - o < LL_SLICE ? rowb - o : LL_SLICE;
+		float acc[LL_U][8];
+#pragma unroll
+		for (int u = 0; u < LL_U; u++)
+#pragma unroll
+			for (int c = 0; c < 8; c++)
+				acc[u][c] = 0.0f;
+		for (uint32_t k = 0; k < a.K; k++) {
+			const uint32_t i = t * a.K + k;
+			const int64_t e = topk[i];
+			if (e < 0 || e >= (int64_t)E)
+				continue;
+			const float wk = w[i];
+			uint4 v[LL_U];
+			ll_load_cg(comb + (uint64_t)i * rowb + o, bytes, lane,
+				   v);
+#pragma unroll
+			for (int u = 0; u < LL_U; u++) {
+				const uint32_t q[4] = {v[u].x, v[u].y, v[u].z,
+						       v[u].w};
+#pragma unroll
+				for (int c = 0; c < 8; c++) {
+					float f = bf16_f32((q[c / 2] >>
+							    (16 * (c & 1))) &
+							   0xffffu);
+					acc[u][c] = __fadd_rn(acc[u][c],
+							      __fmul_rn(f, wk));
+				}
+			}
+		}
+		uint4 r[LL_U];
+#pragma unroll
+		for (int u = 0; u < LL_U; u++)
+			r[u] = pack_bf16x8(acc[u]);
+		ll_store((uint8_t *)a.out + (uint64_t)t * rowb + o, bytes, lane,
+			 r);
+	}
+}
+
+extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
+ekc_ll_combine(const struct ekc_ll_args a, uint32_t with_recv)
+{
+	__shared__ uint32_t begin[EKC_LL_MAXE]; // [el][s]: first row of s
+	__shared__ uint32_t first[EKC_LL_MAXE + 1]; // [el]: item base
+	const uint64_t t0 = now_ns();
+	uint32_t *pv = ll_priv(a);
+	const uint32_t seq = *(volatile uint32_t *)(pv + EKC_LL_PRIV_CSEQ) + 1;
+	const uint32_t ds = a.dseq ? a.dseq
+				   : *(volatile uint32_t *)(pv + EKC_LL_PRIV_DSEQ);
+	const uint32_t par = seq & 1, dpar = ds & 1;
+	const uint32_t E = a.El * a.W, WN = a.W * a.N;
+	const uint64_t *cnt = (const uint64_t *)ll_pub(a, a.rank, a.L.cnt[dpar]);
+	const int32_t *tk = (const int32_t *)ll_pub(a, a.rank, a.L.tk[dpar]);
+	for (uint32_t el = threadIdx.x; el < a.El; el += blockDim.x) {
+		uint32_t b = 0;
+		for (uint32_t s = 0; s < a.W; s++) {
+			begin[el * a.W + s] = b;
+			b += ll_rows(cnt, (uint64_t)s * E + a.rank * a.El + el);
+		}
+		first[el + 1] = b > WN ? WN : b; // ll_dispatch_recv raised it
+	}
+	__syncthreads();
+	if (threadIdx.x == 0) {
+		first[0] = 0;
+		for (uint32_t el = 0; el < a.El; el++)
+			first[el + 1] += first[el];
+	}
+	__syncthreads();
+	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
+	const uint32_t lane = threadIdx.x & 31, NK = a.N * a.K;
+	const uint64_t nw = (uint64_t)gridDim.x * (blockDim.x / 32);
+	for (uint64_t it = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+	     it < (uint64_t)first[a.El] * S; it += nw) {
+		const uint32_t j = (uint32_t)(it / S), sl = (uint32_t)(it % S);
+		uint32_t lo = 0, hi = a.El; // the el with first[el] <= j
+		while (hi - lo > 1) {
+			uint32_t m = (lo + hi) / 2;
+			if (first[m] <= j)
+				lo = m;
+			else
+				hi = m;
+		}
+		const uint32_t el = lo, p = j - first[el];
+		uint32_t s = 0;
+		while (s + 1 < a.W && begin[el * a.W + s + 1] <= p)
+			s++;
+		const uint64_t row = (uint64_t)el * WN + p;
+		const int32_t i = __ldcg(tk + row);
+		if (i < 0 || (uint32_t)i >= NK) {
+			if (lane == 0 && sl == 0)
+				ll_fail(a, EKC_LL_EPEER);
+			continue;
+		}
+		const uint32_t o = sl * LL_SLICE;
+		const uint32_t bytes = rowb - o < LL_SLICE ? rowb - o : LL_SLICE;
+		uint4 v[LL_U];
+		ll_load((const uint8_t *)a.ex + row * rowb + o, bytes, lane, v);
+		ll_store(ll_pub(a, s, a.L.comb[par]) + (uint64_t)i * rowb + o,
+			 bytes, lane, v);
+	}
+	if (ll_last_block(a, EKC_LL_PRIV_CCTR)) {
+		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
+			ll_st64((uint64_t *)ll_pub(a, d, a.L.cdone[par]) +
+					a.rank,
+				seq);
+		if (threadIdx.x == 0)
+			pv[EKC_LL_PRIV_CSEQ] = seq;
+	}
+	if (with_recv)
+		ll_combine_recv(a, seq, t0);
+}
+
+extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
+ekc_ll_combine_recv(const struct ekc_ll_args a)
+{
+	const uint64_t t0 = now_ns();
+	ll_combine_recv(a, *(volatile uint32_t *)(ll_priv(a) +
+						  EKC_LL_PRIV_CSEQ), t0);
+}
