@@ -324,10 +324,15 @@ extern const size_t ekc_fatbin_size;
  *   rx[p]    [El][W*N][H] bf16  received rows, per local expert packed in
  *                         source rank order, then source (t, k) order
  *   comb[p]  [N*K][H] bf16  combine rows, by the home's (t, k)
+ *   cready[p] [W] u64     combine seq: source s's cx rows are written
+ *   cx[p]    [El][W*N][H] bf16  zero-copy combine input: the experts'
+ *                         rows where the homes read them (DeepEP's
+ *                         get_next_low_latency_combine_buffer)
  * Tags are sequence numbers the kernels advance themselves (the private
  * words below), so captured work replays correctly. The private region
  * (never mapped by a peer): u32 dseq, cseq, err, dispatch and combine
- * block counters, then key[N*K] i32 and pos[N*K] i32 from 64 on.
+ * block counters, then per parity key[N*K] i32 and pos[N*K] i32 from 64
+ * on (each (t, k)'s expert and its place among this rank's rows there).
  */
 #define EKC_LL_MAXW 64
 #define EKC_LL_MAXE 1024
@@ -344,8 +349,8 @@ extern const size_t ekc_fatbin_size;
 #define EKC_LL_ETOOBIG 8u   /* more than N tokens, or > W*N rows/expert */
 
 struct ekc_ll_layout {
-	uint64_t cnt[2], done[2], cdone[2], flags_end;
-	uint64_t tk[2], rx[2], comb[2], total;
+	uint64_t cnt[2], done[2], cdone[2], cready[2], flags_end;
+	uint64_t tk[2], rx[2], comb[2], cx[2], total;
 	uint64_t priv_total;
 };
 
@@ -372,6 +377,10 @@ static inline void ekc_ll_layout_of(uint32_t W, uint32_t N, uint32_t H,
 		L->cdone[p] = o;
 		o += W * 8;
 	}
+	for (int p = 0; p < 2; p++) {
+		L->cready[p] = o;
+		o += W * 8;
+	}
 	o = L->flags_end = ekc_ll_align(o);
 	for (int p = 0; p < 2; p++) {
 		L->tk[p] = o;
@@ -385,8 +394,12 @@ static inline void ekc_ll_layout_of(uint32_t W, uint32_t N, uint32_t H,
 		L->comb[p] = o;
 		o = ekc_ll_align(o + (uint64_t)N * K * H * 2);
 	}
+	for (int p = 0; p < 2; p++) {
+		L->cx[p] = o;
+		o = ekc_ll_align(o + El * WN * H * 2);
+	}
 	L->total = o;
-	L->priv_total = EKC_LL_PRIV_TABLES + (uint64_t)N * K * 8;
+	L->priv_total = EKC_LL_PRIV_TABLES + 2 * (uint64_t)N * K * 8;
 }
 
 /* One low-latency op of one rank. Device addresses throughout. */

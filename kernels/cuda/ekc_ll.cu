@@ -15,6 +15,10 @@
 //   ekc_ll_combine         each received row back to its home's (t, k)
 //                          slot, done flags; with_recv: the sum below
 //   ekc_ll_combine_recv    wait for every source, sum top-k rows
+//   ekc_ll_combine_pull    zero copy: the experts' rows stay in their
+//                          ranks' cx; each home, once every rank said its
+//                          rows are written, reads its (t, k) rows there
+//                          and sums them (one read of each row, no copy)
 //
 // Every peer-written value that steers a write (counts, (t, k)) is bounds-
 // checked where it is used; errors set bits in the private err word, never
@@ -44,6 +48,14 @@ __device__ static inline void ll_st64(uint64_t *p, uint64_t v)
 __device__ static inline uint32_t *ll_priv(const struct ekc_ll_args &a)
 {
 	return (uint32_t *)a.priv;
+}
+
+// This rank's (t, k) experts of dispatch parity par; their places follow.
+__device__ static inline int32_t *ll_key(const struct ekc_ll_args &a,
+					 uint32_t par)
+{
+	return (int32_t *)(a.priv + EKC_LL_PRIV_TABLES) +
+	       (uint64_t)par * 2 * a.N * a.K;
 }
 
 __device__ static inline void ll_fail(const struct ekc_ll_args &a, uint32_t bit)
@@ -145,7 +157,7 @@ __device__ static void ll_plan(const struct ekc_ll_args &a, uint32_t T,
 {
 	const uint32_t E = a.El * a.W, TK = T * a.K;
 	const int64_t *topk = (const int64_t *)a.topk;
-	int32_t *key = (int32_t *)(a.priv + EKC_LL_PRIV_TABLES);
+	int32_t *key = ll_key(a, par);
 	int32_t *pos = key + (uint64_t)a.N * a.K;
 	for (uint32_t e = threadIdx.x; e < E; e += blockDim.x)
 		cnt[e] = 0;
@@ -264,7 +276,7 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 		off[e] = b > WN ? WN : (uint32_t)b;
 	}
 	__syncthreads();
-	const int32_t *key = (const int32_t *)(a.priv + EKC_LL_PRIV_TABLES);
+	const int32_t *key = ll_key(a, par);
 	const int32_t *pos = key + (uint64_t)a.N * a.K;
 	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
 	const uint32_t lane = threadIdx.x & 31;
@@ -316,6 +328,34 @@ ekc_ll_dispatch_recv(const struct ekc_ll_args a)
 						   EKC_LL_PRIV_DSEQ), t0);
 }
 
+// acc += each bf16 of v times wk, in fp32, each product rounded (no fma).
+__device__ static inline void ll_acc(float acc[LL_U][8], const uint4 v[LL_U],
+				     float wk)
+{
+#pragma unroll
+	for (int u = 0; u < LL_U; u++) {
+		const uint32_t q[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+#pragma unroll
+		for (int c = 0; c < 8; c++) {
+			float f = bf16_f32((q[c / 2] >> (16 * (c & 1))) &
+					   0xffffu);
+			acc[u][c] = __fadd_rn(acc[u][c], __fmul_rn(f, wk));
+		}
+	}
+}
+
+__device__ static inline void ll_store_sum(const struct ekc_ll_args &a,
+					   uint32_t t, uint32_t o,
+					   uint32_t bytes, uint32_t lane,
+					   float acc[LL_U][8])
+{
+	uint4 r[LL_U];
+#pragma unroll
+	for (int u = 0; u < LL_U; u++)
+		r[u] = pack_bf16x8(acc[u]);
+	ll_store((uint8_t *)a.out + (uint64_t)t * a.H * 2 + o, bytes, lane, r);
+}
+
 // The sum at home of combine seq: wait for every source, then each token's
 // rows in top-k order (an index -1 skipped), times its weight.
 __device__ static void ll_combine_recv(const struct ekc_ll_args &a,
@@ -351,30 +391,12 @@ __device__ static void ll_combine_recv(const struct ekc_ll_args &a,
 			const int64_t e = topk[i];
 			if (e < 0 || e >= (int64_t)E)
 				continue;
-			const float wk = w[i];
 			uint4 v[LL_U];
 			ll_load_cg(comb + (uint64_t)i * rowb + o, bytes, lane,
 				   v);
-#pragma unroll
-			for (int u = 0; u < LL_U; u++) {
-				const uint32_t q[4] = {v[u].x, v[u].y, v[u].z,
-						       v[u].w};
-#pragma unroll
-				for (int c = 0; c < 8; c++) {
-					float f = bf16_f32((q[c / 2] >>
-							    (16 * (c & 1))) &
-							   0xffffu);
-					acc[u][c] = __fadd_rn(acc[u][c],
-							      __fmul_rn(f, wk));
-				}
-			}
+			ll_acc(acc, v, w[i]);
 		}
-		uint4 r[LL_U];
-#pragma unroll
-		for (int u = 0; u < LL_U; u++)
-			r[u] = pack_bf16x8(acc[u]);
-		ll_store((uint8_t *)a.out + (uint64_t)t * rowb + o, bytes, lane,
-			 r);
+		ll_store_sum(a, t, o, bytes, lane, acc);
 	}
 }
 
@@ -457,4 +479,76 @@ ekc_ll_combine_recv(const struct ekc_ll_args a)
 	const uint64_t t0 = now_ns();
 	ll_combine_recv(a, *(volatile uint32_t *)(ll_priv(a) +
 						  EKC_LL_PRIV_CSEQ), t0);
+}
+
+extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
+ekc_ll_combine_pull(const struct ekc_ll_args a)
+{
+	__shared__ uint32_t off[EKC_LL_MAXE]; // [e]: first row of this rank
+	const uint64_t t0 = now_ns();
+	uint32_t *pv = ll_priv(a);
+	const uint32_t seq = *(volatile uint32_t *)(pv + EKC_LL_PRIV_CSEQ) + 1;
+	const uint32_t ds = a.dseq ? a.dseq
+				   : *(volatile uint32_t *)(pv + EKC_LL_PRIV_DSEQ);
+	const uint32_t par = seq & 1, dpar = ds & 1;
+	const uint32_t E = a.El * a.W, WN = a.W * a.N;
+	// This rank's cx rows were written by the work before it on its
+	// stream: say so to every home.
+	if (blockIdx.x == 0) {
+		__threadfence_system();
+		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
+			ll_st64((uint64_t *)ll_pub(a, d, a.L.cready[par]) +
+					a.rank,
+				seq);
+	}
+	const uint64_t *cnt = (const uint64_t *)ll_pub(a, a.rank, a.L.cnt[dpar]);
+	for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
+		uint64_t b = 0;
+		for (uint32_t s = 0; s < a.rank; s++)
+			b += ll_rows(cnt, (uint64_t)s * E + e);
+		off[e] = b > WN ? WN : (uint32_t)b;
+	}
+	const uint64_t *ready =
+		(const uint64_t *)ll_pub(a, a.rank, a.L.cready[par]);
+	for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
+		ll_wait_tag(a, ready + s, seq, true, t0);
+	__syncthreads();
+	fence_acquire();
+	const uint32_t T = a.T > a.N ? 0 : a.T;
+	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
+	const uint32_t lane = threadIdx.x & 31;
+	const int32_t *key = ll_key(a, dpar);
+	const int32_t *pos = key + (uint64_t)a.N * a.K;
+	const float *w = (const float *)a.weights;
+	const uint64_t nw = (uint64_t)gridDim.x * (blockDim.x / 32);
+	for (uint64_t it = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+	     it < (uint64_t)T * S; it += nw) {
+		const uint32_t t = (uint32_t)(it / S), sl = (uint32_t)(it % S);
+		const uint32_t o = sl * LL_SLICE;
+		const uint32_t bytes = rowb - o < LL_SLICE ? rowb - o : LL_SLICE;
+		float acc[LL_U][8];
+#pragma unroll
+		for (int u = 0; u < LL_U; u++)
+#pragma unroll
+			for (int c = 0; c < 8; c++)
+				acc[u][c] = 0.0f;
+		for (uint32_t k = 0; k < a.K; k++) {
+			const uint32_t i = t * a.K + k;
+			const int32_t e = __ldcg(key + i);
+			if (e < 0)
+				continue;
+			const uint32_t gp = off[e] + (uint32_t)__ldcg(pos + i);
+			if (gp >= WN)
+				continue; // the dispatch raised it
+			const uint32_t d = e / a.El, el = e % a.El;
+			uint4 v[LL_U];
+			ll_load_cg(ll_pub(a, d, a.L.cx[par]) +
+					   ((uint64_t)el * WN + gp) * rowb + o,
+				   bytes, lane, v);
+			ll_acc(acc, v, w[i]);
+		}
+		ll_store_sum(a, t, o, bytes, lane, acc);
+	}
+	if (ll_last_block(a, EKC_LL_PRIV_CCTR) && threadIdx.x == 0)
+		pv[EKC_LL_PRIV_CSEQ] = seq;
 }

@@ -116,6 +116,7 @@ struct cfg {
 	int timed;   // timing instead of checks
 	int graph;   // CUDA graph replays
 	int toobig;  // rank 1 asks for N + 1 tokens in iteration 1
+	int pull;    // zero-copy combine: experts' rows in cx, read by homes
 };
 
 // One rank's routing of iteration it: T, top-k (distinct experts, about
@@ -218,8 +219,14 @@ static void launch_dispatch(rank_ctx &R, const ekc_ll_args &a, int hook)
 	}
 }
 
-static void launch_combine(rank_ctx &R, const ekc_ll_args &a, int hook)
+static void launch_combine(rank_ctx &R, const ekc_ll_args &a, int hook,
+			   int pull = 0)
 {
+	if (pull) {
+		ekc_ll_combine_pull<<<R.G, LL_TPB, 0, R.st>>>(a);
+		CK(cudaGetLastError());
+		return;
+	}
 	ekc_ll_combine<<<R.G, LL_TPB, 0, R.st>>>(a, hook ? 0 : 1);
 	CK(cudaGetLastError());
 	if (hook) {
@@ -263,9 +270,20 @@ static void upload(rank_ctx &R, const cfg &c, uint64_t it, uint32_t T,
 }
 
 // The expert input rows (el, p) for p < rows[el] of iteration it.
+static uint16_t *ex_dst(rank_ctx &R, const cfg &c)
+{
+	if (!c.pull)
+		return R.ex;
+	ekc_ll_layout L;
+	ekc_ll_layout_of(R.W, c.N, c.H, c.E / R.W, c.K, &L);
+	uint32_t par = (priv_word(R, EKC_LL_PRIV_CSEQ) + 1) & 1;
+	return (uint16_t *)(R.pub + L.cx[par]);
+}
+
 static void upload_ex(rank_ctx &R, const cfg &c, uint64_t it,
 		      const std::vector<uint32_t> &rows)
 {
+	uint16_t *dst = ex_dst(R, c);
 	const uint32_t El = c.E / R.W, WN = R.W * c.N;
 	std::vector<uint16_t> e;
 	for (uint32_t el = 0; el < El; el++) {
@@ -275,7 +293,7 @@ static void upload_ex(rank_ctx &R, const cfg &c, uint64_t it,
 				e[(size_t)p * c.H + col] =
 					val_e(it, R.r, el, p, col);
 		if (rows[el])
-			CK(cudaMemcpy(R.ex + (size_t)el * WN * c.H, e.data(),
+			CK(cudaMemcpy(dst + (size_t)el * WN * c.H, e.data(),
 				      e.size() * 2, cudaMemcpyHostToDevice));
 	}
 }
@@ -437,13 +455,19 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 		fill_rand<<<264, 512, 0, R.st>>>(R.ex, (uint64_t)El * W * c.N * c.H,
 						 mix(R.r));
 		CK(cudaGetLastError());
+		for (int p = 0; p < 2; p++) {
+			fill_rand<<<264, 512, 0, R.st>>>(
+				(uint16_t *)(R.pub + L.cx[p]),
+				(uint64_t)El * W * c.N * c.H, mix(R.r + 77 * p));
+			CK(cudaGetLastError());
+		}
 		ekc_ll_args a = make_args(R, c, T);
 		cudaEvent_t e[3];
 		for (auto &x : e)
 			CK(cudaEventCreate(&x));
 		for (int i = 0; i < 10; i++) {
 			launch_dispatch(R, a, 0);
-			launch_combine(R, a, 0);
+			launch_combine(R, a, 0, c.pull);
 		}
 		CK(cudaStreamSynchronize(R.st));
 		int iters = getenv("EPD_LL_ITERS") ? atoi(getenv("EPD_LL_ITERS")) : 200;
@@ -453,7 +477,7 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 			CK(cudaEventRecord(e[0], R.st));
 			launch_dispatch(R, a, 0);
 			CK(cudaEventRecord(e[1], R.st));
-			launch_combine(R, a, 0);
+			launch_combine(R, a, 0, c.pull);
 			CK(cudaEventRecord(e[2], R.st));
 			CK(cudaEventSynchronize(e[2]));
 			td.push_back(ms_between(e[0], e[1]) * 1e3);
@@ -464,7 +488,7 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 		CK(cudaEventRecord(e[0], R.st));
 		for (int i = 0; i < pairs; i++) {
 			launch_dispatch(R, a, 0);
-			launch_combine(R, a, 0);
+			launch_combine(R, a, 0, c.pull);
 		}
 		CK(cudaEventRecord(e[1], R.st));
 		CK(cudaEventSynchronize(e[1]));
@@ -479,7 +503,8 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 		g_sh->res[R.r][1] = median(tc);
 		g_sh->res[R.r][2] = pair;
 		g_sh->bytes[R.r][0] = ((uint64_t)T + rows) * c.H * 2;
-		g_sh->bytes[R.r][1] = ((uint64_t)3 * rows + T) * c.H * 2;
+		g_sh->bytes[R.r][1] = ((uint64_t)(c.pull ? 1 : 3) * rows + T) *
+				      c.H * 2;
 		bar();
 		if (R.r == 0) {
 			double ceil = d2d(R);
@@ -491,11 +516,12 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 				bd += g_sh->bytes[s][0];
 				bc += g_sh->bytes[s][1];
 			}
-			printf("perf: ll %s, %u ranks, %u blocks each: dispatch "
+			printf("perf: ll %s%s, %u ranks, %u blocks each: dispatch "
 			       "%.1f us (rank 0 %.1f), combine %.1f us (rank 0 "
 			       "%.1f), back-to-back pair %.1f us; per GPU "
 			       "%.2f / %.2f of D2D (D2D %.0f GB/s; %.1f / %.1f MB)\n",
-			       c.name, W, R.G, md, g_sh->res[0][0], mc,
+			       c.name, c.pull ? " (zero-copy combine)" : "", W,
+			       R.G, md, g_sh->res[0][0], mc,
 			       g_sh->res[0][1], mp,
 			       bd / (md / 1e6) / 1e9 / ceil,
 			       bc / (mc / 1e6) / 1e9 / ceil, ceil, bd / 1e6,
@@ -515,7 +541,7 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 		cudaGraphExec_t ge;
 		CK(cudaStreamBeginCapture(R.st, cudaStreamCaptureModeThreadLocal));
 		launch_dispatch(R, a, 0);
-		launch_combine(R, a, 0);
+		launch_combine(R, a, 0, c.pull);
 		CK(cudaStreamEndCapture(R.st, &g));
 		CK(cudaGraphInstantiate(&ge, g, 0));
 		int n = getenv("EPD_LL_REPLAYS") ? atoi(getenv("EPD_LL_REPLAYS")) : 1000;
@@ -572,7 +598,7 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 		upload_ex(R, c, it, rows);
 		if (c.toobig && it == 1 && R.r == 1)
 			a.T = 0;
-		launch_combine(R, a, c.hook);
+		launch_combine(R, a, c.hook, c.pull);
 		CK(cudaStreamSynchronize(R.st));
 		if (priv_word(R, EKC_LL_PRIV_ERR))
 			fail |= bad(c.name, it, "error word set (combine)");
@@ -583,15 +609,21 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 }
 
 static const cfg cfgs[] = {
-	{"small", 256, 32, 4, 32, 30, 0, 0, 0, 0, 0},
-	{"small hook", 512, 24, 6, 64, 20, 0, 1, 0, 0, 0},
-	{"odd", 136, 7, 3, 16, 20, 0, 0, 0, 0, 0},
-	{"too many tokens", 256, 16, 4, 32, 3, 0, 0, 0, 0, 1},
-	{"deepseek 128", 7168, 128, 8, 256, 3, 0, 0, 0, 0, 0},
-	{"graph", 256, 32, 4, 32, 0, 0, 0, 0, 1, 0},
-	{"1 token", 7168, 1, 8, 256, 0, 1, 0, 1, 0, 0},
-	{"32 tokens", 7168, 32, 8, 256, 0, 1, 0, 1, 0, 0},
-	{"128 tokens", 7168, 128, 8, 256, 0, 1, 0, 1, 0, 0},
+	{"small", 256, 32, 4, 32, 30, 0, 0, 0, 0, 0, 0},
+	{"small hook", 512, 24, 6, 64, 20, 0, 1, 0, 0, 0, 0},
+	{"small zero-copy", 512, 24, 6, 64, 20, 0, 0, 0, 0, 0, 1},
+	{"odd", 136, 7, 3, 16, 20, 0, 0, 0, 0, 0, 0},
+	{"too many tokens", 256, 16, 4, 32, 3, 0, 0, 0, 0, 1, 0},
+	{"deepseek 128", 7168, 128, 8, 256, 3, 0, 0, 0, 0, 0, 0},
+	{"deepseek 128 zero-copy", 7168, 128, 8, 256, 3, 0, 0, 0, 0, 0, 1},
+	{"graph", 256, 32, 4, 32, 0, 0, 0, 0, 1, 0, 0},
+	{"graph zero-copy", 256, 32, 4, 32, 0, 0, 0, 0, 1, 0, 1},
+	{"1 token", 7168, 1, 8, 256, 0, 1, 0, 1, 0, 0, 0},
+	{"32 tokens", 7168, 32, 8, 256, 0, 1, 0, 1, 0, 0, 0},
+	{"128 tokens", 7168, 128, 8, 256, 0, 1, 0, 1, 0, 0, 0},
+	{"1 token", 7168, 1, 8, 256, 0, 1, 0, 1, 0, 0, 1},
+	{"32 tokens", 7168, 32, 8, 256, 0, 1, 0, 1, 0, 0, 1},
+	{"128 tokens", 7168, 128, 8, 256, 0, 1, 0, 1, 0, 0, 1},
 };
 
 static int rank_main(uint32_t r, uint32_t W, uint32_t G)
@@ -650,10 +682,11 @@ static int rank_main(uint32_t r, uint32_t W, uint32_t G)
 		int f = run_cfg(R, c);
 		if (!f && r == 0 && !c.timed)
 			printf("ok: %s (hidden %u, %u tokens max, top-%u of %u, "
-			       "%s%s): every rank bitwise equal to the reference\n",
+			       "%s%s%s): every rank bitwise equal to the reference\n",
 			       c.name, c.H, c.N, c.K, c.E,
 			       c.graph ? "graph replays" : c.hook ? "receive hook"
 								  : "one launch each",
+			       c.pull ? ", zero-copy combine" : "",
 			       c.toobig ? ", rank 1 over its budget once: "
 					  "ETOOBIG there, the others served" : "");
 		fflush(stdout);
