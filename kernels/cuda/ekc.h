@@ -336,6 +336,7 @@ extern const size_t ekc_fatbin_size;
  */
 #define EKC_LL_MAXW 64
 #define EKC_LL_MAXE 1024
+#define EKC_LL_MAXTK 65536 /* N * K: the plan counts in 16 bits per warp */
 #define EKC_LL_PRIV_DSEQ 0
 #define EKC_LL_PRIV_CSEQ 1
 #define EKC_LL_PRIV_ERR 2
@@ -418,6 +419,17 @@ struct ekc_ll_args {
 	uint64_t timeout_ns;
 	uint32_t rank, W, N, H, El, K, T;
 	uint32_t dseq; /* combine: the dispatch it returns (0: the latest) */
+	uint64_t trace; /* u64[EKC_LL_TR_N] globaltimer stamps, or 0 */
 };
+
+/* Stamps of the trace (ns of the GPU's global timer): block 0's passage
+ * through each stage, the last block's flags, the latest block start and
+ * end (atomicMax; the caller zeroes those two before the op). */
+enum { EKC_LL_TR_D_START, EKC_LL_TR_D_PLAN, EKC_LL_TR_D_CNT, EKC_LL_TR_D_COPY,
+       EKC_LL_TR_D_FLAGS, EKC_LL_TR_D_RECV, EKC_LL_TR_D_END,
+       EKC_LL_TR_D_MAXSTART, EKC_LL_TR_D_MAXEND, EKC_LL_TR_C_START,
+       EKC_LL_TR_C_COPY, EKC_LL_TR_C_FLAGS, EKC_LL_TR_C_RECV,
+       EKC_LL_TR_C_END, EKC_LL_TR_C_MAXSTART, EKC_LL_TR_C_MAXEND,
+       EKC_LL_TR_N };
 
 #endif

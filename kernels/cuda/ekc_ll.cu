@@ -63,6 +63,21 @@ __device__ static inline void ll_fail(const struct ekc_ll_args &a, uint32_t bit)
 	atomicOr(ll_priv(a) + EKC_LL_PRIV_ERR, bit);
 }
 
+// The trace (EKC_LL_TR_*): thread 0 of block 0 stamps a stage; every
+// block raises the latest start and end.
+__device__ static inline void ll_stamp(const struct ekc_ll_args &a, int i)
+{
+	if (a.trace && blockIdx.x == 0 && threadIdx.x == 0)
+		((uint64_t *)a.trace)[i] = now_ns();
+}
+
+__device__ static inline void ll_stamp_max(const struct ekc_ll_args &a, int i)
+{
+	if (a.trace && threadIdx.x == 0)
+		atomicMax((unsigned long long *)a.trace + i,
+			  (unsigned long long)now_ns());
+}
+
 // Wait until the 64-bit word's tag (high half, or the whole word when
 // whole) equals tag. False on timeout (err raised).
 __device__ static bool ll_wait_tag(const struct ekc_ll_args &a,
@@ -149,41 +164,61 @@ __device__ static inline void ll_store(uint8_t *dst, uint32_t bytes,
 }
 
 // Block 0 of a dispatch: each (t, k)'s expert (key, -1 when skipped) and
-// its position among this rank's rows to that expert, in (t, k) order,
-// by one warp (match groups, then one add per expert and step); then the
-// counts, tagged with seq, to every rank's table.
+// its position among this rank's rows to that expert, in (t, k) order.
+// Each warp takes a contiguous chunk of the (t, k) and counts its experts
+// (match groups, one add per expert and step); a scan over the warps per
+// expert turns the counts into each warp's base, which the warp adds to
+// its places. Then the counts, tagged with seq, to every rank's table.
+#define LL_PW (LL_TPB / 32)
 __device__ static void ll_plan(const struct ekc_ll_args &a, uint32_t T,
 			       uint32_t seq, uint32_t par, uint32_t *cnt)
 {
+	__shared__ uint16_t wc[LL_PW][EKC_LL_MAXE]; // N*K <= EKC_LL_MAXTK
 	const uint32_t E = a.El * a.W, TK = T * a.K;
+	const uint32_t w = threadIdx.x / 32, lane = threadIdx.x & 31;
 	const int64_t *topk = (const int64_t *)a.topk;
 	int32_t *key = ll_key(a, par);
 	int32_t *pos = key + (uint64_t)a.N * a.K;
-	for (uint32_t e = threadIdx.x; e < E; e += blockDim.x)
-		cnt[e] = 0;
+	for (uint32_t j = threadIdx.x; j < LL_PW * E; j += blockDim.x)
+		wc[j / E][j % E] = 0;
 	__syncthreads();
-	if (threadIdx.x < 32) {
-		const uint32_t lane = threadIdx.x;
-		for (uint32_t b = 0; b < TK; b += 32) {
-			uint32_t i = b + lane;
-			int64_t e = i < TK ? topk[i] : -1;
-			if (e < -1 || e >= (int64_t)E) {
-				ll_fail(a, EKC_LL_EEXPERT);
-				e = -1;
-			}
-			uint32_t k = e < 0 ? 0xffffffffu : (uint32_t)e;
-			uint32_t m = __match_any_sync(0xffffffffu, k);
-			uint32_t c = e >= 0 ? cnt[k] : 0;
-			uint32_t before = __popc(m & ((1u << lane) - 1));
-			__syncwarp();
-			if (e >= 0 && before == 0)
-				cnt[k] = c + __popc(m);
-			__syncwarp();
-			if (i < TK) {
-				key[i] = (int32_t)e;
-				pos[i] = e >= 0 ? (int32_t)(c + before) : -1;
-			}
+	const uint32_t C = ((TK + LL_PW - 1) / LL_PW + 31) & ~31u;
+	const uint32_t lo = min(TK, w * C), hi = min(TK, lo + C);
+	for (uint32_t b = lo; b < hi; b += 32) {
+		const uint32_t i = b + lane;
+		int64_t e = i < hi ? topk[i] : -1;
+		if (e < -1 || e >= (int64_t)E) {
+			ll_fail(a, EKC_LL_EEXPERT);
+			e = -1;
 		}
+		const uint32_t k = e < 0 ? 0xffffffffu : (uint32_t)e;
+		const uint32_t m = __match_any_sync(0xffffffffu, k);
+		const uint32_t c = e >= 0 ? wc[w][k] : 0;
+		const uint32_t before = __popc(m & ((1u << lane) - 1));
+		__syncwarp();
+		if (e >= 0 && before == 0)
+			wc[w][k] = (uint16_t)(c + __popc(m));
+		__syncwarp();
+		if (i < hi) {
+			key[i] = (int32_t)e;
+			pos[i] = e >= 0 ? (int32_t)(c + before) : -1;
+		}
+	}
+	__syncthreads();
+	for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
+		uint32_t run = 0;
+		for (uint32_t v = 0; v < LL_PW; v++) {
+			const uint32_t n = wc[v][e];
+			wc[v][e] = (uint16_t)run;
+			run += n;
+		}
+		cnt[e] = run;
+	}
+	__syncthreads();
+	for (uint32_t i = lo + lane; i < hi; i += 32) {
+		const int32_t e = key[i]; // this lane's own stores above
+		if (e >= 0)
+			pos[i] += wc[w][e];
 	}
 	__syncthreads();
 	__threadfence();
@@ -210,6 +245,7 @@ __device__ static void ll_dispatch_recv(const struct ekc_ll_args &a,
 		ll_wait_tag(a, done + s, seq, true, t0);
 	__syncthreads();
 	fence_acquire();
+	ll_stamp(a, EKC_LL_TR_D_RECV);
 	for (uint32_t el = threadIdx.x; el < a.El; el += blockDim.x) {
 		uint64_t begin = 0;
 		for (uint32_t s = 0; s < a.W; s++) {
@@ -250,6 +286,8 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 {
 	__shared__ uint32_t off[EKC_LL_MAXE];
 	const uint64_t t0 = now_ns();
+	ll_stamp(a, EKC_LL_TR_D_START);
+	ll_stamp_max(a, EKC_LL_TR_D_MAXSTART);
 	uint32_t *pv = ll_priv(a);
 	const uint32_t seq = *(volatile uint32_t *)(pv + EKC_LL_PRIV_DSEQ) + 1;
 	const uint32_t par = seq & 1, E = a.El * a.W, WN = a.W * a.N;
@@ -261,12 +299,14 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 	}
 	if (blockIdx.x == 0)
 		ll_plan(a, T, seq, par, off);
+	ll_stamp(a, EKC_LL_TR_D_PLAN);
 	// Every source's counts (this rank's own, from block 0, included).
 	const uint64_t *cnt = (const uint64_t *)ll_pub(a, a.rank, a.L.cnt[par]);
 	for (uint32_t j = threadIdx.x; j < a.W * E; j += blockDim.x)
 		ll_wait_tag(a, cnt + j, seq, false, t0);
 	__syncthreads();
 	fence_acquire();
+	ll_stamp(a, EKC_LL_TR_D_CNT);
 	// Where this rank's rows start in each expert: the rows of the sources
 	// before it.
 	for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
@@ -289,35 +329,52 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 		uint4 v[LL_U];
 		ll_load((const uint8_t *)a.x + (uint64_t)t * rowb + o, bytes,
 			lane, v);
-		for (uint32_t k = 0; k < a.K; k++) {
-			const uint32_t i = t * a.K + k;
-			const int32_t e = __ldcg(key + i);
-			if (e < 0)
-				continue;
-			const uint32_t gp = off[e] + (uint32_t)__ldcg(pos + i);
-			if (gp >= WN) {
-				if (lane == 0 && sl == 0)
-					ll_fail(a, EKC_LL_ETOOBIG);
-				continue;
+		for (uint32_t kb = 0; kb < a.K; kb += 32) {
+			// one load of the (t, k)'s places for the warp, then
+			// broadcast: no round trip per k
+			int32_t ek = -1, pk = 0;
+			if (kb + lane < a.K) {
+				ek = __ldcg(key + t * a.K + kb + lane);
+				pk = __ldcg(pos + t * a.K + kb + lane);
 			}
-			const uint32_t d = e / a.El, el = e % a.El;
-			const uint64_t row = (uint64_t)el * WN + gp;
-			ll_store(ll_pub(a, d, a.L.rx[par]) + row * rowb + o,
-				 bytes, lane, v);
-			if (sl == 0 && lane == 0)
-				((int32_t *)ll_pub(a, d, a.L.tk[par]))[row] =
-					(int32_t)i;
+			const uint32_t nk = min(32u, a.K - kb);
+			for (uint32_t k = 0; k < nk; k++) {
+				const int32_t e = __shfl_sync(0xffffffffu, ek, k);
+				const int32_t p = __shfl_sync(0xffffffffu, pk, k);
+				if (e < 0)
+					continue;
+				const uint32_t gp = off[e] + (uint32_t)p;
+				if (gp >= WN) {
+					if (lane == 0 && sl == 0)
+						ll_fail(a, EKC_LL_ETOOBIG);
+					continue;
+				}
+				const uint32_t d = e / a.El, el = e % a.El;
+				const uint64_t row = (uint64_t)el * WN + gp;
+				ll_store(ll_pub(a, d, a.L.rx[par]) + row * rowb + o,
+					 bytes, lane, v);
+				if (sl == 0 && lane == 0)
+					((int32_t *)ll_pub(a, d, a.L.tk[par]))[row] =
+						(int32_t)(t * a.K + kb + k);
+			}
 		}
 	}
+	ll_stamp(a, EKC_LL_TR_D_COPY);
 	if (ll_last_block(a, EKC_LL_PRIV_DCTR)) {
 		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
 			ll_st64((uint64_t *)ll_pub(a, d, a.L.done[par]) + a.rank,
 				seq);
-		if (threadIdx.x == 0)
+		if (threadIdx.x == 0) {
 			pv[EKC_LL_PRIV_DSEQ] = seq;
+			if (a.trace)
+				((uint64_t *)a.trace)[EKC_LL_TR_D_FLAGS] = now_ns();
+		}
 	}
-	if (with_recv)
+	if (with_recv) {
 		ll_dispatch_recv(a, seq, t0);
+		ll_stamp(a, EKC_LL_TR_D_END);
+	}
+	ll_stamp_max(a, EKC_LL_TR_D_MAXEND);
 }
 
 extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
@@ -368,6 +425,7 @@ __device__ static void ll_combine_recv(const struct ekc_ll_args &a,
 		ll_wait_tag(a, cdone + s, seq, true, t0);
 	__syncthreads();
 	fence_acquire();
+	ll_stamp(a, EKC_LL_TR_C_RECV);
 	const uint32_t T = a.T > a.N ? 0 : a.T;
 	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
 	const uint32_t lane = threadIdx.x & 31;
@@ -386,15 +444,25 @@ __device__ static void ll_combine_recv(const struct ekc_ll_args &a,
 #pragma unroll
 			for (int c = 0; c < 8; c++)
 				acc[u][c] = 0.0f;
-		for (uint32_t k = 0; k < a.K; k++) {
-			const uint32_t i = t * a.K + k;
-			const int64_t e = topk[i];
-			if (e < 0 || e >= (int64_t)E)
-				continue;
-			uint4 v[LL_U];
-			ll_load_cg(comb + (uint64_t)i * rowb + o, bytes, lane,
-				   v);
-			ll_acc(acc, v, w[i]);
+		for (uint32_t kb = 0; kb < a.K; kb += 32) {
+			int64_t ek = -1;
+			float wk = 0.0f;
+			if (kb + lane < a.K) {
+				ek = topk[t * a.K + kb + lane];
+				wk = w[t * a.K + kb + lane];
+			}
+			const uint32_t nk = min(32u, a.K - kb);
+			for (uint32_t k = 0; k < nk; k++) {
+				const int64_t e = __shfl_sync(0xffffffffu, ek, k);
+				const float wt = __shfl_sync(0xffffffffu, wk, k);
+				if (e < 0 || e >= (int64_t)E)
+					continue;
+				uint4 v[LL_U];
+				ll_load_cg(comb + ((uint64_t)t * a.K + kb + k) *
+							  rowb + o,
+					   bytes, lane, v);
+				ll_acc(acc, v, wt);
+			}
 		}
 		ll_store_sum(a, t, o, bytes, lane, acc);
 	}
@@ -406,6 +474,8 @@ ekc_ll_combine(const struct ekc_ll_args a, uint32_t with_recv)
 	__shared__ uint32_t begin[EKC_LL_MAXE]; // [el][s]: first row of s
 	__shared__ uint32_t first[EKC_LL_MAXE + 1]; // [el]: item base
 	const uint64_t t0 = now_ns();
+	ll_stamp(a, EKC_LL_TR_C_START);
+	ll_stamp_max(a, EKC_LL_TR_C_MAXSTART);
 	uint32_t *pv = ll_priv(a);
 	const uint32_t seq = *(volatile uint32_t *)(pv + EKC_LL_PRIV_CSEQ) + 1;
 	const uint32_t ds = a.dseq ? a.dseq
@@ -461,16 +531,23 @@ ekc_ll_combine(const struct ekc_ll_args a, uint32_t with_recv)
 		ll_store(ll_pub(a, s, a.L.comb[par]) + (uint64_t)i * rowb + o,
 			 bytes, lane, v);
 	}
+	ll_stamp(a, EKC_LL_TR_C_COPY);
 	if (ll_last_block(a, EKC_LL_PRIV_CCTR)) {
 		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
 			ll_st64((uint64_t *)ll_pub(a, d, a.L.cdone[par]) +
 					a.rank,
 				seq);
-		if (threadIdx.x == 0)
+		if (threadIdx.x == 0) {
 			pv[EKC_LL_PRIV_CSEQ] = seq;
+			if (a.trace)
+				((uint64_t *)a.trace)[EKC_LL_TR_C_FLAGS] = now_ns();
+		}
 	}
-	if (with_recv)
+	if (with_recv) {
 		ll_combine_recv(a, seq, t0);
+		ll_stamp(a, EKC_LL_TR_C_END);
+	}
+	ll_stamp_max(a, EKC_LL_TR_C_MAXEND);
 }
 
 extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
@@ -486,6 +563,8 @@ ekc_ll_combine_pull(const struct ekc_ll_args a)
 {
 	__shared__ uint32_t off[EKC_LL_MAXE]; // [e]: first row of this rank
 	const uint64_t t0 = now_ns();
+	ll_stamp(a, EKC_LL_TR_C_START);
+	ll_stamp_max(a, EKC_LL_TR_C_MAXSTART);
 	uint32_t *pv = ll_priv(a);
 	const uint32_t seq = *(volatile uint32_t *)(pv + EKC_LL_PRIV_CSEQ) + 1;
 	const uint32_t ds = a.dseq ? a.dseq
@@ -514,6 +593,7 @@ ekc_ll_combine_pull(const struct ekc_ll_args a)
 		ll_wait_tag(a, ready + s, seq, true, t0);
 	__syncthreads();
 	fence_acquire();
+	ll_stamp(a, EKC_LL_TR_C_RECV);
 	const uint32_t T = a.T > a.N ? 0 : a.T;
 	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
 	const uint32_t lane = threadIdx.x & 31;
@@ -532,23 +612,38 @@ ekc_ll_combine_pull(const struct ekc_ll_args a)
 #pragma unroll
 			for (int c = 0; c < 8; c++)
 				acc[u][c] = 0.0f;
-		for (uint32_t k = 0; k < a.K; k++) {
-			const uint32_t i = t * a.K + k;
-			const int32_t e = __ldcg(key + i);
-			if (e < 0)
-				continue;
-			const uint32_t gp = off[e] + (uint32_t)__ldcg(pos + i);
-			if (gp >= WN)
-				continue; // the dispatch raised it
-			const uint32_t d = e / a.El, el = e % a.El;
-			uint4 v[LL_U];
-			ll_load_cg(ll_pub(a, d, a.L.cx[par]) +
-					   ((uint64_t)el * WN + gp) * rowb + o,
-				   bytes, lane, v);
-			ll_acc(acc, v, w[i]);
+		for (uint32_t kb = 0; kb < a.K; kb += 32) {
+			int32_t ek = -1, pk = 0;
+			float wk = 0.0f;
+			if (kb + lane < a.K) {
+				const uint32_t i = t * a.K + kb + lane;
+				ek = __ldcg(key + i);
+				pk = __ldcg(pos + i);
+				wk = w[i];
+			}
+			const uint32_t nk = min(32u, a.K - kb);
+			for (uint32_t k = 0; k < nk; k++) {
+				const int32_t e = __shfl_sync(0xffffffffu, ek, k);
+				const int32_t p = __shfl_sync(0xffffffffu, pk, k);
+				const float wt = __shfl_sync(0xffffffffu, wk, k);
+				if (e < 0)
+					continue;
+				const uint32_t gp = off[e] + (uint32_t)p;
+				if (gp >= WN)
+					continue; // the dispatch raised it
+				const uint32_t d = e / a.El, el = e % a.El;
+				uint4 v[LL_U];
+				ll_load_cg(ll_pub(a, d, a.L.cx[par]) +
+						   ((uint64_t)el * WN + gp) * rowb +
+						   o,
+					   bytes, lane, v);
+				ll_acc(acc, v, wt);
+			}
 		}
 		ll_store_sum(a, t, o, bytes, lane, acc);
 	}
+	ll_stamp(a, EKC_LL_TR_C_END);
 	if (ll_last_block(a, EKC_LL_PRIV_CCTR) && threadIdx.x == 0)
 		pv[EKC_LL_PRIV_CSEQ] = seq;
+	ll_stamp_max(a, EKC_LL_TR_C_MAXEND);
 }

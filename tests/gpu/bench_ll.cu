@@ -18,7 +18,10 @@
 // ratio to a device-to-device copy measured in the same run.
 //
 // EPD_LL_RANKS (8), EPD_LL_BLOCKS (blocks per rank and kernel, 16),
-// EPD_LL_REPLAYS (1000), EPD_LL_ITERS (200). Exit 1 on a mismatch.
+// EPD_LL_REPLAYS (1000), EPD_LL_ITERS (200), EPD_LL_ONLY=timed (the
+// timings alone). Exit 1 on a mismatch. The timed iterations start every
+// rank's ops together at a deadline of the GPU's global timer (a gate
+// kernel) and print where the time goes (the kernels' trace stamps).
 #include <cuda_runtime.h>
 #include <pthread.h>
 #include <signal.h>
@@ -53,6 +56,9 @@ struct shm {
 	cudaIpcMemHandle_t h[EKC_LL_MAXW];
 	double res[EKC_LL_MAXW][8];
 	uint64_t bytes[EKC_LL_MAXW][2];
+	double tr[EKC_LL_MAXW][EKC_LL_TR_N]; // median stamp - start, us
+	uint64_t start;                      // the gates' common deadline
+	uint32_t late[EKC_LL_MAXW];
 };
 static struct shm *g_sh;
 static void bar() { pthread_barrier_wait(&g_sh->bar); }
@@ -397,6 +403,20 @@ static int check(rank_ctx &R, const cfg &c, uint64_t it, int check_combine)
 	return 0;
 }
 
+// The start of a timed iteration: every rank's stream waits in this
+// kernel until the GPU's global timer reaches the common deadline, so that
+// the ops after it start together and with their launches already queued
+// (the times are the GPU's, not the host's launch latency or skew).
+__global__ void ll_gate(uint64_t deadline, uint32_t *late)
+{
+	if (now_ns() > deadline)
+		atomicAdd(late, 1);
+	while (now_ns() < deadline)
+		;
+}
+
+__global__ void ll_clock(uint64_t *t) { *t = now_ns(); }
+
 static double ms_between(cudaEvent_t a, cudaEvent_t b)
 {
 	float ms;
@@ -472,17 +492,49 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 		CK(cudaStreamSynchronize(R.st));
 		int iters = getenv("EPD_LL_ITERS") ? atoi(getenv("EPD_LL_ITERS")) : 200;
 		std::vector<double> td, tc;
+		std::vector<std::vector<double>> trs(EKC_LL_TR_N);
+		uint64_t *dclk, *dtr;
+		uint32_t *dlate, late = 0;
+		CK(cudaMalloc(&dclk, 8));
+		CK(cudaMalloc(&dtr, 8 * EKC_LL_TR_N));
+		CK(cudaMalloc(&dlate, 4));
+		CK(cudaMemset(dlate, 0, 4));
+		ekc_ll_args at = a;
+		at.trace = (uint64_t)dtr;
 		for (int i = 0; i < iters; i++) {
 			bar();
+			if (R.r == 0) {
+				uint64_t now;
+				ll_clock<<<1, 1, 0, R.st>>>(dclk);
+				CK(cudaMemcpy(&now, dclk, 8, cudaMemcpyDeviceToHost));
+				g_sh->start = now + 2000000; // 2 ms on
+			}
+			bar();
+			const uint64_t start = g_sh->start;
+			CK(cudaMemsetAsync(dtr, 0, 8 * EKC_LL_TR_N, R.st));
+			ll_gate<<<1, 1, 0, R.st>>>(start, dlate);
+			CK(cudaGetLastError());
 			CK(cudaEventRecord(e[0], R.st));
-			launch_dispatch(R, a, 0);
+			launch_dispatch(R, at, 0);
 			CK(cudaEventRecord(e[1], R.st));
-			launch_combine(R, a, 0, c.pull);
+			launch_combine(R, at, 0, c.pull);
 			CK(cudaEventRecord(e[2], R.st));
 			CK(cudaEventSynchronize(e[2]));
 			td.push_back(ms_between(e[0], e[1]) * 1e3);
 			tc.push_back(ms_between(e[1], e[2]) * 1e3);
+			uint64_t st[EKC_LL_TR_N];
+			CK(cudaMemcpy(st, dtr, sizeof(st), cudaMemcpyDeviceToHost));
+			for (int j = 0; j < EKC_LL_TR_N; j++)
+				trs[j].push_back(st[j] ? ((double)st[j] - start) / 1e3
+						       : -1.0);
 		}
+		CK(cudaMemcpy(&late, dlate, 4, cudaMemcpyDeviceToHost));
+		for (int j = 0; j < EKC_LL_TR_N; j++)
+			g_sh->tr[R.r][j] = median(trs[j]);
+		g_sh->late[R.r] = late;
+		CK(cudaFree(dclk));
+		CK(cudaFree(dtr));
+		CK(cudaFree(dlate));
 		bar();
 		const int pairs = 100;
 		CK(cudaEventRecord(e[0], R.st));
@@ -526,6 +578,29 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 			       bd / (md / 1e6) / 1e9 / ceil,
 			       bc / (mc / 1e6) / 1e9 / ceil, ceil, bd / 1e6,
 			       bc / 1e6);
+			// Where the time goes: each stage's median stamp after the
+			// common start, the latest rank's (and the earliest).
+			static const char *nm[EKC_LL_TR_N] = {
+				"d.start", "d.plan", "d.counts", "d.copy",
+				"d.flags", "d.recv", "d.end", "d.maxstart",
+				"d.maxend", "c.start", "c.copy", "c.flags",
+				"c.recv", "c.end", "c.maxstart", "c.maxend"};
+			uint32_t lt = 0;
+			printf("trace: ll %s%s, us after the common start "
+			       "(latest rank / earliest):",
+			       c.name, c.pull ? " (zero-copy combine)" : "");
+			for (int j = 0; j < EKC_LL_TR_N; j++) {
+				double hi = -1e9, lo = 1e9;
+				for (uint32_t s = 0; s < W; s++) {
+					hi = std::max(hi, g_sh->tr[s][j]);
+					lo = std::min(lo, g_sh->tr[s][j]);
+				}
+				if (hi >= 0)
+					printf(" %s %.1f/%.1f", nm[j], hi, lo);
+			}
+			for (uint32_t s = 0; s < W; s++)
+				lt += g_sh->late[s];
+			printf("; late gates %u\n", lt);
 		}
 		bar();
 		return fail;
@@ -678,7 +753,10 @@ static int rank_main(uint32_t r, uint32_t W, uint32_t G)
 	}
 	bar();
 	int fail = 0;
+	const char *only = getenv("EPD_LL_ONLY"); // "timed": no checks
 	for (const cfg &c : cfgs) {
+		if (only && !strcmp(only, "timed") && !c.timed)
+			continue;
 		int f = run_cfg(R, c);
 		if (!f && r == 0 && !c.timed)
 			printf("ok: %s (hidden %u, %u tokens max, top-%u of %u, "
