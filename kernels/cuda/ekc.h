@@ -313,26 +313,39 @@ extern const size_t ekc_fatbin_size;
 /*
  * Low-latency (decode) dispatch and combine (ekc_ll.cu): kernels on the
  * rank's own stream that write straight into its peers' public regions,
- * mapped in this process; no daemon in an op's path. Each rank's public
- * region holds, per parity p = seq & 1 (two ops in flight):
+ * mapped in this process; no daemon in an op's path.
+ *
+ * Two buffers b (the caller alternates them, as DeepEP's low-latency mode
+ * does, so that two micro-batches can be in flight: dispatch A, dispatch
+ * B, then A's and B's receive hooks, experts and combines). Each rank's
+ * public region holds:
  *   cnt[p]   [W][E] u64   (seq << 32 | rows), source s's rows per expert,
  *                         written by every source into every rank (an
- *                         all-gather of the counts)
- *   done[p]  [W] u64      seq: source s's rows to this rank have landed
- *   cdone[p] [W] u64      combine seq: source s's combine rows landed
- *   tk[p]    [El][W*N] i32  source's t*K+k of each received row
- *   rx[p]    [El][W*N][H] bf16  received rows, per local expert packed in
+ *                         all-gather of the counts); p = dispatch seq & 1,
+ *                         read only inside that dispatch's send part
+ *   done     [W] u64      dispatch seq: source s's rows have landed
+ *   cdone    [W] u64      combine seq: source s's combine rows landed
+ *   cready   [W] u64      combine seq: source s's cx rows are written
+ *   tk[b]    [El][W*N] i32  source's t*K+k of each received row
+ *   rx[b]    [El][W*N][H] bf16  received rows, per local expert packed in
  *                         source rank order, then source (t, k) order
- *   comb[p]  [N*K][H] bf16  combine rows, by the home's (t, k)
- *   cready[p] [W] u64     combine seq: source s's cx rows are written
- *   cx[p]    [El][W*N][H] bf16  zero-copy combine input: the experts'
+ *   comb[b]  [N*K][H] bf16  combine rows, by the home's (t, k)
+ *   cx[b]    [El][W*N][H] bf16  zero-copy combine input: the experts'
  *                         rows where the homes read them (DeepEP's
  *                         get_next_low_latency_combine_buffer)
- * Tags are sequence numbers the kernels advance themselves (the private
- * words below), so captured work replays correctly. The private region
- * (never mapped by a peer): u32 dseq, cseq, err, dispatch and combine
- * block counters, then per parity key[N*K] i32 and pos[N*K] i32 from 64
- * on (each (t, k)'s expert and its place among this rank's rows there).
+ * A flag is a sequence number the kernels advance themselves (private
+ * words below), so captured work replays correctly; a wait ends at that
+ * number or a later one (a peer may be one op ahead). Why one set of flags
+ * and rows per buffer suffice: a source writes a rank's cnt, rx, comb for
+ * op n+2 only after that rank posted its counts of n+2, which it does only
+ * once its work of op n is done (stream order).
+ *
+ * The private region (never mapped by a peer): the u32 words EKC_LL_PRIV_*,
+ * then per buffer b the tables of its dispatch, snapshotted so that the
+ * receive hook and the combine never read cnt (a peer may be rewriting
+ * it): key[N*K] i32 and pos[N*K] i32 (each (t, k)'s expert and its place
+ * among this rank's rows there), off[E] u32 (where this rank's rows start
+ * at each expert) and rows[El][W] u32 (what each source sent here).
  */
 #define EKC_LL_MAXW 64
 #define EKC_LL_MAXE 1024
@@ -342,6 +355,8 @@ extern const size_t ekc_fatbin_size;
 #define EKC_LL_PRIV_ERR 2
 #define EKC_LL_PRIV_DCTR 3
 #define EKC_LL_PRIV_CCTR 4
+#define EKC_LL_PRIV_BSEQ 5  /* [2]: the dispatch seq of buffer b */
+#define EKC_LL_PRIV_CBSEQ 7 /* [2]: the combine seq of buffer b */
 #define EKC_LL_PRIV_TABLES 64u /* bytes */
 /* err bits */
 #define EKC_LL_ETIMEDOUT 1u /* a peer's rows or counts never came */
@@ -350,8 +365,9 @@ extern const size_t ekc_fatbin_size;
 #define EKC_LL_ETOOBIG 8u   /* more than N tokens, or > W*N rows/expert */
 
 struct ekc_ll_layout {
-	uint64_t cnt[2], done[2], cdone[2], cready[2], flags_end;
+	uint64_t cnt[2], done, cdone, cready, flags_end;
 	uint64_t tk[2], rx[2], comb[2], cx[2], total;
+	uint64_t tab[2]; /* private: buffer b's tables (key, pos, off, rows) */
 	uint64_t priv_total;
 };
 
@@ -370,18 +386,12 @@ static inline void ekc_ll_layout_of(uint32_t W, uint32_t N, uint32_t H,
 		L->cnt[p] = o;
 		o += W * E * 8;
 	}
-	for (int p = 0; p < 2; p++) {
-		L->done[p] = o;
-		o += W * 8;
-	}
-	for (int p = 0; p < 2; p++) {
-		L->cdone[p] = o;
-		o += W * 8;
-	}
-	for (int p = 0; p < 2; p++) {
-		L->cready[p] = o;
-		o += W * 8;
-	}
+	L->done = o;
+	o += W * 8;
+	L->cdone = o;
+	o += W * 8;
+	L->cready = o;
+	o += W * 8;
 	o = L->flags_end = ekc_ll_align(o);
 	for (int p = 0; p < 2; p++) {
 		L->tk[p] = o;
@@ -400,7 +410,12 @@ static inline void ekc_ll_layout_of(uint32_t W, uint32_t N, uint32_t H,
 		o = ekc_ll_align(o + El * WN * H * 2);
 	}
 	L->total = o;
-	L->priv_total = EKC_LL_PRIV_TABLES + 2 * (uint64_t)N * K * 8;
+	o = EKC_LL_PRIV_TABLES;
+	for (int p = 0; p < 2; p++) {
+		L->tab[p] = o;
+		o += (2 * (uint64_t)N * K + 2 * E) * 4;
+	}
+	L->priv_total = o;
 }
 
 /* One low-latency op of one rank. Device addresses throughout. */
@@ -418,7 +433,8 @@ struct ekc_ll_args {
 	uint64_t src_info;   /* dispatch: [El, W*N] i32 source token or -1 */
 	uint64_t timeout_ns;
 	uint32_t rank, W, N, H, El, K, T;
-	uint32_t dseq; /* combine: the dispatch it returns (0: the latest) */
+	uint32_t buf;  /* 0 or 1: the buffer of this op (a combine: its
+			  dispatch's) */
 	uint64_t trace; /* u64[EKC_LL_TR_N] globaltimer stamps, or 0 */
 };
 

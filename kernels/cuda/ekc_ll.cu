@@ -12,6 +12,9 @@
 //                          flags; with_recv: also the receive below
 //   ekc_ll_dispatch_recv   wait for every source's done, then recv_count,
 //                          layout and src_info (the hook's second half)
+//
+// Every kernel takes the op's buffer (a.buf, chosen by the caller); the
+// sequence numbers that tag the flags are the device's own.
 //   ekc_ll_combine         each received row back to its home's (t, k)
 //                          slot, done flags; with_recv: the sum below
 //   ekc_ll_combine_recv    wait for every source, sum top-k rows
@@ -50,12 +53,26 @@ __device__ static inline uint32_t *ll_priv(const struct ekc_ll_args &a)
 	return (uint32_t *)a.priv;
 }
 
-// This rank's (t, k) experts of dispatch parity par; their places follow.
-__device__ static inline int32_t *ll_key(const struct ekc_ll_args &a,
-					 uint32_t par)
+// Buffer b's tables: this rank's (t, k) experts, their places, this
+// rank's first row at each expert, each source's rows per local expert.
+__device__ static inline int32_t *ll_key(const struct ekc_ll_args &a)
 {
-	return (int32_t *)(a.priv + EKC_LL_PRIV_TABLES) +
-	       (uint64_t)par * 2 * a.N * a.K;
+	return (int32_t *)(a.priv + a.L.tab[a.buf]);
+}
+
+__device__ static inline int32_t *ll_pos(const struct ekc_ll_args &a)
+{
+	return ll_key(a) + (uint64_t)a.N * a.K;
+}
+
+__device__ static inline uint32_t *ll_off(const struct ekc_ll_args &a)
+{
+	return (uint32_t *)ll_pos(a) + (uint64_t)a.N * a.K;
+}
+
+__device__ static inline uint32_t *ll_rows_tab(const struct ekc_ll_args &a)
+{
+	return ll_off(a) + (uint64_t)a.El * a.W;
 }
 
 __device__ static inline void ll_fail(const struct ekc_ll_args &a, uint32_t bit)
@@ -78,15 +95,17 @@ __device__ static inline void ll_stamp_max(const struct ekc_ll_args &a, int i)
 			  (unsigned long long)now_ns());
 }
 
-// Wait until the 64-bit word's tag (high half, or the whole word when
-// whole) equals tag. False on timeout (err raised).
+// Wait until the 64-bit word's tag (high half) equals tag, or (whole) the
+// word is tag or a later sequence number. False on timeout (err raised).
 __device__ static bool ll_wait_tag(const struct ekc_ll_args &a,
 				   const uint64_t *p, uint32_t tag, bool whole,
 				   uint64_t t0)
 {
 	for (uint32_t spins = 0;; spins++) {
 		uint64_t v = ll_ld64(p);
-		if ((whole ? v : v >> 32) == (uint64_t)tag) {
+		// counts: this op's tag exactly; flags: it or a later op's
+		if (whole ? (int32_t)((uint32_t)v - tag) >= 0
+			  : (v >> 32) == (uint64_t)tag) {
 			fence_acquire();
 			return true;
 		}
@@ -177,8 +196,7 @@ __device__ static void ll_plan(const struct ekc_ll_args &a, uint32_t T,
 	const uint32_t E = a.El * a.W, TK = T * a.K;
 	const uint32_t w = threadIdx.x / 32, lane = threadIdx.x & 31;
 	const int64_t *topk = (const int64_t *)a.topk;
-	int32_t *key = ll_key(a, par);
-	int32_t *pos = key + (uint64_t)a.N * a.K;
+	int32_t *key = ll_key(a), *pos = ll_pos(a);
 	for (uint32_t j = threadIdx.x; j < LL_PW * E; j += blockDim.x)
 		wc[j / E][j % E] = 0;
 	__syncthreads();
@@ -230,17 +248,18 @@ __device__ static void ll_plan(const struct ekc_ll_args &a, uint32_t T,
 	}
 }
 
-// The receive side of dispatch seq, by every block of the grid: wait for
-// every source's done flag, then recv_count and layout (block 0) and
-// src_info (grid-strided).
+// The receive side of dispatch seq (buffer a.buf), by every block of the
+// grid: wait for every source's done flag, then recv_count and layout
+// (block 0) and src_info (grid-strided), from the rows each source sent
+// here as the send part snapshotted them.
 __device__ static void ll_dispatch_recv(const struct ekc_ll_args &a,
 					uint32_t seq, uint64_t t0)
 {
 	__shared__ uint32_t rows[EKC_LL_MAXE];
-	const uint32_t par = seq & 1, E = a.El * a.W, WN = a.W * a.N;
-	const uint64_t *done = (const uint64_t *)ll_pub(a, a.rank, a.L.done[par]);
-	const uint64_t *cnt = (const uint64_t *)ll_pub(a, a.rank, a.L.cnt[par]);
-	const int32_t *tk = (const int32_t *)ll_pub(a, a.rank, a.L.tk[par]);
+	const uint32_t WN = a.W * a.N;
+	const uint64_t *done = (const uint64_t *)ll_pub(a, a.rank, a.L.done);
+	const uint32_t *snap = ll_rows_tab(a);
+	const int32_t *tk = (const int32_t *)ll_pub(a, a.rank, a.L.tk[a.buf]);
 	for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
 		ll_wait_tag(a, done + s, seq, true, t0);
 	__syncthreads();
@@ -249,8 +268,7 @@ __device__ static void ll_dispatch_recv(const struct ekc_ll_args &a,
 	for (uint32_t el = threadIdx.x; el < a.El; el += blockDim.x) {
 		uint64_t begin = 0;
 		for (uint32_t s = 0; s < a.W; s++) {
-			uint32_t c = ll_rows(cnt, (uint64_t)s * E +
-						     a.rank * a.El + el);
+			uint32_t c = __ldcg(snap + el * a.W + s);
 			if (blockIdx.x == 0)
 				((int64_t *)a.layout)[el * a.W + s] =
 					(int64_t)(begin << 32 | c);
@@ -291,6 +309,7 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 	uint32_t *pv = ll_priv(a);
 	const uint32_t seq = *(volatile uint32_t *)(pv + EKC_LL_PRIV_DSEQ) + 1;
 	const uint32_t par = seq & 1, E = a.El * a.W, WN = a.W * a.N;
+	const uint32_t b = a.buf;
 	uint32_t T = a.T;
 	if (T > a.N) {
 		if (blockIdx.x == 0 && threadIdx.x == 0)
@@ -308,16 +327,25 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 	fence_acquire();
 	ll_stamp(a, EKC_LL_TR_D_CNT);
 	// Where this rank's rows start in each expert: the rows of the sources
-	// before it.
+	// before it. Block 0 keeps them, and what each source sends here, in
+	// buffer b's tables for the receive and the combine (cnt[par] may be
+	// rewritten by a peer two dispatches on).
 	for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
-		uint64_t b = 0;
+		uint64_t o = 0;
 		for (uint32_t s = 0; s < a.rank; s++)
-			b += ll_rows(cnt, (uint64_t)s * E + e);
-		off[e] = b > WN ? WN : (uint32_t)b;
+			o += ll_rows(cnt, (uint64_t)s * E + e);
+		off[e] = o > WN ? WN : (uint32_t)o;
+		if (blockIdx.x == 0) {
+			ll_off(a)[e] = off[e];
+			const uint32_t el = e / a.W, s = e % a.W;
+			ll_rows_tab(a)[e] = ll_rows(cnt, (uint64_t)s * E +
+							   a.rank * a.El + el);
+		}
 	}
+	if (blockIdx.x == 0 && threadIdx.x == 0)
+		pv[EKC_LL_PRIV_BSEQ + b] = seq;
 	__syncthreads();
-	const int32_t *key = ll_key(a, par);
-	const int32_t *pos = key + (uint64_t)a.N * a.K;
+	const int32_t *key = ll_key(a), *pos = ll_pos(a);
 	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
 	const uint32_t lane = threadIdx.x & 31;
 	const uint64_t nw = (uint64_t)gridDim.x * (blockDim.x / 32);
@@ -351,10 +379,10 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 				}
 				const uint32_t d = e / a.El, el = e % a.El;
 				const uint64_t row = (uint64_t)el * WN + gp;
-				ll_store(ll_pub(a, d, a.L.rx[par]) + row * rowb + o,
+				ll_store(ll_pub(a, d, a.L.rx[b]) + row * rowb + o,
 					 bytes, lane, v);
 				if (sl == 0 && lane == 0)
-					((int32_t *)ll_pub(a, d, a.L.tk[par]))[row] =
+					((int32_t *)ll_pub(a, d, a.L.tk[b]))[row] =
 						(int32_t)(t * a.K + kb + k);
 			}
 		}
@@ -362,8 +390,7 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 	ll_stamp(a, EKC_LL_TR_D_COPY);
 	if (ll_last_block(a, EKC_LL_PRIV_DCTR)) {
 		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
-			ll_st64((uint64_t *)ll_pub(a, d, a.L.done[par]) + a.rank,
-				seq);
+			ll_st64((uint64_t *)ll_pub(a, d, a.L.done) + a.rank, seq);
 		if (threadIdx.x == 0) {
 			pv[EKC_LL_PRIV_DSEQ] = seq;
 			if (a.trace)
@@ -381,8 +408,8 @@ extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
 ekc_ll_dispatch_recv(const struct ekc_ll_args a)
 {
 	const uint64_t t0 = now_ns();
-	ll_dispatch_recv(a, *(volatile uint32_t *)(ll_priv(a) +
-						   EKC_LL_PRIV_DSEQ), t0);
+	ll_dispatch_recv(a, __ldcg(ll_priv(a) + EKC_LL_PRIV_BSEQ + a.buf), t0);
+	ll_stamp(a, EKC_LL_TR_D_END);
 }
 
 // acc += each bf16 of v times wk, in fp32, each product rounded (no fma).
@@ -413,14 +440,13 @@ __device__ static inline void ll_store_sum(const struct ekc_ll_args &a,
 	ll_store((uint8_t *)a.out + (uint64_t)t * a.H * 2 + o, bytes, lane, r);
 }
 
-// The sum at home of combine seq: wait for every source, then each token's
-// rows in top-k order (an index -1 skipped), times its weight.
+// The sum at home of combine seq (buffer a.buf): wait for every source,
+// then each token's rows in top-k order (a (t, k) its dispatch skipped
+// left out), times its weight.
 __device__ static void ll_combine_recv(const struct ekc_ll_args &a,
 				       uint32_t seq, uint64_t t0)
 {
-	const uint32_t par = seq & 1, E = a.El * a.W;
-	const uint64_t *cdone =
-		(const uint64_t *)ll_pub(a, a.rank, a.L.cdone[par]);
+	const uint64_t *cdone = (const uint64_t *)ll_pub(a, a.rank, a.L.cdone);
 	for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
 		ll_wait_tag(a, cdone + s, seq, true, t0);
 	__syncthreads();
@@ -429,8 +455,8 @@ __device__ static void ll_combine_recv(const struct ekc_ll_args &a,
 	const uint32_t T = a.T > a.N ? 0 : a.T;
 	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
 	const uint32_t lane = threadIdx.x & 31;
-	const uint8_t *comb = ll_pub(a, a.rank, a.L.comb[par]);
-	const int64_t *topk = (const int64_t *)a.topk;
+	const uint8_t *comb = ll_pub(a, a.rank, a.L.comb[a.buf]);
+	const int32_t *key = ll_key(a);
 	const float *w = (const float *)a.weights;
 	const uint64_t nw = (uint64_t)gridDim.x * (blockDim.x / 32);
 	for (uint64_t it = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -445,17 +471,17 @@ __device__ static void ll_combine_recv(const struct ekc_ll_args &a,
 			for (int c = 0; c < 8; c++)
 				acc[u][c] = 0.0f;
 		for (uint32_t kb = 0; kb < a.K; kb += 32) {
-			int64_t ek = -1;
+			int32_t ek = -1;
 			float wk = 0.0f;
 			if (kb + lane < a.K) {
-				ek = topk[t * a.K + kb + lane];
+				ek = __ldcg(key + t * a.K + kb + lane);
 				wk = w[t * a.K + kb + lane];
 			}
 			const uint32_t nk = min(32u, a.K - kb);
 			for (uint32_t k = 0; k < nk; k++) {
-				const int64_t e = __shfl_sync(0xffffffffu, ek, k);
+				const int32_t e = __shfl_sync(0xffffffffu, ek, k);
 				const float wt = __shfl_sync(0xffffffffu, wk, k);
-				if (e < 0 || e >= (int64_t)E)
+				if (e < 0)
 					continue;
 				uint4 v[LL_U];
 				ll_load_cg(comb + ((uint64_t)t * a.K + kb + k) *
@@ -478,19 +504,18 @@ ekc_ll_combine(const struct ekc_ll_args a, uint32_t with_recv)
 	ll_stamp_max(a, EKC_LL_TR_C_MAXSTART);
 	uint32_t *pv = ll_priv(a);
 	const uint32_t seq = *(volatile uint32_t *)(pv + EKC_LL_PRIV_CSEQ) + 1;
-	const uint32_t ds = a.dseq ? a.dseq
-				   : *(volatile uint32_t *)(pv + EKC_LL_PRIV_DSEQ);
-	const uint32_t par = seq & 1, dpar = ds & 1;
-	const uint32_t E = a.El * a.W, WN = a.W * a.N;
-	const uint64_t *cnt = (const uint64_t *)ll_pub(a, a.rank, a.L.cnt[dpar]);
-	const int32_t *tk = (const int32_t *)ll_pub(a, a.rank, a.L.tk[dpar]);
+	const uint32_t WN = a.W * a.N, b = a.buf;
+	const uint32_t *snap = ll_rows_tab(a);
+	const int32_t *tk = (const int32_t *)ll_pub(a, a.rank, a.L.tk[b]);
+	if (blockIdx.x == 0 && threadIdx.x == 0)
+		pv[EKC_LL_PRIV_CBSEQ + b] = seq;
 	for (uint32_t el = threadIdx.x; el < a.El; el += blockDim.x) {
-		uint32_t b = 0;
+		uint32_t n = 0;
 		for (uint32_t s = 0; s < a.W; s++) {
-			begin[el * a.W + s] = b;
-			b += ll_rows(cnt, (uint64_t)s * E + a.rank * a.El + el);
+			begin[el * a.W + s] = n;
+			n += __ldcg(snap + el * a.W + s);
 		}
-		first[el + 1] = b > WN ? WN : b; // ll_dispatch_recv raised it
+		first[el + 1] = n > WN ? WN : n; // ll_dispatch_recv raised it
 	}
 	__syncthreads();
 	if (threadIdx.x == 0) {
@@ -528,15 +553,13 @@ ekc_ll_combine(const struct ekc_ll_args a, uint32_t with_recv)
 		const uint32_t bytes = rowb - o < LL_SLICE ? rowb - o : LL_SLICE;
 		uint4 v[LL_U];
 		ll_load((const uint8_t *)a.ex + row * rowb + o, bytes, lane, v);
-		ll_store(ll_pub(a, s, a.L.comb[par]) + (uint64_t)i * rowb + o,
+		ll_store(ll_pub(a, s, a.L.comb[b]) + (uint64_t)i * rowb + o,
 			 bytes, lane, v);
 	}
 	ll_stamp(a, EKC_LL_TR_C_COPY);
 	if (ll_last_block(a, EKC_LL_PRIV_CCTR)) {
 		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
-			ll_st64((uint64_t *)ll_pub(a, d, a.L.cdone[par]) +
-					a.rank,
-				seq);
+			ll_st64((uint64_t *)ll_pub(a, d, a.L.cdone) + a.rank, seq);
 		if (threadIdx.x == 0) {
 			pv[EKC_LL_PRIV_CSEQ] = seq;
 			if (a.trace)
@@ -554,8 +577,8 @@ extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
 ekc_ll_combine_recv(const struct ekc_ll_args a)
 {
 	const uint64_t t0 = now_ns();
-	ll_combine_recv(a, *(volatile uint32_t *)(ll_priv(a) +
-						  EKC_LL_PRIV_CSEQ), t0);
+	ll_combine_recv(a, __ldcg(ll_priv(a) + EKC_LL_PRIV_CBSEQ + a.buf), t0);
+	ll_stamp(a, EKC_LL_TR_C_END);
 }
 
 extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
@@ -567,28 +590,18 @@ ekc_ll_combine_pull(const struct ekc_ll_args a)
 	ll_stamp_max(a, EKC_LL_TR_C_MAXSTART);
 	uint32_t *pv = ll_priv(a);
 	const uint32_t seq = *(volatile uint32_t *)(pv + EKC_LL_PRIV_CSEQ) + 1;
-	const uint32_t ds = a.dseq ? a.dseq
-				   : *(volatile uint32_t *)(pv + EKC_LL_PRIV_DSEQ);
-	const uint32_t par = seq & 1, dpar = ds & 1;
-	const uint32_t E = a.El * a.W, WN = a.W * a.N;
+	const uint32_t E = a.El * a.W, WN = a.W * a.N, b = a.buf;
 	// This rank's cx rows were written by the work before it on its
 	// stream: say so to every home.
 	if (blockIdx.x == 0) {
 		__threadfence_system();
 		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
-			ll_st64((uint64_t *)ll_pub(a, d, a.L.cready[par]) +
-					a.rank,
+			ll_st64((uint64_t *)ll_pub(a, d, a.L.cready) + a.rank,
 				seq);
 	}
-	const uint64_t *cnt = (const uint64_t *)ll_pub(a, a.rank, a.L.cnt[dpar]);
-	for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
-		uint64_t b = 0;
-		for (uint32_t s = 0; s < a.rank; s++)
-			b += ll_rows(cnt, (uint64_t)s * E + e);
-		off[e] = b > WN ? WN : (uint32_t)b;
-	}
-	const uint64_t *ready =
-		(const uint64_t *)ll_pub(a, a.rank, a.L.cready[par]);
+	for (uint32_t e = threadIdx.x; e < E; e += blockDim.x)
+		off[e] = min(__ldcg(ll_off(a) + e), WN);
+	const uint64_t *ready = (const uint64_t *)ll_pub(a, a.rank, a.L.cready);
 	for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
 		ll_wait_tag(a, ready + s, seq, true, t0);
 	__syncthreads();
@@ -597,8 +610,7 @@ ekc_ll_combine_pull(const struct ekc_ll_args a)
 	const uint32_t T = a.T > a.N ? 0 : a.T;
 	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
 	const uint32_t lane = threadIdx.x & 31;
-	const int32_t *key = ll_key(a, dpar);
-	const int32_t *pos = key + (uint64_t)a.N * a.K;
+	const int32_t *key = ll_key(a), *pos = ll_pos(a);
 	const float *w = (const float *)a.weights;
 	const uint64_t nw = (uint64_t)gridDim.x * (blockDim.x / 32);
 	for (uint64_t it = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -633,7 +645,7 @@ ekc_ll_combine_pull(const struct ekc_ll_args a)
 					continue; // the dispatch raised it
 				const uint32_t d = e / a.El, el = e % a.El;
 				uint4 v[LL_U];
-				ll_load_cg(ll_pub(a, d, a.L.cx[par]) +
+				ll_load_cg(ll_pub(a, d, a.L.cx[b]) +
 						   ((uint64_t)el * WN + gp) * rowb +
 						   o,
 					   bytes, lane, v);

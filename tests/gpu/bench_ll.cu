@@ -123,6 +123,7 @@ struct cfg {
 	int graph;   // CUDA graph replays
 	int toobig;  // rank 1 asks for N + 1 tokens in iteration 1
 	int pull;    // zero-copy combine: experts' rows in cx, read by homes
+	int tbo;     // two micro-batches in flight (buffers 0 and 1)
 };
 
 // One rank's routing of iteration it: T, top-k (distinct experts, about
@@ -186,7 +187,29 @@ struct rank_ctx {
 	int32_t *recv_count, *src_info;
 	int64_t *layout;
 	uint64_t timeout_ns;
+	uint32_t b; // the buffer in use, and its inputs and outputs above
+	struct io {
+		uint16_t *x, *ex, *out;
+		int64_t *topk;
+		float *w;
+		int32_t *recv_count, *src_info;
+		int64_t *layout;
+	} io[2];
 };
+
+// Buffer b (the kernels' a.buf) and its own inputs and outputs.
+static void use(rank_ctx &R, uint32_t b)
+{
+	R.b = b;
+	R.x = R.io[b].x;
+	R.ex = R.io[b].ex;
+	R.out = R.io[b].out;
+	R.topk = R.io[b].topk;
+	R.w = R.io[b].w;
+	R.recv_count = R.io[b].recv_count;
+	R.src_info = R.io[b].src_info;
+	R.layout = R.io[b].layout;
+}
 
 static ekc_ll_args make_args(rank_ctx &R, const cfg &c, uint32_t T)
 {
@@ -212,6 +235,7 @@ static ekc_ll_args make_args(rank_ctx &R, const cfg &c, uint32_t T)
 	a.El = c.E / R.W;
 	a.K = c.K;
 	a.T = T;
+	a.buf = R.b;
 	return a;
 }
 
@@ -282,8 +306,7 @@ static uint16_t *ex_dst(rank_ctx &R, const cfg &c)
 		return R.ex;
 	ekc_ll_layout L;
 	ekc_ll_layout_of(R.W, c.N, c.H, c.E / R.W, c.K, &L);
-	uint32_t par = (priv_word(R, EKC_LL_PRIV_CSEQ) + 1) & 1;
-	return (uint16_t *)(R.pub + L.cx[par]);
+	return (uint16_t *)(R.pub + L.cx[R.b]);
 }
 
 static void upload_ex(rank_ctx &R, const cfg &c, uint64_t it,
@@ -353,7 +376,7 @@ static int check(rank_ctx &R, const cfg &c, uint64_t it, int check_combine)
 		return bad(c.name, it, "src_info");
 	ekc_ll_layout L;
 	ekc_ll_layout_of(W, c.N, H, El, c.K, &L);
-	uint32_t par = priv_word(R, EKC_LL_PRIV_DSEQ) & 1;
+	const uint32_t par = R.b;
 	std::vector<uint16_t> row(H);
 	for (uint32_t el = 0; el < El; el++)
 		for (uint32_t p = 0; p < cur[el]; p++) {
@@ -641,7 +664,73 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 		CK(cudaGraphDestroy(g));
 		return fail;
 	}
+	if (c.tbo) {
+		// Two micro-batches: dispatch A and B (receive hooks split off),
+		// both hooks, then A's and B's combines; B's routing is that of
+		// iteration it + 50000.
+		for (int it = 1; it <= c.iters && !fail; it++) {
+			const uint64_t id[2] = {(uint64_t)it, (uint64_t)it + 50000};
+			ekc_ll_args a[2];
+			for (uint32_t b = 0; b < 2; b++) {
+				uint32_t T;
+				std::vector<int64_t> topk;
+				std::vector<float> w;
+				use(R, b);
+				gen_route(c, W, id[b], R.r, T, topk, w);
+				upload(R, c, id[b], T, topk, w);
+				a[b] = make_args(R, c, T);
+			}
+			for (uint32_t b = 0; b < 2; b++) {
+				use(R, b);
+				ekc_ll_dispatch<<<R.G, LL_TPB, 0, R.st>>>(a[b], 0);
+				CK(cudaGetLastError());
+			}
+			for (uint32_t b = 0; b < 2; b++) {
+				use(R, b);
+				ekc_ll_dispatch_recv<<<R.G, LL_TPB, 0, R.st>>>(a[b]);
+				CK(cudaGetLastError());
+			}
+			CK(cudaStreamSynchronize(R.st));
+			if (priv_word(R, EKC_LL_PRIV_ERR)) {
+				fail |= bad(c.name, it, "error word set");
+				break;
+			}
+			for (uint32_t b = 0; b < 2 && !fail; b++) {
+				use(R, b);
+				fail |= check(R, c, id[b], 0);
+				std::vector<int32_t> cnt(El);
+				CK(cudaMemcpy(cnt.data(), R.recv_count, El * 4,
+					      cudaMemcpyDeviceToHost));
+				std::vector<uint32_t> rows(cnt.begin(), cnt.end());
+				upload_ex(R, c, id[b], rows);
+			}
+			for (uint32_t b = 0; b < 2; b++) {
+				use(R, b);
+				if (c.pull) {
+					ekc_ll_combine_pull<<<R.G, LL_TPB, 0, R.st>>>(a[b]);
+				} else {
+					ekc_ll_combine<<<R.G, LL_TPB, 0, R.st>>>(a[b], 0);
+				}
+				CK(cudaGetLastError());
+			}
+			if (!c.pull)
+				for (uint32_t b = 0; b < 2; b++) {
+					ekc_ll_combine_recv<<<R.G, LL_TPB, 0, R.st>>>(a[b]);
+					CK(cudaGetLastError());
+				}
+			CK(cudaStreamSynchronize(R.st));
+			if (priv_word(R, EKC_LL_PRIV_ERR))
+				fail |= bad(c.name, it, "error word set (combine)");
+			for (uint32_t b = 0; b < 2 && !fail; b++) {
+				use(R, b);
+				fail |= check(R, c, id[b], 1);
+			}
+		}
+		use(R, 0);
+		return fail;
+	}
 	for (int it = 1; it <= c.iters && !fail; it++) {
+		use(R, (uint32_t)it & 1); // the buffers alternate, as in libep
 		uint32_t T;
 		std::vector<int64_t> topk;
 		std::vector<float> w;
@@ -680,6 +769,7 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 		else if (!(c.toobig && it == 1 && R.r == 1))
 			fail |= check(R, c, it, 1);
 	}
+	use(R, 0);
 	return fail;
 }
 
@@ -691,6 +781,9 @@ static const cfg cfgs[] = {
 	{"too many tokens", 256, 16, 4, 32, 3, 0, 0, 0, 0, 1, 0},
 	{"deepseek 128", 7168, 128, 8, 256, 3, 0, 0, 0, 0, 0, 0},
 	{"deepseek 128 zero-copy", 7168, 128, 8, 256, 3, 0, 0, 0, 0, 0, 1},
+	{"two micro-batches", 512, 24, 6, 64, 12, 0, 0, 0, 0, 0, 0, 1},
+	{"two micro-batches zero-copy", 512, 24, 6, 64, 12, 0, 0, 0, 0, 0, 1, 1},
+	{"two micro-batches deepseek", 7168, 64, 8, 256, 2, 0, 0, 0, 0, 0, 0, 1},
 	{"graph", 256, 32, 4, 32, 0, 0, 0, 0, 1, 0, 0},
 	{"graph zero-copy", 256, 32, 4, 32, 0, 0, 0, 0, 1, 0, 1},
 	{"1 token", 7168, 1, 8, 256, 0, 1, 0, 1, 0, 0, 0},
@@ -733,14 +826,17 @@ static int rank_main(uint32_t r, uint32_t W, uint32_t G)
 	CK(cudaMalloc(&R.priv, priv));
 	CK(cudaMemset(R.pub, 0, pub));
 	CK(cudaMemset(R.priv, 0, priv));
-	CK(cudaMalloc(&R.x, xs * 2));
-	CK(cudaMalloc(&R.out, xs * 2));
-	CK(cudaMalloc(&R.ex, exs * 2));
-	CK(cudaMalloc(&R.topk, ks * 8));
-	CK(cudaMalloc(&R.w, ks * 4));
-	CK(cudaMalloc(&R.recv_count, el * 4));
-	CK(cudaMalloc(&R.layout, el * 8));
-	CK(cudaMalloc(&R.src_info, eln * 4));
+	for (auto &io : R.io) {
+		CK(cudaMalloc(&io.x, xs * 2));
+		CK(cudaMalloc(&io.out, xs * 2));
+		CK(cudaMalloc(&io.ex, exs * 2));
+		CK(cudaMalloc(&io.topk, ks * 8));
+		CK(cudaMalloc(&io.w, ks * 4));
+		CK(cudaMalloc(&io.recv_count, el * 4));
+		CK(cudaMalloc(&io.layout, el * 8));
+		CK(cudaMalloc(&io.src_info, eln * 4));
+	}
+	use(R, 0);
 	CK(cudaStreamCreateWithFlags(&R.st, cudaStreamNonBlocking));
 	CK(cudaIpcGetMemHandle(&g_sh->h[r], R.pub));
 	bar();
@@ -762,8 +858,9 @@ static int rank_main(uint32_t r, uint32_t W, uint32_t G)
 			printf("ok: %s (hidden %u, %u tokens max, top-%u of %u, "
 			       "%s%s%s): every rank bitwise equal to the reference\n",
 			       c.name, c.H, c.N, c.K, c.E,
-			       c.graph ? "graph replays" : c.hook ? "receive hook"
-								  : "one launch each",
+			       c.graph ? "graph replays"
+			       : c.tbo ? "two micro-batches in flight, hooks"
+			       : c.hook ? "receive hook" : "one launch each",
 			       c.pull ? ", zero-copy combine" : "",
 			       c.toobig ? ", rank 1 over its budget once: "
 					  "ETOOBIG there, the others served" : "");
