@@ -170,6 +170,7 @@ int ep__cuda_map(ep_group_t *g, int fd, uint64_t size)
 
 void ep__cuda_unmap(ep_group_t *g)
 {
+	ep__ll_fini(g);
 	ep__graph_fini(g);
 	if (g->ctl_dev)
 		ep__drv.cuMemHostUnregister(g->buf);
@@ -192,16 +193,21 @@ uint32_t ep__features(const ep_group_t *g)
 			       __ATOMIC_ACQUIRE);
 }
 
-/* ekc_ring_wait (which 0) or ekc_post_wait (1) in the current context:
- * the kernels' module is loaded once per context (the fatbin is linked
- * into libep). NULL if it cannot be: the rank then rings and waits with
- * stream memory operations (and cannot capture ops into graphs). */
+/* Kernel `which` of kernel_names in the current context: the kernels'
+ * module is loaded once per context (the fatbin is linked into libep).
+ * NULL if it cannot be: the rank then rings and waits with stream memory
+ * operations (and cannot capture ops into graphs). */
+static const char *const kernel_names[EP__FN_N] = {
+	"ekc_ring_wait",	"ekc_post_wait",       "ekc_ll_dispatch",
+	"ekc_ll_dispatch_recv", "ekc_ll_combine",      "ekc_ll_combine_recv",
+	"ekc_ll_combine_pull"};
+
 static CUfunction kernel_fn(int which)
 {
 	static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 	static struct {
 		CUcontext ctx;
-		CUfunction fn[2];
+		CUfunction fn[EP__FN_N];
 	} cache[16];
 	CUcontext cur = NULL;
 	if (ep__drv.cuCtxGetCurrent(&cur) || !cur)
@@ -216,14 +222,12 @@ static CUfunction kernel_fn(int which)
 	} else if (i < 16) {
 		CUmodule mod;
 		cache[i].ctx = cur;
-		if (!ep__drv.cuModuleLoadData(&mod, ekc_fatbin)) {
-			if (ep__drv.cuModuleGetFunction(&cache[i].fn[0], mod,
-							"ekc_ring_wait"))
-				cache[i].fn[0] = NULL;
-			if (ep__drv.cuModuleGetFunction(&cache[i].fn[1], mod,
-							"ekc_post_wait"))
-				cache[i].fn[1] = NULL;
-		}
+		if (!ep__drv.cuModuleLoadData(&mod, ekc_fatbin))
+			for (int k = 0; k < EP__FN_N; k++)
+				if (ep__drv.cuModuleGetFunction(&cache[i].fn[k],
+								mod,
+								kernel_names[k]))
+					cache[i].fn[k] = NULL;
 		fn = cache[i].fn[which];
 	}
 	pthread_mutex_unlock(&mu);
@@ -237,7 +241,17 @@ static CUfunction ring_fn(void)
 
 CUfunction ep__post_fn(void)
 {
-	return kernel_fn(1);
+	return kernel_fn(EP__FN_POST);
+}
+
+CUfunction ep__fn(int which)
+{
+	return kernel_fn(which);
+}
+
+int ep__use_ctx(int dev)
+{
+	return ensure_ctx(dev);
 }
 
 /* How long the ring kernel spins before it leaves the wait to the stream

@@ -26,6 +26,15 @@ void ep__hb_post(ep_group_t *g, uint64_t k);
 /* ekc_post_wait in the current context (loaded with the ring kernel when
  * the group was mapped), or NULL. */
 CUfunction ep__post_fn(void);
+/* A kernel of the module in the current context, or NULL. */
+enum { EP__FN_RING, EP__FN_POST, EP__FN_LL_DISPATCH, EP__FN_LL_DISPATCH_RECV,
+       EP__FN_LL_COMBINE, EP__FN_LL_COMBINE_RECV, EP__FN_LL_COMBINE_PULL,
+       EP__FN_N };
+CUfunction ep__fn(int which);
+/* Make device dev's primary context current. */
+int ep__use_ctx(int dev);
+/* libep_ll.c: the low-latency state's end (at unmap). */
+void ep__ll_fini(ep_group_t *g);
 
 /* libep_graph.c: the group's graph state (at map), its end (at unmap), and
  * an op captured on stream s: type 0 a barrier of the resident kernel,

@@ -60,6 +60,7 @@ struct ep_group {
 				 this rank when it was enqueued */
 	uint64_t last_dispatch; /* seq of the last dispatch op */
 	struct ep_graphs *gr;   /* ops captured into CUDA graphs (libep_graph.c) */
+	struct ep_ll *ll;       /* the low-latency mode (libep_ll.c) */
 };
 
 /* A handle made by a dispatch captured into a CUDA graph: seq is this bit

@@ -209,6 +209,7 @@ const char *epp_type_name(uint16_t type)
 	case EPP_DISPATCH: return "dispatch";
 	case EPP_COMBINE: return "combine";
 	case EPP_RELEASE: return "release";
+	case EPP_LL_MAP: return "ll-map";
 	case EPP_PEER_HELLO: return "peer-hello";
 	case EPP_PEER_AUTH: return "peer-auth";
 	case EPP_PEER_HEARTBEAT: return "peer-heartbeat";
@@ -540,6 +541,45 @@ int epp_release_decode(const uint8_t *p, size_t len, struct epp_release *rl)
 	epp_rd_init(&r, p, len);
 	rl->group_id = epp_get_u64(&r);
 	get_handle(&r, &rl->handle);
+	return epp_rd_end(&r);
+}
+
+size_t epp_ll_map_encode(const struct epp_ll_map *m, uint8_t *out,
+			 size_t cap)
+{
+	struct epp_wr w;
+	epp_wr_init(&w, out, cap);
+	epp_put_u64(&w, m->group_id);
+	epp_put_u32(&w, m->local);
+	return w.err ? 0 : w.off;
+}
+
+int epp_ll_map_decode(const uint8_t *p, size_t len, struct epp_ll_map *m)
+{
+	struct epp_rd r;
+	epp_rd_init(&r, p, len);
+	m->group_id = epp_get_u64(&r);
+	m->local = epp_get_u32(&r);
+	return epp_rd_end(&r);
+}
+
+size_t epp_ll_map_ok_encode(const struct epp_ll_map_ok *m, uint8_t *out,
+			    size_t cap)
+{
+	struct epp_wr w;
+	epp_wr_init(&w, out, cap);
+	epp_put_u64(&w, m->size);
+	epp_put_u32(&w, m->local);
+	return w.err ? 0 : w.off;
+}
+
+int epp_ll_map_ok_decode(const uint8_t *p, size_t len,
+			 struct epp_ll_map_ok *m)
+{
+	struct epp_rd r;
+	epp_rd_init(&r, p, len);
+	m->size = epp_get_u64(&r);
+	m->local = epp_get_u32(&r);
 	return epp_rd_end(&r);
 }
 

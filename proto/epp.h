@@ -61,6 +61,11 @@
  *   1.10 RELEASE with EPP_F_ASYNC: no reply on success (an error is an
  *        ERROR reply no one waits for). libep sends it from a CUDA graph's
  *        host node, which may not block on a reply.
+ *   1.11 LL_MAP: a GPU rank of a one-node group asks for local rank l's
+ *        low-latency region (the kernels of kernels/cuda/ekc_ll.cu write
+ *        into the peers' regions from the rank's own stream); the OK
+ *        carries its size and one descriptor. The daemon makes the
+ *        group's regions at the first request and never reads them.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -79,7 +84,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 10
+#define EPP_VERSION_MINOR 11
 /* Stream-ordered ops a GPU rank may have in flight (libep waits before
  * more; the daemon's rings are this deep). */
 #define EPP_MAX_INFLIGHT 1024
@@ -98,6 +103,8 @@ enum epp_type {
 	EPP_DISPATCH = 6, /* C->D: struct epp_dispatch; OK: epp_dispatch_ok */
 	EPP_COMBINE = 7,  /* C->D: struct epp_combine; OK: empty */
 	EPP_RELEASE = 8,  /* C->D: struct epp_release; OK: empty (1.8) */
+	EPP_LL_MAP = 9,   /* C->D: struct epp_ll_map; OK: epp_ll_map_ok and
+			     one descriptor (1.11) */
 	/* Between daemons (peer port). */
 	EPP_PEER_HELLO = 32,     /* u16 major, u16 minor, str node, u32 index,
 				    32-byte nonce */
@@ -261,6 +268,25 @@ struct epp_release {
 size_t epp_release_encode(const struct epp_release *r, uint8_t *out,
 			  size_t cap);
 int epp_release_decode(const uint8_t *p, size_t len, struct epp_release *r);
+
+/* LL_MAP: local rank `local`'s low-latency region of the group. */
+struct epp_ll_map {
+	uint64_t group_id;
+	uint32_t local;
+};
+
+struct epp_ll_map_ok {
+	uint64_t size; /* bytes of the region (its descriptor travels along) */
+	uint32_t local;
+};
+
+size_t epp_ll_map_encode(const struct epp_ll_map *m, uint8_t *out,
+			 size_t cap);
+int epp_ll_map_decode(const uint8_t *p, size_t len, struct epp_ll_map *m);
+size_t epp_ll_map_ok_encode(const struct epp_ll_map_ok *m, uint8_t *out,
+			    size_t cap);
+int epp_ll_map_ok_decode(const uint8_t *p, size_t len,
+			 struct epp_ll_map_ok *m);
 
 size_t epp_dispatch_encode(const struct epp_dispatch *d, uint8_t *out,
 			   size_t cap);

@@ -53,6 +53,11 @@ struct epd_backend_ops {
 	void (*group_free)(struct epd_group *g);
 	/* The group's device state as JSON, or NULL. */
 	void *(*group_status)(struct epd_group *g);
+	/* A descriptor of local rank l's low-latency region (all of the
+	 * group's regions are made at the first call) and its size; NULL:
+	 * no low-latency mode. */
+	int (*ll_export)(struct epd_group *g, uint32_t l, int *fd,
+			 uint64_t *size, char *err, size_t errlen);
 };
 
 

@@ -344,6 +344,10 @@ int epd_op_dispatch(struct epd_session *c, uint64_t req_id,
 int epd_op_combine(struct epd_session *c, uint64_t req_id,
 		   const struct epp_combine *cb);
 
+/* ll.c: LL_MAP, a rank's share of the low-latency mode. */
+int epd_op_ll_map(struct epd_session *c, uint64_t req_id,
+		  const struct epp_ll_map *lm);
+
 /* handles.c: the group's handles. */
 struct epd_handle_ent;
 /* The routing of handle seq, or NULL (unknown, or released by all). */

@@ -388,6 +388,16 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 	case EPP_RELEASE:
 		handle_release(c, h, p, false);
 		break;
+	case EPP_LL_MAP: {
+		struct epp_ll_map lm;
+		if (epp_ll_map_decode(p, h->length, &lm))
+			epd_session_error(&c->s, h->req_id, EP_EPROTO,
+					 "malformed ll-map payload (%u bytes)",
+					 h->length);
+		else
+			epd_op_ll_map(&c->s, h->req_id, &lm);
+		break;
+	}
 	case EPP_STATUS: {
 		if (h->length) {
 			epd_session_error(&c->s, h->req_id, EP_EPROTO,

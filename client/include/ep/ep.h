@@ -323,6 +323,65 @@ int ep_group_sync(ep_group_t *group);
  * 0 (and *size 0) for host groups. */
 uint64_t ep_group_device_region(const ep_group_t *group, size_t *size);
 
+/*
+ * Low-latency mode (decode; DeepEP's low_latency_dispatch/combine), GPU
+ * ranks of a one-node group (bf16, hidden a multiple of 8). Each op is a
+ * kernel on the caller's stream that writes straight into the other
+ * ranks' low-latency regions (made by the daemon at the first call, never
+ * read by it); no daemon in an op's path, and CUDA-graph capturable (the
+ * sequence numbers advance on the device). Every rank makes the same
+ * calls in the same order.
+ *
+ * ep_ll_dispatch sends this rank's num_tokens (<= max_tokens) rows of x
+ * [T, hidden] to the ranks of its top-k experts (topk_idx [T, topk] i64,
+ * -1 skips). Buffer out->buffer (0, 1: the two buffers alternate, so two
+ * micro-batches may be in flight) receives them: recv_x [El, W*max_tokens,
+ * hidden] bf16, per local expert packed by source rank, then source
+ * (token, k) order; recv_count [El] i32; layout_range [El, W] i64
+ * (begin << 32 | rows) and src_info [El, W*max_tokens] i32 (source token,
+ * -1 past the count). They stay valid until the dispatch after next.
+ * EP_LL_HOOK: this call only sends; ep_ll_dispatch_hook(buffer) later
+ * waits for the rows and writes the outputs (overlap in between).
+ *
+ * ep_ll_combine returns that buffer's rows to their tokens' home ranks
+ * and sums them there: out [T, hidden] bf16 = sum over k of weights[t, k]
+ * * row, in fp32 from +0.0 in top-k order, each product rounded, rounded
+ * once to bf16 (bitwise reproducible). expert_out is [El, W*max_tokens,
+ * hidden] bf16 in recv_x's order; with EP_LL_ZERO_COPY it is not given:
+ * the rows are already in ep_ll_combine_buffer(buffer) and each home reads
+ * them there (no copy). EP_LL_HOOK: ep_ll_combine_hook(buffer) later
+ * waits and sums.
+ *
+ * Errors (a peer that never came within the group's timeout, a bad expert
+ * index, too many tokens) are bits the kernels raise on the device; the
+ * ops never trap or hang. ep_ll_error reads them (a copy, in stream order
+ * on no stream: synchronize first) and clears them.
+ */
+#define EP_LL_HOOK 0x1      /* the receive half is left to *_hook */
+#define EP_LL_ZERO_COPY 0x2 /* combine: rows already in the combine buffer */
+struct ep_ll_recv {
+	uint32_t buffer;        /* 0 or 1: give it to combine and the hooks */
+	void *recv_x;           /* device addresses, in this rank's region */
+	int32_t *recv_count;
+	int64_t *layout_range;
+	int32_t *src_info;
+	uint32_t local_experts; /* El = experts / world */
+	uint32_t max_recv;      /* W * max_tokens: recv_x's second extent */
+};
+int ep_ll_dispatch(ep_group_t *group, const void *x, const int64_t *topk_idx,
+		   uint32_t num_tokens, unsigned flags, void *stream,
+		   struct ep_ll_recv *out);
+int ep_ll_dispatch_hook(ep_group_t *group, uint32_t buffer, void *stream);
+int ep_ll_combine(ep_group_t *group, uint32_t buffer, const void *expert_out,
+		  const float *weights, void *out, unsigned flags,
+		  void *stream);
+int ep_ll_combine_hook(ep_group_t *group, uint32_t buffer, void *stream);
+/* Where the experts' rows of buffer's next zero-copy combine go
+ * ([El, W*max_tokens, hidden] bf16, device address). */
+int ep_ll_combine_buffer(ep_group_t *group, uint32_t buffer, void **rows);
+/* 0, or the first error the low-latency kernels raised (cleared). */
+int ep_ll_error(ep_group_t *group);
+
 /* Identity of a joined group. */
 uint64_t ep_group_id(const ep_group_t *group);
 uint32_t ep_group_rank(const ep_group_t *group);

@@ -74,6 +74,9 @@ struct epd_cuda {
 
 struct epd_cuda_group {
 	struct epd_group *g;
+	/* the low-latency regions (ll.c), made at the first LL_MAP */
+	CUmemGenericAllocationHandle *ll_h; /* [rpn] */
+	uint64_t ll_size;                   /* per rank */
 	CUmemGenericAllocationHandle *h; /* [rpn] */
 	CUdeviceptr *ptr;                /* [rpn] region base */
 	size_t size;                     /* per rank */
@@ -239,6 +242,10 @@ void cu_stage_begin(struct epd_group *g, uint64_t k, struct epd_aop *const *ops)
 void cu_stage_host(struct epd_group *g);
 void CUDA_CB cu_stage_wake(void *p);
 void cu_trace_read(struct epd_cuda_group *c, int which);
+/* ll.c */
+int epd_cuda_ll_export(struct epd_group *g, uint32_t l, int *fd,
+		       uint64_t *size, char *err, size_t errlen);
+void cu_ll_free(struct epd_cuda_group *c, uint32_t rpn);
 int cu_use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen);
 bool cu_use_prep(const struct epd_group *g, const struct cudev *d);
 bool cu_use_tma(const struct epd_cuda_group *c, unsigned sms);

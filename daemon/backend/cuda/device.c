@@ -253,4 +253,5 @@ const struct epd_backend_ops epd_cuda_backend = {
 	.group_failed = epd_cuda_group_failed,
 	.group_free = epd_cuda_group_free,
 	.group_status = epd_cuda_group_status,
+	.ll_export = epd_cuda_ll_export,
 };

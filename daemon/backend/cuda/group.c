@@ -367,6 +367,9 @@ void epd_cuda_group_free(struct epd_group *g)
 	} else {
 		free(c->routes);
 	}
+	/* no mapping of the daemon's: the ranks' mappings keep the memory
+	 * until they unmap it */
+	cu_ll_free(c, g->shape.ranks_per_node);
 	free(c->h);
 	free(c->ptr);
 	g->dev_group = NULL;

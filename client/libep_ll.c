@@ -1,0 +1,358 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * libep's low-latency mode (ep.h): the kernels of kernels/cuda/ekc_ll.cu
+ * on the caller's stream. At the first call the rank asks the daemon for
+ * every local rank's low-latency region (LL_MAP, one descriptor each),
+ * maps them, and makes its private words and its outputs; each op after
+ * that is one or two kernel launches and no message. The two buffers
+ * alternate per dispatch, chosen here (as DeepEP's low-latency mode
+ * does); the sequence numbers are the device's own, so ops captured into
+ * CUDA graphs replay correctly.
+ */
+#include "libep_cuda_int.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+struct ep_ll {
+	uint32_t W, El, N, H, K, blocks;
+	CUdeviceptr peer[EKC_LL_MAXW];
+	CUmemGenericAllocationHandle ph[EKC_LL_MAXW];
+	uint64_t psize;
+	CUdeviceptr priv, outs; /* outs: per buffer recv_count, layout, src_info */
+	uint64_t out_stride;
+	struct ekc_ll_layout L;
+	uint32_t next;  /* the buffer of the next dispatch */
+	uint32_t T[2];  /* each buffer's dispatch: its tokens */
+	bool used[2];   /* a dispatch ran on that buffer */
+	uint64_t hw[2], hout[2]; /* a hooked combine's weights and out */
+	CUfunction fn[EP__FN_N];
+};
+
+static void ll_free(struct ep_ll *l)
+{
+	for (uint32_t d = 0; d < EKC_LL_MAXW; d++) {
+		if (l->peer[d]) {
+			ep__drv.cuMemUnmap(l->peer[d], l->psize);
+			ep__drv.cuMemAddressFree(l->peer[d], l->psize);
+		}
+		if (l->ph[d])
+			ep__drv.cuMemRelease(l->ph[d]);
+	}
+	if (l->priv)
+		ep__drv.cuMemFree(l->priv);
+	if (l->outs)
+		ep__drv.cuMemFree(l->outs);
+	free(l);
+}
+
+void ep__ll_fini(ep_group_t *g)
+{
+	if (g->ll)
+		ll_free(g->ll);
+	g->ll = NULL;
+}
+
+/* Local rank d's region, from the daemon, mapped for this rank's GPU. */
+static int ll_map_one(ep_group_t *g, struct ep_ll *l, uint32_t d)
+{
+	struct epp_ll_map req = {.group_id = g->id, .local = d};
+	uint8_t buf[32], *rep = NULL;
+	uint32_t rlen = 0;
+	int fd = -1;
+	size_t n = epp_ll_map_encode(&req, buf, sizeof(buf));
+	pthread_mutex_lock(&g->conn->mu);
+	int rc = ep__rpc(g->conn, EPP_LL_MAP, 0, buf, (uint32_t)n, &rep,
+			 &rlen, &fd, 1, EP__CTL_TIMEOUT_MS);
+	pthread_mutex_unlock(&g->conn->mu);
+	if (rc)
+		return rc;
+	struct epp_ll_map_ok ok;
+	rc = epp_ll_map_ok_decode(rep, rlen, &ok);
+	free(rep);
+	if (rc || fd < 0 || ok.local != d || !ok.size ||
+	    ok.size < l->L.total || (l->psize && ok.size != l->psize)) {
+		if (fd >= 0)
+			close(fd);
+		return ep__fail(EP_EPROTO, "malformed ll-map reply");
+	}
+	l->psize = ok.size;
+	CUresult r = ep__drv.cuMemImportFromShareableHandle(
+		&l->ph[d], (void *)(intptr_t)fd,
+		CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+	close(fd);
+	if (r) {
+		l->ph[d] = 0;
+		return ep__cufail(r, "cuMemImportFromShareableHandle");
+	}
+	CUdeviceptr p;
+	r = ep__drv.cuMemAddressReserve(&p, ok.size, 0, 0, 0);
+	if (r)
+		return ep__cufail(r, "cuMemAddressReserve");
+	r = ep__drv.cuMemMap(p, ok.size, 0, l->ph[d], 0);
+	if (r) {
+		ep__drv.cuMemAddressFree(p, ok.size);
+		return ep__cufail(r, "cuMemMap");
+	}
+	l->peer[d] = p;
+	CUmemAccessDesc a = {
+		.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE,
+			     .id = g->cuda_device},
+		.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+	r = ep__drv.cuMemSetAccess(p, ok.size, &a, 1);
+	return r ? ep__cufail(r, "cuMemSetAccess (a peer's low-latency "
+				 "region on another GPU needs peer access)")
+		 : 0;
+}
+
+static int ll_setup(ep_group_t *g)
+{
+	if (g->ll)
+		return 0;
+	if (!g->dev_ptr)
+		return ep__fail(EP_EUNSUPPORTED,
+				"the low-latency mode runs on GPU ranks");
+	const struct epp_join *c = &g->cfg;
+	if (c->world_size != c->ranks_per_node)
+		return ep__fail(EP_EUNSUPPORTED,
+				"the low-latency mode serves groups of one "
+				"node (this group spans %u nodes)",
+				c->world_size / c->ranks_per_node);
+	if (c->world_size > EKC_LL_MAXW || c->num_experts % c->world_size)
+		return ep__fail(EP_EUNSUPPORTED,
+				"the low-latency mode takes up to %u ranks "
+				"and experts a multiple of the ranks",
+				EKC_LL_MAXW);
+	int rc = ep__use_ctx(g->cuda_device);
+	if (rc)
+		return rc;
+	struct ep_ll *l = calloc(1, sizeof(*l));
+	if (!l)
+		return ep__fail(EP_ENOMEM, "out of memory");
+	l->W = c->world_size;
+	l->El = c->num_experts / l->W;
+	l->N = c->max_tokens;
+	l->H = c->hidden;
+	l->K = c->topk;
+	const char *e = getenv("EP_LL_BLOCKS");
+	l->blocks = e && atoi(e) > 0 && atoi(e) <= 1024 ? (uint32_t)atoi(e)
+							: 16;
+	ekc_ll_layout_of(l->W, l->N, l->H, l->El, l->K, &l->L);
+	for (int k = EP__FN_LL_DISPATCH; k < EP__FN_N; k++)
+		if (!(l->fn[k] = ep__fn(k))) {
+			ll_free(l);
+			return ep__fail(EP_EBACKEND,
+					"the low-latency kernels are not in "
+					"this GPU's module");
+		}
+	for (uint32_t d = 0; d < l->W && !rc; d++)
+		rc = ll_map_one(g, l, d);
+	const uint64_t WN = (uint64_t)l->W * l->N;
+	l->out_stride = (l->El * 4 + 7) / 8 * 8 + l->El * l->W * 8 +
+			(l->El * WN * 4 + 255) / 256 * 256;
+	CUresult r = CUDA_SUCCESS;
+	if (!rc) {
+		r = ep__drv.cuMemAlloc(&l->priv, l->L.priv_total);
+		if (!r)
+			r = ep__drv.cuMemsetD8(l->priv, 0, l->L.priv_total);
+		if (!r)
+			r = ep__drv.cuMemAlloc(&l->outs, 2 * l->out_stride);
+		if (r)
+			rc = ep__cufail(r, "allocating the low-latency outputs");
+	}
+	if (rc) {
+		ll_free(l);
+		return rc;
+	}
+	g->ll = l;
+	return 0;
+}
+
+static struct ekc_ll_args ll_args(const ep_group_t *g, const struct ep_ll *l,
+				  uint32_t b, uint32_t T)
+{
+	struct ekc_ll_args a;
+	memset(&a, 0, sizeof(a));
+	for (uint32_t d = 0; d < l->W; d++)
+		a.peer[d] = l->peer[d];
+	a.L = l->L;
+	a.priv = l->priv;
+	const CUdeviceptr o = l->outs + b * l->out_stride;
+	a.recv_count = o;
+	a.layout = o + (l->El * 4 + 7) / 8 * 8;
+	a.src_info = a.layout + l->El * l->W * 8;
+	/* a wait that never ends past the group's timeout */
+	a.timeout_ns = (uint64_t)(g->timeout_ms ? g->timeout_ms : 30000) *
+		       1000000ull;
+	a.rank = g->cfg.rank;
+	a.W = l->W;
+	a.N = l->N;
+	a.H = l->H;
+	a.El = l->El;
+	a.K = l->K;
+	a.T = T;
+	a.buf = b;
+	return a;
+}
+
+static int ll_launch(const struct ep_ll *l, int fn, struct ekc_ll_args *a,
+		     uint32_t *with_recv, void *stream)
+{
+	void *params[2] = {a, with_recv};
+	CUresult r = ep__drv.cuLaunchKernel(l->fn[fn], l->blocks, 1, 1, 512, 1,
+					    1, 0, (CUstream)stream, params,
+					    NULL);
+	return r ? ep__cufail(r, "launching a low-latency kernel") : 0;
+}
+
+int ep_ll_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
+		   uint32_t num_tokens, unsigned flags, void *stream,
+		   struct ep_ll_recv *out)
+{
+	if (!g || !out || (num_tokens && (!x || !topk_idx)))
+		return ep__fail(EP_EINVAL, "NULL argument");
+	if (flags & ~(unsigned)EP_LL_HOOK)
+		return ep__fail(EP_EINVAL, "unknown dispatch flags 0x%x",
+				flags & ~(unsigned)EP_LL_HOOK);
+	int rc = ll_setup(g);
+	if (rc)
+		return rc;
+	struct ep_ll *l = g->ll;
+	const uint32_t b = l->next;
+	/* More tokens than the group's maximum: the kernel takes part with
+	 * none (every rank finishes) and raises ETOOBIG here. */
+	struct ekc_ll_args a = ll_args(g, l, b, num_tokens);
+	a.x = (uint64_t)(uintptr_t)x;
+	a.topk = (uint64_t)(uintptr_t)topk_idx;
+	uint32_t with_recv = !(flags & EP_LL_HOOK);
+	rc = ll_launch(l, EP__FN_LL_DISPATCH, &a, &with_recv, stream);
+	if (rc)
+		return rc;
+	l->next = b ^ 1;
+	l->T[b] = num_tokens > l->N ? 0 : num_tokens;
+	l->used[b] = true;
+	out->buffer = b;
+	out->recv_x = (void *)(uintptr_t)(l->peer[g->cfg.rank] + l->L.rx[b]);
+	out->recv_count = (int32_t *)(uintptr_t)a.recv_count;
+	out->layout_range = (int64_t *)(uintptr_t)a.layout;
+	out->src_info = (int32_t *)(uintptr_t)a.src_info;
+	out->local_experts = l->El;
+	out->max_recv = l->W * l->N;
+	return num_tokens > l->N
+		       ? ep__fail(EP_ETOOBIG,
+				  "%u tokens exceed the group's maximum of %u "
+				  "(this rank took part with none)",
+				  num_tokens, l->N)
+		       : 0;
+}
+
+static int ll_buffer(ep_group_t *g, uint32_t b)
+{
+	if (!g)
+		return ep__fail(EP_EINVAL, "NULL argument");
+	if (!g->ll || b > 1 || !g->ll->used[b])
+		return ep__fail(EP_EINVAL, "buffer %u has no low-latency "
+					   "dispatch",
+				b);
+	return 0;
+}
+
+int ep_ll_dispatch_hook(ep_group_t *g, uint32_t b, void *stream)
+{
+	int rc = ll_buffer(g, b);
+	if (rc)
+		return rc;
+	struct ekc_ll_args a = ll_args(g, g->ll, b, g->ll->T[b]);
+	return ll_launch(g->ll, EP__FN_LL_DISPATCH_RECV, &a, NULL, stream);
+}
+
+int ep_ll_combine(ep_group_t *g, uint32_t b, const void *expert_out,
+		  const float *weights, void *out, unsigned flags,
+		  void *stream)
+{
+	int rc = ll_buffer(g, b);
+	if (rc)
+		return rc;
+	struct ep_ll *l = g->ll;
+	const unsigned known = EP_LL_HOOK | EP_LL_ZERO_COPY;
+	if (flags & ~known)
+		return ep__fail(EP_EINVAL, "unknown combine flags 0x%x",
+				flags & ~known);
+	if ((flags & EP_LL_ZERO_COPY) && (flags & EP_LL_HOOK))
+		return ep__fail(EP_EINVAL, "a zero-copy combine reads in place: "
+					   "it has no hook");
+	if (l->T[b] && (!weights || !out))
+		return ep__fail(EP_EINVAL, "weights and out are required");
+	if (!(flags & EP_LL_ZERO_COPY) && !expert_out)
+		return ep__fail(EP_EINVAL, "expert_out is required (or "
+					   "EP_LL_ZERO_COPY)");
+	struct ekc_ll_args a = ll_args(g, l, b, l->T[b]);
+	a.weights = (uint64_t)(uintptr_t)weights;
+	a.out = (uint64_t)(uintptr_t)out;
+	a.ex = (uint64_t)(uintptr_t)expert_out;
+	if (flags & EP_LL_ZERO_COPY)
+		return ll_launch(l, EP__FN_LL_COMBINE_PULL, &a, NULL, stream);
+	uint32_t with_recv = !(flags & EP_LL_HOOK);
+	l->hw[b] = a.weights;
+	l->hout[b] = a.out;
+	return ll_launch(l, EP__FN_LL_COMBINE, &a, &with_recv, stream);
+}
+
+int ep_ll_combine_hook(ep_group_t *g, uint32_t b, void *stream)
+{
+	int rc = ll_buffer(g, b);
+	if (rc)
+		return rc;
+	/* the weights and out of the combine it completes */
+	struct ep_ll *l = g->ll;
+	struct ekc_ll_args a = ll_args(g, l, b, l->T[b]);
+	a.weights = l->hw[b];
+	a.out = l->hout[b];
+	return ll_launch(l, EP__FN_LL_COMBINE_RECV, &a, NULL, stream);
+}
+
+int ep_ll_combine_buffer(ep_group_t *g, uint32_t b, void **rows)
+{
+	if (!g || !rows || b > 1)
+		return ep__fail(EP_EINVAL, "bad argument");
+	int rc = ll_setup(g);
+	if (rc)
+		return rc;
+	*rows = (void *)(uintptr_t)(g->ll->peer[g->cfg.rank] + g->ll->L.cx[b]);
+	return 0;
+}
+
+int ep_ll_error(ep_group_t *g)
+{
+	if (!g)
+		return ep__fail(EP_EINVAL, "NULL argument");
+	if (!g->ll)
+		return 0;
+	uint32_t err = 0;
+	CUresult r = ep__drv.cuMemcpyDtoH(&err, g->ll->priv +
+						       4 * EKC_LL_PRIV_ERR,
+					  4);
+	if (r)
+		return ep__cufail(r, "reading the low-latency error word");
+	if (!err)
+		return 0;
+	static const uint32_t zero;
+	ep__drv.cuMemcpyHtoD(g->ll->priv + 4 * EKC_LL_PRIV_ERR, &zero, 4);
+	if (err & EKC_LL_ETIMEDOUT)
+		return ep__fail(EP_ETIMEDOUT,
+				"a low-latency op waited past the group's "
+				"timeout for a peer (a rank that did not make "
+				"the same call, or died)");
+	if (err & EKC_LL_EEXPERT)
+		return ep__fail(EP_EEXPERT, "a low-latency dispatch had an "
+					    "expert index outside [-1, experts)");
+	if (err & EKC_LL_ETOOBIG)
+		return ep__fail(EP_ETOOBIG,
+				"a low-latency dispatch had more tokens than "
+				"the group's maximum, or more rows for an "
+				"expert than its buffer holds");
+	return ep__fail(EP_EPROTO, "a peer wrote counts or token indices out "
+				   "of range into this rank's region");
+}
