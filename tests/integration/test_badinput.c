@@ -333,9 +333,47 @@ int main(void)
 		send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_RELEASE,
 			 EPP_F_ASYNC, (uint32_t)rn, 26, buf);
 		expect_error(fd, 26, EP_ESTALE, "not held");
+		/* LL_MAP (the low-latency regions): malformed, an unknown
+		 * group, a host group, a rank out of range: each an error
+		 * naming why, the connection kept */
+		send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_LL_MAP, 0, 3, 27,
+			 "abc");
+		expect_error(fd, 27, EP_EPROTO, "malformed ll-map payload");
+		struct epp_ll_map lm = {.group_id = jo.group_id + 1000};
+		size_t ln = epp_ll_map_encode(&lm, buf, sizeof(buf));
+		send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_LL_MAP, 0,
+			 (uint32_t)ln, 28, buf);
+		expect_error(fd, 28, EP_ENOGROUP, "not joined");
+		lm.group_id = jo.group_id;
+		ln = epp_ll_map_encode(&lm, buf, sizeof(buf));
+		send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_LL_MAP, 0,
+			 (uint32_t)ln, 29, buf);
+		expect_error(fd, 29, EP_EUNSUPPORTED, "host ranks");
 		expect_usable(fd);
 	}
 	close(fd);
+	/* libep's low-latency calls on a host group: refused, nothing sent
+	 * that could hurt (EP_EUNSUPPORTED with or without CUDA in libep) */
+	{
+		ep_conn_t *lc;
+		ep_group_t *lg;
+		TH_OK(ep_connect(d.sock, &lc));
+		struct ep_group_config lcfg = th_group("llhost", 1, 0, 5000);
+		TH_OK(ep_join(lc, &lcfg, 0, &lg));
+		int64_t idx[2] = {0, 1};
+		uint16_t x[256] = {0};
+		struct ep_ll_recv lr;
+		TH_EXPECT_RC(ep_ll_dispatch(lg, x, idx, 1, 0, NULL, &lr),
+			     EP_EUNSUPPORTED);
+		printf("ok: ll dispatch on a host group -> %s\n", ep_errmsg());
+		int lrc = ep_ll_combine(lg, 0, x, NULL, x, 0, NULL);
+		TH_CHECK(lrc == EP_EINVAL || lrc == EP_EUNSUPPORTED,
+			 "ll combine without a dispatch: %d (%s)", lrc,
+			 ep_errmsg());
+		TH_CHECK(ep_ll_error(lg) == 0, "ll error on a host group");
+		TH_OK(ep_leave(lg));
+		ep_close(lc);
+	}
 
 	/* A client that sends requests and never reads the replies: dropped
 	 * once its queued replies pass the bound; nobody else notices. */
