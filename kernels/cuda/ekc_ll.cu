@@ -166,9 +166,12 @@ __device__ static inline void ll_load_cg(const uint8_t *src, uint32_t bytes,
 	}
 }
 
+// A count word: seq << 32 | LL_OVER (the source had more tokens than N:
+// every rank raises ETOOBIG) | rows.
+#define LL_OVER 0x80000000u
 __device__ static inline uint32_t ll_rows(const uint64_t *cnt, uint64_t j)
 {
-	return (uint32_t)__ldcg((const unsigned long long *)cnt + j);
+	return (uint32_t)__ldcg((const unsigned long long *)cnt + j) & ~LL_OVER;
 }
 
 __device__ static inline void ll_store(uint8_t *dst, uint32_t bytes,
@@ -190,7 +193,8 @@ __device__ static inline void ll_store(uint8_t *dst, uint32_t bytes,
 // its places. Then the counts, tagged with seq, to every rank's table.
 #define LL_PW (LL_TPB / 32)
 __device__ static void ll_plan(const struct ekc_ll_args &a, uint32_t T,
-			       uint32_t seq, uint32_t par, uint32_t *cnt)
+			       uint32_t over, uint32_t seq, uint32_t par,
+			       uint32_t *cnt)
 {
 	__shared__ uint16_t wc[LL_PW][EKC_LL_MAXE]; // N*K <= EKC_LL_MAXTK
 	const uint32_t E = a.El * a.W, TK = T * a.K;
@@ -244,7 +248,7 @@ __device__ static void ll_plan(const struct ekc_ll_args &a, uint32_t T,
 		uint32_t d = j / E, e = j % E;
 		ll_st64((uint64_t *)ll_pub(a, d, a.L.cnt[par]) +
 				(uint64_t)a.rank * E + e,
-			(uint64_t)seq << 32 | cnt[e]);
+			(uint64_t)seq << 32 | over | cnt[e]);
 	}
 }
 
@@ -310,14 +314,13 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 	const uint32_t seq = *(volatile uint32_t *)(pv + EKC_LL_PRIV_DSEQ) + 1;
 	const uint32_t par = seq & 1, E = a.El * a.W, WN = a.W * a.N;
 	const uint32_t b = a.buf;
-	uint32_t T = a.T;
+	uint32_t T = a.T, over = 0;
 	if (T > a.N) {
-		if (blockIdx.x == 0 && threadIdx.x == 0)
-			ll_fail(a, EKC_LL_ETOOBIG);
-		T = 0; // take part with no rows: every rank still finishes
+		T = 0; // take part with no rows: every rank still finishes,
+		over = LL_OVER; // and every rank learns (below)
 	}
 	if (blockIdx.x == 0)
-		ll_plan(a, T, seq, par, off);
+		ll_plan(a, T, over, seq, par, off);
 	ll_stamp(a, EKC_LL_TR_D_PLAN);
 	// Every source's counts (this rank's own, from block 0, included).
 	const uint64_t *cnt = (const uint64_t *)ll_pub(a, a.rank, a.L.cnt[par]);
@@ -326,6 +329,11 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 	__syncthreads();
 	fence_acquire();
 	ll_stamp(a, EKC_LL_TR_D_CNT);
+	if (blockIdx.x == 0)
+		for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
+			if (__ldcg((const unsigned long long *)cnt +
+				   (uint64_t)s * E) & LL_OVER)
+				ll_fail(a, EKC_LL_ETOOBIG);
 	// Where this rank's rows start in each expert: the rows of the sources
 	// before it. Block 0 keeps them, and what each source sends here, in
 	// buffer b's tables for the receive and the combine (cnt[par] may be

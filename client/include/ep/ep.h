@@ -354,8 +354,10 @@ uint64_t ep_group_device_region(const ep_group_t *group, size_t *size);
  *
  * Errors (a peer that never came within the group's timeout, a bad expert
  * index, too many tokens) are bits the kernels raise on the device; the
- * ops never trap or hang. ep_ll_error reads them (a copy, in stream order
- * on no stream: synchronize first) and clears them.
+ * ops never trap or hang. ep_ll_error reads them (synchronize the stream
+ * first) and clears them. A rank with more than max_tokens: its call
+ * returns EP_ETOOBIG at once (it took part with no tokens, so that every
+ * rank finishes) and every rank's ep_ll_error reports EP_ETOOBIG.
  */
 #define EP_LL_HOOK 0x1      /* the receive half is left to *_hook */
 #define EP_LL_ZERO_COPY 0x2 /* combine: rows already in the combine buffer */

@@ -54,6 +54,8 @@ DISPATCH_WEIGHTS = 1
 COMBINE_BIAS = 1
 COMBINE_WEIGHTS = 0x2  # EP_COMBINE_WEIGHTS
 COMBINE_BIAS2 = 0x4  # EP_COMBINE_BIAS2
+LL_HOOK = 0x1  # EP_LL_HOOK: the receive half left to the hook
+LL_ZERO_COPY = 0x2  # EP_LL_ZERO_COPY: rows already in the combine buffer
 
 
 def _candidates():
@@ -156,6 +158,15 @@ class _CombineOut(ctypes.Structure):
                 ("combined_topk_weights", ctypes.c_void_p)]
 
 
+class _LLRecv(ctypes.Structure):
+    _fields_ = [("buffer", ctypes.c_uint32), ("recv_x", ctypes.c_void_p),
+                ("recv_count", ctypes.c_void_p),
+                ("layout_range", ctypes.c_void_p),
+                ("src_info", ctypes.c_void_p),
+                ("local_experts", ctypes.c_uint32),
+                ("max_recv", ctypes.c_uint32)]
+
+
 class _DeviceArray:
     """Device memory of the group, for torch.as_tensor (zero copy)."""
 
@@ -199,8 +210,21 @@ _lib.ep_dispatch_recv_count_device.argtypes = [ctypes.c_void_p]
 _lib.ep_dispatch_recv_count_device.restype = ctypes.c_uint64
 _lib.ep_dispatch_recv_count.argtypes = [ctypes.c_void_p,
                                         ctypes.POINTER(Handle)]
-for _f in ("ep_group_sync", "ep_group_error"):
+for _f in ("ep_group_sync", "ep_group_error", "ep_ll_error"):
     getattr(_lib, _f).argtypes = [ctypes.c_void_p]
+_lib.ep_ll_dispatch.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_void_p, ctypes.c_uint32,
+                                ctypes.c_uint, ctypes.c_void_p,
+                                ctypes.POINTER(_LLRecv)]
+for _f in ("ep_ll_dispatch_hook", "ep_ll_combine_hook"):
+    getattr(_lib, _f).argtypes = [ctypes.c_void_p, ctypes.c_uint32,
+                                  ctypes.c_void_p]
+_lib.ep_ll_combine.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
+                               ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_uint,
+                               ctypes.c_void_p]
+_lib.ep_ll_combine_buffer.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
+                                      ctypes.POINTER(ctypes.c_void_p)]
 _libc = ctypes.CDLL(None)
 _libc.free.argtypes = [ctypes.c_void_p]
 
@@ -434,6 +458,78 @@ class Group:
 
     def sync(self):
         _check(_lib.ep_group_sync(self._g))
+
+    # ---- low-latency mode (GPU ranks of one node; ep.h, ep_ll_*) ----
+
+    def _ll_view(self, ptr, shape, typestr):
+        import torch
+        t = torch.as_tensor(_DeviceArray(ptr, shape, typestr),
+                            device="cuda")
+        return t.view(torch.bfloat16) if typestr == "<i2" else t
+
+    def ll_dispatch(self, x, topk_idx, num_tokens=None, hook=False,
+                    stream=None):
+        """Low-latency dispatch on the stream (torch tensors on the GPU:
+        x [T, hidden] bf16, topk_idx [T, topk] int64, contiguous). Returns
+        a dict: buffer (0/1, for ll_combine and the hooks), recv_x
+        [El, W*max_tokens, hidden] bf16, recv_count [El] int32,
+        layout_range [El, W] int64, src_info [El, W*max_tokens] int32:
+        views of this rank's low-latency memory, valid until the dispatch
+        after next. hook: ll_dispatch_hook(buffer) completes it later."""
+        T = x.size(0) if num_tokens is None else num_tokens
+        r = _LLRecv()
+        rc = _lib.ep_ll_dispatch(self._g, x.data_ptr() if T else None,
+                                 topk_idx.data_ptr() if T else None, T,
+                                 LL_HOOK if hook else 0, self._stream(stream),
+                                 ctypes.byref(r))
+        _check(rc)
+        El, R, H = r.local_experts, r.max_recv, self.cfg["hidden"]
+        W = self.cfg["world_size"]
+        return {"buffer": r.buffer,
+                "recv_x": self._ll_view(r.recv_x, (El, R, H), "<i2"),
+                "recv_count": self._ll_view(r.recv_count, (El,), "<i4"),
+                "layout_range": self._ll_view(r.layout_range, (El, W),
+                                              "<i8"),
+                "src_info": self._ll_view(r.src_info, (El, R), "<i4")}
+
+    def ll_dispatch_hook(self, buffer, stream=None):
+        _check(_lib.ep_ll_dispatch_hook(self._g, buffer,
+                                        self._stream(stream)))
+
+    def ll_combine(self, buffer, expert_out, weights, out, hook=False,
+                   stream=None):
+        """Low-latency combine of buffer's dispatch into out [T, hidden]
+        bf16 (weights [T, topk] float32); expert_out None: zero copy (the
+        rows are in ll_combine_buffer(buffer))."""
+        f = (LL_ZERO_COPY if expert_out is None else 0) | \
+            (LL_HOOK if hook else 0)
+        _check(_lib.ep_ll_combine(
+            self._g, buffer,
+            expert_out.data_ptr() if expert_out is not None else None,
+            weights.data_ptr() if weights.numel() else None,
+            out.data_ptr() if out.numel() else None, f,
+            self._stream(stream)))
+
+    def ll_combine_hook(self, buffer, stream=None):
+        _check(_lib.ep_ll_combine_hook(self._g, buffer,
+                                       self._stream(stream)))
+
+    def ll_combine_buffer(self, buffer):
+        """[El, W*max_tokens, hidden] bf16: where a zero-copy combine of
+        buffer reads the experts' rows."""
+        p = ctypes.c_void_p()
+        _check(_lib.ep_ll_combine_buffer(self._g, buffer, ctypes.byref(p)))
+        c = self.cfg
+        W = c["world_size"]
+        return self._ll_view(p.value, (c["num_experts"] // W,
+                                       W * c["max_tokens_per_rank"],
+                                       c["hidden"]), "<i2")
+
+    def ll_error(self):
+        """None, or the first error the low-latency kernels raised (read
+        and cleared; synchronize the stream first)."""
+        rc = _lib.ep_ll_error(self._g)
+        return Error(rc, _lib.ep_errmsg().decode()) if rc else None
 
     def error(self):
         rc = _lib.ep_group_error(self._g)

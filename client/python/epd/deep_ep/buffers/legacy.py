@@ -779,6 +779,10 @@ class Buffer:
             raise ValueError("low_latency_dispatch: use_ue8m0 needs "
                              "round_scale")
         K, El, WN = topk_idx.size(1), E // W, W * N
+        if self._ll_kernels(H, use_fp8):
+            return self._ll_kernel_dispatch(
+                x, topk_idx, N, E, cumulative_local_expert_recv_stats,
+                async_finish, return_recv_hook)
         sub = self._ll_sub(H, E, K, N)
         idx = topk_idx.long().reshape(T * K, 1)
         xr = x.repeat_interleave(K, dim=0)
@@ -840,6 +844,96 @@ class Buffer:
         ev = EventOverlap(EventHandle() if async_finish else None)
         return recv, recv_count, handle, ev, _ready
 
+    # ---- low latency by epd's own kernels (libep ep_ll_*): GPU ranks of
+    # one node, bf16 rows; the kernels write into the peers' regions from
+    # this rank's stream, no daemon in the op's path ----
+
+    def _ll_kernels(self, H, use_fp8):
+        """EPD_DEEP_EP_LL_KERNELS=1 (opt-in for now): bf16 low-latency ops
+        by epd's kernels. What differs from the path above: a rank with
+        more than num_max tokens raises at once, the other ranks learn it
+        from their kernels' error word (epd.Group.ll_error), not by a
+        raise in the same call."""
+        return (self._device is not None and self._rpn == self.group_size
+                and not use_fp8 and H % 128 == 0 and
+                os.environ.get("EPD_DEEP_EP_LL_KERNELS") == "1")
+
+    def _ll_kernel_dispatch(self, x, topk_idx, N, E, stats, async_finish,
+                            return_recv_hook):
+        torch = _torch()
+        T, H = x.shape
+        K = topk_idx.size(1)
+        key = ("llk", H, E, K, N)
+        sub = self._subs.get(key)
+        if sub is None:
+            sub = _Sub(self, (H, False, K, E), N, tag=f"llk{N}-")
+            sub.ll_gen = [0, 0]
+            self._subs[key] = sub
+        st = torch.cuda.current_stream()
+        xc = x.contiguous()
+        idx = topk_idx.to(torch.int64).contiguous()
+        try:
+            r = sub.g.ll_dispatch(xc, idx, T, hook=return_recv_hook,
+                                  stream=st)
+        except epd.Error as e:
+            if e.code == epd.ETOOBIG:  # it took part with none
+                raise ValueError(
+                    f"low_latency_dispatch takes at most "
+                    f"num_max_dispatch_tokens_per_rank={N} tokens per rank "
+                    f"(this rank has {T})") from e
+            raise
+        b = r["buffer"]
+        sub.ll_gen[b] += 1
+        if stats is not None:
+            stats.add_(r["recv_count"].to(stats.device))
+        ll = _LLKernel(sub, b, sub.ll_gen[b], T, K, (xc, idx))
+        src_info = r["src_info"]
+        src_info._epd = ll
+        handle = (src_info, r["layout_range"], N, H, E)
+        ev = EventOverlap(EventHandle() if async_finish else None)
+        hook = _ready
+        if return_recv_hook:
+            def hook():
+                ll.check()
+                sub.g.ll_dispatch_hook(b, torch.cuda.current_stream())
+        return r["recv_x"], r["recv_count"], handle, ev, hook
+
+    def _ll_kernel_combine(self, ll, x, topk_idx, topk_weights, zero_copy,
+                           async_finish, return_recv_hook, out):
+        torch = _torch()
+        ll.check()
+        T, K, sub = ll.T, ll.K, ll.sub
+        H = sub.H
+        for t, n in ((topk_idx, "topk_idx"), (topk_weights, "topk_weights")):
+            if tuple(t.shape) != (T, K):
+                raise ValueError(f"low_latency_combine: {n} must be [{T}, "
+                                 f"{K}], got {list(t.shape)}")
+        El, WN = sub.per, sub.W * sub.tmax
+        if not zero_copy and (tuple(x.shape) != (El, WN, H) or
+                              x.dtype != torch.bfloat16):
+            raise ValueError(f"low_latency_combine: x must be [{El}, {WN}, "
+                             f"{H}] bf16, got {list(x.shape)} {x.dtype}")
+        res = out if out is not None and out.is_contiguous() else \
+            torch.empty((T, H), dtype=torch.bfloat16, device=topk_idx.device)
+        w = topk_weights.to(torch.float32).contiguous()
+        st = torch.cuda.current_stream()
+        hook = return_recv_hook and not zero_copy
+        sub.g.ll_combine(ll.b, None if zero_copy else x.contiguous(), w, res,
+                         hook=hook, stream=st)
+        ev = EventOverlap(EventHandle() if async_finish else None)
+        if not hook:
+            if out is not None and res is not out:
+                out.copy_(res)
+                res = out
+            return res, ev, _ready
+
+        def recv_hook(_keep=(w, x)):
+            ll.check()
+            sub.g.ll_combine_hook(ll.b, torch.cuda.current_stream())
+            if out is not None and res is not out:
+                out.copy_(res)
+        return (out if out is not None else res), ev, recv_hook
+
     def low_latency_combine(self, x, topk_idx, topk_weights, handle,
                             use_logfmt=False, zero_copy=False,
                             async_finish=False, return_recv_hook=False,
@@ -851,6 +945,12 @@ class Buffer:
         skipped), rounded once to bf16."""
         torch = _torch()
         check_torch_deterministic()
+        lk = getattr(handle[0], "_epd", None) if isinstance(handle, tuple) \
+            and len(handle) == 5 else None
+        if isinstance(lk, _LLKernel):
+            return self._ll_kernel_combine(lk, x, topk_idx, topk_weights,
+                                           zero_copy, async_finish,
+                                           return_recv_hook, out)
         ll = self._ll_routing(handle)
         sub = ll.rt.sub
         if sub.g is None:
@@ -893,6 +993,11 @@ class Buffer:
         """The tensor a zero_copy low_latency_combine of this handle reads
         (its x): [local experts, ranks x num_max, H] bf16."""
         torch = _torch()
+        lk = getattr(handle[0], "_epd", None) if isinstance(handle, tuple) \
+            and len(handle) == 5 else None
+        if isinstance(lk, _LLKernel):
+            lk.check()
+            return lk.sub.g.ll_combine_buffer(lk.b)
         ll = self._ll_routing(handle)
         if ll.zbuf is None:
             ll.zbuf = torch.empty(ll.shape, dtype=torch.bfloat16,
@@ -917,6 +1022,26 @@ _MASK = ("epd's deep_ep: masking ranks (DeepEP's shrink mode) is not "
 
 def _ready():
     """The receive hook: the data is there already."""
+
+
+class _LLKernel:
+    """A low-latency handle of epd's kernels: the group, the buffer (0/1)
+    its dispatch used and that buffer's generation (a later dispatch on
+    the same buffer, the one after next, overwrites it), the dispatch's
+    inputs (kept alive until the receive is done)."""
+    __slots__ = ("sub", "b", "gen", "T", "K", "keep")
+
+    def __init__(self, sub, b, gen, T, K, keep):
+        self.sub, self.b, self.gen, self.T, self.K = sub, b, gen, T, K
+        self.keep = keep
+
+    def check(self):
+        if self.sub.g is None:
+            raise ValueError("the handle's Buffer was destroyed")
+        if self.sub.ll_gen[self.b] != self.gen:
+            raise ValueError("this low-latency handle's buffer was reused "
+                             "by a later dispatch (results live until the "
+                             "dispatch after next)")
 
 
 class _LLRouting:
