@@ -408,6 +408,9 @@ void *epd_cuda_group_status(struct epd_group *g)
 			 "device_handle_bytes", (json_int_t)c->route_bytes,
 			 "last_dispatch_us", c->last_us[0], "last_combine_us",
 			 c->last_us[1]);
+	if (o) /* the low-latency regions (ll.c), 0 until the first use */
+		json_object_set_new(o, "ll_region_bytes",
+				    json_integer((json_int_t)c->ll_size));
 	if (o)
 		for (int w = 0; w < 2; w++)
 			json_object_set_new(
