@@ -323,6 +323,8 @@ extern const size_t ekc_fatbin_size;
  *                         written by every source into every rank (an
  *                         all-gather of the counts); p = dispatch seq & 1,
  *                         read only inside that dispatch's send part
+ *   cflag    [W] u64      dispatch seq: source s's counts are written (a
+ *                         receiver spins on W flags, not W*E counts)
  *   done     [W] u64      dispatch seq: source s's rows have landed
  *   cdone    [W] u64      combine seq: source s's combine rows landed
  *   cready   [W] u64      combine seq: source s's cx rows are written
@@ -365,7 +367,7 @@ extern const size_t ekc_fatbin_size;
 #define EKC_LL_ETOOBIG 8u   /* more than N tokens, or > W*N rows/expert */
 
 struct ekc_ll_layout {
-	uint64_t cnt[2], done, cdone, cready, flags_end;
+	uint64_t cnt[2], cflag, done, cdone, cready, flags_end;
 	uint64_t tk[2], rx[2], comb[2], cx[2], total;
 	uint64_t tab[2]; /* private: buffer b's tables (key, pos, off, rows) */
 	uint64_t priv_total;
@@ -386,6 +388,8 @@ static inline void ekc_ll_layout_of(uint32_t W, uint32_t N, uint32_t H,
 		L->cnt[p] = o;
 		o += W * E * 8;
 	}
+	L->cflag = o;
+	o += W * 8;
 	L->done = o;
 	o += W * 8;
 	L->cdone = o;

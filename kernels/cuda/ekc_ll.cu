@@ -95,17 +95,13 @@ __device__ static inline void ll_stamp_max(const struct ekc_ll_args &a, int i)
 			  (unsigned long long)now_ns());
 }
 
-// Wait until the 64-bit word's tag (high half) equals tag, or (whole) the
-// word is tag or a later sequence number. False on timeout (err raised).
+// Wait until the flag is tag or a later sequence number. False on
+// timeout (err raised).
 __device__ static bool ll_wait_tag(const struct ekc_ll_args &a,
-				   const uint64_t *p, uint32_t tag, bool whole,
-				   uint64_t t0)
+				   const uint64_t *p, uint32_t tag, uint64_t t0)
 {
 	for (uint32_t spins = 0;; spins++) {
-		uint64_t v = ll_ld64(p);
-		// counts: this op's tag exactly; flags: it or a later op's
-		if (whole ? (int32_t)((uint32_t)v - tag) >= 0
-			  : (v >> 32) == (uint64_t)tag) {
+		if ((int32_t)((uint32_t)ll_ld64(p) - tag) >= 0) {
 			fence_acquire();
 			return true;
 		}
@@ -250,6 +246,11 @@ __device__ static void ll_plan(const struct ekc_ll_args &a, uint32_t T,
 				(uint64_t)a.rank * E + e,
 			(uint64_t)seq << 32 | over | cnt[e]);
 	}
+	// then one flag per destination: its W flags are all it waits on
+	__threadfence_system();
+	__syncthreads();
+	for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
+		ll_st64((uint64_t *)ll_pub(a, d, a.L.cflag) + a.rank, seq);
 }
 
 // The receive side of dispatch seq (buffer a.buf), by every block of the
@@ -265,7 +266,7 @@ __device__ static void ll_dispatch_recv(const struct ekc_ll_args &a,
 	const uint32_t *snap = ll_rows_tab(a);
 	const int32_t *tk = (const int32_t *)ll_pub(a, a.rank, a.L.tk[a.buf]);
 	for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
-		ll_wait_tag(a, done + s, seq, true, t0);
+		ll_wait_tag(a, done + s, seq, t0);
 	__syncthreads();
 	fence_acquire();
 	ll_stamp(a, EKC_LL_TR_D_RECV);
@@ -322,10 +323,12 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 	if (blockIdx.x == 0)
 		ll_plan(a, T, over, seq, par, off);
 	ll_stamp(a, EKC_LL_TR_D_PLAN);
-	// Every source's counts (this rank's own, from block 0, included).
+	// Every source's counts (this rank's own, from block 0, included):
+	// W threads spin on the sources' flags, the rest wait at the barrier.
 	const uint64_t *cnt = (const uint64_t *)ll_pub(a, a.rank, a.L.cnt[par]);
-	for (uint32_t j = threadIdx.x; j < a.W * E; j += blockDim.x)
-		ll_wait_tag(a, cnt + j, seq, false, t0);
+	const uint64_t *cflag = (const uint64_t *)ll_pub(a, a.rank, a.L.cflag);
+	for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
+		ll_wait_tag(a, cflag + s, seq, t0);
 	__syncthreads();
 	fence_acquire();
 	ll_stamp(a, EKC_LL_TR_D_CNT);
@@ -456,7 +459,7 @@ __device__ static void ll_combine_recv(const struct ekc_ll_args &a,
 {
 	const uint64_t *cdone = (const uint64_t *)ll_pub(a, a.rank, a.L.cdone);
 	for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
-		ll_wait_tag(a, cdone + s, seq, true, t0);
+		ll_wait_tag(a, cdone + s, seq, t0);
 	__syncthreads();
 	fence_acquire();
 	ll_stamp(a, EKC_LL_TR_C_RECV);
@@ -611,7 +614,7 @@ ekc_ll_combine_pull(const struct ekc_ll_args a)
 		off[e] = min(__ldcg(ll_off(a) + e), WN);
 	const uint64_t *ready = (const uint64_t *)ll_pub(a, a.rank, a.L.cready);
 	for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
-		ll_wait_tag(a, ready + s, seq, true, t0);
+		ll_wait_tag(a, ready + s, seq, t0);
 	__syncthreads();
 	fence_acquire();
 	ll_stamp(a, EKC_LL_TR_C_RECV);

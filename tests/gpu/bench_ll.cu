@@ -976,6 +976,21 @@ static int rank_main(uint32_t r, uint32_t W, uint32_t G)
 	}
 	use(R, 0);
 	CK(cudaStreamCreateWithFlags(&R.st, cudaStreamNonBlocking));
+	// EPD_LL_CARVEOUT=p: the kernels' preferred shared memory carveout
+	// (a change of the SMs' split between kernels costs time)
+	if (getenv("EPD_LL_CARVEOUT")) {
+		int pc = atoi(getenv("EPD_LL_CARVEOUT"));
+		const void *fns[] = {(const void *)ekc_ll_dispatch,
+				     (const void *)ekc_ll_dispatch_recv,
+				     (const void *)ekc_ll_combine,
+				     (const void *)ekc_ll_combine_recv,
+				     (const void *)ekc_ll_combine_pull,
+				     (const void *)ll_gate};
+		for (const void *f : fns)
+			CK(cudaFuncSetAttribute(
+				f, cudaFuncAttributePreferredSharedMemoryCarveout,
+				pc));
+	}
 	CK(cudaIpcGetMemHandle(&g_sh->h[r], R.pub));
 	bar();
 	for (uint32_t d = 0; d < W; d++) {

@@ -884,7 +884,7 @@ class Buffer:
             raise
         b = r["buffer"]
         sub.ll_gen[b] += 1
-        if stats is not None:
+        if stats is not None and not return_recv_hook:
             stats.add_(r["recv_count"].to(stats.device))
         ll = _LLKernel(sub, b, sub.ll_gen[b], T, K, (xc, idx))
         src_info = r["src_info"]
@@ -896,6 +896,9 @@ class Buffer:
             def hook():
                 ll.check()
                 sub.g.ll_dispatch_hook(b, torch.cuda.current_stream())
+                # the counts exist once the receive ran
+                if stats is not None:
+                    stats.add_(r["recv_count"].to(stats.device))
         return r["recv_x"], r["recv_count"], handle, ev, hook
 
     def _ll_kernel_combine(self, ll, x, topk_idx, topk_weights, zero_copy,
