@@ -21,6 +21,8 @@ struct ep_ll {
 	CUdeviceptr peer[EKC_LL_MAXW];
 	CUmemGenericAllocationHandle ph[EKC_LL_MAXW];
 	uint64_t psize;
+	uint32_t gpu0;  /* the GPU of rank 0's region (the daemon's index) */
+	bool one_gpu;   /* every region on one GPU: flags at GPU scope */
 	CUdeviceptr priv, outs; /* outs: per buffer recv_count, layout, src_info */
 	uint64_t out_stride;
 	struct ekc_ll_layout L;
@@ -79,6 +81,10 @@ static int ll_map_one(ep_group_t *g, struct ep_ll *l, uint32_t d)
 		return ep__fail(EP_EPROTO, "malformed ll-map reply");
 	}
 	l->psize = ok.size;
+	if (d == 0)
+		l->gpu0 = ok.gpu, l->one_gpu = true;
+	else if (ok.gpu != l->gpu0)
+		l->one_gpu = false;
 	CUresult r = ep__drv.cuMemImportFromShareableHandle(
 		&l->ph[d], (void *)(intptr_t)fd,
 		CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
@@ -194,6 +200,7 @@ static struct ekc_ll_args ll_args(const ep_group_t *g, const struct ep_ll *l,
 	a.K = l->K;
 	a.T = T;
 	a.buf = b;
+	a.gpu_scope = l->one_gpu;
 	return a;
 }
 

@@ -570,6 +570,7 @@ size_t epp_ll_map_ok_encode(const struct epp_ll_map_ok *m, uint8_t *out,
 	epp_wr_init(&w, out, cap);
 	epp_put_u64(&w, m->size);
 	epp_put_u32(&w, m->local);
+	epp_put_u32(&w, m->gpu);
 	return w.err ? 0 : w.off;
 }
 
@@ -580,6 +581,7 @@ int epp_ll_map_ok_decode(const uint8_t *p, size_t len,
 	epp_rd_init(&r, p, len);
 	m->size = epp_get_u64(&r);
 	m->local = epp_get_u32(&r);
+	m->gpu = epp_get_u32(&r);
 	return epp_rd_end(&r);
 }
 

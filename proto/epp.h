@@ -278,6 +278,7 @@ struct epp_ll_map {
 struct epp_ll_map_ok {
 	uint64_t size; /* bytes of the region (its descriptor travels along) */
 	uint32_t local;
+	uint32_t gpu; /* the daemon's index of the region's GPU */
 };
 
 size_t epp_ll_map_encode(const struct epp_ll_map *m, uint8_t *out,

@@ -56,7 +56,9 @@ int epd_op_ll_map(struct epd_session *c, uint64_t req_id,
 				 s->name, err);
 		return rc;
 	}
-	struct epp_ll_map_ok ok = {.size = size, .local = lm->local};
+	struct epp_ll_map_ok ok = {.size = size,
+				   .local = lm->local,
+				   .gpu = (uint32_t)g->local[lm->local]->dev_index};
 	uint8_t buf[32];
 	size_t n = epp_ll_map_ok_encode(&ok, buf, sizeof(buf));
 	epd_session_send(c, EPP_OK, 0, req_id, buf, (uint32_t)n, &fd, 1);

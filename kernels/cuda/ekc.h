@@ -439,6 +439,8 @@ struct ekc_ll_args {
 	uint32_t rank, W, N, H, El, K, T;
 	uint32_t buf;  /* 0 or 1: the buffer of this op (a combine: its
 			  dispatch's) */
+	uint32_t gpu_scope; /* every rank on this GPU: flags at GPU scope */
+	uint32_t pad_;
 	uint64_t trace; /* u64[EKC_LL_TR_N] globaltimer stamps, or 0 */
 };
 

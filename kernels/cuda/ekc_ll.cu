@@ -35,17 +35,38 @@
 #define LL_U 4 // 16-byte vectors per lane per slice
 #define LL_SLICE (32 * 16 * LL_U) // bytes of a row per work item
 
-__device__ static inline uint64_t ll_ld64(const uint64_t *p)
+// Flags, and the fences around them, at the scope the ranks share: the
+// GPU when every rank runs on this one (a.gpu_scope), else the system.
+__device__ static inline uint64_t ll_ld64(const struct ekc_ll_args &a,
+					  const uint64_t *p)
 {
 	uint64_t v;
-	asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p));
+	if (a.gpu_scope)
+		asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];"
+			     : "=l"(v) : "l"(p));
+	else
+		asm volatile("ld.relaxed.sys.global.u64 %0, [%1];"
+			     : "=l"(v) : "l"(p));
 	return v;
 }
 
-__device__ static inline void ll_st64(uint64_t *p, uint64_t v)
+__device__ static inline void ll_st64(const struct ekc_ll_args &a,
+				      uint64_t *p, uint64_t v)
 {
-	asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v)
-		     : "memory");
+	if (a.gpu_scope)
+		asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p),
+			     "l"(v) : "memory");
+	else
+		asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p),
+			     "l"(v) : "memory");
+}
+
+__device__ static inline void ll_fence(const struct ekc_ll_args &a)
+{
+	if (a.gpu_scope)
+		asm volatile("fence.acq_rel.gpu;" ::: "memory");
+	else
+		asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
 
 __device__ static inline uint32_t *ll_priv(const struct ekc_ll_args &a)
@@ -101,8 +122,8 @@ __device__ static bool ll_wait_tag(const struct ekc_ll_args &a,
 				   const uint64_t *p, uint32_t tag, uint64_t t0)
 {
 	for (uint32_t spins = 0;; spins++) {
-		if ((int32_t)((uint32_t)ll_ld64(p) - tag) >= 0) {
-			fence_acquire();
+		if ((int32_t)((uint32_t)ll_ld64(a, p) - tag) >= 0) {
+			ll_fence(a);
 			return true;
 		}
 		if ((spins & 63) == 63 && now_ns() - t0 > a.timeout_ns) {
@@ -125,7 +146,7 @@ __device__ static bool ll_last_block(const struct ekc_ll_args &a, int ctr)
 	__shared__ uint32_t last;
 	__syncthreads();
 	if (threadIdx.x == 0) {
-		__threadfence_system();
+		ll_fence(a);
 		uint32_t old = atomicAdd(ll_priv(a) + ctr, 1);
 		last = old == gridDim.x - 1;
 		if (last)
@@ -133,7 +154,7 @@ __device__ static bool ll_last_block(const struct ekc_ll_args &a, int ctr)
 	}
 	__syncthreads();
 	if (last)
-		__threadfence_system();
+		ll_fence(a);
 	return last;
 }
 
@@ -242,15 +263,15 @@ __device__ static void ll_plan(const struct ekc_ll_args &a, uint32_t T,
 	__threadfence();
 	for (uint32_t j = threadIdx.x; j < a.W * E; j += blockDim.x) {
 		uint32_t d = j / E, e = j % E;
-		ll_st64((uint64_t *)ll_pub(a, d, a.L.cnt[par]) +
+		ll_st64(a, (uint64_t *)ll_pub(a, d, a.L.cnt[par]) +
 				(uint64_t)a.rank * E + e,
 			(uint64_t)seq << 32 | over | cnt[e]);
 	}
 	// then one flag per destination: its W flags are all it waits on
-	__threadfence_system();
+	ll_fence(a);
 	__syncthreads();
 	for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
-		ll_st64((uint64_t *)ll_pub(a, d, a.L.cflag) + a.rank, seq);
+		ll_st64(a, (uint64_t *)ll_pub(a, d, a.L.cflag) + a.rank, seq);
 }
 
 // The receive side of dispatch seq (buffer a.buf), by every block of the
@@ -268,7 +289,7 @@ __device__ static void ll_dispatch_recv(const struct ekc_ll_args &a,
 	for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
 		ll_wait_tag(a, done + s, seq, t0);
 	__syncthreads();
-	fence_acquire();
+	ll_fence(a);
 	ll_stamp(a, EKC_LL_TR_D_RECV);
 	for (uint32_t el = threadIdx.x; el < a.El; el += blockDim.x) {
 		uint64_t begin = 0;
@@ -330,7 +351,7 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 	for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
 		ll_wait_tag(a, cflag + s, seq, t0);
 	__syncthreads();
-	fence_acquire();
+	ll_fence(a);
 	ll_stamp(a, EKC_LL_TR_D_CNT);
 	if (blockIdx.x == 0)
 		for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
@@ -401,7 +422,7 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 	ll_stamp(a, EKC_LL_TR_D_COPY);
 	if (ll_last_block(a, EKC_LL_PRIV_DCTR)) {
 		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
-			ll_st64((uint64_t *)ll_pub(a, d, a.L.done) + a.rank, seq);
+			ll_st64(a, (uint64_t *)ll_pub(a, d, a.L.done) + a.rank, seq);
 		if (threadIdx.x == 0) {
 			pv[EKC_LL_PRIV_DSEQ] = seq;
 			if (a.trace)
@@ -461,7 +482,7 @@ __device__ static void ll_combine_recv(const struct ekc_ll_args &a,
 	for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
 		ll_wait_tag(a, cdone + s, seq, t0);
 	__syncthreads();
-	fence_acquire();
+	ll_fence(a);
 	ll_stamp(a, EKC_LL_TR_C_RECV);
 	const uint32_t T = a.T > a.N ? 0 : a.T;
 	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
@@ -570,7 +591,7 @@ ekc_ll_combine(const struct ekc_ll_args a, uint32_t with_recv)
 	ll_stamp(a, EKC_LL_TR_C_COPY);
 	if (ll_last_block(a, EKC_LL_PRIV_CCTR)) {
 		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
-			ll_st64((uint64_t *)ll_pub(a, d, a.L.cdone) + a.rank, seq);
+			ll_st64(a, (uint64_t *)ll_pub(a, d, a.L.cdone) + a.rank, seq);
 		if (threadIdx.x == 0) {
 			pv[EKC_LL_PRIV_CSEQ] = seq;
 			if (a.trace)
@@ -605,9 +626,9 @@ ekc_ll_combine_pull(const struct ekc_ll_args a)
 	// This rank's cx rows were written by the work before it on its
 	// stream: say so to every home.
 	if (blockIdx.x == 0) {
-		__threadfence_system();
+		ll_fence(a);
 		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
-			ll_st64((uint64_t *)ll_pub(a, d, a.L.cready) + a.rank,
+			ll_st64(a, (uint64_t *)ll_pub(a, d, a.L.cready) + a.rank,
 				seq);
 	}
 	for (uint32_t e = threadIdx.x; e < E; e += blockDim.x)
@@ -616,7 +637,7 @@ ekc_ll_combine_pull(const struct ekc_ll_args a)
 	for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
 		ll_wait_tag(a, ready + s, seq, t0);
 	__syncthreads();
-	fence_acquire();
+	ll_fence(a);
 	ll_stamp(a, EKC_LL_TR_C_RECV);
 	const uint32_t T = a.T > a.N ? 0 : a.T;
 	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;

@@ -195,6 +195,7 @@ struct rank_ctx {
 	ep_conn_t *conn; // libep mode: the connection and this cfg's group
 	ep_group_t *g;
 	bool timed; // libep mode, timings: combines follow libep's buffer
+	uint32_t one_gpu; // every rank on this GPU: flags at GPU scope
 	uint32_t b; // the buffer in use, and its inputs and outputs above
 	struct io {
 		uint16_t *x, *ex, *out;
@@ -246,6 +247,7 @@ static ekc_ll_args make_args(rank_ctx &R, const cfg &c, uint32_t T)
 	a.K = c.K;
 	a.T = T;
 	a.buf = R.b;
+	a.gpu_scope = R.one_gpu;
 	return a;
 }
 
@@ -941,6 +943,9 @@ static int rank_main(uint32_t r, uint32_t W, uint32_t G)
 	R.W = W;
 	R.G = G;
 	R.timeout_ns = 10ull * 1000000000ull;
+	// EPD_LL_SYS_SCOPE=1: system-scope flags even on one GPU (to compare)
+	R.one_gpu = ngpu == 1 && !(getenv("EPD_LL_SYS_SCOPE") &&
+				   !strcmp(getenv("EPD_LL_SYS_SCOPE"), "1"));
 	uint64_t pub = 0, priv = 0, xs = 0, exs = 0, ks = 0, el = 0, eln = 0;
 	for (const cfg &c : cfgs) {
 		if (c.E % W || c.E / W * W > EKC_LL_MAXE) {

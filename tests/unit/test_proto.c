@@ -163,6 +163,22 @@ static void other_codecs(void)
 	epp_wr_init(&w, b, 3);
 	epp_put_u32(&w, 1);
 	TH_CHECK(w.err && w.off == 0, "writer overflow");
+	/* LL_MAP and its reply; a short or long payload is refused */
+	struct epp_ll_map lm = {.group_id = 77, .local = 5}, lm2;
+	size_t ln = epp_ll_map_encode(&lm, b, sizeof(b));
+	TH_CHECK(ln == 12 && !epp_ll_map_decode(b, ln, &lm2) &&
+			 lm2.group_id == 77 && lm2.local == 5,
+		 "ll-map round trip");
+	TH_CHECK(epp_ll_map_decode(b, ln - 1, &lm2) &&
+			 epp_ll_map_decode(b, ln + 1, &lm2),
+		 "ll-map of a wrong length accepted");
+	struct epp_ll_map_ok lo = {.size = 1ull << 33, .local = 3, .gpu = 2},
+			     lo2;
+	ln = epp_ll_map_ok_encode(&lo, b, sizeof(b));
+	TH_CHECK(ln == 16 && !epp_ll_map_ok_decode(b, ln, &lo2) &&
+			 lo2.size == lo.size && lo2.local == 3 && lo2.gpu == 2,
+		 "ll-map reply round trip");
+	TH_CHECK(epp_ll_map_ok_decode(b, ln - 4, &lo2), "short ll-map reply");
 
 	TH_CHECK(strcmp(ep_strerror(EP_EPEERLOST), "unknown error"),
 		 "strerror of a private code");
