@@ -101,6 +101,14 @@ __device__ static inline void ll_fail(const struct ekc_ll_args &a, uint32_t bit)
 	atomicOr(ll_priv(a) + EKC_LL_PRIV_ERR, bit);
 }
 
+// Launched with programmatic dependent launch (the caller's choice), a
+// kernel's blocks may be resident before the work ahead of it on the
+// stream is done: wait for it here, first of all. Without it a no-op.
+__device__ static inline void ll_prior(void)
+{
+	asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
 // The trace (EKC_LL_TR_*): thread 0 of block 0 stamps a stage; every
 // block raises the latest start and end.
 __device__ static inline void ll_stamp(const struct ekc_ll_args &a, int i)
@@ -328,6 +336,7 @@ __device__ static void ll_dispatch_recv(const struct ekc_ll_args &a,
 extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
 ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 {
+	ll_prior();
 	__shared__ uint32_t off[EKC_LL_MAXE];
 	const uint64_t t0 = now_ns();
 	ll_stamp(a, EKC_LL_TR_D_START);
@@ -439,6 +448,7 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
 ekc_ll_dispatch_recv(const struct ekc_ll_args a)
 {
+	ll_prior();
 	const uint64_t t0 = now_ns();
 	ll_dispatch_recv(a, __ldcg(ll_priv(a) + EKC_LL_PRIV_BSEQ + a.buf), t0);
 	ll_stamp(a, EKC_LL_TR_D_END);
@@ -529,6 +539,7 @@ __device__ static void ll_combine_recv(const struct ekc_ll_args &a,
 extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
 ekc_ll_combine(const struct ekc_ll_args a, uint32_t with_recv)
 {
+	ll_prior();
 	__shared__ uint32_t begin[EKC_LL_MAXE]; // [el][s]: first row of s
 	__shared__ uint32_t first[EKC_LL_MAXE + 1]; // [el]: item base
 	const uint64_t t0 = now_ns();
@@ -608,6 +619,7 @@ ekc_ll_combine(const struct ekc_ll_args a, uint32_t with_recv)
 extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
 ekc_ll_combine_recv(const struct ekc_ll_args a)
 {
+	ll_prior();
 	const uint64_t t0 = now_ns();
 	ll_combine_recv(a, __ldcg(ll_priv(a) + EKC_LL_PRIV_CBSEQ + a.buf), t0);
 	ll_stamp(a, EKC_LL_TR_C_END);
@@ -616,6 +628,7 @@ ekc_ll_combine_recv(const struct ekc_ll_args a)
 extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
 ekc_ll_combine_pull(const struct ekc_ll_args a)
 {
+	ll_prior();
 	__shared__ uint32_t off[EKC_LL_MAXE]; // [e]: first row of this rank
 	const uint64_t t0 = now_ns();
 	ll_stamp(a, EKC_LL_TR_C_START);

@@ -251,6 +251,27 @@ static ekc_ll_args make_args(rank_ctx &R, const cfg &c, uint32_t T)
 	return a;
 }
 
+// EPD_LL_PDL=1: the kernels launched with programmatic dependent launch
+// (their blocks become resident while the work ahead of them finishes;
+// each kernel waits for it first).
+static int g_pdl;
+
+static void ll_kernel(rank_ctx &R, const void *fn, void **args)
+{
+	cudaLaunchConfig_t cfg = {};
+	cudaLaunchAttribute at[1];
+	cfg.gridDim = dim3(R.G);
+	cfg.blockDim = dim3(LL_TPB);
+	cfg.stream = R.st;
+	if (g_pdl) {
+		at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+		at[0].val.programmaticStreamSerializationAllowed = 1;
+		cfg.attrs = at;
+		cfg.numAttrs = 1;
+	}
+	CK(cudaLaunchKernelExC(&cfg, fn, args));
+}
+
 static void ep_ok(int rc, const char *what)
 {
 	if (rc) {
@@ -296,8 +317,9 @@ static void ll_dispatch_send(rank_ctx &R, const ekc_ll_args &a, int with_recv,
 		ll_took(R, o, timed);
 		return;
 	}
-	ekc_ll_dispatch<<<R.G, LL_TPB, 0, R.st>>>(a, with_recv);
-	CK(cudaGetLastError());
+	uint32_t wr = (uint32_t)with_recv;
+	void *args[] = {(void *)&a, &wr};
+	ll_kernel(R, (const void *)ekc_ll_dispatch, args);
 }
 
 static void ll_dispatch_hook(rank_ctx &R, const ekc_ll_args &a)
@@ -306,8 +328,8 @@ static void ll_dispatch_hook(rank_ctx &R, const ekc_ll_args &a)
 		ep_ok(ep_ll_dispatch_hook(R.g, a.buf, R.st), "ep_ll_dispatch_hook");
 		return;
 	}
-	ekc_ll_dispatch_recv<<<R.G, LL_TPB, 0, R.st>>>(a);
-	CK(cudaGetLastError());
+	void *args[] = {(void *)&a};
+	ll_kernel(R, (const void *)ekc_ll_dispatch_recv, args);
 }
 
 static void ll_combine_send(rank_ctx &R, const ekc_ll_args &a, int with_recv,
@@ -321,11 +343,11 @@ static void ll_combine_send(rank_ctx &R, const ekc_ll_args &a, int with_recv,
 		      "ep_ll_combine");
 		return;
 	}
-	if (pull)
-		ekc_ll_combine_pull<<<R.G, LL_TPB, 0, R.st>>>(a);
-	else
-		ekc_ll_combine<<<R.G, LL_TPB, 0, R.st>>>(a, with_recv);
-	CK(cudaGetLastError());
+	uint32_t wr = (uint32_t)with_recv;
+	void *args[] = {(void *)&a, &wr};
+	ll_kernel(R, pull ? (const void *)ekc_ll_combine_pull
+			  : (const void *)ekc_ll_combine,
+		  args);
 }
 
 static void ll_combine_hook(rank_ctx &R, const ekc_ll_args &a)
@@ -334,8 +356,8 @@ static void ll_combine_hook(rank_ctx &R, const ekc_ll_args &a)
 		ep_ok(ep_ll_combine_hook(R.g, a.buf, R.st), "ep_ll_combine_hook");
 		return;
 	}
-	ekc_ll_combine_recv<<<R.G, LL_TPB, 0, R.st>>>(a);
-	CK(cudaGetLastError());
+	void *args[] = {(void *)&a};
+	ll_kernel(R, (const void *)ekc_ll_combine_recv, args);
 }
 
 static void launch_dispatch(rank_ctx &R, const ekc_ll_args &a, int hook,
@@ -1047,6 +1069,7 @@ int main(void)
 	uint32_t W = getenv("EPD_LL_RANKS") ? atoi(getenv("EPD_LL_RANKS")) : 8;
 	uint32_t G = getenv("EPD_LL_BLOCKS") ? atoi(getenv("EPD_LL_BLOCKS")) : 16;
 	g_libep = getenv("EPD_LL_LIBEP") && !strcmp(getenv("EPD_LL_LIBEP"), "1");
+	g_pdl = getenv("EPD_LL_PDL") && !strcmp(getenv("EPD_LL_PDL"), "1");
 	if (g_libep) { // libep launches the same grid
 		char v[16];
 		snprintf(v, sizeof(v), "%u", G);
