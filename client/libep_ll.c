@@ -18,6 +18,7 @@
 
 struct ep_ll {
 	uint32_t W, El, N, H, K, blocks;
+	bool pdl; /* EP_LL_PDL=1: programmatic dependent launch */
 	CUdeviceptr peer[EKC_LL_MAXW];
 	CUmemGenericAllocationHandle ph[EKC_LL_MAXW];
 	uint64_t psize;
@@ -145,6 +146,8 @@ static int ll_setup(ep_group_t *g)
 	const char *e = getenv("EP_LL_BLOCKS");
 	l->blocks = e && atoi(e) > 0 && atoi(e) <= 1024 ? (uint32_t)atoi(e)
 							: 16;
+	const char *pe = getenv("EP_LL_PDL");
+	l->pdl = pe && !strcmp(pe, "1");
 	ekc_ll_layout_of(l->W, l->N, l->H, l->El, l->K, &l->L);
 	for (int k = EP__FN_LL_DISPATCH; k < EP__FN_N; k++)
 		if (!(l->fn[k] = ep__fn(k))) {
@@ -208,9 +211,25 @@ static int ll_launch(const struct ep_ll *l, int fn, struct ekc_ll_args *a,
 		     uint32_t *with_recv, void *stream)
 {
 	void *params[2] = {a, with_recv};
-	CUresult r = ep__drv.cuLaunchKernel(l->fn[fn], l->blocks, 1, 1, 512, 1,
-					    1, 0, (CUstream)stream, params,
-					    NULL);
+	CUresult r;
+	if (l->pdl) {
+		/* the kernel's blocks may become resident while the work
+		 * ahead of it on the stream finishes; it waits for that work
+		 * first (ekc_ll.cu, ll_prior) */
+		CUlaunchAttribute at = {
+			.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+			.value.programmaticStreamSerializationAllowed = 1};
+		CUlaunchConfig cfg = {.gridDimX = l->blocks, .gridDimY = 1,
+				      .gridDimZ = 1, .blockDimX = 512,
+				      .blockDimY = 1, .blockDimZ = 1,
+				      .hStream = (CUstream)stream,
+				      .attrs = &at, .numAttrs = 1};
+		r = ep__drv.cuLaunchKernelEx(&cfg, l->fn[fn], params, NULL);
+	} else {
+		r = ep__drv.cuLaunchKernel(l->fn[fn], l->blocks, 1, 1, 512, 1,
+					   1, 0, (CUstream)stream, params,
+					   NULL);
+	}
 	return r ? ep__cufail(r, "launching a low-latency kernel") : 0;
 }
 

@@ -70,6 +70,7 @@
 	X(cuModuleGetFunction)                                                 \
 	X(cuLaunchKernel)                                                      \
 	X(cuLaunchCooperativeKernel)                                           \
+	X(cuLaunchKernelEx)                                                    \
 	X(cuMemAlloc)                                                          \
 	X(cuMemAllocAsync)                                                     \
 	X(cuMemFree)                                                           \

@@ -1070,10 +1070,12 @@ int main(void)
 	uint32_t G = getenv("EPD_LL_BLOCKS") ? atoi(getenv("EPD_LL_BLOCKS")) : 16;
 	g_libep = getenv("EPD_LL_LIBEP") && !strcmp(getenv("EPD_LL_LIBEP"), "1");
 	g_pdl = getenv("EPD_LL_PDL") && !strcmp(getenv("EPD_LL_PDL"), "1");
-	if (g_libep) { // libep launches the same grid
+	if (g_libep) { // libep launches the same grid, the same way
 		char v[16];
 		snprintf(v, sizeof(v), "%u", G);
 		setenv("EP_LL_BLOCKS", v, 1);
+		if (g_pdl)
+			setenv("EP_LL_PDL", "1", 1);
 	}
 	if (W < 1 || W > EKC_LL_MAXW || G < 1) {
 		fprintf(stderr, "bad EPD_LL_RANKS / EPD_LL_BLOCKS\n");
