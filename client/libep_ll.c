@@ -27,6 +27,7 @@ struct ep_ll {
 	CUdeviceptr priv, outs; /* outs: per buffer recv_count, layout, src_info */
 	uint64_t out_stride;
 	struct ekc_ll_layout L;
+	struct ekc_ll_args base; /* what every op's arguments share */
 	uint32_t next;  /* the buffer of the next dispatch */
 	uint32_t T[2];  /* each buffer's dispatch: its tokens */
 	bool used[2];   /* a dispatch ran on that buffer */
@@ -175,35 +176,36 @@ static int ll_setup(ep_group_t *g)
 		ll_free(l);
 		return rc;
 	}
+	/* the arguments every op shares, once */
+	struct ekc_ll_args *a = &l->base;
+	for (uint32_t d = 0; d < l->W; d++)
+		a->peer[d] = l->peer[d];
+	a->L = l->L;
+	a->priv = l->priv;
+	/* a wait that never ends past the group's timeout */
+	a->timeout_ns = (uint64_t)(g->timeout_ms ? g->timeout_ms : 30000) *
+			1000000ull;
+	a->rank = g->cfg.rank;
+	a->W = l->W;
+	a->N = l->N;
+	a->H = l->H;
+	a->El = l->El;
+	a->K = l->K;
+	a->gpu_scope = l->one_gpu;
 	g->ll = l;
 	return 0;
 }
 
-static struct ekc_ll_args ll_args(const ep_group_t *g, const struct ep_ll *l,
-				  uint32_t b, uint32_t T)
+static struct ekc_ll_args ll_args(const struct ep_ll *l, uint32_t b,
+				  uint32_t T)
 {
-	struct ekc_ll_args a;
-	memset(&a, 0, sizeof(a));
-	for (uint32_t d = 0; d < l->W; d++)
-		a.peer[d] = l->peer[d];
-	a.L = l->L;
-	a.priv = l->priv;
+	struct ekc_ll_args a = l->base;
 	const CUdeviceptr o = l->outs + b * l->out_stride;
 	a.recv_count = o;
 	a.layout = o + (l->El * 4 + 7) / 8 * 8;
 	a.src_info = a.layout + l->El * l->W * 8;
-	/* a wait that never ends past the group's timeout */
-	a.timeout_ns = (uint64_t)(g->timeout_ms ? g->timeout_ms : 30000) *
-		       1000000ull;
-	a.rank = g->cfg.rank;
-	a.W = l->W;
-	a.N = l->N;
-	a.H = l->H;
-	a.El = l->El;
-	a.K = l->K;
 	a.T = T;
 	a.buf = b;
-	a.gpu_scope = l->one_gpu;
 	return a;
 }
 
@@ -249,7 +251,7 @@ int ep_ll_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 	const uint32_t b = l->next;
 	/* More tokens than the group's maximum: the kernel takes part with
 	 * none (every rank finishes) and raises ETOOBIG here. */
-	struct ekc_ll_args a = ll_args(g, l, b, num_tokens);
+	struct ekc_ll_args a = ll_args(l, b, num_tokens);
 	a.x = (uint64_t)(uintptr_t)x;
 	a.topk = (uint64_t)(uintptr_t)topk_idx;
 	uint32_t with_recv = !(flags & EP_LL_HOOK);
@@ -290,7 +292,7 @@ int ep_ll_dispatch_hook(ep_group_t *g, uint32_t b, void *stream)
 	int rc = ll_buffer(g, b);
 	if (rc)
 		return rc;
-	struct ekc_ll_args a = ll_args(g, g->ll, b, g->ll->T[b]);
+	struct ekc_ll_args a = ll_args(g->ll, b, g->ll->T[b]);
 	return ll_launch(g->ll, EP__FN_LL_DISPATCH_RECV, &a, NULL, stream);
 }
 
@@ -314,7 +316,7 @@ int ep_ll_combine(ep_group_t *g, uint32_t b, const void *expert_out,
 	if (!(flags & EP_LL_ZERO_COPY) && !expert_out)
 		return ep__fail(EP_EINVAL, "expert_out is required (or "
 					   "EP_LL_ZERO_COPY)");
-	struct ekc_ll_args a = ll_args(g, l, b, l->T[b]);
+	struct ekc_ll_args a = ll_args(l, b, l->T[b]);
 	a.weights = (uint64_t)(uintptr_t)weights;
 	a.out = (uint64_t)(uintptr_t)out;
 	a.ex = (uint64_t)(uintptr_t)expert_out;
@@ -333,7 +335,7 @@ int ep_ll_combine_hook(ep_group_t *g, uint32_t b, void *stream)
 		return rc;
 	/* the weights and out of the combine it completes */
 	struct ep_ll *l = g->ll;
-	struct ekc_ll_args a = ll_args(g, l, b, l->T[b]);
+	struct ekc_ll_args a = ll_args(l, b, l->T[b]);
 	a.weights = l->hw[b];
 	a.out = l->hout[b];
 	return ll_launch(l, EP__FN_LL_COMBINE_RECV, &a, NULL, stream);

@@ -10,20 +10,16 @@
  */
 #include "backend.h"
 #include "core.h"
+#include "group_int.h"
 
 #include <unistd.h>
 
 int epd_op_ll_map(struct epd_session *c, uint64_t req_id,
 		  const struct epp_ll_map *lm)
 {
-	struct epd_member *m = epd_member_find(c, lm->group_id);
-	if (!m) {
-		epd_session_error(c, req_id, EP_ENOGROUP,
-				 "group id %llu is not joined on this "
-				 "connection",
-				 (unsigned long long)lm->group_id);
+	struct epd_member *m = epd_member_lookup(c, req_id, lm->group_id);
+	if (!m)
 		return EP_ENOGROUP;
-	}
 	struct epd_group *g = m->group;
 	const struct epp_join *s = &g->shape;
 	int rc = 0;
