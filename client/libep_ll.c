@@ -241,19 +241,40 @@ int ep_ll_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 {
 	if (!g || !out || (num_tokens && (!x || !topk_idx)))
 		return ep__fail(EP_EINVAL, "NULL argument");
-	if (flags & ~(unsigned)EP_LL_HOOK)
+	const unsigned known = EP_LL_HOOK | EP_LL_FP8 | EP_LL_ROUND_SCALE |
+			       EP_LL_UE8M0;
+	if (flags & ~known)
 		return ep__fail(EP_EINVAL, "unknown dispatch flags 0x%x",
-				flags & ~(unsigned)EP_LL_HOOK);
+				flags & ~known);
+	if ((flags & (EP_LL_ROUND_SCALE | EP_LL_UE8M0)) && !(flags & EP_LL_FP8))
+		return ep__fail(EP_EINVAL, "EP_LL_ROUND_SCALE and EP_LL_UE8M0 "
+					   "need EP_LL_FP8");
 	int rc = ll_setup(g);
 	if (rc)
 		return rc;
 	struct ep_ll *l = g->ll;
+	uint32_t fp8 = 0;
+	if (flags & EP_LL_FP8) {
+		const uint32_t m = flags & EP_LL_UE8M0 ? 512 : 128;
+		if (l->H % m)
+			return ep__fail(EP_ESHAPE, "a fp8 low-latency dispatch "
+						   "%sneeds hidden a multiple "
+						   "of %u (this group's is %u)",
+					flags & EP_LL_UE8M0 ? "with UE8M0 "
+							    "scales "
+							  : "",
+					m, l->H);
+		fp8 = flags & EP_LL_UE8M0	   ? EKC_LL_FP8_UE8M0
+		      : flags & EP_LL_ROUND_SCALE ? EKC_LL_FP8_ROUND
+						  : EKC_LL_FP8;
+	}
 	const uint32_t b = l->next;
 	/* More tokens than the group's maximum: the kernel takes part with
 	 * none (every rank finishes) and raises ETOOBIG here. */
 	struct ekc_ll_args a = ll_args(l, b, num_tokens);
 	a.x = (uint64_t)(uintptr_t)x;
 	a.topk = (uint64_t)(uintptr_t)topk_idx;
+	a.fp8 = fp8;
 	uint32_t with_recv = !(flags & EP_LL_HOOK);
 	rc = ll_launch(l, EP__FN_LL_DISPATCH, &a, &with_recv, stream);
 	if (rc)
@@ -263,6 +284,12 @@ int ep_ll_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 	l->used[b] = true;
 	out->buffer = b;
 	out->recv_x = (void *)(uintptr_t)(l->peer[g->cfg.rank] + l->L.rx[b]);
+	out->recv_scales =
+		fp8 ? (void *)(uintptr_t)(l->peer[g->cfg.rank] +
+					  ekc_ll_scales(&l->L, b, l->El,
+							(uint64_t)l->W * l->N,
+							l->H))
+		    : NULL;
 	out->recv_count = (int32_t *)(uintptr_t)a.recv_count;
 	out->layout_range = (int64_t *)(uintptr_t)a.layout;
 	out->src_info = (int32_t *)(uintptr_t)a.src_info;

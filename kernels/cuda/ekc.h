@@ -367,6 +367,18 @@ extern const size_t ekc_fatbin_size;
 #define EKC_LL_EPEER 4u     /* a peer's counts or (t, k) out of range */
 #define EKC_LL_ETOOBIG 8u   /* more than N tokens, or > W*N rows/expert */
 
+/* A dispatch with a cast to fp8 (a.fp8): each row's 128-channel groups
+ * g scaled so that the largest magnitude amax (at least 1e-4) becomes 448:
+ * scale = amax * fl(1/448), the values times fl(1/amax) * 448 (each step
+ * rounded to fp32, then to e4m3 to nearest even); _ROUND: the scale
+ * rounded up to a power of two, the values times its inverse; _UE8M0:
+ * rounded, and the scale's exponent byte stored, four groups to an i32.
+ * rx[b] then holds [El][W*N][H] e4m3 and after them, at ekc_ll_scales, the
+ * scales column-major: [El][H/128][W*N] f32 or [El][H/512][W*N] i32. */
+#define EKC_LL_FP8 1u
+#define EKC_LL_FP8_ROUND 2u
+#define EKC_LL_FP8_UE8M0 3u
+
 struct ekc_ll_layout {
 	uint64_t cnt[2], cflag, done, cdone, cready, flags_end;
 	uint64_t tk[2], rx[2], comb[2], cx[2], total;
@@ -423,6 +435,13 @@ static inline void ekc_ll_layout_of(uint32_t W, uint32_t N, uint32_t H,
 	L->priv_total = o;
 }
 
+static inline uint64_t ekc_ll_scales(const struct ekc_ll_layout *L,
+				     uint32_t b, uint64_t El, uint64_t WN,
+				     uint64_t H)
+{
+	return L->rx[b] + El * WN * H;
+}
+
 /* One low-latency op of one rank. Device addresses throughout. */
 struct ekc_ll_args {
 	uint64_t peer[EKC_LL_MAXW]; /* each rank's public region, mapped here */
@@ -441,7 +460,7 @@ struct ekc_ll_args {
 	uint32_t buf;  /* 0 or 1: the buffer of this op (a combine: its
 			  dispatch's) */
 	uint32_t gpu_scope; /* every rank on this GPU: flags at GPU scope */
-	uint32_t pad_;
+	uint32_t fp8;  /* dispatch: EKC_LL_FP8_*, 0 for bf16 rows */
 	uint64_t trace; /* u64[EKC_LL_TR_N] globaltimer stamps, or 0 */
 };
 

@@ -8,8 +8,9 @@
 //
 //   ekc_ll_dispatch        counts (block 0: positions of this rank's (t, k)
 //                          in top-k order, tagged counts to every rank),
-//                          then rows to the experts' ranks, then done
-//                          flags; with_recv: also the receive below
+//                          then rows to the experts' ranks (bf16, or cast
+//                          to fp8 with per-128 scales), then done flags;
+//                          with_recv: also the receive below
 //   ekc_ll_dispatch_recv   wait for every source's done, then recv_count,
 //                          layout and src_info (the hook's second half)
 //
@@ -210,6 +211,85 @@ __device__ static inline void ll_store(uint8_t *dst, uint32_t bytes,
 	}
 }
 
+// The cast of one work item's slice to fp8 (a.fp8, ekc.h): lanes 0-15 of
+// vector u hold group 2u of the slice, lanes 16-31 group 2u + 1 (a group
+// is 128 channels: 16 vectors of 8). q: each lane's 8 e4m3 per vector;
+// word: lane j < groups holds group j's fp32 scale, or (UE8M0) lane
+// i < groups / 4 the exponent bytes of groups 4i .. 4i + 3.
+__device__ static inline uint32_t ll_e4m3x2(float lo, float hi)
+{
+	uint16_t r;
+	asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;"
+	    : "=h"(r) : "f"(hi), "f"(lo));
+	return r;
+}
+
+__device__ static inline uint32_t ll_quant(const uint4 v[LL_U],
+					   uint32_t bytes, uint32_t lane,
+					   uint32_t mode, uint2 q[LL_U])
+{
+	uint32_t mine = 0;
+#pragma unroll
+	for (int u = 0; u < LL_U; u++) {
+		const bool ok = (u * 32 + lane) * 16 < bytes;
+		const uint32_t w[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+		float f[8], amax = 0.0f;
+#pragma unroll
+		for (int c = 0; c < 8; c++) {
+			f[c] = ok ? bf16_f32((w[c / 2] >> (16 * (c & 1))) &
+					     0xffffu)
+				  : 0.0f;
+			amax = fmaxf(amax, fabsf(f[c]));
+		}
+#pragma unroll
+		for (int m = 8; m; m >>= 1)
+			amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+		amax = fmaxf(amax, 1e-4f);
+		float scale = __fmul_rn(amax, (float)(1.0 / 448.0)), mul;
+		if (mode == EKC_LL_FP8) {
+			mul = __fmul_rn(__frcp_rn(amax), 448.0f);
+		} else { // up to a power of two: its inverse is exact
+			uint32_t sb = __float_as_uint(scale);
+			if (sb & 0x7fffffu)
+				sb = ((sb >> 23) + 1) << 23;
+			scale = __uint_as_float(sb);
+			mul = __frcp_rn(scale);
+		}
+		q[u].x = ll_e4m3x2(__fmul_rn(f[0], mul), __fmul_rn(f[1], mul)) |
+			 ll_e4m3x2(__fmul_rn(f[2], mul), __fmul_rn(f[3], mul))
+				 << 16;
+		q[u].y = ll_e4m3x2(__fmul_rn(f[4], mul), __fmul_rn(f[5], mul)) |
+			 ll_e4m3x2(__fmul_rn(f[6], mul), __fmul_rn(f[7], mul))
+				 << 16;
+		const uint32_t sb = __float_as_uint(scale);
+		const uint32_t s0 = __shfl_sync(0xffffffffu, sb, 0);
+		const uint32_t s1 = __shfl_sync(0xffffffffu, sb, 16);
+		if (lane == 2 * u)
+			mine = s0;
+		else if (lane == 2 * u + 1)
+			mine = s1;
+	}
+	if (mode != EKC_LL_FP8_UE8M0)
+		return mine;
+	const uint32_t e = (mine >> 23) & 0xffu;
+	uint32_t word = 0;
+#pragma unroll
+	for (int j = 0; j < 4; j++)
+		word |= __shfl_sync(0xffffffffu, e, (4 * lane + j) & 31) << (8 * j);
+	return word;
+}
+
+__device__ static inline void ll_store8(uint8_t *dst, uint32_t bytes,
+					uint32_t lane, const uint2 q[LL_U])
+{
+#pragma unroll
+	for (int u = 0; u < LL_U; u++) {
+		uint32_t o = (u * 32 + lane) * 16;
+		if (o < bytes)
+			*(uint2 *)(dst + o / 2) = q[u];
+	}
+}
+
 // Block 0 of a dispatch: each (t, k)'s expert (key, -1 when skipped) and
 // its position among this rank's rows to that expert, in (t, k) order.
 // Each warp takes a contiguous chunk of the (t, k) and counts its experts
@@ -389,6 +469,8 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 	const int32_t *key = ll_key(a), *pos = ll_pos(a);
 	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
 	const uint32_t lane = threadIdx.x & 31;
+	// fp8 casts need whole groups (H % 128, UE8M0 H % 512: the caller's)
+	const uint32_t fp8 = a.fp8, G = a.H / 128;
 	const uint64_t nw = (uint64_t)gridDim.x * (blockDim.x / 32);
 	for (uint64_t it = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
 	     it < (uint64_t)T * S; it += nw) {
@@ -398,6 +480,10 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 		uint4 v[LL_U];
 		ll_load((const uint8_t *)a.x + (uint64_t)t * rowb + o, bytes,
 			lane, v);
+		uint2 q[LL_U];
+		uint32_t sw = 0;
+		if (fp8) // once per slice, for every k
+			sw = ll_quant(v, bytes, lane, fp8, q);
 		for (uint32_t kb = 0; kb < a.K; kb += 32) {
 			// one load of the (t, k)'s places for the warp, then
 			// broadcast: no round trip per k
@@ -420,8 +506,25 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 				}
 				const uint32_t d = e / a.El, el = e % a.El;
 				const uint64_t row = (uint64_t)el * WN + gp;
-				ll_store(ll_pub(a, d, a.L.rx[b]) + row * rowb + o,
-					 bytes, lane, v);
+				uint8_t *rx = ll_pub(a, d, a.L.rx[b]);
+				if (!fp8) {
+					ll_store(rx + row * rowb + o, bytes, lane, v);
+				} else {
+					ll_store8(rx + row * a.H + o / 2, bytes,
+						  lane, q);
+					// scales column-major: [el][g][row]
+					const uint32_t g0 = o / 256, ng = bytes / 256;
+					uint32_t *sc = (uint32_t *)(rx +
+						(uint64_t)a.El * WN * a.H);
+					if (fp8 != EKC_LL_FP8_UE8M0) {
+						if (lane < ng)
+							sc[((uint64_t)el * G + g0 + lane) *
+							   WN + gp] = sw;
+					} else if (lane < ng / 4) {
+						sc[((uint64_t)el * (G / 4) + g0 / 4 +
+						    lane) * WN + gp] = sw;
+					}
+				}
 				if (sl == 0 && lane == 0)
 					((int32_t *)ll_pub(a, d, a.L.tk[b]))[row] =
 						(int32_t)(t * a.K + kb + k);

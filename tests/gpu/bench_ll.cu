@@ -7,7 +7,8 @@
 // measures the kernels' design before libep serves it.
 //
 // Checks, bit for bit against a CPU reference on fresh random inputs every
-// iteration: recv_x rows, recv_count, layout_range, src_info, and the
+// iteration: recv_x rows (bf16, or the dispatch's cast to fp8: e4m3 rows
+// and fp32 or UE8M0 scales), recv_count, layout_range, src_info, and the
 // combine (fp32 from +0.0 in top-k order, each row times its weight, -1
 // skipped, rounded once to bf16); with the receive hook split off and not;
 // 1,000 CUDA graph replays of dispatch + combine with fresh inputs (the
@@ -34,6 +35,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "ekc_all.cu"
@@ -118,6 +120,70 @@ static uint16_t f2bf(float f)
 	return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// float to e4m3 (fn: no infinities), to nearest even, saturating at 448.
+static uint8_t f32_e4m3(float f)
+{
+	uint32_t u;
+	memcpy(&u, &f, 4);
+	const uint8_t s = (u >> 24) & 0x80;
+	const float a = fabsf(f);
+	if (a != a)
+		return 0x7f;
+	if (a >= 448.0f)
+		return s | 0x7e;
+	if (a < 0.015625f) // below 2^-6: m * 2^-9 (m = 8: the least normal)
+		return s | (uint8_t)nearbyintf(a * 512.0f);
+	int e;
+	frexpf(a, &e); // a = f * 2^e, f in [0.5, 1)
+	e -= 1;
+	float m = nearbyintf(ldexpf(a, 3 - e)); // 8 .. 16
+	if (m == 16.0f)
+		m = 8.0f, e++;
+	uint32_t r = (uint32_t)(e + 7) << 3 | ((uint32_t)m - 8);
+	return s | (uint8_t)(r > 0x7e ? 0x7e : r);
+}
+
+// The dispatch's fp8 cast of one row (ekc.h, EKC_LL_FP8_*): q [H] e4m3
+// and each 128-channel group's scale (fp32 bits; UE8M0: exponent bytes,
+// four groups to a word).
+static void ref_cast(const uint16_t *x, uint32_t H, uint32_t mode, uint8_t *q,
+		     std::vector<uint32_t> &sc)
+{
+	const uint32_t G = H / 128;
+	sc.assign(mode == EKC_LL_FP8_UE8M0 ? G / 4 : G, 0);
+	for (uint32_t g = 0; g < G; g++) {
+		float amax = 0.0f;
+		for (uint32_t c = 0; c < 128; c++)
+			amax = std::max(amax, fabsf(bf(x[g * 128 + c])));
+		amax = std::max(amax, 1e-4f);
+		volatile float scale = amax * (float)(1.0 / 448.0), mul;
+		if (mode == EKC_LL_FP8) {
+			volatile float r = 1.0f / amax;
+			mul = r * 448.0f;
+		} else {
+			float sf = scale;
+			uint32_t b;
+			memcpy(&b, &sf, 4);
+			if (b & 0x7fffffu)
+				b = ((b >> 23) + 1) << 23;
+			memcpy(&sf, &b, 4);
+			scale = sf;
+			mul = 1.0f / sf;
+		}
+		for (uint32_t c = 0; c < 128; c++) {
+			volatile float v = bf(x[g * 128 + c]) * mul;
+			q[g * 128 + c] = f32_e4m3(v);
+		}
+		float sf = scale;
+		uint32_t b;
+		memcpy(&b, &sf, 4);
+		if (mode == EKC_LL_FP8_UE8M0)
+			sc[g / 4] |= ((b >> 23) & 0xffu) << (8 * (g % 4));
+		else
+			sc[g] = b;
+	}
+}
+
 struct cfg {
 	const char *name;
 	uint32_t H, N, K, E;
@@ -129,6 +195,7 @@ struct cfg {
 	int toobig;  // rank 1 asks for N + 1 tokens in iteration 1
 	int pull;    // zero-copy combine: experts' rows in cx, read by homes
 	int tbo;     // two micro-batches in flight (buffers 0 and 1)
+	uint32_t fp8; // the dispatch casts to fp8: EKC_LL_FP8_* (0: bf16)
 };
 
 // One rank's routing of iteration it: T, top-k (distinct experts, about
@@ -248,6 +315,7 @@ static ekc_ll_args make_args(rank_ctx &R, const cfg &c, uint32_t T)
 	a.T = T;
 	a.buf = R.b;
 	a.gpu_scope = R.one_gpu;
+	a.fp8 = c.fp8;
 	return a;
 }
 
@@ -309,9 +377,19 @@ static void ll_dispatch_send(rank_ctx &R, const ekc_ll_args &a, int with_recv,
 {
 	if (g_libep) {
 		ep_ll_recv o;
+		// (UE8M0 without EP_LL_ROUND_SCALE: it implies the rounding)
+		unsigned f = (with_recv ? 0 : EP_LL_HOOK) |
+			     (a.fp8 ? EP_LL_FP8 : 0) |
+			     (a.fp8 == EKC_LL_FP8_ROUND ? EP_LL_ROUND_SCALE : 0) |
+			     (a.fp8 == EKC_LL_FP8_UE8M0 ? EP_LL_UE8M0 : 0);
 		int rc = ep_ll_dispatch(R.g, (const void *)a.x,
-					(const int64_t *)a.topk, a.T,
-					with_recv ? 0 : EP_LL_HOOK, R.st, &o);
+					(const int64_t *)a.topk, a.T, f, R.st,
+					&o);
+		if (!a.fp8 != !o.recv_scales) {
+			fprintf(stderr, "rank %d: recv_scales %p for fp8 mode "
+					"%u\n", g_rank, o.recv_scales, a.fp8);
+			exit(2);
+		}
 		if (rc != EP_ETOOBIG || a.T <= a.N)
 			ep_ok(rc, "ep_ll_dispatch");
 		ll_took(R, o, timed);
@@ -504,18 +582,37 @@ static int check(rank_ctx &R, const cfg &c, uint64_t it, int check_combine)
 	ekc_ll_layout L;
 	ekc_ll_layout_of(W, c.N, H, El, c.K, &L);
 	const uint32_t par = R.b;
-	std::vector<uint16_t> row(H);
+	std::vector<uint16_t> row(H), want(H);
+	std::vector<uint8_t> q(H), wq(H);
+	std::vector<uint32_t> wsc;
+	const uint64_t scb = ekc_ll_scales(&L, par, El, WN, H);
+	const uint32_t nsc = c.fp8 == EKC_LL_FP8_UE8M0 ? H / 512 : H / 128;
 	for (uint32_t el = 0; el < El; el++)
 		for (uint32_t p = 0; p < cur[el]; p++) {
-			CK(cudaMemcpy(row.data(),
-				      R.pub + L.rx[par] +
-					      ((uint64_t)el * WN + p) * H * 2,
-				      H * 2, cudaMemcpyDeviceToHost));
 			size_t j = (size_t)el * WN + p;
 			for (uint32_t col = 0; col < H; col++)
-				if (row[col] !=
-				    val_x(it, from_s[j], from_t[j], col))
+				want[col] = val_x(it, from_s[j], from_t[j], col);
+			if (!c.fp8) {
+				CK(cudaMemcpy(row.data(),
+					      R.pub + L.rx[par] + j * H * 2,
+					      H * 2, cudaMemcpyDeviceToHost));
+				if (row != want)
 					return bad(c.name, it, "recv_x row");
+				continue;
+			}
+			CK(cudaMemcpy(q.data(), R.pub + L.rx[par] + j * H, H,
+				      cudaMemcpyDeviceToHost));
+			ref_cast(want.data(), H, c.fp8, wq.data(), wsc);
+			if (q != wq)
+				return bad(c.name, it, "recv_x fp8 row");
+			for (uint32_t g = 0; g < nsc; g++) {
+				uint32_t v;
+				CK(cudaMemcpy(&v, R.pub + scb +
+					      (((uint64_t)el * nsc + g) * WN + p) * 4,
+					      4, cudaMemcpyDeviceToHost));
+				if (v != wsc[g])
+					return bad(c.name, it, "recv_x scale");
+			}
 		}
 	if (!check_combine)
 		return 0;
@@ -706,7 +803,8 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 		g_sh->res[R.r][0] = median(td);
 		g_sh->res[R.r][1] = median(tc);
 		g_sh->res[R.r][2] = pair;
-		g_sh->bytes[R.r][0] = ((uint64_t)T + rows) * c.H * 2;
+		g_sh->bytes[R.r][0] = (uint64_t)T * c.H * 2 +
+				      rows * (c.fp8 ? c.H + c.H / 32 : c.H * 2);
 		g_sh->bytes[R.r][1] = ((uint64_t)(c.pull ? 1 : 3) * rows + T) *
 				      c.H * 2;
 		bar();
@@ -720,11 +818,12 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 				bd += g_sh->bytes[s][0];
 				bc += g_sh->bytes[s][1];
 			}
-			printf("perf: ll %s%s%s, %u ranks, %u blocks each: dispatch "
+			printf("perf: ll %s%s%s%s, %u ranks, %u blocks each: dispatch "
 			       "%.1f us (rank 0 %.1f), combine %.1f us (rank 0 "
 			       "%.1f), back-to-back pair %.1f us; per GPU "
 			       "%.2f / %.2f of D2D (D2D %.0f GB/s; %.1f / %.1f MB)\n",
-			       c.name, c.pull ? " (zero-copy combine)" : "",
+			       c.name, c.fp8 ? " (fp8 dispatch)" : "",
+			       c.pull ? " (zero-copy combine)" : "",
 			       g_libep ? " via libep" : "", W, R.G, md, g_sh->res[0][0], mc,
 			       g_sh->res[0][1], mp,
 			       bd / (md / 1e6) / 1e9 / ceil,
@@ -738,9 +837,10 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 				"d.maxend", "c.start", "c.copy", "c.flags",
 				"c.recv", "c.end", "c.maxstart", "c.maxend"};
 			uint32_t lt = 0;
-			printf("trace: ll %s%s, us after the common start "
+			printf("trace: ll %s%s%s, us after the common start "
 			       "(latest rank / earliest):",
-			       c.name, c.pull ? " (zero-copy combine)" : "");
+			       c.name, c.fp8 ? " (fp8 dispatch)" : "",
+			       c.pull ? " (zero-copy combine)" : "");
 			for (int j = 0; j < EKC_LL_TR_N; j++) {
 				double hi = -1e9, lo = 1e9;
 				for (uint32_t s = 0; s < W; s++) {
@@ -945,12 +1045,26 @@ static const cfg cfgs[] = {
 	{"two micro-batches deepseek", 7168, 64, 8, 256, 2, 0, 0, 0, 0, 0, 0, 1},
 	{"graph", 256, 32, 4, 32, 0, 0, 0, 0, 1, 0, 0},
 	{"graph zero-copy", 256, 32, 4, 32, 0, 0, 0, 0, 1, 0, 1},
+	{"small fp8", 256, 32, 4, 32, 20, 0, 0, 0, 0, 0, 0, 0, EKC_LL_FP8},
+	{"small fp8 rounded hook", 512, 24, 6, 64, 20, 0, 1, 0, 0, 0, 0, 0,
+	 EKC_LL_FP8_ROUND},
+	{"small ue8m0", 512, 24, 6, 64, 20, 0, 0, 0, 0, 0, 0, 0, EKC_LL_FP8_UE8M0},
+	{"deepseek 128 fp8 zero-copy", 7168, 128, 8, 256, 3, 0, 0, 0, 0, 0, 1, 0,
+	 EKC_LL_FP8},
+	{"deepseek 128 ue8m0", 7168, 128, 8, 256, 2, 0, 0, 0, 0, 0, 0, 0,
+	 EKC_LL_FP8_UE8M0},
+	{"two micro-batches fp8", 512, 24, 6, 64, 12, 0, 0, 0, 0, 0, 0, 1,
+	 EKC_LL_FP8},
+	{"graph ue8m0", 512, 32, 4, 32, 0, 0, 0, 0, 1, 0, 0, 0, EKC_LL_FP8_UE8M0},
 	{"1 token", 7168, 1, 8, 256, 0, 1, 0, 1, 0, 0, 0},
 	{"32 tokens", 7168, 32, 8, 256, 0, 1, 0, 1, 0, 0, 0},
 	{"128 tokens", 7168, 128, 8, 256, 0, 1, 0, 1, 0, 0, 0},
 	{"1 token", 7168, 1, 8, 256, 0, 1, 0, 1, 0, 0, 1},
 	{"32 tokens", 7168, 32, 8, 256, 0, 1, 0, 1, 0, 0, 1},
 	{"128 tokens", 7168, 128, 8, 256, 0, 1, 0, 1, 0, 0, 1},
+	{"1 token", 7168, 1, 8, 256, 0, 1, 0, 1, 0, 0, 1, 0, EKC_LL_FP8},
+	{"32 tokens", 7168, 32, 8, 256, 0, 1, 0, 1, 0, 0, 1, 0, EKC_LL_FP8},
+	{"128 tokens", 7168, 128, 8, 256, 0, 1, 0, 1, 0, 0, 1, 0, EKC_LL_FP8},
 };
 
 static int rank_main(uint32_t r, uint32_t W, uint32_t G)
@@ -1047,12 +1161,15 @@ static int rank_main(uint32_t r, uint32_t W, uint32_t G)
 		int f = g_libep ? run_cfg_libep(R, c, idx) : run_cfg(R, c);
 		if (!f && r == 0 && !c.timed)
 			printf("ok: %s%s (hidden %u, %u tokens max, top-%u of %u, "
-			       "%s%s%s): every rank bitwise equal to the reference\n",
+			       "%s%s%s%s): every rank bitwise equal to the reference\n",
 			       c.name, g_libep ? " via libep" : "", c.H, c.N, c.K, c.E,
 			       c.graph ? "graph replays"
 			       : c.tbo ? "two micro-batches in flight, hooks"
 			       : c.hook ? "receive hook" : "one launch each",
 			       c.pull ? ", zero-copy combine" : "",
+			       c.fp8 == EKC_LL_FP8 ? ", fp8 dispatch"
+			       : c.fp8 == EKC_LL_FP8_ROUND ? ", fp8 dispatch, scales 2^n"
+			       : c.fp8 ? ", fp8 dispatch, UE8M0 scales" : "",
 			       c.toobig ? ", rank 1 over its budget once: "
 					  "ETOOBIG on every rank, the others' rows served" : "");
 		fflush(stdout);

@@ -325,7 +325,8 @@ uint64_t ep_group_device_region(const ep_group_t *group, size_t *size);
 
 /*
  * Low-latency mode (decode; DeepEP's low_latency_dispatch/combine), GPU
- * ranks of a one-node group (bf16, hidden a multiple of 8). Each op is a
+ * ranks of a one-node group (bf16 rows, hidden a multiple of 8; the
+ * dispatch may cast them to fp8). Each op is a
  * kernel on the caller's stream that writes straight into the other
  * ranks' low-latency regions (made by the daemon at the first call, never
  * read by it); no daemon in an op's path, and CUDA-graph capturable (the
@@ -361,6 +362,22 @@ uint64_t ep_group_device_region(const ep_group_t *group, size_t *size);
  */
 #define EP_LL_HOOK 0x1      /* the receive half is left to *_hook */
 #define EP_LL_ZERO_COPY 0x2 /* combine: rows already in the combine buffer */
+/*
+ * Dispatch with a cast to fp8 (hidden a multiple of 128): recv_x is then
+ * [El, W*max_tokens, hidden] e4m3 and recv_scales, per 128 channels,
+ * column-major [El, hidden/128, W*max_tokens] f32 (element (e, row, g) at
+ * (e * hidden/128 + g) * W*max_tokens + row). Each group's scale is amax
+ * * fl(1/448), amax its largest magnitude (at least 1e-4), and its values
+ * are multiplied by fl(1/amax) * 448 and rounded to nearest even e4m3
+ * (every step rounded to fp32). EP_LL_ROUND_SCALE: the scale rounded up
+ * to a power of two, the values multiplied by its inverse. EP_LL_UE8M0
+ * (hidden a multiple of 512; implies the rounding): the scales' exponent
+ * bytes, four groups to an i32 (group 4i + j in byte j), [El, hidden/512,
+ * W*max_tokens] i32.
+ */
+#define EP_LL_FP8 0x4
+#define EP_LL_ROUND_SCALE 0x8
+#define EP_LL_UE8M0 0x10
 struct ep_ll_recv {
 	uint32_t buffer;        /* 0 or 1: give it to combine and the hooks */
 	void *recv_x;           /* device addresses, in this rank's region */
@@ -369,6 +386,7 @@ struct ep_ll_recv {
 	int32_t *src_info;
 	uint32_t local_experts; /* El = experts / world */
 	uint32_t max_recv;      /* W * max_tokens: recv_x's second extent */
+	void *recv_scales;      /* EP_LL_FP8: the scales (above); else NULL */
 };
 int ep_ll_dispatch(ep_group_t *group, const void *x, const int64_t *topk_idx,
 		   uint32_t num_tokens, unsigned flags, void *stream,

@@ -56,6 +56,9 @@ COMBINE_WEIGHTS = 0x2  # EP_COMBINE_WEIGHTS
 COMBINE_BIAS2 = 0x4  # EP_COMBINE_BIAS2
 LL_HOOK = 0x1  # EP_LL_HOOK: the receive half left to the hook
 LL_ZERO_COPY = 0x2  # EP_LL_ZERO_COPY: rows already in the combine buffer
+LL_FP8 = 0x4  # EP_LL_FP8: the dispatch casts the rows to fp8
+LL_ROUND_SCALE = 0x8  # EP_LL_ROUND_SCALE: scales rounded up to 2^n
+LL_UE8M0 = 0x10  # EP_LL_UE8M0: the scales' exponent bytes, 4 to an int32
 
 
 def _candidates():
@@ -164,7 +167,8 @@ class _LLRecv(ctypes.Structure):
                 ("layout_range", ctypes.c_void_p),
                 ("src_info", ctypes.c_void_p),
                 ("local_experts", ctypes.c_uint32),
-                ("max_recv", ctypes.c_uint32)]
+                ("max_recv", ctypes.c_uint32),
+                ("recv_scales", ctypes.c_void_p)]
 
 
 class _DeviceArray:
@@ -468,25 +472,40 @@ class Group:
         return t.view(torch.bfloat16) if typestr == "<i2" else t
 
     def ll_dispatch(self, x, topk_idx, num_tokens=None, hook=False,
-                    stream=None):
+                    stream=None, fp8=False, round_scale=False, ue8m0=False):
         """Low-latency dispatch on the stream (torch tensors on the GPU:
         x [T, hidden] bf16, topk_idx [T, topk] int64, contiguous). Returns
         a dict: buffer (0/1, for ll_combine and the hooks), recv_x
         [El, W*max_tokens, hidden] bf16, recv_count [El] int32,
         layout_range [El, W] int64, src_info [El, W*max_tokens] int32:
         views of this rank's low-latency memory, valid until the dispatch
-        after next. hook: ll_dispatch_hook(buffer) completes it later."""
+        after next. hook: ll_dispatch_hook(buffer) completes it later.
+        fp8: recv_x is float8_e4m3fn (uint8 where torch has no fp8) and
+        recv_scales its per-128 scales, [El, W*max_tokens, hidden/128]
+        float32 column-major in the last two (round_scale: powers of two;
+        ue8m0: [El, W*max_tokens, hidden/512] int32 of exponent bytes)."""
+        import torch
         T = x.size(0) if num_tokens is None else num_tokens
+        f = (LL_HOOK if hook else 0) | (LL_FP8 if fp8 else 0) | \
+            (LL_ROUND_SCALE if round_scale else 0) | \
+            (LL_UE8M0 if ue8m0 else 0)
         r = _LLRecv()
         rc = _lib.ep_ll_dispatch(self._g, x.data_ptr() if T else None,
                                  topk_idx.data_ptr() if T else None, T,
-                                 LL_HOOK if hook else 0, self._stream(stream),
-                                 ctypes.byref(r))
+                                 f, self._stream(stream), ctypes.byref(r))
         _check(rc)
         El, R, H = r.local_experts, r.max_recv, self.cfg["hidden"]
         W = self.cfg["world_size"]
-        return {"buffer": r.buffer,
-                "recv_x": self._ll_view(r.recv_x, (El, R, H), "<i2"),
+        if fp8:
+            rx = self._ll_view(r.recv_x, (El, R, H), "|u1")
+            if hasattr(torch, "float8_e4m3fn"):
+                rx = rx.view(torch.float8_e4m3fn)
+            G = H // 512 if ue8m0 else H // 128
+            sc = self._ll_view(r.recv_scales, (El, G, R),
+                               "<i4" if ue8m0 else "<f4").transpose(1, 2)
+        else:
+            rx, sc = self._ll_view(r.recv_x, (El, R, H), "<i2"), None
+        return {"buffer": r.buffer, "recv_x": rx, "recv_scales": sc,
                 "recv_count": self._ll_view(r.recv_count, (El,), "<i4"),
                 "layout_range": self._ll_view(r.layout_range, (El, W),
                                               "<i8"),

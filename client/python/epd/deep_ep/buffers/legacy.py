@@ -779,10 +779,11 @@ class Buffer:
             raise ValueError("low_latency_dispatch: use_ue8m0 needs "
                              "round_scale")
         K, El, WN = topk_idx.size(1), E // W, W * N
-        if self._ll_kernels(H, use_fp8):
+        if self._ll_kernels(H, use_fp8, use_ue8m0):
             return self._ll_kernel_dispatch(
                 x, topk_idx, N, E, cumulative_local_expert_recv_stats,
-                async_finish, return_recv_hook)
+                async_finish, return_recv_hook,
+                (use_fp8, round_scale, use_ue8m0))
         sub = self._ll_sub(H, E, K, N)
         idx = topk_idx.long().reshape(T * K, 1)
         xr = x.repeat_interleave(K, dim=0)
@@ -848,18 +849,19 @@ class Buffer:
     # one node, bf16 rows; the kernels write into the peers' regions from
     # this rank's stream, no daemon in the op's path ----
 
-    def _ll_kernels(self, H, use_fp8):
-        """EPD_DEEP_EP_LL_KERNELS=1 (opt-in for now): bf16 low-latency ops
-        by epd's kernels. What differs from the path above: a rank with
-        more than num_max tokens raises at once, the other ranks learn it
-        from their kernels' error word (epd.Group.ll_error), not by a
-        raise in the same call."""
+    def _ll_kernels(self, H, use_fp8, use_ue8m0):
+        """EPD_DEEP_EP_LL_KERNELS=1 (opt-in for now): the low-latency ops
+        by epd's kernels (bf16, or the cast to fp8 inside the dispatch:
+        hidden % 128, with UE8M0 hidden % 512). What differs from the path
+        above: a rank with more than num_max tokens raises at once, the
+        other ranks learn it from their kernels' error word
+        (epd.Group.ll_error), not by a raise in the same call."""
         return (self._device is not None and self._rpn == self.group_size
-                and not use_fp8 and H % 128 == 0 and
+                and H % (512 if use_fp8 and use_ue8m0 else 128) == 0 and
                 os.environ.get("EPD_DEEP_EP_LL_KERNELS") == "1")
 
     def _ll_kernel_dispatch(self, x, topk_idx, N, E, stats, async_finish,
-                            return_recv_hook):
+                            return_recv_hook, cast):
         torch = _torch()
         T, H = x.shape
         K = topk_idx.size(1)
@@ -874,7 +876,9 @@ class Buffer:
         idx = topk_idx.to(torch.int64).contiguous()
         try:
             r = sub.g.ll_dispatch(xc, idx, T, hook=return_recv_hook,
-                                  stream=st)
+                                  stream=st, fp8=cast[0],
+                                  round_scale=cast[0] and cast[1],
+                                  ue8m0=cast[0] and cast[2])
         except epd.Error as e:
             if e.code == epd.ETOOBIG:  # it took part with none
                 raise ValueError(
@@ -899,7 +903,8 @@ class Buffer:
                 # the counts exist once the receive ran
                 if stats is not None:
                     stats.add_(r["recv_count"].to(stats.device))
-        return r["recv_x"], r["recv_count"], handle, ev, hook
+        recv = (r["recv_x"], r["recv_scales"]) if cast[0] else r["recv_x"]
+        return recv, r["recv_count"], handle, ev, hook
 
     def _ll_kernel_combine(self, ll, x, topk_idx, topk_weights, zero_copy,
                            async_finish, return_recv_hook, out):

@@ -38,7 +38,9 @@ def per_token_cast_to_fp8(x, round_scale=False):
     xp = torch.nn.functional.pad(x, (0, pad)).view(m, (n + pad) // 128, 128)
     amax = xp.abs().float().amax(dim=2).clamp(min=1e-4)
     if round_scale:
-        bits = (amax / 448.0).view(torch.int32)
+        # amax * fl(1/448), as DeepEP's kernel (and epd's): the same bits on
+        # the CPU and the GPU (a GPU's amax / 448.0 is that product too)
+        bits = (amax * (1.0 / 448.0)).view(torch.int32)
         up = ((bits & 0x7FFFFF) != 0).to(torch.int32)
         scale = (((bits >> 23) + up) << 23).view(torch.float32)
         mul = 1.0 / scale
