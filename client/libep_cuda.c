@@ -105,13 +105,9 @@ int ep__cuda_prepare(int dev, uint8_t uuid[16], uint32_t *rank_flags)
 	return 0;
 }
 
-int ep__cuda_map(ep_group_t *g, int fd, uint64_t size)
+int ep__cuda_import(int fd, uint64_t size, int dev, const char *access,
+		    CUdeviceptr *pp, CUmemGenericAllocationHandle *hp)
 {
-	int rc = ensure_ctx(g->cuda_device);
-	if (rc) {
-		close(fd);
-		return rc;
-	}
 	CUmemGenericAllocationHandle h;
 	CUresult r = ep__drv.cuMemImportFromShareableHandle(
 		&h, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
@@ -131,16 +127,34 @@ int ep__cuda_map(ep_group_t *g, int fd, uint64_t size)
 		return ep__cufail(r, "cuMemMap");
 	}
 	CUmemAccessDesc a = {
-		.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE,
-			     .id = g->cuda_device},
+		.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = dev},
 		.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
 	r = ep__drv.cuMemSetAccess(p, size, &a, 1);
 	if (r) {
 		ep__drv.cuMemUnmap(p, size);
 		ep__drv.cuMemAddressFree(p, size);
 		ep__drv.cuMemRelease(h);
-		return ep__cufail(r, "cuMemSetAccess");
+		return ep__cufail(r, access);
 	}
+	*pp = p;
+	*hp = h;
+	return 0;
+}
+
+int ep__cuda_map(ep_group_t *g, int fd, uint64_t size)
+{
+	int rc = ensure_ctx(g->cuda_device);
+	if (rc) {
+		close(fd);
+		return rc;
+	}
+	CUdeviceptr p;
+	CUmemGenericAllocationHandle h;
+	rc = ep__cuda_import(fd, size, g->cuda_device, "cuMemSetAccess", &p,
+			     &h);
+	if (rc)
+		return rc;
+	CUresult r;
 	g->dev_ptr = p;
 	g->dev_handle = h;
 	g->dev_size = size;

@@ -9,6 +9,11 @@
 extern struct ekc_driver ep__drv;
 /* EP_EBACKEND with the driver's words for r. */
 int ep__cufail(CUresult r, const char *what);
+/* Import the allocation behind fd (closed here), map size bytes of it
+ * read-write for device dev: *p, *h; on failure nothing is left mapped.
+ * access: what a failed cuMemSetAccess means, for the message. */
+int ep__cuda_import(int fd, uint64_t size, int dev, const char *access,
+		    CUdeviceptr *p, CUmemGenericAllocationHandle *h);
 /* The group's features (EPP_FEAT_*), set by the daemon before READY. */
 uint32_t ep__features(const ep_group_t *g);
 /* May this rank wait for an op with a spinning kernel (the daemon's

@@ -87,32 +87,10 @@ static int ll_map_one(ep_group_t *g, struct ep_ll *l, uint32_t d)
 		l->gpu0 = ok.gpu, l->one_gpu = true;
 	else if (ok.gpu != l->gpu0)
 		l->one_gpu = false;
-	CUresult r = ep__drv.cuMemImportFromShareableHandle(
-		&l->ph[d], (void *)(intptr_t)fd,
-		CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
-	close(fd);
-	if (r) {
-		l->ph[d] = 0;
-		return ep__cufail(r, "cuMemImportFromShareableHandle");
-	}
-	CUdeviceptr p;
-	r = ep__drv.cuMemAddressReserve(&p, ok.size, 0, 0, 0);
-	if (r)
-		return ep__cufail(r, "cuMemAddressReserve");
-	r = ep__drv.cuMemMap(p, ok.size, 0, l->ph[d], 0);
-	if (r) {
-		ep__drv.cuMemAddressFree(p, ok.size);
-		return ep__cufail(r, "cuMemMap");
-	}
-	l->peer[d] = p;
-	CUmemAccessDesc a = {
-		.location = {.type = CU_MEM_LOCATION_TYPE_DEVICE,
-			     .id = g->cuda_device},
-		.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-	r = ep__drv.cuMemSetAccess(p, ok.size, &a, 1);
-	return r ? ep__cufail(r, "cuMemSetAccess (a peer's low-latency "
-				 "region on another GPU needs peer access)")
-		 : 0;
+	return ep__cuda_import(fd, ok.size, g->cuda_device,
+			       "cuMemSetAccess (a peer's low-latency region "
+			       "on another GPU needs peer access)",
+			       &l->peer[d], &l->ph[d]);
 }
 
 static int ll_setup(ep_group_t *g)

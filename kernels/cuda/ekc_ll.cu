@@ -585,23 +585,18 @@ __device__ static inline void ll_store_sum(const struct ekc_ll_args &a,
 	ll_store((uint8_t *)a.out + (uint64_t)t * a.H * 2 + o, bytes, lane, r);
 }
 
-// The sum at home of combine seq (buffer a.buf): wait for every source,
-// then each token's rows in top-k order (a (t, k) its dispatch skipped
-// left out), times its weight.
-__device__ static void ll_combine_recv(const struct ekc_ll_args &a,
-				       uint32_t seq, uint64_t t0)
+// The home's sum, by every warp of the grid: for each (token, slice)
+// item, the token's rows row(i, e, p) (i = t * K + k, e its expert and p
+// its place among this rank's rows there; NULL: skip it) in top-k order,
+// each times its weight, in fp32 from +0.0, rounded once to bf16 into
+// out. A (t, k) its dispatch skipped (e = -1) is left out.
+template <typename Row>
+__device__ static void ll_sum(const struct ekc_ll_args &a, Row row)
 {
-	const uint64_t *cdone = (const uint64_t *)ll_pub(a, a.rank, a.L.cdone);
-	for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
-		ll_wait_tag(a, cdone + s, seq, t0);
-	__syncthreads();
-	ll_fence(a);
-	ll_stamp(a, EKC_LL_TR_C_RECV);
 	const uint32_t T = a.T > a.N ? 0 : a.T;
 	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
 	const uint32_t lane = threadIdx.x & 31;
-	const uint8_t *comb = ll_pub(a, a.rank, a.L.comb[a.buf]);
-	const int32_t *key = ll_key(a);
+	const int32_t *key = ll_key(a), *pos = ll_pos(a);
 	const float *w = (const float *)a.weights;
 	const uint64_t nw = (uint64_t)gridDim.x * (blockDim.x / 32);
 	for (uint64_t it = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -616,27 +611,51 @@ __device__ static void ll_combine_recv(const struct ekc_ll_args &a,
 			for (int c = 0; c < 8; c++)
 				acc[u][c] = 0.0f;
 		for (uint32_t kb = 0; kb < a.K; kb += 32) {
-			int32_t ek = -1;
+			// one load of the (t, k)'s expert, place and weight for
+			// the warp, then broadcast
+			int32_t ek = -1, pk = 0;
 			float wk = 0.0f;
 			if (kb + lane < a.K) {
-				ek = __ldcg(key + t * a.K + kb + lane);
-				wk = w[t * a.K + kb + lane];
+				const uint32_t i = t * a.K + kb + lane;
+				ek = __ldcg(key + i);
+				pk = __ldcg(pos + i);
+				wk = w[i];
 			}
 			const uint32_t nk = min(32u, a.K - kb);
 			for (uint32_t k = 0; k < nk; k++) {
 				const int32_t e = __shfl_sync(0xffffffffu, ek, k);
+				const int32_t p = __shfl_sync(0xffffffffu, pk, k);
 				const float wt = __shfl_sync(0xffffffffu, wk, k);
 				if (e < 0)
 					continue;
+				const uint8_t *r = row(t * a.K + kb + k, e, p);
+				if (!r)
+					continue;
 				uint4 v[LL_U];
-				ll_load_cg(comb + ((uint64_t)t * a.K + kb + k) *
-							  rowb + o,
-					   bytes, lane, v);
+				ll_load_cg(r + o, bytes, lane, v);
 				ll_acc(acc, v, wt);
 			}
 		}
 		ll_store_sum(a, t, o, bytes, lane, acc);
 	}
+}
+
+// The sum at home of combine seq (buffer a.buf): wait for every source,
+// then sum the rows they pushed into this rank's comb slots.
+__device__ static void ll_combine_recv(const struct ekc_ll_args &a,
+				       uint32_t seq, uint64_t t0)
+{
+	const uint64_t *cdone = (const uint64_t *)ll_pub(a, a.rank, a.L.cdone);
+	for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
+		ll_wait_tag(a, cdone + s, seq, t0);
+	__syncthreads();
+	ll_fence(a);
+	ll_stamp(a, EKC_LL_TR_C_RECV);
+	const uint8_t *comb = ll_pub(a, a.rank, a.L.comb[a.buf]);
+	const uint64_t rowb = (uint64_t)a.H * 2;
+	ll_sum(a, [&](uint32_t i, int32_t, int32_t) -> const uint8_t * {
+		return comb + i * rowb;
+	});
 }
 
 extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
@@ -755,53 +774,14 @@ ekc_ll_combine_pull(const struct ekc_ll_args a)
 	__syncthreads();
 	ll_fence(a);
 	ll_stamp(a, EKC_LL_TR_C_RECV);
-	const uint32_t T = a.T > a.N ? 0 : a.T;
-	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
-	const uint32_t lane = threadIdx.x & 31;
-	const int32_t *key = ll_key(a), *pos = ll_pos(a);
-	const float *w = (const float *)a.weights;
-	const uint64_t nw = (uint64_t)gridDim.x * (blockDim.x / 32);
-	for (uint64_t it = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-	     it < (uint64_t)T * S; it += nw) {
-		const uint32_t t = (uint32_t)(it / S), sl = (uint32_t)(it % S);
-		const uint32_t o = sl * LL_SLICE;
-		const uint32_t bytes = rowb - o < LL_SLICE ? rowb - o : LL_SLICE;
-		float acc[LL_U][8];
-#pragma unroll
-		for (int u = 0; u < LL_U; u++)
-#pragma unroll
-			for (int c = 0; c < 8; c++)
-				acc[u][c] = 0.0f;
-		for (uint32_t kb = 0; kb < a.K; kb += 32) {
-			int32_t ek = -1, pk = 0;
-			float wk = 0.0f;
-			if (kb + lane < a.K) {
-				const uint32_t i = t * a.K + kb + lane;
-				ek = __ldcg(key + i);
-				pk = __ldcg(pos + i);
-				wk = w[i];
-			}
-			const uint32_t nk = min(32u, a.K - kb);
-			for (uint32_t k = 0; k < nk; k++) {
-				const int32_t e = __shfl_sync(0xffffffffu, ek, k);
-				const int32_t p = __shfl_sync(0xffffffffu, pk, k);
-				const float wt = __shfl_sync(0xffffffffu, wk, k);
-				if (e < 0)
-					continue;
-				const uint32_t gp = off[e] + (uint32_t)p;
-				if (gp >= WN)
-					continue; // the dispatch raised it
-				const uint32_t d = e / a.El, el = e % a.El;
-				uint4 v[LL_U];
-				ll_load_cg(ll_pub(a, d, a.L.cx[b]) +
-						   ((uint64_t)el * WN + gp) * rowb +
-						   o,
-					   bytes, lane, v);
-				ll_acc(acc, v, wt);
-			}
-		}
-		ll_store_sum(a, t, o, bytes, lane, acc);
-	}
+	const uint64_t rowb = (uint64_t)a.H * 2;
+	ll_sum(a, [&](uint32_t, int32_t e, int32_t p) -> const uint8_t * {
+		const uint32_t gp = off[e] + (uint32_t)p;
+		if (gp >= WN)
+			return nullptr; // the dispatch raised it
+		const uint32_t d = e / a.El, el = e % a.El;
+		return ll_pub(a, d, a.L.cx[b]) + ((uint64_t)el * WN + gp) * rowb;
+	});
 	ll_stamp(a, EKC_LL_TR_C_END);
 	if (ll_last_block(a, EKC_LL_PRIV_CCTR) && threadIdx.x == 0)
 		pv[EKC_LL_PRIV_CSEQ] = seq;
