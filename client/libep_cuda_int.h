@@ -40,6 +40,10 @@ CUfunction ep__fn(int which);
 int ep__use_ctx(int dev);
 /* libep_ll.c: the low-latency state's end (at unmap). */
 void ep__ll_fini(ep_group_t *g);
+/* For tests/gpu/bench_ll: the low-latency kernels stamp their stages
+ * (EKC_LL_TR_*) into u64[EKC_LL_TR_N] at device address trace (0: off).
+ * EP_EINVAL before the group's first low-latency call. */
+int ep__ll_trace(ep_group_t *g, uint64_t trace);
 
 /* libep_graph.c: the group's graph state (at map), its end (at unmap), and
  * an op captured on stream s: type 0 a barrier of the resident kernel,

@@ -18,7 +18,7 @@
 
 struct ep_ll {
 	uint32_t W, El, N, H, K, blocks;
-	bool pdl; /* EP_LL_PDL=1: programmatic dependent launch */
+	bool pdl; /* programmatic dependent launch (EP_LL_PDL=0: off) */
 	CUdeviceptr peer[EKC_LL_MAXW];
 	CUmemGenericAllocationHandle ph[EKC_LL_MAXW];
 	uint64_t psize;
@@ -125,8 +125,9 @@ static int ll_setup(ep_group_t *g)
 	const char *e = getenv("EP_LL_BLOCKS");
 	l->blocks = e && atoi(e) > 0 && atoi(e) <= 1024 ? (uint32_t)atoi(e)
 							: 16;
+	/* programmatic dependent launch unless EP_LL_PDL=0 */
 	const char *pe = getenv("EP_LL_PDL");
-	l->pdl = pe && !strcmp(pe, "1");
+	l->pdl = !pe || strcmp(pe, "0");
 	ekc_ll_layout_of(l->W, l->N, l->H, l->El, l->K, &l->L);
 	for (int k = EP__FN_LL_DISPATCH; k < EP__FN_N; k++)
 		if (!(l->fn[k] = ep__fn(k))) {
@@ -354,6 +355,14 @@ int ep_ll_combine_buffer(ep_group_t *g, uint32_t b, void **rows)
 	if (rc)
 		return rc;
 	*rows = (void *)(uintptr_t)(g->ll->peer[g->cfg.rank] + g->ll->L.cx[b]);
+	return 0;
+}
+
+int ep__ll_trace(ep_group_t *g, uint64_t trace)
+{
+	if (!g || !g->ll)
+		return ep__fail(EP_EINVAL, "no low-latency state to trace");
+	g->ll->base.trace = trace;
 	return 0;
 }
 

@@ -41,6 +41,9 @@
 #include "ekc_all.cu"
 #include "ep/ep.h"
 
+// libep's test hook (libep_cuda_int.h): its kernels' trace stamps
+extern "C" int ep__ll_trace(ep_group_t *g, uint64_t trace);
+
 static int g_rank;
 // EPD_LL_LIBEP=1: the same checks and timings through libep's ep_ll_* (a
 // group per configuration on the daemon at $EPD_SOCKET, its regions the
@@ -750,6 +753,8 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 		CK(cudaMemset(dlate, 0, 4));
 		ekc_ll_args at = a;
 		at.trace = (uint64_t)dtr;
+		if (g_libep)
+			ep_ok(ep__ll_trace(R.g, (uint64_t)dtr), "ep__ll_trace");
 		for (int i = 0; i < iters; i++) {
 			bar();
 			if (R.r == 0) {
@@ -777,6 +782,8 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 				trs[j].push_back(st[j] ? ((double)st[j] - start) / 1e3
 						       : -1.0);
 		}
+		if (g_libep)
+			ep_ok(ep__ll_trace(R.g, 0), "ep__ll_trace");
 		CK(cudaMemcpy(&late, dlate, 4, cudaMemcpyDeviceToHost));
 		for (int j = 0; j < EKC_LL_TR_N; j++)
 			g_sh->tr[R.r][j] = median(trs[j]);
@@ -1191,8 +1198,7 @@ int main(void)
 		char v[16];
 		snprintf(v, sizeof(v), "%u", G);
 		setenv("EP_LL_BLOCKS", v, 1);
-		if (g_pdl)
-			setenv("EP_LL_PDL", "1", 1);
+		setenv("EP_LL_PDL", g_pdl ? "1" : "0", 1);
 	}
 	if (W < 1 || W > EKC_LL_MAXW || G < 1) {
 		fprintf(stderr, "bad EPD_LL_RANKS / EPD_LL_BLOCKS\n");
