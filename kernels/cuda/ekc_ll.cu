@@ -35,6 +35,9 @@
 #define LL_TPB 512
 #define LL_U 4 // 16-byte vectors per lane per slice
 #define LL_SLICE (32 * 16 * LL_U) // bytes of a row per work item
+#ifndef LL_POLL_NS
+#define LL_POLL_NS 128 // a waiting thread's pause between polls
+#endif
 
 // Flags, and the fences around them, at the scope the ranks share: the
 // GPU when every rank runs on this one (a.gpu_scope), else the system.
@@ -126,7 +129,9 @@ __device__ static inline void ll_stamp_max(const struct ekc_ll_args &a, int i)
 }
 
 // Wait until the flag is tag or a later sequence number. False on
-// timeout (err raised).
+// timeout (err raised). Between polls a short sleep: every rank's blocks
+// poll lines their peers are about to store to, and polls without pause
+// queue ahead of those stores (the flag is then seen microseconds late).
 __device__ static bool ll_wait_tag(const struct ekc_ll_args &a,
 				   const uint64_t *p, uint32_t tag, uint64_t t0)
 {
@@ -139,6 +144,8 @@ __device__ static bool ll_wait_tag(const struct ekc_ll_args &a,
 			ll_fail(a, EKC_LL_ETIMEDOUT);
 			return false;
 		}
+		if (LL_POLL_NS)
+			__nanosleep(LL_POLL_NS);
 	}
 }
 
@@ -379,10 +386,14 @@ __device__ static void ll_dispatch_recv(const struct ekc_ll_args &a,
 	__syncthreads();
 	ll_fence(a);
 	ll_stamp(a, EKC_LL_TR_D_RECV);
+	__shared__ uint32_t sn[EKC_LL_MAXE]; // [el][s]: the table, loaded once
+	for (uint32_t j = threadIdx.x; j < a.El * a.W; j += blockDim.x)
+		sn[j] = __ldcg(snap + j);
+	__syncthreads();
 	for (uint32_t el = threadIdx.x; el < a.El; el += blockDim.x) {
 		uint64_t begin = 0;
 		for (uint32_t s = 0; s < a.W; s++) {
-			uint32_t c = __ldcg(snap + el * a.W + s);
+			uint32_t c = sn[el * a.W + s];
 			if (blockIdx.x == 0)
 				((int64_t *)a.layout)[el * a.W + s] =
 					(int64_t)(begin << 32 | c);
@@ -442,26 +453,35 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 	__syncthreads();
 	ll_fence(a);
 	ll_stamp(a, EKC_LL_TR_D_CNT);
-	if (blockIdx.x == 0)
-		for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
-			if (__ldcg((const unsigned long long *)cnt +
-				   (uint64_t)s * E) & LL_OVER)
-				ll_fail(a, EKC_LL_ETOOBIG);
 	// Where this rank's rows start in each expert: the rows of the sources
-	// before it. Block 0 keeps them, and what each source sends here, in
-	// buffer b's tables for the receive and the combine (cnt[par] may be
-	// rewritten by a peer two dispatches on).
-	for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
-		uint64_t o = 0;
-		for (uint32_t s = 0; s < a.rank; s++)
-			o += ll_rows(cnt, (uint64_t)s * E + e);
-		off[e] = o > WN ? WN : (uint32_t)o;
+	// before it, each clamped to W*N (a sum of integers: the same in any
+	// order). Every (source, expert) word read once, all in flight
+	// together. Block 0 keeps the starts, and what each source sends
+	// here, in buffer b's tables for the receive and the combine (cnt[par]
+	// may be rewritten by a peer two dispatches on), and raises ETOOBIG
+	// for a source that had too many tokens.
+	for (uint32_t e = threadIdx.x; e < E; e += blockDim.x)
+		off[e] = 0;
+	__syncthreads();
+	for (uint32_t j = threadIdx.x; j < a.W * E; j += blockDim.x) {
+		const uint32_t s = j / E, e = j % E;
+		const uint32_t raw = (uint32_t)__ldcg(
+			(const unsigned long long *)cnt + j);
+		const uint32_t n = raw & ~LL_OVER;
+		if (s < a.rank && n)
+			atomicAdd(&off[e], n < WN ? n : WN);
 		if (blockIdx.x == 0) {
-			ll_off(a)[e] = off[e];
-			const uint32_t el = e / a.W, s = e % a.W;
-			ll_rows_tab(a)[e] = ll_rows(cnt, (uint64_t)s * E +
-							   a.rank * a.El + el);
+			if (e == 0 && (raw & LL_OVER))
+				ll_fail(a, EKC_LL_ETOOBIG);
+			if (e / a.El == a.rank)
+				ll_rows_tab(a)[(e % a.El) * a.W + s] = n;
 		}
+	}
+	__syncthreads();
+	for (uint32_t e = threadIdx.x; e < E; e += blockDim.x) {
+		off[e] = min(off[e], WN);
+		if (blockIdx.x == 0)
+			ll_off(a)[e] = off[e];
 	}
 	if (blockIdx.x == 0 && threadIdx.x == 0)
 		pv[EKC_LL_PRIV_BSEQ + b] = seq;
@@ -674,11 +694,15 @@ ekc_ll_combine(const struct ekc_ll_args a, uint32_t with_recv)
 	const int32_t *tk = (const int32_t *)ll_pub(a, a.rank, a.L.tk[b]);
 	if (blockIdx.x == 0 && threadIdx.x == 0)
 		pv[EKC_LL_PRIV_CBSEQ + b] = seq;
+	for (uint32_t j = threadIdx.x; j < a.El * a.W; j += blockDim.x)
+		begin[j] = __ldcg(snap + j); // loaded once, all in flight
+	__syncthreads();
 	for (uint32_t el = threadIdx.x; el < a.El; el += blockDim.x) {
 		uint32_t n = 0;
 		for (uint32_t s = 0; s < a.W; s++) {
+			const uint32_t c = begin[el * a.W + s];
 			begin[el * a.W + s] = n;
-			n += __ldcg(snap + el * a.W + s);
+			n += c;
 		}
 		first[el + 1] = n > WN ? WN : n; // ll_dispatch_recv raised it
 	}
