@@ -35,9 +35,6 @@
 #define LL_TPB 512
 #define LL_U 4 // 16-byte vectors per lane per slice
 #define LL_SLICE (32 * 16 * LL_U) // bytes of a row per work item
-#ifndef LL_POLL_NS
-#define LL_POLL_NS 128 // a waiting thread's pause between polls
-#endif
 
 // Flags, and the fences around them, at the scope the ranks share: the
 // GPU when every rank runs on this one (a.gpu_scope), else the system.
@@ -129,9 +126,7 @@ __device__ static inline void ll_stamp_max(const struct ekc_ll_args &a, int i)
 }
 
 // Wait until the flag is tag or a later sequence number. False on
-// timeout (err raised). Between polls a short sleep: every rank's blocks
-// poll lines their peers are about to store to, and polls without pause
-// queue ahead of those stores (the flag is then seen microseconds late).
+// timeout (err raised).
 __device__ static bool ll_wait_tag(const struct ekc_ll_args &a,
 				   const uint64_t *p, uint32_t tag, uint64_t t0)
 {
@@ -144,8 +139,6 @@ __device__ static bool ll_wait_tag(const struct ekc_ll_args &a,
 			ll_fail(a, EKC_LL_ETIMEDOUT);
 			return false;
 		}
-		if (LL_POLL_NS)
-			__nanosleep(LL_POLL_NS);
 	}
 }
 
