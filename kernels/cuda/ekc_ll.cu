@@ -195,10 +195,6 @@ __device__ static inline void ll_load_cg(const uint8_t *src, uint32_t bytes,
 // A count word: seq << 32 | LL_OVER (the source had more tokens than N:
 // every rank raises ETOOBIG) | rows.
 #define LL_OVER 0x80000000u
-__device__ static inline uint32_t ll_rows(const uint64_t *cnt, uint64_t j)
-{
-	return (uint32_t)__ldcg((const unsigned long long *)cnt + j) & ~LL_OVER;
-}
 
 __device__ static inline void ll_store(uint8_t *dst, uint32_t bytes,
 				       uint32_t lane, const uint4 v[LL_U])
