@@ -264,10 +264,7 @@ int ep_ll_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 	out->buffer = b;
 	out->recv_x = (void *)(uintptr_t)(l->peer[g->cfg.rank] + l->L.rx[b]);
 	out->recv_scales =
-		fp8 ? (void *)(uintptr_t)(l->peer[g->cfg.rank] +
-					  ekc_ll_scales(&l->L, b, l->El,
-							(uint64_t)l->W * l->N,
-							l->H))
+		fp8 ? (void *)(uintptr_t)(l->peer[g->cfg.rank] + l->L.sc[b])
 		    : NULL;
 	out->recv_count = (int32_t *)(uintptr_t)a.recv_count;
 	out->layout_range = (int64_t *)(uintptr_t)a.layout;

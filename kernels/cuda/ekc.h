@@ -373,7 +373,7 @@ extern const size_t ekc_fatbin_size;
  * rounded to fp32, then to e4m3 to nearest even); _ROUND: the scale
  * rounded up to a power of two, the values times its inverse; _UE8M0:
  * rounded, and the scale's exponent byte stored, four groups to an i32.
- * rx[b] then holds [El][W*N][H] e4m3 and after them, at ekc_ll_scales, the
+ * rx[b] then holds [El][W*N][H] e4m3 and after them, at sc[b], the
  * scales column-major: [El][H/128][W*N] f32 or [El][H/512][W*N] i32. */
 #define EKC_LL_FP8 1u
 #define EKC_LL_FP8_ROUND 2u
@@ -382,6 +382,7 @@ extern const size_t ekc_fatbin_size;
 struct ekc_ll_layout {
 	uint64_t cnt[2], cflag, done, cdone, cready, flags_end;
 	uint64_t tk[2], rx[2], comb[2], cx[2], total;
+	uint64_t sc[2]; /* inside rx[b]: a fp8 dispatch's scales (above) */
 	uint64_t tab[2]; /* private: buffer b's tables (key, pos, off, rows) */
 	uint64_t priv_total;
 };
@@ -416,6 +417,7 @@ static inline void ekc_ll_layout_of(uint32_t W, uint32_t N, uint32_t H,
 	}
 	for (int p = 0; p < 2; p++) {
 		L->rx[p] = o;
+		L->sc[p] = o + El * WN * H;
 		o = ekc_ll_align(o + El * WN * H * 2);
 	}
 	for (int p = 0; p < 2; p++) {
@@ -433,13 +435,6 @@ static inline void ekc_ll_layout_of(uint32_t W, uint32_t N, uint32_t H,
 		o += (2 * (uint64_t)N * K + 2 * E) * 4;
 	}
 	L->priv_total = o;
-}
-
-static inline uint64_t ekc_ll_scales(const struct ekc_ll_layout *L,
-				     uint32_t b, uint64_t El, uint64_t WN,
-				     uint64_t H)
-{
-	return L->rx[b] + El * WN * H;
 }
 
 /* One low-latency op of one rank. Device addresses throughout. */

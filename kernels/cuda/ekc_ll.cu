@@ -196,14 +196,18 @@ __device__ static inline void ll_load_cg(const uint8_t *src, uint32_t bytes,
 // every rank raises ETOOBIG) | rows.
 #define LL_OVER 0x80000000u
 
+// The stores of a slice (the bf16 bytes of its row, as ll_load read
+// them): V = uint4 stores the 16-byte vectors as they are, V = uint2 the
+// 8 bytes each cast to fp8, at half the offset.
+template <typename V>
 __device__ static inline void ll_store(uint8_t *dst, uint32_t bytes,
-				       uint32_t lane, const uint4 v[LL_U])
+				       uint32_t lane, const V v[LL_U])
 {
 #pragma unroll
 	for (int u = 0; u < LL_U; u++) {
 		uint32_t o = (u * 32 + lane) * 16;
 		if (o < bytes)
-			*(uint4 *)(dst + o) = v[u];
+			*(V *)(dst + o / (16 / sizeof(V))) = v[u];
 	}
 }
 
@@ -273,17 +277,6 @@ __device__ static inline uint32_t ll_quant(const uint4 v[LL_U],
 	for (int j = 0; j < 4; j++)
 		word |= __shfl_sync(0xffffffffu, e, (4 * lane + j) & 31) << (8 * j);
 	return word;
-}
-
-__device__ static inline void ll_store8(uint8_t *dst, uint32_t bytes,
-					uint32_t lane, const uint2 q[LL_U])
-{
-#pragma unroll
-	for (int u = 0; u < LL_U; u++) {
-		uint32_t o = (u * 32 + lane) * 16;
-		if (o < bytes)
-			*(uint2 *)(dst + o / 2) = q[u];
-	}
 }
 
 // Block 0 of a dispatch: each (t, k)'s expert (key, -1 when skipped) and
@@ -519,12 +512,12 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 				if (!fp8) {
 					ll_store(rx + row * rowb + o, bytes, lane, v);
 				} else {
-					ll_store8(rx + row * a.H + o / 2, bytes,
-						  lane, q);
+					ll_store(rx + row * a.H + o / 2, bytes,
+						 lane, q);
 					// scales column-major: [el][g][row]
 					const uint32_t g0 = o / 256, ng = bytes / 256;
-					uint32_t *sc = (uint32_t *)(rx +
-						(uint64_t)a.El * WN * a.H);
+					uint32_t *sc = (uint32_t *)ll_pub(
+						a, d, a.L.sc[b]);
 					if (fp8 != EKC_LL_FP8_UE8M0) {
 						if (lane < ng)
 							sc[((uint64_t)el * G + g0 + lane) *

@@ -588,8 +588,12 @@ static int check(rank_ctx &R, const cfg &c, uint64_t it, int check_combine)
 	std::vector<uint16_t> row(H), want(H);
 	std::vector<uint8_t> q(H), wq(H);
 	std::vector<uint32_t> wsc;
-	const uint64_t scb = ekc_ll_scales(&L, par, El, WN, H);
+	// a fp8 dispatch's scales, [El][nsc][W*N] words: read once
 	const uint32_t nsc = c.fp8 == EKC_LL_FP8_UE8M0 ? H / 512 : H / 128;
+	std::vector<uint32_t> gsc(c.fp8 ? (size_t)El * nsc * WN : 0);
+	if (c.fp8)
+		CK(cudaMemcpy(gsc.data(), R.pub + L.sc[par], gsc.size() * 4,
+			      cudaMemcpyDeviceToHost));
 	for (uint32_t el = 0; el < El; el++)
 		for (uint32_t p = 0; p < cur[el]; p++) {
 			size_t j = (size_t)el * WN + p;
@@ -608,14 +612,9 @@ static int check(rank_ctx &R, const cfg &c, uint64_t it, int check_combine)
 			ref_cast(want.data(), H, c.fp8, wq.data(), wsc);
 			if (q != wq)
 				return bad(c.name, it, "recv_x fp8 row");
-			for (uint32_t g = 0; g < nsc; g++) {
-				uint32_t v;
-				CK(cudaMemcpy(&v, R.pub + scb +
-					      (((uint64_t)el * nsc + g) * WN + p) * 4,
-					      4, cudaMemcpyDeviceToHost));
-				if (v != wsc[g])
+			for (uint32_t g = 0; g < nsc; g++)
+				if (gsc[((size_t)el * nsc + g) * WN + p] != wsc[g])
 					return bad(c.name, it, "recv_x scale");
-			}
 		}
 	if (!check_combine)
 		return 0;
