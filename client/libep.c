@@ -267,9 +267,15 @@ int ep_join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 {
 	if (!c || !cfg || !out || !cfg->name)
 		return ep__fail(EP_EINVAL, "NULL argument");
-	if (flags & ~(EP_JOIN_NOWAIT | EP_JOIN_CUDA))
+	if (flags & ~(EP_JOIN_NOWAIT | EP_JOIN_CUDA | EP_JOIN_RECV_AREAS(~0u)))
 		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
 	struct epp_join j = {0};
+	j.recv_areas = (flags >> 8) & 0xffu;
+	if (j.recv_areas > EP_RECV_AREAS_MAX)
+		return ep__fail(EP_EINVAL, "%u receive areas: at most %u",
+				j.recv_areas, EP_RECV_AREAS_MAX);
+	if (!j.recv_areas)
+		j.recv_areas = 1;
 	if (strlen(cfg->name) > EP_GROUP_NAME_MAX)
 		return ep__fail(EP_EINVAL, "group name longer than %d",
 				EP_GROUP_NAME_MAX);

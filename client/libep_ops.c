@@ -48,6 +48,19 @@ int ep_get_buffers(ep_group_t *g, struct ep_buffers *b)
 	return 0;
 }
 
+uint32_t ep_group_recv_areas(const ep_group_t *g)
+{
+	return g ? g->layout.recv_areas : 0;
+}
+
+const void *ep_recv_area(ep_group_t *g, uint32_t a)
+{
+	if (!g || a >= g->layout.recv_areas)
+		return NULL;
+	return region(g, EPP_BUF_RECV_X) +
+	       (uint64_t)a * g->layout.recv_area_bytes;
+}
+
 static struct ek_shape shape_of(const ep_group_t *g)
 {
 	return (struct ek_shape){.world = g->cfg.world_size,
@@ -90,8 +103,13 @@ int ep__dispatch_request(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 			 uint32_t *len)
 {
 	struct epp_dispatch dd, *d = &dd; /* filled, then encoded */
-	if (flags & ~EP_DISPATCH_WEIGHTS)
+	if (flags & ~(EP_DISPATCH_WEIGHTS | EP_DISPATCH_AREA(~0u)))
 		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
+	uint32_t area = flags >> 24;
+	if (area >= g->layout.recv_areas)
+		return ep__fail(EP_EINVAL,
+				"receive area %u: the group has %u", area,
+				g->layout.recv_areas);
 	/* Too many tokens: the request goes to the daemon all the same (a GPU
 	 * rank's with its doorbell): the op then fails for every rank of the
 	 * group at once (EP_ETOOBIG), changing nothing, instead of the others
@@ -101,9 +119,10 @@ int ep__dispatch_request(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 				   .hidden = g->cfg.hidden,
 				   .dtype = g->cfg.dtype,
 				   .topk = g->cfg.topk,
-				   .flags = flags & EP_DISPATCH_WEIGHTS
-						    ? EPP_DISPATCH_WEIGHTS
-						    : 0};
+				   .flags = (flags & EP_DISPATCH_WEIGHTS
+						     ? EPP_DISPATCH_WEIGHTS
+						     : 0) |
+					    area << EPP_DISPATCH_AREA_SHIFT};
 	if (cached) {
 		int rc = ep__check_handle(g, cached);
 		if (rc)

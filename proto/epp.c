@@ -261,6 +261,9 @@ size_t epp_join_encode(const struct epp_join *j, uint8_t *out, size_t cap)
 			epp_put_u8(&w, j->gpu_uuid[i]);
 		epp_put_u32(&w, j->rank_flags);
 	}
+	/* 1.12: only above one (older daemons read the rest) */
+	if (j->recv_areas > 1)
+		epp_put_u32(&w, j->recv_areas);
 	return w.err ? 0 : w.off;
 }
 
@@ -297,13 +300,20 @@ int epp_join_decode(const uint8_t *p, size_t len, struct epp_join *j,
 	j->timeout_ms = epp_get_u32(&r);
 	memset(j->gpu_uuid, 0, sizeof(j->gpu_uuid));
 	j->rank_flags = 0;
-	if (r.len - r.off == 20) {
+	j->recv_areas = 1;
+	size_t tail = r.len >= r.off ? r.len - r.off : 0;
+	if (tail == 20 || tail == 24) {
 		for (int i = 0; i < 16; i++)
 			j->gpu_uuid[i] = epp_get_u8(&r);
 		j->rank_flags = epp_get_u32(&r);
 		if (epp_uuid_is_zero(j->gpu_uuid) ||
 		    (j->rank_flags & ~EPP_RANK_MPS))
 			r.err = true; /* a host rank sends no UUID at all */
+	}
+	if (tail == 4 || tail == 24) {
+		j->recv_areas = epp_get_u32(&r);
+		if (j->recv_areas < 2)
+			r.err = true; /* one area is sent as none */
 	}
 	if (epp_rd_end(&r)) {
 		ERRF("malformed join payload (%zu bytes)", len);
@@ -353,6 +363,16 @@ int epp_join_decode(const uint8_t *p, size_t len, struct epp_join *j,
 	if (j->dtype != EP_DTYPE_BF16 && j->dtype != EP_DTYPE_FP8) {
 		ERRF("unknown dtype %u", j->dtype);
 		return EP_EINVAL;
+	}
+	if (j->recv_areas > EPP_MAX_RECV_AREAS) {
+		ERRF("recv_areas %u above %u", j->recv_areas,
+		     EPP_MAX_RECV_AREAS);
+		return EP_EINVAL;
+	}
+	if (j->recv_areas > 1 && j->world_size != j->ranks_per_node) {
+		ERRF("recv_areas %u: a group across nodes has one area",
+		     j->recv_areas);
+		return EP_EUNSUPPORTED;
 	}
 	if (j->timeout_ms > EPP_MAX_TIMEOUT_MS) {
 		ERRF("timeout_ms %u above %u", j->timeout_ms,
@@ -605,7 +625,9 @@ int epp_buf_layout(const struct epp_join *s, struct epp_buf *b)
 	sizes[EPP_BUF_X_SCALES] = T * b->nscales * 4;
 	sizes[EPP_BUF_TOPK_IDX] = T * K * 8;
 	sizes[EPP_BUF_TOPK_WEIGHTS] = T * K * 4;
-	sizes[EPP_BUF_RECV_X] = R * H * b->elt;
+	b->recv_areas = s->recv_areas > 1 ? s->recv_areas : 1;
+	b->recv_area_bytes = R * H * b->elt;
+	sizes[EPP_BUF_RECV_X] = b->recv_area_bytes * b->recv_areas;
 	sizes[EPP_BUF_RECV_SCALES] = R * b->nscales * 4;
 	sizes[EPP_BUF_RECV_TOPK_IDX] = R * K * 8;
 	sizes[EPP_BUF_RECV_TOPK_WEIGHTS] = R * K * 4;

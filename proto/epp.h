@@ -66,6 +66,12 @@
  *        into the peers' regions from the rank's own stream); the OK
  *        carries its size and one descriptor. The daemon makes the
  *        group's regions at the first request and never reads them.
+ *   1.12 JOIN may end with u32 recv_areas (2..EPP_MAX_RECV_AREAS, sent only
+ *        above 1): the receive rows field holds that many areas of
+ *        [R_max, H], one after the other, and a DISPATCH names in its
+ *        flags (EPP_DISPATCH_AREA) the area its received rows go to, each
+ *        rank its own. Every rank of a group joins with the same number;
+ *        a group across nodes has one area.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -84,7 +90,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 11
+#define EPP_VERSION_MINOR 12
 /* Stream-ordered ops a GPU rank may have in flight (libep waits before
  * more; the daemon's rings are this deep). */
 #define EPP_MAX_INFLIGHT 1024
@@ -158,6 +164,7 @@ struct epp_join {
 	uint32_t timeout_ms;
 	uint8_t gpu_uuid[16]; /* all zero: a host rank */
 	uint32_t rank_flags;  /* EPP_RANK_*, with a UUID only */
+	uint32_t recv_areas;  /* 1.12: areas of received rows, 1 or more */
 };
 
 #define EPP_RANK_MPS 0x1 /* the rank's CUDA context runs under MPS */
@@ -228,6 +235,12 @@ struct epp_hello_ok {
 /* Peer XMETA only (1.8): that rank asked for more tokens than the group's
  * maximum; it takes part with none, and the op fails for every rank. */
 #define EPP_DISPATCH_TOOBIG 0x80
+/* 1.12: the area of recv_x this rank's received rows go to (bits 24..31;
+ * below the group's recv_areas) */
+#define EPP_DISPATCH_AREA_SHIFT 24
+#define EPP_DISPATCH_AREA_MASK 0xff000000u
+#define EPP_DISPATCH_AREA_OF(f) ((uint32_t)(f) >> EPP_DISPATCH_AREA_SHIFT)
+#define EPP_MAX_RECV_AREAS 16u
 #define EPP_COMBINE_BIAS 0x1     /* add the bias region */
 #define EPP_COMBINE_BIAS2 0x4    /* and the second bias region (1.9) */
 #define EPP_COMBINE_WEIGHTS 0x2  /* sum combine_w into combined_w (1.8) */
@@ -320,7 +333,10 @@ int epp_combine_decode(const uint8_t *p, size_t len, struct epp_combine *c);
  *               0..s (DeepEP's rank_prefix_matrix), the same on every
  *               rank; combine_bias2 [T_max, H] bf16 (EPP_COMBINE_BIAS2:
  *               DeepEP's pair of biases, added after the first)
- * R_max = W * T_max: every token of every rank could come here.
+ * R_max = W * T_max: every token of every rank could come here. With
+ * recv_areas > 1 (1.12) the recv_x field is that many [R_max, H] areas,
+ * area a at off[EPP_BUF_RECV_X] + a * recv_area_bytes; the other fields
+ * are one each.
  */
 enum epp_buf_field {
 	EPP_BUF_X,
@@ -354,6 +370,8 @@ struct epp_buf {
 	uint32_t max_tokens;   /* T_max */
 	uint64_t max_recv;     /* R_max */
 	uint32_t nscales;      /* H/128 for fp8, else 0 */
+	uint32_t recv_areas;   /* areas in the recv_x field (1.12) */
+	uint64_t recv_area_bytes; /* R_max * H * elt: one area */
 };
 
 /* Compute the layout from a (validated) join. 0, or EP_ETOOBIG. */
@@ -365,6 +383,12 @@ static inline uint64_t epp_buf_field(const struct epp_buf *b, uint32_t l,
 				     int field)
 {
 	return EPP_BUF_HEADER + (uint64_t)l * b->rank_stride + b->off[field];
+}
+
+/* Offset within a rank's region of recv_x area a (below recv_areas). */
+static inline uint64_t epp_buf_recv_area(const struct epp_buf *b, uint32_t a)
+{
+	return b->off[EPP_BUF_RECV_X] + (uint64_t)a * b->recv_area_bytes;
 }
 
 /* Little-endian cursor over a payload. A read past the end, or a string

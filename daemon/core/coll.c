@@ -158,7 +158,8 @@ int epd_group_async(struct epd_session *c, uint64_t req_id, uint64_t gid,
 	}
 	const struct epp_join *s = &g->shape;
 	uint32_t known = op->type == EPP_DISPATCH
-				 ? EPP_DISPATCH_WEIGHTS | EPP_DISPATCH_CACHED
+				 ? EPP_DISPATCH_WEIGHTS | EPP_DISPATCH_CACHED |
+					   EPP_DISPATCH_AREA_MASK
 			 : op->type == EPP_COMBINE
 				 ? EPP_COMBINE_BIAS | EPP_COMBINE_BIAS2 |
 					   EPP_COMBINE_WEIGHTS
@@ -171,6 +172,15 @@ int epd_group_async(struct epd_session *c, uint64_t req_id, uint64_t gid,
 			       "flags 0x%x",
 			       m->rank, epp_type_name(op->type),
 			       op->flags & ~known);
+		return EP_EINVAL;
+	}
+	if (op->type == EPP_DISPATCH &&
+	    EPP_DISPATCH_AREA_OF(op->flags) >= g->layout.recv_areas) {
+		epd_group_fail(g, EP_EINVAL,
+			       "rank %u sent a stream-ordered dispatch into "
+			       "receive area %u of %u",
+			       m->rank, EPP_DISPATCH_AREA_OF(op->flags),
+			       g->layout.recv_areas);
 		return EP_EINVAL;
 	}
 	/* Too many tokens: as for a host rank, the rank takes part with none

@@ -458,10 +458,12 @@ static struct epd_group *group_create(struct epd_server *srv, uid_t owner,
 	g->timer.data = g;
 	list_add_tail(&srv->groups, &g->node);
 	epd_info("group %s (id %lu) created: world %u, %u per node, node %u, "
-		 "%u experts, hidden %u, %u tokens, top-%u, timeout %u ms",
+		 "%u experts, hidden %u, %u tokens, top-%u, timeout %u ms, "
+		 "%u receive area%s",
 		 g->shape.name, (unsigned long)g->id, j->world_size,
 		 j->ranks_per_node, g->node_index, j->num_experts, j->hidden,
-		 j->max_tokens, j->topk, g->timeout_ms);
+		 j->max_tokens, j->topk, g->timeout_ms, g->layout.recv_areas,
+		 g->layout.recv_areas == 1 ? "" : "s");
 	return g;
 
 err_free:
@@ -500,6 +502,7 @@ static int shape_check(const struct epd_group *g, const struct epp_join *j,
 	CHECK(max_tokens)
 	CHECK(topk)
 	CHECK(dtype)
+	CHECK(recv_areas)
 #undef CHECK
 	uint32_t t = j->timeout_ms ? j->timeout_ms : g->srv->cfg.timeout_ms;
 	if (t != g->timeout_ms) {

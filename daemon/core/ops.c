@@ -375,7 +375,10 @@ static void job_submit(struct epd_group *g)
 					   ? (float *)epd_region(g, l,
 							     EPP_BUF_TOPK_WEIGHTS)
 					   : NULL;
-		io->recv_x = epd_region(g, l, EPP_BUF_RECV_X);
+		io->recv_x = epd_region(g, l, EPP_BUF_RECV_X) +
+			     (j->type == EPP_DISPATCH
+				      ? EPP_DISPATCH_AREA_OF(m->op_flags)
+				      : 0) * g->layout.recv_area_bytes;
 		io->recv_scales = (float *)epd_region(g, l, EPP_BUF_RECV_SCALES);
 		io->recv_topk_idx = (int64_t *)epd_region(g, l,
 						      EPP_BUF_RECV_TOPK_IDX);
@@ -487,9 +490,18 @@ int epd_op_dispatch(struct epd_session *c, uint64_t req_id,
 	struct epd_group *g = m->group;
 	const struct epp_join *s = &g->shape;
 	bool cached = d->flags & EPP_DISPATCH_CACHED;
-	if (d->flags & ~(EPP_DISPATCH_WEIGHTS | EPP_DISPATCH_CACHED)) {
+	if (d->flags & ~(EPP_DISPATCH_WEIGHTS | EPP_DISPATCH_CACHED |
+			 EPP_DISPATCH_AREA_MASK)) {
 		epd_session_error(c, req_id, EP_EINVAL,
 				 "unknown dispatch flags 0x%x", d->flags);
+		return EP_EINVAL;
+	}
+	if (EPP_DISPATCH_AREA_OF(d->flags) >= g->layout.recv_areas) {
+		epd_session_error(c, req_id, EP_EINVAL,
+				 "dispatch into receive area %u of group %s, "
+				 "which has %u",
+				 EPP_DISPATCH_AREA_OF(d->flags), s->name,
+				 g->layout.recv_areas);
 		return EP_EINVAL;
 	}
 	if (d->hidden != s->hidden || d->dtype != s->dtype ||

@@ -256,6 +256,9 @@ enum {
 struct ekc_disp_args {
 	CUdeviceptr region[EKC_MAX_LOCAL];
 	uint64_t off[EKC_F_N];
+	/* recv_x of rank l: its region + rx[l] (the receive area its op
+	 * named; off[EKC_F_RECV_X] is not used) */
+	uint64_t rx[EKC_MAX_LOCAL];
 	uint32_t tokens[EKC_MAX_LOCAL]; /* T of each rank (the handle's) */
 	uint64_t weights_mask;          /* ranks that gave topk_weights */
 	uint64_t rank_mask;             /* copy: sources, combine: homes this

@@ -207,6 +207,118 @@ static int arg_rank(int r, void *arg)
 	return 0;
 }
 
+/* Receive areas (EP_JOIN_RECV_AREAS): each rank names the area its rows go
+ * to, the others keep what earlier dispatches left there, the rows equal
+ * area 0's of the same dispatch; a cached dispatch too; an area past the
+ * group's is refused for that rank alone; a join with another number of
+ * areas is refused. */
+#define AREAS 3
+static int areas_rank(int r, void *arg)
+{
+	struct shared *s = arg;
+	ep_conn_t *c;
+	struct ep_group_config cfg = cfg_of("areas", r);
+	ep_group_t *g;
+	TH_OK(ep_connect(s->d->sock, &c));
+	TH_OK(ep_join(c, &cfg, EP_JOIN_RECV_AREAS(AREAS), &g));
+	TH_CHECK(ep_group_recv_areas(g) == AREAS, "areas: %u",
+		 ep_group_recv_areas(g));
+	struct ep_buffers b;
+	TH_OK(ep_get_buffers(g, &b));
+	const size_t row = H * 2, area = b.max_recv * row;
+	const uint8_t *a[AREAS];
+	for (uint32_t i = 0; i < AREAS; i++) {
+		a[i] = ep_recv_area(g, i);
+		TH_CHECK(a[i] == (const uint8_t *)b.recv_x + i * area,
+			 "area %u's address", i);
+	}
+	TH_CHECK(!ep_recv_area(g, AREAS), "an area past the group's");
+	/* dispatch 1 into area 0 (the reference rows), then the same
+	 * routing of other rows into this rank's area 1 + r % 2 */
+	fill(g, r, 8);
+	ep_handle_t h0, h1, hc;
+	TH_OK(ep_dispatch_inplace(g, 8, 0, NULL, &h0));
+	uint8_t *ref = malloc(h0.num_recv * row);
+	memcpy(ref, a[0], h0.num_recv * row);
+	uint32_t mine = 1 + (uint32_t)r % 2;
+	memset((void *)a[mine], 0xee, area); /* the rank's own area */
+	uint16_t *x = b.x;
+	for (uint32_t i = 0; i < 8 * H; i++)
+		x[i] ^= 0x0101; /* other rows, the same routing */
+	TH_OK(ep_dispatch_inplace(g, 8, EP_DISPATCH_AREA(mine), NULL, &h1));
+	TH_CHECK(h1.num_recv == h0.num_recv, "rows %u vs %u", h1.num_recv,
+		 h0.num_recv);
+	TH_CHECK(!memcmp(a[0], ref, h0.num_recv * row),
+		 "area 0 changed by a dispatch into area %u", mine);
+	for (size_t i = 0; i < h0.num_recv * row; i += 2) {
+		uint16_t v, w;
+		memcpy(&v, a[mine] + i, 2);
+		memcpy(&w, ref + i, 2);
+		TH_CHECK(v == (uint16_t)(w ^ 0x0101),
+			 "area %u row %zu: %04x, expected %04x", mine,
+			 i / row, v, w ^ 0x0101);
+	}
+	TH_CHECK(a[mine][h0.num_recv * row] == 0xee,
+		 "area %u written past its rows", mine);
+	/* a cached dispatch of the first rows into the other area */
+	uint32_t other = 3 - mine;
+	for (uint32_t i = 0; i < 8 * H; i++)
+		x[i] ^= 0x0101;
+	TH_OK(ep_dispatch_inplace(g, 8, EP_DISPATCH_AREA(other), &h0, &hc));
+	TH_CHECK(!memcmp(a[other], ref, h0.num_recv * row),
+		 "cached dispatch into area %u", other);
+	/* area `mine` kept dispatch 2's rows */
+	uint16_t v0, w0;
+	memcpy(&v0, a[mine], 2);
+	memcpy(&w0, ref, 2);
+	TH_CHECK(!h0.num_recv || v0 == (uint16_t)(w0 ^ 0x0101),
+		 "area %u overwritten", mine);
+	/* combine reads combine_y, whatever the areas */
+	TH_OK(ep_combine_inplace(g, &h1, 0));
+	/* a bad area: refused by libep, and by the daemon (rank 1 alone,
+	 * raw request in raw_checks) */
+	ep_handle_t hh;
+	TH_EXPECT_RC(ep_dispatch_inplace(g, 8, EP_DISPATCH_AREA(AREAS), NULL,
+					 &hh),
+		     EP_EINVAL);
+	TH_CHECK(strstr(ep_errmsg(), "receive area 3"), "message: %s",
+		 ep_errmsg());
+	TH_OK(ep_barrier(g));
+	free(ref);
+	TH_OK(ep_handle_release(g, &h0));
+	TH_OK(ep_handle_release(g, &h1));
+	TH_CHECK(hc.seq == h0.seq, "a cached dispatch's handle"); /* released */
+	if (r == 0) {
+		/* joining with another number of areas, or too many */
+		ep_conn_t *c1;
+		ep_group_t *g1;
+		struct ep_group_config o = cfg_of("areas", 1);
+		TH_OK(ep_connect(s->d->sock, &c1));
+		TH_EXPECT_RC(ep_join(c1, &o, EP_JOIN_NOWAIT, &g1),
+			     EP_EMISMATCH);
+		TH_CHECK(strstr(ep_errmsg(), "recv_areas 3"), "message: %s",
+			 ep_errmsg());
+		printf("ok: receive areas: rows where each rank named, the "
+		       "others kept; another count at join -> %s\n",
+		       ep_errmsg());
+		TH_EXPECT_RC(ep_join(c1, &o, EP_JOIN_RECV_AREAS(17), &g1),
+			     EP_EINVAL);
+		struct ep_group_config two = cfg_of("areas-2n", 1);
+		two.world_size = 2 * W;
+		TH_EXPECT_RC(ep_join(c1, &two,
+				     EP_JOIN_NOWAIT | EP_JOIN_RECV_AREAS(2),
+				     &g1),
+			     EP_EUNSUPPORTED);
+		printf("ok: 17 areas, areas across nodes -> %s\n",
+		       ep_errmsg());
+		ep_close(c1);
+	}
+	TH_OK(ep_barrier(g));
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	return 0;
+}
+
 /* Ranks that disagree on the handle: the group fails with EP_EMISMATCH. */
 static int mismatch_rank(int r, void *arg)
 {
@@ -396,6 +508,9 @@ static void raw_checks(const struct th_daemon *d)
 		  .flags = 0x80},
 		 EP_EINVAL, "unknown dispatch flags"},
 		{{.num_tokens = 1, .hidden = 128, .dtype = 1, .topk = 2,
+		  .flags = 1u << EPP_DISPATCH_AREA_SHIFT},
+		 EP_EINVAL, "receive area 1 of group raw, which has 1"},
+		{{.num_tokens = 1, .hidden = 128, .dtype = 1, .topk = 2,
 		  .flags = EPP_DISPATCH_CACHED, .handle = {.seq = 1}},
 		 EP_ESTALE, "handle belongs to group"},
 	};
@@ -471,6 +586,8 @@ int main(void)
 	TH_CHECK(th_wait_all(pids, W, 60) == 0, "bad expert case");
 	th_spawn(pids, W, arg_rank, s);
 	TH_CHECK(th_wait_all(pids, W, 60) == 0, "argument case");
+	th_spawn(pids, W, areas_rank, s);
+	TH_CHECK(th_wait_all(pids, W, 60) == 0, "receive areas case");
 	th_spawn(pids, W, toobig_rank, s);
 	TH_CHECK(th_wait_all(pids, W, 60) == 0, "too many tokens case");
 	printf("ok: one rank's dispatch of too many tokens -> every rank at "

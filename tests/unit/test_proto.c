@@ -60,9 +60,74 @@ static struct epp_join good_join(void)
 	struct epp_join j = {.world_size = 8, .ranks_per_node = 4, .rank = 5,
 			     .num_experts = 256, .hidden = 7168,
 			     .max_tokens = 4096, .topk = 8,
-			     .dtype = EP_DTYPE_FP8, .timeout_ms = 100};
+			     .dtype = EP_DTYPE_FP8, .timeout_ms = 100,
+			     .recv_areas = 1};
 	strcpy(j.name, "moe:0.layer-1_a");
 	return j;
+}
+
+/* 1.12: receive areas, a host and a GPU join; one area is sent as none;
+ * the count is bounded; one-node groups only; the layout holds them. */
+static void join_areas(void)
+{
+	uint8_t b[256];
+	char err[256];
+	struct epp_join j = good_join(), o;
+	j.ranks_per_node = 8;
+	size_t n1 = epp_join_encode(&j, b, sizeof(b));
+	for (int gpu = 0; gpu < 2; gpu++) {
+		j.recv_areas = 3;
+		if (gpu) {
+			memset(j.gpu_uuid, 0xab, sizeof(j.gpu_uuid));
+			j.rank_flags = EPP_RANK_MPS;
+		}
+		size_t n = epp_join_encode(&j, b, sizeof(b));
+		TH_CHECK(n == n1 + 4 + (gpu ? 20 : 0), "areas sent: %zu", n);
+		memset(&o, 0x5a, sizeof(o));
+		memset(o.name, 0, sizeof(o.name));
+		TH_OK(epp_join_decode(b, n, &o, err, sizeof(err)));
+		TH_CHECK(!memcmp(&j, &o, sizeof(j)), "areas round trip");
+		/* an explicit count of 1 (or 0) is not how one area is sent */
+		for (uint32_t v = 0; v < 2; v++) {
+			struct epp_wr w;
+			epp_wr_init(&w, b + n - 4, 4);
+			epp_put_u32(&w, v);
+			TH_EXPECT_RC(epp_join_decode(b, n, &o, err,
+						     sizeof(err)),
+				     EP_EPROTO);
+		}
+		j.recv_areas = EPP_MAX_RECV_AREAS + 1;
+		n = epp_join_encode(&j, b, sizeof(b));
+		TH_EXPECT_RC(epp_join_decode(b, n, &o, err, sizeof(err)),
+			     EP_EINVAL);
+		TH_CHECK(strstr(err, "recv_areas 17"), "message '%s'", err);
+	}
+	j = good_join(); /* 8 ranks, 4 per node */
+	j.recv_areas = 2;
+	size_t n = epp_join_encode(&j, b, sizeof(b));
+	TH_EXPECT_RC(epp_join_decode(b, n, &o, err, sizeof(err)),
+		     EP_EUNSUPPORTED);
+	TH_CHECK(strstr(err, "across nodes"), "message '%s'", err);
+	/* the layout: area a lies a areas past the first, the fields
+	 * after them past all of them */
+	struct epp_buf one, three;
+	j.ranks_per_node = 8;
+	j.recv_areas = 1;
+	TH_OK(epp_buf_layout(&j, &one));
+	j.recv_areas = 3;
+	TH_OK(epp_buf_layout(&j, &three));
+	uint64_t area = (uint64_t)8 * 4096 * 7168;
+	TH_CHECK(three.recv_areas == 3 && three.recv_area_bytes == area &&
+			 one.recv_areas == 1 && one.recv_area_bytes == area,
+		 "areas of the layout");
+	TH_CHECK(epp_buf_recv_area(&three, 2) ==
+			 three.off[EPP_BUF_RECV_X] + 2 * area,
+		 "area 2's offset");
+	TH_CHECK(three.off[EPP_BUF_RECV_SCALES] >=
+			 three.off[EPP_BUF_RECV_X] + 3 * area,
+		 "the field after the areas");
+	TH_CHECK(three.rank_stride >= one.rank_stride + 2 * area,
+		 "a region holds the areas");
 }
 
 static void join_codec(void)
@@ -317,6 +382,7 @@ int main(void)
 	hdr_roundtrip();
 	hdr_rejects();
 	join_codec();
+	join_areas();
 	other_codecs();
 	frames_with_fds();
 	rbuf_frames();

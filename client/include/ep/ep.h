@@ -100,6 +100,13 @@ struct ep_group_config {
 #define EP_JOIN_NOWAIT 0x1u /* return before every local rank joined */
 #define EP_JOIN_CUDA 0x2u   /* a GPU rank on cfg->cuda_device: the daemon
 			       keeps its buffers in that GPU's memory */
+/* Receive areas: recv_x as n areas of [max_recv, hidden] (2..16; every
+ * rank of the group alike, else EP_EMISMATCH; one-node groups only, else
+ * EP_EUNSUPPORTED). Each dispatch names the area its received rows go to
+ * (EP_DISPATCH_AREA), so that a rank can keep one dispatch's rows while
+ * later ones arrive elsewhere (ep_recv_area gives each area's address). */
+#define EP_JOIN_RECV_AREAS(n) (((unsigned)(n) & 0xffu) << 8)
+#define EP_RECV_AREAS_MAX 16u
 
 /* Join (or create) a group. Blocks until every rank of this node joined
  * (or the timeout passed) unless flags has EP_JOIN_NOWAIT. */
@@ -170,6 +177,11 @@ struct ep_buffers {
 };
 
 int ep_get_buffers(ep_group_t *group, struct ep_buffers *out);
+/* The group's receive areas (1 unless joined with EP_JOIN_RECV_AREAS). */
+uint32_t ep_group_recv_areas(const ep_group_t *group);
+/* recv_x of area a ([max_recv, hidden]; a host address, or a device one
+ * for a GPU group), or NULL when a is not below ep_group_recv_areas. */
+const void *ep_recv_area(ep_group_t *group, uint32_t a);
 
 /* Local: tokens per rank [world], tokens per expert [num_experts] and
  * is_token_in_rank [num_tokens, world] (0/1) from topk_idx. */
@@ -179,6 +191,10 @@ int ep_get_dispatch_layout(ep_group_t *group, const int64_t *topk_idx,
 			   uint8_t *is_token_in_rank);
 
 #define EP_DISPATCH_WEIGHTS 0x1u /* topk_weights in the buffer are valid */
+/* ep_dispatch_inplace, ep_dispatch_stream: this rank's received rows (and
+ * only they: scales, indices and the rest have one place) go to receive
+ * area a (below the group's areas, else EP_EINVAL); area 0 is recv_x. */
+#define EP_DISPATCH_AREA(a) (((unsigned)(a) & 0xffu) << 24)
 #define EP_COMBINE_BIAS 0x1u     /* add combine_bias */
 #define EP_COMBINE_BIAS2 0x4u    /* and combine_bias2 (DeepEP's bias pair) */
 #define EP_COMBINE_WEIGHTS 0x2u  /* also sum combine_topk_weights (each

@@ -196,6 +196,14 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 	a.cw = op0->type == EPP_COMBINE && (op0->flags & EPP_COMBINE_WEIGHTS);
 	for (int f = 0; f < EKC_F_N; f++)
 		a.off[f] = EKC_CTRL_BYTES + g->layout.off[f];
+	/* each rank's receive area (epd_group_async checked it) */
+	for (uint32_t l = 0; l < W; l++)
+		a.rx[l] = EKC_CTRL_BYTES +
+			  epp_buf_recv_area(&g->layout,
+					    op0->type == EPP_DISPATCH
+						    ? EPP_DISPATCH_AREA_OF(
+							      ops[l]->flags)
+						    : 0);
 	bool fresh = op0->type == EPP_DISPATCH &&
 		     !(op0->flags & EPP_DISPATCH_CACHED);
 	struct route *rt;
