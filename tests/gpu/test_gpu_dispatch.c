@@ -118,9 +118,13 @@ static int case_rank(int r, void *arg)
 
 	/* The CUDA backend. */
 	TH_OK(ep_connect(x->gpu->sock, &gc));
-	TH_OK(ep_join(gc, &cfg, EP_JOIN_CUDA, &g));
+	/* two receive areas: the rerun below goes to area 1 */
+	TH_OK(ep_join(gc, &cfg, EP_JOIN_CUDA | EP_JOIN_RECV_AREAS(2), &g));
 	struct ep_buffers b;
 	TH_OK(ep_get_buffers(g, &b));
+	TH_CHECK(ep_recv_area(g, 0) == b.recv_x && ep_recv_area(g, 1) &&
+			 !ep_recv_area(g, 2),
+		 "receive areas of a GPU group");
 	/* poison every output on the device */
 	CU(tg_drv.cuMemsetD8(tg_dptr(b.recv_x), POISON, cap * H * elt));
 	if (ns)
@@ -281,13 +285,30 @@ static int case_rank(int r, void *arg)
 
 	/* Again: identical bytes. Then cached dispatch of new data equals a
 	 * fresh dispatch of it (and the host backend's). */
+	/* The rerun into receive area 1 (each rank names its own): area 0
+	 * keeps the poison put there, area 1 gets the same bytes. */
 	ep_handle_t h2, hc2, h3;
-	TH_OK(ep_dispatch_stream(g, me->T, c->weights ? EP_DISPATCH_WEIGHTS : 0,
+	CU(tg_drv.cuMemsetD32Async(tg_dptr(b.recv_x), 0x01010101u * POISON,
+				   cap * H * elt / 4, st));
+	TH_OK(ep_dispatch_stream(g, me->T,
+				 (c->weights ? EP_DISPATCH_WEIGHTS : 0) |
+					 EP_DISPATCH_AREA(1),
 				 NULL, st, &h2));
 	uint8_t *gx2 = POISONED(cap * H * elt);
 	pin(gx2, cap * H * elt);
-	recv_x_after(g, st, &b, gx2, R * H * elt);
-	SAME(gx2, gx, R * H * elt, "recv_x of a rerun");
+	CU(tg_drv.cuMemcpyDtoHAsync(gx2, tg_dptr(ep_recv_area(g, 1)),
+				    R * H * elt, st));
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_OK(ep_group_sync(g));
+	SAME(gx2, gx, R * H * elt, "recv_x of a rerun into area 1");
+	{
+		uint8_t *chk = malloc(cap * H * elt);
+		CU(tg_drv.cuMemcpyDtoH(chk, tg_dptr(b.recv_x), cap * H * elt));
+		TH_CHECK(ALL_POISON(chk, cap * H * elt),
+			 "case %d rank %d: a dispatch into area 1 wrote area "
+			 "0", x->index, r);
+		free(chk);
+	}
 	CU(tg_drv.cuMemcpyHtoDAsync(tg_dptr(b.x), in2[r].x,
 				    (size_t)me->T * H * elt, st));
 	if (ns)

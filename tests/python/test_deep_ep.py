@@ -223,6 +223,18 @@ def rank_main(torch, dist, group, r, W):
     buf = deep_ep.Buffer(group, int(1e9), 0, explicitly_destroy=True)
     checks(torch, dist, deep_ep, buf, group, r, W, sock)
     buf.destroy()
+    # a recv_x tensor kept from checks() still holds its rows
+    global KEPT
+    (insS, rx), = KEPT
+    rows = ref_world(torch, W)[1][r]
+    same(rx, gather(insS, rows, "x", torch).reshape(len(rows), H),
+         "recv_x after the Buffer's end")
+    KEPT = None
+    del rx
+    gc.collect()
+
+
+KEPT = None
 
 
 def dev(torch, t):
@@ -381,6 +393,39 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
         ue8m0(r, 1)[:0]
     same(cx[1], want, "UE8M0 cached recv_x_scales")
     del hu
+
+    # Outputs are fresh tensors. GPU ranks of one node get the received
+    # rows in a receive area handed out as recv_x (no copy) until the tensor
+    # is freed (areas 1 and 2 of 3); outputs past that are copies. Each
+    # keeps its bytes through the later dispatches, a freed area is used
+    # again, and a tensor outlives the Buffer (rank_main's end).
+    sub = buf._subs[(H, False, K, E)]
+    areas = 3 if CUDA else 1
+    assert sub.g.recv_areas == areas, (sub.g.recv_areas, areas)
+    global KEPT
+    gc.collect()
+    base, free0 = sub.leases, len(sub.free)  # (earlier outputs alive)
+    assert base + free0 == areas - 1, (base, free0)
+    kept = []
+    for salt in range(20, 26):
+        insS, _ = ref_world(torch, W, salt=salt)
+        kept.append((insS, buf.dispatch(D(insS[r]["x"]),
+                                         topk_idx=D(me["idx"]),
+                                         **layout)[0]))
+    assert sub.leases == base + (min(free0, 6) if R else 0), sub.leases
+    for insS, rx in kept:
+        same(rx, gather(insS, rows, "x", torch).reshape(R, H),
+             "recv_x kept through later dispatches")
+    KEPT = kept[:1]  # checked after the Buffer's end
+    del kept, insS, rx
+    gc.collect()
+    one = 1 if free0 and R else 0  # KEPT's
+    assert sub.leases == base + one, sub.leases
+    assert len(sub.free) == free0 - one, (len(sub.free), free0)
+    rx = buf.dispatch(D(me["x"]), topk_idx=D(me["idx"]), **layout)[0]
+    same(rx, gather(ins, rows, "x", torch).reshape(R, H),
+         "recv_x in an area used again")
+    del rx
 
     # A cached dispatch in the other dtype than the handle's dispatch
     # (DeepEP's routing does not depend on it): twice, the second time on

@@ -172,9 +172,13 @@ class _LLRecv(ctypes.Structure):
 
 
 class _DeviceArray:
-    """Device memory of the group, for torch.as_tensor (zero copy)."""
+    """Device memory of the group, for torch.as_tensor (zero copy; the
+    tensor keeps this object alive)."""
 
-    def __init__(self, ptr, shape, typestr):
+    def __init__(self, ptr=0, shape=(0,), typestr="|u1"):
+        self._set(ptr, shape, typestr)
+
+    def _set(self, ptr, shape, typestr):
         self.__cuda_array_interface__ = {
             "shape": tuple(shape), "typestr": typestr, "data": (ptr, False),
             "version": 3, "strides": None}
@@ -210,6 +214,10 @@ _lib.ep_dispatch_stream.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
 _lib.ep_combine_stream.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle),
                                    ctypes.c_uint, ctypes.c_void_p]
 _lib.ep_handle_release.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle)]
+_lib.ep_group_recv_areas.argtypes = [ctypes.c_void_p]
+_lib.ep_group_recv_areas.restype = ctypes.c_uint32
+_lib.ep_recv_area.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
+_lib.ep_recv_area.restype = ctypes.c_void_p
 _lib.ep_dispatch_recv_count_device.argtypes = [ctypes.c_void_p]
 _lib.ep_dispatch_recv_count_device.restype = ctypes.c_uint64
 _lib.ep_dispatch_recv_count.argtypes = [ctypes.c_void_p,
@@ -367,15 +375,33 @@ class Group:
     _TYPES = {"bf16": ("<i2", 2), "fp8": ("|u1", 1), "int64": ("<i8", 8),
               "float32": ("<f4", 4), "int32": ("<i4", 4)}
 
-    def tensor(self, field, shape, dtype):
+    def tensor(self, field, shape, dtype, area=0, owner=None):
         """A torch tensor over a field of this rank's device buffers (names
         as in struct ep_buffers: x, topk_idx, recv_x, combine_y, ...);
-        bf16 fields come back as torch.bfloat16."""
+        bf16 fields come back as torch.bfloat16. area: recv_x's receive
+        area (see recv_areas). owner: an object of class _DeviceArray's
+        kind to carry the memory (the tensor keeps it alive), else one is
+        made."""
         import torch
         typestr, _ = self._TYPES[dtype]
-        t = torch.as_tensor(_DeviceArray(self._field_ptr(field), shape,
-                                         typestr), device="cuda")
+        if area:
+            if field != "recv_x":
+                raise ValueError("only recv_x has receive areas")
+            ptr = _lib.ep_recv_area(self._g, area)
+            if not ptr:
+                raise ValueError(f"no receive area {area} in this group")
+        else:
+            ptr = self._field_ptr(field)
+        a = owner if owner is not None else _DeviceArray(ptr, shape, typestr)
+        if owner is not None:
+            a._set(ptr, shape, typestr)
+        t = torch.as_tensor(a, device="cuda")
         return t.view(torch.bfloat16) if dtype == "bf16" else t
+
+    @property
+    def recv_areas(self):
+        """Receive areas of recv_x (Conn.join's recv_areas)."""
+        return _lib.ep_group_recv_areas(self._g)
 
     def _field_ptr(self, field):
         b = _Buffers()
@@ -422,12 +448,16 @@ class Group:
         _check(_lib.ep_barrier_stream(self._g, self._stream(stream)))
 
     def dispatch_stream(self, num_tokens, stream=None, weights=False,
-                        handle=None):
+                        handle=None, area=0):
         """Enqueue a dispatch of the first num_tokens rows of the x,
-        topk_idx (and topk_weights) buffers; returns its Handle at once."""
+        topk_idx (and topk_weights) buffers; returns its Handle at once.
+        area: the receive area this rank's rows go to."""
+        if not 0 <= area < 256:
+            raise ValueError(f"receive area {area} out of range")
         h = Handle()
         _check(_lib.ep_dispatch_stream(
-            self._g, num_tokens, DISPATCH_WEIGHTS if weights else 0,
+            self._g, num_tokens,
+            (DISPATCH_WEIGHTS if weights else 0) | (int(area) & 0xff) << 24,
             ctypes.byref(handle) if handle else None, self._stream(stream),
             ctypes.byref(h)))
         return h
@@ -606,21 +636,26 @@ class Conn:
 
     def join(self, name, world_size, ranks_per_node, rank, num_experts,
              hidden, max_tokens_per_rank, topk, dtype=BF16, timeout_ms=0,
-             wait=True, cuda_device=None):
+             wait=True, cuda_device=None, recv_areas=1):
         """cuda_device: a GPU rank on that device (its buffers in GPU
-        memory; use the *_stream methods and Group.tensor)."""
+        memory; use the *_stream methods and Group.tensor). recv_areas:
+        recv_x as that many areas (1..16, every rank alike, one-node
+        groups); each dispatch names the area its rows go to."""
         cfg = dict(name=name, world_size=world_size,
                    ranks_per_node=ranks_per_node, rank=rank,
                    num_experts=num_experts, hidden=hidden,
                    max_tokens_per_rank=max_tokens_per_rank, topk=topk,
                    dtype=dtype, timeout_ms=timeout_ms,
                    cuda_device=cuda_device)
+        if not 1 <= recv_areas <= 16:
+            raise ValueError(f"recv_areas {recv_areas}: 1..16")
         gc = _GroupConfig(name.encode(), world_size, ranks_per_node, rank,
                           num_experts, hidden, max_tokens_per_rank, topk,
                           dtype, timeout_ms,
                           0 if cuda_device is None else cuda_device)
         flags = (0 if wait else JOIN_NOWAIT) | \
-            (JOIN_CUDA if cuda_device is not None else 0)
+            (JOIN_CUDA if cuda_device is not None else 0) | \
+            (int(recv_areas) & 0xff) << 8
         g = ctypes.c_void_p()
         _check(_lib.ep_join(self._conn, ctypes.byref(gc), flags,
                             ctypes.byref(g)))

@@ -121,6 +121,41 @@ class _Routing:
         self.entries = [(weakref.ref(sub), h)]
 
 
+def _recv_areas(buf, tag):
+    """Receive areas of a shape's group: $EPD_DEEP_EP_RECV_AREAS (default
+    3, at most 16) for the normal ops of GPU ranks of a one-node group,
+    else 1. Area 0 stays the staging area of the copy path."""
+    if buf._device is None or buf._rpn != buf.group_size or tag:
+        return 1
+    n = int(os.environ.get("EPD_DEEP_EP_RECV_AREAS", "3"))
+    if not 1 <= n <= 16:
+        raise ValueError(f"EPD_DEEP_EP_RECV_AREAS={n}: 1..16")
+    return n
+
+
+class _Lease(epd._DeviceArray):
+    """One receive area handed out as a dispatch's recv_x: torch keeps
+    this object alive as long as the tensor's storage (any view of it), and
+    its end gives the area back, with an event on the stream current then
+    that the area's next dispatch waits for."""
+
+    def __init__(self, sub, area):
+        super().__init__()
+        self.sub, self.area = sub, area
+        sub.leases += 1
+
+    def __del__(self):
+        sub, self.sub = self.sub, None
+        if sub is None:
+            return
+        try:
+            ev = _torch().cuda.Event()
+            ev.record()
+        except Exception:  # interpreter shutdown: the area stays taken
+            ev = None
+        sub.give_back(self.area, ev)
+
+
 class _Sub:
     """One epd group of one shape, and views of this rank's buffers."""
 
@@ -132,13 +167,18 @@ class _Sub:
         self.per = E // self.W
         self.cap = self.W * tmax
         self.gpu = buf._device is not None
+        self.leases, self.leaving = 0, False
+        areas = _recv_areas(buf, tag)
+        # areas 1.. are handed out as recv_x tensors (_Lease), each with
+        # the event its next dispatch waits for (None: none needed)
+        self.free = [(a, None) for a in range(areas - 1, 0, -1)]
         name = f"{buf._name}-{tag}{H}-{'f' if fp8 else 'b'}{K}-{E}"
         self.g = buf._conn.join(
             name, world_size=self.W, ranks_per_node=buf._rpn,
             rank=buf.rank, num_experts=E, hidden=H,
             max_tokens_per_rank=tmax, topk=K,
             dtype=epd.FP8 if fp8 else epd.BF16,
-            cuda_device=buf._device)
+            cuda_device=buf._device, recv_areas=areas)
         if not self.gpu:
             return
         t, cap, ns = self.g.tensor, self.cap, H // 128
@@ -166,7 +206,25 @@ class _Sub:
                                    device="cpu", pin_memory=True)
         self.pe_ev = torch.cuda.Event()  # pe_host's copy done
 
+    def take(self):
+        """A free receive area and its event, or (0, None): none free
+        (the copy path)."""
+        return self.free.pop() if self.free and self.g is not None \
+            else (0, None)
+
+    def give_back(self, area, ev):
+        self.leases -= 1
+        if ev is not None:
+            self.free.append((area, ev))
+        if self.leaving and not self.leases:
+            self.leave()
+
     def leave(self):
+        """Leave the group, once no recv_x tensor lives in its areas (the
+        Buffer's end does not free memory a tensor still uses)."""
+        if self.leases:
+            self.leaving = True
+            return
         if self.g is not None:
             g, self.g = self.g, None
             try:
@@ -235,9 +293,13 @@ class Buffer:
     def _destroy(self):
         for s in self._subs.values():
             s.leave()
+        held = any(s.leaving for s in self._subs.values())
         self._subs = {}
         if self._conn is not None:
-            self._conn.close()
+            # a group that recv_x tensors still use keeps the connection
+            # (its Group object holds it) until the last one is freed
+            if not held:
+                self._conn.close()
             self._conn = None
 
     def __del__(self):
@@ -512,6 +574,29 @@ class Buffer:
             sub.g.dispatch_stream(T, stream=comm,
                                   weights=topk_weights is not None)
             raise AssertionError("a dispatch of too many tokens succeeded")
+        # the received rows go straight to a free receive area, handed out
+        # as recv_x (no copy); with none free (or in a CUDA graph, where a
+        # replay would write the captured area again) to area 0 and copied
+        area, aev = (0, None) if torch.cuda.is_current_stream_capturing() \
+            else sub.take()
+        if aev is not None:
+            comm.wait_event(aev)  # the area's last user is done with it
+        held = [area]  # the area, until a recv_x tensor owns it
+        try:
+            return self._gpu_dispatch_in(sub, x, xs, topk_idx, topk_weights,
+                                         in_rank, rt, worst, async_finish,
+                                         alloc_comm, compute, comm, held)
+        finally:
+            if held[0]:  # failed, or no rows: the area is free again
+                sub.free.append((held[0], None))
+
+    def _gpu_dispatch_in(self, sub, x, xs, topk_idx, topk_weights, in_rank,
+                         rt, worst, async_finish, alloc_comm, compute, comm,
+                         held):
+        torch = _torch()
+        area = held[0]
+        T, H, K = x.size(0), sub.H, sub.K
+        cached = rt is not None
         with torch.cuda.stream(comm):
             if T:
                 sub.x[:T].copy_(x.view(torch.uint8) if sub.fp8 else x)
@@ -530,7 +615,7 @@ class Buffer:
                 kept = sub.topk[:T].clone()  # the routing input
             h = sub.g.dispatch_stream(
                 T, stream=comm, weights=topk_weights is not None,
-                handle=rt.h if cached else None)
+                handle=rt.h if cached else None, area=area)
             if not cached and not worst:
                 sub.pe_host.copy_(sub.pe, non_blocking=True)
                 sub.pe_ev.record(comm)
@@ -549,10 +634,20 @@ class Buffer:
         # the rows first: the GPU copies them while the CPU makes the rest
         # (it waited for the count, so the GPU is idle until then)
         alloc = comm if alloc_comm else compute
-        with torch.cuda.stream(alloc):
-            recv_x = torch.empty((R, H), dtype=dt, device=dev)
-        with torch.cuda.stream(comm):  # (ordered after compute above)
-            recv_x.view(torch.uint8 if sub.fp8 else dt).copy_(sub.recv_x[:R])
+        if area and R:
+            # the area itself, given back when the tensor is freed
+            recv_x = sub.g.tensor("recv_x", (R, H),
+                                  "fp8" if sub.fp8 else "bf16", area=area,
+                                  owner=_Lease(sub, area))
+            held[0] = 0
+            if sub.fp8:
+                recv_x = recv_x.view(dt)
+        else:
+            with torch.cuda.stream(alloc):
+                recv_x = torch.empty((R, H), dtype=dt, device=dev)
+            with torch.cuda.stream(comm):  # (ordered after compute above)
+                recv_x.view(torch.uint8 if sub.fp8 else dt).copy_(
+                    sub.recv_x[:R])
         with torch.cuda.stream(alloc):
             recv_xs = torch.empty((R, H // 128), dtype=torch.float32,
                                   device=dev) if sub.fp8 else None
