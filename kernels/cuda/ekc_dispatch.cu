@@ -141,6 +141,21 @@ __device__ static inline bool wait_doorbell(const struct ekc_disp_args &a,
 	return true;
 }
 
+// Under MPS, the first kernel of a data op: one block that waits for every
+// local rank's doorbell, so that the op's wide kernels, queued behind it,
+// become resident only once every rank reached the op. A grid spinning on
+// the doorbells would hold the SMs that the ranks' own work before the op
+// needs (an expert GEMM before a combine, the copies in): measured, the
+// ranks' 312 MB copies before a combine (8 ranks, DeepSeek-V3 shape) took
+// 4 ms more than alone. The wide kernels' own waits then pass at once; a
+// wait that fails here marks the op failed as theirs would.
+extern "C" __global__ void __launch_bounds__(EKC_MAX_LOCAL)
+	ekc_gate(struct ekc_disp_args a)
+{
+	if (threadIdx.x < a.W)
+		wait_doorbell(a, threadIdx.x);
+}
+
 // Work is handed out a token (a warp's item) at a time from a counter
 // that starts at ~0 (reset by the op's finishing kernel): blocks that
 // become resident late, behind other kernels sharing the GPU under MPS,

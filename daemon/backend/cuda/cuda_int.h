@@ -50,7 +50,7 @@ struct cudev {
 	CUcontext ctx; /* primary context, retained on first use */
 	CUmodule mod;
 	CUfunction barrier, fastbar, count, scan, slot, prep, copy, copy_tma,
-		combine;
+		combine, gate;
 	int smem_optin; /* dynamic shared memory a block may opt into */
 	size_t gran;
 	int occ_copy, occ_combine, occ_prep; /* resident blocks per SM */

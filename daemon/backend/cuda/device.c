@@ -37,7 +37,8 @@ int cu_use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen)
 			   {&d->prep, "ekc_prep"},
 			   {&d->copy, "ekc_copy"},
 			   {&d->copy_tma, "ekc_copy_tma"},
-			   {&d->combine, "ekc_combine"}};
+			   {&d->combine, "ekc_combine"},
+			   {&d->gate, "ekc_gate"}};
 		for (size_t f = 0; !r && f < sizeof(fns) / sizeof(fns[0]); f++)
 			r = cu_drv->cuModuleGetFunction(fns[f].f, d->mod,
 						   fns[f].name);

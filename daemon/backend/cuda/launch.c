@@ -240,9 +240,13 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 	a.rank_mask = c->dev_mask[0];
 	if (c->ndevs == 1)
 		a.rank_mask = W >= 64 ? ~0ull : (1ull << W) - 1;
+	/* under MPS one block waits for the doorbells before the wide
+	 * kernels behind it may become resident (ekc_gate) */
 	if (op0->type == EPP_COMBINE) {
 		*what = "combine";
-		r = spread(g, &a, sms, true);
+		r = a.wait ? cu_launch(c, d->gate, 1, 1, EKC_MAX_LOCAL, &a) : 0;
+		if (!r)
+			r = spread(g, &a, sms, true);
 		if (!r)
 			r = cu_launch(c, d->combine, sms * (unsigned)d->occ_combine,
 				   1, 256, &a);
@@ -268,6 +272,8 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 						c->stream);
 		break;
 	}
+	if (!r && a.wait) /* after the error word's reset */
+		r = cu_launch(c, d->gate, 1, 1, EKC_MAX_LOCAL, &a);
 	bool split = true;
 	if (!r && fresh && cu_use_prep(g, d)) {
 		void *params[] = {&a};
