@@ -12,12 +12,13 @@
 
 static json_t *shape_json(const struct epp_join *s)
 {
-	return json_pack("{s:I, s:I, s:I, s:I, s:s}", "num_experts",
+	return json_pack("{s:I, s:I, s:I, s:I, s:s, s:I}", "num_experts",
 			 (json_int_t)s->num_experts, "hidden",
 			 (json_int_t)s->hidden, "max_tokens_per_rank",
 			 (json_int_t)s->max_tokens, "topk",
 			 (json_int_t)s->topk, "dtype",
-			 s->dtype == EP_DTYPE_FP8 ? "fp8" : "bf16");
+			 s->dtype == EP_DTYPE_FP8 ? "fp8" : "bf16", "recv_areas",
+			 (json_int_t)(s->recv_areas > 1 ? s->recv_areas : 1));
 }
 
 static json_t *group_json(struct epd_group *g)

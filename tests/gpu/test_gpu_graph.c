@@ -91,7 +91,8 @@ static int graph_rank(int r, void *arg)
 	ep_conn_t *gc;
 	ep_group_t *g;
 	TH_OK(ep_connect(x->gpu->sock, &gc));
-	TH_OK(ep_join(gc, &cfg, EP_JOIN_CUDA, &g));
+	/* two receive areas: the captured cached dispatch writes area 1 */
+	TH_OK(ep_join(gc, &cfg, EP_JOIN_CUDA | EP_JOIN_RECV_AREAS(2), &g));
 	struct ep_buffers b;
 	TH_OK(ep_get_buffers(g, &b));
 
@@ -102,6 +103,7 @@ static int graph_rank(int r, void *arg)
 	float *w_h = pinned((size_t)T * K * 4);
 	uint16_t *y_h = pinned(cap * H * 2), *bias_h = pinned((size_t)T * H * 2);
 	uint8_t *rx_h = pinned(cap * H * 2), *rx2_h = pinned(cap * H * 2);
+	uint8_t *rx0_h = pinned(cap * H * 2);
 	int32_t *src_h = pinned(cap * 8);
 	uint32_t *cnt_h = pinned(4);
 	uint16_t *comb_h = pinned((size_t)T * H * 2);
@@ -131,11 +133,13 @@ static int graph_rank(int r, void *arg)
 	TH_OK(ep_combine_stream(g, &gh, EP_COMBINE_BIAS, cs));
 	d2h(comb_h, tg_dptr(b.combined),
 				    (size_t)T * H * 2, cs);
-	/* new data along the same routing */
+	/* new data along the same routing, into receive area 1 (area 0
+	 * keeps the fresh dispatch's rows: read again after it) */
 	h2d(tg_dptr(b.x), x2_h, (size_t)T * H * 2, cs);
-	TH_OK(ep_dispatch_stream(g, T, 0, &gh, cs, &gh2));
+	TH_OK(ep_dispatch_stream(g, T, EP_DISPATCH_AREA(1), &gh, cs, &gh2));
 	TH_CHECK(gh2.seq == gh.seq, "a cached dispatch keeps its handle");
-	d2h(rx2_h, tg_dptr(b.recv_x), cap * H * 2, cs);
+	d2h(rx2_h, tg_dptr(ep_recv_area(g, 1)), cap * H * 2, cs);
+	d2h(rx0_h, tg_dptr(b.recv_x), cap * H * 2, cs);
 	CUgraph graph;
 	CU(tg_drv.cuStreamEndCapture(cs, &graph));
 	CUgraphExec exec;
@@ -170,6 +174,7 @@ static int graph_rank(int r, void *arg)
 		memcpy(bias_h, in[r].bias, (size_t)T * H * 2);
 		memset(rx_h, POISON, cap * H * 2);
 		memset(rx2_h, POISON, cap * H * 2);
+		memset(rx0_h, POISON, cap * H * 2);
 		memset(src_h, POISON, cap * 8);
 		memset(comb_h, POISON, (size_t)T * H * 2);
 		*cnt_h = 0xa5a5a5a5u;
@@ -182,7 +187,8 @@ static int graph_rank(int r, void *arg)
 			 i, r, *cnt_h, (unsigned long long)R);
 		SAME(rx_h, exp[r].x, R * H * 2, "recv_x");
 		SAME(src_h, exp[r].src, R * 8, "recv_src");
-		SAME(rx2_h, exp2[r].x, R * H * 2, "cached recv_x");
+		SAME(rx2_h, exp2[r].x, R * H * 2, "cached recv_x in area 1");
+		SAME(rx0_h, exp[r].x, R * H * 2, "area 0 after area 1's");
 		uint16_t *want = malloc((size_t)T * H * 2 + 2);
 		ref_combine(&c, in, exp, ys, (uint32_t)r, want);
 		SAME(comb_h, want, (size_t)T * H * 2, "combined");

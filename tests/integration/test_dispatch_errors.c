@@ -289,6 +289,10 @@ static int areas_rank(int r, void *arg)
 	TH_OK(ep_handle_release(g, &h1));
 	TH_CHECK(hc.seq == h0.seq, "a cached dispatch's handle"); /* released */
 	if (r == 0) {
+		char *js;
+		TH_OK(ep_daemon_status(c, &js));
+		TH_CHECK(strstr(js, "\"recv_areas\":3"), "status: %s", js);
+		free(js);
 		/* joining with another number of areas, or too many */
 		ep_conn_t *c1;
 		ep_group_t *g1;
