@@ -619,27 +619,65 @@ class Buffer:
             if not cached and not worst:
                 sub.pe_host.copy_(sub.pe, non_blocking=True)
                 sub.pe_ev.record(comm)
-        if cached:
-            R = rt.R
-        elif worst:
-            R = worst
-        else:
-            try:
-                R = sub.g.recv_count(h)  # the CPU waits for the count
-            except epd.Error:
-                sub.g.release(h)  # the op failed: no handle to give out
-                raise
+        # The rows are known now (cached, worst) or once the CPU waited for
+        # the count. Everything but the copy path's rows is made before that
+        # wait, while the dispatch runs: the small outputs at full capacity
+        # (a few MB, copied on the comm stream) and recv_x in its receive
+        # area, then cut to the count, so that after the wait the CPU makes
+        # views only (the GPU would idle meanwhile).
+        R = rt.R if cached else worst if worst else None
+        Rm = sub.cap if R is None else R
         dt = torch.float8_e4m3fn if sub.fp8 else torch.bfloat16
         dev = x.device
-        # the rows first: the GPU copies them while the CPU makes the rest
-        # (it waited for the count, so the GPU is idle until then)
         alloc = comm if alloc_comm else compute
-        if area and R:
+        if area:
             # the area itself, given back when the tensor is freed
-            recv_x = sub.g.tensor("recv_x", (R, H),
-                                  "fp8" if sub.fp8 else "bf16", area=area,
-                                  owner=_Lease(sub, area))
+            rx_area = sub.g.tensor("recv_x", (Rm, H),
+                                   "fp8" if sub.fp8 else "bf16", area=area,
+                                   owner=_Lease(sub, area))
             held[0] = 0
+        with torch.cuda.stream(alloc):
+            recv_xs = torch.empty((Rm, H // 128), dtype=torch.float32,
+                                  device=dev) if sub.fp8 else None
+            if not cached:
+                rti = torch.empty((Rm, K), dtype=torch.int64, device=dev)
+                rtw = torch.empty((Rm, K), dtype=torch.float32, device=dev)
+                rsrc = torch.empty((Rm,), dtype=torch.int32, device=dev)
+                rp = torch.empty((sub.W, sub.W), dtype=torch.int32,
+                                 device=dev)
+        with torch.cuda.stream(comm):
+            if sub.fp8:
+                recv_xs.copy_(sub.recv_scales[:Rm])
+            if not cached:
+                rti.copy_(sub.recv_topk[:Rm])
+                rtw.copy_(sub.recv_w[:Rm])
+                rsrc.copy_(sub.recv_src[:Rm, 1])
+                rp.copy_(sub.rp)
+                if worst:  # rows past the received count: index -1
+                    pad = torch.arange(Rm, device=dev) >= \
+                        sub.count[0].to(torch.int64)
+                    rti.masked_fill_(pad.unsqueeze(1), -1)
+                    rtw.masked_fill_(pad.unsqueeze(1), 0.0)
+                    rsrc.masked_fill_(pad, -1)
+        if R is None:
+            try:
+                R = sub.g.recv_count(h)  # the CPU waits for the count
+            except BaseException:
+                # the op failed (no handle to give out); the outputs die
+                # here while the comm stream's copies into them may still
+                # be queued: their memory must not be reused before those
+                # ran (what _finish's record_stream does on success)
+                if not alloc_comm:
+                    for t in (recv_xs, rti, rtw, rsrc, rp):
+                        if t is not None:
+                            t.record_stream(comm)
+                try:
+                    sub.g.release(h)
+                except epd.Error:
+                    pass
+                raise
+        if area:
+            recv_x = rx_area[:R]
             if sub.fp8:
                 recv_x = recv_x.view(dt)
         else:
@@ -648,31 +686,12 @@ class Buffer:
             with torch.cuda.stream(comm):  # (ordered after compute above)
                 recv_x.view(torch.uint8 if sub.fp8 else dt).copy_(
                     sub.recv_x[:R])
-        with torch.cuda.stream(alloc):
-            recv_xs = torch.empty((R, H // 128), dtype=torch.float32,
-                                  device=dev) if sub.fp8 else None
-            if not cached:
-                rti = torch.empty((R, K), dtype=torch.int64, device=dev)
-                rtw = torch.empty((R, K), dtype=torch.float32, device=dev)
-                rsrc = torch.empty((R,), dtype=torch.int32, device=dev)
-                rp = torch.empty((sub.W, sub.W), dtype=torch.int32,
-                                 device=dev)
-        with torch.cuda.stream(comm):
-            if sub.fp8:
-                recv_xs.copy_(sub.recv_scales[:R])
-            outs = [recv_x, recv_xs]
-            if not cached:
-                rti.copy_(sub.recv_topk[:R])
-                rtw.copy_(sub.recv_w[:R])
-                rsrc.copy_(sub.recv_src[:R, 1])
-                rp.copy_(sub.rp)
-                if worst:  # rows past the received count: index -1
-                    pad = torch.arange(R, device=dev) >= \
-                        sub.count[0].to(torch.int64)
-                    rti.masked_fill_(pad.unsqueeze(1), -1)
-                    rtw.masked_fill_(pad.unsqueeze(1), 0.0)
-                    rsrc.masked_fill_(pad, -1)
-                outs += [rti, rtw, rsrc, rp]
+        if R != Rm:
+            recv_xs = recv_xs[:R] if sub.fp8 else None
+            rti, rtw, rsrc = rti[:R], rtw[:R], rsrc[:R]
+        outs = [recv_x, recv_xs]
+        if not cached:
+            outs += [rti, rtw, rsrc, rp]
         ev = self._finish(compute, comm, outs, async_finish, alloc_comm)
         if cached:
             return recv_x, recv_xs, None, None, None, None, None, None, ev
