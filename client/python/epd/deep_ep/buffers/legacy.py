@@ -148,12 +148,18 @@ class _Lease(epd._DeviceArray):
         sub, self.sub = self.sub, None
         if sub is None:
             return
+        lost, ev = False, None
         try:
-            ev = _torch().cuda.Event()
-            ev.record()
+            torch = _torch()
+            # an event recorded into a capture fires only in replays: then
+            # the next dispatch's wait for the caller's stream is the order
+            # left (_streams)
+            if not torch.cuda.is_current_stream_capturing():
+                ev = torch.cuda.Event()
+                ev.record()
         except Exception:  # interpreter shutdown: the area stays taken
-            ev = None
-        sub.give_back(self.area, ev)
+            lost = True
+        sub.give_back(self.area, ev, lost)
 
 
 class _Sub:
@@ -212,9 +218,9 @@ class _Sub:
         return self.free.pop() if self.free and self.g is not None \
             else (0, None)
 
-    def give_back(self, area, ev):
+    def give_back(self, area, ev, lost=False):
         self.leases -= 1
-        if ev is not None:
+        if not lost:
             self.free.append((area, ev))
         if self.leaving and not self.leases:
             self.leave()
