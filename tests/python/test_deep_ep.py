@@ -584,12 +584,76 @@ def ref_combine(torch, ins, recv, h, W, row, bias=None, bias2=None,
     return acc.to(torch.bfloat16)
 
 
+def lease_bookkeeping():
+    """The receive areas' bookkeeping of the shim without a GPU (the GPU
+    run checks the data): areas taken in order, given back with the event
+    recorded when the tensor died, none while a capture runs, kept when no
+    event can be made; leaving the group waits for the last live recv_x."""
+    from epd.deep_ep.buffers import legacy
+
+    class Ev:
+        def record(self):
+            self.recorded = True
+
+    class Cuda:
+        capturing, broken = False, False
+
+        def is_current_stream_capturing(self):
+            return self.capturing
+
+        def Event(self):
+            if self.broken:
+                raise RuntimeError("no CUDA")
+            return Ev()
+
+    class Torch:
+        cuda = Cuda()
+
+    class G:
+        left = 0
+
+        def leave(self):
+            self.left += 1
+
+    saved = legacy._torch
+    legacy._torch = lambda: Torch
+    try:
+        sub = legacy._Sub.__new__(legacy._Sub)
+        sub.g, sub.leases, sub.leaving = G(), 0, False
+        sub.free = [(a, None) for a in range(3, 0, -1)]  # areas 1..3
+        g = sub.g
+        a1, a2 = sub.take(), sub.take()
+        assert (a1, a2) == ((1, None), (2, None)), (a1, a2)
+        l1, l2 = legacy._Lease(sub, 1), legacy._Lease(sub, 2)
+        assert sub.leases == 2
+        del l1  # freed: back with its event
+        assert sub.leases == 1 and sub.free[-1][0] == 1 and \
+            sub.free[-1][1].recorded
+        Torch.cuda.capturing = True
+        l3 = legacy._Lease(sub, sub.take()[0])
+        del l3  # freed inside a capture: back without an event
+        assert sub.free[-1] == (1, None), sub.free
+        Torch.cuda.capturing = False
+        sub.leave()  # l2 lives: the group stays
+        assert g.left == 0 and sub.leaving and sub.g is g
+        Torch.cuda.broken = True
+        del l2  # no event can be made: the area stays taken, the group goes
+        assert sub.leases == 0 and all(a != 2 for a, _ in sub.free)
+        assert g.left == 1 and sub.g is None
+        assert sub.take() == (0, None)  # a left group hands out nothing
+    finally:
+        legacy._torch = saved
+    print("ok: receive area bookkeeping (taken in order, given back with "
+          "their event, none in a capture, leave after the last recv_x)")
+
+
 def main():
     try:
         import torch  # noqa: F401
     except ImportError:
         print("skip: no torch for", sys.executable)
         return 77
+    lease_bookkeeping()
     # the rank processes import this file again: they must not pick
     # their own seed from the clock
     os.environ["EPD_TEST_SEED"] = str(SEED)
