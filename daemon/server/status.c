@@ -18,7 +18,7 @@ static json_t *shape_json(const struct epp_join *s)
 			 (json_int_t)s->max_tokens, "topk",
 			 (json_int_t)s->topk, "dtype",
 			 s->dtype == EP_DTYPE_FP8 ? "fp8" : "bf16", "recv_areas",
-			 (json_int_t)(s->recv_areas > 1 ? s->recv_areas : 1));
+			 (json_int_t)s->recv_areas);
 }
 
 static json_t *group_json(struct epd_group *g)

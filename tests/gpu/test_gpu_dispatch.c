@@ -49,6 +49,16 @@ static void pin(void *p, size_t n)
 		CU(tg_drv.cuMemHostRegister(p, n, 0));
 }
 
+/* Do the n bytes at device address p all hold the poison? */
+static bool dev_poisoned(const void *p, size_t n)
+{
+	uint8_t *chk = malloc(n);
+	CU(tg_drv.cuMemcpyDtoH(chk, tg_dptr(p), n));
+	bool ok = ALL_POISON(chk, n);
+	free(chk);
+	return ok;
+}
+
 /* A failed dispatch changed nothing: the device count still holds the
  * 0x5a5a5a5a put there before it, recv_x (n bytes) still the poison. */
 static void unchanged(ep_group_t *g, const struct ep_buffers *b, size_t n)
@@ -57,20 +67,24 @@ static void unchanged(ep_group_t *g, const struct ep_buffers *b, size_t n)
 	CU(tg_drv.cuMemcpyDtoH(&cnt, ep_dispatch_recv_count_device(g), 4));
 	TH_CHECK(cnt == 0x5a5a5a5au, "a failed dispatch wrote the device "
 				     "count: %u", cnt);
-	uint8_t *chk = malloc(n);
-	CU(tg_drv.cuMemcpyDtoH(chk, tg_dptr(b->recv_x), n));
-	TH_CHECK(ALL_POISON(chk, n), "a failed dispatch wrote recv_x");
-	free(chk);
+	TH_CHECK(dev_poisoned(b->recv_x, n), "a failed dispatch wrote recv_x");
 }
 
-/* The first n bytes of recv_x once what is queued on st has run, into
- * pinned dst; the group's ops succeeded. */
+/* The first n bytes of device memory src (recv_x or another receive area)
+ * once what is queued on st has run, into pinned dst; the group's ops
+ * succeeded. */
+static void rows_after(ep_group_t *g, CUstream st, const void *src,
+		       void *dst, size_t n)
+{
+	CU(tg_drv.cuMemcpyDtoHAsync(dst, tg_dptr(src), n, st));
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_OK(ep_group_sync(g));
+}
+
 static void recv_x_after(ep_group_t *g, CUstream st,
 			 const struct ep_buffers *b, void *dst, size_t n)
 {
-	CU(tg_drv.cuMemcpyDtoHAsync(dst, tg_dptr(b->recv_x), n, st));
-	CU(tg_drv.cuStreamSynchronize(st));
-	TH_OK(ep_group_sync(g));
+	rows_after(g, st, b->recv_x, dst, n);
 }
 
 static int case_rank(int r, void *arg)
@@ -296,19 +310,11 @@ static int case_rank(int r, void *arg)
 				 NULL, st, &h2));
 	uint8_t *gx2 = POISONED(cap * H * elt);
 	pin(gx2, cap * H * elt);
-	CU(tg_drv.cuMemcpyDtoHAsync(gx2, tg_dptr(ep_recv_area(g, 1)),
-				    R * H * elt, st));
-	CU(tg_drv.cuStreamSynchronize(st));
-	TH_OK(ep_group_sync(g));
+	rows_after(g, st, ep_recv_area(g, 1), gx2, R * H * elt);
 	SAME(gx2, gx, R * H * elt, "recv_x of a rerun into area 1");
-	{
-		uint8_t *chk = malloc(cap * H * elt);
-		CU(tg_drv.cuMemcpyDtoH(chk, tg_dptr(b.recv_x), cap * H * elt));
-		TH_CHECK(ALL_POISON(chk, cap * H * elt),
-			 "case %d rank %d: a dispatch into area 1 wrote area "
-			 "0", x->index, r);
-		free(chk);
-	}
+	TH_CHECK(dev_poisoned(b.recv_x, cap * H * elt),
+		 "case %d rank %d: a dispatch into area 1 wrote area 0",
+		 x->index, r);
 	CU(tg_drv.cuMemcpyHtoDAsync(tg_dptr(b.x), in2[r].x,
 				    (size_t)me->T * H * elt, st));
 	if (ns)

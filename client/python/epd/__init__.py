@@ -392,9 +392,8 @@ class Group:
                 raise ValueError(f"no receive area {area} in this group")
         else:
             ptr = self._field_ptr(field)
-        a = owner if owner is not None else _DeviceArray(ptr, shape, typestr)
-        if owner is not None:
-            a._set(ptr, shape, typestr)
+        a = owner if owner is not None else _DeviceArray()
+        a._set(ptr, shape, typestr)
         t = torch.as_tensor(a, device="cuda")
         return t.view(torch.bfloat16) if dtype == "bf16" else t
 
@@ -457,7 +456,7 @@ class Group:
         h = Handle()
         _check(_lib.ep_dispatch_stream(
             self._g, num_tokens,
-            (DISPATCH_WEIGHTS if weights else 0) | (int(area) & 0xff) << 24,
+            (DISPATCH_WEIGHTS if weights else 0) | int(area) << 24,
             ctypes.byref(handle) if handle else None, self._stream(stream),
             ctypes.byref(h)))
         return h
@@ -655,7 +654,7 @@ class Conn:
                           0 if cuda_device is None else cuda_device)
         flags = (0 if wait else JOIN_NOWAIT) | \
             (JOIN_CUDA if cuda_device is not None else 0) | \
-            (int(recv_areas) & 0xff) << 8
+            int(recv_areas) << 8
         g = ctypes.c_void_p()
         _check(_lib.ep_join(self._conn, ctypes.byref(gc), flags,
                             ctypes.byref(g)))
