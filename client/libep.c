@@ -55,13 +55,19 @@ static void drain_notices(ep_conn_t *c)
 int ep__send(ep_conn_t *c, struct epp_hdr *h, const void *payload,
 	     bool async)
 {
+	return ep__send_fds(c, h, payload, NULL, async);
+}
+
+int ep__send_fds(ep_conn_t *c, struct epp_hdr *h, const void *payload,
+		 const int *fds, bool async)
+{
 	pthread_mutex_lock(&c->wmu);
 	int rc = __atomic_load_n(&c->dead, __ATOMIC_ACQUIRE);
 	if (!rc) {
 		h->req_id = __atomic_add_fetch(&c->next_req, 1,
 					       __ATOMIC_RELAXED) |
 			    (async ? EP__REQ_ASYNC : 0);
-		rc = epp_send_frame(c->fd, h, payload, NULL);
+		rc = epp_send_frame(c->fd, h, payload, fds);
 		if (rc)
 			__atomic_store_n(&c->dead, rc, __ATOMIC_RELEASE);
 	}
@@ -73,6 +79,15 @@ int ep__rpc(ep_conn_t *c, uint16_t type, uint16_t flags, const void *payload,
 	    uint32_t len, uint8_t **reply, uint32_t *rlen, int *fds,
 	    unsigned maxfds, int timeout_ms)
 {
+	return ep__rpc_fds(c, type, flags, payload, len, NULL, 0, reply, rlen,
+			   fds, maxfds, timeout_ms);
+}
+
+int ep__rpc_fds(ep_conn_t *c, uint16_t type, uint16_t flags,
+		const void *payload, uint32_t len, const int *sfds,
+		unsigned nsfds, uint8_t **reply, uint32_t *rlen, int *fds,
+		unsigned maxfds, int timeout_ms)
+{
 	if (c->dead)
 		return ep__fail(c->dead, "connection unusable: %s",
 				ep_strerror(c->dead));
@@ -80,7 +95,8 @@ int ep__rpc(ep_conn_t *c, uint16_t type, uint16_t flags, const void *payload,
 	epp_hdr_init(&h, type, 0);
 	h.flags = flags;
 	h.length = len;
-	int rc = ep__send(c, &h, payload, false);
+	h.nfds = (uint16_t)nsfds;
+	int rc = ep__send_fds(c, &h, payload, nsfds ? sfds : NULL, false);
 	if (rc) {
 		/* A shutdown notice may be waiting behind the closed stream. */
 		drain_notices(c);

@@ -171,6 +171,7 @@ int ep__cuda_map(ep_group_t *g, int fd, uint64_t size)
 		return ep__cufail(r, "registering the control page");
 	}
 	g->ctl_dev = cd;
+	LIST_INIT(&g->mregs);
 	/* Loaded now: a capture may not load a module (and under MPS a load
 	 * behind queued work can deadlock). */
 	(void)ring_fn();
@@ -184,6 +185,7 @@ int ep__cuda_map(ep_group_t *g, int fd, uint64_t size)
 
 void ep__cuda_unmap(ep_group_t *g)
 {
+	ep__mreg_fini(g);
 	ep__ll_fini(g);
 	ep__graph_fini(g);
 	if (g->ctl_dev)
@@ -502,6 +504,54 @@ int ep_combine_stream(ep_group_t *g, const ep_handle_t *h, unsigned flags,
 		return ep__graph_capture(g, EPP_COMBINE, 0, flags, h,
 					 (CUstream)stream, NULL);
 	if ((rc = graph_handle_direct(h)))
+		return rc;
+	uint64_t seq;
+	return async_op(g, EPP_COMBINE, buf, n, stream, &seq);
+}
+
+int ep_combine_stream_reg(ep_group_t *g, const ep_handle_t *h,
+			  unsigned flags, const ep_mreg_t *mr, const void *y,
+			  uint32_t rows, void *stream)
+{
+	if (!g || !h || !mr || (!y && rows))
+		return ep__fail(EP_EINVAL, "NULL argument");
+	if (h->num_recv != UINT32_MAX && rows != h->num_recv)
+		return ep__fail(EP_ESHAPE,
+				"combine of %u rows; the handle received %u",
+				rows, h->num_recv);
+	if (rows > g->layout.max_recv)
+		return ep__fail(EP_ESHAPE,
+				"combine of %u rows; the group receives %llu "
+				"at most",
+				rows, (unsigned long long)g->layout.max_recv);
+	bool cap;
+	int rc = capturing(g, stream, &cap);
+	if (rc)
+		return rc;
+	if (cap)
+		return ep__fail(EP_EUNSUPPORTED,
+				"a combine from registered memory cannot be "
+				"captured into a CUDA graph (use "
+				"ep_combine_stream)");
+	if ((rc = graph_handle_direct(h)))
+		return rc;
+	uint32_t id = 0;
+	uint64_t off = 0;
+	/* no rows: nothing is read; any registration of the group will do */
+	size_t len = (size_t)rows * g->cfg.hidden * 2;
+	if (len && (rc = ep__mreg_place(g, mr, y, len, &id, &off)))
+		return rc;
+	if (!len) {
+		uint64_t base;
+		ep_mem_range(mr, &base, &len);
+		if ((rc = ep__mreg_place(g, mr, (void *)(uintptr_t)base, 0,
+					 &id, &off)))
+			return rc;
+	}
+	uint8_t buf[128];
+	uint32_t n;
+	if ((rc = ep__combine_request_reg(g, h, flags, id, off, rows, buf,
+					  &n)))
 		return rc;
 	uint64_t seq;
 	return async_op(g, EPP_COMBINE, buf, n, stream, &seq);

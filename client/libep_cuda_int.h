@@ -38,6 +38,12 @@ enum { EP__FN_RING, EP__FN_POST, EP__FN_LL_DISPATCH, EP__FN_LL_DISPATCH_RECV,
 CUfunction ep__fn(int which);
 /* Make device dev's primary context current. */
 int ep__use_ctx(int dev);
+/* libep_mreg.c: where len bytes at y lie in mr (EP_ESTALE if not inside
+ * it, or not the allocations registered), and the registrations' end (at
+ * unmap). */
+int ep__mreg_place(const ep_group_t *g, const ep_mreg_t *mr, const void *y,
+		   size_t len, uint32_t *id, uint64_t *off);
+void ep__mreg_fini(ep_group_t *g);
 /* libep_ll.c: the low-latency state's end (at unmap). */
 void ep__ll_fini(ep_group_t *g);
 /* For tests/gpu/bench_ll: the low-latency kernels stamp their stages

@@ -32,6 +32,9 @@ struct ep_conn {
  * under c->wmu; an error makes the connection dead and is returned. */
 int ep__send(ep_conn_t *c, struct epp_hdr *h, const void *payload,
 	     bool async);
+/* The same with h->nfds descriptors (fds) riding on the frame. */
+int ep__send_fds(ep_conn_t *c, struct epp_hdr *h, const void *payload,
+		 const int *fds, bool async);
 
 /* How long a control request (leave, status, release) may take. */
 #define EP__CTL_TIMEOUT_MS 10000
@@ -61,6 +64,7 @@ struct ep_group {
 	uint64_t last_dispatch; /* seq of the last dispatch op */
 	struct ep_graphs *gr;   /* ops captured into CUDA graphs (libep_graph.c) */
 	struct ep_ll *ll;       /* the low-latency mode (libep_ll.c) */
+	struct list_node mregs; /* registered memory (libep_mreg.c) */
 };
 
 /* A handle made by a dispatch captured into a CUDA graph: seq is this bit
@@ -96,6 +100,11 @@ int ep__check_handle(const ep_group_t *g, const ep_handle_t *h);
  * encoded into frame[128]; its length in *len. */
 int ep__combine_request(ep_group_t *g, const ep_handle_t *h, unsigned flags,
 			uint8_t *frame, uint32_t *len);
+/* The same with combine_y's rows in registered memory: reg (0: none), at
+ * byte off, rows of them. */
+int ep__combine_request_reg(ep_group_t *g, const ep_handle_t *h,
+			    unsigned flags, uint32_t reg, uint64_t off,
+			    uint32_t rows, uint8_t *frame, uint32_t *len);
 int ep__dispatch_request(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 			 const ep_handle_t *cached, uint8_t *frame,
 			 uint32_t *len);
@@ -112,6 +121,11 @@ int ep__fail(int code, const char *fmt, ...)
 int ep__rpc(ep_conn_t *c, uint16_t type, uint16_t flags, const void *payload,
 	    uint32_t len, uint8_t **reply, uint32_t *rlen, int *fds,
 	    unsigned maxfds, int timeout_ms);
+/* ep__rpc sending nsfds descriptors with the request. */
+int ep__rpc_fds(ep_conn_t *c, uint16_t type, uint16_t flags,
+		const void *payload, uint32_t len, const int *sfds,
+		unsigned nsfds, uint8_t **reply, uint32_t *rlen, int *fds,
+		unsigned maxfds, int timeout_ms);
 int ep__group_op_timeout(const ep_group_t *g);
 
 #endif

@@ -102,3 +102,38 @@ int ep_ll_error(ep_group_t *g)
 	(void)g;
 	return 0;
 }
+
+int ep_mem_register(ep_group_t *g, const void *ptr, size_t len,
+		    ep_mreg_t **mr)
+{
+	(void)g, (void)ptr, (void)len, (void)mr;
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}
+
+int ep_mem_covers(const ep_mreg_t *mr, const void *ptr, size_t len)
+{
+	(void)mr, (void)ptr, (void)len;
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}
+
+void ep_mem_range(const ep_mreg_t *mr, uint64_t *base, size_t *len)
+{
+	(void)mr;
+	*base = 0;
+	*len = 0;
+}
+
+int ep_mem_deregister(ep_mreg_t *mr)
+{
+	(void)mr;
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}
+
+int ep_combine_stream_reg(ep_group_t *g, const ep_handle_t *h,
+			  unsigned flags, const ep_mreg_t *mr, const void *y,
+			  uint32_t rows, void *stream)
+{
+	(void)g, (void)h, (void)flags, (void)mr, (void)y, (void)rows,
+		(void)stream;
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}

@@ -144,6 +144,13 @@ int ep__dispatch_request(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 int ep__combine_request(ep_group_t *g, const ep_handle_t *h, unsigned flags,
 			uint8_t *frame, uint32_t *len)
 {
+	return ep__combine_request_reg(g, h, flags, 0, 0, 0, frame, len);
+}
+
+int ep__combine_request_reg(ep_group_t *g, const ep_handle_t *h,
+			    unsigned flags, uint32_t reg, uint64_t off,
+			    uint32_t rows, uint8_t *frame, uint32_t *len)
+{
 	if (flags & ~(EP_COMBINE_BIAS | EP_COMBINE_BIAS2 | EP_COMBINE_WEIGHTS))
 		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
 	int rc = ep__check_handle(g, h);
@@ -163,7 +170,12 @@ int ep__combine_request(ep_group_t *g, const ep_handle_t *h, unsigned flags,
 						  : 0) |
 					 (flags & EP_COMBINE_WEIGHTS
 						  ? EPP_COMBINE_WEIGHTS
-						  : 0)};
+						  : 0) |
+					 (reg ? EPP_COMBINE_YREG : 0),
+				.reg = reg,
+				.reg_off = off};
+	if (reg)
+		c.num_rows = rows;
 	*len = (uint32_t)epp_combine_encode(&c, frame, 128);
 	return 0;
 }

@@ -210,6 +210,8 @@ const char *epp_type_name(uint16_t type)
 	case EPP_COMBINE: return "combine";
 	case EPP_RELEASE: return "release";
 	case EPP_LL_MAP: return "ll-map";
+	case EPP_MEM_REG: return "mem-reg";
+	case EPP_MEM_DEREG: return "mem-dereg";
 	case EPP_PEER_HELLO: return "peer-hello";
 	case EPP_PEER_AUTH: return "peer-auth";
 	case EPP_PEER_HEARTBEAT: return "peer-heartbeat";
@@ -530,6 +532,10 @@ size_t epp_combine_encode(const struct epp_combine *c, uint8_t *out,
 	epp_put_u32(&w, c->num_rows);
 	epp_put_u32(&w, c->hidden);
 	epp_put_u32(&w, c->flags);
+	if (c->flags & EPP_COMBINE_YREG) {
+		epp_put_u32(&w, c->reg);
+		epp_put_u64(&w, c->reg_off);
+	}
 	return w.err ? 0 : w.off;
 }
 
@@ -542,6 +548,79 @@ int epp_combine_decode(const uint8_t *p, size_t len, struct epp_combine *c)
 	c->num_rows = epp_get_u32(&r);
 	c->hidden = epp_get_u32(&r);
 	c->flags = epp_get_u32(&r);
+	c->reg = 0;
+	c->reg_off = 0;
+	if (c->flags & EPP_COMBINE_YREG) {
+		c->reg = epp_get_u32(&r);
+		c->reg_off = epp_get_u64(&r);
+	}
+	return epp_rd_end(&r);
+}
+
+size_t epp_mem_reg_encode(const struct epp_mem_reg *m, uint8_t *out,
+			  size_t cap)
+{
+	struct epp_wr w;
+	epp_wr_init(&w, out, cap);
+	if (m->nchunks > EPP_MAX_REG_CHUNKS)
+		return 0;
+	epp_put_u64(&w, m->group_id);
+	epp_put_u32(&w, m->nchunks);
+	for (uint32_t i = 0; i < m->nchunks; i++)
+		epp_put_u64(&w, m->chunk[i]);
+	return w.err ? 0 : w.off;
+}
+
+int epp_mem_reg_decode(const uint8_t *p, size_t len, struct epp_mem_reg *m)
+{
+	struct epp_rd r;
+	epp_rd_init(&r, p, len);
+	m->group_id = epp_get_u64(&r);
+	m->nchunks = epp_get_u32(&r);
+	if (m->nchunks > EPP_MAX_REG_CHUNKS)
+		return EP_EPROTO;
+	for (uint32_t i = 0; i < m->nchunks; i++)
+		m->chunk[i] = epp_get_u64(&r);
+	return epp_rd_end(&r);
+}
+
+size_t epp_mem_reg_ok_encode(const struct epp_mem_reg_ok *m, uint8_t *out,
+			     size_t cap)
+{
+	struct epp_wr w;
+	epp_wr_init(&w, out, cap);
+	epp_put_u32(&w, m->reg);
+	epp_put_u64(&w, m->bytes);
+	return w.err ? 0 : w.off;
+}
+
+int epp_mem_reg_ok_decode(const uint8_t *p, size_t len,
+			  struct epp_mem_reg_ok *m)
+{
+	struct epp_rd r;
+	epp_rd_init(&r, p, len);
+	m->reg = epp_get_u32(&r);
+	m->bytes = epp_get_u64(&r);
+	return epp_rd_end(&r);
+}
+
+size_t epp_mem_dereg_encode(const struct epp_mem_dereg *m, uint8_t *out,
+			    size_t cap)
+{
+	struct epp_wr w;
+	epp_wr_init(&w, out, cap);
+	epp_put_u64(&w, m->group_id);
+	epp_put_u32(&w, m->reg);
+	return w.err ? 0 : w.off;
+}
+
+int epp_mem_dereg_decode(const uint8_t *p, size_t len,
+			 struct epp_mem_dereg *m)
+{
+	struct epp_rd r;
+	epp_rd_init(&r, p, len);
+	m->group_id = epp_get_u64(&r);
+	m->reg = epp_get_u32(&r);
 	return epp_rd_end(&r);
 }
 

@@ -90,14 +90,16 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 12
+#define EPP_VERSION_MINOR 13
 /* Stream-ordered ops a GPU rank may have in flight (libep waits before
  * more; the daemon's rings are this deep). */
 #define EPP_MAX_INFLIGHT 1024
 #define EPP_HDR_SIZE 24
 #define EPP_MAX_PAYLOAD (1u << 20)
 #define EPP_MAX_WORLD 1024 /* ranks of a group */
-#define EPP_MAX_FDS 4
+/* Descriptors one frame may carry: a MEM_REG's chunks (1.13); every other
+ * frame carries 2 at most. */
+#define EPP_MAX_FDS 64
 #define EPP_ERRMSG_MAX 1024
 
 enum epp_type {
@@ -111,6 +113,9 @@ enum epp_type {
 	EPP_RELEASE = 8,  /* C->D: struct epp_release; OK: empty (1.8) */
 	EPP_LL_MAP = 9,   /* C->D: struct epp_ll_map; OK: epp_ll_map_ok and
 			     one descriptor (1.11) */
+	EPP_MEM_REG = 10, /* C->D: struct epp_mem_reg and one descriptor per
+			     chunk; OK: struct epp_mem_reg_ok (1.13) */
+	EPP_MEM_DEREG = 11, /* C->D: struct epp_mem_dereg; OK: empty (1.13) */
 	/* Between daemons (peer port). */
 	EPP_PEER_HELLO = 32,     /* u16 major, u16 minor, str node, u32 index,
 				    32-byte nonce */
@@ -244,6 +249,9 @@ struct epp_hello_ok {
 #define EPP_COMBINE_BIAS 0x1     /* add the bias region */
 #define EPP_COMBINE_BIAS2 0x4    /* and the second bias region (1.9) */
 #define EPP_COMBINE_WEIGHTS 0x2  /* sum combine_w into combined_w (1.8) */
+/* combine_y is not the region's field but registered memory: the frame
+ * goes on with u32 reg, u64 offset (1.13) */
+#define EPP_COMBINE_YREG 0x8
 #define EPP_XROWS_WEIGHTS 0x100  /* XROWS type bit: rows carry K f32 */
 
 /* A dispatch's routing, as the client holds it. */
@@ -268,7 +276,44 @@ struct epp_combine {
 	uint64_t group_id;
 	struct epp_handle handle;
 	uint32_t num_rows, hidden, flags;
+	/* with EPP_COMBINE_YREG: combine_y's num_rows rows are at byte
+	 * reg_off of this rank's registration reg */
+	uint32_t reg;
+	uint64_t reg_off;
 };
+
+/* MEM_REG (1.13): a GPU rank's own device memory, made with the virtual
+ * memory API, imported by the daemon so that ops read it in place. The
+ * frame carries one descriptor (cuMemExportToShareableHandle, POSIX file
+ * descriptor) per chunk; the daemon maps the chunks back to back, chunk i
+ * of chunk[i] bytes from its start, as they lie in the rank's address
+ * space. */
+#define EPP_MAX_REG_CHUNKS EPP_MAX_FDS
+#define EPP_MAX_REGS 64 /* live registrations of one rank in one group */
+struct epp_mem_reg {
+	uint64_t group_id;
+	uint32_t nchunks;
+	uint64_t chunk[EPP_MAX_REG_CHUNKS];
+};
+struct epp_mem_reg_ok {
+	uint32_t reg; /* 1 or more; unique in the group for this rank */
+	uint64_t bytes;
+};
+struct epp_mem_dereg {
+	uint64_t group_id;
+	uint32_t reg;
+};
+size_t epp_mem_reg_encode(const struct epp_mem_reg *m, uint8_t *out,
+			  size_t cap);
+int epp_mem_reg_decode(const uint8_t *p, size_t len, struct epp_mem_reg *m);
+size_t epp_mem_reg_ok_encode(const struct epp_mem_reg_ok *m, uint8_t *out,
+			     size_t cap);
+int epp_mem_reg_ok_decode(const uint8_t *p, size_t len,
+			  struct epp_mem_reg_ok *m);
+size_t epp_mem_dereg_encode(const struct epp_mem_dereg *m, uint8_t *out,
+			    size_t cap);
+int epp_mem_dereg_decode(const uint8_t *p, size_t len,
+			 struct epp_mem_dereg *m);
 
 /* RELEASE: this rank no longer uses the handle (a GPU rank's handle is the
  * dispatch's op number; its stream-ordered ops already sent may still use

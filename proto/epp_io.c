@@ -44,7 +44,7 @@ long epp_recvmsg(int fd, void *buf, size_t len, int *fds, unsigned *nfds,
 {
 	struct iovec iov = {.iov_base = buf, .iov_len = len};
 	union {
-		char buf[CMSG_SPACE(sizeof(int) * 16)];
+		char buf[CMSG_SPACE(sizeof(int) * EPP_MAX_FDS)];
 		struct cmsghdr align;
 	} u;
 	struct msghdr msg = {.msg_iov = &iov,

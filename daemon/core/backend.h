@@ -58,6 +58,16 @@ struct epd_backend_ops {
 	 * no low-latency mode. */
 	int (*ll_export)(struct epd_group *g, uint32_t l, int *fd,
 			 uint64_t *size, char *err, size_t errlen);
+	/* Local rank l's memory, n chunks (fds[i] of chunk[i] bytes, taken:
+	 * closed whatever happens), mapped back to back: *id names it for
+	 * l's combines, *bytes its size. NULL: no registered memory. */
+	int (*mem_reg)(struct epd_group *g, uint32_t l, int *fds,
+		       const uint64_t *chunk, uint32_t n, uint32_t *id,
+		       uint64_t *bytes, char *err, size_t errlen);
+	/* l is done with registration id (unmapped once no op of the group
+	 * still reads it). */
+	int (*mem_dereg)(struct epd_group *g, uint32_t l, uint32_t id,
+			 char *err, size_t errlen);
 };
 
 

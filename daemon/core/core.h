@@ -105,6 +105,10 @@ struct epd_aop {
 	uint32_t tokens, flags;
 	uint32_t asked; /* a dispatch with EPP_DISPATCH_TOOBIG: the tokens the
 			   rank asked for (it takes part with none) */
+	/* a combine with EPP_COMBINE_YREG: its rows (the frame's num_rows)
+	 * at byte reg_off of registration reg */
+	uint32_t reg, rows;
+	uint64_t reg_off;
 	uint16_t type; /* EPP_BARRIER, EPP_DISPATCH, EPP_COMBINE */
 	bool fast;     /* a barrier run by the resident kernel (no frame) */
 	bool released; /* a fresh dispatch whose handle the rank released
@@ -347,6 +351,12 @@ int epd_op_combine(struct epd_session *c, uint64_t req_id,
 /* ll.c: LL_MAP, a rank's share of the low-latency mode. */
 int epd_op_ll_map(struct epd_session *c, uint64_t req_id,
 		  const struct epp_ll_map *lm);
+
+/* mreg.c: MEM_REG (fds: one per chunk, taken) and MEM_DEREG. */
+int epd_op_mem_reg(struct epd_session *c, uint64_t req_id,
+		   const struct epp_mem_reg *mr, int *fds);
+int epd_op_mem_dereg(struct epd_session *c, uint64_t req_id,
+		     const struct epp_mem_dereg *md);
 
 /* handles.c: the group's handles. */
 struct epd_handle_ent;

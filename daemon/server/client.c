@@ -86,6 +86,12 @@ static int client_send(struct epd_session *s, uint16_t type, uint16_t flags,
 			close(fds[i]);
 		return EP_ENOMEM;
 	}
+	if (nfds > EPD_OUT_FDS) {
+		for (unsigned i = 0; i < nfds; i++)
+			close(fds[i]);
+		free(o);
+		return EP_EINVAL;
+	}
 	struct epp_hdr h;
 	epp_hdr_init(&h, type, req_id);
 	h.flags = flags;
@@ -188,6 +194,9 @@ void epd_client_close(struct epd_client *c, const char *why)
 		list_del(&o->node);
 		out_free(o);
 	}
+	for (unsigned i = 0; i < c->nfdq; i++)
+		close(c->fdq[i]);
+	c->nfdq = 0;
 	list_del(&c->node);
 	c->pending_handles = 2;
 	uv_close((uv_handle_t *)&c->poll, handle_closed);
@@ -291,6 +300,9 @@ static void handle_async(struct epd_client *c, const struct epp_hdr *h,
 			gid = cb.group_id;
 			op.flags = cb.flags;
 			op.handle = cb.handle.seq;
+			op.reg = cb.reg;
+			op.rows = cb.num_rows;
+			op.reg_off = cb.reg_off;
 		} else {
 			epd_session_error(&c->s, h->req_id, EP_EPROTO,
 					 "%s cannot be stream-ordered",
@@ -307,8 +319,30 @@ static void handle_async(struct epd_client *c, const struct epp_hdr *h,
 	epd_group_async(&c->s, h->req_id, gid, &op);
 }
 
+/* MEM_REG: the frame's descriptors are the chunks (taken: *nfds = 0). */
+static void handle_mem_reg(struct epd_client *c, const struct epp_hdr *h,
+			   const uint8_t *p, int *fds, unsigned *nfds)
+{
+	struct epp_mem_reg mr;
+	if (epp_mem_reg_decode(p, h->length, &mr)) {
+		epd_session_error(&c->s, h->req_id, EP_EPROTO,
+				 "malformed mem-reg payload (%u bytes)",
+				 h->length);
+		return;
+	}
+	if (mr.nchunks != *nfds || !mr.nchunks) {
+		epd_session_error(&c->s, h->req_id, EP_EPROTO,
+				 "mem-reg of %u chunks came with %u "
+				 "descriptors",
+				 mr.nchunks, *nfds);
+		return;
+	}
+	*nfds = 0;
+	epd_op_mem_reg(&c->s, h->req_id, &mr, fds);
+}
+
 static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
-			 const uint8_t *p)
+			 const uint8_t *p, int *fds, unsigned *nfds)
 {
 	uint64_t gid;
 	char err[256];
@@ -398,6 +432,20 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 			epd_op_ll_map(&c->s, h->req_id, &lm);
 		break;
 	}
+	case EPP_MEM_REG:
+		handle_mem_reg(c, h, p, fds, nfds);
+		break;
+	case EPP_MEM_DEREG: {
+		struct epp_mem_dereg md;
+		if (epp_mem_dereg_decode(p, h->length, &md))
+			epd_session_error(&c->s, h->req_id, EP_EPROTO,
+					 "malformed mem-dereg payload (%u "
+					 "bytes)",
+					 h->length);
+		else
+			epd_op_mem_dereg(&c->s, h->req_id, &md);
+		break;
+	}
 	case EPP_STATUS: {
 		if (h->length) {
 			epd_session_error(&c->s, h->req_id, EP_EPROTO,
@@ -458,12 +506,27 @@ static int client_frame(void *arg, const struct epp_hdr *h,
 			const uint8_t *frame)
 {
 	struct epd_client *c = arg;
-	if (h->nfds) {
+	int fds[EPP_MAX_FDS];
+	unsigned nfds = h->nfds;
+	if (nfds && h->type != EPP_MEM_REG) {
 		client_fatal(c, h->req_id, EP_EPROTO,
-			     "clients may not send descriptors");
+			     "descriptors come only with mem-reg");
 		return 1;
 	}
-	handle_frame(c, h, frame + EPP_HDR_SIZE);
+	if (nfds > c->nfdq) {
+		char msg[96];
+		snprintf(msg, sizeof(msg),
+			 "frame announces %u descriptors, %u arrived", nfds,
+			 c->nfdq);
+		client_fatal(c, h->req_id, EP_EPROTO, msg);
+		return 1;
+	}
+	memcpy(fds, c->fdq, nfds * sizeof(int));
+	c->nfdq -= nfds;
+	memmove(c->fdq, c->fdq + nfds, c->nfdq * sizeof(int));
+	handle_frame(c, h, frame + EPP_HDR_SIZE, fds, &nfds);
+	for (unsigned i = 0; i < nfds; i++) /* not taken */
+		close(fds[i]);
 	return c->closing || c->doomed;
 }
 
@@ -519,13 +582,20 @@ static void client_read(struct epd_client *c)
 		long n = epp_recvmsg(c->fd, c->rb.p + c->rb.len,
 				     c->rb.cap - c->rb.len, fds, &nfds, EPP_MAX_FDS,
 				     &trunc);
-		for (unsigned i = 0; i < nfds; i++)
-			close(fds[i]);
-		if (nfds || trunc) {
+		/* Queued for the frame they came with; more than one frame
+		 * may carry unclaimed: a client that sends descriptors no
+		 * frame claims is cut off before they pile up. */
+		if (trunc || nfds > EPP_MAX_FDS - c->nfdq) {
+			for (unsigned i = 0; i < nfds; i++)
+				close(fds[i]);
 			client_fatal(c, 0, EP_EPROTO,
-				     "clients may not send descriptors");
+				     trunc ? "descriptors truncated"
+					   : "more descriptors than frames "
+					     "claim");
 			return;
 		}
+		memcpy(c->fdq + c->nfdq, fds, nfds * sizeof(int));
+		c->nfdq += nfds;
 		if (n == -EAGAIN)
 			return;
 		if (n < 0) {

@@ -10,11 +10,14 @@
 #include "core/core.h"
 #include "epp_rbuf.h"
 
+/* Descriptors of one reply (a join's two regions at most). */
+#define EPD_OUT_FDS 4
+
 /* A queued outgoing frame. */
 struct epd_out {
 	struct list_node node;
 	size_t len, off;
-	int fds[EPP_MAX_FDS];
+	int fds[EPD_OUT_FDS];
 	unsigned nfds;
 	uint8_t data[];
 };
@@ -37,6 +40,10 @@ struct epd_client {
 	int refused; /* an error code: its first frame gets it, then close */
 	char why[96]; /* why it is doomed or refused */
 	int pending_handles; /* handles whose close callback is outstanding */
+	/* Descriptors received and not yet claimed by a frame, in order: a
+	 * frame's arrive with its first byte, before the frame is whole. */
+	int fdq[EPP_MAX_FDS];
+	unsigned nfdq;
 };
 
 /* server.c */

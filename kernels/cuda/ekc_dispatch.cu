@@ -28,6 +28,14 @@ __device__ static inline uint8_t *field(const struct ekc_disp_args &a,
 	       (f == EKC_F_RECV_X ? a.rx[rank] : a.off[f]);
 }
 
+/* Row r of rank d's combine_y (its registered memory or its region). */
+__device__ static inline const uint4 *y_row(const struct ekc_disp_args &a,
+					   uint32_t d, uint32_t r)
+{
+	const uint64_t o = r < a.yrows[d] ? a.yo[d] : a.off[EKC_F_Y];
+	return (const uint4 *)(a.region[d] + o + (uint64_t)r * a.H * 2);
+}
+
 __device__ static inline bool has_error(const struct ekc_disp_args &a)
 {
 	return *(volatile unsigned long long *)a.err != ~0ull;
@@ -863,9 +871,8 @@ extern "C" __global__ void __launch_bounds__(256)
 					int32_t r = d < W ? slot[d] : -1;
 					on[j] = r >= 0;
 					if (on[j])
-						y[j] = __ldg((const uint4 *)field(
-								     a, d, EKC_F_Y) +
-							     (uint64_t)r * nvec + v);
+						y[j] = __ldg(y_row(a, d, (uint32_t)r) +
+							     v);
 				}
 #pragma unroll
 				for (uint32_t j = 0; j < 8; j++) {

@@ -418,6 +418,43 @@ int ep_ll_combine_buffer(ep_group_t *group, uint32_t buffer, void **rows);
 /* 0, or the first error the low-latency kernels raised (cleared). */
 int ep_ll_error(ep_group_t *group);
 
+/*
+ * Registered memory (GPU ranks of a one-node group): the daemon maps a
+ * range of the rank's own device memory, so that a stream-ordered combine
+ * reads the rank's rows where they are (ep_combine_stream_reg) instead of
+ * from combine_y, which the caller would have to copy them into. The
+ * memory must come from the CUDA virtual memory API with POSIX
+ * file-descriptor handles requested (cuMemCreate with
+ * CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR; PyTorch's expandable segments
+ * are such memory), else EP_EUNSUPPORTED. ep_mem_register widens
+ * [ptr, ptr + len) to the allocations under it and passes them to the
+ * daemon as descriptors (at most EP_MEM_REG_CHUNKS of them, else
+ * EP_ETOOBIG); while registered they stay alive, held by libep and the
+ * daemon, even where the caller frees or unmaps them. Host groups and
+ * groups across nodes: EP_EUNSUPPORTED. ep_leave deregisters what is
+ * left.
+ */
+typedef struct ep_mreg ep_mreg_t;
+#define EP_MEM_REG_CHUNKS 64
+int ep_mem_register(ep_group_t *group, const void *ptr, size_t len,
+		    ep_mreg_t **mr);
+/* 1 if [ptr, ptr + len) lies inside mr and every allocation under it is
+ * still the one registered; 0 if not (the caller's allocator put another
+ * allocation there: register again); a negative EP_ code on error. */
+int ep_mem_covers(const ep_mreg_t *mr, const void *ptr, size_t len);
+/* The range mr covers (the allocations' extent). */
+void ep_mem_range(const ep_mreg_t *mr, uint64_t *base, size_t *len);
+int ep_mem_deregister(ep_mreg_t *mr);
+/* ep_combine_stream with this rank's rows (handle->num_recv of them, or
+ * rows where the handle's count is not known on the host) read from y,
+ * device memory inside mr (ep_mem_covers must hold: EP_ESTALE if not), not
+ * from combine_y; bias and weights still come from the buffers. Not in a
+ * CUDA graph capture (EP_EUNSUPPORTED). y must stay unchanged until the
+ * combine ran on the stream. */
+int ep_combine_stream_reg(ep_group_t *group, const ep_handle_t *handle,
+			  unsigned flags, const ep_mreg_t *mr, const void *y,
+			  uint32_t rows, void *stream);
+
 /* Identity of a joined group. */
 uint64_t ep_group_id(const ep_group_t *group);
 uint32_t ep_group_rank(const ep_group_t *group);

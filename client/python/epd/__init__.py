@@ -48,6 +48,7 @@ BF16 = 1
 FP8 = 2
 EINVAL = -errno.EINVAL  # EP_EINVAL (ep/ep.h)
 ETOOBIG = -1010  # EP_ETOOBIG: more tokens than the group holds
+EUNSUPPORTED = -1013  # EP_EUNSUPPORTED
 JOIN_NOWAIT = 1
 JOIN_CUDA = 2
 DISPATCH_WEIGHTS = 1
@@ -214,6 +215,19 @@ _lib.ep_dispatch_stream.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
 _lib.ep_combine_stream.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle),
                                    ctypes.c_uint, ctypes.c_void_p]
 _lib.ep_handle_release.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle)]
+_lib.ep_mem_register.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_size_t,
+                                 ctypes.POINTER(ctypes.c_void_p)]
+_lib.ep_mem_covers.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
+                               ctypes.c_size_t]
+_lib.ep_mem_range.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
+                              ctypes.POINTER(ctypes.c_size_t)]
+_lib.ep_mem_range.restype = None
+_lib.ep_mem_deregister.argtypes = [ctypes.c_void_p]
+_lib.ep_combine_stream_reg.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle),
+                                       ctypes.c_uint, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_uint32,
+                                       ctypes.c_void_p]
 _lib.ep_group_recv_areas.argtypes = [ctypes.c_void_p]
 _lib.ep_group_recv_areas.restype = ctypes.c_uint32
 _lib.ep_recv_area.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
@@ -289,12 +303,40 @@ class DispatchResult:
         self.__dict__.update(kw)
 
 
+class MemRegion:
+    """Registered device memory of a Group (Group.mem_register): base and
+    nbytes are the allocations' extent; covers(ptr, n) says whether a range
+    lies inside and is still the memory registered."""
+
+    def __init__(self, group, p):
+        self._group, self._p = group, p
+        b, n = ctypes.c_uint64(), ctypes.c_size_t()
+        _lib.ep_mem_range(p, ctypes.byref(b), ctypes.byref(n))
+        self.base, self.nbytes = b.value, n.value
+
+    def covers(self, ptr, nbytes):
+        if not self._p:
+            return False
+        rc = _lib.ep_mem_covers(self._p, ptr, nbytes)
+        if rc < 0:
+            _check(rc)
+        return rc == 1
+
+    def deregister(self):
+        """Idempotent; the daemon unmaps it once no combine reads it."""
+        if self._p:
+            p, self._p = self._p, None
+            self._group._mregs.discard(self)
+            _check(_lib.ep_mem_deregister(p))
+
+
 class Group:
     """A joined group. Its methods raise epd.Error after leave() or after
     its connection closed (libep freed it then)."""
 
     def __init__(self, conn, handle, cfg):
         self._conn, self._handle, self.cfg = conn, handle, cfg
+        self._mregs = set()
 
     @property
     def _g(self):
@@ -313,6 +355,9 @@ class Group:
         """Leave the group (idempotent; a no-op once the connection
         closed, which left it)."""
         if self._handle:
+            for r in list(self._mregs):  # ep_leave frees them
+                r._p = None
+            self._mregs.clear()
             g, self._handle = self._handle, None
             self._conn._groups.discard(self)
             _check(_lib.ep_leave(g))
@@ -471,6 +516,27 @@ class Group:
                                       (COMBINE_BIAS2 if bias2 else 0) |
                                       (COMBINE_WEIGHTS if weights else 0),
                                       self._stream(stream)))
+
+    def mem_register(self, ptr, nbytes):
+        """Register this rank's device memory [ptr, ptr + nbytes) (made
+        with the CUDA virtual memory API and POSIX-descriptor handles, as
+        PyTorch's expandable segments): a MemRegion, widened to the
+        allocations under the range."""
+        mr = ctypes.c_void_p()
+        _check(_lib.ep_mem_register(self._g, ptr, nbytes, ctypes.byref(mr)))
+        r = MemRegion(self, mr.value)
+        self._mregs.add(r)
+        return r
+
+    def combine_stream_reg(self, handle, region, ptr, rows, stream=None,
+                           bias=False, weights=False, bias2=False):
+        """combine_stream with this rank's rows read at device address ptr
+        inside region (a MemRegion), not from combine_y."""
+        _check(_lib.ep_combine_stream_reg(
+            self._g, ctypes.byref(handle),
+            (COMBINE_BIAS if bias else 0) | (COMBINE_BIAS2 if bias2 else 0) |
+            (COMBINE_WEIGHTS if weights else 0), region._p, ptr, rows,
+            self._stream(stream)))
 
     def release(self, handle):
         """This rank is done with the handle (its combine and cached
@@ -676,6 +742,9 @@ class Conn:
         if self._c:
             for grp in list(self._groups):
                 grp._handle = None
+                for r in grp._mregs:  # freed by ep_close
+                    r._p = None
+                grp._mregs.clear()
             self._groups.clear()
             c, self._c = self._c, None
             _lib.ep_close(c)

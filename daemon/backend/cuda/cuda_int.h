@@ -154,6 +154,19 @@ struct epd_cuda_group {
 	int stage_rc;
 	char stage_err[256];
 	CUevent stage_ev;
+	/* registered memory of the ranks (mreg.c) */
+	struct cu_mreg *mregs;
+	uint32_t nmregs, mreg_cap, mreg_next;
+};
+
+/* A rank's registered memory, mapped at va. */
+struct cu_mreg {
+	uint32_t id, local;
+	CUdeviceptr va;
+	uint64_t bytes, reserved; /* mapped, and the address range */
+	uint64_t *chunk;          /* the mappings' sizes, in order */
+	uint64_t last_k; /* the last combine that names it */
+	bool dead;       /* deregistered: unmapped once completed >= last_k */
 };
 
 /* A GPU handle: the routing of dispatch op `seq`. */
@@ -242,6 +255,16 @@ void cu_stage_begin(struct epd_group *g, uint64_t k, struct epd_aop *const *ops)
 void cu_stage_host(struct epd_group *g);
 void CUDA_CB cu_stage_wake(void *p);
 void cu_trace_read(struct epd_cuda_group *c, int which);
+/* mreg.c */
+int epd_cuda_mem_reg(struct epd_group *g, uint32_t l, int *fds,
+		     const uint64_t *chunk, uint32_t n, uint32_t *id,
+		     uint64_t *bytes, char *err, size_t errlen);
+int epd_cuda_mem_dereg(struct epd_group *g, uint32_t l, uint32_t id,
+		       char *err, size_t errlen);
+struct cu_mreg *cu_mreg_find(struct epd_cuda_group *c, uint32_t l,
+			     uint32_t id);
+void cu_mreg_sweep(struct epd_cuda_group *c);
+void cu_mreg_free(struct epd_cuda_group *c, bool drained);
 /* ll.c */
 int epd_cuda_ll_export(struct epd_group *g, uint32_t l, int *fd,
 		       uint64_t *size, char *err, size_t errlen);

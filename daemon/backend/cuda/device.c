@@ -255,4 +255,6 @@ const struct epd_backend_ops epd_cuda_backend = {
 	.group_free = epd_cuda_group_free,
 	.group_status = epd_cuda_group_status,
 	.ll_export = epd_cuda_ll_export,
+	.mem_reg = epd_cuda_mem_reg,
+	.mem_dereg = epd_cuda_mem_dereg,
 };

@@ -367,6 +367,7 @@ void epd_cuda_group_free(struct epd_group *g)
 	} else {
 		free(c->routes);
 	}
+	cu_mreg_free(c, drained);
 	/* no mapping of the daemon's: the ranks' mappings keep the memory
 	 * until they unmap it */
 	cu_ll_free(c, g->shape.ranks_per_node);

@@ -196,6 +196,20 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 	a.cw = op0->type == EPP_COMBINE && (op0->flags & EPP_COMBINE_WEIGHTS);
 	for (int f = 0; f < EKC_F_N; f++)
 		a.off[f] = EKC_CTRL_BYTES + g->layout.off[f];
+	/* each rank's combine_y: its region's, or its registered memory
+	 * (epd_cuda_op checked the range; a row past it reads the region) */
+	for (uint32_t l = 0; l < W; l++) {
+		a.yo[l] = a.off[EKC_F_Y];
+		a.yrows[l] = 0;
+		if (op0->type != EPP_COMBINE ||
+		    !(ops[l]->flags & EPP_COMBINE_YREG))
+			continue;
+		struct cu_mreg *mr = cu_mreg_find(c, l, ops[l]->reg);
+		if (!mr)
+			return CUDA_ERROR_INVALID_VALUE;
+		a.yo[l] = mr->va + ops[l]->reg_off - c->ptr[l]; /* mod 2^64 */
+		a.yrows[l] = ops[l]->rows;
+	}
 	/* each rank's receive area (epd_group_async checked it) */
 	for (uint32_t l = 0; l < W; l++)
 		a.rx[l] = EKC_CTRL_BYTES +

@@ -158,6 +158,35 @@ void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
 			       (unsigned long long)op->handle);
 		return;
 	}
+	if (op->type == EPP_COMBINE && (op->flags & EPP_COMBINE_YREG)) {
+		/* the rows must lie inside the registration: the kernels
+		 * read them there (a row past `rows` is read from the
+		 * region, never past the mapping) */
+		struct cu_mreg *r = cu_mreg_find(c, m->local, op->reg);
+		const uint64_t rowb = (uint64_t)g->shape.hidden * 2;
+		const char *why =
+			!r || r->dead ? "names no registration of its"
+			: op->rows > g->layout.max_recv
+				? "has more rows than the group receives"
+			: op->reg_off % 16 ||
+					op->reg_off > r->bytes ||
+					(uint64_t)op->rows * rowb >
+						r->bytes - op->reg_off
+				? "has rows outside its registration"
+				: NULL;
+		if (why) {
+			epd_group_fail(g, EP_EINVAL,
+				       "rank %u's stream-ordered combine %llu "
+				       "%s (registration %u, byte %llu, %u "
+				       "rows)",
+				       m->rank, (unsigned long long)seq, why,
+				       op->reg, (unsigned long long)op->reg_off,
+				       op->rows);
+			return;
+		}
+		if (r->last_k < seq)
+			r->last_k = seq;
+	}
 	m->aq[seq % MAX_INFLIGHT] = *op;
 	m->aq[seq % MAX_INFLIGHT].fast = false;
 	/* a rank that asked for too many tokens got no handle: it holds none
@@ -207,6 +236,7 @@ void cu_poll_cb(uv_timer_t *t)
 		return;
 	}
 	cu_refresh_completed(g);
+	cu_mreg_sweep(c);
 	if (c->staged && c->stage_phase == 1) {
 		CUresult q = cu_drv->cuEventQuery(c->stage_ev);
 		if (q == CUDA_SUCCESS) {

@@ -121,6 +121,10 @@ class _Routing:
         self.entries = [(weakref.ref(sub), h)]
 
 
+# registrations a shape's group keeps (_Sub.y_region)
+_MREG_KEEP = 4
+
+
 def _recv_areas(buf, tag):
     """Receive areas of a shape's group: $EPD_DEEP_EP_RECV_AREAS (default
     3, at most 16) for the normal ops of GPU ranks of a one-node group,
@@ -211,6 +215,36 @@ class _Sub:
         self.pe_host = torch.empty(max(self.per, 1), dtype=torch.int32,
                                    device="cpu", pin_memory=True)
         self.pe_ev = torch.cuda.Event()  # pe_host's copy done
+        # a combine's expert rows read in place by the daemon (registered
+        # memory, _y_region): GPU ranks of one node, unless
+        # $EPD_DEEP_EP_REGISTER=0; off for good once the caller's memory
+        # proves not to be of the kind (no expandable segments)
+        self.mregs = []  # most recently used first
+        self.mreg_on = buf._rpn == buf.group_size and not tag and \
+            os.environ.get("EPD_DEEP_EP_REGISTER", "1") != "0"
+
+    def y_region(self, x):
+        """The registration that holds x's bytes (made if none does), or
+        None: copy them."""
+        if not self.mreg_on or self.g is None or not x.is_contiguous():
+            return None
+        ptr, n = x.data_ptr(), x.numel() * x.element_size()
+        for i, r in enumerate(self.mregs):
+            if r.covers(ptr, n):
+                if i:
+                    self.mregs.insert(0, self.mregs.pop(i))
+                return r
+        try:
+            r = self.g.mem_register(ptr, n)
+        except epd.Error as e:
+            if e.code == epd.EUNSUPPORTED:
+                self.mreg_on = False
+            return None
+        self.mregs.insert(0, r)
+        # registrations hold the allocations under them: a few recent ones
+        while len(self.mregs) > _MREG_KEEP:
+            self.mregs.pop().deregister()
+        return r
 
     def take(self):
         """A free receive area and its event, or (0, None): none free
@@ -233,6 +267,7 @@ class _Sub:
             return
         if self.g is not None:
             g, self.g = self.g, None
+            self.mregs = []  # ep_leave drops them
             try:
                 g.leave()
             except epd.Error:
@@ -802,18 +837,29 @@ class Buffer:
         torch = _torch()
         T, H, K, R = rt.T, sub.H, sub.K, rt.R
         compute, comm = self._streams(prev)
+        # the rows read where they are (no copy), unless capturing: a
+        # registration's check is a host-side fact of this moment
+        reg = sub.y_region(x) if R and \
+            not torch.cuda.is_current_stream_capturing() else None
         with torch.cuda.stream(comm):
             if R:
-                sub.y[:R].copy_(x)
+                if reg is None:
+                    sub.y[:R].copy_(x)
+                else:
+                    x.record_stream(comm)  # read until the combine ran
                 if tw is not None:
                     sub.cw[:R].copy_(tw)
             if bias is not None and T:
                 sub.bias[:T].copy_(bias)
             if bias2 is not None and T:
                 sub.bias2[:T].copy_(bias2)
-            sub.g.combine_stream(rt.h, stream=comm, bias=bias is not None,
-                                 weights=tw is not None,
-                                 bias2=bias2 is not None)
+            flags = dict(bias=bias is not None, weights=tw is not None,
+                         bias2=bias2 is not None)
+            if reg is None:
+                sub.g.combine_stream(rt.h, stream=comm, **flags)
+            else:
+                sub.g.combine_stream_reg(rt.h, reg, x.data_ptr(), R,
+                                         stream=comm, **flags)
         with torch.cuda.stream(comm if alloc_comm else compute):
             out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
             wout = torch.empty((T, K), dtype=torch.float32,
