@@ -513,6 +513,16 @@ static int client_frame(void *arg, const struct epp_hdr *h,
 			     "descriptors come only with mem-reg");
 		return 1;
 	}
+	/* A frame's descriptors arrive with its first byte: more queued than
+	 * this frame claims while it ends the bytes received belong to no
+	 * frame (a later one's would have come with a byte after it). */
+	if (c->nfdq > nfds &&
+	    frame + EPP_HDR_SIZE + h->length == c->rb.p + c->rb.len) {
+		client_fatal(c, h->req_id, EP_EPROTO,
+			     "descriptors that no frame claims (they come only "
+			     "with mem-reg)");
+		return 1;
+	}
 	if (nfds > c->nfdq) {
 		char msg[96];
 		snprintf(msg, sizeof(msg),

@@ -6,15 +6,32 @@
 #include "harness.h"
 #include "epp.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <poll.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 static const struct th_daemon *D;
+
+/* Descriptors the process holds (/proc/pid/fd). */
+static int count_fds(pid_t pid)
+{
+	char path[64];
+	snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
+	DIR *dir = opendir(path);
+	TH_CHECK(dir != NULL, "opendir %s", path);
+	int n = 0;
+	for (struct dirent *e; (e = readdir(dir));)
+		n += e->d_name[0] != '.';
+	closedir(dir);
+	return n;
+}
 
 static int raw_connect(void)
 {
@@ -244,7 +261,40 @@ int main(void)
 		TH_CHECK(epp_sendmsg(fd, hb, sizeof(hb), &devnull, 1) ==
 				 EPP_HDR_SIZE,
 			 "sendmsg");
-		expect_error(fd, 0, EP_EPROTO, "may not send descriptors");
+		expect_error(fd, 13, EP_EPROTO, "no frame claims");
+		expect_closed(fd);
+	}
+	/* A frame that announces descriptors it did not bring, and
+	 * descriptors on a frame other than mem-reg: refused, disconnect. */
+	fd = raw_connect();
+	{
+		struct epp_hdr h;
+		epp_hdr_init(&h, EPP_STATUS, 14);
+		h.nfds = 1;
+		uint8_t hb[EPP_HDR_SIZE];
+		epp_hdr_encode(&h, hb);
+		raw_send(fd, hb, sizeof(hb));
+		expect_error(fd, 14, EP_EPROTO, "only with mem-reg");
+		expect_closed(fd);
+	}
+	fd = raw_connect();
+	{
+		struct epp_mem_reg m = {.group_id = 1, .nchunks = 2,
+					.chunk = {2u << 20, 2u << 20}};
+		uint8_t pb[64];
+		size_t pn = epp_mem_reg_encode(&m, pb, sizeof(pb));
+		struct epp_hdr h;
+		epp_hdr_init(&h, EPP_MEM_REG, 15);
+		h.length = (uint32_t)pn;
+		h.nfds = 2;
+		uint8_t fb[EPP_HDR_SIZE + 64];
+		epp_hdr_encode(&h, fb);
+		memcpy(fb + EPP_HDR_SIZE, pb, pn);
+		int one = 0; /* one descriptor of the two announced */
+		TH_CHECK(epp_sendmsg(fd, fb, EPP_HDR_SIZE + pn, &one, 1) ==
+				 (long)(EPP_HDR_SIZE + pn),
+			 "sendmsg");
+		expect_error(fd, 15, EP_EPROTO, "2 descriptors, 1 arrived");
 		expect_closed(fd);
 	}
 
@@ -349,7 +399,56 @@ int main(void)
 		send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_LL_MAP, 0,
 			 (uint32_t)ln, 29, buf);
 		expect_error(fd, 29, EP_EUNSUPPORTED, "host ranks");
+		/* MEM_REG (registered memory, GPU ranks only): on a host
+		 * group refused with why, its descriptors closed by the
+		 * daemon (none left open), the connection kept; malformed,
+		 * and chunks that do not match the descriptors: errors */
+		int before = count_fds(D->pid);
+		struct epp_mem_reg mr = {.group_id = jo.group_id, .nchunks = 3,
+					 .chunk = {2u << 20, 2u << 20, 2u << 20}};
+		uint8_t fb[EPP_HDR_SIZE + 128];
+		size_t mn = epp_mem_reg_encode(&mr, fb + EPP_HDR_SIZE, 128);
+		int three[3];
+		for (int i = 0; i < 3; i++)
+			TH_CHECK((three[i] = memfd_create("reg", 0)) >= 0,
+				 "memfd");
+		struct epp_hdr mh;
+		epp_hdr_init(&mh, EPP_MEM_REG, 30);
+		mh.length = (uint32_t)mn;
+		mh.nfds = 3;
+		epp_hdr_encode(&mh, fb);
+		TH_CHECK(epp_sendmsg(fd, fb, EPP_HDR_SIZE + mn, three, 3) ==
+				 (long)(EPP_HDR_SIZE + mn),
+			 "sendmsg");
+		expect_error(fd, 30, EP_EUNSUPPORTED, "host ranks");
+		/* chunks 3, descriptors 2 */
+		epp_hdr_init(&mh, EPP_MEM_REG, 31);
+		mh.length = (uint32_t)mn;
+		mh.nfds = 2;
+		epp_hdr_encode(&mh, fb);
+		TH_CHECK(epp_sendmsg(fd, fb, EPP_HDR_SIZE + mn, three, 2) ==
+				 (long)(EPP_HDR_SIZE + mn),
+			 "sendmsg");
+		expect_error(fd, 31, EP_EPROTO, "3 chunks came with 2");
+		for (int i = 0; i < 3; i++)
+			close(three[i]);
+		send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_MEM_REG, 0, 3, 32,
+			 "abc");
+		expect_error(fd, 32, EP_EPROTO, "malformed mem-reg");
+		struct epp_mem_dereg md = {.group_id = jo.group_id, .reg = 1};
+		size_t dn = epp_mem_dereg_encode(&md, buf, sizeof(buf));
+		send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_MEM_DEREG, 0,
+			 (uint32_t)dn, 33, buf);
+		expect_error(fd, 33, EP_EINVAL, "no such registration");
 		expect_usable(fd);
+		int after = count_fds(D->pid);
+		TH_CHECK(after == before,
+			 "the daemon holds %d descriptors, %d before the "
+			 "mem-regs",
+			 after, before);
+		printf("ok: mem-reg on a host group refused, its descriptors "
+		       "closed (%d open before and after)\n",
+		       after);
 	}
 	close(fd);
 	/* libep's low-latency calls on a host group: refused, nothing sent

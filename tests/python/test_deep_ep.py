@@ -491,6 +491,15 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
     # a fp8 handle's combine takes bf16 rows
     out, _, _ = buf.combine(D(ys[r]), handles[("fp8", True)])
     same(out, ref_combine(torch, ins, recv, r, W, yrow), "combine (fp8 handle)")
+    if CUDA and "expandable_segments:True" in \
+            os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        # the combines above read the rows where torch put them
+        # (registered memory), not through a copy: checked bit for bit
+        # against the reference all the same
+        assert any(getattr(s_, "mregs", None) for s_ in buf._subs.values()), \
+            "expandable segments: no combine read its rows in place"
+        print(f"ok: rank {r}: combines read torch's rows in place "
+              "(registered memory)", flush=True)
 
     # Clear errors.
     h = handles[("bf16", True)]
