@@ -72,6 +72,13 @@
  *        flags (EPP_DISPATCH_AREA) the area its received rows go to, each
  *        rank its own. Every rank of a group joins with the same number;
  *        a group across nodes has one area.
+ *   1.13 MEM_REG: a GPU rank of a one-node group passes descriptors of its
+ *        own device memory (one per allocation, the only frame that may
+ *        carry descriptors to the daemon; descriptors no frame claims
+ *        end the connection); the daemon maps them and replies with an
+ *        id. A stream-ordered COMBINE with EPP_COMBINE_YREG then names
+ *        where its rows are (u32 reg, u64 offset after the flags).
+ *        MEM_DEREG ends a registration.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
