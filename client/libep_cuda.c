@@ -435,9 +435,12 @@ int ep_barrier_stream(ep_group_t *g, void *stream)
 	return async_op(g, EPP_BARRIER, buf, 8, stream, &seq);
 }
 
-int ep_dispatch_stream(ep_group_t *g, uint32_t num_tokens, unsigned flags,
-		       const ep_handle_t *cached, void *stream,
-		       ep_handle_t *handle)
+/* ep_dispatch_stream, with x in registration mr at y (mr NULL: the
+ * region's x). */
+static int dispatch_stream(ep_group_t *g, uint32_t num_tokens, unsigned flags,
+			   const ep_handle_t *cached, void *stream,
+			   ep_handle_t *handle, const ep_mreg_t *mr,
+			   const void *x)
 {
 	if (!g || !handle)
 		return ep__fail(EP_EINVAL, "NULL argument");
@@ -449,6 +452,27 @@ int ep_dispatch_stream(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 		rc = ep__dispatch_request(g, num_tokens, flags, cached, buf, &n);
 	if (rc)
 		return rc;
+	if (mr && cap)
+		return ep__fail(EP_EUNSUPPORTED,
+				"a dispatch from registered memory cannot be "
+				"captured into a CUDA graph (use "
+				"ep_dispatch_stream)");
+	if (mr && num_tokens && num_tokens <= g->cfg.max_tokens) {
+		/* the request as checked, x's place added */
+		struct epp_dispatch d;
+		uint64_t off;
+		uint32_t id;
+		size_t len = (size_t)num_tokens * g->cfg.hidden *
+			     g->layout.elt;
+		if ((rc = ep__mreg_place(g, mr, x, len, &id, &off)))
+			return rc;
+		if (epp_dispatch_decode(buf, n, &d))
+			return ep__fail(EP_EPROTO, "cannot encode the dispatch");
+		d.flags |= EPP_DISPATCH_XREG;
+		d.reg = id;
+		d.reg_off = off;
+		n = (uint32_t)epp_dispatch_encode(&d, buf, sizeof(buf));
+	}
 	if (cap) {
 		/* a replay cannot tell this rank alone: refused at capture */
 		if (num_tokens > g->cfg.max_tokens)
@@ -485,6 +509,25 @@ int ep_dispatch_stream(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 				.num_tokens = num_tokens,
 				.num_recv = UINT32_MAX};
 	return 0;
+}
+
+int ep_dispatch_stream(ep_group_t *g, uint32_t num_tokens, unsigned flags,
+		       const ep_handle_t *cached, void *stream,
+		       ep_handle_t *handle)
+{
+	return dispatch_stream(g, num_tokens, flags, cached, stream, handle,
+			       NULL, NULL);
+}
+
+int ep_dispatch_stream_reg(ep_group_t *g, uint32_t num_tokens,
+			   unsigned flags, const ep_handle_t *cached,
+			   const ep_mreg_t *mr, const void *x, void *stream,
+			   ep_handle_t *handle)
+{
+	if (!mr || (!x && num_tokens))
+		return ep__fail(EP_EINVAL, "NULL argument");
+	return dispatch_stream(g, num_tokens, flags, cached, stream, handle,
+			       mr, x);
 }
 
 int ep_combine_stream(ep_group_t *g, const ep_handle_t *h, unsigned flags,

@@ -137,3 +137,13 @@ int ep_combine_stream_reg(ep_group_t *g, const ep_handle_t *h,
 		(void)stream;
 	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
 }
+
+int ep_dispatch_stream_reg(ep_group_t *g, uint32_t num_tokens,
+			   unsigned flags, const ep_handle_t *cached,
+			   const ep_mreg_t *mr, const void *x, void *stream,
+			   ep_handle_t *handle)
+{
+	(void)g, (void)num_tokens, (void)flags, (void)cached, (void)mr,
+		(void)x, (void)stream, (void)handle;
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}

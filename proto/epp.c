@@ -485,6 +485,10 @@ size_t epp_dispatch_encode(const struct epp_dispatch *d, uint8_t *out,
 	epp_put_u32(&w, d->topk);
 	epp_put_u32(&w, d->flags);
 	put_handle(&w, &d->handle);
+	if (d->flags & EPP_DISPATCH_XREG) {
+		epp_put_u32(&w, d->reg);
+		epp_put_u64(&w, d->reg_off);
+	}
 	return w.err ? 0 : w.off;
 }
 
@@ -499,6 +503,12 @@ int epp_dispatch_decode(const uint8_t *p, size_t len, struct epp_dispatch *d)
 	d->topk = epp_get_u32(&r);
 	d->flags = epp_get_u32(&r);
 	get_handle(&r, &d->handle);
+	d->reg = 0;
+	d->reg_off = 0;
+	if (d->flags & EPP_DISPATCH_XREG) {
+		d->reg = epp_get_u32(&r);
+		d->reg_off = epp_get_u64(&r);
+	}
 	return epp_rd_end(&r);
 }
 

@@ -77,7 +77,8 @@
  *        carry descriptors to the daemon; descriptors no frame claims
  *        end the connection); the daemon maps them and replies with an
  *        id. A stream-ordered COMBINE with EPP_COMBINE_YREG then names
- *        where its rows are (u32 reg, u64 offset after the flags).
+ *        where its rows are (u32 reg, u64 offset after the flags), a
+ *        DISPATCH with EPP_DISPATCH_XREG where x is (after the handle).
  *        MEM_DEREG ends a registration.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
@@ -244,6 +245,9 @@ struct epp_hello_ok {
 /* DISPATCH: the rank's inputs are in its send region of the group buffer. */
 #define EPP_DISPATCH_WEIGHTS 0x1 /* topk_weights are given */
 #define EPP_DISPATCH_CACHED 0x2  /* reuse the routing of `handle` */
+/* x is not the region's field but registered memory: the frame goes on
+ * with u32 reg, u64 offset (1.13) */
+#define EPP_DISPATCH_XREG 0x4
 /* Peer XMETA only (1.8): that rank asked for more tokens than the group's
  * maximum; it takes part with none, and the op fails for every rank. */
 #define EPP_DISPATCH_TOOBIG 0x80
@@ -272,6 +276,10 @@ struct epp_dispatch {
 	uint64_t group_id;
 	uint32_t num_tokens, hidden, dtype, topk, flags;
 	struct epp_handle handle; /* with EPP_DISPATCH_CACHED */
+	/* with EPP_DISPATCH_XREG: x's num_tokens rows are at byte reg_off
+	 * of this rank's registration reg */
+	uint32_t reg;
+	uint64_t reg_off;
 };
 
 struct epp_dispatch_ok {

@@ -159,7 +159,8 @@ int epd_group_async(struct epd_session *c, uint64_t req_id, uint64_t gid,
 	const struct epp_join *s = &g->shape;
 	uint32_t known = op->type == EPP_DISPATCH
 				 ? EPP_DISPATCH_WEIGHTS | EPP_DISPATCH_CACHED |
-					   EPP_DISPATCH_AREA_MASK
+					   EPP_DISPATCH_AREA_MASK |
+					   EPP_DISPATCH_XREG
 			 : op->type == EPP_COMBINE
 				 ? EPP_COMBINE_BIAS | EPP_COMBINE_BIAS2 |
 					   EPP_COMBINE_WEIGHTS | EPP_COMBINE_YREG
@@ -191,7 +192,8 @@ int epd_group_async(struct epd_session *c, uint64_t req_id, uint64_t gid,
 		struct epd_aop o = *op;
 		o.asked = op->tokens;
 		o.tokens = 0;
-		o.flags |= EPP_DISPATCH_TOOBIG;
+		o.rows = 0; /* no rows read: no registration either */
+		o.flags = (o.flags & ~EPP_DISPATCH_XREG) | EPP_DISPATCH_TOOBIG;
 		g->toobig_rank = m->rank; /* for the staged path's message */
 		g->toobig_tokens = op->tokens;
 		g->dev->op(m, &o);

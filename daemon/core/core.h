@@ -105,8 +105,9 @@ struct epd_aop {
 	uint32_t tokens, flags;
 	uint32_t asked; /* a dispatch with EPP_DISPATCH_TOOBIG: the tokens the
 			   rank asked for (it takes part with none) */
-	/* a combine with EPP_COMBINE_YREG: its rows (the frame's num_rows)
-	 * at byte reg_off of registration reg */
+	/* a combine with EPP_COMBINE_YREG (a dispatch with
+	 * EPP_DISPATCH_XREG): combine_y's rows (x's), the frame's num_rows
+	 * (num_tokens), at byte reg_off of registration reg */
 	uint32_t reg, rows;
 	uint64_t reg_off;
 	uint16_t type; /* EPP_BARRIER, EPP_DISPATCH, EPP_COMBINE */

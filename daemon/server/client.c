@@ -294,6 +294,9 @@ static void handle_async(struct epd_client *c, const struct epp_hdr *h,
 			op.flags = d.flags;
 			op.handle = d.flags & EPP_DISPATCH_CACHED ? d.handle.seq
 								  : 0;
+			op.reg = d.reg;
+			op.rows = d.num_tokens;
+			op.reg_off = d.reg_off;
 		} else if (h->type == EPP_COMBINE) {
 			struct epp_combine cb;
 			bad = epp_combine_decode(p, n, &cb);

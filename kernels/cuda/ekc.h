@@ -261,9 +261,9 @@ struct ekc_disp_args {
 	/* recv_x of rank l: its region + rx[l] (the receive area its op
 	 * named; off[EKC_F_RECV_X] is not used) */
 	uint64_t rx[EKC_MAX_LOCAL];
-	/* combine: row r < yrows[l] of rank l's combine_y is at its region +
-	 * yo[l] + r * row (its registered memory, mod 2^64); a later row is
-	 * the region's field (yrows 0: every row) */
+	/* combine: row r < yrows[l] of rank l's combine_y (dispatch: of x)
+	 * is at its region + yo[l] + r * row (its registered memory, mod
+	 * 2^64); a later row is the region's field (yrows 0: every row) */
 	uint64_t yo[EKC_MAX_LOCAL];
 	uint32_t yrows[EKC_MAX_LOCAL];
 	uint32_t tokens[EKC_MAX_LOCAL]; /* T of each rank (the handle's) */

@@ -28,6 +28,15 @@ __device__ static inline uint8_t *field(const struct ekc_disp_args &a,
 	       (f == EKC_F_RECV_X ? a.rx[rank] : a.off[f]);
 }
 
+/* Row t of source s's x, in the dispatch (its registered memory or its
+ * region). */
+__device__ static inline const uint8_t *x_row(const struct ekc_disp_args &a,
+					     uint32_t s, uint64_t t)
+{
+	const uint64_t o = t < a.yrows[s] ? a.yo[s] : a.off[EKC_F_X];
+	return (const uint8_t *)(a.region[s] + o + t * a.H * a.elt);
+}
+
 /* Row r of rank d's combine_y (its registered memory or its region). */
 __device__ static inline const uint4 *y_row(const struct ekc_disp_args &a,
 					   uint32_t d, uint32_t r)
@@ -600,8 +609,7 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 		uint64_t t;
 		const uint32_t s = masked_token(a, g, &t); // a source
 		const int32_t *slot = a.slot + ((uint64_t)s * a.Tmax + t) * W;
-		const uint4 *src = (const uint4 *)(field(a, s, EKC_F_X) +
-						   t * nvec * 16);
+		const uint4 *src = (const uint4 *)x_row(a, s, t);
 		uint4 *dst[8];
 		uint32_t nd = 0, d0 = 0;
 		// destinations in groups of 8 (registers, no local memory)
@@ -723,7 +731,7 @@ extern "C" __global__ void __launch_bounds__(TMA_WARPS * 32)
 	uint32_t s;
 	if (g < total && lane == 0) {
 		s = masked_token(a, g, &t);
-		tma_load(buf0, field(a, s, EKC_F_X) + t * bytes, bytes, bar0);
+		tma_load(buf0, x_row(a, s, t), bytes, bar0);
 	}
 	while (g < total) {
 		uint32_t raw = lane == 0 ? atomicAdd(a.work, 1u) + 1u : 0;
@@ -740,7 +748,7 @@ extern "C" __global__ void __launch_bounds__(TMA_WARPS * 32)
 			uint64_t tn;
 			uint32_t sn = masked_token(a, gn, &tn);
 			tma_load(buf0 + nxt * bytes,
-				 field(a, sn, EKC_F_X) + tn * bytes, bytes,
+				 x_row(a, sn, tn), bytes,
 				 bar0 + nxt * 8);
 		}
 		tma_wait(bar0 + st * 8, (phase >> st) & 1);

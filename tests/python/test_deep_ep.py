@@ -500,6 +500,12 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
             "expandable segments: no combine read its rows in place"
         print(f"ok: rank {r}: combines read torch's rows in place "
               "(registered memory)", flush=True)
+    elif CUDA:
+        # torch's default allocator: not memory the daemon can import;
+        # the first try said so (EP_EUNSUPPORTED) and the rows are copied
+        for s_ in buf._subs.values():
+            assert not getattr(s_, "mregs", None), "registered without " \
+                "expandable segments"
 
     # Clear errors.
     h = handles[("bf16", True)]

@@ -455,6 +455,17 @@ int ep_combine_stream_reg(ep_group_t *group, const ep_handle_t *handle,
 			  unsigned flags, const ep_mreg_t *mr, const void *y,
 			  uint32_t rows, void *stream);
 
+/* ep_dispatch_stream with this rank's x rows (num_tokens of them, fp8
+ * bytes for an fp8 group; scales, indices and weights still from the
+ * buffers) read from x, device memory inside mr (EP_ESTALE if
+ * ep_mem_covers does not hold), not from the x buffer. Not in a CUDA graph
+ * capture (EP_EUNSUPPORTED). x must stay unchanged until the dispatch ran
+ * on the stream. */
+int ep_dispatch_stream_reg(ep_group_t *group, uint32_t num_tokens,
+			   unsigned flags, const ep_handle_t *cached,
+			   const ep_mreg_t *mr, const void *x, void *stream,
+			   ep_handle_t *handle);
+
 /* Identity of a joined group. */
 uint64_t ep_group_id(const ep_group_t *group);
 uint32_t ep_group_rank(const ep_group_t *group);

@@ -224,6 +224,10 @@ _lib.ep_mem_range.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64),
                               ctypes.POINTER(ctypes.c_size_t)]
 _lib.ep_mem_range.restype = None
 _lib.ep_mem_deregister.argtypes = [ctypes.c_void_p]
+_lib.ep_dispatch_stream_reg.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
+                                        ctypes.c_uint, ctypes.POINTER(Handle),
+                                        ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_void_p, ctypes.POINTER(Handle)]
 _lib.ep_combine_stream_reg.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle),
                                        ctypes.c_uint, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_uint32,
@@ -492,18 +496,26 @@ class Group:
         _check(_lib.ep_barrier_stream(self._g, self._stream(stream)))
 
     def dispatch_stream(self, num_tokens, stream=None, weights=False,
-                        handle=None, area=0):
+                        handle=None, area=0, region=None, ptr=0):
         """Enqueue a dispatch of the first num_tokens rows of the x,
         topk_idx (and topk_weights) buffers; returns its Handle at once.
-        area: the receive area this rank's rows go to."""
+        area: the receive area this rank's rows go to. region (a
+        MemRegion): x's rows are read at device address ptr inside it
+        instead of from the x buffer."""
         if not 0 <= area < 256:
             raise ValueError(f"receive area {area} out of range")
         h = Handle()
-        _check(_lib.ep_dispatch_stream(
-            self._g, num_tokens,
-            (DISPATCH_WEIGHTS if weights else 0) | int(area) << 24,
-            ctypes.byref(handle) if handle else None, self._stream(stream),
-            ctypes.byref(h)))
+        fl = (DISPATCH_WEIGHTS if weights else 0) | int(area) << 24
+        cached = ctypes.byref(handle) if handle else None
+        if region is None:
+            _check(_lib.ep_dispatch_stream(self._g, num_tokens, fl, cached,
+                                           self._stream(stream),
+                                           ctypes.byref(h)))
+        else:
+            _check(_lib.ep_dispatch_stream_reg(self._g, num_tokens, fl,
+                                               cached, region._p, ptr,
+                                               self._stream(stream),
+                                               ctypes.byref(h)))
         return h
 
     def combine_stream(self, handle, stream=None, bias=False,

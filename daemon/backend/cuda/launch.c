@@ -196,13 +196,15 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 	a.cw = op0->type == EPP_COMBINE && (op0->flags & EPP_COMBINE_WEIGHTS);
 	for (int f = 0; f < EKC_F_N; f++)
 		a.off[f] = EKC_CTRL_BYTES + g->layout.off[f];
-	/* each rank's combine_y: its region's, or its registered memory
-	 * (epd_cuda_op checked the range; a row past it reads the region) */
+	/* each rank's combine_y (a dispatch: x): its region's, or its
+	 * registered memory (epd_cuda_op checked the range; a row past it
+	 * reads the region) */
 	for (uint32_t l = 0; l < W; l++) {
-		a.yo[l] = a.off[EKC_F_Y];
+		const bool comb = op0->type == EPP_COMBINE;
+		a.yo[l] = a.off[comb ? EKC_F_Y : EKC_F_X];
 		a.yrows[l] = 0;
-		if (op0->type != EPP_COMBINE ||
-		    !(ops[l]->flags & EPP_COMBINE_YREG))
+		if (!(ops[l]->flags &
+		      (comb ? EPP_COMBINE_YREG : EPP_DISPATCH_XREG)))
 			continue;
 		struct cu_mreg *mr = cu_mreg_find(c, l, ops[l]->reg);
 		if (!mr)

@@ -158,16 +158,21 @@ void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
 			       (unsigned long long)op->handle);
 		return;
 	}
-	if (op->type == EPP_COMBINE && (op->flags & EPP_COMBINE_YREG)) {
+	const bool dreg = op->type == EPP_DISPATCH &&
+			  (op->flags & EPP_DISPATCH_XREG);
+	if ((op->type == EPP_COMBINE && (op->flags & EPP_COMBINE_YREG)) ||
+	    dreg) {
 		/* the rows must lie inside the registration: the kernels
 		 * read them there (a row past `rows` is read from the
 		 * region, never past the mapping) */
 		struct cu_mreg *r = cu_mreg_find(c, m->local, op->reg);
-		const uint64_t rowb = (uint64_t)g->shape.hidden * 2;
+		const uint64_t rowb = (uint64_t)g->shape.hidden *
+				      (dreg ? g->layout.elt : 2);
 		const char *why =
 			!r || r->dead ? "names no registration of its"
-			: op->rows > g->layout.max_recv
-				? "has more rows than the group receives"
+			: op->rows > (dreg ? g->shape.max_tokens
+					   : g->layout.max_recv)
+				? "has more rows than the group holds"
 			: op->reg_off % 16 ||
 					op->reg_off > r->bytes ||
 					(uint64_t)op->rows * rowb >
@@ -176,10 +181,11 @@ void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
 				: NULL;
 		if (why) {
 			epd_group_fail(g, EP_EINVAL,
-				       "rank %u's stream-ordered combine %llu "
+				       "rank %u's stream-ordered %s %llu "
 				       "%s (registration %u, byte %llu, %u "
 				       "rows)",
-				       m->rank, (unsigned long long)seq, why,
+				       m->rank, epp_type_name(op->type),
+				       (unsigned long long)seq, why,
 				       op->reg, (unsigned long long)op->reg_off,
 				       op->rows);
 			return;

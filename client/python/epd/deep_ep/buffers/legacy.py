@@ -225,7 +225,7 @@ class _Sub:
 
     def y_region(self, x):
         """The registration that holds x's bytes (made if none does), or
-        None: copy them."""
+        None: copy them. For a combine's rows and a dispatch's x."""
         if not self.mreg_on or self.g is None or not x.is_contiguous():
             return None
         ptr, n = x.data_ptr(), x.numel() * x.element_size()
@@ -638,9 +638,16 @@ class Buffer:
         area = held[0]
         T, H, K = x.size(0), sub.H, sub.K
         cached = rt is not None
+        # x read where it is (registered memory), as the combine's rows
+        xv = x.view(torch.uint8) if sub.fp8 else x
+        reg = sub.y_region(xv) if T and \
+            not torch.cuda.is_current_stream_capturing() else None
         with torch.cuda.stream(comm):
+            if T and reg is None:
+                sub.x[:T].copy_(xv)
+            elif T:
+                x.record_stream(comm)  # read until the dispatch ran
             if T:
-                sub.x[:T].copy_(x.view(torch.uint8) if sub.fp8 else x)
                 if sub.fp8:
                     sub.scales[:T].copy_(xs)  # any strides
                 if not cached:
@@ -656,7 +663,8 @@ class Buffer:
                 kept = sub.topk[:T].clone()  # the routing input
             h = sub.g.dispatch_stream(
                 T, stream=comm, weights=topk_weights is not None,
-                handle=rt.h if cached else None, area=area)
+                handle=rt.h if cached else None, area=area, region=reg,
+                ptr=xv.data_ptr() if reg is not None else 0)
             if not cached and not worst:
                 sub.pe_host.copy_(sub.pe, non_blocking=True)
                 sub.pe_ev.record(comm)
