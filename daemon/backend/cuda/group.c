@@ -409,6 +409,19 @@ void *epd_cuda_group_status(struct epd_group *g)
 			 "device_handle_bytes", (json_int_t)c->route_bytes,
 			 "last_dispatch_us", c->last_us[0], "last_combine_us",
 			 c->last_us[1]);
+	if (o) { /* the ranks' registered memory (mreg.c) */
+		uint64_t rb = 0;
+		uint32_t live = 0;
+		for (uint32_t i = 0; i < c->nmregs; i++) {
+			rb += c->mregs[i].bytes;
+			live += !c->mregs[i].dead;
+		}
+		json_object_set_new(o, "registered",
+				    json_pack("{s:i, s:i, s:I}", "live",
+					      (int)live, "mapped",
+					      (int)c->nmregs, "bytes",
+					      (json_int_t)rb));
+	}
 	if (o) /* the low-latency regions (ll.c), 0 until the first use */
 		json_object_set_new(o, "ll_region_bytes",
 				    json_integer((json_int_t)c->ll_size));

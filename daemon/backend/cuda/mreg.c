@@ -199,9 +199,12 @@ int epd_cuda_mem_dereg(struct epd_group *g, uint32_t l, uint32_t id,
  * mappings stay, as the regions do: work still running may read them). */
 void cu_mreg_free(struct epd_cuda_group *c, bool drained)
 {
-	if (drained)
-		for (uint32_t i = 0; i < c->nmregs; i++)
+	for (uint32_t i = 0; i < c->nmregs; i++) {
+		if (drained)
 			unmap(&c->mregs[i]);
+		else
+			free(c->mregs[i].chunk); /* the mapping stays */
+	}
 	free(c->mregs);
 	c->mregs = NULL;
 	c->nmregs = c->mreg_cap = 0;
