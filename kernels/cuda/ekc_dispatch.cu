@@ -37,14 +37,6 @@ __device__ static inline const uint8_t *x_row(const struct ekc_disp_args &a,
 	return (const uint8_t *)(a.region[s] + o + t * a.H * a.elt);
 }
 
-/* Row r of rank d's combine_y (its registered memory or its region). */
-__device__ static inline const uint4 *y_row(const struct ekc_disp_args &a,
-					   uint32_t d, uint32_t r)
-{
-	const uint64_t o = r < a.yrows[d] ? a.yo[d] : a.off[EKC_F_Y];
-	return (const uint4 *)(a.region[d] + o + (uint64_t)r * a.H * 2);
-}
-
 __device__ static inline bool has_error(const struct ekc_disp_args &a)
 {
 	return *(volatile unsigned long long *)a.err != ~0ull;
@@ -827,6 +819,14 @@ extern "C" __global__ void __launch_bounds__(256)
 {
 	const uint32_t lane = threadIdx.x & 31, W = a.W, H = a.H;
 	const uint64_t nvec = H / 8;
+	// Each warp's token: its rows' addresses, one per destination (0:
+	// none there), made once per token by the lanes (rank d's combine_y
+	// is its registered memory below yrows[d], its region's field after)
+	// and read from shared memory in the column loop: computed there from
+	// the kernel's parameters with a rank known only at run time, the
+	// choice cost a quarter of the combine's speed.
+	__shared__ const uint4 *rows_of[256 / 32][EKC_MAX_LOCAL];
+	const uint4 **rp = rows_of[threadIdx.x >> 5];
 	if (!combine_begin(a))
 		return;
 	const uint64_t total = masked_total(a);
@@ -835,6 +835,17 @@ extern "C" __global__ void __launch_bounds__(256)
 		uint64_t t;
 		const uint32_t h = masked_token(a, g, &t); // a home rank
 		const int32_t *slot = a.slot + ((uint64_t)h * a.Tmax + t) * W;
+		__syncwarp(); // the previous token's addresses are read
+		for (uint32_t d = lane; d < W; d += 32) {
+			const int32_t r = slot[d];
+			const uint64_t o = (uint32_t)r < a.yrows[d]
+						   ? a.yo[d]
+						   : a.off[EKC_F_Y];
+			rp[d] = r < 0 ? nullptr
+				      : (const uint4 *)(a.region[d] + o) +
+						(uint64_t)r * nvec;
+		}
+		__syncwarp();
 		const uint4 *bias = (a.bias_mask >> h) & 1
 					    ? (const uint4 *)field(a, h, EKC_F_BIAS) +
 						      t * nvec
@@ -876,11 +887,10 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
 				for (uint32_t j = 0; j < 8; j++) {
 					uint32_t d = d0 + j;
-					int32_t r = d < W ? slot[d] : -1;
-					on[j] = r >= 0;
+					const uint4 *row = d < W ? rp[d] : nullptr;
+					on[j] = row != nullptr;
 					if (on[j])
-						y[j] = __ldg(y_row(a, d, (uint32_t)r) +
-							     v);
+						y[j] = __ldg(row + v);
 				}
 #pragma unroll
 				for (uint32_t j = 0; j < 8; j++) {

@@ -118,6 +118,15 @@ def rank_main(r, W, store, q):
                          ("cp_d", copies_dispatch), ("cp_c", copies_combine),
                          ("y_in", copy_y_in), ("recv_out", copy_recv_out)):
             res[name] = timed(fn)
+        # the rank's CPU cost of finding x's registration (a dispatch's
+        # check before it reads in place)
+        if sub.mreg_on:
+            t0 = time.perf_counter()
+            for _ in range(N):
+                sub.y_region(x)
+            res["reg_us"] = (time.perf_counter() - t0) / N * 1e6
+        else:
+            res["reg_us"] = 0.0
         # did the shim's combine read ex in place (registered memory)?
         res["reg"] = float(bool(sub.mregs))
         out0, _, _ = buf.combine(ex, hnd)
@@ -164,6 +173,8 @@ def main():
           f"shim_us={sc:.0f} ratio={sc / oc:.3f} (slowest rank's mean of "
           f"{N}; dispatch: better of two rounds; combine rows "
           f"{'read in place (registered memory)' if min(r['reg'] for r in allr) else 'copied in'})")
+    print(f"perf deep_ep W={W} finding a registration (ep_mem_covers): "
+          f"{worst['reg_us']:.1f} us on the rank's CPU")
     if not min(r["same"] for r in allr):
         print("FAIL: the combine from registered memory differs from the "
               "copy path's")

@@ -123,6 +123,10 @@ class _Routing:
 
 # registrations a shape's group keeps (_Sub.y_region)
 _MREG_KEEP = 4
+# the dispatch's x read in place too: opt-in ($EPD_DEEP_EP_REGISTER_X=1)
+# while it measures slower than the copy (PERFORMANCE.md, eighteenth
+# session)
+_REG_X = os.environ.get("EPD_DEEP_EP_REGISTER_X", "0") == "1"
 
 
 def _recv_areas(buf, tag):
@@ -640,7 +644,7 @@ class Buffer:
         cached = rt is not None
         # x read where it is (registered memory), as the combine's rows
         xv = x.view(torch.uint8) if sub.fp8 else x
-        reg = sub.y_region(xv) if T and \
+        reg = sub.y_region(xv) if T and _REG_X and \
             not torch.cuda.is_current_stream_capturing() else None
         with torch.cuda.stream(comm):
             if T and reg is None:
