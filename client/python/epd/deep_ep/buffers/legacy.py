@@ -14,7 +14,11 @@ more tokens than that raises ValueError naming the variable, on every rank
 at once (the op goes to the daemon all the same and fails there).
 
 Outputs are fresh tensors (copies out of epd's buffers, made on the comm
-stream); handles are DeepEP's 6-tuples, and the routing they name lives in
+stream; a dispatch's recv_x is a receive area of the group handed out
+instead); inputs are copied in, except a combine's rows (and with
+$EPD_DEEP_EP_REGISTER_X=1 a dispatch's x) in memory the daemon can import
+(PyTorch's expandable segments), which it reads in place (registered
+memory; $EPD_DEEP_EP_REGISTER=0: off); handles are DeepEP's 6-tuples, and the routing they name lives in
 the daemon until the tuple's recv_src_idx tensor is freed (released then:
 ep_handle_release). A dispatch from is_token_in_rank alone (no top-k)
 routes through a group with one expert per rank; its per-expert counts,
