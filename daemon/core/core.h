@@ -349,7 +349,12 @@ int epd_op_dispatch(struct epd_session *c, uint64_t req_id,
 int epd_op_combine(struct epd_session *c, uint64_t req_id,
 		   const struct epp_combine *cb);
 
-/* ll.c: LL_MAP, a rank's share of the low-latency mode. */
+/* ll.c: LL_MAP, a rank's share of the low-latency mode. And the checks
+ * of a request for something of GPU groups of one node (what: its name,
+ * for the message; backend_has: the backend does it): 0, or an EP_ code
+ * with *why. */
+int epd_one_node_gpu(const struct epd_group *g, bool backend_has,
+		     const char *what, const char **why);
 int epd_op_ll_map(struct epd_session *c, uint64_t req_id,
 		  const struct epp_ll_map *lm);
 

@@ -14,6 +14,31 @@
 
 #include <unistd.h>
 
+int epd_one_node_gpu(const struct epd_group *g, bool backend_has,
+		     const char *what, const char **why)
+{
+	const struct epp_join *s = &g->shape;
+	static __thread char msg[160];
+	if (g->state == EPD_G_FAILED)
+		return *why = "the group failed", EP_EFAILED;
+	if (g->state != EPD_G_READY)
+		return *why = "not every rank of the group joined", EP_ENOTREADY;
+	if (!backend_has)
+		snprintf(msg, sizeof(msg),
+			 "%s is for GPU ranks (this group's ranks are host "
+			 "ranks)",
+			 what);
+	else if (s->world_size != s->ranks_per_node)
+		snprintf(msg, sizeof(msg),
+			 "%s serves groups of one node (this group spans "
+			 "several)",
+			 what);
+	else
+		return 0;
+	*why = msg;
+	return EP_EUNSUPPORTED;
+}
+
 int epd_op_ll_map(struct epd_session *c, uint64_t req_id,
 		  const struct epp_ll_map *lm)
 {
@@ -22,21 +47,10 @@ int epd_op_ll_map(struct epd_session *c, uint64_t req_id,
 		return EP_ENOGROUP;
 	struct epd_group *g = m->group;
 	const struct epp_join *s = &g->shape;
-	int rc = 0;
 	const char *why = NULL;
-	if (g->state == EPD_G_FAILED)
-		rc = EP_EFAILED, why = "the group failed";
-	else if (g->state != EPD_G_READY)
-		rc = EP_ENOTREADY, why = "not every rank of the group joined";
-	else if (!g->dev || !g->dev->ll_export)
-		rc = EP_EUNSUPPORTED,
-		why = "the low-latency mode runs on GPU ranks (this group's "
-		      "ranks are host ranks)";
-	else if (s->world_size != s->ranks_per_node)
-		rc = EP_EUNSUPPORTED,
-		why = "the low-latency mode serves groups of one node (this "
-		      "group spans several)";
-	else if (lm->local >= s->ranks_per_node)
+	int rc = epd_one_node_gpu(g, g->dev && g->dev->ll_export,
+				  "the low-latency mode", &why);
+	if (!rc && lm->local >= s->ranks_per_node)
 		rc = EP_EINVAL, why = "no such local rank";
 	if (rc) {
 		epd_session_error(c, req_id, rc, "ll-map of group %s: %s",

@@ -31,20 +31,9 @@ int epd_op_mem_reg(struct epd_session *c, uint64_t req_id,
 	}
 	struct epd_group *g = m->group;
 	const struct epp_join *s = &g->shape;
-	int rc = 0;
 	const char *why = NULL;
-	if (g->state == EPD_G_FAILED)
-		rc = EP_EFAILED, why = "the group failed";
-	else if (g->state != EPD_G_READY)
-		rc = EP_ENOTREADY, why = "not every rank of the group joined";
-	else if (!g->dev || !g->dev->mem_reg)
-		rc = EP_EUNSUPPORTED,
-		why = "registered memory is GPU memory (this group's ranks "
-		      "are host ranks)";
-	else if (s->world_size != s->ranks_per_node)
-		rc = EP_EUNSUPPORTED,
-		why = "registered memory serves groups of one node (this "
-		      "group spans several: its ops go through host memory)";
+	int rc = epd_one_node_gpu(g, g->dev && g->dev->mem_reg,
+				  "registered memory", &why);
 	if (rc) {
 		close_all(fds, mr->nchunks);
 		epd_session_error(c, req_id, rc, "mem-reg in group %s: %s",
