@@ -444,12 +444,8 @@ static int dispatch_stream(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 {
 	if (!g || !handle)
 		return ep__fail(EP_EINVAL, "NULL argument");
-	uint8_t buf[128];
-	uint32_t n;
 	bool cap;
 	int rc = capturing(g, stream, &cap);
-	if (!rc)
-		rc = ep__dispatch_request(g, num_tokens, flags, cached, buf, &n);
 	if (rc)
 		return rc;
 	if (mr && cap)
@@ -457,22 +453,20 @@ static int dispatch_stream(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 				"a dispatch from registered memory cannot be "
 				"captured into a CUDA graph (use "
 				"ep_dispatch_stream)");
-	if (mr && num_tokens && num_tokens <= g->cfg.max_tokens) {
-		/* the request as checked, x's place added */
-		struct epp_dispatch d;
-		uint64_t off;
-		uint32_t id;
-		size_t len = (size_t)num_tokens * g->cfg.hidden *
-			     g->layout.elt;
-		if ((rc = ep__mreg_place(g, mr, x, len, &id, &off)))
-			return rc;
-		if (epp_dispatch_decode(buf, n, &d))
-			return ep__fail(EP_EPROTO, "cannot encode the dispatch");
-		d.flags |= EPP_DISPATCH_XREG;
-		d.reg = id;
-		d.reg_off = off;
-		n = (uint32_t)epp_dispatch_encode(&d, buf, sizeof(buf));
-	}
+	uint32_t id = 0;
+	uint64_t off = 0;
+	/* too many tokens: nothing is read (the op fails for every rank) */
+	if (mr && num_tokens <= g->cfg.max_tokens &&
+	    (rc = ep__mreg_place(g, mr, x,
+				 (size_t)num_tokens * g->cfg.hidden *
+					 g->layout.elt,
+				 &id, &off)))
+		return rc;
+	uint8_t buf[128];
+	uint32_t n;
+	if ((rc = ep__dispatch_request_reg(g, num_tokens, flags, cached, id,
+					   off, buf, &n)))
+		return rc;
 	if (cap) {
 		/* a replay cannot tell this rank alone: refused at capture */
 		if (num_tokens > g->cfg.max_tokens)
@@ -530,18 +524,45 @@ int ep_dispatch_stream_reg(ep_group_t *g, uint32_t num_tokens,
 			       mr, x);
 }
 
-int ep_combine_stream(ep_group_t *g, const ep_handle_t *h, unsigned flags,
-		      void *stream)
+/* ep_combine_stream, with this rank's rows rows at y in registration mr
+ * (mr NULL: combine_y). */
+static int combine_stream(ep_group_t *g, const ep_handle_t *h, unsigned flags,
+			  void *stream, const ep_mreg_t *mr, const void *y,
+			  uint32_t rows)
 {
 	if (!g || !h)
 		return ep__fail(EP_EINVAL, "NULL argument");
-	uint8_t buf[128];
-	uint32_t n;
 	bool cap;
 	int rc = capturing(g, stream, &cap);
-	if (!rc)
-		rc = ep__combine_request(g, h, flags, buf, &n);
 	if (rc)
+		return rc;
+	uint32_t id = 0;
+	uint64_t off = 0;
+	if (mr) {
+		if (cap)
+			return ep__fail(EP_EUNSUPPORTED,
+					"a combine from registered memory "
+					"cannot be captured into a CUDA graph "
+					"(use ep_combine_stream)");
+		if (h->num_recv != UINT32_MAX && rows != h->num_recv)
+			return ep__fail(EP_ESHAPE,
+					"combine of %u rows; the handle "
+					"received %u",
+					rows, h->num_recv);
+		if (rows > g->layout.max_recv)
+			return ep__fail(EP_ESHAPE,
+					"combine of %u rows; the group receives "
+					"%llu at most",
+					rows,
+					(unsigned long long)g->layout.max_recv);
+		if ((rc = ep__mreg_place(g, mr, y,
+					 (size_t)rows * g->cfg.hidden * 2, &id,
+					 &off)))
+			return rc;
+	}
+	uint8_t buf[128];
+	uint32_t n;
+	if ((rc = ep__combine_request_reg(g, h, flags, id, off, rows, buf, &n)))
 		return rc;
 	if (cap)
 		return ep__graph_capture(g, EPP_COMBINE, 0, flags, h,
@@ -552,52 +573,19 @@ int ep_combine_stream(ep_group_t *g, const ep_handle_t *h, unsigned flags,
 	return async_op(g, EPP_COMBINE, buf, n, stream, &seq);
 }
 
+int ep_combine_stream(ep_group_t *g, const ep_handle_t *h, unsigned flags,
+		      void *stream)
+{
+	return combine_stream(g, h, flags, stream, NULL, NULL, 0);
+}
+
 int ep_combine_stream_reg(ep_group_t *g, const ep_handle_t *h,
 			  unsigned flags, const ep_mreg_t *mr, const void *y,
 			  uint32_t rows, void *stream)
 {
-	if (!g || !h || !mr || (!y && rows))
+	if (!mr || (!y && rows))
 		return ep__fail(EP_EINVAL, "NULL argument");
-	if (h->num_recv != UINT32_MAX && rows != h->num_recv)
-		return ep__fail(EP_ESHAPE,
-				"combine of %u rows; the handle received %u",
-				rows, h->num_recv);
-	if (rows > g->layout.max_recv)
-		return ep__fail(EP_ESHAPE,
-				"combine of %u rows; the group receives %llu "
-				"at most",
-				rows, (unsigned long long)g->layout.max_recv);
-	bool cap;
-	int rc = capturing(g, stream, &cap);
-	if (rc)
-		return rc;
-	if (cap)
-		return ep__fail(EP_EUNSUPPORTED,
-				"a combine from registered memory cannot be "
-				"captured into a CUDA graph (use "
-				"ep_combine_stream)");
-	if ((rc = graph_handle_direct(h)))
-		return rc;
-	uint32_t id = 0;
-	uint64_t off = 0;
-	/* no rows: nothing is read; any registration of the group will do */
-	size_t len = (size_t)rows * g->cfg.hidden * 2;
-	if (len && (rc = ep__mreg_place(g, mr, y, len, &id, &off)))
-		return rc;
-	if (!len) {
-		uint64_t base;
-		ep_mem_range(mr, &base, &len);
-		if ((rc = ep__mreg_place(g, mr, (void *)(uintptr_t)base, 0,
-					 &id, &off)))
-			return rc;
-	}
-	uint8_t buf[128];
-	uint32_t n;
-	if ((rc = ep__combine_request_reg(g, h, flags, id, off, rows, buf,
-					  &n)))
-		return rc;
-	uint64_t seq;
-	return async_op(g, EPP_COMBINE, buf, n, stream, &seq);
+	return combine_stream(g, h, flags, stream, mr, y, rows);
 }
 
 int ep_dispatch_recv_count(ep_group_t *g, ep_handle_t *h)

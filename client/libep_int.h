@@ -105,6 +105,12 @@ int ep__combine_request(ep_group_t *g, const ep_handle_t *h, unsigned flags,
 int ep__combine_request_reg(ep_group_t *g, const ep_handle_t *h,
 			    unsigned flags, uint32_t reg, uint64_t off,
 			    uint32_t rows, uint8_t *frame, uint32_t *len);
+/* The same with x's rows in registered memory: reg (0: none), at byte
+ * off. */
+int ep__dispatch_request_reg(ep_group_t *g, uint32_t num_tokens,
+			     unsigned flags, const ep_handle_t *cached,
+			     uint32_t reg, uint64_t off, uint8_t *frame,
+			     uint32_t *len);
 int ep__dispatch_request(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 			 const ep_handle_t *cached, uint8_t *frame,
 			 uint32_t *len);

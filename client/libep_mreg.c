@@ -202,6 +202,10 @@ int ep__mreg_place(const ep_group_t *g, const ep_mreg_t *mr, const void *y,
 {
 	if (!mr || mr->g != g)
 		return ep__fail(EP_EINVAL, "a registration of another group");
+	*id = mr->id;
+	*off = 0;
+	if (!len) /* nothing is read: no place to check */
+		return 0;
 	int c = ep_mem_covers(mr, y, len);
 	if (c < 0)
 		return c;
@@ -213,7 +217,6 @@ int ep__mreg_place(const ep_group_t *g, const ep_mreg_t *mr, const void *y,
 				(unsigned long long)(uintptr_t)y, len, mr->id,
 				(unsigned long long)mr->base,
 				(unsigned long long)mr->bytes);
-	*id = mr->id;
 	*off = (uint64_t)(uintptr_t)y - mr->base;
 	return 0;
 }

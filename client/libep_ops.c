@@ -102,6 +102,15 @@ int ep__dispatch_request(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 			 const ep_handle_t *cached, uint8_t *frame,
 			 uint32_t *len)
 {
+	return ep__dispatch_request_reg(g, num_tokens, flags, cached, 0, 0,
+					frame, len);
+}
+
+int ep__dispatch_request_reg(ep_group_t *g, uint32_t num_tokens,
+			     unsigned flags, const ep_handle_t *cached,
+			     uint32_t reg, uint64_t off, uint8_t *frame,
+			     uint32_t *len)
+{
 	struct epp_dispatch dd, *d = &dd; /* filled, then encoded */
 	if (flags & ~(EP_DISPATCH_WEIGHTS | EP_DISPATCH_AREA(~0u)))
 		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
@@ -122,7 +131,10 @@ int ep__dispatch_request(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 				   .flags = (flags & EP_DISPATCH_WEIGHTS
 						     ? EPP_DISPATCH_WEIGHTS
 						     : 0) |
-					    area << EPP_DISPATCH_AREA_SHIFT};
+					    area << EPP_DISPATCH_AREA_SHIFT |
+					    (reg ? EPP_DISPATCH_XREG : 0),
+				   .reg = reg,
+				   .reg_off = off};
 	if (cached) {
 		int rc = ep__check_handle(g, cached);
 		if (rc)

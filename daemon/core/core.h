@@ -18,6 +18,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <sys/types.h>
+#include <unistd.h>
 #include <uv.h>
 
 #include "ek.h"
@@ -115,6 +116,23 @@ struct epd_aop {
 	bool released; /* a fresh dispatch whose handle the rank released
 			  before the daemon enqueued it (the backend's) */
 };
+
+/* Does op read its main input (a dispatch's x, a combine's rows) from the
+ * rank's registered memory (op->reg, op->reg_off, op->rows)? */
+static inline bool epd_aop_reg(const struct epd_aop *op)
+{
+	return op->flags & (op->type == EPP_COMBINE ? EPP_COMBINE_YREG
+			    : op->type == EPP_DISPATCH ? EPP_DISPATCH_XREG
+						       : 0);
+}
+
+/* Close n descriptors (a request's, not taken). */
+static inline void epd_close_fds(int *fds, unsigned n)
+{
+	for (unsigned i = 0; i < n; i++)
+		if (fds[i] >= 0)
+			close(fds[i]);
+}
 
 /* A rank of a group, as joined through one client connection. */
 struct epd_member;

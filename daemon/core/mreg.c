@@ -13,20 +13,12 @@
 #include "core.h"
 #include "group_int.h"
 
-#include <unistd.h>
-
-static void close_all(int *fds, unsigned n)
-{
-	for (unsigned i = 0; i < n; i++)
-		close(fds[i]);
-}
-
 int epd_op_mem_reg(struct epd_session *c, uint64_t req_id,
 		   const struct epp_mem_reg *mr, int *fds)
 {
 	struct epd_member *m = epd_member_lookup(c, req_id, mr->group_id);
 	if (!m) {
-		close_all(fds, mr->nchunks);
+		epd_close_fds(fds, mr->nchunks);
 		return EP_ENOGROUP;
 	}
 	struct epd_group *g = m->group;
@@ -35,7 +27,7 @@ int epd_op_mem_reg(struct epd_session *c, uint64_t req_id,
 	int rc = epd_one_node_gpu(g, g->dev && g->dev->mem_reg,
 				  "registered memory", &why);
 	if (rc) {
-		close_all(fds, mr->nchunks);
+		epd_close_fds(fds, mr->nchunks);
 		epd_session_error(c, req_id, rc, "mem-reg in group %s: %s",
 				 s->name, why);
 		return rc;

@@ -123,7 +123,7 @@ def rank_main(r, W, store, q):
         if sub.mreg_on:
             t0 = time.perf_counter()
             for _ in range(N):
-                sub.y_region(x)
+                sub.region_of(x)
             res["reg_us"] = (time.perf_counter() - t0) / N * 1e6
         else:
             res["reg_us"] = 0.0

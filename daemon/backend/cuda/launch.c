@@ -199,12 +199,11 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 	/* each rank's combine_y (a dispatch: x): its region's, or its
 	 * registered memory (epd_cuda_op checked the range; a row past it
 	 * reads the region) */
+	const int in = op0->type == EPP_COMBINE ? EKC_F_Y : EKC_F_X;
 	for (uint32_t l = 0; l < W; l++) {
-		const bool comb = op0->type == EPP_COMBINE;
-		a.yo[l] = a.off[comb ? EKC_F_Y : EKC_F_X];
+		a.yo[l] = a.off[in];
 		a.yrows[l] = 0;
-		if (!(ops[l]->flags &
-		      (comb ? EPP_COMBINE_YREG : EPP_DISPATCH_XREG)))
+		if (!epd_aop_reg(ops[l]))
 			continue;
 		struct cu_mreg *mr = cu_mreg_find(c, l, ops[l]->reg);
 		if (!mr)

@@ -31,13 +31,6 @@ static void unmap(struct cu_mreg *r)
 	r->bytes = 0;
 }
 
-static void close_fds(int *fds, uint32_t n)
-{
-	for (uint32_t i = 0; i < n; i++)
-		if (fds[i] >= 0)
-			close(fds[i]);
-}
-
 int epd_cuda_mem_reg(struct epd_group *g, uint32_t l, int *fds,
 		     const uint64_t *chunk, uint32_t n, uint32_t *id,
 		     uint64_t *bytes, char *err, size_t errlen)
@@ -82,7 +75,7 @@ int epd_cuda_mem_reg(struct epd_group *g, uint32_t l, int *fds,
 	if (!rc)
 		rc = cu_use_dev(cu, di, err, errlen);
 	if (rc) {
-		close_fds(fds, n);
+		epd_close_fds(fds, n);
 		return rc;
 	}
 	struct cu_mreg r = {.local = l, .reserved = total};
@@ -127,7 +120,7 @@ int epd_cuda_mem_reg(struct epd_group *g, uint32_t l, int *fds,
 		what = "cuMemSetAccess";
 		e = cu_drv->cuMemSetAccess(r.va, r.bytes, acc, (size_t)nacc);
 	}
-	close_fds(fds, n);
+	epd_close_fds(fds, n);
 	if (!e) {
 		r.chunk = malloc(n * sizeof(*r.chunk));
 		if (!r.chunk) {

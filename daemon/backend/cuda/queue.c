@@ -121,6 +121,26 @@ void cu_enqueue_ready(struct epd_group *g)
 	cu_poll_arm(c);
 }
 
+/* Why op's rows (in registration r, or none) cannot be read, or NULL: the
+ * kernels read them there, a row past op->rows from the region, so the
+ * rows must lie inside the mapping. */
+static const char *reg_rows_bad(const struct epd_group *g,
+				const struct epd_aop *op,
+				const struct cu_mreg *r)
+{
+	const bool x = op->type == EPP_DISPATCH;
+	const uint64_t rowb = (uint64_t)g->shape.hidden *
+			      (x ? g->layout.elt : 2);
+	if (!r || r->dead)
+		return "names no registration of its";
+	if (op->rows > (x ? g->shape.max_tokens : g->layout.max_recv))
+		return "has more rows than the group holds";
+	if (op->reg_off % 16 || op->reg_off > r->bytes ||
+	    (uint64_t)op->rows * rowb > r->bytes - op->reg_off)
+		return "has rows outside its registration";
+	return NULL;
+}
+
 void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
 {
 	struct epd_group *g = m->group;
@@ -158,27 +178,9 @@ void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
 			       (unsigned long long)op->handle);
 		return;
 	}
-	const bool dreg = op->type == EPP_DISPATCH &&
-			  (op->flags & EPP_DISPATCH_XREG);
-	if ((op->type == EPP_COMBINE && (op->flags & EPP_COMBINE_YREG)) ||
-	    dreg) {
-		/* the rows must lie inside the registration: the kernels
-		 * read them there (a row past `rows` is read from the
-		 * region, never past the mapping) */
+	if (epd_aop_reg(op)) {
 		struct cu_mreg *r = cu_mreg_find(c, m->local, op->reg);
-		const uint64_t rowb = (uint64_t)g->shape.hidden *
-				      (dreg ? g->layout.elt : 2);
-		const char *why =
-			!r || r->dead ? "names no registration of its"
-			: op->rows > (dreg ? g->shape.max_tokens
-					   : g->layout.max_recv)
-				? "has more rows than the group holds"
-			: op->reg_off % 16 ||
-					op->reg_off > r->bytes ||
-					(uint64_t)op->rows * rowb >
-						r->bytes - op->reg_off
-				? "has rows outside its registration"
-				: NULL;
+		const char *why = reg_rows_bad(g, op, r);
 		if (why) {
 			epd_group_fail(g, EP_EINVAL,
 				       "rank %u's stream-ordered %s %llu "

@@ -125,7 +125,7 @@ class _Routing:
         self.entries = [(weakref.ref(sub), h)]
 
 
-# registrations a shape's group keeps (_Sub.y_region)
+# registrations a shape's group keeps (_Sub.region_of)
 _MREG_KEEP = 4
 # the dispatch's x read in place too: opt-in ($EPD_DEEP_EP_REGISTER_X=1)
 # while it measures slower than the copy (PERFORMANCE.md, eighteenth
@@ -224,14 +224,14 @@ class _Sub:
                                    device="cpu", pin_memory=True)
         self.pe_ev = torch.cuda.Event()  # pe_host's copy done
         # a combine's expert rows read in place by the daemon (registered
-        # memory, _y_region): GPU ranks of one node, unless
+        # memory, region_of): GPU ranks of one node, unless
         # $EPD_DEEP_EP_REGISTER=0; off for good once the caller's memory
         # proves not to be of the kind (no expandable segments)
         self.mregs = []  # most recently used first
         self.mreg_on = buf._rpn == buf.group_size and not tag and \
             os.environ.get("EPD_DEEP_EP_REGISTER", "1") != "0"
 
-    def y_region(self, x):
+    def region_of(self, x):
         """The registration that holds x's bytes (made if none does), or
         None: copy them. For a combine's rows and a dispatch's x."""
         if not self.mreg_on or self.g is None or not x.is_contiguous():
@@ -648,7 +648,7 @@ class Buffer:
         cached = rt is not None
         # x read where it is (registered memory), as the combine's rows
         xv = x.view(torch.uint8) if sub.fp8 else x
-        reg = sub.y_region(xv) if T and _REG_X and \
+        reg = sub.region_of(xv) if T and _REG_X and \
             not torch.cuda.is_current_stream_capturing() else None
         with torch.cuda.stream(comm):
             if T and reg is None:
@@ -855,7 +855,7 @@ class Buffer:
         compute, comm = self._streams(prev)
         # the rows read where they are (no copy), unless capturing: a
         # registration's check is a host-side fact of this moment
-        reg = sub.y_region(x) if R and \
+        reg = sub.region_of(x) if R and \
             not torch.cuda.is_current_stream_capturing() else None
         with torch.cuda.stream(comm):
             if R:
