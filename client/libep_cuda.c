@@ -524,11 +524,9 @@ int ep_dispatch_stream_reg(ep_group_t *g, uint32_t num_tokens,
 			       mr, x);
 }
 
-/* ep_combine_stream, with this rank's rows rows at y in registration mr
- * (mr NULL: combine_y). */
+/* ep_combine_stream with the places of mem (NULL: the buffers). */
 static int combine_stream(ep_group_t *g, const ep_handle_t *h, unsigned flags,
-			  void *stream, const ep_mreg_t *mr, const void *y,
-			  uint32_t rows)
+			  void *stream, const struct ep_combine_mem *mem)
 {
 	if (!g || !h)
 		return ep__fail(EP_EINVAL, "NULL argument");
@@ -536,14 +534,17 @@ static int combine_stream(ep_group_t *g, const ep_handle_t *h, unsigned flags,
 	int rc = capturing(g, stream, &cap);
 	if (rc)
 		return rc;
-	uint32_t id = 0;
-	uint64_t off = 0;
-	if (mr) {
-		if (cap)
-			return ep__fail(EP_EUNSUPPORTED,
-					"a combine from registered memory "
-					"cannot be captured into a CUDA graph "
-					"(use ep_combine_stream)");
+	struct ep__place in, out;
+	const bool yreg = mem && mem->y_reg, oreg = mem && mem->out_reg;
+	if ((yreg || oreg) && cap)
+		return ep__fail(EP_EUNSUPPORTED,
+				"a combine with registered memory cannot be "
+				"captured into a CUDA graph (use "
+				"ep_combine_stream)");
+	if (yreg) {
+		const uint32_t rows = mem->rows;
+		if (!mem->y && rows)
+			return ep__fail(EP_EINVAL, "NULL rows");
 		if (h->num_recv != UINT32_MAX && rows != h->num_recv)
 			return ep__fail(EP_ESHAPE,
 					"combine of %u rows; the handle "
@@ -555,14 +556,31 @@ static int combine_stream(ep_group_t *g, const ep_handle_t *h, unsigned flags,
 					"%llu at most",
 					rows,
 					(unsigned long long)g->layout.max_recv);
-		if ((rc = ep__mreg_place(g, mr, y,
-					 (size_t)rows * g->cfg.hidden * 2, &id,
-					 &off)))
+		in.rows = rows;
+		if ((rc = ep__mreg_place(g, mem->y_reg, mem->y,
+					 (size_t)rows * g->cfg.hidden * 2,
+					 &in.reg, &in.off)))
+			return rc;
+	}
+	if (oreg) {
+		/* the handle's tokens (ep__check_handle bounds them below) */
+		out.rows = h->num_tokens;
+		if (!mem->out && out.rows)
+			return ep__fail(EP_EINVAL, "NULL output");
+		if (out.rows > g->cfg.max_tokens)
+			return ep__fail(EP_ESHAPE,
+					"a handle of %u tokens; the group "
+					"sends %u at most",
+					out.rows, g->cfg.max_tokens);
+		if ((rc = ep__mreg_place(g, mem->out_reg, mem->out,
+					 (size_t)out.rows * g->cfg.hidden * 2,
+					 &out.reg, &out.off)))
 			return rc;
 	}
 	uint8_t buf[128];
 	uint32_t n;
-	if ((rc = ep__combine_request_reg(g, h, flags, id, off, rows, buf, &n)))
+	if ((rc = ep__combine_request_reg(g, h, flags, yreg ? &in : NULL,
+					  oreg ? &out : NULL, buf, &n)))
 		return rc;
 	if (cap)
 		return ep__graph_capture(g, EPP_COMBINE, 0, flags, h,
@@ -576,7 +594,7 @@ static int combine_stream(ep_group_t *g, const ep_handle_t *h, unsigned flags,
 int ep_combine_stream(ep_group_t *g, const ep_handle_t *h, unsigned flags,
 		      void *stream)
 {
-	return combine_stream(g, h, flags, stream, NULL, NULL, 0);
+	return combine_stream(g, h, flags, stream, NULL);
 }
 
 int ep_combine_stream_reg(ep_group_t *g, const ep_handle_t *h,
@@ -585,7 +603,17 @@ int ep_combine_stream_reg(ep_group_t *g, const ep_handle_t *h,
 {
 	if (!mr || (!y && rows))
 		return ep__fail(EP_EINVAL, "NULL argument");
-	return combine_stream(g, h, flags, stream, mr, y, rows);
+	const struct ep_combine_mem m = {.y_reg = mr, .y = y, .rows = rows};
+	return combine_stream(g, h, flags, stream, &m);
+}
+
+int ep_combine_stream_mem(ep_group_t *g, const ep_handle_t *h,
+			  unsigned flags, const struct ep_combine_mem *mem,
+			  void *stream)
+{
+	if (!mem)
+		return ep__fail(EP_EINVAL, "NULL argument");
+	return combine_stream(g, h, flags, stream, mem);
 }
 
 int ep_dispatch_recv_count(ep_group_t *g, ep_handle_t *h)

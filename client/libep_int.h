@@ -100,11 +100,18 @@ int ep__check_handle(const ep_group_t *g, const ep_handle_t *h);
  * encoded into frame[128]; its length in *len. */
 int ep__combine_request(ep_group_t *g, const ep_handle_t *h, unsigned flags,
 			uint8_t *frame, uint32_t *len);
-/* The same with combine_y's rows in registered memory: reg (0: none), at
- * byte off, rows of them. */
+/* A place in registered memory: registration reg (0: none, the group's
+ * buffer), byte off, rows rows. */
+struct ep__place {
+	uint32_t reg, rows;
+	uint64_t off;
+};
+/* The same with combine_y's rows (in) and the combined rows (out) in
+ * registered memory (NULL: none). */
 int ep__combine_request_reg(ep_group_t *g, const ep_handle_t *h,
-			    unsigned flags, uint32_t reg, uint64_t off,
-			    uint32_t rows, uint8_t *frame, uint32_t *len);
+			    unsigned flags, const struct ep__place *in,
+			    const struct ep__place *out, uint8_t *frame,
+			    uint32_t *len);
 /* The same with x's rows in registered memory: reg (0: none), at byte
  * off. */
 int ep__dispatch_request_reg(ep_group_t *g, uint32_t num_tokens,

@@ -138,6 +138,14 @@ int ep_combine_stream_reg(ep_group_t *g, const ep_handle_t *h,
 	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
 }
 
+int ep_combine_stream_mem(ep_group_t *g, const ep_handle_t *h,
+			  unsigned flags, const struct ep_combine_mem *mem,
+			  void *stream)
+{
+	(void)g, (void)h, (void)flags, (void)mem, (void)stream;
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}
+
 int ep_dispatch_stream_reg(ep_group_t *g, uint32_t num_tokens,
 			   unsigned flags, const ep_handle_t *cached,
 			   const ep_mreg_t *mr, const void *x, void *stream,

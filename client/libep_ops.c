@@ -156,12 +156,13 @@ int ep__dispatch_request_reg(ep_group_t *g, uint32_t num_tokens,
 int ep__combine_request(ep_group_t *g, const ep_handle_t *h, unsigned flags,
 			uint8_t *frame, uint32_t *len)
 {
-	return ep__combine_request_reg(g, h, flags, 0, 0, 0, frame, len);
+	return ep__combine_request_reg(g, h, flags, NULL, NULL, frame, len);
 }
 
 int ep__combine_request_reg(ep_group_t *g, const ep_handle_t *h,
-			    unsigned flags, uint32_t reg, uint64_t off,
-			    uint32_t rows, uint8_t *frame, uint32_t *len)
+			    unsigned flags, const struct ep__place *in,
+			    const struct ep__place *out, uint8_t *frame,
+			    uint32_t *len)
 {
 	if (flags & ~(EP_COMBINE_BIAS | EP_COMBINE_BIAS2 | EP_COMBINE_WEIGHTS))
 		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
@@ -183,11 +184,18 @@ int ep__combine_request_reg(ep_group_t *g, const ep_handle_t *h,
 					 (flags & EP_COMBINE_WEIGHTS
 						  ? EPP_COMBINE_WEIGHTS
 						  : 0) |
-					 (reg ? EPP_COMBINE_YREG : 0),
-				.reg = reg,
-				.reg_off = off};
-	if (reg)
-		c.num_rows = rows;
+					 (in ? EPP_COMBINE_YREG : 0) |
+					 (out ? EPP_COMBINE_OUTREG : 0)};
+	if (in) {
+		c.reg = in->reg;
+		c.reg_off = in->off;
+		c.num_rows = in->rows;
+	}
+	if (out) {
+		c.out_reg = out->reg;
+		c.out_off = out->off;
+		c.out_rows = out->rows;
+	}
 	*len = (uint32_t)epp_combine_encode(&c, frame, 128);
 	return 0;
 }

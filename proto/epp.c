@@ -546,6 +546,11 @@ size_t epp_combine_encode(const struct epp_combine *c, uint8_t *out,
 		epp_put_u32(&w, c->reg);
 		epp_put_u64(&w, c->reg_off);
 	}
+	if (c->flags & EPP_COMBINE_OUTREG) {
+		epp_put_u32(&w, c->out_reg);
+		epp_put_u32(&w, c->out_rows);
+		epp_put_u64(&w, c->out_off);
+	}
 	return w.err ? 0 : w.off;
 }
 
@@ -563,6 +568,13 @@ int epp_combine_decode(const uint8_t *p, size_t len, struct epp_combine *c)
 	if (c->flags & EPP_COMBINE_YREG) {
 		c->reg = epp_get_u32(&r);
 		c->reg_off = epp_get_u64(&r);
+	}
+	c->out_reg = c->out_rows = 0;
+	c->out_off = 0;
+	if (c->flags & EPP_COMBINE_OUTREG) {
+		c->out_reg = epp_get_u32(&r);
+		c->out_rows = epp_get_u32(&r);
+		c->out_off = epp_get_u64(&r);
 	}
 	return epp_rd_end(&r);
 }

@@ -80,6 +80,10 @@
  *        where its rows are (u32 reg, u64 offset after the flags), a
  *        DISPATCH with EPP_DISPATCH_XREG where x is (after the handle).
  *        MEM_DEREG ends a registration.
+ *   1.14 A stream-ordered COMBINE with EPP_COMBINE_OUTREG writes its
+ *        combined rows into the rank's registered memory (u32 reg, u32
+ *        rows, u64 offset, after the YREG part if any) instead of the
+ *        combined field: the rank's own output tensor, no copy out.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -98,7 +102,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 13
+#define EPP_VERSION_MINOR 14
 /* Stream-ordered ops a GPU rank may have in flight (libep waits before
  * more; the daemon's rings are this deep). */
 #define EPP_MAX_INFLIGHT 1024
@@ -263,6 +267,9 @@ struct epp_hello_ok {
 /* combine_y is not the region's field but registered memory: the frame
  * goes on with u32 reg, u64 offset (1.13) */
 #define EPP_COMBINE_YREG 0x8
+/* combined's first out_rows rows go to registered memory: the frame goes
+ * on with u32 out_reg, u32 out_rows, u64 out_off (1.14) */
+#define EPP_COMBINE_OUTREG 0x10
 #define EPP_XROWS_WEIGHTS 0x100  /* XROWS type bit: rows carry K f32 */
 
 /* A dispatch's routing, as the client holds it. */
@@ -295,6 +302,10 @@ struct epp_combine {
 	 * reg_off of this rank's registration reg */
 	uint32_t reg;
 	uint64_t reg_off;
+	/* with EPP_COMBINE_OUTREG: combined's rows below out_rows are
+	 * written at byte out_off of this rank's registration out_reg */
+	uint32_t out_reg, out_rows;
+	uint64_t out_off;
 };
 
 /* MEM_REG (1.13): a GPU rank's own device memory, made with the virtual

@@ -111,6 +111,10 @@ struct epd_aop {
 	 * (num_tokens), at byte reg_off of registration reg */
 	uint32_t reg, rows;
 	uint64_t reg_off;
+	/* a combine with EPP_COMBINE_OUTREG: its combined rows below
+	 * out_rows go to byte out_off of registration out_reg */
+	uint32_t out_reg, out_rows;
+	uint64_t out_off;
 	uint16_t type; /* EPP_BARRIER, EPP_DISPATCH, EPP_COMBINE */
 	bool fast;     /* a barrier run by the resident kernel (no frame) */
 	bool released; /* a fresh dispatch whose handle the rank released
@@ -124,6 +128,13 @@ static inline bool epd_aop_reg(const struct epd_aop *op)
 	return op->flags & (op->type == EPP_COMBINE ? EPP_COMBINE_YREG
 			    : op->type == EPP_DISPATCH ? EPP_DISPATCH_XREG
 						       : 0);
+}
+
+/* Does op (a combine) write its combined rows into the rank's registered
+ * memory (op->out_reg, op->out_off, op->out_rows)? */
+static inline bool epd_aop_outreg(const struct epd_aop *op)
+{
+	return op->type == EPP_COMBINE && (op->flags & EPP_COMBINE_OUTREG);
 }
 
 /* Close n descriptors (a request's, not taken). */

@@ -306,6 +306,9 @@ static void handle_async(struct epd_client *c, const struct epp_hdr *h,
 			op.reg = cb.reg;
 			op.rows = cb.num_rows;
 			op.reg_off = cb.reg_off;
+			op.out_reg = cb.out_reg;
+			op.out_rows = cb.out_rows;
+			op.out_off = cb.out_off;
 		} else {
 			epd_session_error(&c->s, h->req_id, EP_EPROTO,
 					 "%s cannot be stream-ordered",

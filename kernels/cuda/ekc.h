@@ -266,6 +266,11 @@ struct ekc_disp_args {
 	 * 2^64); a later row is the region's field (yrows 0: every row) */
 	uint64_t yo[EKC_MAX_LOCAL];
 	uint32_t yrows[EKC_MAX_LOCAL];
+	/* combine: home token t < orows[l] of rank l goes to its region +
+	 * oo[l] + t * row (its registered output, mod 2^64), a later one to
+	 * the region's combined field */
+	uint64_t oo[EKC_MAX_LOCAL];
+	uint32_t orows[EKC_MAX_LOCAL];
 	uint32_t tokens[EKC_MAX_LOCAL]; /* T of each rank (the handle's) */
 	uint64_t weights_mask;          /* ranks that gave topk_weights */
 	uint64_t rank_mask;             /* copy: sources, combine: homes this

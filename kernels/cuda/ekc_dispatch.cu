@@ -854,7 +854,11 @@ extern "C" __global__ void __launch_bounds__(256)
 					     ? (const uint4 *)field(a, h, EKC_F_BIAS2) +
 						       t * nvec
 					     : nullptr;
-		uint4 *out = (uint4 *)field(a, h, EKC_F_OUT) + t * nvec;
+		// rank h's own output tensor (registered) or its region's
+		uint4 *out = (uint4 *)(a.region[h] + (t < a.orows[h]
+							     ? a.oo[h]
+							     : a.off[EKC_F_OUT])) +
+			     t * nvec;
 		for (uint64_t v = lane; v < nvec; v += 32) {
 			float acc[8];
 			if (bias) {

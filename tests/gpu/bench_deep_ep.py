@@ -128,7 +128,8 @@ def rank_main(r, W, store, q):
         else:
             res["reg_us"] = 0.0
         # did the shim's combine read ex in place (registered memory)?
-        res["reg"] = float(bool(sub.mregs))
+        res["reg"] = float(bool(sub.in_place["rows"]))
+        res["oreg"] = float(bool(sub.in_place["out"]))
         out0, _, _ = buf.combine(ex, hnd)
         sub.mreg_on = False
         out1, _, _ = buf.combine(ex, hnd)
@@ -172,7 +173,8 @@ def main():
           f"shim_us={sd:.0f} ratio={sd / od:.3f}; combine own_us={oc:.0f} "
           f"shim_us={sc:.0f} ratio={sc / oc:.3f} (slowest rank's mean of "
           f"{N}; dispatch: better of two rounds; combine rows "
-          f"{'read in place (registered memory)' if min(r['reg'] for r in allr) else 'copied in'})")
+          f"{'read in place (registered memory)' if min(r['reg'] for r in allr) else 'copied in'}, "
+          f"output {'written in place' if min(r['oreg'] for r in allr) else 'copied out'})")
     print(f"perf deep_ep W={W} finding a registration (ep_mem_covers): "
           f"{worst['reg_us']:.1f} us on the rank's CPU")
     if not min(r["same"] for r in allr):

@@ -5,7 +5,10 @@ under tests/gpu/with_epd). Asserted:
   - a combine whose rows are read in place from a torch tensor equals,
     bit for bit, the combine of the same rows copied into combine_y, on
     fresh random rows each round; a dispatch whose x is read in place
-    delivers the same rows as from the x buffer;
+    delivers the same rows as from the x buffer; a combine that writes
+    its result into a torch tensor (protocol 1.14) equals the copied one
+    bit for bit and leaves the combined buffer alone, and an output past
+    its registration is refused (EP_ESTALE);
   - the registration covers its tensor and not memory past it;
   - after torch releases the memory (empty_cache) and maps new memory,
     a registration still naming the old allocations no longer covers the
@@ -73,6 +76,40 @@ def main():
     same = all(combine_both(rows.copy_(torch.randn(
         R, H, device="cuda", generator=gen)), region) for _ in range(20))
     check(same, "20 combines read in place equal the copied ones bitwise")
+    # the combined rows written into a torch tensor (protocol 1.14): equal
+    # to the copied path's, and the combined buffer left alone
+    out = torch.empty(T, H, dtype=torch.bfloat16, device="cuda")
+    oregion = g.mem_register(out.data_ptr(), out.numel() * 2)
+    placed = True
+    for i in range(10):
+        rows.copy_(torch.randn(R, H, device="cuda", generator=gen))
+        Y[:R].copy_(rows)
+        g.combine_stream(h, stream=s)
+        want = C.clone()
+        C.view(torch.int16).fill_(0x5a5a)
+        out.view(torch.int16).fill_(-1)
+        if i % 2:
+            g.combine_stream_mem(h, region, rows.data_ptr(), R, oregion,
+                                 out.data_ptr(), stream=s)
+        else:
+            g.combine_stream_mem(h, out_region=oregion,
+                                 out_ptr=out.data_ptr(), stream=s)
+        torch.cuda.synchronize()
+        placed = placed and torch.equal(want.view(torch.int16),
+                                        out.view(torch.int16)) and \
+            bool((C.view(torch.int16) == 0x5a5a).all())
+    check(placed, "10 combines written into a torch tensor (rows copied "
+          "or in place) equal the copied ones bitwise; combined untouched")
+    try:
+        g.combine_stream_mem(h, out_region=oregion,
+                             out_ptr=oregion.base + oregion.nbytes - 16,
+                             stream=s)
+        check(False, "an output past its registration was accepted")
+    except epd.Error as e:
+        check(e.code == -1009, f"an output past its registration is "
+              f"refused: {e}")
+    oregion.deregister()
+    del out
     # torch gives the memory back and maps new memory at the same place
     ptr, n = rows.data_ptr(), rows.numel() * 2
     del rows

@@ -496,10 +496,14 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
         # the combines above read the rows where torch put them
         # (registered memory), not through a copy: checked bit for bit
         # against the reference all the same
-        assert any(getattr(s_, "mregs", None) for s_ in buf._subs.values()), \
+        placed = [s_.in_place for s_ in buf._subs.values()
+                  if hasattr(s_, "in_place")]
+        assert any(p_["rows"] for p_ in placed), \
             "expandable segments: no combine read its rows in place"
-        print(f"ok: rank {r}: combines read torch's rows in place "
-              "(registered memory)", flush=True)
+        assert any(p_["out"] for p_ in placed), \
+            "expandable segments: no combine wrote its output in place"
+        print(f"ok: rank {r}: combines read torch's rows and wrote their "
+              "outputs in place (registered memory)", flush=True)
     elif CUDA:
         # torch's default allocator: not memory the daemon can import;
         # the first try said so (EP_EUNSUPPORTED) and the rows are copied

@@ -454,6 +454,26 @@ int ep_mem_deregister(ep_mreg_t *mr);
 int ep_combine_stream_reg(ep_group_t *group, const ep_handle_t *handle,
 			  unsigned flags, const ep_mreg_t *mr, const void *y,
 			  uint32_t rows, void *stream);
+/* Where a stream-ordered combine reads its rows and writes its result in
+ * registered memory; a NULL registration is the group's buffer for that
+ * side (combine_y, combined). */
+struct ep_combine_mem {
+	const ep_mreg_t *y_reg; /* rows rows at y (as ep_combine_stream_reg) */
+	const void *y;
+	uint32_t rows;
+	/* the combined rows, the handle's num_tokens of them, written at out
+	 * (inside out_reg) instead of combined: the caller's own output, no
+	 * copy out; combined_w (EP_COMBINE_WEIGHTS) is still the buffer's */
+	const ep_mreg_t *out_reg;
+	void *out;
+};
+/* ep_combine_stream with the places of mem (EP_ESTALE where ep_mem_covers
+ * does not hold for one). Not in a CUDA graph capture (EP_EUNSUPPORTED).
+ * y must stay unchanged and out untouched until the combine ran on the
+ * stream. */
+int ep_combine_stream_mem(ep_group_t *group, const ep_handle_t *handle,
+			  unsigned flags, const struct ep_combine_mem *mem,
+			  void *stream);
 
 /* ep_dispatch_stream with this rank's x rows (num_tokens of them, fp8
  * bytes for an fp8 group; scales, indices and weights still from the

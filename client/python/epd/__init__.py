@@ -232,6 +232,18 @@ _lib.ep_combine_stream_reg.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle),
                                        ctypes.c_uint, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_uint32,
                                        ctypes.c_void_p]
+
+
+class _CombineMem(ctypes.Structure):
+    _fields_ = [("y_reg", ctypes.c_void_p), ("y", ctypes.c_void_p),
+                ("rows", ctypes.c_uint32), ("out_reg", ctypes.c_void_p),
+                ("out", ctypes.c_void_p)]
+
+
+_lib.ep_combine_stream_mem.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle),
+                                       ctypes.c_uint,
+                                       ctypes.POINTER(_CombineMem),
+                                       ctypes.c_void_p]
 _lib.ep_group_recv_areas.argtypes = [ctypes.c_void_p]
 _lib.ep_group_recv_areas.restype = ctypes.c_uint32
 _lib.ep_recv_area.argtypes = [ctypes.c_void_p, ctypes.c_uint32]
@@ -548,6 +560,23 @@ class Group:
             self._g, ctypes.byref(handle),
             (COMBINE_BIAS if bias else 0) | (COMBINE_BIAS2 if bias2 else 0) |
             (COMBINE_WEIGHTS if weights else 0), region._p, ptr, rows,
+            self._stream(stream)))
+
+    def combine_stream_mem(self, handle, region=None, ptr=None, rows=0,
+                           out_region=None, out_ptr=None, stream=None,
+                           bias=False, weights=False, bias2=False):
+        """combine_stream with this rank's rows read at ptr inside region
+        (None: from combine_y) and the combined rows (the handle's
+        num_tokens) written at out_ptr inside out_region (None: into
+        combined), both MemRegions of this group."""
+        m = _CombineMem(region._p if region is not None else None,
+                        ptr if region is not None else None, rows,
+                        out_region._p if out_region is not None else None,
+                        out_ptr if out_region is not None else None)
+        _check(_lib.ep_combine_stream_mem(
+            self._g, ctypes.byref(handle),
+            (COMBINE_BIAS if bias else 0) | (COMBINE_BIAS2 if bias2 else 0) |
+            (COMBINE_WEIGHTS if weights else 0), ctypes.byref(m),
             self._stream(stream)))
 
     def release(self, handle):

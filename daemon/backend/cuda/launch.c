@@ -211,6 +211,19 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 		a.yo[l] = mr->va + ops[l]->reg_off - c->ptr[l]; /* mod 2^64 */
 		a.yrows[l] = ops[l]->rows;
 	}
+	/* each rank's combined rows: its region's, or its registered output
+	 * (checked as the rows in) */
+	for (uint32_t l = 0; l < W; l++) {
+		a.oo[l] = a.off[EKC_F_OUT];
+		a.orows[l] = 0;
+		if (!epd_aop_outreg(ops[l]))
+			continue;
+		struct cu_mreg *mr = cu_mreg_find(c, l, ops[l]->out_reg);
+		if (!mr)
+			return CUDA_ERROR_INVALID_VALUE;
+		a.oo[l] = mr->va + ops[l]->out_off - c->ptr[l]; /* mod 2^64 */
+		a.orows[l] = ops[l]->out_rows;
+	}
 	/* each rank's receive area (epd_group_async checked it) */
 	for (uint32_t l = 0; l < W; l++)
 		a.rx[l] = EKC_CTRL_BYTES +

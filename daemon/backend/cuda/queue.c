@@ -121,24 +121,57 @@ void cu_enqueue_ready(struct epd_group *g)
 	cu_poll_arm(c);
 }
 
-/* Why op's rows (in registration r, or none) cannot be read, or NULL: the
- * kernels read them there, a row past op->rows from the region, so the
- * rows must lie inside the mapping. */
-static const char *reg_rows_bad(const struct epd_group *g,
-				const struct epd_aop *op,
-				const struct cu_mreg *r)
+/* Why rows rows of rowb bytes at byte off of registration r (or none)
+ * cannot be read or written there, or NULL: the kernels use them there,
+ * a row past rows the region's field, so the rows must lie inside the
+ * mapping. */
+static const char *reg_rows_bad(const struct cu_mreg *r, uint64_t off,
+				uint32_t rows, uint64_t max_rows,
+				uint64_t rowb)
 {
-	const bool x = op->type == EPP_DISPATCH;
-	const uint64_t rowb = (uint64_t)g->shape.hidden *
-			      (x ? g->layout.elt : 2);
 	if (!r || r->dead)
 		return "names no registration of its";
-	if (op->rows > (x ? g->shape.max_tokens : g->layout.max_recv))
+	if (rows > max_rows)
 		return "has more rows than the group holds";
-	if (op->reg_off % 16 || op->reg_off > r->bytes ||
-	    (uint64_t)op->rows * rowb > r->bytes - op->reg_off)
+	if (off % 16 || off > r->bytes || (uint64_t)rows * rowb > r->bytes - off)
 		return "has rows outside its registration";
 	return NULL;
+}
+
+/* Check op's registered memory (its rows in, a combine's rows out) at
+ * its arrival and mark it in use until op completed: false with the
+ * group failed. */
+static bool op_regs_ok(struct epd_group *g, struct epd_member *m,
+		       const struct epd_aop *op)
+{
+	struct epd_cuda_group *c = g->dev_group;
+	const bool x = op->type == EPP_DISPATCH;
+	for (int out = 0; out < 2; out++) {
+		if (!(out ? epd_aop_outreg(op) : epd_aop_reg(op)))
+			continue;
+		const uint32_t id = out ? op->out_reg : op->reg;
+		const uint32_t rows = out ? op->out_rows : op->rows;
+		const uint64_t off = out ? op->out_off : op->reg_off;
+		struct cu_mreg *r = cu_mreg_find(c, m->local, id);
+		const char *why = reg_rows_bad(
+			r, off, rows,
+			x || out ? g->shape.max_tokens : g->layout.max_recv,
+			(uint64_t)g->shape.hidden * (x ? g->layout.elt : 2));
+		if (why) {
+			epd_group_fail(g, EP_EINVAL,
+				       "rank %u's stream-ordered %s %llu "
+				       "%s%s (registration %u, byte %llu, %u "
+				       "rows)",
+				       m->rank, epp_type_name(op->type),
+				       (unsigned long long)op->seq,
+				       out ? "output " : "", why, id,
+				       (unsigned long long)off, rows);
+			return false;
+		}
+		if (r->last_k < op->seq)
+			r->last_k = op->seq;
+	}
+	return true;
 }
 
 void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
@@ -178,23 +211,8 @@ void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
 			       (unsigned long long)op->handle);
 		return;
 	}
-	if (epd_aop_reg(op)) {
-		struct cu_mreg *r = cu_mreg_find(c, m->local, op->reg);
-		const char *why = reg_rows_bad(g, op, r);
-		if (why) {
-			epd_group_fail(g, EP_EINVAL,
-				       "rank %u's stream-ordered %s %llu "
-				       "%s (registration %u, byte %llu, %u "
-				       "rows)",
-				       m->rank, epp_type_name(op->type),
-				       (unsigned long long)seq, why,
-				       op->reg, (unsigned long long)op->reg_off,
-				       op->rows);
-			return;
-		}
-		if (r->last_k < seq)
-			r->last_k = seq;
-	}
+	if (!op_regs_ok(g, m, op))
+		return;
 	m->aq[seq % MAX_INFLIGHT] = *op;
 	m->aq[seq % MAX_INFLIGHT].fast = false;
 	/* a rank that asked for too many tokens got no handle: it holds none

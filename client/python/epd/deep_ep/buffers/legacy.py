@@ -15,10 +15,12 @@ at once (the op goes to the daemon all the same and fails there).
 
 Outputs are fresh tensors (copies out of epd's buffers, made on the comm
 stream; a dispatch's recv_x is a receive area of the group handed out
-instead); inputs are copied in, except a combine's rows (and with
-$EPD_DEEP_EP_REGISTER_X=1 a dispatch's x) in memory the daemon can import
-(PyTorch's expandable segments), which it reads in place (registered
-memory; $EPD_DEEP_EP_REGISTER=0: off); handles are DeepEP's 6-tuples, and the routing they name lives in
+instead, and a combine's output in memory the daemon can import is written
+there by the daemon); inputs are copied in, except a combine's rows (and
+with $EPD_DEEP_EP_REGISTER_X=1 a dispatch's x) in such memory (PyTorch's
+expandable segments), which it reads in place (registered memory;
+$EPD_DEEP_EP_REGISTER=0: off; $EPD_DEEP_EP_REGISTER_OUT=0: the combine's
+output copied all the same); handles are DeepEP's 6-tuples, and the routing they name lives in
 the daemon until the tuple's recv_src_idx tensor is freed (released then:
 ep_handle_release). A dispatch from is_token_in_rank alone (no top-k)
 routes through a group with one expert per rank; its per-expert counts,
@@ -131,6 +133,9 @@ _MREG_KEEP = 4
 # while it measures slower than the copy (PERFORMANCE.md, eighteenth
 # session)
 _REG_X = os.environ.get("EPD_DEEP_EP_REGISTER_X", "0") == "1"
+# a combine's output written in place (registered memory); on unless
+# $EPD_DEEP_EP_REGISTER_OUT=0
+_REG_OUT = os.environ.get("EPD_DEEP_EP_REGISTER_OUT", "1") != "0"
 
 
 def _recv_areas(buf, tag):
@@ -228,6 +233,9 @@ class _Sub:
         # $EPD_DEEP_EP_REGISTER=0; off for good once the caller's memory
         # proves not to be of the kind (no expandable segments)
         self.mregs = []  # most recently used first
+        # combines that read their rows in place, that wrote their
+        # output in place (for tests and epctl-minded users)
+        self.in_place = {"rows": 0, "out": 0}
         self.mreg_on = buf._rpn == buf.group_size and not tag and \
             os.environ.get("EPD_DEEP_EP_REGISTER", "1") != "0"
 
@@ -853,10 +861,17 @@ class Buffer:
         torch = _torch()
         T, H, K, R = rt.T, sub.H, sub.K, rt.R
         compute, comm = self._streams(prev)
-        # the rows read where they are (no copy), unless capturing: a
-        # registration's check is a host-side fact of this moment
-        reg = sub.region_of(x) if R and \
-            not torch.cuda.is_current_stream_capturing() else None
+        # the rows read where they are (no copy), and the combined rows
+        # written straight into out, unless capturing: a registration's
+        # check is a host-side fact of this moment
+        cap = torch.cuda.is_current_stream_capturing()
+        reg = sub.region_of(x) if R and not cap else None
+        with torch.cuda.stream(comm if alloc_comm else compute):
+            out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
+            wout = torch.empty((T, K), dtype=torch.float32,
+                               device=x.device) if tw is not None else None
+        oreg = sub.region_of(out) if T and not cap and _REG_OUT and \
+            rt.h.num_tokens == T else None
         with torch.cuda.stream(comm):
             if R:
                 if reg is None:
@@ -871,17 +886,17 @@ class Buffer:
                 sub.bias2[:T].copy_(bias2)
             flags = dict(bias=bias is not None, weights=tw is not None,
                          bias2=bias2 is not None)
-            if reg is None:
+            if reg is None and oreg is None:
                 sub.g.combine_stream(rt.h, stream=comm, **flags)
             else:
-                sub.g.combine_stream_reg(rt.h, reg, x.data_ptr(), R,
-                                         stream=comm, **flags)
-        with torch.cuda.stream(comm if alloc_comm else compute):
-            out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
-            wout = torch.empty((T, K), dtype=torch.float32,
-                               device=x.device) if tw is not None else None
-        with torch.cuda.stream(comm):
-            out.copy_(sub.out[:T])
+                sub.g.combine_stream_mem(
+                    rt.h, reg, x.data_ptr() if reg is not None else None, R,
+                    oreg, out.data_ptr() if oreg is not None else None,
+                    stream=comm, **flags)
+            if oreg is None:
+                out.copy_(sub.out[:T])
+            sub.in_place["rows"] += reg is not None
+            sub.in_place["out"] += oreg is not None
             if wout is not None:
                 wout.copy_(sub.cw_out[:T])
         ev = self._finish(compute, comm, [out, wout], async_finish,
