@@ -16,10 +16,11 @@ at once (the op goes to the daemon all the same and fails there).
 Outputs are fresh tensors (copies out of epd's buffers, made on the comm
 stream; a dispatch's recv_x is a receive area of the group handed out
 instead, and a combine's output in memory the daemon can import is written
-there by the daemon); inputs are copied in, except a combine's rows (and
+there by the daemon: one of a few output slots, registered once and
+handed out as combined_x until that tensor dies); inputs are copied in, except a combine's rows (and
 with $EPD_DEEP_EP_REGISTER_X=1 a dispatch's x) in such memory (PyTorch's
 expandable segments), which it reads in place (registered memory;
-$EPD_DEEP_EP_REGISTER=0: off; $EPD_DEEP_EP_REGISTER_OUT=0: the combine's
+$EPD_DEEP_EP_REGISTER=0: off; $EPD_DEEP_EP_OUT_SLOTS=0: the combine's
 output copied all the same); handles are DeepEP's 6-tuples, and the routing they name lives in
 the daemon until the tuple's recv_src_idx tensor is freed (released then:
 ep_handle_release). A dispatch from is_token_in_rank alone (no top-k)
@@ -133,9 +134,10 @@ _MREG_KEEP = 4
 # while it measures slower than the copy (PERFORMANCE.md, eighteenth
 # session)
 _REG_X = os.environ.get("EPD_DEEP_EP_REGISTER_X", "0") == "1"
-# a combine's output written in place (registered memory); on unless
-# $EPD_DEEP_EP_REGISTER_OUT=0
-_REG_OUT = os.environ.get("EPD_DEEP_EP_REGISTER_OUT", "1") != "0"
+# a combine's output written in place by the daemon into one of a few
+# output slots (registered once, _Sub.out_slot), handed out as the fresh
+# combined_x; $EPD_DEEP_EP_OUT_SLOTS of them per shape (0: copy out)
+_OUT_SLOTS = int(os.environ.get("EPD_DEEP_EP_OUT_SLOTS", "2"))
 
 
 def _recv_areas(buf, tag):
@@ -177,6 +179,31 @@ class _Lease(epd._DeviceArray):
         except Exception:  # interpreter shutdown: the area stays taken
             lost = True
         sub.give_back(self.area, ev, lost)
+
+
+class _OutLease(epd._DeviceArray):
+    """One output slot handed out as a combine's combined_x: as _Lease,
+    its end (the tensor's and every view's) gives the slot back, with an
+    event on the stream current then that the slot's next combine waits
+    for. It holds the slot's tensor, so the memory outlives the Buffer."""
+
+    def __init__(self, sub, slot):
+        super().__init__()
+        self.sub, self.slot = sub, slot
+
+    def __del__(self):
+        sub, self.sub = self.sub, None
+        if sub is None:
+            return
+        try:
+            torch = _torch()
+            ev = None
+            if not torch.cuda.is_current_stream_capturing():
+                ev = torch.cuda.Event()
+                ev.record()
+        except Exception:  # interpreter shutdown: the slot stays taken
+            return
+        sub.out_free.append((self.slot, ev))
 
 
 class _Sub:
@@ -236,6 +263,9 @@ class _Sub:
         # combines that read their rows in place, that wrote their
         # output in place (for tests and epctl-minded users)
         self.in_place = {"rows": 0, "out": 0}
+        # output slots: ((tensor [tmax, H] bf16, its registration),
+        # event or None) free; how many were made
+        self.out_free, self.out_made = [], 0
         self.mreg_on = buf._rpn == buf.group_size and not tag and \
             os.environ.get("EPD_DEEP_EP_REGISTER", "1") != "0"
 
@@ -261,6 +291,29 @@ class _Sub:
         while len(self.mregs) > _MREG_KEEP:
             self.mregs.pop().deregister()
         return r
+
+    def out_slot(self):
+        """A free output slot and the event its last user left, or None:
+        copy out. Slots are torch memory registered once (a fresh tensor
+        per combine would need a registration each time: the caching
+        allocator rarely hands the same block back to a stream that
+        recorded it); at most _OUT_SLOTS, made on demand."""
+        if self.out_free:
+            return self.out_free.pop()
+        if not self.mreg_on or self.g is None or \
+                self.out_made >= _OUT_SLOTS:
+            return None
+        torch = _torch()
+        t = torch.empty((self.tmax, self.H), dtype=torch.bfloat16,
+                        device="cuda")
+        try:
+            r = self.g.mem_register(t.data_ptr(), t.numel() * 2)
+        except epd.Error as e:
+            if e.code == epd.EUNSUPPORTED:
+                self.mreg_on = False
+            return None
+        self.out_made += 1
+        return (t, r), None
 
     def take(self):
         """A free receive area and its event, or (0, None): none free
@@ -866,12 +919,23 @@ class Buffer:
         # check is a host-side fact of this moment
         cap = torch.cuda.is_current_stream_capturing()
         reg = sub.region_of(x) if R and not cap else None
+        slot = sub.out_slot() if T and not cap and \
+            rt.h.num_tokens == T else None
+        oreg = None
+        if slot is not None:
+            (st, oreg), oev = slot
+            if oev is not None:
+                comm.wait_event(oev)  # the slot's last reader is done
+            lease = _OutLease(sub, (st, oreg))
+            lease._set(st.data_ptr(), (T, H), "<i2")
+            out = torch.as_tensor(lease, device=x.device).view(
+                torch.bfloat16)
         with torch.cuda.stream(comm if alloc_comm else compute):
-            out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
+            if slot is None:
+                out = torch.empty((T, H), dtype=torch.bfloat16,
+                                  device=x.device)
             wout = torch.empty((T, K), dtype=torch.float32,
                                device=x.device) if tw is not None else None
-        oreg = sub.region_of(out) if T and not cap and _REG_OUT and \
-            rt.h.num_tokens == T else None
         with torch.cuda.stream(comm):
             if R:
                 if reg is None:
@@ -891,7 +955,7 @@ class Buffer:
             else:
                 sub.g.combine_stream_mem(
                     rt.h, reg, x.data_ptr() if reg is not None else None, R,
-                    oreg, out.data_ptr() if oreg is not None else None,
+                    oreg, st.data_ptr() if oreg is not None else None,
                     stream=comm, **flags)
             if oreg is None:
                 out.copy_(sub.out[:T])
