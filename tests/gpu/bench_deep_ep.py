@@ -118,6 +118,62 @@ def rank_main(r, W, store, q):
                          ("cp_d", copies_dispatch), ("cp_c", copies_combine),
                          ("y_in", copy_y_in), ("recv_out", copy_recv_out)):
             res[name] = timed(fn)
+        # where a dispatch's time goes, one op at a time (drained, every
+        # rank lined up): the CPU until the dispatch is on the stream
+        # (pre), its wait for the count (wait), and after it (post)
+        stamp = {}
+        ds0, rc0 = eg.dispatch_stream, eg.recv_count
+
+        def ds_(*a, **k):
+            h_ = ds0(*a, **k)
+            stamp["ds"] = time.perf_counter()
+            return h_
+
+        def rc_(*a, **k):
+            stamp["rc0"] = time.perf_counter()
+            n_ = rc0(*a, **k)
+            stamp["rc1"] = time.perf_counter()
+            return n_
+        eg.dispatch_stream, eg.recv_count = ds_, rc_
+        for name, fn in (("own", own_dispatch), ("shim", shim_dispatch)):
+            ph = {"pre": [], "wait": [], "post": [], "op": []}
+            for _ in range(N):
+                torch.cuda.synchronize()
+                dist.barrier(group)
+                t0 = time.perf_counter()
+                fn()
+                t1 = time.perf_counter()
+                ph["pre"].append(stamp["ds"] - t0)
+                ph["wait"].append(stamp["rc1"] - stamp["rc0"])
+                ph["post"].append(t1 - stamp["rc1"])
+                ph["op"].append(t1 - t0)
+            for k_, v_ in ph.items():
+                res[f"{name}_{k_}"] = sorted(v_)[len(v_) // 2] * 1e6
+        del eg.dispatch_stream, eg.recv_count
+        # the shim's CPU time by call (rank 0's, $EPD_BENCH_PROFILE=1; a
+        # dispatch is collective: every rank runs them), one dispatch at a
+        # time as above: printed as "prof" lines
+        if os.environ.get("EPD_BENCH_PROFILE") == "1":
+            import cProfile
+            import io
+            import pstats
+            pr_ = cProfile.Profile()
+            for _ in range(N):
+                torch.cuda.synchronize()
+                dist.barrier(group)
+                if r == 0:
+                    pr_.enable()
+                shim_dispatch()
+                if r == 0:
+                    pr_.disable()
+            if r == 0:
+                out_ = io.StringIO()
+                pstats.Stats(pr_, stream=out_).sort_stats(
+                    "tottime").print_stats(25)
+                for line in out_.getvalue().splitlines():
+                    if line.strip():
+                        print("prof", line, flush=True)
+        dist.barrier(group)
         # the rank's CPU cost of finding x's registration (a dispatch's
         # check before it reads in place)
         if sub.mreg_on:
@@ -177,6 +233,12 @@ def main():
           f"output {'written in place' if min(r['oreg'] for r in allr) else 'copied out'})")
     print(f"perf deep_ep W={W} finding a registration (ep_mem_covers): "
           f"{worst['reg_us']:.1f} us on the rank's CPU")
+    print(f"perf deep_ep W={W} one dispatch at a time (median, slowest "
+          f"rank), us: own op={worst['own_op']:.0f} (to the stream "
+          f"{worst['own_pre']:.0f}, count wait {worst['own_wait']:.0f}, "
+          f"after {worst['own_post']:.0f}); shim op={worst['shim_op']:.0f} "
+          f"(to the stream {worst['shim_pre']:.0f}, count wait "
+          f"{worst['shim_wait']:.0f}, after {worst['shim_post']:.0f})")
     if not min(r["same"] for r in allr):
         print("FAIL: the combine from registered memory differs from the "
               "copy path's")

@@ -369,6 +369,7 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         self._subs = {}
+        self._empties = {}  # device: a 0-element int32 tensor
         self._conn = None
         host = os.environ.get("EPD_DEEP_EP_HOST") == "1"
         self._device = None
@@ -622,7 +623,11 @@ class Buffer:
         # not at interpreter exit: the daemon frees a connection's holds
         # when it closes, and libep may be half torn down by then
         weakref.finalize(rsrc, _release_all, rt_new.entries).atexit = False
-        empty = torch.empty(0, dtype=torch.int32, device=x.device)
+        # the handle's unused members: one empty tensor per device
+        empty = self._empties.get(x.device)
+        if empty is None:
+            empty = self._empties[x.device] = torch.empty(
+                0, dtype=torch.int32, device=x.device)
         hnd = (rp, empty, empty, rsrc, in_rank, empty)
         return ((recv_x, recv_xs) if fp8 else recv_x, rti, rtw, pe_list,
                 hnd, ev)
@@ -707,6 +712,10 @@ class Buffer:
         area = held[0]
         T, H, K = x.size(0), sub.H, sub.K
         cached = rt is not None
+        # The CPU's work is ordered by what waits for it: first what the
+        # dispatch needs on the stream (every rank's op starts only when
+        # the last rank rang), then, while it runs, everything the outputs
+        # need but the count, and after the count wait only views.
         # x read where it is (registered memory), as the combine's rows
         xv = x.view(torch.uint8) if sub.fp8 else x
         reg = sub.region_of(xv) if T and _REG_X and \
@@ -728,21 +737,21 @@ class Buffer:
                             torch.full_like(sub.topk[:T], -1)))
                     if topk_weights is not None:
                         sub.w[:T].copy_(topk_weights)
-            if not cached:
-                kept = sub.topk[:T].clone()  # the routing input
             h = sub.g.dispatch_stream(
                 T, stream=comm, weights=topk_weights is not None,
                 handle=rt.h if cached else None, area=area, region=reg,
                 ptr=xv.data_ptr() if reg is not None else 0)
-            if not cached and not worst:
-                sub.pe_host.copy_(sub.pe, non_blocking=True)
-                sub.pe_ev.record(comm)
+            if not cached:
+                # the routing input, read before the next dispatch's
+                # copy replaces it (the same stream)
+                kept = sub.topk[:T].clone()
+                if not worst:
+                    sub.pe_host.copy_(sub.pe, non_blocking=True)
+                    sub.pe_ev.record(comm)
         # The rows are known now (cached, worst) or once the CPU waited for
-        # the count. Everything but the copy path's rows is made before that
-        # wait, while the dispatch runs: the small outputs at full capacity
-        # (a few MB, copied on the comm stream) and recv_x in its receive
-        # area, then cut to the count, so that after the wait the CPU makes
-        # views only (the GPU would idle meanwhile).
+        # the count. The outputs are made at full capacity meanwhile (a few
+        # MB, copied on the comm stream; recv_x in its receive area) and
+        # cut to the count after the wait.
         R = rt.R if cached else worst if worst else None
         Rm = sub.cap if R is None else R
         dt = torch.float8_e4m3fn if sub.fp8 else torch.bfloat16
@@ -754,9 +763,11 @@ class Buffer:
                                    "fp8" if sub.fp8 else "bf16", area=area,
                                    owner=_Lease(sub, area))
             held[0] = 0
+        recv_xs = rti = rtw = rsrc = rp = None
         with torch.cuda.stream(alloc):
-            recv_xs = torch.empty((Rm, H // 128), dtype=torch.float32,
-                                  device=dev) if sub.fp8 else None
+            if sub.fp8:
+                recv_xs = torch.empty((Rm, H // 128), dtype=torch.float32,
+                                      device=dev)
             if not cached:
                 rti = torch.empty((Rm, K), dtype=torch.int64, device=dev)
                 rtw = torch.empty((Rm, K), dtype=torch.float32, device=dev)
@@ -777,18 +788,25 @@ class Buffer:
                     rti.masked_fill_(pad.unsqueeze(1), -1)
                     rtw.masked_fill_(pad.unsqueeze(1), 0.0)
                     rsrc.masked_fill_(pad, -1)
+        outs = [recv_xs, rti, rtw, rsrc, rp]
+        ev = None
+        if area:
+            # every copy of this op is on the stream: the outputs' stream
+            # bookkeeping and the caller's order are settled before the
+            # wait (on the full tensors; the views share their storage)
+            outs.append(rx_area)
+            ev = self._finish(compute, comm, outs, async_finish, alloc_comm)
+        elif not alloc_comm:
+            # the copy path: recv_x is made after the wait; the outputs so
+            # far may not be reused before their copies ran, should the op
+            # fail and drop them
+            for t in outs:
+                if t is not None:
+                    t.record_stream(comm)
         if R is None:
             try:
                 R = sub.g.recv_count(h)  # the CPU waits for the count
             except BaseException:
-                # the op failed (no handle to give out); the outputs die
-                # here while the comm stream's copies into them may still
-                # be queued: their memory must not be reused before those
-                # ran (what _finish's record_stream does on success)
-                if not alloc_comm:
-                    for t in (recv_xs, rti, rtw, rsrc, rp):
-                        if t is not None:
-                            t.record_stream(comm)
                 try:
                     sub.g.release(h)
                 except epd.Error:
@@ -804,13 +822,12 @@ class Buffer:
             with torch.cuda.stream(comm):  # (ordered after compute above)
                 recv_x.view(torch.uint8 if sub.fp8 else dt).copy_(
                     sub.recv_x[:R])
+            ev = self._finish(compute, comm, [recv_x], async_finish,
+                              alloc_comm)
         if R != Rm:
             recv_xs = recv_xs[:R] if sub.fp8 else None
-            rti, rtw, rsrc = rti[:R], rtw[:R], rsrc[:R]
-        outs = [recv_x, recv_xs]
-        if not cached:
-            outs += [rti, rtw, rsrc, rp]
-        ev = self._finish(compute, comm, outs, async_finish, alloc_comm)
+            if not cached:
+                rti, rtw, rsrc = rti[:R], rtw[:R], rsrc[:R]
         if cached:
             return recv_x, recv_xs, None, None, None, None, None, None, ev
         pe = []
