@@ -111,7 +111,31 @@ def rank_main(r, W, store, q):
 
         def shim_combine():
             buf.combine(ex, hnd)
+        # as in training: each layer's rows are a fresh tensor of torch's,
+        # at a place of the allocator's choosing (six in turn here); the
+        # registrations made while timed say whether they hit
+        ring = [torch.empty_like(ex) for _ in range(6)]
+        xring = [torch.empty_like(x) for _ in range(6)]
+        for e_ in ring:
+            e_.copy_(ex)
+        for x_ in xring:
+            x_.copy_(x)
+        it = [0]
+
+        def shim_combine_ring():
+            it[0] += 1
+            buf.combine(ring[it[0] % 6], hnd)
+
+        def shim_dispatch_ring():
+            it[0] += 1
+            buf.dispatch(xring[it[0] % 6], **lay)
         res = {}
+        for name, fn in (("ring_c", shim_combine_ring),
+                         ("ring_d", shim_dispatch_ring)):
+            timed(fn)  # the registrations' first round, untimed
+            n0 = sub.registered
+            res[name] = timed(fn)
+            res[name + "_regs"] = float(sub.registered - n0)
         for name, fn in (("own_d", own_dispatch), ("shim_d", shim_dispatch),
                          ("own_c", own_combine), ("shim_c", shim_combine),
                          ("own_d2", own_dispatch), ("shim_d2", shim_dispatch),
@@ -231,6 +255,12 @@ def main():
           f"{N}; dispatch: better of two rounds; combine rows "
           f"{'read in place (registered memory)' if min(r['reg'] for r in allr) else 'copied in'}, "
           f"output {'written in place' if min(r['oreg'] for r in allr) else 'copied out'})")
+    print(f"perf deep_ep W={W} rows of six tensors in turn (fresh "
+          f"activations): combine shim_us={worst['ring_c']:.0f} "
+          f"ratio={worst['ring_c'] / oc:.3f}, dispatch "
+          f"shim_us={worst['ring_d']:.0f} ratio={worst['ring_d'] / od:.3f}; "
+          f"registrations made while timed: combine "
+          f"{worst['ring_c_regs']:.0f}, dispatch {worst['ring_d_regs']:.0f}")
     print(f"perf deep_ep W={W} finding a registration (ep_mem_covers): "
           f"{worst['reg_us']:.1f} us on the rank's CPU")
     print(f"perf deep_ep W={W} one dispatch at a time (median, slowest "

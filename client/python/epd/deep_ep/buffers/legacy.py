@@ -140,6 +140,38 @@ _REG_X = os.environ.get("EPD_DEEP_EP_REGISTER_X", "0") == "1"
 _OUT_SLOTS = int(os.environ.get("EPD_DEEP_EP_OUT_SLOTS", "2"))
 
 
+# the most a registration of a caching-allocator segment spans (region_of)
+_MREG_SPAN = 1 << 30
+
+
+def _extents(ptr, n):
+    """What to register for the n bytes at ptr, best first: the caching
+    allocator's segment that holds them (at most _MREG_SPAN of it around
+    them), so that the next tensors torch places in that segment (the next
+    layer's activations, a grown expandable segment's old part) find the
+    registration made; then the tensor's own range. Registering a fresh
+    tensor's range alone would miss nearly every step: torch rarely hands
+    a block back at the same place."""
+    torch = _torch()
+    out = []
+    try:
+        for sg in torch.cuda.memory_snapshot():
+            a, sz = sg["address"], sg["total_size"]
+            if a <= ptr and ptr + n <= a + sz:
+                if sz <= _MREG_SPAN:
+                    out.append((a, sz))
+                elif n < _MREG_SPAN:
+                    lo = max(a, ptr - (_MREG_SPAN - n) // 2)
+                    hi = min(a + sz, lo + _MREG_SPAN)
+                    lo = max(a, hi - _MREG_SPAN)
+                    out.append((lo, hi - lo))
+                break
+    except Exception:  # no snapshot here: the tensor's range alone
+        pass
+    out.append((ptr, n))
+    return out
+
+
 def _recv_areas(buf, tag):
     """Receive areas of a shape's group: $EPD_DEEP_EP_RECV_AREAS (default
     3, at most 16) for the normal ops of GPU ranks of a one-node group,
@@ -260,6 +292,7 @@ class _Sub:
         # $EPD_DEEP_EP_REGISTER=0; off for good once the caller's memory
         # proves not to be of the kind (no expandable segments)
         self.mregs = []  # most recently used first
+        self.registered = 0  # registrations made (region_of's misses)
         # combines that read their rows in place, that wrote their
         # output in place (for tests and epctl-minded users)
         self.in_place = {"rows": 0, "out": 0}
@@ -280,12 +313,25 @@ class _Sub:
                 if i:
                     self.mregs.insert(0, self.mregs.pop(i))
                 return r
-        try:
-            r = self.g.mem_register(ptr, n)
-        except epd.Error as e:
-            if e.code == epd.EUNSUPPORTED:
-                self.mreg_on = False
+        # a miss: registrations whose memory torch has since given back
+        # or remapped go first (they would hold it in the daemon)
+        for r in [r for r in self.mregs if not r.covers(r.base, r.nbytes)]:
+            self.mregs.remove(r)
+            r.deregister()
+        r = None
+        for lo, size in _extents(ptr, n):
+            try:
+                r = self.g.mem_register(lo, size)
+                break
+            except epd.Error as e:
+                if e.code == epd.EUNSUPPORTED:
+                    self.mreg_on = False
+                    return None
+                # too many allocations, a hole in the segment (memory
+                # torch gave back): the next, narrower extent
+        if r is None:
             return None
+        self.registered += 1
         self.mregs.insert(0, r)
         # registrations hold the allocations under them: a few recent ones
         while len(self.mregs) > _MREG_KEEP:
@@ -692,22 +738,23 @@ class Buffer:
         # the received rows go straight to a free receive area, handed out
         # as recv_x (no copy); with none free (or in a CUDA graph, where a
         # replay would write the captured area again) to area 0 and copied
-        area, aev = (0, None) if torch.cuda.is_current_stream_capturing() \
-            else sub.take()
+        cap = torch.cuda.is_current_stream_capturing()
+        area, aev = (0, None) if cap else sub.take()
         if aev is not None:
             comm.wait_event(aev)  # the area's last user is done with it
         held = [area]  # the area, until a recv_x tensor owns it
         try:
             return self._gpu_dispatch_in(sub, x, xs, topk_idx, topk_weights,
                                          in_rank, rt, worst, async_finish,
-                                         alloc_comm, compute, comm, held)
+                                         alloc_comm, compute, comm, held,
+                                         cap)
         finally:
             if held[0]:  # failed, or no rows: the area is free again
                 sub.free.append((held[0], None))
 
     def _gpu_dispatch_in(self, sub, x, xs, topk_idx, topk_weights, in_rank,
                          rt, worst, async_finish, alloc_comm, compute, comm,
-                         held):
+                         held, cap):
         torch = _torch()
         area = held[0]
         T, H, K = x.size(0), sub.H, sub.K
@@ -718,9 +765,19 @@ class Buffer:
         # need but the count, and after the count wait only views.
         # x read where it is (registered memory), as the combine's rows
         xv = x.view(torch.uint8) if sub.fp8 else x
-        reg = sub.region_of(xv) if T and _REG_X and \
-            not torch.cuda.is_current_stream_capturing() else None
-        with torch.cuda.stream(comm):
+        reg = sub.region_of(xv) if T and _REG_X and not cap else None
+        R = rt.R if cached else worst if worst else None
+        Rm = sub.cap if R is None else R
+        dt = torch.float8_e4m3fn if sub.fp8 else torch.bfloat16
+        dev = x.device
+        alloc = comm if alloc_comm else compute
+        recv_xs = rti = rtw = rsrc = rp = None
+        # the current stream set directly (torch.cuda.stream's context
+        # looks the device and the streams up again each time, tens of us
+        # of CPU under MPS); the caller's is set back whatever happens
+        on = torch.cuda.set_stream
+        on(comm)
+        try:
             if T and reg is None:
                 sub.x[:T].copy_(xv)
             elif T:
@@ -748,23 +805,12 @@ class Buffer:
                 if not worst:
                     sub.pe_host.copy_(sub.pe, non_blocking=True)
                     sub.pe_ev.record(comm)
-        # The rows are known now (cached, worst) or once the CPU waited for
-        # the count. The outputs are made at full capacity meanwhile (a few
-        # MB, copied on the comm stream; recv_x in its receive area) and
-        # cut to the count after the wait.
-        R = rt.R if cached else worst if worst else None
-        Rm = sub.cap if R is None else R
-        dt = torch.float8_e4m3fn if sub.fp8 else torch.bfloat16
-        dev = x.device
-        alloc = comm if alloc_comm else compute
-        if area:
-            # the area itself, given back when the tensor is freed
-            rx_area = sub.g.tensor("recv_x", (Rm, H),
-                                   "fp8" if sub.fp8 else "bf16", area=area,
-                                   owner=_Lease(sub, area))
-            held[0] = 0
-        recv_xs = rti = rtw = rsrc = rp = None
-        with torch.cuda.stream(alloc):
+            # The rows are known now (cached, worst) or once the CPU
+            # waited for the count. The outputs are made at full capacity
+            # meanwhile (a few MB, copied on the comm stream; recv_x in its
+            # receive area) and cut to the count after the wait.
+            if alloc is not comm:
+                on(alloc)
             if sub.fp8:
                 recv_xs = torch.empty((Rm, H // 128), dtype=torch.float32,
                                       device=dev)
@@ -774,7 +820,8 @@ class Buffer:
                 rsrc = torch.empty((Rm,), dtype=torch.int32, device=dev)
                 rp = torch.empty((sub.W, sub.W), dtype=torch.int32,
                                  device=dev)
-        with torch.cuda.stream(comm):
+            if alloc is not comm:
+                on(comm)
             if sub.fp8:
                 recv_xs.copy_(sub.recv_scales[:Rm])
             if not cached:
@@ -788,6 +835,14 @@ class Buffer:
                     rti.masked_fill_(pad.unsqueeze(1), -1)
                     rtw.masked_fill_(pad.unsqueeze(1), 0.0)
                     rsrc.masked_fill_(pad, -1)
+        finally:
+            on(compute)
+        if area:
+            # the area itself, given back when the tensor is freed
+            rx_area = sub.g.tensor("recv_x", (Rm, H),
+                                   "fp8" if sub.fp8 else "bf16", area=area,
+                                   owner=_Lease(sub, area))
+            held[0] = 0
         outs = [recv_xs, rti, rtw, rsrc, rp]
         ev = None
         if area:
