@@ -17,11 +17,12 @@ Outputs are fresh tensors (copies out of epd's buffers, made on the comm
 stream; a dispatch's recv_x is a receive area of the group handed out
 instead, and a combine's output in memory the daemon can import is written
 there by the daemon: one of a few output slots, registered once and
-handed out as combined_x until that tensor dies); inputs are copied in, except a combine's rows (and
-with $EPD_DEEP_EP_REGISTER_X=1 a dispatch's x) in such memory (PyTorch's
-expandable segments), which it reads in place (registered memory;
-$EPD_DEEP_EP_REGISTER=0: off; $EPD_DEEP_EP_OUT_SLOTS=0: the combine's
-output copied all the same); handles are DeepEP's 6-tuples, and the routing they name lives in
+handed out as combined_x until that tensor dies); inputs are copied in,
+except a combine's rows and a dispatch's x in such memory (PyTorch's
+expandable segments), which it reads in place (registered memory, the
+allocator's segment around them registered at once;
+$EPD_DEEP_EP_REGISTER=0: off; $EPD_DEEP_EP_REGISTER_X=0: x copied;
+$EPD_DEEP_EP_OUT_SLOTS=0: the combine's output copied); handles are DeepEP's 6-tuples, and the routing they name lives in
 the daemon until the tuple's recv_src_idx tensor is freed (released then:
 ep_handle_release). A dispatch from is_token_in_rank alone (no top-k)
 routes through a group with one expert per rank; its per-expert counts,
@@ -130,10 +131,10 @@ class _Routing:
 
 # registrations a shape's group keeps (_Sub.region_of)
 _MREG_KEEP = 4
-# the dispatch's x read in place too: opt-in ($EPD_DEEP_EP_REGISTER_X=1)
-# while it measures slower than the copy (PERFORMANCE.md, eighteenth
-# session)
-_REG_X = os.environ.get("EPD_DEEP_EP_REGISTER_X", "0") == "1"
+# the dispatch's x read in place too (1.22-1.29x the own API against
+# 1.29-1.34x copied, PERFORMANCE.md, nineteenth session), unless
+# $EPD_DEEP_EP_REGISTER_X=0
+_REG_X = os.environ.get("EPD_DEEP_EP_REGISTER_X", "1") != "0"
 # a combine's output written in place by the daemon into one of a few
 # output slots (registered once, _Sub.out_slot), handed out as the fresh
 # combined_x; $EPD_DEEP_EP_OUT_SLOTS of them per shape (0: copy out)
