@@ -81,6 +81,19 @@ static CUresult launch_copy(struct epd_cuda_group *c, const struct cudev *d,
 /* The other GPUs' part of a copy or combine: each waits for dev0's
  * stream so far, works on its own ranks (rank_mask), and is joined back
  * by join_devs. a->rank_mask is left for dev0's own part. */
+/* Byte off of local rank l's registration id as an offset from l's
+ * region (mod 2^64, what the kernels add to region[l]); false: no such
+ * registration. */
+static bool reg_at(struct epd_cuda_group *c, uint32_t l, uint32_t id,
+		   uint64_t off, uint64_t *o)
+{
+	const struct cu_mreg *mr = cu_mreg_find(c, l, id);
+	if (!mr)
+		return false;
+	*o = mr->va + off - c->ptr[l];
+	return true;
+}
+
 static CUresult spread(struct epd_group *g, struct ekc_disp_args *a,
 		       unsigned sms_cap, bool combine)
 {
@@ -196,33 +209,21 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 	a.cw = op0->type == EPP_COMBINE && (op0->flags & EPP_COMBINE_WEIGHTS);
 	for (int f = 0; f < EKC_F_N; f++)
 		a.off[f] = EKC_CTRL_BYTES + g->layout.off[f];
-	/* each rank's combine_y (a dispatch: x): its region's, or its
-	 * registered memory (epd_cuda_op checked the range; a row past it
-	 * reads the region) */
+	/* each rank's combine_y (a dispatch: x) and combined rows: its
+	 * region's fields, or its registered memory (epd_cuda_op checked the
+	 * ranges; a row past them is the region's) */
 	const int in = op0->type == EPP_COMBINE ? EKC_F_Y : EKC_F_X;
 	for (uint32_t l = 0; l < W; l++) {
+		const struct epd_aop *o = ops[l];
 		a.yo[l] = a.off[in];
-		a.yrows[l] = 0;
-		if (!epd_aop_reg(ops[l]))
-			continue;
-		struct cu_mreg *mr = cu_mreg_find(c, l, ops[l]->reg);
-		if (!mr)
-			return CUDA_ERROR_INVALID_VALUE;
-		a.yo[l] = mr->va + ops[l]->reg_off - c->ptr[l]; /* mod 2^64 */
-		a.yrows[l] = ops[l]->rows;
-	}
-	/* each rank's combined rows: its region's, or its registered output
-	 * (checked as the rows in) */
-	for (uint32_t l = 0; l < W; l++) {
 		a.oo[l] = a.off[EKC_F_OUT];
-		a.orows[l] = 0;
-		if (!epd_aop_outreg(ops[l]))
-			continue;
-		struct cu_mreg *mr = cu_mreg_find(c, l, ops[l]->out_reg);
-		if (!mr)
+		if (epd_aop_reg(o) && !reg_at(c, l, o->reg, o->reg_off, &a.yo[l]))
 			return CUDA_ERROR_INVALID_VALUE;
-		a.oo[l] = mr->va + ops[l]->out_off - c->ptr[l]; /* mod 2^64 */
-		a.orows[l] = ops[l]->out_rows;
+		if (epd_aop_outreg(o) &&
+		    !reg_at(c, l, o->out_reg, o->out_off, &a.oo[l]))
+			return CUDA_ERROR_INVALID_VALUE;
+		a.yrows[l] = epd_aop_reg(o) ? o->rows : 0;
+		a.orows[l] = epd_aop_outreg(o) ? o->out_rows : 0;
 	}
 	/* each rank's receive area (epd_group_async checked it) */
 	for (uint32_t l = 0; l < W; l++)
