@@ -548,23 +548,37 @@ static void raw_checks(const struct th_daemon *d)
 	TH_OK(epp_recv_frame(fd, &rh, &p, NULL, 5000, NULL, 0));
 	TH_CHECK(rh.type == EPP_ERROR, "combine of an unknown handle");
 	free(p);
-	/* A combine flag past the known ones (1.9: bias, weights, bias2). */
-	cb.flags = 0x8;
-	epp_hdr_init(&hd, EPP_COMBINE, 32);
-	hd.length = (uint32_t)epp_combine_encode(&cb, buf, sizeof(buf));
-	TH_OK(epp_send_frame(fd, &hd, buf, NULL));
-	TH_OK(epp_recv_frame(fd, &rh, &p, NULL, 5000, NULL, 0));
-	{
+	/* Combine flags a synchronous combine does not take: registered
+	 * memory (1.13 rows in, 1.14 rows out, each with its tail) is for
+	 * stream-ordered ops of GPU ranks only; and one past them all. */
+	static const struct {
+		uint32_t flags;
+		const char *frag;
+	} bad[] = {{EPP_COMBINE_YREG, "unknown combine flags 0x8"},
+		   {EPP_COMBINE_OUTREG, "unknown combine flags 0x10"},
+		   {EPP_COMBINE_YREG | EPP_COMBINE_OUTREG,
+		    "unknown combine flags 0x18"},
+		   {0x20, "unknown combine flags 0x20"}};
+	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+		cb.flags = bad[i].flags;
+		cb.reg = cb.out_reg = 1;
+		cb.out_rows = 1;
+		epp_hdr_init(&hd, EPP_COMBINE, 32 + i);
+		hd.length = (uint32_t)epp_combine_encode(&cb, buf, sizeof(buf));
+		TH_CHECK(hd.length > 0, "combine frame %zu encodes", i);
+		TH_OK(epp_send_frame(fd, &hd, buf, NULL));
+		TH_OK(epp_recv_frame(fd, &rh, &p, NULL, 5000, NULL, 0));
 		int code;
 		char msg[EPP_ERRMSG_MAX];
-		TH_CHECK(rh.type == EPP_ERROR, "combine of unknown flags");
+		TH_CHECK(rh.type == EPP_ERROR && rh.req_id == 32 + i,
+			 "combine of flags 0x%x: reply type %u", bad[i].flags,
+			 rh.type);
 		TH_OK(epp_error_decode(p, rh.length, &code, msg, sizeof(msg)));
-		TH_CHECK(code == EP_EINVAL &&
-				 strstr(msg, "unknown combine flags 0x8"),
+		TH_CHECK(code == EP_EINVAL && strstr(msg, bad[i].frag),
 			 "unknown combine flags: %d %s", code, msg);
 		printf("ok: raw combine -> %s\n", msg);
+		free(p);
 	}
-	free(p);
 	/* The world-1 group still dispatches. */
 	struct epp_dispatch ok = {.group_id = jo.group_id, .num_tokens = 0,
 				  .hidden = 128, .dtype = 1, .topk = 2};
