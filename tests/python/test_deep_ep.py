@@ -232,10 +232,16 @@ def rank_main(torch, dist, group, r, W):
          "recv_x after the Buffer's end")
     KEPT = None
     del rx
+    global KEPT_OUT
+    out, want = KEPT_OUT
+    same(out, want, "a combine's output after the Buffer's end")
+    KEPT_OUT = None
+    del out
     gc.collect()
 
 
 KEPT = None
+KEPT_OUT = None
 
 
 def dev(torch, t):
@@ -490,7 +496,12 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
              "combine with (None, bias)")
     # a fp8 handle's combine takes bf16 rows
     out, _, _ = buf.combine(D(ys[r]), handles[("fp8", True)])
-    same(out, ref_combine(torch, ins, recv, r, W, yrow), "combine (fp8 handle)")
+    want = ref_combine(torch, ins, recv, r, W, yrow)
+    same(out, want, "combine (fp8 handle)")
+    # kept past the Buffer's end (an output slot's tensor with expandable
+    # segments: its memory must outlive the group)
+    global KEPT_OUT
+    KEPT_OUT = (out, want)
     if CUDA and "expandable_segments:True" in \
             os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
         # the combines above read the rows where torch put them

@@ -236,6 +236,12 @@ class _OutLease(epd._DeviceArray):
                 ev.record()
         except Exception:  # interpreter shutdown: the slot stays taken
             return
+        if sub.g is None:
+            # the group is gone: the slot's memory goes back to torch
+            # here, and the daemon may still be writing the combine that
+            # filled it (the comm stream is how far that got)
+            sub.comm.synchronize()
+            return
         sub.out_free.append((self.slot, ev))
 
 
@@ -247,6 +253,7 @@ class _Sub:
         H, fp8, K, E = key
         self.key, self.H, self.fp8, self.K, self.E = key, H, fp8, K, E
         self.tmax, self.W = tmax, buf.group_size
+        self.comm = getattr(buf, "_comm", None)  # the Buffer's comm stream
         self.per = E // self.W
         self.cap = self.W * tmax
         self.gpu = buf._device is not None
@@ -382,6 +389,12 @@ class _Sub:
             self.leaving = True
             return
         if self.g is not None:
+            if getattr(self, "out_made", 0) and self.comm is not None:
+                # the daemon writes the combines' outputs into the slots,
+                # torch memory that is freed below: not while one still
+                # runs (the comm stream passes a combine once it is done)
+                self.comm.synchronize()
+            self.out_free = []
             g, self.g = self.g, None
             self.mregs = []  # ep_leave drops them
             try:
