@@ -451,6 +451,7 @@ class Buffer:
         self._conn = epd.connect(sock)
         if self._device is not None:
             self._comm = torch.cuda.Stream()
+            self._order = torch.cuda.Event()  # _streams' compute point
             self._ar = torch.arange(self.group_size, dtype=torch.int64,
                                     device="cuda")
         self._layout_experts = None
@@ -726,7 +727,11 @@ class Buffer:
         if previous_event is not None and previous_event.event is not None:
             self._comm.wait_event(previous_event.event.event)
         else:
-            self._comm.wait_stream(compute)
+            # wait_stream without a new event each time (a wait takes the
+            # event's record of that moment; recording it again later
+            # does not move an earlier wait)
+            self._order.record(compute)
+            self._comm.wait_event(self._order)
         return compute, self._comm
 
     def _finish(self, compute, comm, outs, async_finish, alloc_comm):
