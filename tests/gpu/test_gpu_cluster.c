@@ -280,9 +280,7 @@ int main(void)
 	th_init("gpu: groups across nodes (staged through host memory)", 400);
 	if (tg_probe())
 		return TH_SKIP;
-	const char *es = getenv("EPD_TEST_SEED");
-	uint64_t seed = es ? strtoull(es, NULL, 0) : (uint64_t)time(NULL);
-	printf("seed %llu\n", (unsigned long long)seed);
+	uint64_t seed = th_seed();
 	struct ctx *x = th_shared(sizeof(*x));
 	int port = 21000 + (int)(getpid() % 10000) * 2;
 	char peers[160], key[128], kv[NODES][6][200];

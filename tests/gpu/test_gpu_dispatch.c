@@ -555,11 +555,9 @@ int main(void)
 	th_init("gpu: dispatch/combine, bitwise against the host backend", 500);
 	if (tg_probe())
 		return TH_SKIP;
-	const char *es = getenv("EPD_TEST_SEED");
-	uint64_t seed = es ? strtoull(es, NULL, 0) : (uint64_t)time(NULL);
+	uint64_t seed = th_seed();
 	int ncases = getenv("EPD_TEST_CASES") ? atoi(getenv("EPD_TEST_CASES"))
 					      : 12;
-	printf("seed %llu\n", (unsigned long long)seed);
 	rs = seed;
 	struct th_daemon gpu, host;
 	th_daemon_start(&gpu, "--backend", "cuda", NULL);

@@ -327,13 +327,11 @@ int main(void)
 	th_init("gpu: dispatch and combine captured into CUDA graphs", 900);
 	if (tg_probe())
 		return TH_SKIP;
-	const char *es = getenv("EPD_TEST_SEED");
-	uint64_t seed = es ? strtoull(es, NULL, 0) : (uint64_t)time(NULL);
+	uint64_t seed = th_seed();
 	const char *er = getenv("EPD_GRAPH_REPLAYS");
 	int replays = er ? atoi(er) : 1000;
 	if (replays < 1)
 		replays = 1;
-	printf("seed %llu\n", (unsigned long long)seed);
 	struct th_daemon gpu;
 	th_daemon_start(&gpu, "--backend", "cuda", NULL);
 	struct ctx *x = th_shared(sizeof(*x));

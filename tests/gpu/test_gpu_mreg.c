@@ -320,9 +320,7 @@ int main(void)
 	th_init("gpu: registered memory, rows in and the result out", 600);
 	if (tg_probe())
 		return TH_SKIP;
-	const char *es = getenv("EPD_TEST_SEED");
-	uint64_t seed = es ? strtoull(es, NULL, 0) : (uint64_t)time(NULL);
-	printf("seed %llu\n", (unsigned long long)seed);
+	uint64_t seed = th_seed();
 	struct th_daemon gpu;
 	th_daemon_start(&gpu, "--backend", "cuda", NULL);
 	struct ctx *x = th_shared(sizeof(*x));

@@ -240,12 +240,9 @@ static uint64_t rs; /* the random series */
 int main(void)
 {
 	th_init("dispatch/combine property test", 600);
-	const char *es = getenv("EPD_TEST_SEED");
-	uint64_t seed = es ? strtoull(es, NULL, 0) : (uint64_t)time(NULL);
+	uint64_t seed = th_seed();
 	int ncases = getenv("EPD_TEST_CASES") ? atoi(getenv("EPD_TEST_CASES"))
 					      : 30;
-	printf("seed %llu (EPD_TEST_SEED=%llu repeats this run)\n",
-	       (unsigned long long)seed, (unsigned long long)seed);
 	rs = seed;
 	struct th_daemon d;
 	th_daemon_start(&d, NULL);

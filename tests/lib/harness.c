@@ -79,6 +79,15 @@ uint64_t th_now_ns(void)
 	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+uint64_t th_seed(void)
+{
+	const char *es = getenv("EPD_TEST_SEED");
+	uint64_t seed = es ? strtoull(es, NULL, 0) : (uint64_t)time(NULL);
+	printf("seed %llu (EPD_TEST_SEED=%llu repeats this run)\n",
+	       (unsigned long long)seed, (unsigned long long)seed);
+	return seed;
+}
+
 void th_sleep_ms(unsigned ms)
 {
 	struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};

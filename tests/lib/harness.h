@@ -52,6 +52,9 @@ struct th_daemon {
 void th_init(const char *name, unsigned timeout_s);
 void th_fail_exit(void) __attribute__((noreturn));
 uint64_t th_now_ns(void);
+/* A random test's seed: $EPD_TEST_SEED, else the time; printed as
+ * "seed N (EPD_TEST_SEED=N repeats this run)". */
+uint64_t th_seed(void);
 void th_sleep_ms(unsigned ms);
 
 /* Start epd with extra arguments (NULL-terminated list of strings) and wait
