@@ -129,8 +129,14 @@ class _Routing:
         self.entries = [(weakref.ref(sub), h)]
 
 
-# registrations a shape's group keeps (_Sub.region_of)
-_MREG_KEEP = 4
+# registrations a shape's group keeps (_Sub.region_of,
+# $EPD_DEEP_EP_REGISTER_KEEP): each covers up to _MREG_SPAN of an allocator
+# segment, so 8 span 8 GiB of a rank's activations. Each also holds its
+# memory in the daemon until it is dropped, even after torch gave that
+# memory back (empty_cache): more coverage, more memory held (the daemon
+# allows 64 per rank and group; the output slots take two)
+_MREG_KEEP = max(1, min(60, int(os.environ.get("EPD_DEEP_EP_REGISTER_KEEP",
+                                               "8"))))
 # the dispatch's x read in place too (1.22-1.29x the own API against
 # 1.29-1.34x copied, PERFORMANCE.md, nineteenth session), unless
 # $EPD_DEEP_EP_REGISTER_X=0
@@ -317,7 +323,9 @@ class _Sub:
             return None
         ptr, n = x.data_ptr(), x.numel() * x.element_size()
         for i, r in enumerate(self.mregs):
-            if r.covers(ptr, n):
+            # the range here, the allocations under it in libep
+            if r.base <= ptr and ptr + n <= r.base + r.nbytes and \
+                    r.covers(ptr, n):
                 if i:
                     self.mregs.insert(0, self.mregs.pop(i))
                 return r
