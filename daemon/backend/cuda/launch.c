@@ -78,9 +78,6 @@ static CUresult launch_copy(struct epd_cuda_group *c, const struct cudev *d,
 				 256, 1, 1, 0, s, params, NULL);
 }
 
-/* The other GPUs' part of a copy or combine: each waits for dev0's
- * stream so far, works on its own ranks (rank_mask), and is joined back
- * by join_devs. a->rank_mask is left for dev0's own part. */
 /* Byte off of local rank l's registration id as an offset from l's
  * region (mod 2^64, what the kernels add to region[l]); false: no such
  * registration. */
@@ -94,6 +91,9 @@ static bool reg_at(struct epd_cuda_group *c, uint32_t l, uint32_t id,
 	return true;
 }
 
+/* The other GPUs' part of a copy or combine: each waits for dev0's
+ * stream so far, works on its own ranks (rank_mask), and is joined back
+ * by join_devs. a->rank_mask is left for dev0's own part. */
 static CUresult spread(struct epd_group *g, struct ekc_disp_args *a,
 		       unsigned sms_cap, bool combine)
 {

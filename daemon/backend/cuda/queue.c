@@ -138,40 +138,44 @@ static const char *reg_rows_bad(const struct cu_mreg *r, uint64_t off,
 	return NULL;
 }
 
-/* Check op's registered memory (its rows in, a combine's rows out) at
- * its arrival and mark it in use until op completed: false with the
- * group failed. */
+/* One place of op's in rank m's registered memory (side: "" for the
+ * rows in, "output " for the rows out), checked at its arrival and
+ * marked in use until op completed: false with the group failed. */
+static bool place_ok(struct epd_group *g, struct epd_member *m,
+		     const struct epd_aop *op, const char *side, uint32_t id,
+		     uint64_t off, uint32_t rows, uint64_t max_rows,
+		     uint64_t rowb)
+{
+	struct cu_mreg *r = cu_mreg_find(g->dev_group, m->local, id);
+	const char *why = reg_rows_bad(r, off, rows, max_rows, rowb);
+	if (why) {
+		epd_group_fail(g, EP_EINVAL,
+			       "rank %u's stream-ordered %s %llu %s%s "
+			       "(registration %u, byte %llu, %u rows)",
+			       m->rank, epp_type_name(op->type),
+			       (unsigned long long)op->seq, side, why, id,
+			       (unsigned long long)off, rows);
+		return false;
+	}
+	if (r->last_k < op->seq)
+		r->last_k = op->seq;
+	return true;
+}
+
+/* op's registered memory: a dispatch's x or a combine's rows in, a
+ * combine's rows out. */
 static bool op_regs_ok(struct epd_group *g, struct epd_member *m,
 		       const struct epd_aop *op)
 {
-	struct epd_cuda_group *c = g->dev_group;
 	const bool x = op->type == EPP_DISPATCH;
-	for (int out = 0; out < 2; out++) {
-		if (!(out ? epd_aop_outreg(op) : epd_aop_reg(op)))
-			continue;
-		const uint32_t id = out ? op->out_reg : op->reg;
-		const uint32_t rows = out ? op->out_rows : op->rows;
-		const uint64_t off = out ? op->out_off : op->reg_off;
-		struct cu_mreg *r = cu_mreg_find(c, m->local, id);
-		const char *why = reg_rows_bad(
-			r, off, rows,
-			x || out ? g->shape.max_tokens : g->layout.max_recv,
-			(uint64_t)g->shape.hidden * (x ? g->layout.elt : 2));
-		if (why) {
-			epd_group_fail(g, EP_EINVAL,
-				       "rank %u's stream-ordered %s %llu "
-				       "%s%s (registration %u, byte %llu, %u "
-				       "rows)",
-				       m->rank, epp_type_name(op->type),
-				       (unsigned long long)op->seq,
-				       out ? "output " : "", why, id,
-				       (unsigned long long)off, rows);
-			return false;
-		}
-		if (r->last_k < op->seq)
-			r->last_k = op->seq;
-	}
-	return true;
+	const uint64_t H = g->shape.hidden;
+	return (!epd_aop_reg(op) ||
+		place_ok(g, m, op, "", op->reg, op->reg_off, op->rows,
+			 x ? g->shape.max_tokens : g->layout.max_recv,
+			 H * (x ? g->layout.elt : 2))) &&
+	       (!epd_aop_outreg(op) ||
+		place_ok(g, m, op, "output ", op->out_reg, op->out_off,
+			 op->out_rows, g->shape.max_tokens, H * 2));
 }
 
 void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)

@@ -191,6 +191,20 @@ def _recv_areas(buf, tag):
     return n
 
 
+def _end_event():
+    """The event a handed-out buffer's end leaves for its next writer (an
+    event on the stream current then), None in a capture (an event
+    recorded into a capture fires only in replays: the next op's wait for
+    the caller's stream is the order left, _streams); raises at
+    interpreter shutdown."""
+    torch = _torch()
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
+
+
 class _Lease(epd._DeviceArray):
     """One receive area handed out as a dispatch's recv_x: torch keeps
     this object alive as long as the tensor's storage (any view of it), and
@@ -206,17 +220,10 @@ class _Lease(epd._DeviceArray):
         sub, self.sub = self.sub, None
         if sub is None:
             return
-        lost, ev = False, None
         try:
-            torch = _torch()
-            # an event recorded into a capture fires only in replays: then
-            # the next dispatch's wait for the caller's stream is the order
-            # left (_streams)
-            if not torch.cuda.is_current_stream_capturing():
-                ev = torch.cuda.Event()
-                ev.record()
+            ev, lost = _end_event(), False
         except Exception:  # interpreter shutdown: the area stays taken
-            lost = True
+            ev, lost = None, True
         sub.give_back(self.area, ev, lost)
 
 
@@ -235,11 +242,7 @@ class _OutLease(epd._DeviceArray):
         if sub is None:
             return
         try:
-            torch = _torch()
-            ev = None
-            if not torch.cuda.is_current_stream_capturing():
-                ev = torch.cuda.Event()
-                ev.record()
+            ev = _end_event()
         except Exception:  # interpreter shutdown: the slot stays taken
             return
         if sub.g is None:
@@ -253,6 +256,8 @@ class _OutLease(epd._DeviceArray):
 
 class _Sub:
     """One epd group of one shape, and views of this rank's buffers."""
+
+    out_made = 0  # output slots made (out_slot; GPU ranks only)
 
     def __init__(self, buf, key, tmax, tag=""):
         torch = _torch()
@@ -275,6 +280,9 @@ class _Sub:
             max_tokens_per_rank=tmax, topk=K,
             dtype=epd.FP8 if fp8 else epd.BF16,
             cuda_device=buf._device, recv_areas=areas)
+        # output slots (GPU ranks): ((tensor [tmax, H] bf16, its
+        # registration), event or None) free
+        self.out_free = []
         if not self.gpu:
             return
         t, cap, ns = self.g.tensor, self.cap, H // 128
@@ -310,9 +318,6 @@ class _Sub:
         # combines that read their rows in place, that wrote their
         # output in place (for tests and epctl-minded users)
         self.in_place = {"rows": 0, "out": 0}
-        # output slots: ((tensor [tmax, H] bf16, its registration),
-        # event or None) free; how many were made
-        self.out_free, self.out_made = [], 0
         self.mreg_on = buf._rpn == buf.group_size and not tag and \
             os.environ.get("EPD_DEEP_EP_REGISTER", "1") != "0"
 
@@ -336,15 +341,11 @@ class _Sub:
             r.deregister()
         r = None
         for lo, size in _extents(ptr, n):
-            try:
-                r = self.g.mem_register(lo, size)
+            # too many allocations, a hole in the segment (memory torch
+            # gave back): the next, narrower extent
+            r = self._register(lo, size)
+            if r is not None or not self.mreg_on:
                 break
-            except epd.Error as e:
-                if e.code == epd.EUNSUPPORTED:
-                    self.mreg_on = False
-                    return None
-                # too many allocations, a hole in the segment (memory
-                # torch gave back): the next, narrower extent
         if r is None:
             return None
         self.registered += 1
@@ -368,14 +369,21 @@ class _Sub:
         torch = _torch()
         t = torch.empty((self.tmax, self.H), dtype=torch.bfloat16,
                         device="cuda")
+        r = self._register(t.data_ptr(), t.numel() * 2)
+        if r is None:
+            return None
+        self.out_made += 1
+        return (t, r), None
+
+    def _register(self, ptr, n):
+        """A registration of [ptr, ptr + n), or None; memory of the wrong
+        kind (no expandable segments) turns registering off for good."""
         try:
-            r = self.g.mem_register(t.data_ptr(), t.numel() * 2)
+            return self.g.mem_register(ptr, n)
         except epd.Error as e:
             if e.code == epd.EUNSUPPORTED:
                 self.mreg_on = False
             return None
-        self.out_made += 1
-        return (t, r), None
 
     def take(self):
         """A free receive area and its event, or (0, None): none free
@@ -397,7 +405,7 @@ class _Sub:
             self.leaving = True
             return
         if self.g is not None:
-            if getattr(self, "out_made", 0) and self.comm is not None:
+            if self.out_made:
                 # the daemon writes the combines' outputs into the slots,
                 # torch memory that is freed below: not while one still
                 # runs (the comm stream passes a combine once it is done)
@@ -864,15 +872,14 @@ class Buffer:
                     rsrc.masked_fill_(pad, -1)
         finally:
             on(compute)
+        outs = [recv_xs, rti, rtw, rsrc, rp]
+        ev = None
         if area:
             # the area itself, given back when the tensor is freed
             rx_area = sub.g.tensor("recv_x", (Rm, H),
                                    "fp8" if sub.fp8 else "bf16", area=area,
                                    owner=_Lease(sub, area))
             held[0] = 0
-        outs = [recv_xs, rti, rtw, rsrc, rp]
-        ev = None
-        if area:
             # every copy of this op is on the stream: the outputs' stream
             # bookkeeping and the caller's order are settled before the
             # wait (on the full tensors; the views share their storage)
