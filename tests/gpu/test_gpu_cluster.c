@@ -282,7 +282,7 @@ int main(void)
 		return TH_SKIP;
 	uint64_t seed = th_seed();
 	struct ctx *x = th_shared(sizeof(*x));
-	int port = 21000 + (int)(getpid() % 10000) * 2;
+	int port = th_ports(NODES);
 	char peers[160], key[128], kv[NODES][6][200];
 	/* EPD_TEST_TRANSPORT=rdma where a device exists; tcp by default */
 	const char *tr = getenv("EPD_TEST_TRANSPORT") ? getenv("EPD_TEST_TRANSPORT")

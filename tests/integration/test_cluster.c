@@ -1482,7 +1482,7 @@ int main(void)
 	 * silent 3.5 s there (tests/rdma-vm, EPD_TEST_ALARM_SCALE=4) */
 	miss *= (int)th_scale();
 	TH_CHECK(sodium_init() >= 0, "libsodium");
-	base_port = 20000 + (int)(getpid() % 15000) * 3;
+	base_port = th_ports(NODES);
 	const char *ph = getenv("EPD_TEST_PEER_HOST");
 	if (getenv("EPD_TEST_TRANSPORT") && *getenv("EPD_TEST_TRANSPORT"))
 		transport = getenv("EPD_TEST_TRANSPORT");

@@ -358,7 +358,7 @@ int main(void)
 	uint64_t seed = (uint64_t)time(NULL) ^ (uint64_t)getpid();
 	th_daemon_start(&SOLO, NULL);
 	for (int nodes = 3; nodes <= 4; nodes++) {
-		int base = 20000 + (int)((getpid() * 7 + nodes * 13) % 11000) * 4;
+		int base = th_ports(nodes);
 		start_cluster(nodes, base);
 		soak(nodes, seed + (uint64_t)nodes, nops);
 		for (int i = 0; i < nodes; i++)

@@ -2,12 +2,15 @@
 #include "harness.h"
 #include "epp.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -86,6 +89,49 @@ uint64_t th_seed(void)
 	printf("seed %llu (EPD_TEST_SEED=%llu repeats this run)\n",
 	       (unsigned long long)seed, (unsigned long long)seed);
 	return seed;
+}
+
+static bool port_free(int port)
+{
+	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	if (fd < 0)
+		return false;
+	struct sockaddr_in a = {.sin_family = AF_INET,
+				.sin_port = htons((uint16_t)port),
+				.sin_addr.s_addr = htonl(INADDR_ANY)};
+	bool ok = bind(fd, (struct sockaddr *)&a, sizeof(a)) == 0;
+	close(fd);
+	return ok;
+}
+
+int th_ports(int n)
+{
+	int lo = 32768, hi = 60999;
+	FILE *f = fopen("/proc/sys/net/ipv4/ip_local_port_range", "r");
+	if (f) {
+		if (fscanf(f, "%d %d", &lo, &hi) != 2)
+			lo = 32768, hi = 60999;
+		fclose(f);
+	}
+	/* below the ephemeral range from 10000 (clear of the well-known
+	 * and registered services tests might meet), else above it */
+	int a0 = 10000, a1 = lo - n, b0 = hi + 1, b1 = 65535 - n;
+	int na = a1 > a0 ? a1 - a0 : 0, nb = b1 > b0 ? b1 - b0 : 0;
+	TH_CHECK(na + nb > 0, "no %d ports outside the ephemeral range %d-%d",
+		 n, lo, hi);
+	uint64_t x = th_now_ns() ^ ((uint64_t)getpid() << 32);
+	for (int tries = 0; tries < 1000; tries++) {
+		x = x * 6364136223846793005ull + 1442695040888963407ull;
+		int k = (int)((x >> 33) % (uint64_t)(na + nb));
+		int base = k < na ? a0 + k : b0 + (k - na);
+		bool ok = true;
+		for (int i = 0; i < n && ok; i++)
+			ok = port_free(base + i);
+		if (ok)
+			return base;
+	}
+	TH_CHECK(0, "no %d free consecutive ports outside %d-%d", n, lo, hi);
+	return -1;
 }
 
 void th_sleep_ms(unsigned ms)

@@ -56,6 +56,13 @@ uint64_t th_now_ns(void);
  * "seed N (EPD_TEST_SEED=N repeats this run)". */
 uint64_t th_seed(void);
 void th_sleep_ms(unsigned ms);
+/* The first of n consecutive TCP ports for daemons' cluster listeners:
+ * outside the kernel's ephemeral range (ip_local_port_range), so no
+ * outgoing connection of this or another test can be handed one of them
+ * between this call and a daemon's bind, or between a daemon's stop and
+ * its restart on the same port; each checked free by a bind on the
+ * wildcard address.  A random block, so concurrent tests rarely meet. */
+int th_ports(int n);
 
 /* Start epd with extra arguments (NULL-terminated list of strings) and wait
  * until it accepts connections. */

@@ -37,18 +37,47 @@ def held_handles(sock):
                for g in st.get("groups", []) if g["name"].startswith("dep-"))
 
 
+def free_ports(n):
+    """The first of n consecutive TCP ports for daemons' listeners, outside
+    the kernel's ephemeral range (no outgoing connection can be handed one
+    before a daemon binds it), each checked free by a bind (as the C
+    tests' th_ports)."""
+    import random
+    import socket
+    lo, hi = 32768, 60999
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split())
+    except (OSError, ValueError):
+        pass
+    spans = [(a, b) for a, b in ((10000, lo - n), (hi + 1, 65535 - n))
+             if b > a]
+    assert spans, f"no {n} ports outside the ephemeral range {lo}-{hi}"
+    rnd = random.Random()
+    for _ in range(1000):
+        a, b = rnd.choice(spans)
+        base = rnd.randrange(a, b)
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("0.0.0.0", p))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError(f"no {n} free consecutive ports outside {lo}-{hi}")
+
+
 def start_cluster(nodes, backend):
     """([process], [socket], folder): `nodes` daemons clustered over tcp on
     this machine (each a node of its own), once every node sees every
     other up. Ranks that use different sockets are different nodes to
     epd.deep_ep (it tells nodes apart by host name and socket)."""
-    import random
     import epd
     d = tempfile.mkdtemp(prefix="epdcluster.")
     key = os.path.join(d, "cluster.key")
     with open(key, "w") as f:
         f.write(f"a-secret-of-this-test-cluster-{os.getpid()}\n")
-    base = random.randrange(20000, 60000 - nodes)
+    base = free_ports(nodes)
     peers = ", ".join(f"n{i}@127.0.0.1:{base + i}" for i in range(nodes))
     ps, socks = [], []
     for i in range(nodes):
