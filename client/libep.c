@@ -251,6 +251,7 @@ int ep_connect(const char *path, ep_conn_t **out)
 		return ep__fail(EP_EPROTO, "malformed hello reply");
 	}
 	c->client_id = ok.client_id;
+	c->minor = ok.minor;
 	snprintf(c->backend, sizeof(c->backend), "%s", ok.backend);
 	*out = c;
 	return 0;

@@ -110,24 +110,39 @@ uint64_t ep__completed_full(const ep_group_t *g)
 	return full;
 }
 
-static uint64_t now_ms(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (uint64_t)ts.tv_sec * 1000 + (uint64_t)ts.tv_nsec / 1000000;
-}
-
 uint64_t ep__inflight(const ep_group_t *g)
 {
 	return __atomic_load_n(&g->sent, __ATOMIC_ACQUIRE) -
 	       ep__completed_full(g);
 }
 
-int ep__wait_until(ep_group_t *g, uint64_t behind)
+/* Has dispatch k published its count (1.15: once the routing is known,
+ * before its rows land)? 0: no dispatch to look for. */
+static bool count_out(const ep_group_t *g, uint64_t k)
 {
-	uint64_t end = now_ms() + (uint64_t)ep__group_op_timeout(g);
-	unsigned spins = 0;
-	while (ep__inflight(g) > behind) {
+	if (!k)
+		return false;
+	uint64_t seq = __atomic_load_n((const uint64_t *)(ep__ctl_slot(g) +
+							  EPP_CTL_RECV_SEQ),
+				       __ATOMIC_ACQUIRE);
+	return (uint32_t)seq == (uint32_t)k; /* the kernel's 32 bits */
+}
+
+static uint64_t now_us(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (uint64_t)ts.tv_sec * 1000000 + (uint64_t)ts.tv_nsec / 1000;
+}
+
+/* Until at most `behind` ops are incomplete or dispatch k's count is out;
+ * spinning for the first 100 us (a count comes tens of us after the last
+ * rank rang), then in 20 us sleeps. */
+static int wait_for(ep_group_t *g, uint64_t behind, uint64_t k)
+{
+	const uint64_t t0 = now_us();
+	uint64_t end = t0 / 1000 + (uint64_t)ep__group_op_timeout(g);
+	while (ep__inflight(g) > behind && !count_out(g, k)) {
 		int e = ep__ctl_error(g);
 		if (e) {
 			if (getenv("EP_DEBUG"))
@@ -144,15 +159,28 @@ int ep__wait_until(ep_group_t *g, uint64_t behind)
 					(const char *)ep__ctl_slot(g) +
 						EPP_CTL_ERR_MSG);
 		}
-		if (now_ms() > end)
+		uint64_t t = now_us();
+		if (t / 1000 > end)
 			return ep__fail(EP_ETIMEDOUT,
 					"%llu stream-ordered ops still not "
 					"complete",
 					(unsigned long long)ep__inflight(g));
-		if (++spins > 100)
+		if (t - t0 > 100)
 			usleep(20);
 	}
 	return 0;
+}
+
+int ep__wait_until(ep_group_t *g, uint64_t behind)
+{
+	return wait_for(g, behind, 0);
+}
+
+int ep__wait_count(ep_group_t *g, uint64_t k)
+{
+	if (g->conn->minor < 15) /* an older daemon: once it completed */
+		return wait_for(g, g->sent - k, 0);
+	return wait_for(g, g->sent - k, k);
 }
 
 /* Wait until at most `behind` ops are incomplete. Ops that completed are
@@ -173,6 +201,48 @@ int ep_group_sync(ep_group_t *g)
 		return 0;
 	int rc = ep__wait_completed(g, 0);
 	return rc ? rc : ep__op_error(g);
+}
+
+int ep_dispatch_recv_expert_counts(ep_group_t *g, const ep_handle_t *h,
+				   int32_t *counts, uint32_t n)
+{
+	if (!g || !h || !counts)
+		return ep__fail(EP_EINVAL, "NULL argument");
+	int rc = ep__check_handle(g, h);
+	if (rc)
+		return rc;
+	const uint32_t per = g->cfg.num_experts / g->cfg.world_size;
+	const uint32_t l = g->cfg.rank % g->cfg.ranks_per_node;
+	if (n < per)
+		return ep__fail(EP_EINVAL,
+				"room for %u counts; this rank has %u experts",
+				n, per);
+	if (g->cuda_device < 0) {
+		memcpy(counts,
+		       (const uint8_t *)g->buf +
+			       epp_buf_field(&g->layout, l,
+					     EPP_BUF_RECV_PER_EXPERT),
+		       (size_t)per * 4);
+		return 0;
+	}
+	if (h->seq != g->last_dispatch || g->last_cached)
+		return ep__fail(EP_EINVAL,
+				"the counts per expert are known for the "
+				"latest fresh dispatch alone (not a cached or "
+				"captured one)");
+	if (g->conn->minor < 15)
+		return ep__fail(EP_EUNSUPPORTED,
+				"the daemon (protocol 1.%u) publishes no counts "
+				"per expert: 1.15 or later",
+				g->conn->minor);
+	if ((rc = ep__wait_count(g, g->last_dispatch)))
+		return rc;
+	if ((rc = ep__op_error(g)))
+		return rc;
+	memcpy(counts,
+	       (const uint8_t *)g->buf + EPP_CTL_PE + (size_t)l * per * 4,
+	       (size_t)per * 4);
+	return 0;
 }
 
 uint64_t ep_dispatch_recv_count_device(const ep_group_t *g)

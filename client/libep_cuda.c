@@ -486,6 +486,7 @@ static int dispatch_stream(ep_group_t *g, uint32_t num_tokens, unsigned flags,
 	if (rc)
 		return rc;
 	g->last_dispatch = seq;
+	g->last_cached = cached != NULL;
 	if (num_tokens > g->cfg.max_tokens) {
 		/* enqueued all the same: every rank's op fails (the others
 		 * learn from its count or ep_group_sync), this one now */
@@ -627,8 +628,9 @@ int ep_dispatch_recv_count(ep_group_t *g, ep_handle_t *h)
 				"a captured dispatch's count is read on the "
 				"device (ep_dispatch_recv_count_device)");
 	/* The count of the most recent dispatch (fresh or cached) of h's
-	 * routing is in the control page once it completed. */
-	int rc = ep__wait_completed(g, g->sent - g->last_dispatch);
+	 * routing is in the control page once its routing is known (the
+	 * rows land after, in stream order). */
+	int rc = ep__wait_count(g, g->last_dispatch);
 	if (rc)
 		return rc;
 	const uint8_t *sl = ep__ctl_slot(g);

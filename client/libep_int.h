@@ -18,6 +18,7 @@ struct ep_conn {
 	pthread_mutex_t mu, wmu;
 	uint64_t next_req; /* atomic */
 	uint64_t client_id;
+	uint16_t minor; /* the daemon's protocol minor version */
 	int dead;      /* set once the stream is unusable */
 	int async_err; /* an error reply to a stream-ordered request */
 	bool shutdown; /* the daemon announced its shutdown */
@@ -62,6 +63,7 @@ struct ep_group {
 	uint64_t toobig_seq;  /* a dispatch of too many tokens: reported to
 				 this rank when it was enqueued */
 	uint64_t last_dispatch; /* seq of the last dispatch op */
+	bool last_cached;       /* and whether it was a cached one */
 	struct ep_graphs *gr;   /* ops captured into CUDA graphs (libep_graph.c) */
 	struct ep_ll *ll;       /* the low-latency mode (libep_ll.c) */
 	struct list_node mregs; /* registered memory (libep_mreg.c) */
@@ -94,6 +96,10 @@ int ep__wait_completed(ep_group_t *g, uint64_t behind);
  * caller's lock), or EP_ETIMEDOUT with its message. */
 uint64_t ep__inflight(const ep_group_t *g);
 int ep__wait_until(ep_group_t *g, uint64_t behind);
+/* Until dispatch k's count is in the control page (published once its
+ * routing is known; from a daemon below 1.15, once it completed), or the
+ * group failed. */
+int ep__wait_count(ep_group_t *g, uint64_t k);
 int ep__op_error(ep_group_t *g);
 int ep__check_handle(const ep_group_t *g, const ep_handle_t *h);
 /* This rank's COMBINE / DISPATCH request, checked as the daemon will,

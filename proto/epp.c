@@ -284,6 +284,12 @@ bool epp_uuid_is_zero(const uint8_t uuid[16])
 #define EPP_MAX_TOKENS 65536
 #define EPP_MAX_TOPK 32
 #define EPP_MAX_TIMEOUT_MS 3600000u
+/* a one-node GPU group's per-expert counts fit between the host barrier
+ * words (64 local ranks at most) and the group slot */
+_Static_assert(EPP_MAX_EXPERTS * 4 <= EPP_CTL_PE_MAX &&
+		       EPP_CTL_PE >= EPP_CTL_HB + 64 * EPP_CTL_HB_STRIDE &&
+		       EPP_CTL_PE + EPP_CTL_PE_MAX <= EPP_CTL_GROUP_SLOT,
+	       "the control page's per-expert counts");
 
 int epp_join_decode(const uint8_t *p, size_t len, struct epp_join *j,
 		    char *err, size_t errlen)

@@ -84,6 +84,11 @@
  *        combined rows into the rank's registered memory (u32 reg, u32
  *        rows, u64 offset, after the YREG part if any) instead of the
  *        combined field: the rank's own output tensor, no copy out.
+ *   1.15 A GPU group's control page carries a fresh dispatch's received
+ *        rows per local expert (EPP_CTL_PE), published with its count
+ *        (EPP_CTL_RECV_SEQ) once the routing is known, before the rows
+ *        land: a rank's CPU waits for the counts alone, as DeepEP's does,
+ *        and the op's rows follow in stream order.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -102,7 +107,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 14
+#define EPP_VERSION_MINOR 15
 /* Stream-ordered ops a GPU rank may have in flight (libep waits before
  * more; the daemon's rings are this deep). */
 #define EPP_MAX_INFLIGHT 1024
@@ -234,6 +239,12 @@ struct epp_join_ok {
  * daemon's thread the done word, the rank's CPU the request). */
 #define EPP_CTL_HB 16384u
 #define EPP_CTL_HB_STRIDE 256u
+/* 1.15: a fresh dispatch's received rows per expert, i32 [experts of this
+ * node's ranks]: local rank l's experts at EPP_CTL_PE + l * (E / world) * 4,
+ * written before that rank's EPP_CTL_RECV_SEQ names the dispatch (zeros if
+ * the op failed). A cached dispatch leaves them as they were. */
+#define EPP_CTL_PE 32768u
+#define EPP_CTL_PE_MAX 16384u /* bytes: EPP_MAX_EXPERTS i32 */
 #define EPP_HB_BELL 0u   /* GPU of rank l: barrier k reached on the stream */
 #define EPP_HB_DONE 64u  /* daemon: barrier k released (far ahead: failed) */
 #define EPP_HB_REQ 128u  /* CPU of rank l: barrier k enqueued */

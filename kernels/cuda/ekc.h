@@ -238,6 +238,7 @@ enum {
 #define EKC_CTL_RECV 24u
 #define EKC_CTL_RECV_SEQ 32u
 #define EKC_CTL_OP_ERR_POS 40u
+#define EKC_CTL_PE 32768u /* i32 per expert, from the page's start */
 #define EKC_EEXPERT (-1012) /* EP_EEXPERT */
 #define EKC_ETOOBIG (-1010) /* EP_ETOOBIG */
 #define EKC_ETIMEDOUT (-110) /* EP_ETIMEDOUT (-ETIMEDOUT) */
@@ -290,6 +291,10 @@ struct ekc_disp_args {
 	int32_t *slot;     /* [W][Tmax][W] the handle's routing */
 	unsigned long long *err; /* first bad (s, t, k), or ~0 */
 	uint32_t *gsync;   /* ekc_prep's grid barrier, from ~0 */
+	/* [E] a fresh dispatch's received rows per expert, counted by the
+	 * count (a token once per distinct expert), published and cleared
+	 * by the scan: zero between dispatches */
+	uint32_t *pe;
 	uint32_t *work;    /* next item of copy/combine (this GPU's), from ~0 */
 	void *host_ctl;    /* control page (device view), slots of 256 B */
 	uint32_t W, H, K, E, elt, nscales, Tmax, nblk_max;

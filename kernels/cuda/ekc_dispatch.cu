@@ -5,13 +5,15 @@
 // block), never from atomics; combine accumulates in fp32 from the bias in
 // ascending rank order and rounds once to bf16 (nearest even).
 //
-//   ekc_count       masks and per-block destination counts; validation
+//   ekc_count       masks, per-block destination counts, rows per expert;
+//                   validation
 //   ekc_scan        block bases per (source, block, destination), receive
-//                   counts, per-expert counters cleared
+//                   counts and rows per expert published (the rank's CPU
+//                   waits for these alone, not for the rows)
 //   ekc_slot        slot[s][t][d]: the row of (s, t) on d, or -1
 //   ekc_prep        count, scan and slot in one cooperative launch
-//   ekc_copy        rows, scales, local top-k, weights, sources (warp/token),
-//                   received rows per local expert; ekc_copy_tma: the same
+//   ekc_copy        rows, scales, local top-k, weights, sources (warp/token);
+//                   ekc_copy_tma: the same
 //                   through the bulk-copy engine
 //   ekc_combine     warp per home token, 16-byte vectors
 #include <stdint.h>
@@ -208,8 +210,16 @@ __device__ static __forceinline__ void count_block(const struct ekc_disp_args &a
 					atomicMin(a.err, p);
 				continue;
 			}
-			if (e >= 0)
-				mask |= 1ull << (uint32_t)(e / per);
+			if (e < 0)
+				continue;
+			mask |= 1ull << (uint32_t)(e / per);
+			// the rows per expert: a token once per distinct
+			// expert (a count: order-free), from the checked copy
+			bool dup = false;
+			for (uint32_t j = 0; j < k; j++)
+				dup |= mine[j] == e;
+			if (!dup)
+				atomicAdd(a.pe + e, 1u);
 		}
 		a.mask[(uint64_t)s * a.Tmax + t] = mask;
 	}
@@ -248,6 +258,26 @@ extern "C" __global__ void __launch_bounds__(TPB)
 	count_block(a, s, b);
 	if (threadIdx.x == 0)
 		tr_end(a, EKC_TR_COUNT);
+}
+
+// A fresh dispatch's rows per expert, once the count is final (every
+// count block done): into each rank's field for its stream and into the
+// control page for its CPU (zeros if the op failed), and cleared for the
+// next dispatch. By the whole block, before publish_recv: each thread's
+// stores are fenced and the block synchronised before the sequence words.
+__device__ static void publish_pe(const struct ekc_disp_args &a)
+{
+	const uint32_t per = a.E / a.W;
+	const bool ok = !has_error(a);
+	int32_t *host = (int32_t *)((uint8_t *)a.host_ctl + EKC_CTL_PE);
+	for (uint32_t i = threadIdx.x; i < a.E; i += blockDim.x) {
+		const uint32_t v = atomicExch(a.pe + i, 0u);
+		const int32_t c = ok ? (int32_t)v : 0;
+		((int32_t *)field(a, i / per, EKC_F_RECV_PE))[i % per] = c;
+		*(volatile int32_t *)(host + i) = c;
+	}
+	__threadfence_system();
+	__syncthreads();
 }
 
 // Rank d's receive count (run) or the op's error, for its CPU (control
@@ -309,8 +339,8 @@ __device__ static void rank_prefix(const struct ekc_disp_args &a)
 
 // One block: warp w scans destination column w (and w + 32, ...) over the
 // (source, block) rows, 32 rows per step with warp shuffles; blocks past a
-// source's tokens count nothing. Then the per-expert counters are cleared
-// by the whole block.
+// source's tokens count nothing. Then the rows per expert are published
+// (and their counters cleared) by the whole block.
 extern "C" __global__ void __launch_bounds__(1024) ekc_scan(struct ekc_disp_args a)
 {
 	__shared__ uint32_t tot[EKC_MAX_LOCAL];
@@ -358,9 +388,7 @@ extern "C" __global__ void __launch_bounds__(1024) ekc_scan(struct ekc_disp_args
 				tot[c] = sum;
 		}
 		__syncthreads();
-		const uint32_t per = a.E / W;
-		for (uint32_t i = threadIdx.x; i < W * per; i += blockDim.x)
-			((int32_t *)field(a, i / per, EKC_F_RECV_PE))[i % per] = 0;
+		publish_pe(a);
 		if (d < W) {
 			run = tot[d];
 			a.recv[d] = run;
@@ -502,15 +530,13 @@ extern "C" __global__ void __launch_bounds__(TPB) ekc_prep(struct ekc_disp_args 
 		}
 	if (s == 0 && b == 0) {
 		__shared__ uint32_t tot[EKC_MAX_LOCAL];
-		const uint32_t rows = W * a.nblk_max, per = a.E / W;
+		const uint32_t rows = W * a.nblk_max;
 		for (uint32_t c = warp; c < W; c += TPB / 32) {
 			uint32_t v = col_sum(a, c, rows, lane);
 			if (lane == 0)
 				tot[c] = v;
 		}
-		for (uint32_t i = threadIdx.x; i < W * per; i += blockDim.x)
-			((int32_t *)field(a, i / per, EKC_F_RECV_PE))[i % per] = 0;
-		__syncthreads();
+		publish_pe(a); // its barrier orders tot[] too
 		rank_prefix(a);
 		for (uint32_t d = threadIdx.x; d < W; d += blockDim.x) {
 			a.recv[d] = tot[d];
@@ -561,15 +587,6 @@ __device__ static inline void copy_meta(const struct ekc_disp_args &a,
 			local ? e - (int64_t)d * per : -1;
 		((float *)field(a, d, EKC_F_RECV_WEIGHTS))[(uint64_t)r * K + k] =
 			local && wts ? tw[k] : 0.0f;
-		if (!local)
-			continue;
-		bool dup = false;
-		for (uint32_t j = 0; j < k; j++)
-			dup |= ti[j] == e;
-		if (!dup)
-			atomicAdd((int32_t *)field(a, d, EKC_F_RECV_PE) +
-					  (e - (int64_t)d * per),
-				  1); // a count: order-free
 	}
 	for (uint32_t d = lane; d < W; d += 32) {
 		int32_t r = slot[d];

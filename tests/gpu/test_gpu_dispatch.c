@@ -308,6 +308,21 @@ static int case_rank(int r, void *arg)
 				 (c->weights ? EP_DISPATCH_WEIGHTS : 0) |
 					 EP_DISPATCH_AREA(1),
 				 NULL, st, &h2));
+	/* its count and rows per expert come once its routing is known:
+	 * read before this CPU waited for the stream (protocol 1.15), they
+	 * equal the host backend's */
+	int32_t *pe2 = POISONED(per * 4 + 4);
+	TH_OK(ep_dispatch_recv_count(g, &h2));
+	TH_CHECK(h2.num_recv == R, "case %d rank %d: rerun received %u, want "
+				   "%llu", x->index, r, h2.num_recv,
+		 (unsigned long long)R);
+	TH_OK(ep_dispatch_recv_expert_counts(g, &h2, pe2, per));
+	SAME(pe2, hout.num_recv_tokens_per_expert, per * 4,
+	     "rows per expert with the count");
+	TH_EXPECT_RC(ep_dispatch_recv_expert_counts(g, &h2, pe2, per - 1),
+		     EP_EINVAL);
+	TH_EXPECT_RC(ep_dispatch_recv_expert_counts(g, &h, pe2, per),
+		     EP_EINVAL); /* not the latest dispatch */
 	uint8_t *gx2 = POISONED(cap * H * elt);
 	pin(gx2, cap * H * elt);
 	rows_after(g, st, ep_recv_area(g, 1), gx2, R * H * elt);
@@ -328,6 +343,8 @@ static int case_rank(int r, void *arg)
 	CU(tg_drv.cuMemsetD32Async(tg_dptr(b.rank_prefix_matrix),
 				   0x01010101u * POISON, W * W, st));
 	TH_OK(ep_dispatch_stream(g, me->T, 0, &h, st, &hc2));
+	TH_EXPECT_RC(ep_dispatch_recv_expert_counts(g, &hc2, pe2, per),
+		     EP_EINVAL); /* a cached dispatch counts nothing new */
 	TH_CHECK(hc2.seq == h.seq, "cached handle");
 	memset(gx2, POISON, cap * H * elt);
 	CU(tg_drv.cuMemcpyDtoHAsync(grp, tg_dptr(b.rank_prefix_matrix),

@@ -103,6 +103,19 @@ static int case_rank(int r, void *arg)
 	     "recv_topk_weights");
 	SAME(dout.num_recv_tokens_per_expert, want->per_expert, per * 4,
 	     "num_recv_tokens_per_expert");
+	/* the same counts from ep_dispatch_recv_expert_counts */
+	int32_t *pex = POISONED(per * 4 + 4);
+	TH_OK(ep_dispatch_recv_expert_counts(g, &h, pex, per));
+	SAME(pex, want->per_expert, per * 4, "ep_dispatch_recv_expert_counts");
+	TH_EXPECT_RC(ep_dispatch_recv_expert_counts(g, &h, pex, per - 1),
+		     EP_EINVAL);
+	TH_EXPECT_RC(ep_dispatch_recv_expert_counts(g, &h, NULL, per),
+		     EP_EINVAL);
+	ep_handle_t hx = h;
+	hx.epoch++;
+	TH_EXPECT_RC(ep_dispatch_recv_expert_counts(g, &hx, pex, per),
+		     EP_ESTALE);
+	free(pex);
 	struct ep_buffers b;
 	TH_OK(ep_get_buffers(g, &b));
 	SAME(b.recv_src, want->src, R * 8, "recv_src");

@@ -319,8 +319,19 @@ int ep_dispatch_stream(ep_group_t *group, uint32_t num_tokens, unsigned flags,
 int ep_combine_stream(ep_group_t *group, const ep_handle_t *handle,
 		      unsigned flags, void *stream);
 /* The rows this rank received in that dispatch: the CPU waits for it (as
- * DeepEP's CPU sync does). Without waiting, size outputs for max_recv. */
+ * DeepEP's CPU sync does) until the op's routing is known, not until its
+ * rows landed: they follow on the stream, and work queued there after the
+ * dispatch sees them. Without waiting, size outputs for max_recv. */
 int ep_dispatch_recv_count(ep_group_t *group, ep_handle_t *handle);
+/* The rows this rank received per local expert (num_experts / world_size
+ * of them, into counts[0..n)) in its latest dispatch, which must be the
+ * fresh dispatch of `handle` (a cached one counts nothing new: EP_EINVAL).
+ * A token counts once per distinct local expert of its top-k. On a GPU
+ * rank the CPU waits as ep_dispatch_recv_count does (no longer once that
+ * returned); on a host rank the counts are those its ep_dispatch wrote. */
+int ep_dispatch_recv_expert_counts(ep_group_t *group,
+				   const ep_handle_t *handle, int32_t *counts,
+				   uint32_t n);
 /* Without waiting: the device address (a CUdeviceptr) of a uint32 that
  * holds the rows this rank received in its latest stream-ordered dispatch
  * that succeeded, written in stream order. Work queued on the same stream

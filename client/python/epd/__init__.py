@@ -252,6 +252,9 @@ _lib.ep_dispatch_recv_count_device.argtypes = [ctypes.c_void_p]
 _lib.ep_dispatch_recv_count_device.restype = ctypes.c_uint64
 _lib.ep_dispatch_recv_count.argtypes = [ctypes.c_void_p,
                                         ctypes.POINTER(Handle)]
+_lib.ep_dispatch_recv_expert_counts.argtypes = [
+    ctypes.c_void_p, ctypes.POINTER(Handle), ctypes.POINTER(ctypes.c_int32),
+    ctypes.c_uint32]
 for _f in ("ep_group_sync", "ep_group_error", "ep_ll_error"):
     getattr(_lib, _f).argtypes = [ctypes.c_void_p]
 _lib.ep_ll_dispatch.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
@@ -586,9 +589,20 @@ class Group:
         _check(_lib.ep_handle_release(self._g, ctypes.byref(handle)))
 
     def recv_count(self, handle):
-        """Rows received by that dispatch (the CPU waits for it)."""
+        """Rows received by that dispatch: the CPU waits until its routing
+        is known (on a GPU rank the rows follow in stream order)."""
         _check(_lib.ep_dispatch_recv_count(self._g, ctypes.byref(handle)))
         return handle.num_recv
+
+    def recv_expert_counts(self, handle):
+        """Rows received per local expert (a list) by the latest dispatch,
+        the fresh one of handle; a GPU rank's CPU waits as for
+        recv_count."""
+        n = self._per
+        out = (ctypes.c_int32 * n)()
+        _check(_lib.ep_dispatch_recv_expert_counts(
+            self._g, ctypes.byref(handle), out, n))
+        return list(out)
 
     def recv_count_device(self):
         """Device address of a uint32: the rows received by the latest

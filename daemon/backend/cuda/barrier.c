@@ -11,6 +11,17 @@ uint8_t *cu_slot(struct epd_group *g, uint32_t l)
 	return g->map + (size_t)l * EPP_CTL_SLOT;
 }
 
+/* Local rank l's rows per expert in the control page (1.15). */
+size_t cu_ctl_pe_bytes(const struct epd_group *g)
+{
+	return (size_t)g->shape.num_experts / g->shape.world_size * 4;
+}
+
+void *cu_ctl_pe(struct epd_group *g, uint32_t l)
+{
+	return g->map + EPP_CTL_PE + (size_t)l * cu_ctl_pe_bytes(g);
+}
+
 volatile uint64_t *cu_completed_word(struct epd_group *g, uint32_t l)
 {
 	return (volatile uint64_t *)(cu_slot(g, l) + EPP_CTL_COMPLETED);

@@ -98,6 +98,7 @@ struct epd_cuda_group {
 	uint64_t wait_ns; /* since when some rank's request is missing */
 	/* dispatch scratch (daemon-only device memory) */
 	CUdeviceptr mask, blk, base, err, work, topk;
+	CUdeviceptr pe; /* rows per expert, zero between dispatches */
 	uint32_t tmax, nblk_max;
 	/* Handles: one entry per fresh dispatch (its op number) until every
 	 * local rank released it and the stream passed the last op that may
@@ -250,6 +251,8 @@ void cu_poll_cb(uv_timer_t *t);
 void cu_refresh_completed(struct epd_group *g);
 void cu_request_wait(struct epd_group *g);
 uint8_t *cu_slot(struct epd_group *g, uint32_t l);
+void *cu_ctl_pe(struct epd_group *g, uint32_t l);
+size_t cu_ctl_pe_bytes(const struct epd_group *g);
 unsigned cu_sms_cap(const struct epd_group *g, const struct cudev *d);
 void cu_stage_begin(struct epd_group *g, uint64_t k, struct epd_aop *const *ops);
 void cu_stage_host(struct epd_group *g);

@@ -130,6 +130,13 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 		memset(ones, 0xff, sizeof(ones));
 		r = cu_drv->cuMemcpyHtoD(c->work, ones, sizeof(ones));
 	}
+	if (!r)
+		r = cu_dev_alloc(c, &c->pe, (size_t)g->shape.num_experts * 4);
+	if (!r) {
+		static const uint32_t zeros[EPP_CTL_PE_MAX / 4];
+		r = cu_drv->cuMemcpyHtoD(c->pe, zeros,
+				    (size_t)g->shape.num_experts * 4);
+	}
 	if (!r && getenv("EPD_CUDA_TRACE")) {
 		r = cu_dev_alloc(c, &c->trace, EKC_TR_BYTES);
 		for (int i = 0; !r && i < 2; i++)
@@ -354,7 +361,7 @@ void epd_cuda_group_free(struct epd_group *g)
 		cu_drv->cuCtxSetCurrent(cu_state(g->srv)->dev[c->dev0].ctx);
 	if (drained) {
 		CUdeviceptr scratch[] = {c->mask, c->topk, c->blk, c->base,
-					 c->err,  c->work, c->trace};
+					 c->err,  c->work, c->trace, c->pe};
 		for (int i = 0; i < 2; i++)
 			if (c->trace_host[i])
 				cu_drv->cuMemFreeHost(c->trace_host[i]);

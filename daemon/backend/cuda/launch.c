@@ -186,6 +186,7 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 		.base = (uint32_t *)(uintptr_t)c->base,
 		.err = (unsigned long long *)(uintptr_t)c->err,
 		.gsync = (uint32_t *)(uintptr_t)(c->err + 8),
+		.pe = (uint32_t *)(uintptr_t)c->pe,
 		.work = (uint32_t *)(uintptr_t)c->work,
 		.host_ctl = (void *)(uintptr_t)c->ctl_dev,
 		.budget_ns = (uint64_t)g->timeout_ms * 1000000ull,
@@ -332,7 +333,6 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 		r = launch_copy(c, d, sms, c->stream, &a);
 	if (!r)
 		r = join_devs(c);
-	/* per-expert counts are made by ekc_copy */
 	if (!r)
 		r = cu_drv->cuEventRecord(ev[1], c->stream);
 	return r ? r : trace_fetch(c, which);

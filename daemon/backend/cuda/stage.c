@@ -162,6 +162,7 @@ static void stage_finish(struct epd_group *g)
 			 (unsigned long long)k, c->stage_err);
 		for (uint32_t l = 0; l < rpn; l++) {
 			uint8_t *s = cu_slot(g, l);
+			memset(cu_ctl_pe(g, l), 0, cu_ctl_pe_bytes(g));
 			__atomic_store_n((uint64_t *)(s + EPP_CTL_OP_ERR_POS),
 					 UINT64_MAX, __ATOMIC_RELAXED);
 			__atomic_store_n((int32_t *)(s + EPP_CTL_OP_ERR_CODE),
@@ -216,6 +217,11 @@ static void stage_finish(struct epd_group *g)
 		for (uint32_t l = 0; !r && l < rpn; l++)
 			r = cu_drv->cuMemsetD32Async(c->ptr[l] + EKC_RECV_COUNT,
 						R[l], 1, c->stream);
+		if (!c->stage_cached) /* each rank's rows per expert */
+			for (uint32_t l = 0; l < rpn; l++)
+				memcpy(cu_ctl_pe(g, l),
+				       epd_region(g, l, EKC_F_RECV_PE),
+				       cu_ctl_pe_bytes(g));
 		for (uint32_t l = 0; l < rpn; l++) {
 			uint8_t *s = cu_slot(g, l);
 			__atomic_store_n((uint64_t *)(s + EPP_CTL_RECV), R[l],

@@ -296,7 +296,6 @@ class _Sub:
         self.recv_topk = t("recv_topk_idx", (cap, K), "int64")
         self.recv_w = t("recv_topk_weights", (cap, K), "float32")
         self.recv_src = t("recv_src", (cap, 2), "int32")
-        self.pe = t("num_recv_tokens_per_expert", (self.per,), "int32")
         self.y = t("combine_y", (cap, H), "bf16")
         self.bias = t("combine_bias", (tmax, H), "bf16")
         self.bias2 = t("combine_bias2", (tmax, H), "bf16")
@@ -306,9 +305,6 @@ class _Sub:
         self.rp = self.g.rank_prefix_matrix()
         self.count = torch.as_tensor(epd._DeviceArray(
             self.g.recv_count_device(), (1,), "<i4"), device="cuda")
-        self.pe_host = torch.empty(max(self.per, 1), dtype=torch.int32,
-                                   device="cpu", pin_memory=True)
-        self.pe_ev = torch.cuda.Event()  # pe_host's copy done
         # a combine's expert rows read in place by the daemon (registered
         # memory, region_of): GPU ranks of one node, unless
         # $EPD_DEEP_EP_REGISTER=0; off for good once the caller's memory
@@ -837,9 +833,6 @@ class Buffer:
                 # the routing input, read before the next dispatch's
                 # copy replaces it (the same stream)
                 kept = sub.topk[:T].clone()
-                if not worst:
-                    sub.pe_host.copy_(sub.pe, non_blocking=True)
-                    sub.pe_ev.record(comm)
             # The rows are known now (cached, worst) or once the CPU
             # waited for the count. The outputs are made at full capacity
             # meanwhile (a few MB, copied on the comm stream; recv_x in its
@@ -919,10 +912,9 @@ class Buffer:
                 rti, rtw, rsrc = rti[:R], rtw[:R], rsrc[:R]
         if cached:
             return recv_x, recv_xs, None, None, None, None, None, None, ev
-        pe = []
-        if not worst:
-            sub.pe_ev.synchronize()
-            pe = sub.pe_host[:sub.per].tolist()
+        # the rows per expert come with the count (the control page), not
+        # after the op: the CPU does not wait for the rows
+        pe = [] if worst else sub.g.recv_expert_counts(h)
         return (recv_x, recv_xs, rti, rtw, pe, _Routing(sub, h, T, R, kept),
                 rp, rsrc, ev)
 
