@@ -296,6 +296,16 @@ class _Sub:
         self.recv_topk = t("recv_topk_idx", (cap, K), "int64")
         self.recv_w = t("recv_topk_weights", (cap, K), "float32")
         self.recv_src = t("recv_src", (cap, 2), "int32")
+        # the received scales (fp8), top-k, weights and sources lie one
+        # after the other in the region: a dispatch's outputs are views of
+        # one copy of that span (one copy on the comm stream, not four)
+        first = self.recv_scales if fp8 else self.recv_topk
+        base = first.data_ptr()
+        self.moff = {n: f.data_ptr() - base for n, f in (
+            ("scales", first), ("topk", self.recv_topk),
+            ("w", self.recv_w), ("src", self.recv_src))}
+        self.meta = t("recv_x_scales" if fp8 else "recv_topk_idx",
+                      (self.moff["src"] + cap * 8,), "fp8")  # uint8
         self.y = t("combine_y", (cap, H), "bf16")
         self.bias = t("combine_bias", (tmax, H), "bf16")
         self.bias2 = t("combine_bias2", (tmax, H), "bf16")
@@ -746,8 +756,9 @@ class Buffer:
             self._comm.wait_event(self._order)
         return compute, self._comm
 
-    def _finish(self, compute, comm, outs, async_finish, alloc_comm):
-        if not alloc_comm:
+    def _finish(self, compute, comm, outs, async_finish, alloc_comm,
+                recorded=False):
+        if not alloc_comm and not recorded:
             for t in outs:
                 if t is not None:
                     t.record_stream(comm)
@@ -792,17 +803,16 @@ class Buffer:
         cached = rt is not None
         # The CPU's work is ordered by what waits for it: first what the
         # dispatch needs on the stream (every rank's op starts only when
-        # the last rank rang), then, while it runs, everything the outputs
-        # need but the count, and after the count wait only views.
+        # the last rank rang); then the count, which comes once the
+        # routing is known (protocol 1.15), while the rows still move; then
+        # the outputs, queued behind the op on the comm stream. A caller
+        # that runs ahead overlaps all of it with the op's rows.
         # x read where it is (registered memory), as the combine's rows
         xv = x.view(torch.uint8) if sub.fp8 else x
         reg = sub.region_of(xv) if T and _REG_X and not cap else None
-        R = rt.R if cached else worst if worst else None
-        Rm = sub.cap if R is None else R
         dt = torch.float8_e4m3fn if sub.fp8 else torch.bfloat16
         dev = x.device
         alloc = comm if alloc_comm else compute
-        recv_xs = rti = rtw = rsrc = rp = None
         # the current stream set directly (torch.cuda.stream's context
         # looks the device and the streams up again each time, tens of us
         # of CPU under MPS); the caller's is set back whatever happens
@@ -829,92 +839,95 @@ class Buffer:
                 T, stream=comm, weights=topk_weights is not None,
                 handle=rt.h if cached else None, area=area, region=reg,
                 ptr=xv.data_ptr() if reg is not None else 0)
-            if not cached:
-                # the routing input, read before the next dispatch's
-                # copy replaces it (the same stream)
-                kept = sub.topk[:T].clone()
-            # The rows are known now (cached, worst) or once the CPU
-            # waited for the count. The outputs are made at full capacity
-            # meanwhile (a few MB, copied on the comm stream; recv_x in its
-            # receive area) and cut to the count after the wait.
-            if alloc is not comm:
-                on(alloc)
-            if sub.fp8:
-                recv_xs = torch.empty((Rm, H // 128), dtype=torch.float32,
-                                      device=dev)
-            if not cached:
-                rti = torch.empty((Rm, K), dtype=torch.int64, device=dev)
-                rtw = torch.empty((Rm, K), dtype=torch.float32, device=dev)
-                rsrc = torch.empty((Rm,), dtype=torch.int32, device=dev)
-                rp = torch.empty((sub.W, sub.W), dtype=torch.int32,
-                                 device=dev)
-            if alloc is not comm:
-                on(comm)
-            if sub.fp8:
-                recv_xs.copy_(sub.recv_scales[:Rm])
-            if not cached:
-                rti.copy_(sub.recv_topk[:Rm])
-                rtw.copy_(sub.recv_w[:Rm])
-                rsrc.copy_(sub.recv_src[:Rm, 1])
-                rp.copy_(sub.rp)
-                if worst:  # rows past the received count: index -1
-                    pad = torch.arange(Rm, device=dev) >= \
-                        sub.count[0].to(torch.int64)
-                    rti.masked_fill_(pad.unsqueeze(1), -1)
-                    rtw.masked_fill_(pad.unsqueeze(1), 0.0)
-                    rsrc.masked_fill_(pad, -1)
         finally:
             on(compute)
-        outs = [recv_xs, rti, rtw, rsrc, rp]
-        ev = None
-        if area:
-            # the area itself, given back when the tensor is freed
-            rx_area = sub.g.tensor("recv_x", (Rm, H),
-                                   "fp8" if sub.fp8 else "bf16", area=area,
-                                   owner=_Lease(sub, area))
-            held[0] = 0
-            # every copy of this op is on the stream: the outputs' stream
-            # bookkeeping and the caller's order are settled before the
-            # wait (on the full tensors; the views share their storage)
-            outs.append(rx_area)
-            ev = self._finish(compute, comm, outs, async_finish, alloc_comm)
-        elif not alloc_comm:
-            # the copy path: recv_x is made after the wait; the outputs so
-            # far may not be reused before their copies ran, should the op
-            # fail and drop them
-            for t in outs:
-                if t is not None:
-                    t.record_stream(comm)
+        # the routing input a cached dispatch in the other dtype needs:
+        # the caller's topk_idx itself (DeepEP's handle holds the caller's
+        # is_token_in_rank the same way); without one, the handle's
+        # is_token_in_rank gives it again
+        kept = None if cached else topk_idx
+        R = rt.R if cached else worst if worst else None
         if R is None:
             try:
                 R = sub.g.recv_count(h)  # the CPU waits for the count
+                # the rows per expert come with it (the control page)
+                pe = sub.g.recv_expert_counts(h)
             except BaseException:
                 try:
                     sub.g.release(h)
                 except epd.Error:
                     pass
                 raise
-        if area:
-            recv_x = rx_area[:R]
-            if sub.fp8:
-                recv_x = recv_x.view(dt)
         else:
-            with torch.cuda.stream(alloc):
+            pe = []
+        # R rows (num_worst_tokens: that many, those past the count -1)
+        recv_xs = rti = rtw = rsrc = rp = None
+        if alloc is not comm:
+            on(alloc)
+        try:
+            if sub.fp8 or not cached:
+                mo = sub.moff
+                end = mo["src"] + R * 8 if not cached else \
+                    mo["scales"] + R * (H // 128) * 4
+                meta = torch.empty((end,), dtype=torch.uint8, device=dev)
+                if sub.fp8:
+                    recv_xs = meta[:R * (H // 128) * 4].view(
+                        torch.float32).view(R, H // 128)
+                if not cached:
+                    rti = meta[mo["topk"]:mo["topk"] + R * K * 8].view(
+                        torch.int64).view(R, K)
+                    rtw = meta[mo["w"]:mo["w"] + R * K * 4].view(
+                        torch.float32).view(R, K)
+                    rsrc = torch.empty((R,), dtype=torch.int32, device=dev)
+                    rp = torch.empty((sub.W, sub.W), dtype=torch.int32,
+                                     device=dev)
+            if not alloc_comm:
+                # before any copy into them is queued: dropped by an
+                # exception, their memory waits for the comm stream
+                for t in (meta if sub.fp8 or not cached else None, rsrc,
+                          rp):
+                    if t is not None:
+                        t.record_stream(comm)
+            if alloc is not comm:
+                on(comm)
+            if recv_xs is not None or rti is not None:
+                meta.copy_(sub.meta[:end])  # one copy, behind the op
+            if not cached:
+                rsrc.copy_(meta[mo["src"]:end].view(torch.int32).view(
+                    R, 2)[:, 1])
+                rp.copy_(sub.rp)
+                if worst:  # rows past the received count: index -1
+                    pad = torch.arange(R, device=dev) >= \
+                        sub.count[0].to(torch.int64)
+                    rti.masked_fill_(pad.unsqueeze(1), -1)
+                    rtw.masked_fill_(pad.unsqueeze(1), 0.0)
+                    rsrc.masked_fill_(pad, -1)
+            if area:
+                # the area itself, given back when the tensor is freed
+                recv_x = sub.g.tensor("recv_x", (R, H),
+                                      "fp8" if sub.fp8 else "bf16",
+                                      area=area, owner=_Lease(sub, area))
+                held[0] = 0
+                if sub.fp8:
+                    recv_x = recv_x.view(dt)
+            else:
+                if alloc is not comm:
+                    on(alloc)
                 recv_x = torch.empty((R, H), dtype=dt, device=dev)
-            with torch.cuda.stream(comm):  # (ordered after compute above)
+                if not alloc_comm:
+                    recv_x.record_stream(comm)
+                on(comm)
                 recv_x.view(torch.uint8 if sub.fp8 else dt).copy_(
                     sub.recv_x[:R])
-            ev = self._finish(compute, comm, [recv_x], async_finish,
-                              alloc_comm)
-        if R != Rm:
-            recv_xs = recv_xs[:R] if sub.fp8 else None
-            if not cached:
-                rti, rtw, rsrc = rti[:R], rtw[:R], rsrc[:R]
+        finally:
+            on(compute)
+        # (every output's memory is recorded on the comm stream above; an
+        # area is not the allocator's)
+        ev = self._finish(compute, comm, [recv_x, recv_xs, rti, rtw, rsrc,
+                                          rp], async_finish, alloc_comm,
+                          recorded=True)
         if cached:
             return recv_x, recv_xs, None, None, None, None, None, None, ev
-        # the rows per expert come with the count (the control page), not
-        # after the op: the CPU does not wait for the rows
-        pe = [] if worst else sub.g.recv_expert_counts(h)
         return (recv_x, recv_xs, rti, rtw, pe, _Routing(sub, h, T, R, kept),
                 rp, rsrc, ev)
 
