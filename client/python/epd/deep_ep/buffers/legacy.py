@@ -305,7 +305,7 @@ class _Sub:
             ("scales", first), ("topk", self.recv_topk),
             ("w", self.recv_w), ("src", self.recv_src))}
         self.meta = t("recv_x_scales" if fp8 else "recv_topk_idx",
-                      (self.moff["src"] + cap * 8,), "fp8")  # uint8
+                      ((self.moff["src"] + cap * 8) // 4,), "int32")
         self.y = t("combine_y", (cap, H), "bf16")
         self.bias = t("combine_bias", (tmax, H), "bf16")
         self.bias2 = t("combine_bias2", (tmax, H), "bf16")
@@ -474,6 +474,7 @@ class Buffer:
         if self._device is not None:
             self._comm = torch.cuda.Stream()
             self._order = torch.cuda.Event()  # _streams' compute point
+            self._done = torch.cuda.Event()  # _finish's comm point
             self._ar = torch.arange(self.group_size, dtype=torch.int64,
                                     device="cuda")
         self._layout_experts = None
@@ -764,7 +765,8 @@ class Buffer:
                     t.record_stream(comm)
         if async_finish:
             return EventOverlap(EventHandle(comm), outs)
-        compute.wait_stream(comm)
+        self._done.record(comm)  # reused, as _order (_streams says why)
+        compute.wait_event(self._done)
         return EventOverlap(None)
 
     def _gpu_dispatch(self, sub, x, xs, topk_idx, topk_weights, in_rank,
@@ -860,41 +862,40 @@ class Buffer:
                 raise
         else:
             pe = []
-        # R rows (num_worst_tokens: that many, those past the count -1)
+        # R rows (num_worst_tokens: that many, those past the count -1);
+        # the small outputs are views (as_strided: one call each) of one
+        # copy of the span of received scales, top-k, weights and sources
         recv_xs = rti = rtw = rsrc = rp = None
-        if alloc is not comm:
-            on(alloc)
+        mo, ns = sub.moff, H // 128
+        if alloc_comm:
+            on(comm)
         try:
             if sub.fp8 or not cached:
-                mo = sub.moff
-                end = mo["src"] + R * 8 if not cached else \
-                    mo["scales"] + R * (H // 128) * 4
-                meta = torch.empty((end,), dtype=torch.uint8, device=dev)
+                meta = torch.empty_like(sub.meta)  # on the current stream
+                if not alloc_comm:
+                    # before a copy into it is queued: dropped by an
+                    # exception, its memory waits for the comm stream
+                    meta.record_stream(comm)
                 if sub.fp8:
-                    recv_xs = meta[:R * (H // 128) * 4].view(
-                        torch.float32).view(R, H // 128)
+                    recv_xs = meta.view(torch.float32).as_strided(
+                        (R, ns), (ns, 1), mo["scales"] // 4)
                 if not cached:
-                    rti = meta[mo["topk"]:mo["topk"] + R * K * 8].view(
-                        torch.int64).view(R, K)
-                    rtw = meta[mo["w"]:mo["w"] + R * K * 4].view(
-                        torch.float32).view(R, K)
+                    rti = meta.view(torch.int64).as_strided(
+                        (R, K), (K, 1), mo["topk"] // 8)
+                    rtw = meta.view(torch.float32).as_strided(
+                        (R, K), (K, 1), mo["w"] // 4)
                     rsrc = torch.empty((R,), dtype=torch.int32, device=dev)
                     rp = torch.empty((sub.W, sub.W), dtype=torch.int32,
                                      device=dev)
+                    if not alloc_comm:
+                        rsrc.record_stream(comm)
+                        rp.record_stream(comm)
             if not alloc_comm:
-                # before any copy into them is queued: dropped by an
-                # exception, their memory waits for the comm stream
-                for t in (meta if sub.fp8 or not cached else None, rsrc,
-                          rp):
-                    if t is not None:
-                        t.record_stream(comm)
-            if alloc is not comm:
                 on(comm)
             if recv_xs is not None or rti is not None:
-                meta.copy_(sub.meta[:end])  # one copy, behind the op
+                meta.copy_(sub.meta)  # one copy, behind the op
             if not cached:
-                rsrc.copy_(meta[mo["src"]:end].view(torch.int32).view(
-                    R, 2)[:, 1])
+                rsrc.copy_(meta.as_strided((R,), (2,), mo["src"] // 4 + 1))
                 rp.copy_(sub.rp)
                 if worst:  # rows past the received count: index -1
                     pad = torch.arange(R, device=dev) >= \
@@ -911,12 +912,12 @@ class Buffer:
                 if sub.fp8:
                     recv_x = recv_x.view(dt)
             else:
-                if alloc is not comm:
-                    on(alloc)
+                if not alloc_comm:
+                    on(compute)
                 recv_x = torch.empty((R, H), dtype=dt, device=dev)
                 if not alloc_comm:
                     recv_x.record_stream(comm)
-                on(comm)
+                    on(comm)
                 recv_x.view(torch.uint8 if sub.fp8 else dt).copy_(
                     sub.recv_x[:R])
         finally:
