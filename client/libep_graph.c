@@ -145,15 +145,7 @@ int ep__graph_init(ep_group_t *g)
 static void release_async(ep_group_t *g, uint64_t k)
 {
 	ep_handle_t h = {.group_id = g->id, .seq = k, .epoch = g->epoch};
-	uint8_t buf[64];
-	size_t n = ep__release_encode(g, &h, buf, sizeof(buf));
-	if (!n)
-		return;
-	struct epp_hdr hd;
-	epp_hdr_init(&hd, EPP_RELEASE, 0);
-	hd.flags = EPP_F_ASYNC;
-	hd.length = (uint32_t)n;
-	(void)ep__send(g->conn, &hd, buf, true);
+	(void)ep__release_async(g, &h);
 }
 
 /* Free what is unreferenced; gs->mu held. */

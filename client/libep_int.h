@@ -131,6 +131,9 @@ int ep__dispatch_request(ep_group_t *g, uint32_t num_tokens, unsigned flags,
  * does not fit. */
 size_t ep__release_encode(const ep_group_t *g, const ep_handle_t *h,
 			  uint8_t *buf, size_t cap);
+/* Send h's release with no reply awaited (an error reply is the
+ * connection's asynchronous error). */
+int ep__release_async(ep_group_t *g, const ep_handle_t *h);
 /* A GPU rank's buffers follow the control words in its region. */
 #define EP__DEV_DATA 4096u
 uint64_t ep__ctl_completed(const ep_group_t *g);

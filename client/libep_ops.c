@@ -283,6 +283,34 @@ int ep_handle_release(ep_group_t *g, const ep_handle_t *h)
 	return rc;
 }
 
+int ep__release_async(ep_group_t *g, const ep_handle_t *h)
+{
+	uint8_t buf[64];
+	size_t n = ep__release_encode(g, h, buf, sizeof(buf));
+	if (!n)
+		return ep__fail(EP_EINVAL, "cannot encode the release");
+	struct epp_hdr hd;
+	epp_hdr_init(&hd, EPP_RELEASE, 0);
+	hd.flags = EPP_F_ASYNC;
+	hd.length = (uint32_t)n;
+	return ep__send(g->conn, &hd, buf, true);
+}
+
+int ep_handle_release_async(ep_group_t *g, const ep_handle_t *h)
+{
+	if (!g || !h)
+		return ep__fail(EP_EINVAL, "NULL argument");
+	if (g->cuda_device < 0) /* a host op may hold it: EP_EBUSY told */
+		return ep_handle_release(g, h);
+	if (h->seq & EP__GSEQ)
+		return ep__fail(EP_EINVAL,
+				"the handle of a dispatch captured into a CUDA "
+				"graph: the graph releases each replay's "
+				"routing itself");
+	int rc = ep__check_handle(g, h);
+	return rc ? rc : ep__release_async(g, h);
+}
+
 static int check_shape(const ep_group_t *g, uint32_t hidden,
 		       ep_dtype_t dtype, uint32_t topk)
 {

@@ -368,12 +368,17 @@ static int case_rank(int r, void *arg)
 	for (int i = 0; i < 36; i++) {
 		ep_handle_t hn;
 		TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &hn));
-		if (i % 2)
+		if (i % 4 == 1)
 			TH_OK(ep_handle_release(g, &hn));
+		else if (i % 4 == 3) /* no answer awaited */
+			TH_OK(ep_handle_release_async(g, &hn));
 		else
 			kept[nkept++] = hn;
 	}
 	TH_EXPECT_RC(ep_handle_release(g, &h2), EP_ESTALE);
+	/* that request's answer came after any to the releases without one:
+	 * none was a refusal */
+	TH_OK(ep_group_error(g));
 
 	/* Combine of random rows (and bias) along the first handle, against
 	 * the host backend and the reference. */

@@ -178,6 +178,9 @@ static int forward_backward(int r, void *arg)
 		     EP_ESTALE);
 	TH_CHECK(strstr(ep_errmsg(), "released"), "message: %s", ep_errmsg());
 	TH_EXPECT_RC(ep_handle_release(g, &h[5]), EP_ESTALE);
+	/* a host rank's release is answered either way */
+	TH_EXPECT_RC(ep_handle_release_async(g, &h[5]), EP_ESTALE);
+	TH_EXPECT_RC(ep_handle_release_async(NULL, &h[5]), EP_EINVAL);
 	ep_handle_t other = h[5];
 	other.group_id += 1000;
 	TH_EXPECT_RC(ep_handle_release(g, &other), EP_ESTALE);

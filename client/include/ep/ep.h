@@ -219,6 +219,12 @@ int ep_combine_inplace(ep_group_t *group, const ep_handle_t *handle,
  * release while an op of its group that uses the handle is in progress,
  * EP_EBUSY. On a failed group it succeeds (its handles went with it). */
 int ep_handle_release(ep_group_t *group, const ep_handle_t *handle);
+/* The same without waiting for the daemon's answer, for a GPU rank that
+ * releases on a hot path or from a finalizer: the call sends the release
+ * and returns. A refusal (a handle not held) then becomes the
+ * connection's asynchronous error (ep_group_error, and the next request's
+ * answer). On a host rank it is ep_handle_release. */
+int ep_handle_release_async(ep_group_t *group, const ep_handle_t *handle);
 
 struct ep_dispatch_in {
 	uint32_t num_tokens;

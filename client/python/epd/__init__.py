@@ -215,6 +215,8 @@ _lib.ep_dispatch_stream.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
 _lib.ep_combine_stream.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle),
                                    ctypes.c_uint, ctypes.c_void_p]
 _lib.ep_handle_release.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle)]
+_lib.ep_handle_release_async.argtypes = [ctypes.c_void_p,
+                                         ctypes.POINTER(Handle)]
 _lib.ep_mem_register.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_size_t,
                                  ctypes.POINTER(ctypes.c_void_p)]
@@ -582,11 +584,14 @@ class Group:
             (COMBINE_WEIGHTS if weights else 0), ctypes.byref(m),
             self._stream(stream)))
 
-    def release(self, handle):
+    def release(self, handle, wait=True):
         """This rank is done with the handle (its combine and cached
         dispatches ran, or, on a GPU rank, were enqueued): the daemon frees
-        the routing once every local rank released it."""
-        _check(_lib.ep_handle_release(self._g, ctypes.byref(handle)))
+        the routing once every local rank released it. wait=False (GPU
+        ranks): no answer awaited; a refusal becomes the connection's
+        asynchronous error (ep_handle_release_async)."""
+        f = _lib.ep_handle_release if wait else _lib.ep_handle_release_async
+        _check(f(self._g, ctypes.byref(handle)))
 
     def recv_count(self, handle):
         """Rows received by that dispatch: the CPU waits until its routing

@@ -90,7 +90,9 @@ def _release_all(entries):
         if sub is None or sub.g is None:
             continue
         try:
-            sub.g.release(h)
+            # a GPU rank's release goes without waiting for the daemon's
+            # answer (a handle is released once: no refusal to wait for)
+            sub.g.release(h, wait=not sub.gpu)
         except epd.Error:
             pass  # the group failed or was left: nothing is held any more
 
