@@ -216,7 +216,7 @@ uint32_t ep__features(const ep_group_t *g)
 static const char *const kernel_names[EP__FN_N] = {
 	"ekc_ring_wait",	"ekc_post_wait",       "ekc_ll_dispatch",
 	"ekc_ll_dispatch_recv", "ekc_ll_combine",      "ekc_ll_combine_recv",
-	"ekc_ll_combine_pull"};
+	"ekc_ll_combine_pull",	"ekc_copies"};
 
 static CUfunction kernel_fn(int which)
 {
@@ -645,5 +645,65 @@ int ep_dispatch_recv_count(ep_group_t *g, ep_handle_t *h)
 	if (rc)
 		return rc;
 	h->num_recv = (uint32_t)*(const uint64_t *)(sl + EPP_CTL_RECV);
+	return 0;
+}
+
+_Static_assert(EP_COPIES_MAX == EKC_COPY_MAX, "ep_stream_copies' limit");
+
+int ep_stream_copies(const struct ep_copy *c, unsigned n, void *stream)
+{
+	if (!c || !n || n > EP_COPIES_MAX)
+		return ep__fail(EP_EINVAL, "%u copies: 1..%d in one call", n,
+				EP_COPIES_MAX);
+	struct ekc_copies_args a;
+	memset(&a, 0, sizeof(a));
+	unsigned m = 0;
+	uint64_t most = 0;
+	for (unsigned i = 0; i < n; i++) {
+		const uint32_t e = c[i].elt;
+		if (e != 1 && e != 2 && e != 4 && e != 8 && e != 16)
+			return ep__fail(EP_EINVAL,
+					"copy %u: elements of %u bytes (1, 2, "
+					"4, 8 or 16)",
+					i, e);
+		if (!c[i].count)
+			continue;
+		if (!c[i].dst || !c[i].src ||
+		    ((uintptr_t)c[i].dst | (uintptr_t)c[i].src) % e)
+			return ep__fail(EP_EINVAL,
+					"copy %u: NULL or not aligned to its "
+					"%u-byte elements",
+					i, e);
+		a.p[m] = (struct ekc_copy_piece){
+			.dst = (uint64_t)(uintptr_t)c[i].dst,
+			.src = (uint64_t)(uintptr_t)c[i].src,
+			.count = c[i].count, .elt = e,
+			.dstride = c[i].dst_stride ? c[i].dst_stride : 1,
+			.sstride = c[i].src_stride ? c[i].src_stride : 1};
+		if (c[i].count > most)
+			most = c[i].count;
+		m++;
+	}
+	if (!m)
+		return 0;
+	int rc = driver();
+	if (rc)
+		return rc;
+	CUfunction fn = kernel_fn(EP__FN_COPIES);
+	if (!fn)
+		return ep__fail(EP_EUNSUPPORTED,
+				"no CUDA context current on this thread, or "
+				"libep's kernels do not load in it");
+	/* one element a thread, up to two waves of 256-thread blocks on an
+	 * H200's SMs: the copies are small, the launch is what costs */
+	uint64_t blocks = (most + 255) / 256;
+	if (blocks > 264)
+		blocks = 264;
+	void *params[] = {&a};
+	CUresult r = ep__drv.cuLaunchKernel(fn, (unsigned)blocks, m, 1, 256, 1,
+					    1, 0, (CUstream)stream, params,
+					    NULL);
+	if (r)
+		return ep__cufail(r, "launching the copies");
 	return 0;
 }

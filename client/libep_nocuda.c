@@ -155,3 +155,9 @@ int ep_dispatch_stream_reg(ep_group_t *g, uint32_t num_tokens,
 		(void)x, (void)stream, (void)handle;
 	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
 }
+
+int ep_stream_copies(const struct ep_copy *c, unsigned n, void *stream)
+{
+	(void)c, (void)n, (void)stream;
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}

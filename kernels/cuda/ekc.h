@@ -174,6 +174,18 @@ struct ekc_fastbar_args {
  * takes longer. A killed rank's kernel thus ends within the budget: MPS
  * tears a dead client's context down only after its kernels end. A group
  * that fails gets its done words written far ahead. */
+/* ep_stream_copies: up to EKC_COPY_MAX copies in one launch (grid.y = the
+ * piece): count elements of elt bytes (1, 2, 4, 8 or 16), element i from
+ * src + i * sstride * elt to dst + i * dstride * elt. */
+#define EKC_COPY_MAX 16
+struct ekc_copy_piece {
+	uint64_t dst, src, count;
+	uint32_t elt, dstride, sstride, pad;
+};
+struct ekc_copies_args {
+	struct ekc_copy_piece p[EKC_COPY_MAX];
+};
+
 struct ekc_ring_args {
 	uint32_t *bell;
 	const uint32_t *done;

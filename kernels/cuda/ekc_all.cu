@@ -3,3 +3,4 @@
 #include "ekc_barrier.cu"
 #include "ekc_dispatch.cu"
 #include "ekc_ll.cu"
+#include "ekc_copies.cu"

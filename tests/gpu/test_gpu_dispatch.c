@@ -87,6 +87,68 @@ static void recv_x_after(ep_group_t *g, CUstream st,
 	rows_after(g, st, b->recv_x, dst, n);
 }
 
+/* ep_stream_copies: pieces of every element size, strided on either
+ * side, an empty one, at odd offsets, against the same moves on the host
+ * (fresh random bytes, a poisoned destination); then its refusals. */
+static void check_copies(CUstream st, uint64_t seed)
+{
+	const size_t n = 1 << 20;
+	uint8_t *h = malloc(n), *got = malloc(n), *want = malloc(n);
+	for (size_t i = 0; i < n; i++) {
+		seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+		h[i] = (uint8_t)(seed >> 56);
+	}
+	CUdeviceptr src, dst;
+	CU(tg_drv.cuMemAlloc(&src, n));
+	CU(tg_drv.cuMemAlloc(&dst, n));
+	CU(tg_drv.cuMemcpyHtoD(src, h, n));
+	CU(tg_drv.cuMemsetD8(dst, POISON, n));
+	const struct {
+		size_t doff, soff, count;
+		uint32_t elt, ds, ss;
+	} pc[] = {{0, 16, 4096, 16, 1, 1},     {65536, 65544, 1000, 8, 1, 1},
+		  {131072, 4, 777, 4, 1, 3},    {262144, 262146, 500, 2, 2, 1},
+		  {300001, 7, 999, 1, 1, 1},    {400000, 0, 0, 16, 1, 1},
+		  {500000, 600000, 20000, 4, 0, 2}};
+	const unsigned np = sizeof(pc) / sizeof(pc[0]);
+	struct ep_copy c[sizeof(pc) / sizeof(pc[0])];
+	memset(want, POISON, n);
+	for (unsigned j = 0; j < np; j++) {
+		c[j] = (struct ep_copy){
+			.dst = (void *)(uintptr_t)(dst + pc[j].doff),
+			.src = (const void *)(uintptr_t)(src + pc[j].soff),
+			.count = pc[j].count, .elt = pc[j].elt,
+			.dst_stride = pc[j].ds, .src_stride = pc[j].ss};
+		const size_t ds = pc[j].ds ? pc[j].ds : 1;
+		for (size_t i = 0; i < pc[j].count; i++)
+			memcpy(want + pc[j].doff + i * ds * pc[j].elt,
+			       h + pc[j].soff + i * pc[j].ss * pc[j].elt,
+			       pc[j].elt);
+	}
+	TH_OK(ep_stream_copies(c, np, st));
+	CU(tg_drv.cuStreamSynchronize(st));
+	CU(tg_drv.cuMemcpyDtoH(got, dst, n));
+	size_t d = th_first_diff(got, want, n);
+	TH_CHECK(d == n, "ep_stream_copies: differs at byte %zu", d);
+	TH_EXPECT_RC(ep_stream_copies(c, 0, st), EP_EINVAL);
+	TH_EXPECT_RC(ep_stream_copies(c, EP_COPIES_MAX + 1, st), EP_EINVAL);
+	struct ep_copy bad = c[2];
+	bad.elt = 3;
+	TH_EXPECT_RC(ep_stream_copies(&bad, 1, st), EP_EINVAL);
+	bad = c[2];
+	bad.dst = (uint8_t *)bad.dst + 2; /* not aligned to 4 bytes */
+	TH_EXPECT_RC(ep_stream_copies(&bad, 1, st), EP_EINVAL);
+	CU(tg_drv.cuMemFree(src));
+	CU(tg_drv.cuMemFree(dst));
+	free(h);
+	free(got);
+	free(want);
+	printf("ok: ep_stream_copies: %u copies in one launch (element sizes "
+	       "1-16, strided either side, odd offsets, an empty one) equal "
+	       "the host's; bad counts, sizes and alignment refused\n",
+	       np);
+}
+
 static int case_rank(int r, void *arg)
 {
 	struct ctx *x = arg;
@@ -99,6 +161,8 @@ static int case_rank(int r, void *arg)
 	int gpu;
 	CUstream st = tg_rank_init(r, &gpu, (void *)x->gate, sizeof(x->gate),
 				   &gdev);
+	if (x->index == 0 && r == 0)
+		check_copies(st, c->seed);
 	struct ref_inputs in[8], in2[8];
 	struct ref_recv exp[8], exp2[8];
 	ref_gen_world(c, in, in2, exp, exp2);

@@ -183,6 +183,22 @@ static int arg_rank(int r, void *arg)
 		TH_CHECK(ep_dispatch_recv_count_device(g) == 0 &&
 				 ep_dispatch_recv_count_device(NULL) == 0,
 			 "a host group has a device count");
+		/* the stream copies: bad arguments refused before any CUDA
+		 * call; good ones need a CUDA context on this thread (none:
+		 * no driver here, or none made) */
+		uint32_t w4[4];
+		struct ep_copy cp = {.dst = w4, .src = w4 + 2, .count = 1,
+				     .elt = 3};
+		TH_EXPECT_RC(ep_stream_copies(&cp, 1, NULL), EP_EINVAL);
+		TH_EXPECT_RC(ep_stream_copies(&cp, 0, NULL), EP_EINVAL);
+		TH_EXPECT_RC(ep_stream_copies(NULL, 1, NULL), EP_EINVAL);
+		cp.elt = 4;
+		cp.src = (const uint8_t *)w4 + 2;
+		TH_EXPECT_RC(ep_stream_copies(&cp, 1, NULL), EP_EINVAL);
+		cp.elt = 2;
+		TH_EXPECT_RC(ep_stream_copies(&cp, 1, NULL), EP_EUNSUPPORTED);
+		cp.count = 0; /* nothing to copy: nothing launched */
+		TH_OK(ep_stream_copies(&cp, 1, NULL));
 		printf("ok: wrong hidden/dtype/topk, foreign handle, stream "
 		       "calls on a host group: errors for that rank alone\n");
 	}

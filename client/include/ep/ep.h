@@ -344,6 +344,23 @@ int ep_dispatch_recv_expert_counts(ep_group_t *group,
  * after ep_dispatch_stream reads that dispatch's count (CUDA-graph
  * friendly); outputs are sized for max_recv. 0 for a host group. */
 uint64_t ep_dispatch_recv_count_device(const ep_group_t *group);
+/* Device copies in one kernel launch on `stream` (the current context's
+ * GPU): copy i moves count elements of elt bytes (1, 2, 4, 8 or 16), the
+ * j-th from src + j * src_stride * elt to dst + j * dst_stride * elt
+ * (strides in elements; 0 means 1); the copies may run in any order and
+ * must not overlap. For the small copies a rank makes on its stream
+ * between two ops (a dispatch's routing input in, its outputs out): each
+ * separate copy is one more dependent step there, and every rank of the
+ * group waits for the slowest. At most EP_COPIES_MAX copies; EP_EINVAL
+ * for a bad element size or a pointer not aligned to it. */
+#define EP_COPIES_MAX 16
+struct ep_copy {
+	void *dst;
+	const void *src;
+	uint64_t count;
+	uint32_t elt, dst_stride, src_stride;
+};
+int ep_stream_copies(const struct ep_copy *copies, unsigned n, void *stream);
 /* 0, or the group's asynchronous error (non-blocking). */
 int ep_group_error(ep_group_t *group);
 /* Wait until this rank's stream-ordered ops completed on the device: 0.

@@ -272,6 +272,18 @@ _lib.ep_ll_combine.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
                                ctypes.c_void_p]
 _lib.ep_ll_combine_buffer.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
                                       ctypes.POINTER(ctypes.c_void_p)]
+
+
+class _Copy(ctypes.Structure):
+    _fields_ = [("dst", ctypes.c_void_p), ("src", ctypes.c_void_p),
+                ("count", ctypes.c_uint64), ("elt", ctypes.c_uint32),
+                ("dst_stride", ctypes.c_uint32),
+                ("src_stride", ctypes.c_uint32)]
+
+
+COPIES_MAX = 16
+_lib.ep_stream_copies.argtypes = [ctypes.POINTER(_Copy), ctypes.c_uint,
+                                  ctypes.c_void_p]
 _libc = ctypes.CDLL(None)
 _libc.free.argtypes = [ctypes.c_void_p]
 
@@ -824,6 +836,24 @@ class Conn:
 
 def connect(socket=None):
     return Conn(socket)
+
+
+def copy_piece(dst, src, nbytes):
+    """A contiguous copy of nbytes for stream_copies, in the widest
+    elements (16 bytes down to 1) that the addresses and size allow."""
+    for e in (16, 8, 4, 2, 1):
+        if not (dst | src | nbytes) % e:
+            return (dst, src, nbytes // e, e, 1, 1)
+
+
+def stream_copies(copies, stream):
+    """Device copies in one kernel launch on stream (a torch stream or a
+    raw CUstream as int), in the current CUDA context: each a tuple (dst,
+    src, count, elt, dst_stride, src_stride) of device addresses, count
+    elements of elt bytes, strides in elements (ep_stream_copies(3))."""
+    n = len(copies)
+    arr = (_Copy * max(n, 1))(*[_Copy(*c) for c in copies])
+    _check(_lib.ep_stream_copies(arr, n, Group._stream(stream)))
 
 
 def status(socket=None):

@@ -308,6 +308,14 @@ class _Sub:
             ("w", self.recv_w), ("src", self.recv_src))}
         self.meta = t("recv_x_scales" if fp8 else "recv_topk_idx",
                       ((self.moff["src"] + cap * 8) // 4,), "int32")
+        # device addresses of the fields the small copies touch
+        # (epd.stream_copies: one launch for a dispatch's inputs, one for
+        # its outputs)
+        self.ptr = {n: f.data_ptr() for n, f in (
+            ("topk", self.topk), ("w", self.w), ("meta", self.meta),
+            ("src", self.recv_src))}
+        if fp8:
+            self.ptr["scales"] = self.scales.data_ptr()
         self.y = t("combine_y", (cap, H), "bf16")
         self.bias = t("combine_bias", (tmax, H), "bf16")
         self.bias2 = t("combine_bias2", (tmax, H), "bf16")
@@ -315,6 +323,7 @@ class _Sub:
         self.cw = t("combine_topk_weights", (cap, K), "float32")
         self.cw_out = t("combined_topk_weights", (tmax, K), "float32")
         self.rp = self.g.rank_prefix_matrix()
+        self.ptr["rp"] = self.rp.data_ptr()
         self.count = torch.as_tensor(epd._DeviceArray(
             self.g.recv_count_device(), (1,), "<i4"), device="cuda")
         # a combine's expert rows read in place by the daemon (registered
@@ -475,6 +484,7 @@ class Buffer:
         self._conn = epd.connect(sock)
         if self._device is not None:
             self._comm = torch.cuda.Stream()
+            self._comm_ptr = self._comm.cuda_stream  # (a CUstream)
             self._order = torch.cuda.Event()  # _streams' compute point
             self._done = torch.cuda.Event()  # _finish's comm point
             self._ar = torch.arange(self.group_size, dtype=torch.int64,
@@ -804,47 +814,83 @@ class Buffer:
         torch = _torch()
         area = held[0]
         T, H, K = x.size(0), sub.H, sub.K
+        ns = H // 128
         cached = rt is not None
         # The CPU's work is ordered by what waits for it: first what the
         # dispatch needs on the stream (every rank's op starts only when
         # the last rank rang); then the count, which comes once the
         # routing is known (protocol 1.15), while the rows still move; then
         # the outputs, queued behind the op on the comm stream. A caller
-        # that runs ahead overlaps all of it with the op's rows.
+        # that runs ahead overlaps all of it with the op's rows. The small
+        # copies between two ops are one launch each way
+        # (epd.stream_copies): each separate one is a dependent step on
+        # the comm stream, and every rank waits for the slowest.
         # x read where it is (registered memory), as the combine's rows
         xv = x.view(torch.uint8) if sub.fp8 else x
         reg = sub.region_of(xv) if T and _REG_X and not cap else None
         dt = torch.float8_e4m3fn if sub.fp8 else torch.bfloat16
         dev = x.device
-        alloc = comm if alloc_comm else compute
-        # the current stream set directly (torch.cuda.stream's context
-        # looks the device and the streams up again each time, tens of us
-        # of CPU under MPS); the caller's is set back whatever happens
+        # the current stream is set directly, and only for torch's own
+        # copies (torch.cuda.stream's context looks the device and the
+        # streams up again each time, tens of us of CPU under MPS); the
+        # caller's is set back whatever happens
         on = torch.cuda.set_stream
-        on(comm)
+        cur = [compute]
+
+        def to(s_):
+            if cur[0] is not s_:
+                on(s_)
+                cur[0] = s_
+        pieces = []
+
+        def piece(name, src, nbytes):  # into the region's field
+            pieces.append(epd.copy_piece(sub.ptr[name], src.data_ptr(),
+                                         nbytes))
         try:
             if T and reg is None:
+                to(comm)
                 sub.x[:T].copy_(xv)
             elif T:
                 x.record_stream(comm)  # read until the dispatch ran
             if T:
                 if sub.fp8:
-                    sub.scales[:T].copy_(xs)  # any strides
+                    if xs.dtype == torch.float32 and xs.is_contiguous():
+                        piece("scales", xs, T * ns * 4)
+                    else:
+                        to(comm)
+                        sub.scales[:T].copy_(xs)  # any strides
                 if not cached:
-                    if topk_idx is not None:
+                    if topk_idx is not None and \
+                            topk_idx.dtype == torch.int64 and \
+                            topk_idx.is_contiguous():
+                        piece("topk", topk_idx, T * K * 8)
+                    elif topk_idx is not None:
+                        to(comm)
                         sub.topk[:T].copy_(topk_idx)
                     else:
+                        to(comm)
                         sub.topk[:T].copy_(torch.where(
                             in_rank.bool(), self._ar.expand(T, -1),
                             torch.full_like(sub.topk[:T], -1)))
                     if topk_weights is not None:
-                        sub.w[:T].copy_(topk_weights)
+                        if topk_weights.dtype == torch.float32 and \
+                                topk_weights.is_contiguous():
+                            piece("w", topk_weights, T * K * 4)
+                        else:
+                            to(comm)
+                            sub.w[:T].copy_(topk_weights)
+                if worst:  # no CPU wait below: read until the copies ran
+                    for t_ in (xs, topk_idx, topk_weights):
+                        if t_ is not None:
+                            t_.record_stream(comm)
+            if pieces:
+                epd.stream_copies(pieces, self._comm_ptr)
             h = sub.g.dispatch_stream(
-                T, stream=comm, weights=topk_weights is not None,
+                T, stream=self._comm_ptr, weights=topk_weights is not None,
                 handle=rt.h if cached else None, area=area, region=reg,
                 ptr=xv.data_ptr() if reg is not None else 0)
         finally:
-            on(compute)
+            to(compute)
         # the routing input a cached dispatch in the other dtype needs:
         # the caller's topk_idx itself (DeepEP's handle holds the caller's
         # is_token_in_rank the same way); without one, the handle's
@@ -868,16 +914,20 @@ class Buffer:
         # the small outputs are views (as_strided: one call each) of one
         # copy of the span of received scales, top-k, weights and sources
         recv_xs = rti = rtw = rsrc = rp = None
-        mo, ns = sub.moff, H // 128
-        if alloc_comm:
-            on(comm)
+        mo = sub.moff
+        alloc = comm if alloc_comm else compute
+        pieces = []
         try:
+            to(alloc)
             if sub.fp8 or not cached:
                 meta = torch.empty_like(sub.meta)  # on the current stream
                 if not alloc_comm:
                     # before a copy into it is queued: dropped by an
                     # exception, its memory waits for the comm stream
                     meta.record_stream(comm)
+                pieces.append(epd.copy_piece(meta.data_ptr(),
+                                             sub.ptr["meta"],
+                                             sub.meta.numel() * 4))
                 if sub.fp8:
                     recv_xs = meta.view(torch.float32).as_strided(
                         (R, ns), (ns, 1), mo["scales"] // 4)
@@ -892,19 +942,25 @@ class Buffer:
                     if not alloc_comm:
                         rsrc.record_stream(comm)
                         rp.record_stream(comm)
-            if not alloc_comm:
-                on(comm)
-            if recv_xs is not None or rti is not None:
-                meta.copy_(sub.meta)  # one copy, behind the op
-            if not cached:
-                rsrc.copy_(meta.as_strided((R,), (2,), mo["src"] // 4 + 1))
-                rp.copy_(sub.rp)
-                if worst:  # rows past the received count: index -1
-                    pad = torch.arange(R, device=dev) >= \
-                        sub.count[0].to(torch.int64)
-                    rti.masked_fill_(pad.unsqueeze(1), -1)
-                    rtw.masked_fill_(pad.unsqueeze(1), 0.0)
-                    rsrc.masked_fill_(pad, -1)
+                    # the source tokens: every other int32 of the pairs
+                    pieces.append((rsrc.data_ptr(), sub.ptr["src"] + 4, R,
+                                   4, 1, 2))
+                    pieces.append(epd.copy_piece(rp.data_ptr(),
+                                                 sub.ptr["rp"],
+                                                 sub.W * sub.W * 4))
+            if not area:
+                recv_x = torch.empty((R, H), dtype=dt, device=dev)
+                if not alloc_comm:
+                    recv_x.record_stream(comm)
+            if pieces:  # one launch, behind the op
+                epd.stream_copies(pieces, self._comm_ptr)
+            if not cached and worst:  # rows past the received count: -1
+                to(comm)
+                pad = torch.arange(R, device=dev) >= \
+                    sub.count[0].to(torch.int64)
+                rti.masked_fill_(pad.unsqueeze(1), -1)
+                rtw.masked_fill_(pad.unsqueeze(1), 0.0)
+                rsrc.masked_fill_(pad, -1)
             if area:
                 # the area itself, given back when the tensor is freed
                 recv_x = sub.g.tensor("recv_x", (R, H),
@@ -914,16 +970,11 @@ class Buffer:
                 if sub.fp8:
                     recv_x = recv_x.view(dt)
             else:
-                if not alloc_comm:
-                    on(compute)
-                recv_x = torch.empty((R, H), dtype=dt, device=dev)
-                if not alloc_comm:
-                    recv_x.record_stream(comm)
-                    on(comm)
+                to(comm)
                 recv_x.view(torch.uint8 if sub.fp8 else dt).copy_(
                     sub.recv_x[:R])
         finally:
-            on(compute)
+            to(compute)
         # (every output's memory is recorded on the comm stream above; an
         # area is not the allocator's)
         ev = self._finish(compute, comm, [recv_x, recv_xs, rti, rtw, rsrc,
