@@ -149,6 +149,19 @@ _REG_X = os.environ.get("EPD_DEEP_EP_REGISTER_X", "1") != "0"
 _OUT_SLOTS = int(os.environ.get("EPD_DEEP_EP_OUT_SLOTS", "2"))
 
 
+# a dispatch's small copies in one launch each way (epd.stream_copies), or
+# one launch per copy with $EPD_DEEP_EP_ONE_LAUNCH=0 (for comparison)
+_ONE_LAUNCH = os.environ.get("EPD_DEEP_EP_ONE_LAUNCH", "1") != "0"
+
+
+def _copies(pieces, stream):
+    if _ONE_LAUNCH:
+        epd.stream_copies(pieces, stream)
+    else:
+        for p in pieces:
+            epd.stream_copies([p], stream)
+
+
 # the most a registration of a caching-allocator segment spans (region_of)
 _MREG_SPAN = 1 << 30
 
@@ -884,7 +897,7 @@ class Buffer:
                         if t_ is not None:
                             t_.record_stream(comm)
             if pieces:
-                epd.stream_copies(pieces, self._comm_ptr)
+                _copies(pieces, self._comm_ptr)
             h = sub.g.dispatch_stream(
                 T, stream=self._comm_ptr, weights=topk_weights is not None,
                 handle=rt.h if cached else None, area=area, region=reg,
@@ -953,7 +966,7 @@ class Buffer:
                 if not alloc_comm:
                     recv_x.record_stream(comm)
             if pieces:  # one launch, behind the op
-                epd.stream_copies(pieces, self._comm_ptr)
+                _copies(pieces, self._comm_ptr)
             if not cached and worst:  # rows past the received count: -1
                 to(comm)
                 pad = torch.arange(R, device=dev) >= \
