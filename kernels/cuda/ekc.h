@@ -313,6 +313,9 @@ struct ekc_disp_args {
 	uint32_t seq;
 	uint32_t cached;
 	uint32_t wait; /* kernels wait for the doorbells themselves (MPS) */
+	/* ekc_copy_tma: the bytes of a row's fp8 scales when the bulk-copy
+	 * engine moves them (a multiple of 16), else 0 */
+	uint32_t tma_sc;
 	/* How long such a wait (and ekc_prep's grid barrier) may spin, in
 	 * ns: the group's timeout. Past it the kernel writes 1 + the local
 	 * rank to group_err (host memory, the poll's word) and gives up. */

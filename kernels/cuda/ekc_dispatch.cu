@@ -575,12 +575,13 @@ extern "C" __global__ void __launch_bounds__(TPB) ekc_prep(struct ekc_disp_args 
 // (destination, item) pairs spread over the lanes.
 __device__ static inline void copy_meta(const struct ekc_disp_args &a,
 					uint32_t lane, uint32_t s, uint64_t t,
-					const int32_t *slot)
+					const int32_t *slot, bool scales_done)
 {
 	const uint32_t W = a.W, K = a.K, per = a.E / a.W;
 	const float *sc = (const float *)field(a, s, EKC_F_SCALES) +
 			  t * a.nscales;
-	for (uint32_t i = lane; i < W * a.nscales; i += 32) {
+	const uint32_t ns = scales_done ? 0 : W * a.nscales;
+	for (uint32_t i = lane; i < ns; i += 32) {
 		uint32_t d = i / a.nscales, j = i % a.nscales;
 		int32_t r = slot[d];
 		if (r >= 0)
@@ -670,7 +671,7 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 				}
 			}
 		}
-		copy_meta(a, lane, s, t, slot);
+		copy_meta(a, lane, s, t, slot, false);
 	}
 	if (lane == 0)
 		tr_end(a, EKC_TR_COPY);
@@ -681,8 +682,11 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 // loads a token's row into shared memory (cp.async.bulk, completion on an
 // mbarrier) while the row before it is still being stored; then lane d
 // stores it to destination d (one bulk store each, issued together, no
-// registers in between), and the lanes write the token's scales, top-k,
-// weights and source.
+// registers in between), and the lanes write the token's top-k, weights
+// and source. fp8 scales of a multiple of 16 bytes a row (a.tma_sc: their
+// bytes, H % 512 == 0) travel the same way, right after the row in shared
+// memory: one 4-byte store per scale and destination was a third of the
+// fp8 copy's issue; otherwise the lanes write them too.
 #define TMA_WARPS EKC_TMA_WARPS
 __device__ static inline uint32_t smem_addr(const void *p)
 {
@@ -692,13 +696,27 @@ __device__ static inline uint32_t smem_addr(const void *p)
 __device__ static inline void tma_load(uint32_t dst, const void *src,
 				       uint32_t bytes, uint32_t bar)
 {
-	asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-		     ::"r"(bar), "r"(bytes)
-		     : "memory");
 	asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::"
 		     "complete_tx::bytes [%0], [%1], %2, [%3];"
 		     ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
 		     : "memory");
+}
+
+// Token (s, t)'s row, and its scales after it if a.tma_sc, into the
+// shared-memory stage at dst; both complete on one barrier.
+__device__ static inline void tma_load_token(const struct ekc_disp_args &a,
+					     uint32_t dst, uint32_t s,
+					     uint64_t t, uint32_t bytes,
+					     uint32_t bar)
+{
+	asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+		     ::"r"(bar), "r"(bytes + a.tma_sc)
+		     : "memory");
+	tma_load(dst, x_row(a, s, t), bytes, bar);
+	if (a.tma_sc)
+		tma_load(dst + bytes,
+			 field(a, s, EKC_F_SCALES) + t * a.tma_sc, a.tma_sc,
+			 bar);
 }
 
 __device__ static inline void tma_wait(uint32_t bar, uint32_t parity)
@@ -733,10 +751,11 @@ extern "C" __global__ void __launch_bounds__(TMA_WARPS * 32)
 		return; // a bad expert index: change nothing
 	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 	const uint32_t bytes = a.H * a.elt, W = a.W;
+	const uint32_t stage = bytes + a.tma_sc; // a row and its scales
 	if (threadIdx.x == 0)
 		tr_begin(a, EKC_TR_COPY);
 	mark_sm(a);
-	const uint32_t buf0 = smem_addr(rows + (size_t)warp * 2 * bytes);
+	const uint32_t buf0 = smem_addr(rows + (size_t)warp * 2 * stage);
 	const uint32_t bar0 = smem_addr(&bars[warp][0]);
 	if (lane == 0) {
 		asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0)
@@ -757,7 +776,7 @@ extern "C" __global__ void __launch_bounds__(TMA_WARPS * 32)
 	uint32_t s;
 	if (g < total && lane == 0) {
 		s = masked_token(a, g, &t);
-		tma_load(buf0, x_row(a, s, t), bytes, bar0);
+		tma_load_token(a, buf0, s, t, bytes, bar0);
 	}
 	while (g < total) {
 		uint32_t raw = lane == 0 ? atomicAdd(a.work, 1u) + 1u : 0;
@@ -773,23 +792,35 @@ extern "C" __global__ void __launch_bounds__(TMA_WARPS * 32)
 		if (lane == 0 && gn < total) {
 			uint64_t tn;
 			uint32_t sn = masked_token(a, gn, &tn);
-			tma_load(buf0 + nxt * bytes,
-				 x_row(a, sn, tn), bytes,
-				 bar0 + nxt * 8);
+			tma_load_token(a, buf0 + nxt * stage, sn, tn, bytes,
+				       bar0 + nxt * 8);
 		}
 		tma_wait(bar0 + st * 8, (phase >> st) & 1);
 		phase ^= 1u << st;
-		// one bulk store per destination, issued by its lane
-		if (r0 >= 0)
+		// one bulk store per destination (and one of the scales),
+		// issued by its lane
+		const uint32_t src = buf0 + st * stage;
+		if (r0 >= 0) {
 			tma_store(field(a, lane, EKC_F_RECV_X) +
 					  (uint64_t)r0 * bytes,
-				  buf0 + st * bytes, bytes);
-		if (r1 >= 0)
+				  src, bytes);
+			if (a.tma_sc)
+				tma_store(field(a, lane, EKC_F_RECV_SCALES) +
+						  (uint64_t)r0 * a.tma_sc,
+					  src + bytes, a.tma_sc);
+		}
+		if (r1 >= 0) {
 			tma_store(field(a, lane + 32, EKC_F_RECV_X) +
 					  (uint64_t)r1 * bytes,
-				  buf0 + st * bytes, bytes);
+				  src, bytes);
+			if (a.tma_sc)
+				tma_store(field(a, lane + 32,
+						EKC_F_RECV_SCALES) +
+						  (uint64_t)r1 * a.tma_sc,
+					  src + bytes, a.tma_sc);
+		}
 		asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-		copy_meta(a, lane, s, t, slot);
+		copy_meta(a, lane, s, t, slot, a.tma_sc != 0);
 		st = nxt;
 		g = gn;
 		gn = __shfl_sync(0xffffffffu, raw, 0);

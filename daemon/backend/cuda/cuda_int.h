@@ -250,6 +250,13 @@ void cu_poll_arm(struct epd_cuda_group *c);
 void cu_poll_cb(uv_timer_t *t);
 void cu_refresh_completed(struct epd_group *g);
 void cu_request_wait(struct epd_group *g);
+/* The bytes of a row's fp8 scales that the bulk-copy row copy moves with
+ * the row (a multiple of 16), or 0: its lanes store them then. */
+static inline uint32_t cu_tma_scale_bytes(const struct epd_group *g)
+{
+	uint32_t b = g->layout.nscales * 4;
+	return b % 16 ? 0 : b;
+}
 uint8_t *cu_slot(struct epd_group *g, uint32_t l);
 void *cu_ctl_pe(struct epd_group *g, uint32_t l);
 size_t cu_ctl_pe_bytes(const struct epd_group *g);

@@ -101,7 +101,7 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 	/* Rows of a multiple of 16 bytes, two per warp in shared memory: the
 	 * bulk-copy engine moves them. */
 	size_t rowb = (size_t)g->shape.hidden * g->layout.elt;
-	size_t smem = (size_t)EKC_TMA_WARPS * 2 * rowb;
+	size_t smem = (size_t)EKC_TMA_WARPS * 2 * (rowb + cu_tma_scale_bytes(g));
 	struct cudev *d0 = &cu->dev[c->dev0];
 	if (!g->srv->cfg.cuda_no_tma && rowb % 16 == 0 &&
 	    smem <= (size_t)d0->smem_optin &&
