@@ -797,8 +797,7 @@ class Buffer:
     def _gpu_dispatch(self, sub, x, xs, topk_idx, topk_weights, in_rank,
                       rt, worst, prev, async_finish, alloc_comm):
         torch = _torch()
-        T, H, K = x.size(0), sub.H, sub.K
-        cached = rt is not None
+        T = x.size(0)
         compute, comm = self._streams(prev)
         if T > sub.tmax:  # nothing copied; every rank's op fails
             sub.g.dispatch_stream(T, stream=comm,
