@@ -98,6 +98,21 @@ def rank_main(rank, sock, q):
             rows = ref_recv(all_in, rank)
             assert res.num_recv == len(rows), (res.num_recv, len(rows))
             assert g.recv_count_device() == 0  # a host group: no device count
+            # the rows per local expert: a token once per distinct expert
+            want_pe = [0] * PER
+            for s, t in rows:
+                for e in set(all_in[s][2][t]):
+                    if e >= 0 and e // PER == rank:
+                        want_pe[e - rank * PER] += 1
+            assert g.recv_expert_counts(res.handle) == want_pe, "per expert"
+            # the stream copies: element sizes, and no CUDA context here
+            assert epd.copy_piece(4096, 8192, 48) == (4096, 8192, 3, 16, 1, 1)
+            assert epd.copy_piece(4098, 8192, 6) == (4098, 8192, 3, 2, 1, 1)
+            try:
+                epd.stream_copies([(16, 32, 1, 3, 1, 1)], 0)
+                raise AssertionError("an element of 3 bytes was accepted")
+            except epd.Error as e:
+                assert e.code == -22, e  # EP_EINVAL
             want_x, want_i, want_w = [], [], []
             for s, t in rows:
                 sx, stk, sw = all_in[s][1], all_in[s][2], all_in[s][3]
