@@ -405,8 +405,11 @@ void epd_cluster_stop(struct epd_server *srv)
 	LIST_FOREACH(it, tmp, &cl->conns)
 	{
 		struct pconn *c = LIST_ENTRY(it, struct pconn, node);
-		c->cl->node[c->peer >= 0 ? c->peer : c->target].state =
-			NODE_DOWN; /* no group failures while stopping */
+		/* no group failures while stopping; a connection that never
+		 * said who it is has no node */
+		int n = cl_conn_node(c);
+		if (n >= 0)
+			cl->node[n].state = NODE_DOWN;
 		cl_conn_close(c, "daemon stopping");
 	}
 	uv_close((uv_handle_t *)&cl->tick, NULL);

@@ -75,6 +75,14 @@ struct pconn {
 	char addr[64];
 };
 
+/* The node a peer connection is for: its peer once that one's hello
+ * arrived, else the node dialled, else -1 (an inbound connection that has
+ * not said who it is). */
+static inline int cl_conn_node(const struct pconn *c)
+{
+	return c->peer >= 0 ? c->peer : c->target;
+}
+
 struct cnode {
 	char name[64];
 	char host[64];

@@ -279,7 +279,7 @@ void cl_conn_close(struct pconn *c, const char *why)
 	c->closing = true;
 	struct epd_cluster *cl = c->cl;
 	list_del(&c->node);
-	int n = c->peer >= 0 ? c->peer : c->target;
+	int n = cl_conn_node(c);
 	if (c->target >= 0 && !c->authed) {
 		/* a dial that failed: try again later, slower each time */
 		struct cnode *t = &cl->node[c->target];
