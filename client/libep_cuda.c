@@ -652,42 +652,27 @@ _Static_assert(EP_COPIES_MAX == EKC_COPY_MAX, "ep_stream_copies' limit");
 
 int ep_stream_copies(const struct ep_copy *c, unsigned n, void *stream)
 {
-	if (!c || !n || n > EP_COPIES_MAX)
-		return ep__fail(EP_EINVAL, "%u copies: 1..%d in one call", n,
-				EP_COPIES_MAX);
+	unsigned m;
+	int rc = ep__copies_check(c, n, &m);
+	if (rc || !m)
+		return rc;
 	struct ekc_copies_args a;
 	memset(&a, 0, sizeof(a));
-	unsigned m = 0;
 	uint64_t most = 0;
+	m = 0;
 	for (unsigned i = 0; i < n; i++) {
-		const uint32_t e = c[i].elt;
-		if (e != 1 && e != 2 && e != 4 && e != 8 && e != 16)
-			return ep__fail(EP_EINVAL,
-					"copy %u: elements of %u bytes (1, 2, "
-					"4, 8 or 16)",
-					i, e);
 		if (!c[i].count)
 			continue;
-		if (!c[i].dst || !c[i].src ||
-		    ((uintptr_t)c[i].dst | (uintptr_t)c[i].src) % e)
-			return ep__fail(EP_EINVAL,
-					"copy %u: NULL or not aligned to its "
-					"%u-byte elements",
-					i, e);
-		a.p[m] = (struct ekc_copy_piece){
+		a.p[m++] = (struct ekc_copy_piece){
 			.dst = (uint64_t)(uintptr_t)c[i].dst,
 			.src = (uint64_t)(uintptr_t)c[i].src,
-			.count = c[i].count, .elt = e,
+			.count = c[i].count, .elt = c[i].elt,
 			.dstride = c[i].dst_stride ? c[i].dst_stride : 1,
 			.sstride = c[i].src_stride ? c[i].src_stride : 1};
 		if (c[i].count > most)
 			most = c[i].count;
-		m++;
 	}
-	if (!m)
-		return 0;
-	int rc = driver();
-	if (rc)
+	if ((rc = driver()))
 		return rc;
 	CUfunction fn = kernel_fn(EP__FN_COPIES);
 	if (!fn)

@@ -134,6 +134,9 @@ size_t ep__release_encode(const ep_group_t *g, const ep_handle_t *h,
 /* Send h's release with no reply awaited (an error reply is the
  * connection's asynchronous error). */
 int ep__release_async(ep_group_t *g, const ep_handle_t *h);
+/* ep_stream_copies' arguments, checked alike with and without CUDA:
+ * EP_EINVAL, or 0 and the copies with elements in *todo. */
+int ep__copies_check(const struct ep_copy *c, unsigned n, unsigned *todo);
 /* A GPU rank's buffers follow the control words in its region. */
 #define EP__DEV_DATA 4096u
 uint64_t ep__ctl_completed(const ep_group_t *g);

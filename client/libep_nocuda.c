@@ -158,6 +158,10 @@ int ep_dispatch_stream_reg(ep_group_t *g, uint32_t num_tokens,
 
 int ep_stream_copies(const struct ep_copy *c, unsigned n, void *stream)
 {
-	(void)c, (void)n, (void)stream;
+	(void)stream;
+	unsigned m;
+	int rc = ep__copies_check(c, n, &m);
+	if (rc || !m)
+		return rc;
 	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
 }

@@ -283,6 +283,33 @@ int ep_handle_release(ep_group_t *g, const ep_handle_t *h)
 	return rc;
 }
 
+int ep__copies_check(const struct ep_copy *c, unsigned n, unsigned *todo)
+{
+	if (!c || !n || n > EP_COPIES_MAX)
+		return ep__fail(EP_EINVAL, "%u copies: 1..%d in one call", n,
+				EP_COPIES_MAX);
+	unsigned m = 0;
+	for (unsigned i = 0; i < n; i++) {
+		const uint32_t e = c[i].elt;
+		if (e != 1 && e != 2 && e != 4 && e != 8 && e != 16)
+			return ep__fail(EP_EINVAL,
+					"copy %u: elements of %u bytes (1, 2, "
+					"4, 8 or 16)",
+					i, e);
+		if (!c[i].count)
+			continue;
+		if (!c[i].dst || !c[i].src ||
+		    ((uintptr_t)c[i].dst | (uintptr_t)c[i].src) % e)
+			return ep__fail(EP_EINVAL,
+					"copy %u: NULL or not aligned to its "
+					"%u-byte elements",
+					i, e);
+		m++;
+	}
+	*todo = m;
+	return 0;
+}
+
 int ep__release_async(ep_group_t *g, const ep_handle_t *h)
 {
 	uint8_t buf[64];
