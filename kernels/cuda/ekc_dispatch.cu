@@ -742,6 +742,21 @@ __device__ static inline void tma_store(void *dst, uint32_t src,
 		     : "memory");
 }
 
+// The token in the shared-memory stage at src to row r of destination d
+// (none if r < 0): the row, and its scales if a.tma_sc.
+__device__ static inline void tma_store_token(const struct ekc_disp_args &a,
+					      uint32_t d, int32_t r,
+					      uint32_t src, uint32_t bytes)
+{
+	if (r < 0)
+		return;
+	tma_store(field(a, d, EKC_F_RECV_X) + (uint64_t)r * bytes, src, bytes);
+	if (a.tma_sc)
+		tma_store(field(a, d, EKC_F_RECV_SCALES) +
+				  (uint64_t)r * a.tma_sc,
+			  src + bytes, a.tma_sc);
+}
+
 extern "C" __global__ void __launch_bounds__(TMA_WARPS * 32)
 	ekc_copy_tma(struct ekc_disp_args a)
 {
@@ -800,25 +815,8 @@ extern "C" __global__ void __launch_bounds__(TMA_WARPS * 32)
 		// one bulk store per destination (and one of the scales),
 		// issued by its lane
 		const uint32_t src = buf0 + st * stage;
-		if (r0 >= 0) {
-			tma_store(field(a, lane, EKC_F_RECV_X) +
-					  (uint64_t)r0 * bytes,
-				  src, bytes);
-			if (a.tma_sc)
-				tma_store(field(a, lane, EKC_F_RECV_SCALES) +
-						  (uint64_t)r0 * a.tma_sc,
-					  src + bytes, a.tma_sc);
-		}
-		if (r1 >= 0) {
-			tma_store(field(a, lane + 32, EKC_F_RECV_X) +
-					  (uint64_t)r1 * bytes,
-				  src, bytes);
-			if (a.tma_sc)
-				tma_store(field(a, lane + 32,
-						EKC_F_RECV_SCALES) +
-						  (uint64_t)r1 * a.tma_sc,
-					  src + bytes, a.tma_sc);
-		}
+		tma_store_token(a, lane, r0, src, bytes);
+		tma_store_token(a, lane + 32, r1, src, bytes);
 		asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 		copy_meta(a, lane, s, t, slot, a.tma_sc != 0);
 		st = nxt;
