@@ -833,24 +833,51 @@ __device__ static inline float bf16_f32(uint32_t bits16)
 	return __uint_as_float(bits16 << 16);
 }
 
-__device__ static inline uint32_t f32_bf16(float f)
+// Two fp32 values rounded to bf16 (nearest even) and packed, lo in the
+// low half: one cvt.rn.bf16x2.f32. Every NaN becomes the canonical NaN
+// 0x7fff, which the host backend's rounding writes too (ek_host.c); a
+// rounding by hand took some eight instructions a value, a third of the
+// combine's issue slots.
+__device__ static inline uint32_t bf16x2_rn(float lo, float hi)
 {
-	uint32_t u = __float_as_uint(f);
-	uint32_t rne = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-	uint32_t qnan = (u >> 16) | 0x40u;
-	return ((u & 0x7fffffffu) > 0x7f800000u ? qnan : rne) & 0xffffu;
+	uint32_t r;
+	asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+	return r;
 }
 
-// Eight fp32 sums, each rounded once to bf16 (nearest even), as one
-// 16-byte vector.
+// Eight fp32 sums, each rounded once to bf16, as one 16-byte vector.
 __device__ static inline uint4 pack_bf16x8(const float acc[8])
 {
 	uint4 o;
-	o.x = f32_bf16(acc[0]) | f32_bf16(acc[1]) << 16;
-	o.y = f32_bf16(acc[2]) | f32_bf16(acc[3]) << 16;
-	o.z = f32_bf16(acc[4]) | f32_bf16(acc[5]) << 16;
-	o.w = f32_bf16(acc[6]) | f32_bf16(acc[7]) << 16;
+	o.x = bf16x2_rn(acc[0], acc[1]);
+	o.y = bf16x2_rn(acc[2], acc[3]);
+	o.z = bf16x2_rn(acc[4], acc[5]);
+	o.w = bf16x2_rn(acc[6], acc[7]);
 	return o;
+}
+
+// acc += the eight bf16 of q, in fp32 (a bf16 pair to fp32: the low half
+// shifted up, the high half masked; both exact).
+__device__ static inline void add_bf16x8(float acc[8], uint4 q)
+{
+	const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+	for (int i = 0; i < 4; i++) {
+		acc[2 * i] = __fadd_rn(acc[2 * i], __uint_as_float(w[i] << 16));
+		acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1],
+					   __uint_as_float(w[i] & 0xffff0000u));
+	}
+}
+
+// acc = the eight bf16 of q: a sum's start (the bias), exact.
+__device__ static inline void set_bf16x8(float acc[8], uint4 q)
+{
+	const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+	for (int i = 0; i < 4; i++) {
+		acc[2 * i] = __uint_as_float(w[i] << 16);
+		acc[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+	}
 }
 
 // A combine's start, by the whole block: trace marks, then (under MPS)
@@ -874,20 +901,83 @@ __device__ static inline bool combine_begin(const struct ekc_disp_args &a)
 	return true;
 }
 
-// A warp per home token; each lane 8 channels (16 bytes) at a time. The
-// rows of all destinations are loaded first (in flight together), then
-// added in ascending rank order: the order of the sums is fixed.
-extern "C" __global__ void __launch_bounds__(256)
-	ekc_combine(struct ekc_disp_args a)
+// The sum of one home token's rows, by its warp: lane l takes columns
+// (16-byte vectors) l, l + 32, ... C at a time (C * 8 loads of up to 8
+// ranks' rows in flight together), each started from the bias (then the
+// second bias) or +0.0 and added in ascending rank order: the order of
+// the sums is fixed. rp: the rows' addresses by rank, in the warp's
+// shared memory (NULL: no row there); up to 8 ranks they are read into
+// registers once per token, else once per chunk of 8 and column step.
+template <int C>
+__device__ static __forceinline__ void combine_token(const uint4 *const *rp,
+						     uint32_t W, uint32_t lane,
+						     uint32_t nvec,
+						     const uint4 *bias,
+						     const uint4 *bias2,
+						     uint4 *out)
+{
+	const uint4 *p[8];
+#pragma unroll
+	for (uint32_t j = 0; j < 8; j++)
+		p[j] = j < W ? rp[j] : nullptr;
+	for (uint32_t v0 = lane; v0 < nvec; v0 += 32 * C) {
+		float acc[C][8];
+#pragma unroll
+		for (int c = 0; c < C; c++) {
+			const uint32_t v = v0 + 32 * c;
+#pragma unroll
+			for (int i = 0; i < 8; i++)
+				acc[c][i] = 0.0f;
+			if (v < nvec && bias)
+				set_bf16x8(acc[c], bias[v]);
+			if (v < nvec && bias2) // DeepEP's second bias
+				add_bf16x8(acc[c], bias2[v]);
+		}
+		for (uint32_t d0 = 0; d0 < W; d0 += 8) {
+			if (d0) {
+#pragma unroll
+				for (uint32_t j = 0; j < 8; j++)
+					p[j] = d0 + j < W ? rp[d0 + j] : nullptr;
+			}
+			uint4 y[8][C];
+#pragma unroll
+			for (uint32_t j = 0; j < 8; j++)
+#pragma unroll
+				for (int c = 0; c < C; c++)
+					if (p[j] && v0 + 32 * c < nvec)
+						y[j][c] = __ldg(p[j] + v0 + 32 * c);
+#pragma unroll
+			for (uint32_t j = 0; j < 8; j++)
+#pragma unroll
+				for (int c = 0; c < C; c++)
+					if (p[j] && v0 + 32 * c < nvec)
+						add_bf16x8(acc[c], y[j][c]);
+		}
+#pragma unroll
+		for (int c = 0; c < C; c++)
+			if (v0 + 32 * c < nvec)
+				out[v0 + 32 * c] = pack_bf16x8(acc[c]);
+		if (W > 8) { // the first chunk's addresses, for the next step
+#pragma unroll
+			for (uint32_t j = 0; j < 8; j++)
+				p[j] = rp[j];
+		}
+	}
+}
+
+// The combine: a warp per home token, C column steps at a time
+// (combine_token).
+template <int C>
+__device__ static __forceinline__ void combine_warps(const struct ekc_disp_args &a)
 {
 	const uint32_t lane = threadIdx.x & 31, W = a.W, H = a.H;
 	const uint64_t nvec = H / 8;
 	// Each warp's token: its rows' addresses, one per destination (0:
 	// none there), made once per token by the lanes (rank d's combine_y
 	// is its registered memory below yrows[d], its region's field after)
-	// and read from shared memory in the column loop: computed there from
-	// the kernel's parameters with a rank known only at run time, the
-	// choice cost a quarter of the combine's speed.
+	// and read from shared memory: computed in the column loop from the
+	// kernel's parameters with a rank known only at run time, the choice
+	// cost a quarter of the combine's speed.
 	__shared__ const uint4 *rows_of[256 / 32][EKC_MAX_LOCAL];
 	const uint4 **rp = rows_of[threadIdx.x >> 5];
 	if (!combine_begin(a))
@@ -922,62 +1012,8 @@ extern "C" __global__ void __launch_bounds__(256)
 							     ? a.oo[h]
 							     : a.off[EKC_F_OUT])) +
 			     t * nvec;
-		for (uint64_t v = lane; v < nvec; v += 32) {
-			float acc[8];
-			if (bias) {
-				uint4 q = bias[v];
-				uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-				for (int i = 0; i < 4; i++) {
-					acc[2 * i] = bf16_f32(w[i] & 0xffffu);
-					acc[2 * i + 1] = bf16_f32(w[i] >> 16);
-				}
-			} else {
-#pragma unroll
-				for (int i = 0; i < 8; i++)
-					acc[i] = 0.0f;
-			}
-			if (bias2) { // DeepEP's second bias, after the first
-				uint4 q = bias2[v];
-				uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-				for (int i = 0; i < 4; i++) {
-					acc[2 * i] = __fadd_rn(
-						acc[2 * i], bf16_f32(w[i] & 0xffffu));
-					acc[2 * i + 1] = __fadd_rn(
-						acc[2 * i + 1], bf16_f32(w[i] >> 16));
-				}
-			}
-			for (uint32_t d0 = 0; d0 < W; d0 += 8) {
-				uint4 y[8];
-				bool on[8];
-#pragma unroll
-				for (uint32_t j = 0; j < 8; j++) {
-					uint32_t d = d0 + j;
-					const uint4 *row = d < W ? rp[d] : nullptr;
-					on[j] = row != nullptr;
-					if (on[j])
-						y[j] = __ldg(row + v);
-				}
-#pragma unroll
-				for (uint32_t j = 0; j < 8; j++) {
-					if (!on[j])
-						continue;
-					uint32_t w[4] = {y[j].x, y[j].y, y[j].z,
-							 y[j].w};
-#pragma unroll
-					for (int i = 0; i < 4; i++) {
-						acc[2 * i] = __fadd_rn(
-							acc[2 * i],
-							bf16_f32(w[i] & 0xffffu));
-						acc[2 * i + 1] = __fadd_rn(
-							acc[2 * i + 1],
-							bf16_f32(w[i] >> 16));
-					}
-				}
-			}
-			out[v] = pack_bf16x8(acc);
-		}
+		combine_token<C>(rp, W, lane, (uint32_t)nvec, bias, bias2,
+				 out);
 		if (a.cw && lane < a.K) {
 			// the rows' top-k weights: fp32 sums from +0.0 in
 			// ascending rank order, as the host backend
@@ -997,4 +1033,13 @@ extern "C" __global__ void __launch_bounds__(256)
 	}
 	if (lane == 0)
 		tr_end(a, EKC_TR_COMBINE);
+}
+
+#ifndef EKC_COMBINE_COLS
+#define EKC_COMBINE_COLS 1
+#endif
+extern "C" __global__ void __launch_bounds__(256)
+	ekc_combine(struct ekc_disp_args a)
+{
+	combine_warps<EKC_COMBINE_COLS>(a);
 }

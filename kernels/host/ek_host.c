@@ -216,6 +216,15 @@ void ek_recv_per_expert(const struct ek_shape *s, const struct ek_route *r,
 
 #define CHUNK 1024
 
+/* The canonical fp32 NaN (0x7fffffff), the one the GPU's adds give. */
+static inline float nan_f32(void)
+{
+	const uint32_t u = 0x7fffffffu;
+	float f;
+	memcpy(&f, &u, sizeof(f));
+	return f;
+}
+
 /* Written so that the compiler vectorizes every inner loop (checked with
  * -fopt-info-vec): the accumulator is punned through a union, and the NaN
  * case of the rounding is a select, not a branch. */
@@ -267,9 +276,12 @@ void ek_combine_tokens(const struct ek_shape *s, const struct ek_route *r,
 			for (uint32_t i = 0; i < n; i++) {
 				uint32_t u = acc.u[i];
 				uint32_t rne = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-				uint32_t qnan = (u >> 16) | 0x40u;
+				/* every NaN is the canonical 0x7fff, as the
+				 * GPU's cvt.rn.bf16x2.f32 writes it: the sums'
+				 * NaN payloads differ between the CPU's adds
+				 * and the GPU's */
 				o[i] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u
-							  ? qnan
+							  ? 0x7fffu
 							  : rne);
 			}
 		}
@@ -283,7 +295,7 @@ void ek_combine_tokens(const struct ek_shape *s, const struct ek_route *r,
 						a += io[d].combine_w
 							     [(size_t)slot[d] * K +
 							      k];
-				ow[k] = a;
+				ow[k] = a == a ? a : nan_f32();
 			}
 		}
 	}

@@ -85,28 +85,6 @@ __device__ static inline void combine_weights(const struct ekc_disp_args &a,
 	((float *)field(a, h, EKC_F_CW_OUT))[t * K + lane] = acc;
 }
 
-// acc = the eight bf16 of q (a sum's start); acc += them, in fp32.
-__device__ static inline void set_bf16x8(float acc[8], uint4 q)
-{
-	const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-	for (int i = 0; i < 4; i++) {
-		acc[2 * i] = __uint_as_float(w[i] << 16);
-		acc[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-	}
-}
-
-__device__ static inline void add_bf16x8(float acc[8], uint4 q)
-{
-	const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-	for (int i = 0; i < 4; i++) {
-		acc[2 * i] = __fadd_rn(acc[2 * i], __uint_as_float(w[i] << 16));
-		acc[2 * i + 1] = __fadd_rn(acc[2 * i + 1],
-					   __uint_as_float(w[i] & 0xffff0000u));
-	}
-}
-
 __device__ static inline void zero8(float acc[8])
 {
 #pragma unroll
@@ -422,7 +400,7 @@ __device__ static __forceinline__ void combine_pipe(const struct ekc_disp_args &
 VARIANTS(DEF)
 #undef DEF
 // Register pipelines: S column steps an item, D items in flight.
-#define PIPES(X) X(1, 6, 4, 0) X(1, 6, 4, 1) X(2, 4, 3, 0) X(2, 4, 3, 1) X(2, 2, 4, 0) X(2, 2, 4, 1) X(2, 2, 4, 2) X(4, 2, 2, 0) X(4, 2, 2, 1)
+#define PIPES(X) X(2, 2, 4, 0) X(2, 2, 4, 1)
 #define DEFP(s_, d_, b_, l_)                                                   \
 	extern "C" __global__ void __launch_bounds__(256, b_)                  \
 		pipe_##s_##_##d_##_##b_##_##l_(struct ekc_disp_args a)         \
@@ -431,6 +409,16 @@ VARIANTS(DEF)
 	}
 PIPES(DEFP)
 #undef DEFP
+// ekc_combine's body with C column steps at a time, B blocks per SM.
+#define COLS(X) X(1, 4) X(2, 2) X(2, 3) X(4, 2)
+#define DEFC(c_, b_)                                                           \
+	extern "C" __global__ void __launch_bounds__(256, b_)                  \
+		cols_##c_##_##b_(struct ekc_disp_args a)                       \
+	{                                                                      \
+		combine_warps<c_>(a);                                          \
+	}
+COLS(DEFC)
+#undef DEFC
 
 struct variant {
 	const char *name;
@@ -446,9 +434,14 @@ static std::vector<struct variant> variants = {
 #define ROWP(s_, d_, b_, l_) {"pipe S" #s_ "D" #d_ "/" #b_ " " #l_, pipe_##s_##_##d_##_##b_##_##l_, 256, 0, 0},
 	PIPES(ROWP)
 #undef ROWP
+#define ROWC(c_, b_) {"cols C" #c_ "/" #b_, cols_##c_##_##b_, 256, 0, 0},
+	COLS(ROWC)
+#undef ROWC
 };
 
-// Moderate random bf16 values (exponents -4..3, random signs), some -0.0.
+// Moderate random bf16 values (exponents -4..3, random signs), some -0.0,
+// and a few NaNs (random payloads and signs) and infinities of either
+// sign: every NaN a sum meets comes out as the canonical 0x7fff.
 __global__ void fill_bf16(uint16_t *p, size_t n, uint64_t seed)
 {
 	for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
@@ -458,7 +451,11 @@ __global__ void fill_bf16(uint16_t *p, size_t n, uint64_t seed)
 		z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
 		z ^= z >> 31;
 		uint16_t v = (uint16_t)((z & 0x807f) | ((123 + (z >> 8) % 8) << 7));
-		p[i] = (z >> 40) % 997 == 0 ? 0x8000 : v;
+		const uint32_t k = (uint32_t)((z >> 40) % 997);
+		p[i] = k == 0	? 0x8000
+		       : k == 1 ? (uint16_t)(0x7f81 | (z & 0x807e)) // NaN
+		       : k == 2 ? (uint16_t)(0x7f80 | (z & 0x8000)) // +-inf
+				: v;
 	}
 }
 
@@ -772,8 +769,8 @@ int main(void)
 	auto bf16 = [](float f) {
 		uint32_t u;
 		memcpy(&u, &f, 4);
-		if ((u & 0x7fffffffu) > 0x7f800000u)
-			return (uint16_t)((u >> 16) | 0x40);
+		if ((u & 0x7fffffffu) > 0x7f800000u) // the canonical NaN
+			return (uint16_t)0x7fff;
 		return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 	};
 	auto reference = [&]() {

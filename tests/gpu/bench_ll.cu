@@ -118,8 +118,8 @@ static uint16_t f2bf(float f)
 {
 	uint32_t u;
 	memcpy(&u, &f, 4);
-	if ((u & 0x7fffffffu) > 0x7f800000u)
-		return (uint16_t)((u >> 16) | 0x40u);
+	if ((u & 0x7fffffffu) > 0x7f800000u) // the canonical NaN
+		return (uint16_t)0x7fffu;
 	return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 

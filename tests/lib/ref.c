@@ -35,13 +35,14 @@ float ref_f32(uint16_t b)
 	return f;
 }
 
-/* Round to nearest, ties to even, by looking at the dropped bits. */
+/* Round to nearest, ties to even, by looking at the dropped bits; every
+ * NaN to the canonical 0x7fff. */
 uint16_t ref_bf16(float f)
 {
 	uint32_t u;
 	memcpy(&u, &f, sizeof(u));
-	if (isnan(f))
-		return (uint16_t)((u >> 16) | 0x40);
+	if (isnan(f)) /* every NaN: the canonical one */
+		return 0x7fff;
 	uint32_t hi = u >> 16, lo = u & 0xffff;
 	if (lo > 0x8000 || (lo == 0x8000 && (hi & 1)))
 		hi++;
@@ -284,6 +285,10 @@ void ref_combine_weights(const struct ref_case *c, uint32_t T,
 						acc += w[d][(size_t)i * K + k];
 						break;
 					}
+			if (isnan(acc)) { /* the canonical NaN */
+				const uint32_t u = 0x7fffffffu;
+				memcpy(&acc, &u, sizeof(acc));
+			}
 			out[(size_t)t * K + k] = acc;
 		}
 }
@@ -327,8 +332,28 @@ uint16_t *ref_gen_y(const struct ref_case *c, uint32_t d, uint32_t R,
 {
 	struct rng r = rstream(c->seed, d, salt, 3);
 	uint16_t *y = malloc((size_t)R * c->hidden * 2 + 2);
-	for (size_t i = 0; i < (size_t)R * c->hidden; i++)
+	for (size_t i = 0; i < (size_t)R * c->hidden; i++) {
 		y[i] = rand_bf16(&r);
+		/* now and then a value whose sum is special: a NaN with
+		 * any payload and sign (the sum is the canonical NaN on
+		 * every backend), an infinity, the largest finite value
+		 * (a few of them overflow), -0.0 */
+		const uint64_t v = rnext(&r);
+		switch (v % 509) {
+		case 0:
+			y[i] = (uint16_t)(0x7f81u | ((v >> 16) & 0x807eu));
+			break;
+		case 1:
+			y[i] = (uint16_t)(0x7f80u | ((v >> 16) & 0x8000u));
+			break;
+		case 2:
+			y[i] = (uint16_t)(0x7f7fu | ((v >> 16) & 0x8000u));
+			break;
+		case 3:
+			y[i] = 0x8000u;
+			break;
+		}
+	}
 	return y;
 }
 

@@ -100,7 +100,8 @@ void ref_combine_weights(const struct ref_case *c, uint32_t T,
 /* Layout of rank r's inputs. */
 void ref_layout(const struct ref_case *c, const struct ref_inputs *in,
 		int32_t *per_rank, int32_t *per_expert, uint8_t *in_rank);
-/* Random bf16 combine input for rank d, R rows. */
+/* Random bf16 combine input for rank d, R rows, with rare NaNs (any
+ * payload), infinities, the largest finite values and -0.0. */
 uint16_t *ref_gen_y(const struct ref_case *c, uint32_t d, uint32_t R,
 		    uint64_t salt);
 /* float -> bf16, round to nearest even; bf16 -> float. */

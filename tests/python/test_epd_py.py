@@ -28,8 +28,8 @@ def bf16_f32(h):
 
 def f32_bf16(f):
     u = struct.unpack("<I", struct.pack("<f", f))[0]
-    if (u & 0x7FFFFFFF) > 0x7F800000:
-        return (u >> 16) | 0x40
+    if (u & 0x7FFFFFFF) > 0x7F800000:  # every NaN: the canonical one
+        return 0x7FFF
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
 
 
