@@ -902,15 +902,16 @@ __device__ static inline bool combine_begin(const struct ekc_disp_args &a)
 }
 
 // The sum of one home token's rows, by its warp: lane l takes columns
-// (16-byte vectors) l, l + 32, ... C at a time (C * 8 loads of up to 8
-// ranks' rows in flight together), each started from the bias (then the
-// second bias) or +0.0 and added in ascending rank order: the order of
-// the sums is fixed. rp: the rows' addresses by rank, in the warp's
-// shared memory (NULL: no row there); up to 8 ranks they are read into
-// registers once per token, else once per chunk of 8 and column step.
+// (16-byte vectors) l, l + 32, ... C at a time, each started from the
+// bias (then the second bias) or +0.0 and added in ascending rank order:
+// the order of the sums is fixed. rp: the addresses of the token's n
+// rows, in ascending rank order (the warp's shared memory). n <= 8
+// (always when top-k <= 8: a token has a row on at most k ranks): they
+// stay in registers for the whole token, and every row's loads of a
+// column step are in flight together; more rows go 8 at a time.
 template <int C>
 __device__ static __forceinline__ void combine_token(const uint4 *const *rp,
-						     uint32_t W, uint32_t lane,
+						     uint32_t n, uint32_t lane,
 						     uint32_t nvec,
 						     const uint4 *bias,
 						     const uint4 *bias2,
@@ -919,7 +920,7 @@ __device__ static __forceinline__ void combine_token(const uint4 *const *rp,
 	const uint4 *p[8];
 #pragma unroll
 	for (uint32_t j = 0; j < 8; j++)
-		p[j] = j < W ? rp[j] : nullptr;
+		p[j] = j < n ? rp[j] : nullptr;
 	for (uint32_t v0 = lane; v0 < nvec; v0 += 32 * C) {
 		float acc[C][8];
 #pragma unroll
@@ -933,31 +934,31 @@ __device__ static __forceinline__ void combine_token(const uint4 *const *rp,
 			if (v < nvec && bias2) // DeepEP's second bias
 				add_bf16x8(acc[c], bias2[v]);
 		}
-		for (uint32_t d0 = 0; d0 < W; d0 += 8) {
-			if (d0) {
+		for (uint32_t j0 = 0; j0 < n; j0 += 8) {
+			if (j0) {
 #pragma unroll
 				for (uint32_t j = 0; j < 8; j++)
-					p[j] = d0 + j < W ? rp[d0 + j] : nullptr;
+					p[j] = j0 + j < n ? rp[j0 + j] : nullptr;
 			}
 			uint4 y[8][C];
 #pragma unroll
 			for (uint32_t j = 0; j < 8; j++)
 #pragma unroll
 				for (int c = 0; c < C; c++)
-					if (p[j] && v0 + 32 * c < nvec)
+					if (j0 + j < n && v0 + 32 * c < nvec)
 						y[j][c] = __ldg(p[j] + v0 + 32 * c);
 #pragma unroll
 			for (uint32_t j = 0; j < 8; j++)
 #pragma unroll
 				for (int c = 0; c < C; c++)
-					if (p[j] && v0 + 32 * c < nvec)
+					if (j0 + j < n && v0 + 32 * c < nvec)
 						add_bf16x8(acc[c], y[j][c]);
 		}
 #pragma unroll
 		for (int c = 0; c < C; c++)
 			if (v0 + 32 * c < nvec)
 				out[v0 + 32 * c] = pack_bf16x8(acc[c]);
-		if (W > 8) { // the first chunk's addresses, for the next step
+		if (n > 8) { // the first 8 rows again, for the next step
 #pragma unroll
 			for (uint32_t j = 0; j < 8; j++)
 				p[j] = rp[j];
@@ -972,10 +973,10 @@ __device__ static __forceinline__ void combine_warps(const struct ekc_disp_args 
 {
 	const uint32_t lane = threadIdx.x & 31, W = a.W, H = a.H;
 	const uint64_t nvec = H / 8;
-	// Each warp's token: its rows' addresses, one per destination (0:
-	// none there), made once per token by the lanes (rank d's combine_y
-	// is its registered memory below yrows[d], its region's field after)
-	// and read from shared memory: computed in the column loop from the
+	// Each warp's token: its rows' addresses in ascending rank order,
+	// made once per token by the lanes (rank d's combine_y is its
+	// registered memory below yrows[d], its region's field after) and
+	// passed through shared memory: computed in the column loop from the
 	// kernel's parameters with a rank known only at run time, the choice
 	// cost a quarter of the combine's speed.
 	__shared__ const uint4 *rows_of[256 / 32][EKC_MAX_LOCAL];
@@ -989,14 +990,20 @@ __device__ static __forceinline__ void combine_warps(const struct ekc_disp_args 
 		const uint32_t h = masked_token(a, g, &t); // a home rank
 		const int32_t *slot = a.slot + ((uint64_t)h * a.Tmax + t) * W;
 		__syncwarp(); // the previous token's addresses are read
-		for (uint32_t d = lane; d < W; d += 32) {
-			const int32_t r = slot[d];
-			const uint64_t o = (uint32_t)r < a.yrows[d]
-						   ? a.yo[d]
-						   : a.off[EKC_F_Y];
-			rp[d] = r < 0 ? nullptr
-				      : (const uint4 *)(a.region[d] + o) +
-						(uint64_t)r * nvec;
+		uint32_t n = 0;
+		for (uint32_t d0 = 0; d0 < W; d0 += 32) {
+			const uint32_t d = d0 + lane;
+			const int32_t r = d < W ? slot[d] : -1;
+			const uint32_t m = __ballot_sync(0xffffffffu, r >= 0);
+			if (r >= 0) {
+				const uint64_t o = (uint32_t)r < a.yrows[d]
+							   ? a.yo[d]
+							   : a.off[EKC_F_Y];
+				rp[n + __popc(m & ((1u << lane) - 1))] =
+					(const uint4 *)(a.region[d] + o) +
+					(uint64_t)r * nvec;
+			}
+			n += __popc(m);
 		}
 		__syncwarp();
 		const uint4 *bias = (a.bias_mask >> h) & 1
@@ -1012,8 +1019,7 @@ __device__ static __forceinline__ void combine_warps(const struct ekc_disp_args 
 							     ? a.oo[h]
 							     : a.off[EKC_F_OUT])) +
 			     t * nvec;
-		combine_token<C>(rp, W, lane, (uint32_t)nvec, bias, bias2,
-				 out);
+		combine_token<C>(rp, n, lane, (uint32_t)nvec, bias, bias2, out);
 		if (a.cw && lane < a.K) {
 			// the rows' top-k weights: fp32 sums from +0.0 in
 			// ascending rank order, as the host backend

@@ -400,7 +400,7 @@ __device__ static __forceinline__ void combine_pipe(const struct ekc_disp_args &
 VARIANTS(DEF)
 #undef DEF
 // Register pipelines: S column steps an item, D items in flight.
-#define PIPES(X) X(2, 2, 4, 0) X(2, 2, 4, 1)
+#define PIPES(X) X(2, 2, 4, 0)
 #define DEFP(s_, d_, b_, l_)                                                   \
 	extern "C" __global__ void __launch_bounds__(256, b_)                  \
 		pipe_##s_##_##d_##_##b_##_##l_(struct ekc_disp_args a)         \
@@ -410,7 +410,7 @@ VARIANTS(DEF)
 PIPES(DEFP)
 #undef DEFP
 // ekc_combine's body with C column steps at a time, B blocks per SM.
-#define COLS(X) X(1, 4) X(2, 2) X(2, 3) X(4, 2)
+#define COLS(X) X(1, 4) X(2, 2)
 #define DEFC(c_, b_)                                                           \
 	extern "C" __global__ void __launch_bounds__(256, b_)                  \
 		cols_##c_##_##b_(struct ekc_disp_args a)                       \
