@@ -502,9 +502,11 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
     # segments: its memory must outlive the group)
     global KEPT_OUT
     KEPT_OUT = (out, want)
-    if CUDA and "expandable_segments:True" in \
-            os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
-        # the combines above read the rows where torch put them
+    from epd.deep_ep.buffers import legacy as _legacy
+    if CUDA and _legacy.expandable_segments():
+        # expandable segments (the caller's setting, or the one the
+        # Buffer made unless $EPD_DEEP_EP_EXPANDABLE=0): the combines
+        # above read the rows where torch put them
         # (registered memory), not through a copy: checked bit for bit
         # against the reference all the same
         placed = [s_.in_place for s_ in buf._subs.values()
@@ -516,8 +518,9 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
         print(f"ok: rank {r}: combines read torch's rows and wrote their "
               "outputs in place (registered memory)", flush=True)
     elif CUDA:
-        # torch's default allocator: not memory the daemon can import;
-        # the first try said so (EP_EUNSUPPORTED) and the rows are copied
+        # torch's default allocator ($EPD_DEEP_EP_EXPANDABLE=0): not
+        # memory the daemon can import; the first try said so
+        # (EP_EUNSUPPORTED) and the rows are copied
         for s_ in buf._subs.values():
             assert not getattr(s_, "mregs", None), "registered without " \
                 "expandable segments"

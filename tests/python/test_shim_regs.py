@@ -85,6 +85,7 @@ class FakeGroup:
 def sub_with(group):
     s = legacy._Sub.__new__(legacy._Sub)
     s.mreg_on, s.g, s.mregs, s.registered = True, group, [], 0
+    s.refused = 0
     return s
 
 
@@ -165,6 +166,30 @@ def main():
     r2 = s.region_of(FakeTensor((1 << 40) + 8 * MiB, 2 * MiB))
     check(r is None and r2 is None and not s.mreg_on and len(g.asked) == 1,
           "EP_EUNSUPPORTED: registration off, no further tries")
+
+    # with expandable segments (turned on by a Buffer): a tensor from a
+    # segment made before is copied alone (one try, no narrower extent),
+    # the next one in an expandable segment registers; only _REFUSALS in
+    # a row turn registering off
+    saved_es, legacy._ES = legacy._ES, True
+    try:
+        SEGS[:] = [(1 << 40, 512 * MiB), (3 << 40, 64 * MiB)]
+        g = FakeGroup(fail={512 * MiB: epd.EUNSUPPORTED})
+        s = sub_with(g)
+        r = s.region_of(FakeTensor((1 << 40) + MiB, 2 * MiB))
+        check(r is None and s.mreg_on and s.refused == 1 and
+              len(g.asked) == 1,
+              "expandable segments: an old segment's tensor copied alone, "
+              "registering stays on")
+        r = s.region_of(FakeTensor((3 << 40) + MiB, 2 * MiB))
+        check(r is not None and s.refused == 0 and len(g.asked) == 2,
+              "expandable segments: the next tensor registers")
+        for i in range(legacy._REFUSALS):
+            s.region_of(FakeTensor((1 << 40) + (i + 2) * MiB, MiB))
+        check(not s.mreg_on and len(g.asked) == 2 + legacy._REFUSALS,
+              f"{legacy._REFUSALS} refusals in a row: registering off")
+    finally:
+        legacy._ES = saved_es
     return 0
 
 

@@ -162,6 +162,56 @@ def _copies(pieces, stream):
             epd.stream_copies([p], stream)
 
 
+# PyTorch's expandable segments: memory the daemon can import (cuMemCreate
+# with a shareable handle), so a combine's rows and a dispatch's x are read
+# where torch put them and a combine's output written in place; with the
+# default allocator (cudaMalloc) they are copied: 1.3x and 2.8x the own API
+# (PERFORMANCE.md, twentieth session) against 1.04 and 1.01. A Buffer of
+# GPU ranks of one node turns them on for torch's allocations from then
+# on (torch.cuda.memory._set_allocator_settings, what PyTorch recommends
+# against fragmentation anyway) unless the caller chose: $PYTORCH_CUDA_-
+# ALLOC_CONF or $PYTORCH_ALLOC_CONF names expandable_segments, or
+# $EPD_DEEP_EP_EXPANDABLE=0. None: not decided yet; then True or False.
+_ES = None
+
+
+def _alloc_conf():
+    return ",".join(os.environ.get(v, "") for v in
+                    ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+
+
+def expandable_segments():
+    """Whether torch's CUDA allocations are in expandable segments (the
+    caller's setting, or the one a Buffer made): None before any Buffer
+    of GPU ranks asked."""
+    return _ES
+
+
+def _expandable(torch):
+    global _ES
+    if _ES is not None:
+        return _ES
+    conf = _alloc_conf().replace(" ", "")
+    if "expandable_segments" in conf:
+        _ES = "expandable_segments:True" in conf
+    elif os.environ.get("EPD_DEEP_EP_EXPANDABLE", "1") == "0":
+        _ES = False
+    else:
+        setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+        try:
+            setter("expandable_segments:True")
+            _ES = True
+        except Exception:  # an older torch: the copies
+            _ES = False
+    return _ES
+
+
+# EP_EUNSUPPORTED for this many registrations in a row: memory of the
+# wrong kind all the time (registering off for good); with expandable
+# segments a tensor in a segment made before they were on is copied alone
+_REFUSALS = 8
+
+
 # the most a registration of a caching-allocator segment spans (region_of)
 _MREG_SPAN = 1 << 30
 
@@ -350,6 +400,7 @@ class _Sub:
         self.in_place = {"rows": 0, "out": 0}
         self.mreg_on = buf._rpn == buf.group_size and not tag and \
             os.environ.get("EPD_DEEP_EP_REGISTER", "1") != "0"
+        self.refused = 0  # EP_EUNSUPPORTED in a row (_REFUSALS)
 
     def region_of(self, x):
         """The registration that holds x's bytes (made if none does), or
@@ -374,8 +425,8 @@ class _Sub:
             # too many allocations, a hole in the segment (memory torch
             # gave back): the next, narrower extent
             r = self._register(lo, size)
-            if r is not None or not self.mreg_on:
-                break
+            if r is not None or not self.mreg_on or self.refused:
+                break  # (memory of the wrong kind: no narrower try)
         if r is None:
             return None
         self.registered += 1
@@ -406,14 +457,20 @@ class _Sub:
         return (t, r), None
 
     def _register(self, ptr, n):
-        """A registration of [ptr, ptr + n), or None; memory of the wrong
-        kind (no expandable segments) turns registering off for good."""
+        """A registration of [ptr, ptr + n), or None. Memory of the wrong
+        kind (EP_EUNSUPPORTED) turns registering off for good without
+        expandable segments, or after _REFUSALS in a row with them (a
+        tensor from a segment made before they were on is copied)."""
         try:
-            return self.g.mem_register(ptr, n)
+            r = self.g.mem_register(ptr, n)
         except epd.Error as e:
             if e.code == epd.EUNSUPPORTED:
-                self.mreg_on = False
+                self.refused += 1
+                if not _ES or self.refused >= _REFUSALS:
+                    self.mreg_on = False
             return None
+        self.refused = 0
+        return r
 
     def take(self):
         """A free receive area and its event, or (0, None): none free
@@ -493,6 +550,9 @@ class Buffer:
                     "epd's deep_ep: the group's ranks must be node-major "
                     f"with the same number per node; got {hosts}")
         self._rpn = rpn
+        if self._device is not None and rpn == self.group_size and \
+                os.environ.get("EPD_DEEP_EP_REGISTER", "1") != "0":
+            _expandable(torch)  # from here on: memory read in place
         self._name = "dep-" + allv[0][2]
         self._conn = epd.connect(sock)
         if self._device is not None:
@@ -1000,7 +1060,7 @@ class Buffer:
     def _host_dispatch(self, sub, x, xs, topk_idx, topk_weights, in_rank,
                        rt, worst, prev, async_finish, alloc_comm):
         torch = _torch()
-        T, H, K, W = x.size(0), sub.H, sub.K, sub.W
+        T, W = x.size(0), sub.W
         cached = rt is not None
         xn = x.contiguous().view(torch.uint8 if sub.fp8 else torch.int16)
         sn = xs.float().contiguous().numpy() if sub.fp8 else None
@@ -1333,14 +1393,13 @@ class Buffer:
         src_info._epd = ll
         handle = (src_info, r["layout_range"], N, H, E)
         ev = EventOverlap(EventHandle() if async_finish else None)
-        hook = _ready
-        if return_recv_hook:
-            def hook():
-                ll.check()
-                sub.g.ll_dispatch_hook(b, torch.cuda.current_stream())
-                # the counts exist once the receive ran
-                if stats is not None:
-                    stats.add_(r["recv_count"].to(stats.device))
+        def recv_hook():
+            ll.check()
+            sub.g.ll_dispatch_hook(b, torch.cuda.current_stream())
+            # the counts exist once the receive ran
+            if stats is not None:
+                stats.add_(r["recv_count"].to(stats.device))
+        hook = recv_hook if return_recv_hook else _ready
         recv = (r["recv_x"], r["recv_scales"]) if cast[0] else r["recv_x"]
         return recv, r["recv_count"], handle, ev, hook
 
