@@ -22,6 +22,7 @@ void epd_config_defaults(struct epd_config *c)
 	c->log_level = EPD_LOG_INFO;
 	c->timeout_ms = 30000;
 	c->cuda_copy_sms = EPD_COPY_SMS_AUTO; /* PERFORMANCE.md */
+	c->cuda_combine_fetch = -1;
 	/* The resident barrier's rank-side kernel and the daemon's data
 	 * kernels spin on each other's words: under MPS that wedged the GPU
 	 * (epd.conf(5), PERFORMANCE.md): opt-in only. */
@@ -173,6 +174,14 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 		else if (parse_u32(v, 0, 1024, 10, &u))
 			return -2;
 		c->cuda_copy_sms = u;
+	} else if (!strcmp(key, "cuda_combine_fetch")) {
+		bool b;
+		if (!strcmp(v, "auto"))
+			c->cuda_combine_fetch = -1;
+		else if (parse_bool(v, &b))
+			return -2;
+		else
+			c->cuda_combine_fetch = b;
 	} else if ((off = yes_no_flag(c, key)) != NULL) {
 		bool b;
 		if (parse_bool(v, &b))

@@ -37,6 +37,8 @@ struct epd_config {
 	bool cuda_no_resident;     /* no resident barrier kernel under MPS */
 	bool cuda_no_tma;          /* dispatch rows by SIMT copies only */
 	bool cuda_no_fused_prep;   /* count, scan, slot as three launches */
+	int cuda_combine_fetch;    /* rows fetched into L2 ahead: -1 auto,
+				      0 no, 1 yes */
 	bool no_host_barrier;      /* GPU barriers without the host thread */
 	/* Cluster (empty peers: a single node). */
 	char node_name[64];

@@ -132,6 +132,9 @@ int ekc_fail(const struct ekc_driver *d, CUresult r, const char *what,
 
 /* Kernel arguments of the barrier: pointers into each local rank's region. */
 #define EKC_MAX_LOCAL 64
+/* ekc_combine_fetch: the rows fetched into L2 this many column steps (of
+ * 512 bytes a row) ahead, 4 steps a fetch */
+#define EKC_COMBINE_FETCH 4
 struct ekc_barrier_args {
 	CUdeviceptr ctrl[EKC_MAX_LOCAL]; /* region base of local rank l */
 	uint64_t *completed;             /* host-mapped, [rpn] stride words */

@@ -909,7 +909,32 @@ __device__ static inline bool combine_begin(const struct ekc_disp_args &a)
 // (always when top-k <= 8: a token has a row on at most k ranks): they
 // stay in registers for the whole token, and every row's loads of a
 // column step are in flight together; more rows go 8 at a time.
-template <int C>
+// The bulk-copy engine fetches [p, p + bytes) into L2 (no registers, no
+// shared memory; one instruction for up to a few KB).
+__device__ static inline void l2_fetch(const void *p, uint32_t bytes)
+{
+	asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p),
+		     "r"(bytes)
+		     : "memory");
+}
+
+// PF > 0: lane j < n asks the bulk-copy engine for row j's next 4 column
+// steps, PF steps ahead, every 4 steps (and the first PF at the token's
+// start), so that the loads wait for L2 rather than for the memory.
+template <int C, int PF>
+__device__ static __forceinline__ void combine_fetch(const uint4 *const *rp,
+						     uint32_t n, uint32_t lane,
+						     uint32_t nvec, uint32_t v,
+						     uint32_t steps)
+{
+	if (!PF || lane >= n)
+		return;
+	const uint32_t hi = min(nvec, v + 32 * C * steps);
+	if (v < hi)
+		l2_fetch(rp[lane] + v, (hi - v) * 16);
+}
+
+template <int C, int PF = 0>
 __device__ static __forceinline__ void combine_token(const uint4 *const *rp,
 						     uint32_t n, uint32_t lane,
 						     uint32_t nvec,
@@ -921,7 +946,12 @@ __device__ static __forceinline__ void combine_token(const uint4 *const *rp,
 #pragma unroll
 	for (uint32_t j = 0; j < 8; j++)
 		p[j] = j < n ? rp[j] : nullptr;
-	for (uint32_t v0 = lane; v0 < nvec; v0 += 32 * C) {
+	if (PF && n <= 8)
+		combine_fetch<C, PF>(rp, n, lane, nvec, 0, PF);
+	for (uint32_t v0 = lane, step = 0; v0 < nvec; v0 += 32 * C, step++) {
+		if (PF && n <= 8 && step % 4 == 0)
+			combine_fetch<C, PF>(rp, n, lane, nvec,
+					     (v0 - lane) + 32 * C * PF, 4);
 		float acc[C][8];
 #pragma unroll
 		for (int c = 0; c < C; c++) {
@@ -968,7 +998,7 @@ __device__ static __forceinline__ void combine_token(const uint4 *const *rp,
 
 // The combine: a warp per home token, C column steps at a time
 // (combine_token).
-template <int C>
+template <int C, int PF = 0>
 __device__ static __forceinline__ void combine_warps(const struct ekc_disp_args &a)
 {
 	const uint32_t lane = threadIdx.x & 31, W = a.W, H = a.H;
@@ -1019,7 +1049,8 @@ __device__ static __forceinline__ void combine_warps(const struct ekc_disp_args 
 							     ? a.oo[h]
 							     : a.off[EKC_F_OUT])) +
 			     t * nvec;
-		combine_token<C>(rp, n, lane, (uint32_t)nvec, bias, bias2, out);
+		combine_token<C, PF>(rp, n, lane, (uint32_t)nvec, bias, bias2,
+				     out);
 		if (a.cw && lane < a.K) {
 			// the rows' top-k weights: fp32 sums from +0.0 in
 			// ascending rank order, as the host backend
@@ -1048,4 +1079,12 @@ extern "C" __global__ void __launch_bounds__(256)
 	ekc_combine(struct ekc_disp_args a)
 {
 	combine_warps<EKC_COMBINE_COLS>(a);
+}
+
+// The same with the rows fetched into L2 EKC_COMBINE_FETCH column steps
+// ahead, for grids of few SMs (the daemon's choice, cu_combine_fn).
+extern "C" __global__ void __launch_bounds__(256)
+	ekc_combine_fetch(struct ekc_disp_args a)
+{
+	combine_warps<EKC_COMBINE_COLS, EKC_COMBINE_FETCH>(a);
 }

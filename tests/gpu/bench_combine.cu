@@ -409,13 +409,14 @@ VARIANTS(DEF)
 	}
 PIPES(DEFP)
 #undef DEFP
-// ekc_combine's body with C column steps at a time, B blocks per SM.
-#define COLS(X) X(1, 4) X(2, 2)
-#define DEFC(c_, b_)                                                           \
+// ekc_combine's body with C column steps at a time, B blocks per SM, the
+// rows fetched into L2 by the bulk-copy engine PF steps ahead (0: not).
+#define COLS(X) X(1, 4, 0) X(1, 3, 8)
+#define DEFC(c_, b_, f_)                                                       \
 	extern "C" __global__ void __launch_bounds__(256, b_)                  \
-		cols_##c_##_##b_(struct ekc_disp_args a)                       \
+		cols_##c_##_##b_##_##f_(struct ekc_disp_args a)                \
 	{                                                                      \
-		combine_warps<c_>(a);                                          \
+		combine_warps<c_, f_>(a);                                      \
 	}
 COLS(DEFC)
 #undef DEFC
@@ -428,13 +429,14 @@ struct variant {
 };
 static std::vector<struct variant> variants = {
 	{"ekc_combine", ekc_combine, 256, 0, 0},
+	{"ekc_combine_fetch", ekc_combine_fetch, 256, 0, 0},
 #define ROW(nt, r) {"ring " #nt "x" #r, ring_##nt##_##r, nt, nt * r * 16, 1},
 	VARIANTS(ROW)
 #undef ROW
 #define ROWP(s_, d_, b_, l_) {"pipe S" #s_ "D" #d_ "/" #b_ " " #l_, pipe_##s_##_##d_##_##b_##_##l_, 256, 0, 0},
 	PIPES(ROWP)
 #undef ROWP
-#define ROWC(c_, b_) {"cols C" #c_ "/" #b_, cols_##c_##_##b_, 256, 0, 0},
+#define ROWC(c_, b_, f_) {"cols C" #c_ "/" #b_ " pf" #f_, cols_##c_##_##b_##_##f_, 256, 0, 0},
 	COLS(ROWC)
 #undef ROWC
 };

@@ -675,7 +675,8 @@ int main(void)
 	 * default where rows fit; the SIMT one runs below 32 SMs) */
 	th_daemon_stop(&gpu);
 	th_daemon_start(&gpu, "--backend", "cuda", "-o", "cuda_tma=no", "-o",
-			"cuda_fused_prep=no", NULL);
+			"cuda_fused_prep=no", "-o", "cuda_combine_fetch=yes",
+			NULL);
 	for (size_t i = 0; i < sizeof(fixed) / sizeof(fixed[0]); i++, n++) {
 		x->c = fixed[i];
 		x->c.seed = seed + 100 + (uint64_t)i;
@@ -684,8 +685,9 @@ int main(void)
 		x->big_rank = i == 0 ? 1 : -1; /* the three launches' path */
 		run_case(x);
 	}
-	printf("ok: the fixed cases with the SIMT row copy and three prep "
-	       "launches (cuda_tma=no, cuda_fused_prep=no)\n");
+	printf("ok: the fixed cases with the SIMT row copy, three prep "
+	       "launches and the combine's L2 fetch (cuda_tma=no, "
+	       "cuda_fused_prep=no, cuda_combine_fetch=yes)\n");
 	th_daemon_stop(&gpu);
 	th_daemon_start(&gpu, "--backend", "cuda", NULL);
 	x->bad_rank = -1;

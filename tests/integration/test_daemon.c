@@ -328,6 +328,8 @@ static void check_bad_configs(const char *dir)
 		 "bad value 'many' for 'cuda_copy_sms'"},
 		{"[epd]\ncuda_fused_prep = often\n", "-t",
 		 "bad value 'often' for 'cuda_fused_prep'"},
+		{"[epd]\ncuda_combine_fetch = often\n", "-t",
+		 "bad value 'often' for 'cuda_combine_fetch'"},
 		{"[epd]\nnode_name = a\npeers = a@127.0.0.1:1, b\n"
 		 "cluster_key_file = %s\n",
 		 "", "'b' is not name@host:port"},

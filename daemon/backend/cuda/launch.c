@@ -91,6 +91,33 @@ static bool reg_at(struct epd_cuda_group *c, uint32_t l, uint32_t id,
 	return true;
 }
 
+/* The combine's kernel for sms SMs' worth of blocks (*blocks: its grid).
+ * With few of them, ekc_combine_fetch: the bulk-copy engine fetches the
+ * rows into L2 a few column steps ahead of the loads, which then wait for
+ * L2 rather than for memory (H200, DeepSeek-V3 shape, held to 24 SMs: 0.49
+ * of D2D against 0.43; 32: 0.64 against 0.55). With many, what the warps
+ * fetch ahead no longer fits in L2 and evicts itself (66 SMs: 0.77 against
+ * 0.88): ekc_combine. auto takes the fetch while that footprint (warps x
+ * rows a token x the steps ahead and one fetch's x 512 bytes) is at most
+ * half of L2. */
+static CUfunction combine_fn(const struct epd_group *g, const struct cudev *d,
+			     unsigned sms, unsigned *blocks)
+{
+	const int how = g->srv->cfg.cuda_combine_fetch;
+	uint64_t rows = g->shape.topk < g->shape.world_size ? g->shape.topk
+						       : g->shape.world_size;
+	if (rows > 8)
+		rows = 8; /* the kernel fetches for up to 8 rows a token */
+	const uint64_t warps = (uint64_t)sms * (unsigned)d->occ_combine_fetch * 8;
+	const uint64_t bytes = warps * rows * (EKC_COMBINE_FETCH + 4) * 512;
+	if (how == 1 || (how < 0 && bytes <= (uint64_t)d->l2 / 2)) {
+		*blocks = sms * (unsigned)d->occ_combine_fetch;
+		return d->combine_fetch;
+	}
+	*blocks = sms * (unsigned)d->occ_combine;
+	return d->combine;
+}
+
 /* The other GPUs' part of a copy or combine: each waits for dev0's
  * stream so far, works on its own ranks (rank_mask), and is joined back
  * by join_devs. a->rank_mask is left for dev0's own part. */
@@ -112,11 +139,11 @@ static CUresult spread(struct epd_group *g, struct ekc_disp_args *a,
 							  : (unsigned)d->sms;
 		void *params[] = {&b};
 		r = cu_drv->cuStreamWaitEvent(c->dstream[i], c->ev_in, 0);
+		unsigned blocks;
+		CUfunction fn = combine_fn(g, d, sms, &blocks);
 		if (!r && combine)
-			r = cu_drv->cuLaunchKernel(d->combine,
-					      sms * (unsigned)d->occ_combine, 1,
-					      1, 256, 1, 1, 0, c->dstream[i],
-					      params, NULL);
+			r = cu_drv->cuLaunchKernel(fn, blocks, 1, 1, 256, 1, 1, 0,
+					      c->dstream[i], params, NULL);
 		else if (!r)
 			r = launch_copy(c, d, sms, c->dstream[i], &b);
 		if (!r)
@@ -278,9 +305,10 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 		r = a.wait ? cu_launch(c, d->gate, 1, 1, EKC_MAX_LOCAL, &a) : 0;
 		if (!r)
 			r = spread(g, &a, sms, true);
+		unsigned blocks;
+		CUfunction fn = combine_fn(g, d, sms, &blocks);
 		if (!r)
-			r = cu_launch(c, d->combine, sms * (unsigned)d->occ_combine,
-				   1, 256, &a);
+			r = cu_launch(c, fn, blocks, 1, 256, &a);
 		if (!r)
 			r = join_devs(c);
 		if (!r)
