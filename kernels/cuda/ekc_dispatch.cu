@@ -998,6 +998,16 @@ __device__ static __forceinline__ void combine_token(const uint4 *const *rp,
 
 // The combine: a warp per home token, C column steps at a time
 // (combine_token).
+// Rank d's row r of a combine's rows (its registered memory below
+// yrows[d], its region's field after).
+__device__ static inline const uint4 *combine_row(const struct ekc_disp_args &a,
+						  uint32_t d, int32_t r,
+						  uint64_t nvec)
+{
+	const uint64_t o = (uint32_t)r < a.yrows[d] ? a.yo[d] : a.off[EKC_F_Y];
+	return (const uint4 *)(a.region[d] + o) + (uint64_t)r * nvec;
+}
+
 template <int C, int PF = 0>
 __device__ static __forceinline__ void combine_warps(const struct ekc_disp_args &a)
 {
@@ -1025,14 +1035,9 @@ __device__ static __forceinline__ void combine_warps(const struct ekc_disp_args 
 			const uint32_t d = d0 + lane;
 			const int32_t r = d < W ? slot[d] : -1;
 			const uint32_t m = __ballot_sync(0xffffffffu, r >= 0);
-			if (r >= 0) {
-				const uint64_t o = (uint32_t)r < a.yrows[d]
-							   ? a.yo[d]
-							   : a.off[EKC_F_Y];
+			if (r >= 0)
 				rp[n + __popc(m & ((1u << lane) - 1))] =
-					(const uint4 *)(a.region[d] + o) +
-					(uint64_t)r * nvec;
-			}
+					combine_row(a, d, r, nvec);
 			n += __popc(m);
 		}
 		__syncwarp();
