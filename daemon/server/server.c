@@ -241,6 +241,7 @@ static void on_hup(uv_signal_t *h, int sig)
 		srv->cfg.cuda_no_resident = c.cuda_no_resident;
 		srv->cfg.cuda_no_tma = c.cuda_no_tma;
 		srv->cfg.cuda_no_fused_prep = c.cuda_no_fused_prep;
+		srv->cfg.cuda_combine_fetch = c.cuda_combine_fetch;
 		srv->cfg.nallow = c.nallow;
 		memcpy(srv->cfg.allow_uids, c.allow_uids,
 		       sizeof(c.allow_uids));
