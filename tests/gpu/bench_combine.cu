@@ -413,7 +413,8 @@ PIPES(DEFP)
 // rows fetched into L2 by the bulk-copy engine PF steps ahead (0: not).
 // Tried and not kept (PERFORMANCE.md, twenty-first session): PF 16, the
 // next token's first steps fetched at this token's start, 4 blocks a SM,
-// 2 column steps a lane in 2 blocks with the fetch.
+// 2 column steps a lane in 2 blocks with the fetch, the row addresses read
+// from shared memory each step (fewer registers).
 #define COLS(X) X(1, 3, 8)
 #define DEFC(c_, b_, f_)                                                       \
 	extern "C" __global__ void __launch_bounds__(256, b_)                  \
