@@ -901,14 +901,6 @@ __device__ static inline bool combine_begin(const struct ekc_disp_args &a)
 	return true;
 }
 
-// The sum of one home token's rows, by its warp: lane l takes columns
-// (16-byte vectors) l, l + 32, ... C at a time, each started from the
-// bias (then the second bias) or +0.0 and added in ascending rank order:
-// the order of the sums is fixed. rp: the addresses of the token's n
-// rows, in ascending rank order (the warp's shared memory). n <= 8
-// (always when top-k <= 8: a token has a row on at most k ranks): they
-// stay in registers for the whole token, and every row's loads of a
-// column step are in flight together; more rows go 8 at a time.
 // The bulk-copy engine fetches [p, p + bytes) into L2 (no registers, no
 // shared memory; one instruction for up to a few KB).
 __device__ static inline void l2_fetch(const void *p, uint32_t bytes)
@@ -934,6 +926,14 @@ __device__ static __forceinline__ void combine_fetch(const uint4 *const *rp,
 		l2_fetch(rp[lane] + v, (hi - v) * 16);
 }
 
+// The sum of one home token's rows, by its warp: lane l takes columns
+// (16-byte vectors) l, l + 32, ... C at a time, each started from the
+// bias (then the second bias) or +0.0 and added in ascending rank order:
+// the order of the sums is fixed. rp: the addresses of the token's n
+// rows, in ascending rank order (the warp's shared memory). n <= 8
+// (always when top-k <= 8: a token has a row on at most k ranks): they
+// stay in registers for the whole token, and every row's loads of a
+// column step are in flight together; more rows go 8 at a time.
 template <int C, int PF = 0>
 __device__ static __forceinline__ void combine_token(const uint4 *const *rp,
 						     uint32_t n, uint32_t lane,
