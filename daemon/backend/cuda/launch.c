@@ -139,12 +139,12 @@ static CUresult spread(struct epd_group *g, struct ekc_disp_args *a,
 							  : (unsigned)d->sms;
 		void *params[] = {&b};
 		r = cu_drv->cuStreamWaitEvent(c->dstream[i], c->ev_in, 0);
-		unsigned blocks;
-		CUfunction fn = combine_fn(g, d, sms, &blocks);
-		if (!r && combine)
+		if (!r && combine) {
+			unsigned blocks;
+			CUfunction fn = combine_fn(g, d, sms, &blocks);
 			r = cu_drv->cuLaunchKernel(fn, blocks, 1, 1, 256, 1, 1, 0,
 					      c->dstream[i], params, NULL);
-		else if (!r)
+		} else if (!r)
 			r = launch_copy(c, d, sms, c->dstream[i], &b);
 		if (!r)
 			r = cu_drv->cuEventRecord(c->ev_out[i], c->dstream[i]);
