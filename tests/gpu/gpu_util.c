@@ -88,3 +88,14 @@ int tg_probe(void)
 	TH_CHECK(WEXITSTATUS(st) == 0, "GPU probe failed");
 	return 0;
 }
+
+int tg_barrier_after_graphs(ep_group_t *g, CUstream st)
+{
+	int rc = EP_EBUSY;
+	for (int tries = 0; rc == EP_EBUSY && tries < 1000; tries++) {
+		rc = ep_barrier_stream(g, st);
+		if (rc == EP_EBUSY)
+			th_sleep_ms(2);
+	}
+	return rc;
+}

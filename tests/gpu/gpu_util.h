@@ -38,6 +38,12 @@ double tg_median(double *v, int n);
  * apart). */
 void tg_line_up(uint32_t *arrive, uint32_t *gen, uint32_t n);
 
+/* A barrier on st once the CUDA graphs of g's ops are destroyed: CUDA
+ * lets their records go shortly after the destroys, and until then libep
+ * refuses direct ops with EP_EBUSY (retried, 2 s at most). Its return
+ * code. */
+int tg_barrier_after_graphs(ep_group_t *g, CUstream st);
+
 /* A device address that ep_get_buffers() returned as a pointer. */
 static inline CUdeviceptr tg_dptr(const void *p)
 {

@@ -179,13 +179,7 @@ static int loop_rank(int rank, void *arg)
 	CU(tg_drv.cuGraphExecDestroy(exec));
 	CU(tg_drv.cuGraphDestroy(graph));
 	CU(tg_drv.cuStreamDestroy(cs));
-	int grc = EP_EBUSY;
-	for (int tries = 0; grc == EP_EBUSY && tries < 1000; tries++) {
-		grc = ep_barrier_stream(g, st);
-		if (grc == EP_EBUSY)
-			th_sleep_ms(2);
-	}
-	TH_OK(grc);
+	TH_OK(tg_barrier_after_graphs(g, st));
 	CU(tg_drv.cuStreamSynchronize(st));
 	TH_OK(ep_barrier(g));
 	if (rank == 0) {

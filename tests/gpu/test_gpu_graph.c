@@ -237,13 +237,7 @@ static int graph_rank(int r, void *arg)
 	 * records go shortly after the destroys) */
 	CU(tg_drv.cuGraphExecDestroy(exec));
 	CU(tg_drv.cuGraphDestroy(graph));
-	int rc = EP_EBUSY;
-	for (int tries = 0; rc == EP_EBUSY && tries < 1000; tries++) {
-		rc = ep_barrier_stream(g, st);
-		if (rc == EP_EBUSY)
-			th_sleep_ms(2);
-	}
-	TH_OK(rc);
+	TH_OK(tg_barrier_after_graphs(g, st));
 	/* the same work as direct ops, for the replay's time against it
 	 * (printed, not judged) */
 	{
