@@ -379,6 +379,304 @@ __device__ static __forceinline__ void combine_pipe(const struct ekc_disp_args &
 		tr_end(a, EKC_TR_COMBINE);
 }
 
+// Combine with the rows loaded into shared memory by the bulk-copy engine,
+// for few SMs: one block per SM, a producer warp and CW consumer warps.
+// The producer takes a home token, lists its sources in summing order (the
+// bias, the second bias, each destination's row by ascending rank), and
+// for each column chunk (at most CW x 32 vectors) loads every source's
+// chunk into a ring of chunk-sized slots (cp.async.bulk, one per source,
+// issued by its lane, completing on the item's full barrier); an item is a
+// chunk's sources, at most 8 of them (more: several items, the sums carried
+// in registers). The consumers take the items in order: thread i sums
+// vector i of each source from shared memory in the same order as the host
+// backend and, at the chunk's last item, rounds once and stores. The ring
+// holds bytes in flight that registers cannot (the SIMT combine's limit on
+// few SMs); the producer frees slots item by item as the consumers release
+// them (empty barriers).
+#define CB_NI 16	  // items in flight at most
+#define CB_PMAX 8	  // sources an item
+#define CB_FIRST 1u	  // the chunk's first item: the sums start at +0.0
+#define CB_BIAS 2u	  // its first source is the bias: the sums start there
+#define CB_END 4u	  // no more items
+// block 0's profile: producer wait cycles, items, max in flight, nslot;
+// consumer 0's wait cycles, its total cycles
+__device__ unsigned long long cb_prof[8];
+struct cb_item {
+	uint4 *out; // the chunk's output vectors (last item), or nullptr
+	uint32_t slot0, n, nv, flags;
+};
+
+__device__ static inline void mb_init(uint32_t bar, uint32_t count)
+{
+	asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar),
+		     "r"(count)
+		     : "memory");
+}
+
+__device__ static inline void mb_arrive(uint32_t bar)
+{
+	asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar)
+		     : "memory");
+}
+
+__device__ static inline void mb_expect(uint32_t bar, uint32_t bytes)
+{
+	asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+		     ::"r"(bar), "r"(bytes)
+		     : "memory");
+}
+
+template <int CW>
+__device__ static __forceinline__ void combine_bulk(const struct ekc_disp_args &a)
+{
+	extern __shared__ __align__(128) uint8_t cbring[];
+	__shared__ __align__(8) uint64_t full[CB_NI], empty[CB_NI];
+	__shared__ struct cb_item items[CB_NI];
+	__shared__ const uint4 *srcs[EKC_MAX_LOCAL + 2];
+	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+	const uint32_t W = a.W;
+	const uint32_t nvec = a.H / 8;
+	const uint32_t nch = (nvec + CW * 32 - 1) / (CW * 32);
+	const uint32_t chv = (nvec + nch - 1) / nch; // vectors a chunk
+	const uint32_t chb = chv * 16;
+	uint32_t dyn;
+	asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+	const uint32_t nslot = dyn / chb;
+	const uint32_t ring = smem_addr(cbring);
+	const uint32_t full0 = smem_addr(full), empty0 = smem_addr(empty);
+	if (threadIdx.x == 0) {
+		for (int i = 0; i < CB_NI; i++) {
+			mb_init(full0 + 8 * i, 1);
+			mb_init(empty0 + 8 * i, CW);
+		}
+		asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+	}
+	__syncthreads();
+	if (!combine_begin(a))
+		return;
+	if (warp == CW) { // the producer
+		const uint64_t total = masked_total(a);
+		uint32_t it = 0, freed = 0, head = 0, used = 0;
+		// post item it (lane 0 waits for room; every lane returns
+		// its first slot)
+		auto post = [&](uint4 *out, uint32_t n, uint32_t nv,
+				uint32_t flags, uint32_t *bar) {
+			uint32_t s0 = 0;
+			const uint32_t i = it++ % CB_NI;
+			*bar = full0 + 8 * i;
+			if (lane == 0) {
+				const long long c0 = clock64();
+				while (it - freed >= CB_NI || used + n > nslot) {
+					const uint32_t k = freed % CB_NI;
+					tma_wait(empty0 + 8 * k,
+						 (freed / CB_NI) & 1);
+					used -= items[k].n;
+					freed++;
+				}
+				if (blockIdx.x == 0) {
+					cb_prof[0] += clock64() - c0;
+					cb_prof[1]++;
+					if (it - freed > cb_prof[2])
+						cb_prof[2] = it - freed;
+					cb_prof[3] = nslot;
+				}
+				items[i].out = out;
+				items[i].slot0 = head;
+				items[i].n = n;
+				items[i].nv = nv;
+				items[i].flags = flags;
+				if (n)
+					mb_expect(full0 + 8 * i, n * nv * 16);
+				else
+					mb_arrive(full0 + 8 * i);
+				s0 = head;
+				head = (head + n) % nslot;
+				used += n;
+			}
+			__syncwarp();
+			return __shfl_sync(0xffffffffu, s0, 0);
+		};
+		// the token after this one and its routing are in flight
+		// while this one's items are posted (one warp takes every
+		// token of the block: their latencies would add up)
+		uint64_t g = next_item(a, lane), t = 0;
+		uint32_t raw = lane == 0 ? atomicAdd(a.work, 1u) + 1u : 0;
+		uint32_t h = 0;
+		int32_t r0 = -1, r1 = -1;
+		const int32_t *slot = a.slot;
+		if (g < total) {
+			h = masked_token(a, g, &t);
+			slot = a.slot + ((uint64_t)h * a.Tmax + t) * W;
+			r0 = lane < W ? slot[lane] : -1;
+			r1 = lane + 32 < W ? slot[lane + 32] : -1;
+		}
+		while (g < total) {
+			const uint64_t gn = __shfl_sync(0xffffffffu, raw, 0);
+			if (lane == 0)
+				raw = atomicAdd(a.work, 1u) + 1u;
+			uint64_t tn = 0;
+			uint32_t hn = 0;
+			int32_t n0 = -1, n1 = -1;
+			const int32_t *slotn = a.slot;
+			if (gn < total) {
+				hn = masked_token(a, gn, &tn);
+				slotn = a.slot + ((uint64_t)hn * a.Tmax + tn) * W;
+				n0 = lane < W ? slotn[lane] : -1;
+				n1 = lane + 32 < W ? slotn[lane + 32] : -1;
+			}
+			const uint32_t m0 = __ballot_sync(0xffffffffu, r0 >= 0),
+				       m1 = __ballot_sync(0xffffffffu, r1 >= 0);
+			const bool b1 = (a.bias_mask >> h) & 1,
+				   b2 = (a.bias2_mask >> h) & 1;
+			const uint32_t nb = b1 + b2, below = (1u << lane) - 1;
+			const uint32_t ns = nb + __popc(m0) + __popc(m1);
+			__syncwarp(); // the last token's list is read
+			if (lane == 0 && b1)
+				srcs[0] = (const uint4 *)field(a, h, EKC_F_BIAS) +
+					  t * nvec;
+			if (lane == 0 && b2)
+				srcs[b1] = (const uint4 *)field(a, h, EKC_F_BIAS2) +
+					   t * nvec;
+			if (r0 >= 0)
+				srcs[nb + __popc(m0 & below)] =
+					combine_row(a, lane, r0, nvec);
+			if (r1 >= 0)
+				srcs[nb + __popc(m0) + __popc(m1 & below)] =
+					combine_row(a, lane + 32, r1, nvec);
+			__syncwarp();
+			uint4 *out = (uint4 *)(a.region[h] + (t < a.orows[h]
+								   ? a.oo[h]
+								   : a.off[EKC_F_OUT])) +
+				     t * nvec;
+			if (a.cw && lane < a.K) {
+				const uint32_t K = a.K;
+				float acc = 0.0f;
+				for (uint32_t d = 0; d < W; d++) {
+					int32_t r = slot[d];
+					if (r >= 0)
+						acc = __fadd_rn(
+							acc,
+							__ldg((const float *)field(
+								      a, d, EKC_F_CW) +
+							      (uint64_t)r * a.K + lane));
+				}
+				((float *)field(a, h, EKC_F_CW_OUT))[t * K + lane] = acc;
+			}
+			if (!ns) { // no row, no bias: +0.0
+				for (uint32_t v = lane; v < nvec; v += 32)
+					out[v] = make_uint4(0, 0, 0, 0);
+			}
+			for (uint32_t v0 = 0; ns && v0 < nvec; v0 += chv) {
+				const uint32_t nv = min(chv, nvec - v0);
+				for (uint32_t p0 = 0; p0 < ns; p0 += CB_PMAX) {
+					const uint32_t n = min(ns - p0, CB_PMAX);
+					const uint32_t f = (p0 ? 0 : CB_FIRST) |
+							   (!p0 && b1 ? CB_BIAS : 0);
+					const bool last = p0 + n == ns;
+					uint32_t bar;
+					const uint32_t s0 = post(last ? out + v0 : nullptr,
+								 n, nv, f, &bar);
+					if (lane < n) {
+						uint32_t sl = s0 + lane;
+						if (sl >= nslot)
+							sl -= nslot;
+						tma_load(ring + sl * chb,
+							 srcs[p0 + lane] + v0, nv * 16,
+							 bar);
+					}
+					__syncwarp();
+				}
+			}
+			g = gn;
+			t = tn;
+			h = hn;
+			slot = slotn;
+			r0 = n0;
+			r1 = n1;
+		}
+		uint32_t bar;
+		post(nullptr, 0, 0, CB_END, &bar);
+		return;
+	}
+	// the consumers
+	const uint32_t tid = threadIdx.x;
+	float acc[8];
+	const long long t0 = clock64();
+	for (uint32_t ci = 0;; ci++) {
+		const uint32_t i = ci % CB_NI;
+		const long long c0 = clock64();
+		tma_wait(full0 + 8 * i, (ci / CB_NI) & 1);
+		if (blockIdx.x == 0 && tid == 0)
+			cb_prof[4] += clock64() - c0;
+		const struct cb_item d = items[i];
+		if (d.flags & CB_END)
+			break;
+		if (tid < d.nv) {
+			if (d.flags & CB_FIRST) {
+#pragma unroll
+				for (int k = 0; k < 8; k++)
+					acc[k] = 0.0f;
+			}
+			uint4 q[CB_PMAX];
+			uint32_t sl = d.slot0;
+#pragma unroll
+			for (uint32_t j = 0; j < CB_PMAX; j++) {
+				if (j < d.n)
+					q[j] = lds16(ring + sl * chb + tid * 16);
+				sl = sl + 1 == nslot ? 0 : sl + 1;
+			}
+#pragma unroll
+			for (uint32_t j = 0; j < CB_PMAX; j++) {
+				if (j >= d.n)
+					break;
+				if (j == 0 && (d.flags & CB_BIAS))
+					set_bf16x8(acc, q[j]);
+				else
+					add_bf16x8(acc, q[j]);
+			}
+			if (d.out)
+				d.out[tid] = pack_bf16x8(acc);
+		}
+		__syncwarp();
+		if (lane == 0)
+			mb_arrive(empty0 + 8 * i);
+	}
+	if (blockIdx.x == 0 && tid == 0)
+		cb_prof[5] += clock64() - t0;
+	if (tid == 0)
+		tr_end(a, EKC_TR_COMBINE);
+}
+
+// The bulk-copy engine's loads alone: lane 0 of one warp a block keeps R
+// loads of B bytes in flight into a ring (no consumer): the per-SM ceiling
+// of global-to-shared bulk loads.
+template <int R>
+__global__ void __launch_bounds__(32, 1) read_bulk(const uint8_t *p, size_t n,
+						  uint32_t bytes)
+{
+	extern __shared__ __align__(128) uint8_t rb[];
+	__shared__ __align__(8) uint64_t bar[R];
+	if (threadIdx.x)
+		return;
+	const uint32_t ring = smem_addr(rb), b0 = smem_addr(bar);
+	for (int i = 0; i < R; i++)
+		mb_init(b0 + 8 * i, 1);
+	asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+	const size_t step = (size_t)gridDim.x * bytes;
+	const size_t iters = n / step;
+	size_t off = (size_t)blockIdx.x * bytes;
+	for (size_t k = 0; k < iters + R; k++) {
+		const uint32_t i = k % R;
+		if (k >= R)
+			tma_wait(b0 + 8 * i, ((k - R) / R) & 1);
+		if (k < iters) {
+			mb_expect(b0 + 8 * i, bytes);
+			tma_load(ring + i * bytes, p + off, bytes, b0 + 8 * i);
+			off += step;
+		}
+	}
+}
+
 #define CK(x)                                                                  \
 	do {                                                                   \
 		cudaError_t e_ = (x);                                          \
@@ -424,7 +722,18 @@ PIPES(DEFP)
 	}
 COLS(DEFC)
 #undef DEFC
+// The bulk-copy combine: CW consumer warps and a producer, one block a SM.
+#define BULKS(X) X(8) X(16)
+#define DEFB(cw_)                                                              \
+	extern "C" __global__ void __launch_bounds__((cw_ + 1) * 32, 1)        \
+		bulk_##cw_(struct ekc_disp_args a)                             \
+	{                                                                      \
+		combine_bulk<cw_>(a);                                          \
+	}
+BULKS(DEFB)
+#undef DEFB
 
+#define BULK_SMEM (200 * 1024)
 struct variant {
 	const char *name;
 	void (*fn)(struct ekc_disp_args);
@@ -443,6 +752,9 @@ static std::vector<struct variant> variants = {
 #define ROWC(c_, b_, f_) {"cols C" #c_ "/" #b_ " pf" #f_, cols_##c_##_##b_##_##f_, 256, 0, 0},
 	COLS(ROWC)
 #undef ROWC
+#define ROWB(cw_) {"bulk " #cw_ "+1", bulk_##cw_, (cw_ + 1) * 32, BULK_SMEM, 1},
+	BULKS(ROWB)
+#undef ROWB
 };
 
 // Moderate random bf16 values (exponents -4..3, random signs), some -0.0,
@@ -685,7 +997,7 @@ int main(void)
 					cudaFuncAttributeMaxDynamicSharedMemorySize,
 					512 * 24 * 16));
 		int grids[] = {1, 8, 24, 66, sms};
-		for (int gi = 0; gi < 5; gi++) {
+		for (int gi = 0; gi < 5 && !getenv("EPD_BENCH_NO_CEILINGS"); gi++) {
 			int nb = grids[gi];
 			size_t nv = n / 16;
 			t.clear();
@@ -714,6 +1026,21 @@ int main(void)
 	printf("perf: D2D copy %.0f GB/s; %u SMs; rows %llu\n", d2d, sms,
 	       (unsigned long long)rows);
 
+	// EPD_BENCH_VARIANTS="a,b": only the variants whose names start so
+	// (ekc_combine, the first, always)
+	if (const char *only = getenv("EPD_BENCH_VARIANTS")) {
+		std::vector<struct variant> keep = {variants[0]};
+		for (size_t i = 1; i < variants.size(); i++) {
+			char buf[256];
+			snprintf(buf, sizeof(buf), "%s", only);
+			for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ","))
+				if (!strncmp(variants[i].name, tok, strlen(tok))) {
+					keep.push_back(variants[i]);
+					break;
+				}
+		}
+		variants = keep;
+	}
 	for (auto &v : variants) {
 		if (v.smem)
 			CK(cudaFuncSetAttribute(
@@ -937,14 +1264,35 @@ int main(void)
 			used += __builtin_popcount(m[i]);
 		return used;
 	};
-	// the read ceilings on n SMs
-	{
+	// the read ceilings on n SMs (EPD_BENCH_NO_CEILINGS: not)
+	if (!getenv("EPD_BENCH_NO_CEILINGS")) {
 		size_t n = 2ull << 30;
 		void *x;
 		uint32_t *sink;
 		CK(cudaMalloc(&x, n));
 		CK(cudaMemset(x, 1, n));
 		CK(cudaMalloc(&sink, 4));
+		CK(cudaFuncSetAttribute(read_bulk<8>,
+					cudaFuncAttributeMaxDynamicSharedMemorySize,
+					8 * 16384));
+		for (int g : grids) {
+			std::vector<double> t4, t5;
+			for (int i = 0; i < 5; i++) {
+				t4.push_back(confined(g, [&]() {
+					read_bulk<8><<<g, 32, 8 * 16384, st>>>(
+						(const uint8_t *)x, n, 16384);
+				}));
+				t5.push_back(confined(g, [&]() {
+					read_bulk<8><<<g, 32, 8 * 4096, st>>>(
+						(const uint8_t *)x, n, 4096);
+				}));
+			}
+			printf("perf: read ceiling on %d SMs: bulk loads 8 x 16 KB / "
+			       "8 x 4 KB in flight %.0f / %.0f GB/s (%.1f / %.1f "
+			       "per SM)\n", g, n / median(t4) / 1e6,
+			       n / median(t5) / 1e6, n / median(t4) / 1e6 / g,
+			       n / median(t5) / 1e6 / g);
+		}
 		for (int g : grids) {
 			std::vector<double> t1, t2, t3;
 			for (int i = 0; i < 5; i++) {
@@ -982,7 +1330,21 @@ int main(void)
 		printf("perf: %-16s %4d blocks on %3d SMs (%3d used): %.3f ms, "
 		       "%4.0f GB/s, %.2f of D2D\n",
 		       v.name, grid, n, sms_used(), ms, gbs, gbs / d2d);
+		if (!strncmp(v.name, "bulk", 4)) { // block 0, 7 runs
+			unsigned long long p[8];
+			CK(cudaMemcpyFromSymbol(p, cb_prof, sizeof(p)));
+			printf("prof: producer waited %llu cycles over %llu items, "
+			       "at most %llu in flight, %llu slots; consumer 0 "
+			       "waited %llu of %llu cycles\n", p[0] / 7, p[1] / 7,
+			       p[2], p[3], p[4] / 7, p[5] / 7);
+			memset(p, 0, sizeof(p));
+			CK(cudaMemcpyToSymbol(cb_prof, p, sizeof(p)));
+		}
 	};
+	{
+		unsigned long long p[8] = {0};
+		CK(cudaMemcpyToSymbol(cb_prof, p, sizeof(p)));
+	}
 	for (int g : grids) {
 		// ekc_combine as the daemon launched it (cuda_sms x
 		// occupancy, free to spread), then each held to g SMs
