@@ -426,7 +426,7 @@ __device__ static inline void mb_expect(uint32_t bar, uint32_t bytes)
 		     : "memory");
 }
 
-template <int CW>
+template <int CW, int G>
 __device__ static __forceinline__ void combine_bulk(const struct ekc_disp_args &a)
 {
 	extern __shared__ __align__(128) uint8_t cbring[];
@@ -448,13 +448,14 @@ __device__ static __forceinline__ void combine_bulk(const struct ekc_disp_args &
 		for (int i = 0; i < CB_NI; i++) {
 			mb_init(full0 + 8 * i, 1);
 			mb_init(empty0 + 8 * i, CW);
+		// (G groups of CW consumer warps take items in turn)
 		}
 		asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 	}
 	__syncthreads();
 	if (!combine_begin(a))
 		return;
-	if (warp == CW) { // the producer
+	if (warp == G * CW) { // the producer
 		const uint64_t total = masked_total(a);
 		uint32_t it = 0, freed = 0, head = 0, used = 0;
 		// post item it (lane 0 waits for room; every lane returns
@@ -594,19 +595,21 @@ __device__ static __forceinline__ void combine_bulk(const struct ekc_disp_args &
 			r0 = n0;
 			r1 = n1;
 		}
-		uint32_t bar;
-		post(nullptr, 0, 0, CB_END, &bar);
+		for (int k = 0; k < G; k++) { // an end for each group
+			uint32_t bar;
+			post(nullptr, 0, 0, CB_END, &bar);
+		}
 		return;
 	}
 	// the consumers
-	const uint32_t tid = threadIdx.x;
+	const uint32_t tid = threadIdx.x % (CW * 32), grp = warp / CW;
 	float acc[8];
 	const long long t0 = clock64();
-	for (uint32_t ci = 0;; ci++) {
+	for (uint32_t ci = grp;; ci += G) {
 		const uint32_t i = ci % CB_NI;
 		const long long c0 = clock64();
 		tma_wait(full0 + 8 * i, (ci / CB_NI) & 1);
-		if (blockIdx.x == 0 && tid == 0)
+		if (blockIdx.x == 0 && threadIdx.x == 0)
 			cb_prof[4] += clock64() - c0;
 		const struct cb_item d = items[i];
 		if (d.flags & CB_END)
@@ -641,8 +644,229 @@ __device__ static __forceinline__ void combine_bulk(const struct ekc_disp_args &
 		if (lane == 0)
 			mb_arrive(empty0 + 8 * i);
 	}
-	if (blockIdx.x == 0 && tid == 0)
+	if (blockIdx.x == 0 && threadIdx.x == 0)
 		cb_prof[5] += clock64() - t0;
+	if (tid == 0)
+		tr_end(a, EKC_TR_COMBINE);
+}
+
+// The same with P pipelines a block, each a producer warp, CW consumer
+// warps and its part of the ring: a warp's bulk loads are issued one after
+// the other (~270 cycles each, the read ceilings above), so one producer
+// cannot keep a SM's loads in flight. A consumer thread takes V vectors of
+// a chunk (chunks of up to CW x 32 x V vectors).
+template <int CW, int P, int V>
+__device__ static __forceinline__ void combine_bulkp(const struct ekc_disp_args &a)
+{
+	extern __shared__ __align__(128) uint8_t cbring[];
+	__shared__ __align__(8) uint64_t full[P][CB_NI], empty[P][CB_NI];
+	__shared__ struct cb_item items[P][CB_NI];
+	__shared__ const uint4 *srcs_[P][EKC_MAX_LOCAL + 2];
+	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+	const uint32_t pl = warp / (CW + 1), role = warp % (CW + 1);
+	const uint32_t W = a.W;
+	const uint32_t nvec = a.H / 8;
+	const uint32_t cap = CW * 32 * V;
+	const uint32_t nch = (nvec + cap - 1) / cap;
+	const uint32_t chv = (nvec + nch - 1) / nch; // vectors a chunk
+	const uint32_t chb = chv * 16;
+	uint32_t dyn;
+	asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+	const uint32_t nslot = dyn / P / chb;
+	const uint32_t pmax = min((uint32_t)CB_PMAX, nslot);
+	const uint32_t ring = smem_addr(cbring) + pl * nslot * chb;
+	const uint32_t full0 = smem_addr(full[pl]), empty0 = smem_addr(empty[pl]);
+	struct cb_item *it_ = items[pl];
+	const uint4 **srcs = srcs_[pl];
+	if (threadIdx.x == 0) {
+		for (int q = 0; q < P; q++)
+			for (int i = 0; i < CB_NI; i++) {
+				mb_init(smem_addr(&full[q][i]), 1);
+				mb_init(smem_addr(&empty[q][i]), CW);
+			}
+		asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+	}
+	__syncthreads();
+	if (!combine_begin(a))
+		return;
+	if (role == CW) { // the pipeline's producer
+		const uint64_t total = masked_total(a);
+		uint32_t it = 0, freed = 0, head = 0, used = 0;
+		auto post = [&](uint4 *out, uint32_t n, uint32_t nv,
+				uint32_t flags, uint32_t *bar) {
+			uint32_t s0 = 0;
+			const uint32_t i = it++ % CB_NI;
+			*bar = full0 + 8 * i;
+			if (lane == 0) {
+				while (it - freed >= CB_NI || used + n > nslot) {
+					const uint32_t k = freed % CB_NI;
+					tma_wait(empty0 + 8 * k,
+						 (freed / CB_NI) & 1);
+					used -= it_[k].n;
+					freed++;
+				}
+				it_[i].out = out;
+				it_[i].slot0 = head;
+				it_[i].n = n;
+				it_[i].nv = nv;
+				it_[i].flags = flags;
+				if (n)
+					mb_expect(full0 + 8 * i, n * nv * 16);
+				else
+					mb_arrive(full0 + 8 * i);
+				s0 = head;
+				head = (head + n) % nslot;
+				used += n;
+			}
+			__syncwarp();
+			return __shfl_sync(0xffffffffu, s0, 0);
+		};
+		uint64_t g = next_item(a, lane), t = 0;
+		uint32_t raw = lane == 0 ? atomicAdd(a.work, 1u) + 1u : 0;
+		uint32_t h = 0;
+		int32_t r0 = -1, r1 = -1;
+		const int32_t *slot = a.slot;
+		if (g < total) {
+			h = masked_token(a, g, &t);
+			slot = a.slot + ((uint64_t)h * a.Tmax + t) * W;
+			r0 = lane < W ? slot[lane] : -1;
+			r1 = lane + 32 < W ? slot[lane + 32] : -1;
+		}
+		while (g < total) {
+			const uint64_t gn = __shfl_sync(0xffffffffu, raw, 0);
+			if (lane == 0)
+				raw = atomicAdd(a.work, 1u) + 1u;
+			uint64_t tn = 0;
+			uint32_t hn = 0;
+			int32_t n0 = -1, n1 = -1;
+			const int32_t *slotn = a.slot;
+			if (gn < total) {
+				hn = masked_token(a, gn, &tn);
+				slotn = a.slot + ((uint64_t)hn * a.Tmax + tn) * W;
+				n0 = lane < W ? slotn[lane] : -1;
+				n1 = lane + 32 < W ? slotn[lane + 32] : -1;
+			}
+			const uint32_t m0 = __ballot_sync(0xffffffffu, r0 >= 0),
+				       m1 = __ballot_sync(0xffffffffu, r1 >= 0);
+			const bool b1 = (a.bias_mask >> h) & 1,
+				   b2 = (a.bias2_mask >> h) & 1;
+			const uint32_t nb = b1 + b2, below = (1u << lane) - 1;
+			const uint32_t ns = nb + __popc(m0) + __popc(m1);
+			__syncwarp();
+			if (lane == 0 && b1)
+				srcs[0] = (const uint4 *)field(a, h, EKC_F_BIAS) +
+					  t * nvec;
+			if (lane == 0 && b2)
+				srcs[b1] = (const uint4 *)field(a, h, EKC_F_BIAS2) +
+					   t * nvec;
+			if (r0 >= 0)
+				srcs[nb + __popc(m0 & below)] =
+					combine_row(a, lane, r0, nvec);
+			if (r1 >= 0)
+				srcs[nb + __popc(m0) + __popc(m1 & below)] =
+					combine_row(a, lane + 32, r1, nvec);
+			__syncwarp();
+			uint4 *out = (uint4 *)(a.region[h] + (t < a.orows[h]
+								   ? a.oo[h]
+								   : a.off[EKC_F_OUT])) +
+				     t * nvec;
+			if (a.cw && lane < a.K) {
+				const uint32_t K = a.K;
+				float acc = 0.0f;
+				for (uint32_t d = 0; d < W; d++) {
+					int32_t r = slot[d];
+					if (r >= 0)
+						acc = __fadd_rn(
+							acc,
+							__ldg((const float *)field(
+								      a, d, EKC_F_CW) +
+							      (uint64_t)r * a.K + lane));
+				}
+				((float *)field(a, h, EKC_F_CW_OUT))[t * K + lane] = acc;
+			}
+			if (!ns) { // no row, no bias: +0.0
+				for (uint32_t v = lane; v < nvec; v += 32)
+					out[v] = make_uint4(0, 0, 0, 0);
+			}
+			for (uint32_t v0 = 0; ns && v0 < nvec; v0 += chv) {
+				const uint32_t nv = min(chv, nvec - v0);
+				for (uint32_t p0 = 0; p0 < ns; p0 += pmax) {
+					const uint32_t n = min(ns - p0, pmax);
+					const uint32_t f = (p0 ? 0 : CB_FIRST) |
+							   (!p0 && b1 ? CB_BIAS : 0);
+					const bool last = p0 + n == ns;
+					uint32_t bar;
+					const uint32_t s0 = post(last ? out + v0 : nullptr,
+								 n, nv, f, &bar);
+					if (lane < n) {
+						uint32_t sl = s0 + lane;
+						if (sl >= nslot)
+							sl -= nslot;
+						tma_load(ring + sl * chb,
+							 srcs[p0 + lane] + v0, nv * 16,
+							 bar);
+					}
+					__syncwarp();
+				}
+			}
+			g = gn;
+			t = tn;
+			h = hn;
+			slot = slotn;
+			r0 = n0;
+			r1 = n1;
+		}
+		uint32_t bar;
+		post(nullptr, 0, 0, CB_END, &bar);
+		return;
+	}
+	// the pipeline's consumers
+	const uint32_t tid = role * 32 + lane;
+	float acc[V][8];
+	for (uint32_t ci = 0;; ci++) {
+		const uint32_t i = ci % CB_NI;
+		tma_wait(full0 + 8 * i, (ci / CB_NI) & 1);
+		const struct cb_item d = it_[i];
+		if (d.flags & CB_END)
+			break;
+		uint32_t sa[CB_PMAX];
+		uint32_t sl = d.slot0;
+#pragma unroll
+		for (uint32_t j = 0; j < CB_PMAX; j++) {
+			sa[j] = ring + sl * chb;
+			sl = sl + 1 == nslot ? 0 : sl + 1;
+		}
+#pragma unroll
+		for (int u = 0; u < V; u++) {
+			const uint32_t v = tid + u * CW * 32;
+			if (v >= d.nv)
+				break;
+			if (d.flags & CB_FIRST) {
+#pragma unroll
+				for (int k = 0; k < 8; k++)
+					acc[u][k] = 0.0f;
+			}
+			uint4 q[CB_PMAX];
+#pragma unroll
+			for (uint32_t j = 0; j < CB_PMAX; j++)
+				if (j < d.n)
+					q[j] = lds16(sa[j] + v * 16);
+#pragma unroll
+			for (uint32_t j = 0; j < CB_PMAX; j++) {
+				if (j >= d.n)
+					break;
+				if (j == 0 && (d.flags & CB_BIAS))
+					set_bf16x8(acc[u], q[j]);
+				else
+					add_bf16x8(acc[u], q[j]);
+			}
+			if (d.out)
+				d.out[v] = pack_bf16x8(acc[u]);
+		}
+		__syncwarp();
+		if (lane == 0)
+			mb_arrive(empty0 + 8 * i);
+	}
 	if (tid == 0)
 		tr_end(a, EKC_TR_COMBINE);
 }
@@ -650,21 +874,24 @@ __device__ static __forceinline__ void combine_bulk(const struct ekc_disp_args &
 // The bulk-copy engine's loads alone: lane 0 of one warp a block keeps R
 // loads of B bytes in flight into a ring (no consumer): the per-SM ceiling
 // of global-to-shared bulk loads.
+// With blockDim.x / 32 warps, lane 0 of each keeps its own R in flight.
 template <int R>
-__global__ void __launch_bounds__(32, 1) read_bulk(const uint8_t *p, size_t n,
-						  uint32_t bytes)
+__global__ void __launch_bounds__(128, 1) read_bulk(const uint8_t *p, size_t n,
+						   uint32_t bytes)
 {
 	extern __shared__ __align__(128) uint8_t rb[];
-	__shared__ __align__(8) uint64_t bar[R];
-	if (threadIdx.x)
+	__shared__ __align__(8) uint64_t bar[4][R];
+	if (threadIdx.x & 31)
 		return;
-	const uint32_t ring = smem_addr(rb), b0 = smem_addr(bar);
+	const uint32_t w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+	const uint32_t ring = smem_addr(rb) + w * R * bytes,
+		       b0 = smem_addr(bar[w]);
 	for (int i = 0; i < R; i++)
 		mb_init(b0 + 8 * i, 1);
 	asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-	const size_t step = (size_t)gridDim.x * bytes;
+	const size_t step = (size_t)gridDim.x * nw * bytes;
 	const size_t iters = n / step;
-	size_t off = (size_t)blockIdx.x * bytes;
+	size_t off = ((size_t)blockIdx.x * nw + w) * bytes;
 	for (size_t k = 0; k < iters + R; k++) {
 		const uint32_t i = k % R;
 		if (k >= R)
@@ -723,15 +950,25 @@ PIPES(DEFP)
 COLS(DEFC)
 #undef DEFC
 // The bulk-copy combine: CW consumer warps and a producer, one block a SM.
-#define BULKS(X) X(8) X(16)
-#define DEFB(cw_)                                                              \
-	extern "C" __global__ void __launch_bounds__((cw_ + 1) * 32, 1)        \
-		bulk_##cw_(struct ekc_disp_args a)                             \
+#define BULKS(X) X(8, 1) X(16, 1)
+#define DEFB(cw_, g_)                                                          \
+	extern "C" __global__ void __launch_bounds__((cw_ * g_ + 1) * 32, 1)   \
+		bulk_##cw_##_##g_(struct ekc_disp_args a)                      \
 	{                                                                      \
-		combine_bulk<cw_>(a);                                          \
+		combine_bulk<cw_, g_>(a);                                      \
 	}
 BULKS(DEFB)
 #undef DEFB
+// P pipelines of CW consumer warps and a producer, V vectors a thread.
+#define BULKPS(X) X(2, 4, 4) X(4, 2, 4) X(2, 4, 7) X(1, 6, 7)
+#define DEFBP(cw_, p_, v_)                                                     \
+	extern "C" __global__ void __launch_bounds__((cw_ + 1) * p_ * 32, 1)   \
+		bulkp_##cw_##_##p_##_##v_(struct ekc_disp_args a)              \
+	{                                                                      \
+		combine_bulkp<cw_, p_, v_>(a);                                 \
+	}
+BULKPS(DEFBP)
+#undef DEFBP
 
 #define BULK_SMEM (200 * 1024)
 struct variant {
@@ -752,9 +989,12 @@ static std::vector<struct variant> variants = {
 #define ROWC(c_, b_, f_) {"cols C" #c_ "/" #b_ " pf" #f_, cols_##c_##_##b_##_##f_, 256, 0, 0},
 	COLS(ROWC)
 #undef ROWC
-#define ROWB(cw_) {"bulk " #cw_ "+1", bulk_##cw_, (cw_ + 1) * 32, BULK_SMEM, 1},
+#define ROWB(cw_, g_) {"bulk " #cw_ "x" #g_, bulk_##cw_##_##g_, (cw_ * g_ + 1) * 32, BULK_SMEM, 1},
 	BULKS(ROWB)
 #undef ROWB
+#define ROWBP(cw_, p_, v_) {"bulkp " #cw_ "x" #p_ " v" #v_, bulkp_##cw_##_##p_##_##v_, (cw_ + 1) * p_ * 32, BULK_SMEM, 1},
+	BULKPS(ROWBP)
+#undef ROWBP
 };
 
 // Moderate random bf16 values (exponents -4..3, random signs), some -0.0,
@@ -1275,6 +1515,9 @@ int main(void)
 		CK(cudaFuncSetAttribute(read_bulk<8>,
 					cudaFuncAttributeMaxDynamicSharedMemorySize,
 					8 * 16384));
+		CK(cudaFuncSetAttribute(read_bulk<2>,
+					cudaFuncAttributeMaxDynamicSharedMemorySize,
+					8 * 16384));
 		for (int g : grids) {
 			std::vector<double> t4, t5;
 			for (int i = 0; i < 5; i++) {
@@ -1292,6 +1535,22 @@ int main(void)
 			       "per SM)\n", g, n / median(t4) / 1e6,
 			       n / median(t5) / 1e6, n / median(t4) / 1e6 / g,
 			       n / median(t5) / 1e6 / g);
+			// the same bytes in flight from 4 issuing warps
+			std::vector<double> t6, t7;
+			for (int i = 0; i < 5; i++) {
+				t6.push_back(confined(g, [&]() {
+					read_bulk<8><<<g, 128, 8 * 16384, st>>>(
+						(const uint8_t *)x, n, 4096);
+				}));
+				t7.push_back(confined(g, [&]() {
+					read_bulk<2><<<g, 128, 8 * 16384, st>>>(
+						(const uint8_t *)x, n, 16384);
+				}));
+			}
+			printf("perf: read ceiling on %d SMs: 4 warps issuing, 4 x 8 x "
+			       "4 KB / 4 x 2 x 16 KB in flight %.1f / %.1f GB/s per "
+			       "SM\n", g, n / median(t6) / 1e6 / g,
+			       n / median(t7) / 1e6 / g);
 		}
 		for (int g : grids) {
 			std::vector<double> t1, t2, t3;
