@@ -398,9 +398,6 @@ __device__ static __forceinline__ void combine_pipe(const struct ekc_disp_args &
 #define CB_FIRST 1u	  // the chunk's first item: the sums start at +0.0
 #define CB_BIAS 2u	  // its first source is the bias: the sums start there
 #define CB_END 4u	  // no more items
-// block 0's profile: producer wait cycles, items, max in flight, nslot;
-// consumer 0's wait cycles, its total cycles
-__device__ unsigned long long cb_prof[8];
 struct cb_item {
 	uint4 *out; // the chunk's output vectors (last item), or nullptr
 	uint32_t slot0, n, nv, flags;
@@ -426,235 +423,12 @@ __device__ static inline void mb_expect(uint32_t bar, uint32_t bytes)
 		     : "memory");
 }
 
-template <int CW, int G>
-__device__ static __forceinline__ void combine_bulk(const struct ekc_disp_args &a)
-{
-	extern __shared__ __align__(128) uint8_t cbring[];
-	__shared__ __align__(8) uint64_t full[CB_NI], empty[CB_NI];
-	__shared__ struct cb_item items[CB_NI];
-	__shared__ const uint4 *srcs[EKC_MAX_LOCAL + 2];
-	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-	const uint32_t W = a.W;
-	const uint32_t nvec = a.H / 8;
-	const uint32_t nch = (nvec + CW * 32 - 1) / (CW * 32);
-	const uint32_t chv = (nvec + nch - 1) / nch; // vectors a chunk
-	const uint32_t chb = chv * 16;
-	uint32_t dyn;
-	asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-	const uint32_t nslot = dyn / chb;
-	const uint32_t ring = smem_addr(cbring);
-	const uint32_t full0 = smem_addr(full), empty0 = smem_addr(empty);
-	if (threadIdx.x == 0) {
-		for (int i = 0; i < CB_NI; i++) {
-			mb_init(full0 + 8 * i, 1);
-			mb_init(empty0 + 8 * i, CW);
-		// (G groups of CW consumer warps take items in turn)
-		}
-		asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-	}
-	__syncthreads();
-	if (!combine_begin(a))
-		return;
-	if (warp == G * CW) { // the producer
-		const uint64_t total = masked_total(a);
-		uint32_t it = 0, freed = 0, head = 0, used = 0;
-		// post item it (lane 0 waits for room; every lane returns
-		// its first slot)
-		auto post = [&](uint4 *out, uint32_t n, uint32_t nv,
-				uint32_t flags, uint32_t *bar) {
-			uint32_t s0 = 0;
-			const uint32_t i = it++ % CB_NI;
-			*bar = full0 + 8 * i;
-			if (lane == 0) {
-				const long long c0 = clock64();
-				while (it - freed >= CB_NI || used + n > nslot) {
-					const uint32_t k = freed % CB_NI;
-					tma_wait(empty0 + 8 * k,
-						 (freed / CB_NI) & 1);
-					used -= items[k].n;
-					freed++;
-				}
-				if (blockIdx.x == 0) {
-					cb_prof[0] += clock64() - c0;
-					cb_prof[1]++;
-					if (it - freed > cb_prof[2])
-						cb_prof[2] = it - freed;
-					cb_prof[3] = nslot;
-				}
-				items[i].out = out;
-				items[i].slot0 = head;
-				items[i].n = n;
-				items[i].nv = nv;
-				items[i].flags = flags;
-				if (n)
-					mb_expect(full0 + 8 * i, n * nv * 16);
-				else
-					mb_arrive(full0 + 8 * i);
-				s0 = head;
-				head = (head + n) % nslot;
-				used += n;
-			}
-			__syncwarp();
-			return __shfl_sync(0xffffffffu, s0, 0);
-		};
-		// the token after this one and its routing are in flight
-		// while this one's items are posted (one warp takes every
-		// token of the block: their latencies would add up)
-		uint64_t g = next_item(a, lane), t = 0;
-		uint32_t raw = lane == 0 ? atomicAdd(a.work, 1u) + 1u : 0;
-		uint32_t h = 0;
-		int32_t r0 = -1, r1 = -1;
-		const int32_t *slot = a.slot;
-		if (g < total) {
-			h = masked_token(a, g, &t);
-			slot = a.slot + ((uint64_t)h * a.Tmax + t) * W;
-			r0 = lane < W ? slot[lane] : -1;
-			r1 = lane + 32 < W ? slot[lane + 32] : -1;
-		}
-		while (g < total) {
-			const uint64_t gn = __shfl_sync(0xffffffffu, raw, 0);
-			if (lane == 0)
-				raw = atomicAdd(a.work, 1u) + 1u;
-			uint64_t tn = 0;
-			uint32_t hn = 0;
-			int32_t n0 = -1, n1 = -1;
-			const int32_t *slotn = a.slot;
-			if (gn < total) {
-				hn = masked_token(a, gn, &tn);
-				slotn = a.slot + ((uint64_t)hn * a.Tmax + tn) * W;
-				n0 = lane < W ? slotn[lane] : -1;
-				n1 = lane + 32 < W ? slotn[lane + 32] : -1;
-			}
-			const uint32_t m0 = __ballot_sync(0xffffffffu, r0 >= 0),
-				       m1 = __ballot_sync(0xffffffffu, r1 >= 0);
-			const bool b1 = (a.bias_mask >> h) & 1,
-				   b2 = (a.bias2_mask >> h) & 1;
-			const uint32_t nb = b1 + b2, below = (1u << lane) - 1;
-			const uint32_t ns = nb + __popc(m0) + __popc(m1);
-			__syncwarp(); // the last token's list is read
-			if (lane == 0 && b1)
-				srcs[0] = (const uint4 *)field(a, h, EKC_F_BIAS) +
-					  t * nvec;
-			if (lane == 0 && b2)
-				srcs[b1] = (const uint4 *)field(a, h, EKC_F_BIAS2) +
-					   t * nvec;
-			if (r0 >= 0)
-				srcs[nb + __popc(m0 & below)] =
-					combine_row(a, lane, r0, nvec);
-			if (r1 >= 0)
-				srcs[nb + __popc(m0) + __popc(m1 & below)] =
-					combine_row(a, lane + 32, r1, nvec);
-			__syncwarp();
-			uint4 *out = (uint4 *)(a.region[h] + (t < a.orows[h]
-								   ? a.oo[h]
-								   : a.off[EKC_F_OUT])) +
-				     t * nvec;
-			if (a.cw && lane < a.K) {
-				const uint32_t K = a.K;
-				float acc = 0.0f;
-				for (uint32_t d = 0; d < W; d++) {
-					int32_t r = slot[d];
-					if (r >= 0)
-						acc = __fadd_rn(
-							acc,
-							__ldg((const float *)field(
-								      a, d, EKC_F_CW) +
-							      (uint64_t)r * a.K + lane));
-				}
-				((float *)field(a, h, EKC_F_CW_OUT))[t * K + lane] = acc;
-			}
-			if (!ns) { // no row, no bias: +0.0
-				for (uint32_t v = lane; v < nvec; v += 32)
-					out[v] = make_uint4(0, 0, 0, 0);
-			}
-			for (uint32_t v0 = 0; ns && v0 < nvec; v0 += chv) {
-				const uint32_t nv = min(chv, nvec - v0);
-				for (uint32_t p0 = 0; p0 < ns; p0 += CB_PMAX) {
-					const uint32_t n = min(ns - p0, CB_PMAX);
-					const uint32_t f = (p0 ? 0 : CB_FIRST) |
-							   (!p0 && b1 ? CB_BIAS : 0);
-					const bool last = p0 + n == ns;
-					uint32_t bar;
-					const uint32_t s0 = post(last ? out + v0 : nullptr,
-								 n, nv, f, &bar);
-					if (lane < n) {
-						uint32_t sl = s0 + lane;
-						if (sl >= nslot)
-							sl -= nslot;
-						tma_load(ring + sl * chb,
-							 srcs[p0 + lane] + v0, nv * 16,
-							 bar);
-					}
-					__syncwarp();
-				}
-			}
-			g = gn;
-			t = tn;
-			h = hn;
-			slot = slotn;
-			r0 = n0;
-			r1 = n1;
-		}
-		for (int k = 0; k < G; k++) { // an end for each group
-			uint32_t bar;
-			post(nullptr, 0, 0, CB_END, &bar);
-		}
-		return;
-	}
-	// the consumers
-	const uint32_t tid = threadIdx.x % (CW * 32), grp = warp / CW;
-	float acc[8];
-	const long long t0 = clock64();
-	for (uint32_t ci = grp;; ci += G) {
-		const uint32_t i = ci % CB_NI;
-		const long long c0 = clock64();
-		tma_wait(full0 + 8 * i, (ci / CB_NI) & 1);
-		if (blockIdx.x == 0 && threadIdx.x == 0)
-			cb_prof[4] += clock64() - c0;
-		const struct cb_item d = items[i];
-		if (d.flags & CB_END)
-			break;
-		if (tid < d.nv) {
-			if (d.flags & CB_FIRST) {
-#pragma unroll
-				for (int k = 0; k < 8; k++)
-					acc[k] = 0.0f;
-			}
-			uint4 q[CB_PMAX];
-			uint32_t sl = d.slot0;
-#pragma unroll
-			for (uint32_t j = 0; j < CB_PMAX; j++) {
-				if (j < d.n)
-					q[j] = lds16(ring + sl * chb + tid * 16);
-				sl = sl + 1 == nslot ? 0 : sl + 1;
-			}
-#pragma unroll
-			for (uint32_t j = 0; j < CB_PMAX; j++) {
-				if (j >= d.n)
-					break;
-				if (j == 0 && (d.flags & CB_BIAS))
-					set_bf16x8(acc, q[j]);
-				else
-					add_bf16x8(acc, q[j]);
-			}
-			if (d.out)
-				d.out[tid] = pack_bf16x8(acc);
-		}
-		__syncwarp();
-		if (lane == 0)
-			mb_arrive(empty0 + 8 * i);
-	}
-	if (blockIdx.x == 0 && threadIdx.x == 0)
-		cb_prof[5] += clock64() - t0;
-	if (tid == 0)
-		tr_end(a, EKC_TR_COMBINE);
-}
-
-// The same with P pipelines a block, each a producer warp, CW consumer
-// warps and its part of the ring: a warp's bulk loads are issued one after
-// the other (~270 cycles each, the read ceilings above), so one producer
-// cannot keep a SM's loads in flight. A consumer thread takes V vectors of
-// a chunk (chunks of up to CW x 32 x V vectors).
+// P pipelines a block, each a producer warp, CW consumer warps and its
+// part of the ring: a warp's bulk loads go out one after the other (~270
+// cycles each, PERFORMANCE.md, twenty-second session), so one producer
+// cannot keep a SM's loads in flight (measured with P = 1: the producer
+// busy 86 % of the time, the consumers waiting 61 %). A consumer thread
+// takes V vectors of a chunk (chunks of up to CW x 32 x V vectors).
 template <int CW, int P, int V>
 __device__ static __forceinline__ void combine_bulkp(const struct ekc_disp_args &a)
 {
@@ -721,31 +495,33 @@ __device__ static __forceinline__ void combine_bulkp(const struct ekc_disp_args 
 			__syncwarp();
 			return __shfl_sync(0xffffffffu, s0, 0);
 		};
-		uint64_t g = next_item(a, lane), t = 0;
+		// token g's home rank, token and rows (lane d: rank d's and
+		// d + 32's), read a token ahead of their use
+		auto route = [&](uint64_t g, uint32_t *h, uint64_t *t,
+				 int32_t *r0, int32_t *r1) {
+			*h = 0;
+			*t = 0;
+			*r0 = *r1 = -1;
+			if (g >= total)
+				return;
+			*h = masked_token(a, g, t);
+			const int32_t *sl = a.slot + ((uint64_t)*h * a.Tmax + *t) * W;
+			*r0 = lane < W ? sl[lane] : -1;
+			*r1 = lane + 32 < W ? sl[lane + 32] : -1;
+		};
+		uint64_t g = next_item(a, lane), t;
 		uint32_t raw = lane == 0 ? atomicAdd(a.work, 1u) + 1u : 0;
-		uint32_t h = 0;
-		int32_t r0 = -1, r1 = -1;
-		const int32_t *slot = a.slot;
-		if (g < total) {
-			h = masked_token(a, g, &t);
-			slot = a.slot + ((uint64_t)h * a.Tmax + t) * W;
-			r0 = lane < W ? slot[lane] : -1;
-			r1 = lane + 32 < W ? slot[lane + 32] : -1;
-		}
+		uint32_t h;
+		int32_t r0, r1;
+		route(g, &h, &t, &r0, &r1);
 		while (g < total) {
 			const uint64_t gn = __shfl_sync(0xffffffffu, raw, 0);
 			if (lane == 0)
 				raw = atomicAdd(a.work, 1u) + 1u;
-			uint64_t tn = 0;
-			uint32_t hn = 0;
-			int32_t n0 = -1, n1 = -1;
-			const int32_t *slotn = a.slot;
-			if (gn < total) {
-				hn = masked_token(a, gn, &tn);
-				slotn = a.slot + ((uint64_t)hn * a.Tmax + tn) * W;
-				n0 = lane < W ? slotn[lane] : -1;
-				n1 = lane + 32 < W ? slotn[lane + 32] : -1;
-			}
+			uint64_t tn;
+			uint32_t hn;
+			int32_t n0, n1;
+			route(gn, &hn, &tn, &n0, &n1);
 			const uint32_t m0 = __ballot_sync(0xffffffffu, r0 >= 0),
 				       m1 = __ballot_sync(0xffffffffu, r1 >= 0);
 			const bool b1 = (a.bias_mask >> h) & 1,
@@ -770,20 +546,7 @@ __device__ static __forceinline__ void combine_bulkp(const struct ekc_disp_args 
 								   ? a.oo[h]
 								   : a.off[EKC_F_OUT])) +
 				     t * nvec;
-			if (a.cw && lane < a.K) {
-				const uint32_t K = a.K;
-				float acc = 0.0f;
-				for (uint32_t d = 0; d < W; d++) {
-					int32_t r = slot[d];
-					if (r >= 0)
-						acc = __fadd_rn(
-							acc,
-							__ldg((const float *)field(
-								      a, d, EKC_F_CW) +
-							      (uint64_t)r * a.K + lane));
-				}
-				((float *)field(a, h, EKC_F_CW_OUT))[t * K + lane] = acc;
-			}
+			combine_weights(a, lane, h, t);
 			if (!ns) { // no row, no bias: +0.0
 				for (uint32_t v = lane; v < nvec; v += 32)
 					out[v] = make_uint4(0, 0, 0, 0);
@@ -812,7 +575,6 @@ __device__ static __forceinline__ void combine_bulkp(const struct ekc_disp_args 
 			g = gn;
 			t = tn;
 			h = hn;
-			slot = slotn;
 			r0 = n0;
 			r1 = n1;
 		}
@@ -949,18 +711,13 @@ PIPES(DEFP)
 	}
 COLS(DEFC)
 #undef DEFC
-// The bulk-copy combine: CW consumer warps and a producer, one block a SM.
-#define BULKS(X) X(8, 1) X(16, 1)
-#define DEFB(cw_, g_)                                                          \
-	extern "C" __global__ void __launch_bounds__((cw_ * g_ + 1) * 32, 1)   \
-		bulk_##cw_##_##g_(struct ekc_disp_args a)                      \
-	{                                                                      \
-		combine_bulk<cw_, g_>(a);                                      \
-	}
-BULKS(DEFB)
-#undef DEFB
-// P pipelines of CW consumer warps and a producer, V vectors a thread.
-#define BULKPS(X) X(2, 4, 4) X(4, 2, 4) X(2, 4, 7) X(1, 6, 7)
+// The bulk-copy combine, one block a SM: P pipelines of CW consumer warps
+// and a producer, V vectors a thread. 8x1 v1 and 16x1 v1 are the forms
+// measured in the twenty-second session (0.12 and 0.17 of D2D held to 24
+// SMs); the others are to be measured.
+#define BULKPS(X)                                                              \
+	X(8, 1, 1) X(16, 1, 1) X(2, 4, 4) X(4, 2, 4) X(2, 4, 7) X(1, 6, 7)     \
+	X(4, 4, 2) X(8, 2, 2)
 #define DEFBP(cw_, p_, v_)                                                     \
 	extern "C" __global__ void __launch_bounds__((cw_ + 1) * p_ * 32, 1)   \
 		bulkp_##cw_##_##p_##_##v_(struct ekc_disp_args a)              \
@@ -989,9 +746,6 @@ static std::vector<struct variant> variants = {
 #define ROWC(c_, b_, f_) {"cols C" #c_ "/" #b_ " pf" #f_, cols_##c_##_##b_##_##f_, 256, 0, 0},
 	COLS(ROWC)
 #undef ROWC
-#define ROWB(cw_, g_) {"bulk " #cw_ "x" #g_, bulk_##cw_##_##g_, (cw_ * g_ + 1) * 32, BULK_SMEM, 1},
-	BULKS(ROWB)
-#undef ROWB
 #define ROWBP(cw_, p_, v_) {"bulkp " #cw_ "x" #p_ " v" #v_, bulkp_##cw_##_##p_##_##v_, (cw_ + 1) * p_ * 32, BULK_SMEM, 1},
 	BULKPS(ROWBP)
 #undef ROWBP
@@ -1518,39 +1272,36 @@ int main(void)
 		CK(cudaFuncSetAttribute(read_bulk<2>,
 					cudaFuncAttributeMaxDynamicSharedMemorySize,
 					8 * 16384));
+		// GB/s a SM of a read kernel on g SMs, median of 5
+		auto per_sm = [&](int g, auto launch) {
+			std::vector<double> t;
+			for (int i = 0; i < 5; i++)
+				t.push_back(confined(g, launch));
+			return n / median(t) / 1e6 / g;
+		};
 		for (int g : grids) {
-			std::vector<double> t4, t5;
-			for (int i = 0; i < 5; i++) {
-				t4.push_back(confined(g, [&]() {
-					read_bulk<8><<<g, 32, 8 * 16384, st>>>(
-						(const uint8_t *)x, n, 16384);
-				}));
-				t5.push_back(confined(g, [&]() {
-					read_bulk<8><<<g, 32, 8 * 4096, st>>>(
-						(const uint8_t *)x, n, 4096);
-				}));
-			}
-			printf("perf: read ceiling on %d SMs: bulk loads 8 x 16 KB / "
-			       "8 x 4 KB in flight %.0f / %.0f GB/s (%.1f / %.1f "
-			       "per SM)\n", g, n / median(t4) / 1e6,
-			       n / median(t5) / 1e6, n / median(t4) / 1e6 / g,
-			       n / median(t5) / 1e6 / g);
-			// the same bytes in flight from 4 issuing warps
-			std::vector<double> t6, t7;
-			for (int i = 0; i < 5; i++) {
-				t6.push_back(confined(g, [&]() {
-					read_bulk<8><<<g, 128, 8 * 16384, st>>>(
-						(const uint8_t *)x, n, 4096);
-				}));
-				t7.push_back(confined(g, [&]() {
-					read_bulk<2><<<g, 128, 8 * 16384, st>>>(
-						(const uint8_t *)x, n, 16384);
-				}));
-			}
-			printf("perf: read ceiling on %d SMs: 4 warps issuing, 4 x 8 x "
-			       "4 KB / 4 x 2 x 16 KB in flight %.1f / %.1f GB/s per "
-			       "SM\n", g, n / median(t6) / 1e6 / g,
-			       n / median(t7) / 1e6 / g);
+			// one issuing warp a SM, then four with the same bytes
+			// in flight in all
+			const double b16 = per_sm(g, [&]() {
+				read_bulk<8><<<g, 32, 8 * 16384, st>>>(
+					(const uint8_t *)x, n, 16384);
+			});
+			const double b4 = per_sm(g, [&]() {
+				read_bulk<8><<<g, 32, 8 * 4096, st>>>(
+					(const uint8_t *)x, n, 4096);
+			});
+			const double w4 = per_sm(g, [&]() {
+				read_bulk<8><<<g, 128, 8 * 16384, st>>>(
+					(const uint8_t *)x, n, 4096);
+			});
+			const double w16 = per_sm(g, [&]() {
+				read_bulk<2><<<g, 128, 8 * 16384, st>>>(
+					(const uint8_t *)x, n, 16384);
+			});
+			printf("perf: read ceiling on %d SMs, bulk loads, GB/s a SM: "
+			       "one warp 8 x 16 KB / 8 x 4 KB in flight %.1f / %.1f; "
+			       "4 warps 4 x 8 x 4 KB / 4 x 2 x 16 KB %.1f / %.1f\n",
+			       g, b16, b4, w4, w16);
 		}
 		for (int g : grids) {
 			std::vector<double> t1, t2, t3;
@@ -1589,21 +1340,8 @@ int main(void)
 		printf("perf: %-16s %4d blocks on %3d SMs (%3d used): %.3f ms, "
 		       "%4.0f GB/s, %.2f of D2D\n",
 		       v.name, grid, n, sms_used(), ms, gbs, gbs / d2d);
-		if (!strncmp(v.name, "bulk", 4)) { // block 0, 7 runs
-			unsigned long long p[8];
-			CK(cudaMemcpyFromSymbol(p, cb_prof, sizeof(p)));
-			printf("prof: producer waited %llu cycles over %llu items, "
-			       "at most %llu in flight, %llu slots; consumer 0 "
-			       "waited %llu of %llu cycles\n", p[0] / 7, p[1] / 7,
-			       p[2], p[3], p[4] / 7, p[5] / 7);
-			memset(p, 0, sizeof(p));
-			CK(cudaMemcpyToSymbol(cb_prof, p, sizeof(p)));
-		}
+
 	};
-	{
-		unsigned long long p[8] = {0};
-		CK(cudaMemcpyToSymbol(cb_prof, p, sizeof(p)));
-	}
 	for (int g : grids) {
 		// ekc_combine as the daemon launched it (cuda_sms x
 		// occupancy, free to spread), then each held to g SMs
