@@ -1008,19 +1008,15 @@ __device__ static inline const uint4 *combine_row(const struct ekc_disp_args &a,
 	return (const uint4 *)(a.region[d] + o) + (uint64_t)r * nvec;
 }
 
-template <int C, int PF = 0>
-__device__ static __forceinline__ void combine_warps(const struct ekc_disp_args &a)
+// The combine's loop over home tokens, a warp each: sum(rp, n, nvec, bias,
+// bias2, out) adds up one token's rows for its output; the loop lists them
+// and sums the top-k weights. rp: the warp's list in shared memory.
+template <typename Sum>
+__device__ static __forceinline__ void combine_tokens(const struct ekc_disp_args &a,
+						      const uint4 **rp, Sum sum)
 {
 	const uint32_t lane = threadIdx.x & 31, W = a.W, H = a.H;
 	const uint64_t nvec = H / 8;
-	// Each warp's token: its rows' addresses in ascending rank order,
-	// made once per token by the lanes (rank d's combine_y is its
-	// registered memory below yrows[d], its region's field after) and
-	// passed through shared memory: computed in the column loop from the
-	// kernel's parameters with a rank known only at run time, the choice
-	// cost a quarter of the combine's speed.
-	__shared__ const uint4 *rows_of[256 / 32][EKC_MAX_LOCAL];
-	const uint4 **rp = rows_of[threadIdx.x >> 5];
 	if (!combine_begin(a))
 		return;
 	const uint64_t total = masked_total(a);
@@ -1054,8 +1050,7 @@ __device__ static __forceinline__ void combine_warps(const struct ekc_disp_args 
 							     ? a.oo[h]
 							     : a.off[EKC_F_OUT])) +
 			     t * nvec;
-		combine_token<C, PF>(rp, n, lane, (uint32_t)nvec, bias, bias2,
-				     out);
+		sum(rp, n, (uint32_t)nvec, bias, bias2, out);
 		if (a.cw && lane < a.K) {
 			// the rows' top-k weights: fp32 sums from +0.0 in
 			// ascending rank order, as the host backend
@@ -1075,6 +1070,25 @@ __device__ static __forceinline__ void combine_warps(const struct ekc_disp_args 
 	}
 	if (lane == 0)
 		tr_end(a, EKC_TR_COMBINE);
+}
+
+template <int C, int PF = 0>
+__device__ static __forceinline__ void combine_warps(const struct ekc_disp_args &a)
+{
+	// Each warp's token: its rows' addresses in ascending rank order,
+	// made once per token by the lanes (rank d's combine_y is its
+	// registered memory below yrows[d], its region's field after) and
+	// passed through shared memory: computed in the column loop from the
+	// kernel's parameters with a rank known only at run time, the choice
+	// cost a quarter of the combine's speed.
+	__shared__ const uint4 *rows_of[256 / 32][EKC_MAX_LOCAL];
+	const uint32_t lane = threadIdx.x & 31;
+	combine_tokens(a, rows_of[threadIdx.x >> 5],
+		       [&](const uint4 *const *rp, uint32_t n, uint32_t nvec,
+			   const uint4 *bias, const uint4 *bias2, uint4 *out) {
+			       combine_token<C, PF>(rp, n, lane, nvec, bias,
+						    bias2, out);
+		       });
 }
 
 #ifndef EKC_COMBINE_COLS

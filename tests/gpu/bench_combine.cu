@@ -633,6 +633,109 @@ __device__ static __forceinline__ void combine_bulkp(const struct ekc_disp_args 
 		tr_end(a, EKC_TR_COMBINE);
 }
 
+// Combine with each lane's loads landing in shared memory (cp.async, 16
+// bytes, no registers held while they fly): ekc_combine's warp per home
+// token and its order of sums, but a lane keeps up to RS row-steps of its
+// columns in flight in its slice of the warp's ring (a step: its 16 bytes
+// of each of the token's n rows), D = RS / n steps ahead of the one it
+// sums. Registers no longer bound the bytes in flight, so more warps fit a
+// SM with more in flight each (the register combine: ~64 KB a SM at 24
+// warps). Tokens of more than 8 rows take combine_token.
+template <int N> __device__ static inline void cp_wait_n()
+{
+	asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+__device__ static inline void cp_wait_upto(uint32_t d) // d in 0..7
+{
+	switch (d) {
+	case 0: cp_wait_n<0>(); break;
+	case 1: cp_wait_n<1>(); break;
+	case 2: cp_wait_n<2>(); break;
+	case 3: cp_wait_n<3>(); break;
+	case 4: cp_wait_n<4>(); break;
+	case 5: cp_wait_n<5>(); break;
+	case 6: cp_wait_n<6>(); break;
+	default: cp_wait_n<7>(); break;
+	}
+}
+
+template <int RS>
+__device__ static __forceinline__ void combine_async_token(
+	const uint4 *const *rp, uint32_t n, uint32_t lane, uint32_t nvec,
+	const uint4 *bias, const uint4 *bias2, uint4 *out, uint32_t ring)
+{
+	const uint4 *p[8];
+#pragma unroll
+	for (uint32_t j = 0; j < 8; j++)
+		p[j] = j < n ? rp[j] : nullptr;
+	const uint32_t nsteps = (nvec + 31) / 32;
+	const uint32_t D = min(max(RS / n, 1u), 8u); // steps in flight
+	// step s's row j lands in ring entry (s % D) * n + j (512 B each)
+	auto issue = [&](uint32_t s) {
+		if (s < nsteps) {
+			const uint32_t v = s * 32 + lane;
+			const uint32_t e = ring + (s % D) * n * 512;
+#pragma unroll
+			for (uint32_t j = 0; j < 8; j++)
+				if (j < n && v < nvec)
+					cp_async16(e + j * 512, p[j] + v);
+		}
+		cp_commit(); // empty past the end: the count stays exact
+	};
+	for (uint32_t s = 0; s < D; s++)
+		issue(s);
+	for (uint32_t s = 0; s < nsteps; s++) {
+		cp_wait_upto(D - 1);
+		const uint32_t v = s * 32 + lane;
+		float acc[8];
+#pragma unroll
+		for (int i = 0; i < 8; i++)
+			acc[i] = 0.0f;
+		if (v < nvec && bias)
+			set_bf16x8(acc, bias[v]);
+		if (v < nvec && bias2)
+			add_bf16x8(acc, bias2[v]);
+		const uint32_t e = ring + (s % D) * n * 512;
+#pragma unroll
+		for (uint32_t j = 0; j < 8; j++)
+			if (j < n && v < nvec)
+				add_bf16x8(acc, lds16(e + j * 512));
+		if (v < nvec)
+			out[v] = pack_bf16x8(acc);
+		issue(s + D); // into the entries just summed (this lane's own)
+	}
+}
+
+// (not inlined: its registers would count against the ring's kernel)
+__device__ static __noinline__ void combine_token_many(
+	const uint4 *const *rp, uint32_t n, uint32_t lane, uint32_t nvec,
+	const uint4 *bias, const uint4 *bias2, uint4 *out)
+{
+	combine_token<1>(rp, n, lane, nvec, bias, bias2, out);
+}
+
+template <int RS, int WPB>
+__device__ static __forceinline__ void combine_async(const struct ekc_disp_args &a)
+{
+	extern __shared__ __align__(16) uint8_t aring[]; // [WPB][RS][32][16]
+	__shared__ const uint4 *rows_of[WPB][EKC_MAX_LOCAL];
+	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+	const uint32_t ring = smem_addr(aring) + warp * RS * 512 + lane * 16;
+	combine_tokens(a, rows_of[warp],
+		       [&](const uint4 *const *rp, uint32_t n, uint32_t nvec,
+			   const uint4 *bias, const uint4 *bias2, uint4 *out) {
+			       if (n && n <= 8)
+				       combine_async_token<RS>(rp, n, lane, nvec,
+							       bias, bias2, out,
+							       ring);
+			       else
+				       combine_token_many(rp, n, lane, nvec, bias,
+							  bias2, out);
+		       });
+	cp_wait_n<0>();
+}
+
 // The bulk-copy engine's loads alone: lane 0 of one warp a block keeps R
 // loads of B bytes in flight into a ring (no consumer): the per-SM ceiling
 // of global-to-shared bulk loads.
@@ -711,6 +814,17 @@ PIPES(DEFP)
 	}
 COLS(DEFC)
 #undef DEFC
+// cp.async rings: RS row-steps a lane, B blocks of 8 warps a SM (to be
+// measured).
+#define ASYNCS(X) X(16, 2) X(20, 2) X(24, 2)
+#define DEFA(rs_, b_)                                                          \
+	extern "C" __global__ void __launch_bounds__(256, b_)                  \
+		async_##rs_##_##b_(struct ekc_disp_args a)                     \
+	{                                                                      \
+		combine_async<rs_, 8>(a);                                      \
+	}
+ASYNCS(DEFA)
+#undef DEFA
 // The bulk-copy combine, one block a SM: P pipelines of CW consumer warps
 // and a producer, V vectors a thread. 8x1 v1 and 16x1 v1 are the forms
 // measured in the twenty-second session (0.12 and 0.17 of D2D held to 24
@@ -746,6 +860,9 @@ static std::vector<struct variant> variants = {
 #define ROWC(c_, b_, f_) {"cols C" #c_ "/" #b_ " pf" #f_, cols_##c_##_##b_##_##f_, 256, 0, 0},
 	COLS(ROWC)
 #undef ROWC
+#define ROWA(rs_, b_) {"async " #rs_ "/" #b_, async_##rs_##_##b_, 256, 8 * rs_ * 512, b_},
+	ASYNCS(ROWA)
+#undef ROWA
 #define ROWBP(cw_, p_, v_) {"bulkp " #cw_ "x" #p_ " v" #v_, bulkp_##cw_##_##p_##_##v_, (cw_ + 1) * p_ * 32, BULK_SMEM, 1},
 	BULKPS(ROWBP)
 #undef ROWBP
