@@ -702,6 +702,15 @@ __device__ static inline void tma_load(uint32_t dst, const void *src,
 		     : "memory");
 }
 
+// This thread's arrival on the mbarrier at bar, which then also waits for
+// bytes more of bulk copies.
+__device__ static inline void mb_expect(uint32_t bar, uint32_t bytes)
+{
+	asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+		     ::"r"(bar), "r"(bytes)
+		     : "memory");
+}
+
 // Token (s, t)'s row, and its scales after it if a.tma_sc, into the
 // shared-memory stage at dst; both complete on one barrier.
 __device__ static inline void tma_load_token(const struct ekc_disp_args &a,
@@ -709,9 +718,7 @@ __device__ static inline void tma_load_token(const struct ekc_disp_args &a,
 					     uint64_t t, uint32_t bytes,
 					     uint32_t bar)
 {
-	asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-		     ::"r"(bar), "r"(bytes + a.tma_sc)
-		     : "memory");
+	mb_expect(bar, bytes + a.tma_sc);
 	tma_load(dst, x_row(a, s, t), bytes, bar);
 	if (a.tma_sc)
 		tma_load(dst + bytes,

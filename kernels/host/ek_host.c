@@ -260,15 +260,15 @@ void ek_recv_per_expert(const struct ek_shape *s, const struct ek_route *r,
 
 #define CHUNK 1024
 
-/* acc[i] += each of the np sources' bf16 value i, in order (np <= 4): one
- * pass over the accumulator for up to four sources, each element's adds
- * in the same order as one source at a time. */
+/* acc[i] += each of the np sources' bf16 value i, in order (np <= 4; p[4],
+ * the unused ones NULL): one pass over the accumulator for up to four
+ * sources, each element's adds in the same order as one source at a
+ * time. */
 static inline void add_sources(float *restrict acc,
 			       const uint16_t *const *restrict p, uint32_t np,
 			       uint32_t n)
 {
-	const uint16_t *p0 = p[0], *p1 = p[np > 1], *p2 = p[np > 2 ? 2 : 0],
-		       *p3 = p[np > 3 ? 3 : 0];
+	const uint16_t *p0 = p[0], *p1 = p[1], *p2 = p[2], *p3 = p[3];
 	switch (np) {
 	case 4:
 		for (uint32_t i = 0; i < n; i++) {
@@ -348,7 +348,7 @@ void ek_combine_tokens(const struct ek_shape *s, const struct ek_route *r,
 			}
 			/* then the second bias and the rows by ascending
 			 * rank, four to a pass over the accumulator */
-			const uint16_t *p[4];
+			const uint16_t *p[4] = {NULL};
 			uint32_t np = 0;
 			if (home->combine_bias2)
 				p[np++] = home->combine_bias2 + (size_t)t * H + c0;

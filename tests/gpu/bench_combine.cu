@@ -416,13 +416,6 @@ __device__ static inline void mb_arrive(uint32_t bar)
 		     : "memory");
 }
 
-__device__ static inline void mb_expect(uint32_t bar, uint32_t bytes)
-{
-	asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-		     ::"r"(bar), "r"(bytes)
-		     : "memory");
-}
-
 // P pipelines a block, each a producer warp, CW consumer warps and its
 // part of the ring: a warp's bulk loads go out one after the other (~270
 // cycles each, PERFORMANCE.md, twenty-second session), so one producer
@@ -641,22 +634,17 @@ __device__ static __forceinline__ void combine_bulkp(const struct ekc_disp_args 
 // sums. Registers no longer bound the bytes in flight, so more warps fit a
 // SM with more in flight each (the register combine: ~64 KB a SM at 24
 // warps). Tokens of more than 8 rows take combine_token.
-template <int N> __device__ static inline void cp_wait_n()
-{
-	asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
 __device__ static inline void cp_wait_upto(uint32_t d) // d in 0..7
 {
 	switch (d) {
-	case 0: cp_wait_n<0>(); break;
-	case 1: cp_wait_n<1>(); break;
-	case 2: cp_wait_n<2>(); break;
-	case 3: cp_wait_n<3>(); break;
-	case 4: cp_wait_n<4>(); break;
-	case 5: cp_wait_n<5>(); break;
-	case 6: cp_wait_n<6>(); break;
-	default: cp_wait_n<7>(); break;
+	case 0: cp_wait<0>(); break;
+	case 1: cp_wait<1>(); break;
+	case 2: cp_wait<2>(); break;
+	case 3: cp_wait<3>(); break;
+	case 4: cp_wait<4>(); break;
+	case 5: cp_wait<5>(); break;
+	case 6: cp_wait<6>(); break;
+	default: cp_wait<7>(); break;
 	}
 }
 
@@ -733,7 +721,7 @@ __device__ static __forceinline__ void combine_async(const struct ekc_disp_args 
 				       combine_token_many(rp, n, lane, nvec, bias,
 							  bias2, out);
 		       });
-	cp_wait_n<0>();
+	cp_wait<0>();
 }
 
 // The bulk-copy engine's loads alone: lane 0 of one warp a block keeps R
