@@ -73,6 +73,7 @@ struct pconn {
 	uint64_t ntx, nrx;
 	bool tx_tag, rx_tag;
 	char addr[64];
+	char host[48]; /* inbound: the source address, without the port */
 };
 
 /* The node a peer connection is for: its peer once that one's hello

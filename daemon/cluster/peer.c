@@ -226,6 +226,10 @@ static int peer_frame(void *arg, const struct epp_hdr *h, const uint8_t *f)
 }
 
 /* The frames received (bytes from any transport). */
+/* The payload of a frame before authentication: hello (versions, a node
+ * name of at most 63 bytes, an index, a nonce) or authentication (a MAC). */
+#define PREAUTH_PAYLOAD_MAX 256u
+
 static void conn_parse(struct pconn *c)
 {
 	/* any bytes show the peer alive, also the middle of a long frame
@@ -244,6 +248,16 @@ static void conn_parse(struct pconn *c)
 		return;
 	if (rc < 0) {
 		cl_reject(c, "%s", err);
+		return;
+	}
+	/* Before its proof, a peer sends a hello and an authentication of
+	 * a few dozen bytes: a longer frame is refused before any buffer
+	 * grows for it (an unauthenticated sender holds no more memory than
+	 * this, times peer_handshakes_max connections). */
+	if (!c->authed && want > EPP_HDR_SIZE + PREAUTH_PAYLOAD_MAX) {
+		cl_reject(c, "a frame of %zu bytes before authentication (at "
+			  "most %u)", want - EPP_HDR_SIZE,
+			  PREAUTH_PAYLOAD_MAX);
 		return;
 	}
 	/* a frame still arriving: it will fit where it starts */
@@ -313,6 +327,53 @@ static struct pconn *conn_new(struct epd_cluster *cl)
 	return c;
 }
 
+/* Inbound connections that have not proven the key are capped, from one
+ * host (peer_handshakes_per_host) and in all (peer_handshakes_max): over a
+ * cap, the oldest such connection (that host's first) is dropped for the
+ * new one. A flood of connections to the cluster port then holds a bounded
+ * number of descriptors and buffers, it cannot starve the node's ranks of
+ * descriptors, and a real peer, whose handshake takes a round trip or
+ * two, still gets in: a flood from one host displaces only its own
+ * connections. */
+static void cap_handshakes(struct epd_cluster *cl, const char *host)
+{
+	const struct epd_config *cfg = &cl->srv->cfg;
+	struct pconn *oldest = NULL, *oldest_here = NULL;
+	uint32_t n = 0, here = 0;
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &cl->conns)
+	{
+		struct pconn *c = LIST_ENTRY(it, struct pconn, node);
+		if (c->target >= 0 || c->authed || c->closing)
+			continue;
+		/* the list is in the order connections came */
+		if (!oldest)
+			oldest = c;
+		n++;
+		if (!strcmp(c->host, host)) {
+			if (!oldest_here)
+				oldest_here = c;
+			here++;
+		}
+	}
+	if (here >= cfg->peer_handshakes_per_host)
+		cl_reject(oldest_here, "displaced: %u unauthenticated "
+			  "connections from %s (peer_handshakes_per_host)",
+			  here + 1, host);
+	else if (n >= cfg->peer_handshakes_max)
+		cl_reject(oldest, "displaced: %u unauthenticated connections "
+			  "(peer_handshakes_max)", n + 1);
+}
+
+/* The host part of "address:port". */
+static void host_of(const char *addr, char *host, size_t cap)
+{
+	snprintf(host, cap, "%s", addr);
+	char *colon = strrchr(host, ':');
+	if (colon)
+		*colon = 0;
+}
+
 /* The transport's callbacks (transport.h). */
 static void *tr_accept(void *arg, struct epd_tconn *tc, const char *addr,
 		       const void *pdata, uint8_t len, char *reason,
@@ -331,11 +392,15 @@ static void *tr_accept(void *arg, struct epd_tconn *tc, const char *addr,
 		snprintf(reason, rlen, "%s", why);
 		return NULL;
 	}
+	char host[sizeof(((struct pconn *)0)->host)];
+	host_of(addr, host, sizeof(host));
+	cap_handshakes(cl, host);
 	struct pconn *c = conn_new(cl);
 	if (!c) {
 		snprintf(reason, rlen, "out of memory");
 		return NULL;
 	}
+	snprintf(c->host, sizeof(c->host), "%s", host);
 	c->tc = tc;
 	if (cl->tops->pdata)
 		snprintf(c->addr, sizeof(c->addr), "%s, node %u", addr, idx);

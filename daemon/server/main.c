@@ -3,6 +3,7 @@
 #include "server.h"
 
 #include <getopt.h>
+#include <sys/resource.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +21,31 @@ static void usage(FILE *f)
 		"  -V, --version         print the version and exit\n"
 		"  -h, --help            this text\n",
 		EPD_DEFAULT_CONFIG, EPD_DEFAULT_SOCKET);
+}
+
+/* Descriptors: every client connection, group buffer and peer connection
+ * holds some. The soft limit a service starts with is often 1024 (systemd's
+ * default) while the hard one is far higher: take the hard one, as a
+ * server that accepts thousands of connections must, and say so when even
+ * that is below what the configured limits may need. */
+static void raise_nofile(const struct epd_config *cfg)
+{
+	struct rlimit rl;
+	if (getrlimit(RLIMIT_NOFILE, &rl))
+		return;
+	if (rl.rlim_cur < rl.rlim_max) {
+		rlim_t was = rl.rlim_cur;
+		rl.rlim_cur = rl.rlim_max;
+		if (setrlimit(RLIMIT_NOFILE, &rl))
+			rl.rlim_cur = was;
+	}
+	const uint64_t need = (uint64_t)cfg->limits.conns + 256;
+	if (cfg->limits.conns && rl.rlim_cur != RLIM_INFINITY &&
+	    (uint64_t)rl.rlim_cur < need)
+		epd_warn("descriptor limit %llu is below max_connections + 256 "
+			 "(%llu): clients past it are refused",
+			 (unsigned long long)rl.rlim_cur,
+			 (unsigned long long)need);
 }
 
 int main(int argc, char **argv)
@@ -85,6 +111,7 @@ int main(int argc, char **argv)
 		printf("configuration ok\n");
 		return 0;
 	}
+	raise_nofile(&cfg);
 	uv_loop_t loop;
 	uv_loop_init(&loop);
 	struct epd_server srv;

@@ -33,6 +33,8 @@ void epd_config_defaults(struct epd_config *c)
 	snprintf(c->transport, sizeof(c->transport), "auto");
 	c->heartbeat_ms = 500;
 	c->heartbeat_miss = 4;
+	c->peer_handshakes_max = 64;
+	c->peer_handshakes_per_host = 8;
 	c->limits = (struct epd_limits){.conns_per_uid = 256,
 					.groups_per_uid = 64,
 					.bytes_per_uid = 1ull << 40,
@@ -212,6 +214,13 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 		if (parse_u32(v, 2, 100, 10, &u))
 			return -2;
 		c->heartbeat_miss = u;
+	} else if (!strcmp(key, "peer_handshakes_max")) {
+		if (parse_u32(v, 1, 1u << 16, 10, &c->peer_handshakes_max))
+			return -2;
+	} else if (!strcmp(key, "peer_handshakes_per_host")) {
+		if (parse_u32(v, 1, 1u << 16, 10,
+			      &c->peer_handshakes_per_host))
+			return -2;
 	} else if (!strcmp(key, "max_connections_per_user")) {
 		if (parse_u32(v, 0, 1u << 20, 10, &c->limits.conns_per_uid))
 			return -2;

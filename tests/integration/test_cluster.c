@@ -23,6 +23,7 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <string.h>
+#include <dirent.h>
 #include <errno.h>
 #include <time.h>
 #include <sys/socket.h>
@@ -903,6 +904,129 @@ static void expect_dropped(int fd)
 	close(fd);
 }
 
+/* Descriptors a process holds. */
+static int fds_of(pid_t pid)
+{
+	char path[64];
+	snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
+	DIR *d = opendir(path);
+	TH_CHECK(d, "opendir %s", path);
+	int n = 0;
+	for (struct dirent *e; (e = readdir(d));)
+		n += e->d_name[0] != '.';
+	closedir(d);
+	return n;
+}
+
+/* A flood of connections to node 2's peer port that never say a word:
+ * up to 300 open at once, each replaced as soon as the daemon drops it,
+ * for `ms` (a child process). */
+static void flood(int node, unsigned ms)
+{
+	enum { N = 300 };
+	int fd[N];
+	for (int i = 0; i < N; i++)
+		fd[i] = -1;
+	struct sockaddr_in sa = {.sin_family = AF_INET,
+				 .sin_port = htons((uint16_t)(base_port + node))};
+	inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+	uint64_t end = th_now_ns() + (uint64_t)ms * 1000000ull;
+	while (th_now_ns() < end) {
+		for (int i = 0; i < N; i++) {
+			char b[256];
+			if (fd[i] >= 0) {
+				ssize_t n = recv(fd[i], b, sizeof(b),
+						 MSG_DONTWAIT);
+				if (n > 0 || (n < 0 && errno == EAGAIN))
+					continue;
+				close(fd[i]);
+			}
+			fd[i] = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+			if (fd[i] >= 0 && connect(fd[i], (struct sockaddr *)&sa,
+						  sizeof(sa)) &&
+			    errno != EINPROGRESS) {
+				close(fd[i]);
+				fd[i] = -1;
+			}
+		}
+		th_sleep_ms(1);
+	}
+	for (int i = 0; i < N; i++)
+		if (fd[i] >= 0)
+			close(fd[i]);
+}
+
+/* A flood of connections to the cluster port that never authenticate:
+ * the daemon holds a bounded number of them (peer_handshakes_per_host),
+ * its local ranks are served, a node that restarts during the flood gets
+ * in, and a frame longer than a handshake's before the proof is refused
+ * without a buffer for it. */
+static void check_peer_flood(void)
+{
+	int fd0 = fds_of(D[2].pid);
+	fflush(NULL);
+	pid_t fl = fork();
+	TH_CHECK(fl >= 0, "fork");
+	if (fl == 0) {
+		flood(2, 4000 * th_scale());
+		_exit(0);
+	}
+	th_sleep_ms(300);
+	int most = 0;
+	for (int i = 0; i < 20; i++) {
+		int n = fds_of(D[2].pid);
+		if (n > most)
+			most = n;
+		th_sleep_ms(20);
+	}
+	/* 8 per host by default, and a few in the accept path */
+	TH_CHECK(most <= fd0 + 8 + 4,
+		 "node 2 held %d descriptors under the flood, %d before", most,
+		 fd0);
+	/* its local ranks are served */
+	ep_conn_t *c;
+	struct ep_group_config cfg = th_group("flooded", 1, 0, 5000);
+	ep_group_t *g = th_join(&D[2], &cfg, &c);
+	for (int i = 0; i < 10; i++)
+		TH_OK(ep_barrier(g));
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	/* node 1 restarts and dials node 2 through the flood */
+	uint64_t t0 = th_now_ns();
+	th_daemon_stop(&D[1]);
+	wait_row(2, "UDS");
+	start_node(1, keyfile, false);
+	wait_all_up();
+	uint64_t dt = th_now_ns() - t0;
+	int st;
+	TH_CHECK(waitpid(fl, &st, 0) == fl, "waitpid");
+	printf("ok: a flood of silent peer connections: node 2 held at most "
+	       "%d descriptors (%d before), served its ranks, and a restarted "
+	       "node 1 was up again in %llu ms\n",
+	       most, fd0, (unsigned long long)(dt / 1000000));
+
+	/* a hello header that announces the largest payload */
+	int fd = raw_peer_of(2);
+	struct epp_hdr h;
+	epp_hdr_init(&h, EPP_PEER_HELLO, 0);
+	h.length = EPP_MAX_PAYLOAD;
+	uint8_t hb[EPP_HDR_SIZE];
+	epp_hdr_encode(&h, hb);
+	TH_CHECK(write(fd, hb, sizeof(hb)) == sizeof(hb), "write");
+	uint64_t t1 = th_now_ns();
+	expect_dropped(fd);
+	TH_CHECK(th_now_ns() - t1 < 1000000000ull * th_scale(),
+		 "a 1 MiB hello was waited for, not refused");
+	json_t *cl = cluster_of(2);
+	const char *why = json_string_value(json_object_get(
+		json_object_get(cl, "last_rejection"), "why"));
+	TH_CHECK(why && strstr(why, "before authentication"),
+		 "last rejection: %s", why ? why : "(none)");
+	printf("ok: a 1 MiB frame before authentication: refused at its "
+	       "header (%s)\n", why);
+	json_decref(cl);
+}
+
 static void check_bad_peers(void)
 {
 	json_t *cl = cluster_of(0);
@@ -1660,6 +1784,7 @@ int main(void)
 		check_relay();
 		check_resets();
 		check_bad_peers();
+		check_peer_flood();
 		check_bad_member();
 		check_bad_windows();
 	} else {

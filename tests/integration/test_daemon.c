@@ -10,6 +10,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -388,6 +389,43 @@ static void check_bad_configs(const char *dir)
 	printf("ok: a missing config file -> refused\n");
 }
 
+static void low_soft_nofile(void)
+{
+	struct rlimit rl = {256, 4096};
+	setrlimit(RLIMIT_NOFILE, &rl);
+}
+
+/* The soft descriptor limit a service starts with (systemd's is 1024) is
+ * raised to the hard one: clients, group buffers and peer connections
+ * all take descriptors. */
+static void check_nofile(void)
+{
+	struct rlimit me;
+	TH_CHECK(getrlimit(RLIMIT_NOFILE, &me) == 0, "getrlimit");
+	if (me.rlim_max < 4096) {
+		printf("skip: the hard descriptor limit here is %llu\n",
+		       (unsigned long long)me.rlim_max);
+		return;
+	}
+	struct th_daemon d;
+	th_daemon_child_hook = low_soft_nofile;
+	th_daemon_start(&d, NULL);
+	th_daemon_child_hook = NULL;
+	char path[64], line[256];
+	snprintf(path, sizeof(path), "/proc/%d/limits", (int)d.pid);
+	FILE *f = fopen(path, "r");
+	TH_CHECK(f, "open %s", path);
+	unsigned long long soft = 0, hard = 0;
+	while (fgets(line, sizeof(line), f))
+		if (!strncmp(line, "Max open files", 14))
+			sscanf(line + 14, "%llu %llu", &soft, &hard);
+	fclose(f);
+	TH_CHECK(soft == 4096 && hard == 4096,
+		 "descriptor limits %llu/%llu, want 4096/4096", soft, hard);
+	th_daemon_stop(&d);
+	printf("ok: the soft descriptor limit 256 raised to the hard 4096\n");
+}
+
 int main(void)
 {
 	th_init("daemon: epctl, reload, credentials, shutdown", 120);
@@ -399,6 +437,7 @@ int main(void)
 	TH_CHECK(stat(d.sock, &sb) == 0 && (sb.st_mode & 0777) == 0666,
 		 "socket mode %o", sb.st_mode & 0777);
 	check_epctl(&d);
+	check_nofile();
 	check_threads(&d);
 	check_creds(&d);
 	check_reload(&d);
