@@ -15,6 +15,11 @@
 #include <unistd.h>
 
 #define OUTQ_MAX (16u << 20) /* a client that reads nothing is dropped */
+/* Descriptors waiting in one client's queue: libep waits for every reply
+ * that carries one, so more than a few means a client that asks (joins and
+ * leaves, maps) without reading; left alone it held every descriptor of
+ * the daemon, and no other client could connect or make a group. */
+#define OUTQ_FDS_MAX 32u
 #define RBUF_MIN 4096
 #define RBUF_KEEP (64u << 10) /* more than this is shrunk after a frame */
 
@@ -57,6 +62,7 @@ static int client_flush(struct epd_client *c)
 			/* the descriptors went with the first byte */
 			for (unsigned i = 0; i < o->nfds; i++)
 				close(o->fds[i]);
+			c->outq_fds -= o->nfds;
 			o->nfds = 0;
 		}
 		o->off += (size_t)n;
@@ -107,13 +113,17 @@ static int client_send(struct epd_session *s, uint16_t type, uint16_t flags,
 		o->fds[i] = fds[i];
 	list_add_tail(&c->outq, &o->node);
 	c->outq_bytes += o->len;
+	c->outq_fds += nfds;
 	/* A send never tears anything down itself: its caller may be in the
 	 * middle of a group's state change (failing a group replies to every
 	 * rank, and several may be dead at once). The close runs from the
 	 * loop once the caller returned. */
-	if (c->outq_bytes > OUTQ_MAX) {
-		epd_client_doom(c, "output queue over limit (client not "
-				   "reading)");
+	if (c->outq_bytes > OUTQ_MAX || c->outq_fds > OUTQ_FDS_MAX) {
+		epd_client_doom(c, c->outq_bytes > OUTQ_MAX
+					   ? "output queue over limit (client "
+					     "not reading)"
+					   : "more than 32 descriptors queued "
+					     "for it (client not reading)");
 		return EP_ECONNRESET;
 	}
 	if (client_flush(c)) {

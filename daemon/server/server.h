@@ -34,6 +34,7 @@ struct epd_client {
 	struct epp_rbuf rb; /* bytes received, not yet handled */
 	struct list_node outq;
 	size_t outq_bytes;
+	unsigned outq_fds; /* descriptors in outq, not yet sent */
 	bool close_after_flush;
 	bool closing;
 	bool doomed; /* to be closed by the reaper (see epd_client_doom) */

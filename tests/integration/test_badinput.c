@@ -137,6 +137,80 @@ static int bystander_rank(int rank, void *arg)
 	return 0;
 }
 
+/* A client that joins and leaves a group of one, again and again, and
+ * never reads: each join's reply carries the group buffer's descriptor.
+ * Queued for a client that does not read, they once held every descriptor
+ * of the daemon (no other client could connect or make a group); now it
+ * is dropped after 32, and the descriptors are back. */
+static void check_hoarder(void)
+{
+	/* at rest first: the connections of the checks before are gone */
+	int fd0 = count_fds(D->pid);
+	for (int t = 0, prev = -1; t < 100 && fd0 != prev; t++) {
+		th_sleep_ms(50);
+		prev = fd0;
+		fd0 = count_fds(D->pid);
+	}
+	int fd = raw_connect();
+	struct epp_join j = {.world_size = 1, .ranks_per_node = 1,
+			     .num_experts = 4, .hidden = 128, .max_tokens = 1,
+			     .topk = 1, .dtype = EP_DTYPE_BF16,
+			     .timeout_ms = 1000, .recv_areas = 1};
+	snprintf(j.name, sizeof(j.name), "hoard");
+	uint8_t p[512], g[8];
+	uint32_t len = (uint32_t)epp_join_encode(&j, p, sizeof(p));
+	int most = 0, sent = 0;
+	/* group ids count up from the daemon's last one: leave each guess
+	 * of the one just made (a wrong guess only gets an error) */
+	for (int i = 0; i < 4000; i++) {
+		struct epp_hdr h;
+		epp_hdr_init(&h, EPP_JOIN, 1000 + 2 * (uint64_t)i);
+		h.length = len;
+		if (epp_send_frame(fd, &h, p, NULL))
+			break;
+		struct epp_wr w;
+		epp_wr_init(&w, g, sizeof(g));
+		epp_put_u64(&w, (uint64_t)i + 1);
+		epp_hdr_init(&h, EPP_LEAVE, 1001 + 2 * (uint64_t)i);
+		h.length = 8;
+		if (epp_send_frame(fd, &h, g, NULL))
+			break;
+		sent++;
+		if (i % 50 == 0) {
+			int n = count_fds(D->pid);
+			if (n > most)
+				most = n;
+		}
+	}
+	/* (groups left in one batch of frames are freed on the loop's next
+	 * turn: a few hundred buffers at most, never one per cycle) */
+	TH_CHECK(most <= fd0 + 1000, "the daemon held %d descriptors for a "
+		 "client that does not read (%d before)", most, fd0);
+	/* dropped: its socket closes (what it had queued may come first) */
+	struct pollfd pf = {.fd = fd, .events = POLLIN};
+	char buf[4096];
+	ssize_t n = 1;
+	for (int t = 0; t < 500 && n != 0; t++) {
+		TH_CHECK(poll(&pf, 1, 5000) == 1, "the hoarder was not dropped");
+		n = read(fd, buf, sizeof(buf));
+		if (n < 0)
+			break; /* reset: dropped too */
+	}
+	close(fd);
+	int fd1 = -1;
+	for (int t = 0; t < 200; t++) {
+		fd1 = count_fds(D->pid);
+		if (fd1 == fd0)
+			break;
+		th_sleep_ms(10);
+	}
+	TH_CHECK(fd1 == fd0, "the daemon has %d descriptors, %d before", fd1,
+		 fd0);
+	printf("ok: a client that joins and leaves without reading: dropped "
+	       "after %d cycles, the daemon held at most %d descriptors (%d "
+	       "before)\n", sent, most, fd0);
+}
+
 int main(void)
 {
 	th_init("bad input", 120);
@@ -538,6 +612,8 @@ int main(void)
 		raw_send(fd, junk, sizeof(junk));
 		close(fd);
 	}
+
+	check_hoarder();
 
 	/* The bystanders never noticed. */
 	uint64_t before = b->count[0];
