@@ -249,7 +249,22 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 	if (otype == EPP_COMBINE && !route && !x->started) {
 		/* A node ahead of this one combines along a dispatch this
 		 * node has not finished yet (its job still runs): the rows
-		 * wait in the op until it starts here, with the routing. */
+		 * wait in the op until it starts here, with the routing. No
+		 * more than every other node could owe this one's ranks (a
+		 * row per token and top-k slot, and room for the frames'
+		 * heads): a peer that sends on is failed, not buffered. */
+		const size_t most = (size_t)(g->nnodes - 1) * rpn *
+					    g->shape.max_tokens * K * rec +
+				    (1u << 20);
+		if (x->deferred_bytes + len > most) {
+			epd_group_fail(g, EP_EPROTO,
+				       "node %u sent more early combine rows "
+				       "for op %llu than the group can owe "
+				       "(%zu bytes)",
+				       from, (unsigned long long)id, most);
+			return;
+		}
+		x->deferred_bytes += len;
 		struct xdefer *df = malloc(sizeof(*df) + len);
 		if (!df) {
 			epd_group_fail(g, EP_ENOMEM, "out of memory");

@@ -617,6 +617,7 @@ void epd_xop_start(struct epd_group *g)
 		/* rows that came before the routing was known, now */
 		struct xdefer *d = x->deferred;
 		x->deferred = NULL;
+		x->deferred_bytes = 0;
 		uint64_t id = x->id;
 		while (d) {
 			struct xdefer *n = d->next;

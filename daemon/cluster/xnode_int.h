@@ -82,6 +82,7 @@ struct xdefer {
 struct epd_xop {
 	struct epd_group *g;
 	struct xdefer *deferred; /* combine rows before the routing */
+	size_t deferred_bytes;
 	uint64_t id;
 	uint16_t type;
 	bool cached, started, job_running, job_done, stage2;

@@ -14,6 +14,7 @@
  */
 #include "harness.h"
 #include "epp.h"
+#include "epp_peer.h"
 #include "ref.h"
 #include "cluster/peerauth.h"
 
@@ -1259,7 +1260,9 @@ static void check_relay(void)
 }
 
 /* Impersonate node n2 with the real key: node 0 dials n2's port. */
-static int fake_n2(void)
+/* n2, faked: node `from` dials it; handshake with that node; the frame key
+ * goes to ktx. (Other nodes' dials are closed.) */
+static int fake_n2_for(int from, uint8_t ktx[32])
 {
 	int ls = socket(AF_INET, SOCK_STREAM, 0), one = 1;
 	setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
@@ -1275,7 +1278,8 @@ static int fake_n2(void)
 	int fd = -1;
 	for (int tries = 0; fd < 0 && tries < 20; tries++) {
 		struct pollfd p = {.fd = ls, .events = POLLIN};
-		TH_CHECK(poll(&p, 1, 10000) == 1, "node 0 never dialled n2");
+		TH_CHECK(poll(&p, 1, 10000) == 1, "node %d never dialled n2",
+			 from);
 		int c = accept(ls, NULL, NULL);
 		if (epp_recv_frame(c, &h, &pl, NULL, 5000, NULL, 0)) {
 			close(c);
@@ -1288,7 +1292,8 @@ static int fake_n2(void)
 		epp_get_u16(&r);
 		epp_get_str(&r, name, sizeof(name));
 		uint32_t idx = epp_get_u32(&r);
-		if (h.type == EPP_PEER_HELLO && idx == 0 && h.length >= 32) {
+		if (h.type == EPP_PEER_HELLO && idx == (uint32_t)from &&
+		    h.length >= 32) {
 			memcpy(their, pl + h.length - 32, 32);
 			fd = c;
 		} else {
@@ -1297,7 +1302,7 @@ static int fake_n2(void)
 		free(pl);
 	}
 	close(ls);
-	TH_CHECK(fd >= 0, "no hello from node 0");
+	TH_CHECK(fd >= 0, "no hello from node %d", from);
 	uint8_t b[256];
 	struct epp_wr w;
 	epp_wr_init(&w, b, sizeof(b));
@@ -1317,17 +1322,25 @@ static int fake_n2(void)
 	size_t n = fread(raw, 1, sizeof(raw), f);
 	fclose(f);
 	crypto_generichash(key, 32, raw, n, NULL, 0);
-	epd_peer_proof(key, "n2", "n0", mine, their, mac);
-	epd_peer_key(key, "n2", "n0", mine, their, fake_ktx);
-	fake_ntx = 0;
+	char to[8];
+	snprintf(to, sizeof(to), "n%d", from);
+	epd_peer_proof(key, "n2", to, mine, their, mac);
+	epd_peer_key(key, "n2", to, mine, their, ktx);
 	epp_hdr_init(&h, EPP_PEER_AUTH, 0);
 	h.length = EPD_PROOF;
 	TH_OK(epp_send_frame(fd, &h, mac, NULL));
 	return fd;
 }
 
+static int fake_n2(void)
+{
+	fake_ntx = 0;
+	return fake_n2_for(0, fake_ktx);
+}
+
 /* A frame of the fake n2, with its tag. */
-static void send_peer(int fd, uint16_t type, const void *p, size_t n)
+static void send_peer_k(int fd, const uint8_t ktx[32], uint64_t *ntx,
+			uint16_t type, const void *p, size_t n)
 {
 	struct epp_hdr h;
 	uint8_t hb[EPP_HDR_SIZE], tag[EPD_TAG];
@@ -1335,15 +1348,282 @@ static void send_peer(int fd, uint16_t type, const void *p, size_t n)
 	h.length = (uint32_t)n;
 	epp_hdr_encode(&h, hb);
 	struct iovec iov[2] = {{hb, sizeof(hb)}, {(void *)p, n}};
-	epd_frame_tag(fake_ktx, fake_ntx++, iov, 2, tag);
+	epd_frame_tag(ktx, (*ntx)++, iov, 2, tag);
 	TH_CHECK(write(fd, hb, sizeof(hb)) == sizeof(hb) &&
 			 (n == 0 || write(fd, p, n) == (ssize_t)n) &&
 			 write(fd, tag, sizeof(tag)) == sizeof(tag),
 		 "write");
 }
 
+static void send_peer(int fd, uint16_t type, const void *p, size_t n)
+{
+	send_peer_k(fd, fake_ktx, &fake_ntx, type, p, n);
+}
+
 /* Malformed frames from an authenticated peer: each is rejected (the
  * connection dropped); node 0 keeps serving and node 1 stays up. */
+/* ---- an authenticated peer that lies: random frames of every kind ---- */
+
+struct pchaos {
+	volatile int stop, by_stop;
+	volatile uint64_t by_rounds, ops, errors;
+};
+
+/* A bystander across nodes 0 and 1 (no part of n2): barriers that must
+ * never fail. */
+static int pc_bystander(int rank, void *arg)
+{
+	struct pchaos *s = arg;
+	ep_conn_t *c;
+	struct ep_group_config cfg = th_group("pcby", 2, (uint32_t)rank, 30000);
+	cfg.ranks_per_node = 1;
+	ep_group_t *g = th_join(&D[rank], &cfg, &c);
+	for (;;) { /* rank 0 decides the last round, the other follows */
+		TH_OK(ep_barrier(g));
+		if (rank == 0) {
+			s->by_rounds++;
+			if (s->stop)
+				s->by_stop = 1;
+		}
+		TH_OK(ep_barrier(g));
+		if (s->by_stop)
+			break;
+	}
+	ep_close(c);
+	return 0;
+}
+
+static const struct ep_group_config pc_cfg = {
+	.name = "pchaos", .world_size = 3, .ranks_per_node = 1,
+	.num_experts = 6, .hidden = 128, .max_tokens_per_rank = 4, .topk = 2,
+	.dtype = EP_DTYPE_BF16, .timeout_ms = 400};
+
+/* The ranks of "pchaos" on nodes 0 and 1 (the fake n2 plays rank 2):
+ * ops in a loop, any error allowed (the group fails and is made again),
+ * none may hang past its timeout (the test's alarm). */
+static int pc_rank(int rank, void *arg)
+{
+	struct pchaos *s = arg;
+	unsigned seed = (unsigned)rank * 77 + 1;
+	while (!s->stop) {
+		ep_conn_t *c;
+		if (ep_connect(D[rank].sock, &c))
+			return 1;
+		struct ep_group_config cfg = pc_cfg;
+		cfg.rank = (uint32_t)rank;
+		ep_group_t *g;
+		if (ep_join(c, &cfg, 0, &g) == 0) {
+			int64_t topk[8];
+			uint16_t x[4 * 128], y[12 * 128], out[4 * 128];
+			for (int i = 0; i < 8; i++)
+				topk[i] = (int64_t)(rand_r(&seed) % 7) - 1;
+			memset(x, 0x3c, sizeof(x));
+			memset(y, 0x3c, sizeof(y));
+			for (int i = 0; i < 20 && !s->stop; i++) {
+				uint8_t rx[12 * 128 * 2];
+				struct ep_dispatch_in din = {
+					.num_tokens = 4, .hidden = 128,
+					.dtype = EP_DTYPE_BF16, .topk = 2,
+					.x = x, .topk_idx = topk};
+				struct ep_dispatch_out dout = {.capacity = 12,
+							       .recv_x = rx};
+				ep_handle_t h;
+				int rc = ep_barrier(g);
+				if (!rc)
+					rc = ep_dispatch(g, &din, NULL, &dout,
+							 &h);
+				if (!rc)
+					rc = ep_combine(g, &h, y, dout.num_recv,
+							128, NULL, out);
+				s->ops++;
+				if (rc) {
+					if (s->errors++ % 50 == 0 &&
+					    getenv("EPD_PCHAOS_TRACE"))
+						fprintf(stderr, "pchaos rank %d: "
+							"%s\n", rank,
+							ep_errmsg());
+					break;
+				}
+			}
+			ep_leave(g);
+		}
+		ep_close(c);
+	}
+	return 0;
+}
+
+static void pc_drain(int fd)
+{
+	char b[65536];
+	while (recv(fd, b, sizeof(b), MSG_DONTWAIT) > 0)
+		;
+}
+
+/* One random frame of an authenticated n2 about group key gk, into b;
+ * returns its type. */
+static uint16_t pc_frame(const char *gk, unsigned *seed, uint8_t *b,
+			 size_t cap, size_t *len)
+{
+	struct epp_wr w;
+	epp_wr_init(&w, b, cap);
+	const char *grp = rand_r(seed) % 8 ? gk : "pcby";
+	uint32_t r = (uint32_t)rand_r(seed);
+	uint16_t type;
+	const uint32_t H = 128, K = 2;
+	switch (r % 7) {
+	case 0: { /* a rail barrier arrival, any seq */
+		type = EPP_PEER_BARRIER;
+		struct epp_peer_barrier m = {.local = r / 8 % 3,
+					     .seq = rand_r(seed) % 4
+							    ? (uint64_t)(rand_r(seed) % 50)
+							    : UINT64_MAX};
+		snprintf(m.group, sizeof(m.group), "%s", grp);
+		w.off = epp_peer_barrier_encode(&m, b, cap);
+		break;
+	}
+	case 1: { /* the group's shape, right or not */
+		type = EPP_PEER_GSHAPE;
+		epp_peer_put_op(&w, grp, 0);
+		uint32_t v[EPP_PEER_SHAPE_N] = {3, 1, 6, H, 4, K,
+						EP_DTYPE_BF16, 400};
+		if (rand_r(seed) % 3 == 0)
+			v[rand_r(seed) % EPP_PEER_SHAPE_N] = (uint32_t)rand_r(seed);
+		for (int i = 0; i < EPP_PEER_SHAPE_N; i++)
+			epp_put_u32(&w, v[i]);
+		break;
+	}
+	case 2: case 3: { /* a dispatch's routing of rank 2 (or another) */
+		type = EPP_PEER_XMETA;
+		epp_peer_put_op(&w, grp, rand_r(seed) % 6);
+		uint32_t T = rand_r(seed) % 6;
+		static const uint32_t fl[] = {0, EPP_DISPATCH_WEIGHTS,
+					      EPP_DISPATCH_CACHED,
+					      EPP_DISPATCH_TOOBIG};
+		uint32_t f = fl[rand_r(seed) % 4];
+		epp_put_u32(&w, rand_r(seed) % 5 ? 2 : rand_r(seed) % 4);
+		epp_put_u32(&w, T);
+		epp_put_u32(&w, f);
+		uint32_t nt = f & EPP_DISPATCH_CACHED ? 0 : T * K;
+		for (uint32_t i = 0; i < nt; i++)
+			epp_put_u64(&w, (uint64_t)(rand_r(seed) % 9) - 2);
+		if (f & EPP_DISPATCH_WEIGHTS)
+			for (uint32_t i = 0; i < nt; i++)
+				epp_put_u32(&w, (uint32_t)rand_r(seed));
+		break;
+	}
+	case 4: case 5: { /* rows of a dispatch or a combine */
+		type = EPP_PEER_XROWS;
+		epp_peer_put_op(&w, grp, rand_r(seed) % 6);
+		static const uint16_t ty[] = {
+			EPP_DISPATCH, EPP_COMBINE,
+			EPP_COMBINE | EPP_XROWS_WEIGHTS};
+		uint16_t t = ty[rand_r(seed) % 3];
+		uint32_t n = rand_r(seed) % 5;
+		size_t rec = 8 + H * 2 + (t & EPP_XROWS_WEIGHTS ? K * 4 : 0);
+		epp_peer_put_xrows(&w, t, rand_r(seed) % 6, n);
+		for (uint32_t i = 0; i < n; i++) {
+			epp_put_u32(&w, rand_r(seed) % 4);
+			epp_put_u32(&w, rand_r(seed) % 14);
+			for (size_t k = 8; k < rec; k++)
+				epp_put_u8(&w, (uint8_t)rand_r(seed));
+		}
+		break;
+	}
+	default: { /* the group failed "on n2" */
+		type = EPP_PEER_GFAIL;
+		struct epp_peer_gfail m = {.code = -(int32_t)(1 + r % 30),
+					   .round = rand_r(seed) % 40,
+					   .xops = rand_r(seed) % 10};
+		snprintf(m.group, sizeof(m.group), "%s", grp);
+		snprintf(m.msg, sizeof(m.msg), "chaos");
+		w.off = epp_peer_gfail_encode(&m, b, cap);
+	}
+	}
+	TH_CHECK(!w.err && w.off, "frame too big");
+	*len = w.off;
+	return type;
+}
+
+/* An authenticated peer (the key holder n2, faked, connected to nodes 0
+ * and 1) that sends random but well-formed frames about a group spanning
+ * the three: routings
+ * of any rank and size, rows to any rank and slot, barrier arrivals of any
+ * number, shapes right and wrong, failures. Nodes 0 and 1 must neither crash nor
+ * disturb a bystander group of theirs; the group's ranks get
+ * errors, never a hang. (A sanitizer build reports what goes wrong in
+ * memory.) */
+static void check_peer_chaos(void)
+{
+	th_daemon_stop(&D[2]);
+	wait_row(0, "SUD");
+	struct pchaos *s = th_shared(sizeof(*s));
+	pid_t by[2], rk[2];
+	th_spawn(by, 2, pc_bystander, s);
+	th_spawn(rk, 2, pc_rank, s);
+	char gk[64];
+	/* the nodes' name of the group (root's groups go by their name) */
+	if (getuid() == 0)
+		snprintf(gk, sizeof(gk), "pchaos");
+	else
+		snprintf(gk, sizeof(gk), "pchaos~%u", (unsigned)getuid());
+	unsigned seed = (unsigned)time(NULL);
+	printf("peer chaos seed %u\n", seed);
+	/* n2 authenticated to both nodes, so that the group can form */
+	int fd[2];
+	uint8_t ktx[2][32];
+	uint64_t ntx[2] = {0, 0};
+	for (int k = 0; k < 2; k++)
+		fd[k] = fake_n2_for(k, ktx[k]);
+	int reconnects = 0, frames = 0;
+	uint64_t end = th_now_ns() + 4000000000ull * th_scale(), beat = 0;
+	while (th_now_ns() < end) {
+		for (int k = 0; k < 2; k++) {
+			char b;
+			ssize_t n = recv(fd[k], &b, 1, MSG_DONTWAIT | MSG_PEEK);
+			if (n == 0 || (n < 0 && errno != EAGAIN)) {
+				/* dropped: that node dials again */
+				close(fd[k]);
+				ntx[k] = 0;
+				fd[k] = fake_n2_for(k, ktx[k]);
+				reconnects++;
+			}
+			pc_drain(fd[k]);
+		}
+		if (th_now_ns() > beat) {
+			uint8_t hb[128];
+			struct epp_peer_heartbeat m = {.epoch = 1};
+			snprintf(m.row, sizeof(m.row), "UUS");
+			size_t len = epp_peer_heartbeat_encode(&m, hb, sizeof(hb));
+			for (int k = 0; k < 2; k++)
+				send_peer_k(fd[k], ktx[k], &ntx[k],
+					    EPP_PEER_HEARTBEAT, hb, len);
+			beat = th_now_ns() + 50000000ull;
+		}
+		uint8_t fb[16384];
+		size_t len;
+		uint16_t type = pc_frame(gk, &seed, fb, sizeof(fb), &len);
+		int k = rand_r(&seed) % 2;
+		send_peer_k(fd[k], ktx[k], &ntx[k], type, fb, len);
+		frames++;
+		th_sleep_ms(1);
+		TH_CHECK(th_daemon_alive(&D[0]) && th_daemon_alive(&D[1]),
+			 "a node died");
+	}
+	s->stop = 1;
+	TH_CHECK(th_wait_all(rk, 2, 60) == 0, "a pchaos rank failed");
+	TH_CHECK(th_wait_all(by, 2, 60) == 0, "the bystander failed");
+	close(fd[0]);
+	close(fd[1]);
+	printf("ok: an authenticated peer sent %d random frames (%d "
+	       "reconnects): node 0 served on, the group's ranks ran %lu ops "
+	       "(%lu errors), the bystander %lu barriers\n",
+	       frames, reconnects, (unsigned long)s->ops,
+	       (unsigned long)s->errors, (unsigned long)s->by_rounds);
+	TH_CHECK(s->by_rounds > 0, "the bystander made no progress");
+	start_node(2, keyfile, false);
+	wait_all_up();
+}
+
 static void check_bad_member(void)
 {
 	th_daemon_stop(&D[2]);
@@ -1786,6 +2066,7 @@ int main(void)
 		check_bad_peers();
 		check_peer_flood();
 		check_bad_member();
+		check_peer_chaos();
 		check_bad_windows();
 	} else {
 		printf("skip: raw-tcp fake peers (relay, resets, bad peers, "
