@@ -1365,7 +1365,8 @@ static void send_peer(int fd, uint16_t type, const void *p, size_t n)
 /* ---- an authenticated peer that lies: random frames of every kind ---- */
 
 struct pchaos {
-	volatile int stop, by_stop;
+	volatile int stop, by_stop, joined;
+	volatile char msg[256];
 	volatile uint64_t by_rounds, ops, errors;
 };
 
@@ -1449,6 +1450,27 @@ static int pc_rank(int rank, void *arg)
 		}
 		ep_close(c);
 	}
+	return 0;
+}
+
+/* A rank of "pdefer" (world 3 over nodes 0, 1 and the fake n2): joins,
+ * then waits in a barrier that ends with the group's failure. */
+static int pd_rank(int rank, void *arg)
+{
+	struct pchaos *s = arg;
+	ep_conn_t *c;
+	struct ep_group_config cfg = pc_cfg;
+	cfg.name = "pdefer";
+	cfg.rank = (uint32_t)rank;
+	cfg.timeout_ms = 20000;
+	ep_group_t *g = th_join(&D[rank], &cfg, &c);
+	__atomic_add_fetch(&s->joined, 1, __ATOMIC_SEQ_CST);
+	int rc = ep_barrier(g);
+	TH_CHECK(rc != 0 && strstr(ep_errmsg(), "early combine rows"),
+		 "rank %d: barrier %d: %s", rank, rc, ep_errmsg());
+	if (rank == 0)
+		snprintf((char *)s->msg, sizeof(s->msg), "%s", ep_errmsg());
+	ep_close(c);
 	return 0;
 }
 
@@ -1576,6 +1598,10 @@ static void check_peer_chaos(void)
 		fd[k] = fake_n2_for(k, ktx[k]);
 	int reconnects = 0, frames = 0;
 	uint64_t end = th_now_ns() + 4000000000ull * th_scale(), beat = 0;
+	uint8_t hbeat[128];
+	struct epp_peer_heartbeat hm = {.epoch = 1};
+	snprintf(hm.row, sizeof(hm.row), "UUS");
+	size_t hblen = epp_peer_heartbeat_encode(&hm, hbeat, sizeof(hbeat));
 	while (th_now_ns() < end) {
 		for (int k = 0; k < 2; k++) {
 			char b;
@@ -1590,13 +1616,9 @@ static void check_peer_chaos(void)
 			pc_drain(fd[k]);
 		}
 		if (th_now_ns() > beat) {
-			uint8_t hb[128];
-			struct epp_peer_heartbeat m = {.epoch = 1};
-			snprintf(m.row, sizeof(m.row), "UUS");
-			size_t len = epp_peer_heartbeat_encode(&m, hb, sizeof(hb));
 			for (int k = 0; k < 2; k++)
 				send_peer_k(fd[k], ktx[k], &ntx[k],
-					    EPP_PEER_HEARTBEAT, hb, len);
+					    EPP_PEER_HEARTBEAT, hbeat, hblen);
 			beat = th_now_ns() + 50000000ull;
 		}
 		uint8_t fb[16384];
@@ -1612,6 +1634,43 @@ static void check_peer_chaos(void)
 	s->stop = 1;
 	TH_CHECK(th_wait_all(rk, 2, 60) == 0, "a pchaos rank failed");
 	TH_CHECK(th_wait_all(by, 2, 60) == 0, "the bystander failed");
+
+	/* Combine rows for an op this node has not started, sent on and on:
+	 * buffered up to what the group could owe, then the group fails
+	 * (once, the node buffered every such frame). */
+	s->stop = 0;
+	th_spawn(rk, 2, pd_rank, s);
+	while (s->joined < 2)
+		th_sleep_ms(5);
+	th_sleep_ms(50);
+	uint8_t fb[16384];
+	const uint32_t H = pc_cfg.hidden, n = 30;
+	const size_t rec = 8 + (size_t)H * 2;
+	for (int i = 0; i < 300; i++) {
+		struct epp_wr w;
+		epp_wr_init(&w, fb, sizeof(fb));
+		epp_peer_put_op(&w, "pdefer", 2);
+		epp_peer_put_xrows(&w, EPP_COMBINE, 1, n);
+		for (uint32_t k = 0; k < n; k++) {
+			epp_put_u32(&w, 0); /* for rank 0 */
+			epp_put_u32(&w, k);
+			for (size_t j = 8; j < rec; j++)
+				epp_put_u8(&w, (uint8_t)j);
+		}
+		TH_CHECK(!w.err, "frame");
+		send_peer_k(fd[0], ktx[0], &ntx[0], EPP_PEER_XROWS, fb, w.off);
+		pc_drain(fd[0]);
+		pc_drain(fd[1]);
+		if (i % 20 == 0) /* n2 stays up on both */
+			for (int k = 0; k < 2; k++)
+				send_peer_k(fd[k], ktx[k], &ntx[k],
+					    EPP_PEER_HEARTBEAT, hbeat, hblen);
+	}
+	s->stop = 1;
+	TH_CHECK(th_wait_all(rk, 2, 60) == 0,
+		 "a rank of pdefer did not see the bound's error");
+	printf("ok: early combine rows sent on and on: the group failed at "
+	       "the bound (%s)\n", s->msg);
 	close(fd[0]);
 	close(fd[1]);
 	printf("ok: an authenticated peer sent %d random frames (%d "
