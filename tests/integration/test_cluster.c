@@ -1978,10 +1978,7 @@ int main(void)
 			 "n0@127.0.0.1:%d, n1@localhost:%d, n2@127.0.0.1:%d",
 			 base_port, base_port + 1, base_port + 2);
 	printf("transport %s, peers %s\n", transport, peers);
-	char kdir[64];
-	snprintf(kdir, sizeof(kdir), "%s/epdkeys.XXXXXX",
-		 getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
-	TH_CHECK(mkdtemp(kdir), "mkdtemp");
+	const char *kdir = th_tmpdir("epdkeys");
 	snprintf(keyfile, sizeof(keyfile), "%s/cluster.key", kdir);
 	snprintf(badkey, sizeof(badkey), "%s/other.key", kdir);
 	FILE *f = fopen(keyfile, "w");

@@ -347,10 +347,7 @@ int main(void)
 	const char *e = getenv("EPD_XSOAK_OPS");
 	if (e && atoi(e) > 0 && atoi(e) <= MAXOPS - FORWARD - 2 * MAXLIVE)
 		nops = atoi(e);
-	char kdir[64];
-	snprintf(kdir, sizeof(kdir), "%s/epdkeys.XXXXXX",
-		 getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
-	TH_CHECK(mkdtemp(kdir), "mkdtemp");
+	const char *kdir = th_tmpdir("epdkeys");
 	snprintf(keyfile, sizeof(keyfile), "%s/cluster.key", kdir);
 	FILE *f = fopen(keyfile, "w");
 	fprintf(f, "soak-cluster-key-%d-0123456789\n", getpid());

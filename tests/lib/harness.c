@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <ftw.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -20,6 +21,42 @@ void (*th_daemon_child_hook)(void);
 static struct th_daemon *daemons[8];
 static int ndaemons;
 static pid_t main_pid;
+
+/* Temporary directories of this test, removed when it ends by returning
+ * from main or exit() (a pass or a skip); a failure (th_fail_exit, the
+ * alarm, a signal) keeps them, logs included, for a look. */
+static char tmpdirs[16][64];
+static int ntmpdirs;
+
+static int rm_entry(const char *path, const struct stat *sb, int flag,
+		    struct FTW *ftw)
+{
+	(void)sb;
+	(void)flag;
+	(void)ftw;
+	return remove(path) && errno != ENOENT ? -1 : 0;
+}
+
+static void rm_tmpdirs(void)
+{
+	if (getpid() != main_pid || getenv("EPD_TEST_KEEP"))
+		return;
+	for (int i = 0; i < ntmpdirs; i++)
+		nftw(tmpdirs[i], rm_entry, 8, FTW_DEPTH | FTW_PHYS);
+	ntmpdirs = 0;
+}
+
+const char *th_tmpdir(const char *prefix)
+{
+	TH_CHECK(ntmpdirs < 16, "too many temporary directories");
+	char *d = tmpdirs[ntmpdirs];
+	snprintf(d, sizeof(tmpdirs[0]), "%s/%s.XXXXXX",
+		 getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp", prefix);
+	TH_CHECK(mkdtemp(d), "mkdtemp %s: %s", d, strerror(errno));
+	if (ntmpdirs++ == 0)
+		atexit(rm_tmpdirs);
+	return d;
+}
 
 void th_daemon_dump_log(const struct th_daemon *d)
 {
@@ -226,9 +263,7 @@ void th_daemon_start(struct th_daemon *d, ...)
 	va_end(ap);
 	args[n] = NULL;
 	memset(d, 0, sizeof(*d));
-	snprintf(d->dir, sizeof(d->dir), "%s/epdtest.XXXXXX",
-		 env_or("TMPDIR", "/tmp"));
-	TH_CHECK(mkdtemp(d->dir), "mkdtemp: %s", strerror(errno));
+	snprintf(d->dir, sizeof(d->dir), "%s", th_tmpdir("epdtest"));
 	snprintf(d->sock, sizeof(d->sock), "%s/epd.sock", d->dir);
 	snprintf(d->log, sizeof(d->log), "%s/epd.log", d->dir);
 	snprintf(d->conf, sizeof(d->conf), "%s/epd.conf", d->dir);

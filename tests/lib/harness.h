@@ -78,6 +78,11 @@ bool th_daemon_alive(struct th_daemon *d);
 void th_daemon_dump_log(const struct th_daemon *d);
 const char *th_epctl_bin(void);
 
+/* A new temporary directory ($TMPDIR or /tmp, prefix.XXXXXX), removed
+ * with what it holds when the test ends by exit (a pass or a skip); kept
+ * after a failure, or with EPD_TEST_KEEP set. */
+const char *th_tmpdir(const char *prefix);
+
 /* Shared anonymous memory visible to forked ranks. */
 void *th_shared(size_t size);
 

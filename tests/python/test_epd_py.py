@@ -4,6 +4,7 @@ cached dispatch, combine and errors, with 4 rank processes, every output
 compared bitwise with a reference written here in plain Python."""
 import multiprocessing as mp
 import os
+import shutil
 import random
 import struct
 import subprocess
@@ -341,6 +342,8 @@ def main():
         p.wait(10)
         if p.returncode != 0:
             print(open(os.path.join(d, "epd.log")).read())
+        elif not os.environ.get("EPD_TEST_KEEP"):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":
