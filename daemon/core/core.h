@@ -316,6 +316,7 @@ struct epd_server {
 	struct epd_xnode *xnode;
 	const struct epd_span_ops *span;
 	uint64_t n_accepted, n_rejected, n_proto_errors, n_limited;
+	size_t outq_total; /* bytes of replies queued for all clients */
 	int reserve_fd; /* spent to accept-and-close when out of descriptors */
 	struct epd_ratelimit log_rl; /* warnings caused from outside */
 };

@@ -14,7 +14,14 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#define OUTQ_MAX (16u << 20) /* a client that reads nothing is dropped */
+/* A client that reads nothing is dropped once this much waits for it:
+ * libep reads every reply it asks for, so its queue holds one reply (at
+ * most a frame) and the odd notice. 16 MiB each, times 256 connections of
+ * one uid, let one user hold 4 GiB of the daemon's memory. */
+#define OUTQ_MAX (EPP_HDR_SIZE + EPP_MAX_PAYLOAD + (1u << 20))
+/* Past max_queued_bytes for all clients together, a client with more than
+ * this queued is dropped too. */
+#define OUTQ_SMALL (64u << 10)
 /* Descriptors waiting in one client's queue: libep waits for every reply
  * that carries one, so more than a few means a client that asks (joins and
  * leaves, maps) without reading; left alone it held every descriptor of
@@ -68,6 +75,7 @@ static int client_flush(struct epd_client *c)
 		o->off += (size_t)n;
 		if (o->off == o->len) {
 			c->outq_bytes -= o->len;
+			c->s.srv->outq_total -= o->len;
 			list_del(&o->node);
 			out_free(o);
 		}
@@ -114,16 +122,25 @@ static int client_send(struct epd_session *s, uint16_t type, uint16_t flags,
 	list_add_tail(&c->outq, &o->node);
 	c->outq_bytes += o->len;
 	c->outq_fds += nfds;
+	c->s.srv->outq_total += o->len;
 	/* A send never tears anything down itself: its caller may be in the
 	 * middle of a group's state change (failing a group replies to every
 	 * rank, and several may be dead at once). The close runs from the
 	 * loop once the caller returned. */
-	if (c->outq_bytes > OUTQ_MAX || c->outq_fds > OUTQ_FDS_MAX) {
-		epd_client_doom(c, c->outq_bytes > OUTQ_MAX
-					   ? "output queue over limit (client "
-					     "not reading)"
-					   : "more than 32 descriptors queued "
-					     "for it (client not reading)");
+	const char *over =
+		c->outq_bytes > OUTQ_MAX ? "output queue over limit (client "
+					   "not reading)"
+		: c->outq_fds > OUTQ_FDS_MAX
+			? "more than 32 descriptors queued for it (client not "
+			  "reading)"
+		: c->s.srv->outq_total > c->s.srv->cfg.limits.queued_bytes &&
+			  c->outq_bytes > OUTQ_SMALL
+			? "the replies queued for all clients are over "
+			  "max_queued_bytes, and this client reads none of its "
+			  "own"
+			: NULL;
+	if (over) {
+		epd_client_doom(c, over);
 		return EP_ECONNRESET;
 	}
 	if (client_flush(c)) {
@@ -202,8 +219,10 @@ void epd_client_close(struct epd_client *c, const char *why)
 	{
 		struct epd_out *o = LIST_ENTRY(it, struct epd_out, node);
 		list_del(&o->node);
+		c->s.srv->outq_total -= o->len;
 		out_free(o);
 	}
+	c->outq_bytes = 0;
 	for (unsigned i = 0; i < c->nfdq; i++)
 		close(c->fdq[i]);
 	c->nfdq = 0;

@@ -41,7 +41,8 @@ void epd_config_defaults(struct epd_config *c)
 					.conns = 4096,
 					.groups = 1024,
 					.bytes = 4ull << 40,
-					.handle_bytes = 4ull << 30};
+					.handle_bytes = 4ull << 30,
+					.queued_bytes = 256ull << 20};
 }
 
 static int parse_u64(const char *v, uint64_t *out)
@@ -238,6 +239,10 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 			return -2;
 	} else if (!strcmp(key, "max_bytes")) {
 		if (parse_u64(v, &c->limits.bytes))
+			return -2;
+	} else if (!strcmp(key, "max_queued_bytes")) {
+		if (parse_u64(v, &c->limits.queued_bytes) ||
+		    c->limits.queued_bytes < (1u << 20))
 			return -2;
 	} else if (!strcmp(key, "max_handle_bytes")) {
 		if (parse_u64(v, &c->limits.handle_bytes))

@@ -61,6 +61,10 @@ struct epd_config {
 		 * yet released (host memory; on a GPU group also its device
 		 * tables). Past it a fresh dispatch fails the group. */
 		uint64_t handle_bytes;
+		/* Replies queued for clients that have not read them, all
+		 * clients together: past it, a client with more than 64 KiB
+		 * queued is dropped. */
+		uint64_t queued_bytes;
 	} limits;
 };
 

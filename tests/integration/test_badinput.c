@@ -211,6 +211,88 @@ static void check_hoarder(void)
 	       "before)\n", sent, most, fd0);
 }
 
+/* Send n STATUS requests on a raw connection to sock and read nothing. */
+static int status_flood(const char *sock, int n)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", sock);
+	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	TH_CHECK(fd >= 0 && connect(fd, (struct sockaddr *)&sa,
+				    sizeof(sa)) == 0,
+		 "connect: %s", strerror(errno));
+	int small = 4096;
+	setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+	for (int i = 0; i < n; i++) {
+		uint8_t b[EPP_HDR_SIZE];
+		struct epp_hdr h;
+		epp_hdr_init(&h, EPP_STATUS, (uint64_t)i + 1);
+		epp_hdr_encode(&h, b);
+		if (send(fd, b, sizeof(b), MSG_NOSIGNAL) != sizeof(b))
+			break;
+	}
+	return fd;
+}
+
+/* Did the daemon close fd (after what it had sent)? */
+static bool was_closed(int fd)
+{
+	uint8_t b[65536];
+	for (;;) {
+		struct pollfd pf = {.fd = fd, .events = POLLIN};
+		if (poll(&pf, 1, 200) != 1)
+			return false; /* open, nothing more to read */
+		ssize_t k = read(fd, b, sizeof(b));
+		if (k <= 0)
+			return true;
+	}
+}
+
+/* Replies queued for clients that do not read, all together: bounded by
+ * max_queued_bytes (here 1M). Four such clients, each with less than the
+ * per-client bound queued: the first stays, the ones that push the total
+ * past the bound are dropped; the daemon serves on. */
+static void check_queued_total(void)
+{
+	struct th_daemon d;
+	th_daemon_start(&d, "-o", "max_queued_bytes=1M", NULL);
+	/* the size of one STATUS reply here */
+	ep_conn_t *c;
+	char *js;
+	TH_OK(ep_connect(d.sock, &c));
+	TH_OK(ep_daemon_status(c, &js));
+	size_t one = strlen(js) + EPP_HDR_SIZE;
+	free(js);
+	/* about 600 KiB each, past what the sockets hold */
+	int n = (int)((600u << 10) / one) + 200;
+	int fd[4];
+	for (int i = 0; i < 4; i++) {
+		fd[i] = status_flood(d.sock, n);
+		th_sleep_ms(100); /* handled in order */
+	}
+	bool closed[4];
+	for (int i = 0; i < 4; i++)
+		closed[i] = was_closed(fd[i]);
+	TH_CHECK(!closed[0] && closed[1] && closed[2] && closed[3],
+		 "dropped: %d %d %d %d, want 0 1 1 1 (%d requests of %zu "
+		 "bytes each)",
+		 closed[0], closed[1], closed[2], closed[3], n, one);
+	TH_OK(ep_daemon_status(c, &js));
+	free(js);
+	ep_close(c);
+	for (int i = 0; i < 4; i++)
+		close(fd[i]);
+	char cmd[300], out[256] = "";
+	snprintf(cmd, sizeof(cmd), "grep -c 'over max_queued_bytes' %s", d.log);
+	FILE *p = popen(cmd, "r");
+	TH_CHECK(p && fgets(out, sizeof(out), p), "grep");
+	pclose(p);
+	TH_CHECK(atoi(out) >= 3, "the log names the bound %d times", atoi(out));
+	th_daemon_stop(&d);
+	printf("ok: four clients that read nothing, %d replies of %zu bytes "
+	       "each: past max_queued_bytes (1M) the last three dropped, the "
+	       "first kept\n", n, one);
+}
+
 int main(void)
 {
 	th_init("bad input", 120);
@@ -614,6 +696,7 @@ int main(void)
 	}
 
 	check_hoarder();
+	check_queued_total();
 
 	/* The bystanders never noticed. */
 	uint64_t before = b->count[0];
