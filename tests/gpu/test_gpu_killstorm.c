@@ -13,7 +13,6 @@
  */
 #include "gpu_util.h"
 
-#include <dirent.h>
 #include <signal.h>
 #include <string.h>
 #include <unistd.h>
@@ -30,21 +29,6 @@ struct shared {
 	uint32_t world;
 	unsigned seed;
 };
-
-static int fds_of(pid_t pid)
-{
-	char path[64];
-	snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
-	DIR *d = opendir(path);
-	if (!d)
-		return -1;
-	int n = 0;
-	struct dirent *e;
-	while ((e = readdir(d)))
-		n += e->d_name[0] != '.';
-	closedir(d);
-	return n;
-}
 
 static ep_group_t *gjoin(struct shared *s, const char *name, uint32_t world,
 			 int rank, CUstream *st, ep_conn_t **c)
@@ -149,7 +133,7 @@ int main(void)
 	th_spawn(by, 2, bystander, s);
 	while (s->by_rounds < 5)
 		th_sleep_ms(5);
-	int fd0 = fds_of(d.pid);
+	int fd0 = th_fds(d.pid);
 	unsigned seed = (unsigned)getpid();
 	uint64_t end = th_now_ns() + (uint64_t)seconds * 1000000000ull;
 	int jobs = 0, killed = 0;
@@ -201,7 +185,7 @@ int main(void)
 		jobs++;
 	}
 	int fd1 = -1;
-	for (int i = 0; i < 100 && (fd1 = fds_of(d.pid)) != fd0; i++)
+	for (int i = 0; i < 100 && (fd1 = th_fds(d.pid)) != fd0; i++)
 		th_sleep_ms(50);
 	printf("ok: %d GPU jobs, %d ranks killed; bystander %lu rounds; "
 	       "daemon descriptors %d before, %d after; slowest job %llu ms "

@@ -6,7 +6,6 @@
 #include "harness.h"
 #include "epp.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <poll.h>
 #include <stdbool.h>
@@ -18,20 +17,6 @@
 #include <unistd.h>
 
 static const struct th_daemon *D;
-
-/* Descriptors the process holds (/proc/pid/fd). */
-static int count_fds(pid_t pid)
-{
-	char path[64];
-	snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
-	DIR *dir = opendir(path);
-	TH_CHECK(dir != NULL, "opendir %s", path);
-	int n = 0;
-	for (struct dirent *e; (e = readdir(dir));)
-		n += e->d_name[0] != '.';
-	closedir(dir);
-	return n;
-}
 
 static int raw_connect(void)
 {
@@ -145,11 +130,11 @@ static int bystander_rank(int rank, void *arg)
 static void check_hoarder(void)
 {
 	/* at rest first: the connections of the checks before are gone */
-	int fd0 = count_fds(D->pid);
+	int fd0 = th_fds(D->pid);
 	for (int t = 0, prev = -1; t < 100 && fd0 != prev; t++) {
 		th_sleep_ms(50);
 		prev = fd0;
-		fd0 = count_fds(D->pid);
+		fd0 = th_fds(D->pid);
 	}
 	int fd = raw_connect();
 	struct epp_join j = {.world_size = 1, .ranks_per_node = 1,
@@ -177,7 +162,7 @@ static void check_hoarder(void)
 			break;
 		sent++;
 		if (i % 50 == 0) {
-			int n = count_fds(D->pid);
+			int n = th_fds(D->pid);
 			if (n > most)
 				most = n;
 		}
@@ -199,7 +184,7 @@ static void check_hoarder(void)
 	close(fd);
 	int fd1 = -1;
 	for (int t = 0; t < 200; t++) {
-		fd1 = count_fds(D->pid);
+		fd1 = th_fds(D->pid);
 		if (fd1 == fd0)
 			break;
 		th_sleep_ms(10);
@@ -559,7 +544,7 @@ int main(void)
 		 * group refused with why, its descriptors closed by the
 		 * daemon (none left open), the connection kept; malformed,
 		 * and chunks that do not match the descriptors: errors */
-		int before = count_fds(D->pid);
+		int before = th_fds(D->pid);
 		struct epp_mem_reg mr = {.group_id = jo.group_id, .nchunks = 3,
 					 .chunk = {2u << 20, 2u << 20, 2u << 20}};
 		uint8_t fb[EPP_HDR_SIZE + 128];
@@ -597,7 +582,7 @@ int main(void)
 			 (uint32_t)dn, 33, buf);
 		expect_error(fd, 33, EP_EINVAL, "no such registration");
 		expect_usable(fd);
-		int after = count_fds(D->pid);
+		int after = th_fds(D->pid);
 		TH_CHECK(after == before,
 			 "the daemon holds %d descriptors, %d before the "
 			 "mem-regs",

@@ -28,7 +28,6 @@
 #include "epp.h"
 #include "ref.h"
 
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -747,31 +746,6 @@ static int chaos(int me, void *arg)
 	return 0;
 }
 
-static int count_entries(pid_t pid, const char *what, const char *match)
-{
-	char path[64];
-	int n = 0;
-	if (!strcmp(what, "fd")) {
-		snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
-		DIR *d = opendir(path);
-		if (!d)
-			return -1;
-		for (struct dirent *e; (e = readdir(d));)
-			n += e->d_name[0] != '.';
-		closedir(d);
-		return n;
-	}
-	snprintf(path, sizeof(path), "/proc/%d/maps", (int)pid);
-	FILE *f = fopen(path, "r");
-	if (!f)
-		return -1;
-	char line[512];
-	while (fgets(line, sizeof(line), f))
-		n += strstr(line, match) != NULL;
-	fclose(f);
-	return n;
-}
-
 int main(void)
 {
 	th_init("test_chaos", 600);
@@ -788,8 +762,8 @@ int main(void)
 	th_spawn(by, 2, bystander, NULL);
 	while (S->by_rounds < 3)
 		th_sleep_ms(5);
-	int fd0 = count_entries(d.pid, "fd", NULL);
-	int map0 = count_entries(d.pid, "maps", "memfd:");
+	int fd0 = th_fds(d.pid);
+	int map0 = th_maps(d.pid, "memfd:");
 	uint64_t r0 = S->by_rounds;
 
 	pid_t ch[NCHAOS];
@@ -830,8 +804,8 @@ int main(void)
 	/* Back to rest: every chaos connection, group and mapping gone. */
 	int fd1 = -1, map1 = -1;
 	for (int i = 0; i < 200; i++) {
-		fd1 = count_entries(d.pid, "fd", NULL);
-		map1 = count_entries(d.pid, "maps", "memfd:");
+		fd1 = th_fds(d.pid);
+		map1 = th_maps(d.pid, "memfd:");
 		if (fd1 == fd0 && map1 == map0)
 			break;
 		th_sleep_ms(50);

@@ -24,7 +24,6 @@
 #include <signal.h>
 #include <stdarg.h>
 #include <string.h>
-#include <dirent.h>
 #include <errno.h>
 #include <time.h>
 #include <sys/socket.h>
@@ -905,20 +904,6 @@ static void expect_dropped(int fd)
 	close(fd);
 }
 
-/* Descriptors a process holds. */
-static int fds_of(pid_t pid)
-{
-	char path[64];
-	snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
-	DIR *d = opendir(path);
-	TH_CHECK(d, "opendir %s", path);
-	int n = 0;
-	for (struct dirent *e; (e = readdir(d));)
-		n += e->d_name[0] != '.';
-	closedir(d);
-	return n;
-}
-
 /* A flood of connections to node 2's peer port that never say a word:
  * up to 300 open at once, each replaced as soon as the daemon drops it,
  * for `ms` (a child process). */
@@ -964,7 +949,7 @@ static void flood(int node, unsigned ms)
  * without a buffer for it. */
 static void check_peer_flood(void)
 {
-	int fd0 = fds_of(D[2].pid);
+	int fd0 = th_fds(D[2].pid);
 	fflush(NULL);
 	pid_t fl = fork();
 	TH_CHECK(fl >= 0, "fork");
@@ -975,7 +960,7 @@ static void check_peer_flood(void)
 	th_sleep_ms(300);
 	int most = 0;
 	for (int i = 0; i < 20; i++) {
-		int n = fds_of(D[2].pid);
+		int n = th_fds(D[2].pid);
 		if (n > most)
 			most = n;
 		th_sleep_ms(20);

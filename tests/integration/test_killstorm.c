@@ -15,7 +15,6 @@
  */
 #include "harness.h"
 
-#include <dirent.h>
 #include <signal.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -30,34 +29,6 @@ struct shared {
 	volatile int ready[MAXW];
 	volatile uint64_t ops[MAXW];
 };
-
-static int count_entries(pid_t pid, const char *what, const char *match)
-{
-	char path[64];
-	int n = 0;
-	if (!strcmp(what, "fd")) {
-		snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
-		DIR *d = opendir(path);
-		if (!d)
-			return -1;
-		struct dirent *e;
-		while ((e = readdir(d)))
-			if (e->d_name[0] != '.')
-				n++;
-		closedir(d);
-		return n;
-	}
-	snprintf(path, sizeof(path), "/proc/%d/maps", (int)pid);
-	FILE *f = fopen(path, "r");
-	if (!f)
-		return -1;
-	char line[512];
-	while (fgets(line, sizeof(line), f))
-		if (strstr(line, match))
-			n++;
-	fclose(f);
-	return n;
-}
 
 /* The daemon's resident set, in KiB (VmRSS), or -1. */
 static long rss_kib(pid_t pid)
@@ -171,8 +142,8 @@ int main(void)
 	while (s->by_rounds < 10)
 		th_sleep_ms(5);
 	th_sleep_ms(200);
-	int fd0 = count_entries(d.pid, "fd", NULL);
-	int map0 = count_entries(d.pid, "maps", "memfd:");
+	int fd0 = th_fds(d.pid);
+	int map0 = th_maps(d.pid, "memfd:");
 	long rss0 = rss_kib(d.pid);
 	TH_CHECK(fd0 > 0 && map0 >= 0, "cannot read the daemon's /proc");
 
@@ -230,8 +201,8 @@ int main(void)
 	 * are gone. */
 	int fd1 = -1, map1 = -1;
 	for (int i = 0; i < 100; i++) {
-		fd1 = count_entries(d.pid, "fd", NULL);
-		map1 = count_entries(d.pid, "maps", "memfd:");
+		fd1 = th_fds(d.pid);
+		map1 = th_maps(d.pid, "memfd:");
 		if (fd1 == fd0 && map1 == map0)
 			break;
 		th_sleep_ms(50);

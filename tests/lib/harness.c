@@ -3,6 +3,7 @@
 #include "epp.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -304,6 +305,34 @@ void th_daemon_stop(struct th_daemon *d)
 		th_sleep_ms(10);
 	}
 	TH_CHECK(0, "epd did not stop within 10 s of SIGTERM");
+}
+
+int th_fds(pid_t pid)
+{
+	char path[64];
+	snprintf(path, sizeof(path), "/proc/%d/fd", (int)pid);
+	DIR *d = opendir(path);
+	if (!d)
+		return -1;
+	int n = 0;
+	for (struct dirent *e; (e = readdir(d));)
+		n += e->d_name[0] != '.';
+	closedir(d);
+	return n;
+}
+
+int th_maps(pid_t pid, const char *match)
+{
+	char path[64], line[512];
+	snprintf(path, sizeof(path), "/proc/%d/maps", (int)pid);
+	FILE *f = fopen(path, "r");
+	if (!f)
+		return -1;
+	int n = 0;
+	while (fgets(line, sizeof(line), f))
+		n += strstr(line, match) != NULL;
+	fclose(f);
+	return n;
 }
 
 void *th_shared(size_t size)

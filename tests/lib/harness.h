@@ -83,6 +83,11 @@ const char *th_epctl_bin(void);
  * after a failure, or with EPD_TEST_KEEP set. */
 const char *th_tmpdir(const char *prefix);
 
+/* Descriptors process pid holds (/proc/pid/fd), or -1 if it is gone; its
+ * memory mappings whose line in /proc/pid/maps contains match. */
+int th_fds(pid_t pid);
+int th_maps(pid_t pid, const char *match);
+
 /* Shared anonymous memory visible to forked ranks. */
 void *th_shared(size_t size);
 
