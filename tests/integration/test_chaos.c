@@ -13,13 +13,16 @@
  * guessed, and connections are dropped at random moments. With root the
  * chaos runs under another uid (another user of the node).
  *
+ * The operator reloads the configuration (SIGHUP) every second of it,
+ * and at the end stops the daemon (SIGTERM) in the middle of more chaos.
+ *
  * Asserts: the daemon never dies and never stops answering; a bystander
  * job of two ranks runs barriers, dispatches and combines throughout and
  * every result is bitwise equal to the independent reference
  * (tests/lib/ref.c), with no error; every reply to a chaos client is a
  * well-formed frame for its request; afterwards the daemon's descriptors
- * and shared mappings are back to what they were, and it exits cleanly
- * (so that a sanitizer's report fails the test).
+ * and shared mappings are back to what they were, and stopped under chaos
+ * it exits cleanly (so that a sanitizer's report fails the test).
  *
  * EPD_CHAOS_SECONDS sets the length (default 15 s); EPD_TEST_SEED repeats
  * a run.
@@ -50,6 +53,7 @@
 struct shared {
 	const struct th_daemon *d;
 	volatile int stop, by_stop;
+	volatile int stopping; /* the daemon is being stopped under chaos */
 	volatile uint64_t by_rounds;
 	volatile uint64_t replies[NCHAOS], frames[NCHAOS], ops_ok[NCHAOS];
 	volatile uint64_t ok_of[NCHAOS][16]; /* OK replies by request type */
@@ -323,8 +327,8 @@ static void drain(struct cconn *c, int ms)
 		int rc = epp_recv_frame(c->fd, &h, &p, fds, 5000, err,
 					sizeof(err));
 		if (rc == EP_ECONNRESET || rc == EP_ESHUTDOWN ||
-		    rc == EP_EPEERLOST) {
-			c->dead = true;
+		    rc == EP_EPEERLOST || (rc && S->stopping)) {
+			c->dead = true; /* (a stopping daemon may cut a frame) */
 			return;
 		}
 		TH_CHECK(rc == 0, "chaos %d: a reply that is not a frame: %s "
@@ -691,10 +695,12 @@ static int chaos_connect(void)
 	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", S->d->sock);
 	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	TH_CHECK(fd >= 0, "socket");
-	TH_CHECK(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0,
-		 "chaos: the daemon refused a connection: %s",
+	if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0)
+		return fd;
+	TH_CHECK(S->stopping, "chaos: the daemon refused a connection: %s",
 		 strerror(errno));
-	return fd;
+	close(fd);
+	return -1; /* stopped, as it should be */
 }
 
 static int chaos(int me, void *arg)
@@ -710,6 +716,10 @@ static int chaos(int me, void *arg)
 			conn_close(&c);
 			c.dead = false;
 			c.fd = chaos_connect();
+			if (c.fd < 0) {
+				th_sleep_ms(5);
+				continue;
+			}
 			Hostile = ONE_IN(&rs, 4);
 			if (!ONE_IN(&rs, 5))
 				do_hello(&c);
@@ -769,9 +779,11 @@ int main(void)
 	pid_t ch[NCHAOS];
 	th_spawn(ch, NCHAOS, chaos, NULL);
 	uint64_t end = th_now_ns() + (uint64_t)seconds * 1000000000ull;
-	while (th_now_ns() < end) {
+	for (int t = 1; th_now_ns() < end; t++) {
 		th_sleep_ms(100);
 		TH_CHECK(th_daemon_alive(&d), "the daemon died");
+		if (t % 10 == 0) /* the operator reloads the configuration */
+			kill(d.pid, SIGHUP);
 	}
 	S->stop = 1;
 	TH_CHECK(th_wait_all(ch, NCHAOS, 60) == 0, "a chaos client failed");
@@ -816,7 +828,19 @@ int main(void)
 		 map1, map0);
 	S->by_stop = 1;
 	TH_CHECK(th_wait_all(by, 2, 60) == 0, "the bystander failed");
+
+	/* The operator stops the daemon in the middle of the chaos: it exits
+	 * with status 0 and removes its socket (th_daemon_stop; a sanitizer's
+	 * report would change the status). */
+	S->stop = 0;
+	S->stopping = 1;
+	th_spawn(ch, NCHAOS, chaos, NULL);
+	th_sleep_ms(1500);
 	th_daemon_stop(&d);
-	printf("ok\n");
+	S->stop = 1;
+	TH_CHECK(th_wait_all(ch, NCHAOS, 60) == 0,
+		 "a chaos client failed while the daemon stopped");
+	printf("ok: SIGHUP every second under the chaos, and SIGTERM in the "
+	       "middle of it: exit status 0\n");
 	return 0;
 }
