@@ -19,8 +19,9 @@
  * most a frame) and the odd notice. 16 MiB each, times 256 connections of
  * one uid, let one user hold 4 GiB of the daemon's memory. */
 #define OUTQ_MAX (EPP_HDR_SIZE + EPP_MAX_PAYLOAD + (1u << 20))
-/* Past max_queued_bytes for all clients together, a client with more than
- * this queued is dropped too. */
+/* Past max_queued_bytes for all clients together, a client that had more
+ * than this waiting when another reply came is dropped too (so never one
+ * that reads, whose queue is empty when it asks). */
 #define OUTQ_SMALL (64u << 10)
 /* Descriptors waiting in one client's queue: libep waits for every reply
  * that carries one, so more than a few means a client that asks (joins and
@@ -119,6 +120,9 @@ static int client_send(struct epd_session *s, uint16_t type, uint16_t flags,
 	o->nfds = nfds;
 	for (unsigned i = 0; i < nfds; i++)
 		o->fds[i] = fds[i];
+	/* what waited for it before this reply: a client that reads its
+	 * replies (libep waits for each) has nothing */
+	const size_t waiting = c->outq_bytes;
 	list_add_tail(&c->outq, &o->node);
 	c->outq_bytes += o->len;
 	c->outq_fds += nfds;
@@ -134,7 +138,7 @@ static int client_send(struct epd_session *s, uint16_t type, uint16_t flags,
 			? "more than 32 descriptors queued for it (client not "
 			  "reading)"
 		: c->s.srv->outq_total > c->s.srv->cfg.limits.queued_bytes &&
-			  c->outq_bytes > OUTQ_SMALL
+			  waiting > OUTQ_SMALL
 			? "the replies queued for all clients are over "
 			  "max_queued_bytes, and this client reads none of its "
 			  "own"
