@@ -364,7 +364,8 @@ static void send_frame(struct cconn *c, uint16_t type, uint16_t flags,
 	else if (m == 2)
 		h.ver_minor = (uint8_t)rnd(rs);
 	epp_hdr_encode(&h, b);
-	memcpy(b + EPP_HDR_SIZE, pl, len);
+	if (len)
+		memcpy(b + EPP_HDR_SIZE, pl, len);
 	if (m == 3 || m == 4) {
 		int flips = 1 + (int)(rnd(rs) % 6);
 		for (int f = 0; f < flips; f++)

@@ -14,6 +14,11 @@
 #include <string.h>
 
 #define MAX_PIECES 4
+/* Connections accepted in one turn of the loop. libuv accepts until the
+ * backlog is empty, and under a flood of connections to the cluster port
+ * it never was: the loop stalled for seconds and the node's ranks waited.
+ * Past the burst the listener rests until the next turn. */
+#define ACCEPT_BURST 16
 
 extern const struct epd_transport_ops epd_tcp_transport;
 
@@ -24,6 +29,10 @@ struct tcp_transport {
 	void *arg;
 	uv_tcp_t listener;
 	bool listening;
+	uv_check_t turn;   /* once a loop turn: the accept budget again */
+	uv_idle_t resume;  /* accepting again after a full burst */
+	unsigned accepts;  /* in this turn */
+	int open_handles;  /* listener, turn, resume: freed after the last */
 };
 
 struct tcp_conn {
@@ -108,14 +117,45 @@ static struct tcp_conn *conn_new(struct tcp_transport *t, void *user)
 	return c;
 }
 
+static void accept_one(struct tcp_transport *t);
+
+static void on_turn(uv_check_t *h)
+{
+	struct tcp_transport *t = h->data;
+	t->accepts = 0;
+}
+
+static void on_resume(uv_idle_t *h)
+{
+	struct tcp_transport *t = h->data;
+	uv_idle_stop(h);
+	t->accepts = 1;
+	accept_one(t); /* the one left waiting; uv_accept listens again */
+}
+
 static void on_accept(uv_stream_t *ls, int status)
 {
 	struct tcp_transport *t = ls->data;
 	if (status < 0)
 		return;
-	struct tcp_conn *c = conn_new(t, NULL);
-	if (!c)
+	if (t->accepts >= ACCEPT_BURST) {
+		/* not taken: libuv stops watching the listener until the
+		 * next turn takes it (on_resume) */
+		uv_idle_start(&t->resume, on_resume);
 		return;
+	}
+	t->accepts++;
+	accept_one(t);
+}
+
+static void accept_one(struct tcp_transport *t)
+{
+	uv_stream_t *ls = (uv_stream_t *)&t->listener;
+	struct tcp_conn *c = conn_new(t, NULL);
+	if (!c) { /* out of memory: the connection waits for a turn */
+		uv_idle_start(&t->resume, on_resume);
+		return;
+	}
 	if (uv_accept(ls, (uv_stream_t *)&c->tcp)) {
 		c->closing = true;
 		uv_close((uv_handle_t *)&c->tcp, conn_freed);
@@ -157,6 +197,12 @@ static struct epd_transport *tcp_open(uv_loop_t *loop,
 	t->arg = arg;
 	uv_tcp_init(loop, &t->listener);
 	t->listener.data = t;
+	uv_check_init(loop, &t->turn);
+	t->turn.data = t;
+	uv_unref((uv_handle_t *)&t->turn);
+	uv_idle_init(loop, &t->resume);
+	t->resume.data = t;
+	t->open_handles = 3;
 	return &t->base;
 }
 
@@ -172,6 +218,7 @@ static int tcp_listen(struct epd_transport *tp, const struct sockaddr *sa,
 		return -1;
 	}
 	t->listening = true;
+	uv_check_start(&t->turn, on_turn);
 	return 0;
 }
 
@@ -267,7 +314,9 @@ static void tcp_close(struct epd_tconn *tc)
 
 static void listener_closed(uv_handle_t *h)
 {
-	free(h->data);
+	struct tcp_transport *t = h->data;
+	if (--t->open_handles == 0)
+		free(t);
 }
 
 static void tcp_free(struct epd_transport *tp)
@@ -277,6 +326,8 @@ static void tcp_free(struct epd_transport *tp)
 	struct tcp_transport *t = tt(tp);
 	/* connections are the cluster's to close (it did, before) */
 	uv_close((uv_handle_t *)&t->listener, listener_closed);
+	uv_close((uv_handle_t *)&t->turn, listener_closed);
+	uv_close((uv_handle_t *)&t->resume, listener_closed);
 }
 
 static const char *tcp_down_why(const struct epd_transport *t)
