@@ -228,6 +228,13 @@ const char *epp_type_name(uint16_t type)
 	return "unknown";
 }
 
+void epp_printable(char *s)
+{
+	for (; *s; s++)
+		if ((unsigned char)*s < 0x20 || (unsigned char)*s > 0x7e)
+			*s = '?';
+}
+
 bool epp_group_name_valid(const char *name)
 {
 	size_t n = strlen(name);

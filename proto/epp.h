@@ -519,6 +519,11 @@ size_t epp_join_encode(const struct epp_join *j, uint8_t *out, size_t cap);
 int epp_join_decode(const uint8_t *p, size_t len, struct epp_join *j,
 		    char *err, size_t errlen);
 bool epp_group_name_valid(const char *name);
+/* Make a string from outside fit for logs, JSON and terminals: every byte
+ * outside printable ASCII becomes '?' (in place). A client's name, a
+ * peer's node name: one could hide from the status (JSON takes only
+ * UTF-8), forge log lines or drive a terminal with escapes otherwise. */
+void epp_printable(char *s);
 size_t epp_join_ok_encode(const struct epp_join_ok *j, uint8_t *out, size_t cap);
 int epp_join_ok_decode(const uint8_t *p, size_t len, struct epp_join_ok *j);
 size_t epp_hello_ok_encode(const struct epp_hello_ok *h, uint8_t *out,

@@ -81,6 +81,7 @@ static void on_hello(struct pconn *c, const uint8_t *p, uint32_t len)
 	struct epp_peer_hello m;
 	if (epp_peer_hello_decode(p, len, &m))
 		return cl_reject(c, "malformed hello");
+	epp_printable(m.node); /* named in the log and the status below */
 	uint16_t major = m.major, minor = m.minor;
 	const char *name = m.node;
 	uint32_t idx = m.index;
@@ -170,6 +171,7 @@ static void conn_frame(struct pconn *c, const struct epp_hdr *h,
 		struct epp_peer_gfail m;
 		if (epp_peer_gfail_decode(p, h->length, &m))
 			return cl_reject(c, "malformed group failure");
+		epp_printable(m.msg); /* for the log, the status, the ranks */
 		struct epd_group *g = epd_group_find(c->cl->srv, m.group);
 		if (g && (uint32_t)c->peer < g->nnodes)
 			epd_group_remote_failure(g, c->cl->node[c->peer].name,

@@ -244,6 +244,7 @@ static void handle_hello(struct epd_client *c, const struct epp_hdr *h,
 	uint16_t major = epp_get_u16(&r);
 	(void)epp_get_u16(&r);
 	epp_get_str(&r, c->name, sizeof(c->name));
+	epp_printable(c->name);
 	if (epp_rd_end(&r)) {
 		epd_session_error(&c->s, h->req_id, EP_EPROTO,
 				 "malformed hello payload (%u bytes)",

@@ -45,9 +45,8 @@ void epd_log_init(void)
 	const char *js = getenv("JOURNAL_STREAM");
 	struct stat st;
 	unsigned long dev, ino;
-	if (js && sscanf(js, "%lu:%lu", &dev, &ino) == 2 &&
-	    fstat(2, &st) == 0 && st.st_dev == dev && st.st_ino == ino)
-		journal = true;
+	journal = js && sscanf(js, "%lu:%lu", &dev, &ino) == 2 &&
+		  fstat(2, &st) == 0 && st.st_dev == dev && st.st_ino == ino;
 }
 
 /* The word after `key ` in line (up to a space, ':', ',' or ')'), or 0. */
@@ -136,6 +135,11 @@ void epd_log(int level, const char *fmt, ...)
 	va_start(ap, fmt);
 	vsnprintf(line, sizeof(line), fmt, ap);
 	va_end(ap);
+	/* one message, one line: a control character from outside (in a
+	 * name, a path) cannot start a forged line or drive a terminal */
+	for (char *q = line; *q; q++)
+		if ((unsigned char)*q < 0x20 || *q == 0x7f)
+			*q = '?';
 	if (journal) {
 #ifdef HAVE_LIBSYSTEMD
 		if (journal_send(level, line) == 0)

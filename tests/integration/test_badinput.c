@@ -278,6 +278,40 @@ static void check_queued_total(void)
 	       "first kept\n", n, one);
 }
 
+/* A client named with bytes that are not printable ASCII (not UTF-8, a
+ * newline, a terminal escape): it used to be missing from the status
+ * (JSON takes only UTF-8), hidden from the operator. Now listed, its
+ * name with '?' for those bytes. */
+static void check_client_name(void)
+{
+	int fd = raw_connect();
+	static const char name[] = "\xff\xfe\x1b[31mX\n";
+	uint8_t p[64];
+	struct epp_wr w;
+	epp_wr_init(&w, p, sizeof(p));
+	epp_put_u16(&w, EPP_VERSION_MAJOR);
+	epp_put_u16(&w, EPP_VERSION_MINOR);
+	epp_put_str(&w, name);
+	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_HELLO, 0,
+		 (uint32_t)w.off, 7, p);
+	struct epp_hdr h;
+	uint8_t *rep;
+	TH_OK(epp_recv_frame(fd, &h, &rep, NULL, 5000, NULL, 0));
+	TH_CHECK(h.type == EPP_OK, "hello refused");
+	free(rep);
+	ep_conn_t *c;
+	char *js;
+	TH_OK(ep_connect(D->sock, &c));
+	TH_OK(ep_daemon_status(c, &js));
+	TH_CHECK(strstr(js, "???[31mX?") != NULL,
+		 "the oddly named client is not in the status: %s", js);
+	free(js);
+	ep_close(c);
+	close(fd);
+	printf("ok: a client named with bytes outside printable ASCII is in "
+	       "the status, named ???[31mX?\n");
+}
+
 int main(void)
 {
 	th_init("bad input", 120);
@@ -681,6 +715,7 @@ int main(void)
 	}
 
 	check_hoarder();
+	check_client_name();
 	check_queued_total();
 
 	/* The bystanders never noticed. */

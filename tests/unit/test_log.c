@@ -76,5 +76,33 @@ int main(void)
 	printf("ok: a journal message %s\n",
 	       n ? "with no journal listening is written with its <4> prefix"
 		 : "went to the journal");
+
+	/* A message carrying a name from outside with a newline and a
+	 * terminal escape: one line, the control characters shown as '?'. */
+	unsetenv("JOURNAL_STREAM");
+	epd_log_init();
+	char path2[] = "/tmp/epd-log.XXXXXX";
+	fd = mkstemp(path2);
+	TH_CHECK(fd >= 0, "mkstemp");
+	fflush(stderr);
+	saved = dup(2);
+	dup2(fd, 2);
+	epd_log(EPD_LOG_WARN, "peer rejected: node '%s' unknown",
+		"x\n00:00:00.000 epd notice: all is well\x1b[2J");
+	fflush(stderr);
+	dup2(saved, 2);
+	f = fopen(path2, "r");
+	TH_CHECK(f, "fopen");
+	n = fread(buf, 1, sizeof(buf) - 1, f);
+	buf[n] = 0;
+	fclose(f);
+	unlink(path2);
+	char *nl = strchr(buf, '\n');
+	TH_CHECK(nl && nl[1] == 0 && !strchr(buf, 0x1b) &&
+			 strstr(buf, "node 'x?00:00:00.000 epd notice: all is "
+				     "well?[2J' unknown"),
+		 "logged '%s'", buf);
+	printf("ok: control characters in a message are logged as '?', on "
+	       "one line\n");
 	return 0;
 }
