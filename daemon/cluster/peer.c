@@ -227,11 +227,11 @@ static int peer_frame(void *arg, const struct epp_hdr *h, const uint8_t *f)
 	return c->closing ? 1 : c->rx_tag != tagged ? 2 : 0;
 }
 
-/* The frames received (bytes from any transport). */
 /* The payload of a frame before authentication: hello (versions, a node
  * name of at most 63 bytes, an index, a nonce) or authentication (a MAC). */
 #define PREAUTH_PAYLOAD_MAX 256u
 
+/* The frames received (bytes from any transport). */
 static void conn_parse(struct pconn *c)
 {
 	/* any bytes show the peer alive, also the middle of a long frame
@@ -339,7 +339,7 @@ static struct pconn *conn_new(struct epd_cluster *cl)
  * connections. */
 static void cap_handshakes(struct epd_cluster *cl, const char *host)
 {
-	const struct epd_config *cfg = &cl->srv->cfg;
+	const struct epd_limits *lim = &cl->srv->cfg.limits;
 	struct pconn *oldest = NULL, *oldest_here = NULL;
 	uint32_t n = 0, here = 0;
 	struct list_node *it, *tmp;
@@ -358,11 +358,11 @@ static void cap_handshakes(struct epd_cluster *cl, const char *host)
 			here++;
 		}
 	}
-	if (here >= cfg->peer_handshakes_per_host)
+	if (here >= lim->handshakes_per_host)
 		cl_reject(oldest_here, "displaced: %u unauthenticated "
 			  "connections from %s (peer_handshakes_per_host)",
 			  here + 1, host);
-	else if (n >= cfg->peer_handshakes_max)
+	else if (n >= lim->handshakes)
 		cl_reject(oldest, "displaced: %u unauthenticated connections "
 			  "(peer_handshakes_max)", n + 1);
 }

@@ -84,6 +84,23 @@ static int client_flush(struct epd_client *c)
 	return 0;
 }
 
+/* Why a client's queue (with `waiting` bytes before the reply just
+ * added) is past a bound, or NULL. */
+static const char *outq_over(const struct epd_client *c, size_t waiting)
+{
+	if (c->outq_bytes > OUTQ_MAX)
+		return "output queue over limit (client not reading)";
+	if (c->outq_fds > OUTQ_FDS_MAX)
+		return "more than 32 descriptors queued for it (client not "
+		       "reading)";
+	if (c->s.srv->outq_total > c->s.srv->cfg.limits.queued_bytes &&
+	    waiting > OUTQ_SMALL)
+		return "the replies queued for all clients are over "
+		       "max_queued_bytes, and this client reads none of its "
+		       "own";
+	return NULL;
+}
+
 /* The session's send (core.h): c is the session's container. */
 static int client_send(struct epd_session *s, uint16_t type, uint16_t flags,
 		       uint64_t req_id, const void *payload, uint32_t len,
@@ -131,18 +148,7 @@ static int client_send(struct epd_session *s, uint16_t type, uint16_t flags,
 	 * middle of a group's state change (failing a group replies to every
 	 * rank, and several may be dead at once). The close runs from the
 	 * loop once the caller returned. */
-	const char *over =
-		c->outq_bytes > OUTQ_MAX ? "output queue over limit (client "
-					   "not reading)"
-		: c->outq_fds > OUTQ_FDS_MAX
-			? "more than 32 descriptors queued for it (client not "
-			  "reading)"
-		: c->s.srv->outq_total > c->s.srv->cfg.limits.queued_bytes &&
-			  waiting > OUTQ_SMALL
-			? "the replies queued for all clients are over "
-			  "max_queued_bytes, and this client reads none of its "
-			  "own"
-			: NULL;
+	const char *over = outq_over(c, waiting);
 	if (over) {
 		epd_client_doom(c, over);
 		return EP_ECONNRESET;
@@ -226,7 +232,6 @@ void epd_client_close(struct epd_client *c, const char *why)
 		c->s.srv->outq_total -= o->len;
 		out_free(o);
 	}
-	c->outq_bytes = 0;
 	for (unsigned i = 0; i < c->nfdq; i++)
 		close(c->fdq[i]);
 	c->nfdq = 0;

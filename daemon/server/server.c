@@ -246,8 +246,6 @@ static void on_hup(uv_signal_t *h, int sig)
 		memcpy(srv->cfg.allow_uids, c.allow_uids,
 		       sizeof(c.allow_uids));
 		memcpy(&srv->cfg.limits, &c.limits, sizeof(c.limits));
-		srv->cfg.peer_handshakes_max = c.peer_handshakes_max;
-		srv->cfg.peer_handshakes_per_host = c.peer_handshakes_per_host;
 		epd_notice("configuration reloaded from %s%s (log level %s, "
 			   "timeout %u ms)",
 			   srv->config_path,

@@ -33,8 +33,6 @@ void epd_config_defaults(struct epd_config *c)
 	snprintf(c->transport, sizeof(c->transport), "auto");
 	c->heartbeat_ms = 500;
 	c->heartbeat_miss = 4;
-	c->peer_handshakes_max = 64;
-	c->peer_handshakes_per_host = 8;
 	c->limits = (struct epd_limits){.conns_per_uid = 256,
 					.groups_per_uid = 64,
 					.bytes_per_uid = 1ull << 40,
@@ -42,7 +40,9 @@ void epd_config_defaults(struct epd_config *c)
 					.groups = 1024,
 					.bytes = 4ull << 40,
 					.handle_bytes = 4ull << 30,
-					.queued_bytes = 256ull << 20};
+					.queued_bytes = 256ull << 20,
+					.handshakes = 64,
+					.handshakes_per_host = 8};
 }
 
 static int parse_u64(const char *v, uint64_t *out)
@@ -216,11 +216,11 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 			return -2;
 		c->heartbeat_miss = u;
 	} else if (!strcmp(key, "peer_handshakes_max")) {
-		if (parse_u32(v, 1, 1u << 16, 10, &c->peer_handshakes_max))
+		if (parse_u32(v, 1, 1u << 16, 10, &c->limits.handshakes))
 			return -2;
 	} else if (!strcmp(key, "peer_handshakes_per_host")) {
 		if (parse_u32(v, 1, 1u << 16, 10,
-			      &c->peer_handshakes_per_host))
+			      &c->limits.handshakes_per_host))
 			return -2;
 	} else if (!strcmp(key, "max_connections_per_user")) {
 		if (parse_u32(v, 0, 1u << 20, 10, &c->limits.conns_per_uid))

@@ -46,9 +46,6 @@ struct epd_config {
 	char cluster_key_file[256];
 	char transport[8];         /* auto|tcp|rdma */
 	uint32_t heartbeat_ms, heartbeat_miss;
-	/* Inbound peer connections not yet authenticated: at most this many
-	 * in all and from one host; over a cap the oldest is dropped. */
-	uint32_t peer_handshakes_max, peer_handshakes_per_host;
 	/* Limits (0: none): per uid and for the whole daemon; root (uid 0)
 	 * is held to the daemon-wide ones only. Bytes are group buffers
 	 * (shared memory or GPU memory) charged to the group's owner. */
@@ -65,6 +62,10 @@ struct epd_config {
 		 * clients together: past it, a client with more than 64 KiB
 		 * queued is dropped. */
 		uint64_t queued_bytes;
+		/* Inbound peer connections not yet authenticated, in all and
+		 * from one host (1 or more): over a cap the oldest is
+		 * dropped. */
+		uint32_t handshakes, handshakes_per_host;
 	} limits;
 };
 

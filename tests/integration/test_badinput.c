@@ -18,15 +18,20 @@
 
 static const struct th_daemon *D;
 
-static int raw_connect(void)
+static int raw_connect_to(const char *sock)
 {
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
-	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", D->sock);
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", sock);
 	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	TH_CHECK(fd >= 0, "socket");
 	TH_CHECK(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0,
 		 "connect: %s", strerror(errno));
 	return fd;
+}
+
+static int raw_connect(void)
+{
+	return raw_connect_to(D->sock);
 }
 
 static void raw_send(int fd, const void *p, size_t n)
@@ -199,12 +204,7 @@ static void check_hoarder(void)
 /* Send n STATUS requests on a raw connection to sock and read nothing. */
 static int status_flood(const char *sock, int n)
 {
-	struct sockaddr_un sa = {.sun_family = AF_UNIX};
-	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", sock);
-	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	TH_CHECK(fd >= 0 && connect(fd, (struct sockaddr *)&sa,
-				    sizeof(sa)) == 0,
-		 "connect: %s", strerror(errno));
+	int fd = raw_connect_to(sock);
 	int small = 4096;
 	setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
 	for (int i = 0; i < n; i++) {
