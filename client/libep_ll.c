@@ -138,6 +138,18 @@ static int ll_setup(ep_group_t *g)
 		}
 	for (uint32_t d = 0; d < l->W && !rc; d++)
 		rc = ll_map_one(g, l, d);
+	/* Every rank's kernel waits in place for the others' counts and
+	 * flags: ranks sharing a GPU must run at once, which MPS does and
+	 * time slicing does not (each wait would last a slice, or reach the
+	 * timeout). Every rank of the group sees the same answer, so all
+	 * refuse together, before any of them wrote a peer. */
+	if (!rc && l->one_gpu && l->W > 1 &&
+	    !(c->rank_flags & EPP_RANK_MPS))
+		rc = ep__fail(EP_EUNSUPPORTED,
+			      "the low-latency mode needs MPS where ranks "
+			      "share a GPU (this group's %u ranks are on one "
+			      "GPU without it)",
+			      l->W);
 	const uint64_t WN = (uint64_t)l->W * l->N;
 	l->out_stride = (l->El * 4 + 7) / 8 * 8 + l->El * l->W * 8 +
 			(l->El * WN * 4 + 255) / 256 * 256;

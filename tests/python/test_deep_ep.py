@@ -11,8 +11,10 @@ weights, low-latency dispatch (per-expert layout, src_info,
 layout_range, counts, fp8 where torch has it) and its weighted combine,
 handles alive over 20 layers and released when dropped, one rank with too
 many tokens (every rank raises), and the clear errors. Skipped (77)
-without torch. With EPD_DEEP_EP_LL_KERNELS=1 the low-latency ops run on
-epd's kernels (their fp8 cast included)."""
+without torch. On GPU ranks the low-latency ops run on epd's kernels
+(their fp8 cast included) where they apply (MPS where ranks share the
+GPU: EPD_TEST_LL_PATH=kernels or daemon checks which path ran and why);
+EPD_DEEP_EP_LL_KERNELS=0 keeps them on the daemon's path."""
 import gc
 import os
 import sys
@@ -128,6 +130,16 @@ def ll_checks(torch, buf, ins, r, W, D):
         modes += [(True, False, False), (True, True, False), (True, True, True)]
     u8 = lambda t: t.cpu().contiguous().view(torch.uint8)  # noqa: E731
     for n, (use_fp8, rnd, ue8m0) in enumerate(modes):
+        if n == 1:
+            # the path the first op took: EPD_TEST_LL_PATH says which one
+            # the run expects (kernels: GPU ranks under MPS; daemon: host
+            # ranks, or ranks sharing a GPU without MPS, refused by libep)
+            path, why = buf._ll_path()
+            want = os.environ.get("EPD_TEST_LL_PATH")
+            assert want in (None, path), ("low-latency path", path, why)
+            if want == "daemon" and CUDA and os.environ.get(
+                    "EPD_DEEP_EP_LL_KERNELS") != "0":
+                assert "MPS" in why, why
         stats = D(torch.full((per,), 3, dtype=torch.int32))
         recv, cnt, handle, ev, hook = buf.low_latency_dispatch(
             D(me["x"]), D(me["idx"]), N, E,
@@ -200,9 +212,9 @@ def ll_checks(torch, buf, ins, r, W, D):
     del recv, handle, y
     # more tokens than num_max_dispatch_tokens_per_rank on some rank:
     # every rank raises, and the group of the shape goes on
-    # (epd's own kernels, EPD_DEEP_EP_LL_KERNELS=1: the rank over raises
-    # at once, the others find ETOOBIG in their kernels' error word)
-    kern = os.environ.get("EPD_DEEP_EP_LL_KERNELS") == "1" and CUDA
+    # (on epd's own kernels the rank over raises at once, the others find
+    # ETOOBIG in their kernels' error word)
+    kern = buf._ll_path()[0] == "kernels"
     over = tokens(r) > 16 if kern else max(tokens(s) for s in range(W)) > 16
     try:
         buf.low_latency_dispatch(D(me["x"]), D(me["idx"]), 16, E,

@@ -563,6 +563,11 @@ class Buffer:
             self._ar = torch.arange(self.group_size, dtype=torch.int64,
                                     device="cuda")
         self._layout_experts = None
+        # why the low-latency ops run on the daemon's path (None: epd's
+        # kernels where they apply, _ll_kernels)
+        self._ll_off = None if os.environ.get(
+            "EPD_DEEP_EP_LL_KERNELS", "1") != "0" else \
+            "EPD_DEEP_EP_LL_KERNELS=0"
 
     # ---- life ----
 
@@ -1278,10 +1283,12 @@ class Buffer:
                              "round_scale")
         K, El, WN = topk_idx.size(1), E // W, W * N
         if self._ll_kernels(H, use_fp8, use_ue8m0):
-            return self._ll_kernel_dispatch(
+            res = self._ll_kernel_dispatch(
                 x, topk_idx, N, E, cumulative_local_expert_recv_stats,
                 async_finish, return_recv_hook,
                 (use_fp8, round_scale, use_ue8m0))
+            if res is not None:
+                return res
         sub = self._ll_sub(H, E, K, N)
         idx = topk_idx.long().reshape(T * K, 1)
         xr = x.repeat_interleave(K, dim=0)
@@ -1348,15 +1355,29 @@ class Buffer:
     # this rank's stream, no daemon in the op's path ----
 
     def _ll_kernels(self, H, use_fp8, use_ue8m0):
-        """EPD_DEEP_EP_LL_KERNELS=1 (opt-in for now): the low-latency ops
-        by epd's kernels (bf16, or the cast to fp8 inside the dispatch:
-        hidden % 128, with UE8M0 hidden % 512). What differs from the path
-        above: a rank with more than num_max tokens raises at once, the
-        other ranks learn it from their kernels' error word
-        (epd.Group.ll_error), not by a raise in the same call."""
+        """True: the low-latency ops run on epd's kernels (libep ep_ll_*,
+        each op a kernel on this rank's stream that writes into the
+        peers' regions), the default wherever they apply: GPU ranks of one
+        node, hidden a multiple of 128 (of 512 with UE8M0 scales), and
+        ranks that share a GPU under MPS (libep refuses without it, on
+        every rank alike before any rank wrote a peer, and this Buffer
+        goes on on the daemon's path: _ll_path says which and why).
+        EPD_DEEP_EP_LL_KERNELS=0: the daemon's path always. What differs
+        between the two: a rank with more than num_max tokens raises at
+        once on both; on the kernels the other ranks learn it from their
+        kernels' error word (epd.Group.ll_error), not by a raise in the
+        same call."""
         return (self._device is not None and self._rpn == self.group_size
                 and H % (512 if use_fp8 and use_ue8m0 else 128) == 0 and
-                os.environ.get("EPD_DEEP_EP_LL_KERNELS") == "1")
+                self._ll_off is None)
+
+    def _ll_path(self):
+        """("kernels", None) or ("daemon", the reason)."""
+        if self._ll_off is not None:
+            return "daemon", self._ll_off
+        if self._device is None or self._rpn != self.group_size:
+            return "daemon", "host ranks or ranks on several nodes"
+        return "kernels", None
 
     def _ll_kernel_dispatch(self, x, topk_idx, N, E, stats, async_finish,
                             return_recv_hook, cast):
@@ -1378,6 +1399,11 @@ class Buffer:
                                   round_scale=cast[0] and cast[1],
                                   ue8m0=cast[0] and cast[2])
         except epd.Error as e:
+            if e.code == epd.EUNSUPPORTED and sub.ll_gen == [0, 0]:
+                # refused at the first op, by every rank alike (e.g. a
+                # shared GPU without MPS): the daemon's path from now on
+                self._ll_off = e.message
+                return None
             if e.code == epd.ETOOBIG:  # it took part with none
                 raise ValueError(
                     f"low_latency_dispatch takes at most "
