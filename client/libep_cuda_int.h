@@ -48,7 +48,8 @@ void ep__mreg_fini(ep_group_t *g);
 void ep__ll_fini(ep_group_t *g);
 /* For tests/gpu/bench_ll: the low-latency kernels stamp their stages
  * (EKC_LL_TR_*) into u64[EKC_LL_TR_N] at device address trace (0: off).
- * EP_EINVAL before the group's first low-latency call. */
+ * EP_EINVAL before the group's first low-latency call, else the blocks
+ * of its kernels' grid. */
 int ep__ll_trace(ep_group_t *g, uint64_t trace);
 
 /* libep_graph.c: the group's graph state (at map), its end (at unmap), and

@@ -22,7 +22,7 @@ struct ep_ll {
 	CUdeviceptr peer[EKC_LL_MAXW];
 	CUmemGenericAllocationHandle ph[EKC_LL_MAXW];
 	uint64_t psize;
-	uint32_t gpu0;  /* the GPU of rank 0's region (the daemon's index) */
+	uint32_t gpu[EKC_LL_MAXW]; /* each region's GPU (the daemon's index) */
 	bool one_gpu;   /* every region on one GPU: flags at GPU scope */
 	CUdeviceptr priv, outs; /* outs: per buffer recv_count, layout, src_info */
 	uint64_t out_stride;
@@ -83,14 +83,49 @@ static int ll_map_one(ep_group_t *g, struct ep_ll *l, uint32_t d)
 		return ep__fail(EP_EPROTO, "malformed ll-map reply");
 	}
 	l->psize = ok.size;
+	l->gpu[d] = ok.gpu;
 	if (d == 0)
-		l->gpu0 = ok.gpu, l->one_gpu = true;
-	else if (ok.gpu != l->gpu0)
+		l->one_gpu = true;
+	else if (ok.gpu != l->gpu[0])
 		l->one_gpu = false;
 	return ep__cuda_import(fd, ok.size, g->cuda_device,
 			       "cuMemSetAccess (a peer's low-latency region "
 			       "on another GPU needs peer access)",
 			       &l->peer[d], &l->ph[d]);
+}
+
+/* Blocks per kernel: EP_LL_BLOCKS, else the GPU's SMs shared among the
+ * group's ranks on it (every rank's blocks must be resident at once:
+ * they wait for each other). 8 ranks on an H200's 132 SMs: 16 each; 2
+ * ranks: 66, which took their 128-token ops from 37-75 us on 16 blocks
+ * to 23-36 (PERFORMANCE.md, twenty-fourth session); one rank a GPU: all
+ * of them. The grid is each rank's own (its counters are private), so
+ * ranks may differ. */
+static int ll_grid(ep_group_t *g, struct ep_ll *l)
+{
+	const char *e = getenv("EP_LL_BLOCKS");
+	if (e && atoi(e) > 0 && atoi(e) <= 1024) {
+		l->blocks = (uint32_t)atoi(e);
+		return 0;
+	}
+	CUdevice dev;
+	int sms = 0;
+	CUresult r = ep__drv.cuDeviceGet(&dev, g->cuda_device);
+	if (!r)
+		r = ep__drv.cuDeviceGetAttribute(
+			&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev);
+	if (r)
+		return ep__cufail(r, "the GPU's SM count");
+	const uint32_t me = g->cfg.rank;
+	uint32_t here = 0;
+	for (uint32_t d = 0; d < l->W; d++)
+		here += l->gpu[d] == l->gpu[me];
+	l->blocks = (uint32_t)sms / here;
+	if (l->blocks < 1)
+		l->blocks = 1;
+	if (l->blocks > 1024)
+		l->blocks = 1024;
+	return 0;
 }
 
 static int ll_setup(ep_group_t *g)
@@ -122,9 +157,6 @@ static int ll_setup(ep_group_t *g)
 	l->N = c->max_tokens;
 	l->H = c->hidden;
 	l->K = c->topk;
-	const char *e = getenv("EP_LL_BLOCKS");
-	l->blocks = e && atoi(e) > 0 && atoi(e) <= 1024 ? (uint32_t)atoi(e)
-							: 16;
 	/* programmatic dependent launch unless EP_LL_PDL=0 */
 	const char *pe = getenv("EP_LL_PDL");
 	l->pdl = !pe || strcmp(pe, "0");
@@ -150,6 +182,8 @@ static int ll_setup(ep_group_t *g)
 			      "share a GPU (this group's %u ranks are on one "
 			      "GPU without it)",
 			      l->W);
+	if (!rc)
+		rc = ll_grid(g, l);
 	const uint64_t WN = (uint64_t)l->W * l->N;
 	l->out_stride = (l->El * 4 + 7) / 8 * 8 + l->El * l->W * 8 +
 			(l->El * WN * 4 + 255) / 256 * 256;
@@ -372,7 +406,7 @@ int ep__ll_trace(ep_group_t *g, uint64_t trace)
 	if (!g || !g->ll)
 		return ep__fail(EP_EINVAL, "no low-latency state to trace");
 	g->ll->base.trace = trace;
-	return 0;
+	return (int)g->ll->blocks;
 }
 
 int ep_ll_error(ep_group_t *g)

@@ -752,8 +752,11 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 		CK(cudaMemset(dlate, 0, 4));
 		ekc_ll_args at = a;
 		at.trace = (uint64_t)dtr;
-		if (g_libep)
-			ep_ok(ep__ll_trace(R.g, (uint64_t)dtr), "ep__ll_trace");
+		if (g_libep) { // and libep's grid, for the report
+			const int nb = ep__ll_trace(R.g, (uint64_t)dtr);
+			ep_ok(nb < 0 ? nb : 0, "ep__ll_trace");
+			R.G = (uint32_t)nb;
+		}
 		for (int i = 0; i < iters; i++) {
 			bar();
 			if (R.r == 0) {
@@ -782,7 +785,7 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 						       : -1.0);
 		}
 		if (g_libep)
-			ep_ok(ep__ll_trace(R.g, 0), "ep__ll_trace");
+			ep_ok(ep__ll_trace(R.g, 0) < 0 ? -1 : 0, "ep__ll_trace");
 		CK(cudaMemcpy(&late, dlate, 4, cudaMemcpyDeviceToHost));
 		for (int j = 0; j < EKC_LL_TR_N; j++)
 			g_sh->tr[R.r][j] = median(trs[j]);
@@ -1193,10 +1196,12 @@ int main(void)
 	uint32_t G = getenv("EPD_LL_BLOCKS") ? atoi(getenv("EPD_LL_BLOCKS")) : 16;
 	g_libep = getenv("EPD_LL_LIBEP") && !strcmp(getenv("EPD_LL_LIBEP"), "1");
 	g_pdl = getenv("EPD_LL_PDL") && !strcmp(getenv("EPD_LL_PDL"), "1");
-	if (g_libep) { // libep launches the same grid, the same way
+	if (g_libep) { // libep launches the same grid (EPD_LL_BLOCKS; else
+		       // its own choice), the same way
 		char v[16];
 		snprintf(v, sizeof(v), "%u", G);
-		setenv("EP_LL_BLOCKS", v, 1);
+		if (getenv("EPD_LL_BLOCKS"))
+			setenv("EP_LL_BLOCKS", v, 1);
 		setenv("EP_LL_PDL", g_pdl ? "1" : "0", 1);
 	}
 	if (W < 1 || W > EKC_LL_MAXW || G < 1) {

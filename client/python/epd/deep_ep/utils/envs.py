@@ -47,6 +47,29 @@ def _backend(num_local_ranks):
     return "gloo"
 
 
+def _stacked_all_gather(dist):
+    """torch documents two outputs of all_gather_into_tensor: the inputs
+    concatenated along dim 0, or stacked ([world, *input.shape]). NCCL
+    takes both; gloo only the first. DeepEP's tests pass the stacked one,
+    so on a gloo group (ranks sharing a GPU) it goes in as its
+    concatenated view (the same memory)."""
+    orig = dist.all_gather_into_tensor
+    if getattr(orig, "_epd_stacked", False):
+        return
+
+    def all_gather_into_tensor(output_tensor, input_tensor, group=None,
+                               async_op=False):
+        if (output_tensor.dim() == input_tensor.dim() + 1 and
+                input_tensor.dim() > 0 and output_tensor.is_contiguous() and
+                dist.get_backend(group) == "gloo"):
+            output_tensor = output_tensor.view(-1, *input_tensor.shape[1:])
+        return orig(output_tensor, input_tensor, group=group,
+                    async_op=async_op)
+
+    all_gather_into_tensor._epd_stacked = True
+    dist.all_gather_into_tensor = all_gather_into_tensor
+
+
 def init_dist(local_rank, num_local_ranks, seed=0):
     """(rank, world size, a group of every rank). MASTER_ADDR, MASTER_PORT,
     WORLD_SIZE (nodes) and RANK (this node) as DeepEP's tests use them."""
@@ -65,6 +88,8 @@ def init_dist(local_rank, num_local_ranks, seed=0):
                             init_method=f"tcp://{ip}:{port}",
                             world_size=nodes * num_local_ranks,
                             rank=node * num_local_ranks + local_rank)
+    if backend == "gloo":
+        _stacked_all_gather(dist)
     if torch.cuda.is_available():
         torch.set_default_dtype(torch.bfloat16)
         if hasattr(torch, "set_default_device"):
