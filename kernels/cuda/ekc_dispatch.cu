@@ -917,9 +917,9 @@ __device__ static inline void l2_fetch(const void *p, uint32_t bytes)
 		     : "memory");
 }
 
-// PF > 0: lane j < n asks the bulk-copy engine for row j's next 4 column
-// steps, PF steps ahead, every 4 steps (and the first PF at the token's
-// start), so that the loads wait for L2 rather than for the memory.
+// PF > 0: lane j < n asks the bulk-copy engine for row j's next CH
+// column steps, PF steps ahead, every CH steps (and the first PF at the
+// token's start), so that the loads wait for L2 rather than for the memory.
 template <int C, int PF>
 __device__ static __forceinline__ void combine_fetch(const uint4 *const *rp,
 						     uint32_t n, uint32_t lane,
@@ -941,7 +941,7 @@ __device__ static __forceinline__ void combine_fetch(const uint4 *const *rp,
 // (always when top-k <= 8: a token has a row on at most k ranks): they
 // stay in registers for the whole token, and every row's loads of a
 // column step are in flight together; more rows go 8 at a time.
-template <int C, int PF = 0>
+template <int C, int PF = 0, int CH = 4>
 __device__ static __forceinline__ void combine_token(const uint4 *const *rp,
 						     uint32_t n, uint32_t lane,
 						     uint32_t nvec,
@@ -956,9 +956,9 @@ __device__ static __forceinline__ void combine_token(const uint4 *const *rp,
 	if (PF && n <= 8)
 		combine_fetch<C, PF>(rp, n, lane, nvec, 0, PF);
 	for (uint32_t v0 = lane, step = 0; v0 < nvec; v0 += 32 * C, step++) {
-		if (PF && n <= 8 && step % 4 == 0)
+		if (PF && n <= 8 && step % CH == 0)
 			combine_fetch<C, PF>(rp, n, lane, nvec,
-					     (v0 - lane) + 32 * C * PF, 4);
+					     (v0 - lane) + 32 * C * PF, CH);
 		float acc[C][8];
 #pragma unroll
 		for (int c = 0; c < C; c++) {
@@ -1079,7 +1079,7 @@ __device__ static __forceinline__ void combine_tokens(const struct ekc_disp_args
 		tr_end(a, EKC_TR_COMBINE);
 }
 
-template <int C, int PF = 0>
+template <int C, int PF = 0, int CH = 4>
 __device__ static __forceinline__ void combine_warps(const struct ekc_disp_args &a)
 {
 	// Each warp's token: its rows' addresses in ascending rank order,
@@ -1093,8 +1093,8 @@ __device__ static __forceinline__ void combine_warps(const struct ekc_disp_args 
 	combine_tokens(a, rows_of[threadIdx.x >> 5],
 		       [&](const uint4 *const *rp, uint32_t n, uint32_t nvec,
 			   const uint4 *bias, const uint4 *bias2, uint4 *out) {
-			       combine_token<C, PF>(rp, n, lane, nvec, bias,
-						    bias2, out);
+			       combine_token<C, PF, CH>(rp, n, lane, nvec,
+							bias, bias2, out);
 		       });
 }
 

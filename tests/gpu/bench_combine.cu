@@ -793,12 +793,17 @@ PIPES(DEFP)
 // next token's first steps fetched at this token's start, 4 blocks a SM,
 // 2 column steps a lane in 2 blocks with the fetch, the row addresses read
 // from shared memory each step (fewer registers).
-#define COLS(X) X(1, 3, 8)
-#define DEFC(c_, b_, f_)                                                       \
+// C column steps a lane, B blocks a SM, rows fetched into L2 F steps
+// ahead, H steps a fetch (ekc_combine_fetch: 1, 3, 4, 4)
+#define COLS(X)                                                                \
+	X(1, 3, 8, 4)                                                          \
+	X(1, 3, 8, 8) X(1, 3, 16, 8) X(1, 3, 16, 16) X(1, 3, 14, 14)           \
+	X(1, 3, 28, 28) X(1, 3, 12, 4)
+#define DEFC(c_, b_, f_, h_)                                                   \
 	extern "C" __global__ void __launch_bounds__(256, b_)                  \
-		cols_##c_##_##b_##_##f_(struct ekc_disp_args a)                \
+		cols_##c_##_##b_##_##f_##_##h_(struct ekc_disp_args a)         \
 	{                                                                      \
-		combine_warps<c_, f_>(a);                                      \
+		combine_warps<c_, f_, h_>(a);                                  \
 	}
 COLS(DEFC)
 #undef DEFC
@@ -845,7 +850,7 @@ static std::vector<struct variant> variants = {
 #define ROWP(s_, d_, b_, l_) {"pipe S" #s_ "D" #d_ "/" #b_ " " #l_, pipe_##s_##_##d_##_##b_##_##l_, 256, 0, 0},
 	PIPES(ROWP)
 #undef ROWP
-#define ROWC(c_, b_, f_) {"cols C" #c_ "/" #b_ " pf" #f_, cols_##c_##_##b_##_##f_, 256, 0, 0},
+#define ROWC(c_, b_, f_, h_) {"cols C" #c_ "/" #b_ " pf" #f_ " ch" #h_, cols_##c_##_##b_##_##f_##_##h_, 256, 0, 0},
 	COLS(ROWC)
 #undef ROWC
 #define ROWA(rs_, b_) {"async " #rs_ "/" #b_, async_##rs_##_##b_, 256, 8 * rs_ * 512, b_},
