@@ -130,7 +130,14 @@ def ll_checks(torch, buf, ins, r, W, D):
         modes += [(True, False, False), (True, True, False), (True, True, True)]
     u8 = lambda t: t.cpu().contiguous().view(torch.uint8)  # noqa: E731
     for n, (use_fp8, rnd, ue8m0) in enumerate(modes):
-        if n == 1:
+        stats = D(torch.full((per,), 3, dtype=torch.int32))
+        recv, cnt, handle, ev, hook = buf.low_latency_dispatch(
+            D(me["x"]), D(me["idx"]), N, E,
+            cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
+            round_scale=rnd, use_ue8m0=ue8m0, async_finish=n % 2 == 1,
+            return_recv_hook=n % 2 == 0)
+        hook() if n % 2 == 0 else ev.current_stream_wait()
+        if n == 0:
             # the path the first op took: EPD_TEST_LL_PATH says which one
             # the run expects (kernels: GPU ranks under MPS; daemon: host
             # ranks, or ranks sharing a GPU without MPS, refused by libep)
@@ -140,13 +147,6 @@ def ll_checks(torch, buf, ins, r, W, D):
             if want == "daemon" and CUDA and os.environ.get(
                     "EPD_DEEP_EP_LL_KERNELS") != "0":
                 assert "MPS" in why, why
-        stats = D(torch.full((per,), 3, dtype=torch.int32))
-        recv, cnt, handle, ev, hook = buf.low_latency_dispatch(
-            D(me["x"]), D(me["idx"]), N, E,
-            cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
-            round_scale=rnd, use_ue8m0=ue8m0, async_finish=n % 2 == 1,
-            return_recv_hook=n % 2 == 0)
-        hook() if n % 2 == 0 else ev.current_stream_wait()
         src_info, layout, hn, hh, he = handle
         assert (hn, hh, he) == (N, H, E), handle[2:]
         for i in range(per):
