@@ -101,7 +101,9 @@ def bench_kineto(fn, kernel_names, num_tests=30, suppress_kineto_output=False,
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f).get("traceEvents", [])
-    kernels = sorted((e for e in events if e.get("cat") == "kernel" and
+    # ("kernel"; "Kernel" in older PyTorch)
+    kernels = sorted((e for e in events
+                      if str(e.get("cat", "")).lower() == "kernel" and
                       e.get("ph") == "X"), key=lambda e: e["ts"])
     out = []
     for name in names:
