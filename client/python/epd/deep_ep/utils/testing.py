@@ -50,6 +50,33 @@ def bench(fn, num_warmups=50, num_tests=50, post_fn=None, flush_l2=True):
     return sum(times) / len(times), min(times), max(times)
 
 
+def kernel_means(events, names, per=1):
+    """From a Chrome trace's events: for each name, the mean duration in
+    seconds of the kernels whose names contain it, or with per > 1 the
+    per means of the first, the second, ... of each period of per such
+    kernels in time order (RuntimeError if none ran, or their number is
+    not whole periods)."""
+    # ("kernel"; "Kernel" in older PyTorch)
+    kernels = sorted((e for e in events
+                      if str(e.get("cat", "")).lower() == "kernel" and
+                      e.get("ph") == "X"), key=lambda e: e["ts"])
+    out = []
+    for name in names:
+        durs = [e["dur"] / 1e6 for e in kernels if name in e["name"]]
+        if not durs:
+            raise RuntimeError(
+                f"bench_kineto: no kernel named *{name}* ran in this "
+                f"process (epd runs its normal ops in the daemon; only the "
+                f"low-latency kernels run on the caller's stream)")
+        if len(durs) % per:
+            raise RuntimeError(f"bench_kineto: {len(durs)} kernels named "
+                               f"*{name}*, not periods of {per}")
+        periods = len(durs) // per
+        out.append([sum(durs[j::per]) / periods for j in range(per)]
+                   if per > 1 else sum(durs) / len(durs))
+    return out
+
+
 def bench_kineto(fn, kernel_names, num_tests=30, suppress_kineto_output=False,
                  trace_path=None, flush_l2=True, barrier_comm_profiling=False,
                  num_kernels_per_period=1, barrier=None):
@@ -101,25 +128,7 @@ def bench_kineto(fn, kernel_names, num_tests=30, suppress_kineto_output=False,
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f).get("traceEvents", [])
-    # ("kernel"; "Kernel" in older PyTorch)
-    kernels = sorted((e for e in events
-                      if str(e.get("cat", "")).lower() == "kernel" and
-                      e.get("ph") == "X"), key=lambda e: e["ts"])
-    out = []
-    for name in names:
-        durs = [e["dur"] / 1e6 for e in kernels if name in e["name"]]
-        if not durs:
-            raise RuntimeError(
-                f"bench_kineto: no kernel named *{name}* ran in this "
-                f"process (epd runs its normal ops in the daemon; only the "
-                f"low-latency kernels run on the caller's stream)")
-        n = num_kernels_per_period
-        if len(durs) % n:
-            raise RuntimeError(f"bench_kineto: {len(durs)} kernels named "
-                               f"*{name}*, not periods of {n}")
-        periods = len(durs) // n
-        out.append([sum(durs[j::n]) / periods for j in range(n)] if n > 1
-                   else sum(durs) / len(durs))
+    out = kernel_means(events, names, num_kernels_per_period)
     return out if many else out[0]
 
 
