@@ -1372,7 +1372,9 @@ class Buffer:
                 self._ll_off is None)
 
     def _ll_path(self):
-        """("kernels", None) or ("daemon", the reason)."""
+        """("kernels", None) or ("daemon", the reason): where this
+        Buffer's low-latency ops of a hidden size the kernels take go
+        (_ll_kernels)."""
         if self._ll_off is not None:
             return "daemon", self._ll_off
         if self._device is None or self._rpn != self.group_size:
