@@ -23,7 +23,6 @@ struct ep_ll {
 	CUmemGenericAllocationHandle ph[EKC_LL_MAXW];
 	uint64_t psize;
 	uint32_t gpu[EKC_LL_MAXW]; /* each region's GPU (the daemon's index) */
-	bool one_gpu;   /* every region on one GPU: flags at GPU scope */
 	CUdeviceptr priv, outs; /* outs: per buffer recv_count, layout, src_info */
 	uint64_t out_stride;
 	struct ekc_ll_layout L;
@@ -84,10 +83,6 @@ static int ll_map_one(ep_group_t *g, struct ep_ll *l, uint32_t d)
 	}
 	l->psize = ok.size;
 	l->gpu[d] = ok.gpu;
-	if (d == 0)
-		l->one_gpu = true;
-	else if (ok.gpu != l->gpu[0])
-		l->one_gpu = false;
 	return ep__cuda_import(fd, ok.size, g->cuda_device,
 			       "cuMemSetAccess (a peer's low-latency region "
 			       "on another GPU needs peer access)",
@@ -95,13 +90,13 @@ static int ll_map_one(ep_group_t *g, struct ep_ll *l, uint32_t d)
 }
 
 /* Blocks per kernel: EP_LL_BLOCKS, else the GPU's SMs shared among the
- * group's ranks on it (every rank's blocks must be resident at once:
+ * group's `here` ranks on it (every rank's blocks must be resident at once:
  * they wait for each other). 8 ranks on an H200's 132 SMs: 16 each; 2
  * ranks: 66, which took their 128-token ops from 37-75 us on 16 blocks
  * to 23-36 (PERFORMANCE.md, twenty-fourth session); one rank a GPU: all
  * of them. The grid is each rank's own (its counters are private), so
  * ranks may differ. */
-static int ll_grid(ep_group_t *g, struct ep_ll *l)
+static int ll_grid(ep_group_t *g, struct ep_ll *l, uint32_t here)
 {
 	const char *e = getenv("EP_LL_BLOCKS");
 	if (e && atoi(e) > 0 && atoi(e) <= 1024) {
@@ -116,10 +111,6 @@ static int ll_grid(ep_group_t *g, struct ep_ll *l)
 			&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev);
 	if (r)
 		return ep__cufail(r, "the GPU's SM count");
-	const uint32_t me = g->cfg.rank;
-	uint32_t here = 0;
-	for (uint32_t d = 0; d < l->W; d++)
-		here += l->gpu[d] == l->gpu[me];
 	l->blocks = (uint32_t)sms / here;
 	if (l->blocks < 1)
 		l->blocks = 1;
@@ -170,12 +161,16 @@ static int ll_setup(ep_group_t *g)
 		}
 	for (uint32_t d = 0; d < l->W && !rc; d++)
 		rc = ll_map_one(g, l, d);
+	uint32_t here = 0; /* the group's ranks on this rank's GPU */
+	for (uint32_t d = 0; d < l->W && !rc; d++)
+		here += l->gpu[d] == l->gpu[c->rank];
+	const bool one_gpu = here == l->W; /* flags at GPU scope */
 	/* Every rank's kernel waits in place for the others' counts and
 	 * flags: ranks sharing a GPU must run at once, which MPS does and
 	 * time slicing does not (each wait would last a slice, or reach the
 	 * timeout). Every rank of the group sees the same answer, so all
 	 * refuse together, before any of them wrote a peer. */
-	if (!rc && l->one_gpu && l->W > 1 &&
+	if (!rc && one_gpu && l->W > 1 &&
 	    !(c->rank_flags & EPP_RANK_MPS))
 		rc = ep__fail(EP_EUNSUPPORTED,
 			      "the low-latency mode needs MPS where ranks "
@@ -183,7 +178,7 @@ static int ll_setup(ep_group_t *g)
 			      "GPU without it)",
 			      l->W);
 	if (!rc)
-		rc = ll_grid(g, l);
+		rc = ll_grid(g, l, here);
 	const uint64_t WN = (uint64_t)l->W * l->N;
 	l->out_stride = (l->El * 4 + 7) / 8 * 8 + l->El * l->W * 8 +
 			(l->El * WN * 4 + 255) / 256 * 256;
@@ -216,7 +211,7 @@ static int ll_setup(ep_group_t *g)
 	a->H = l->H;
 	a->El = l->El;
 	a->K = l->K;
-	a->gpu_scope = l->one_gpu;
+	a->gpu_scope = one_gpu;
 	g->ll = l;
 	return 0;
 }

@@ -6,6 +6,7 @@
 #include "harness.h"
 #include "util/log.h"
 
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -20,6 +21,42 @@ static void want(const char *line, const char *group, const char *node,
 			 !strcmp(f.rank, rank) && !strcmp(f.pid, pid),
 		 "'%s': group '%s' node '%s' rank '%s' pid '%s'", line, f.group,
 		 f.node, f.rank, f.pid);
+}
+
+/* What epd_log(WARN, msg) wrote to stderr (a temporary file), with
+ * stderr named as the journal's stream (JOURNAL_STREAM) or not: its
+ * length, the text in buf. */
+static size_t logged(bool journal, const char *msg, char *buf, size_t cap)
+{
+	char path[] = "/tmp/epd-log.XXXXXX";
+	int fd = mkstemp(path);
+	TH_CHECK(fd >= 0, "mkstemp");
+	fflush(stderr);
+	int saved = dup(2);
+	dup2(fd, 2);
+	close(fd);
+	if (journal) {
+		struct stat st;
+		fstat(2, &st);
+		char js[64];
+		snprintf(js, sizeof(js), "%lu:%lu", (unsigned long)st.st_dev,
+			 (unsigned long)st.st_ino);
+		setenv("JOURNAL_STREAM", js, 1);
+	} else {
+		unsetenv("JOURNAL_STREAM");
+	}
+	epd_log_init();
+	epd_log(EPD_LOG_WARN, "%s", msg);
+	fflush(stderr);
+	dup2(saved, 2);
+	close(saved);
+	FILE *f = fopen(path, "r");
+	TH_CHECK(f, "fopen");
+	size_t n = fread(buf, 1, cap - 1, f);
+	buf[n] = 0;
+	fclose(f);
+	unlink(path);
+	return n;
 }
 
 int main(void)
@@ -46,29 +83,9 @@ int main(void)
 
 	/* stderr "is" the journal (JOURNAL_STREAM names it), but no journal
 	 * listens: the message still comes out, with <priority>. */
-	char path[] = "/tmp/epd-log.XXXXXX";
-	int fd = mkstemp(path);
-	TH_CHECK(fd >= 0, "mkstemp");
-	fflush(stderr);
-	int saved = dup(2);
-	dup2(fd, 2);
-	struct stat st;
-	fstat(2, &st);
-	char js[64];
-	snprintf(js, sizeof(js), "%lu:%lu", (unsigned long)st.st_dev,
-		 (unsigned long)st.st_ino);
-	setenv("JOURNAL_STREAM", js, 1);
-	epd_log_init();
-	epd_log(EPD_LOG_WARN, "group jg: rank 2 (pid 77) left");
-	fflush(stderr);
-	dup2(saved, 2);
-	char buf[256] = "";
-	FILE *f = fopen(path, "r");
-	TH_CHECK(f, "fopen");
-	size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-	buf[n] = 0;
-	fclose(f);
-	unlink(path);
+	char buf[256];
+	size_t n = logged(true, "group jg: rank 2 (pid 77) left", buf,
+			  sizeof(buf));
 	/* where a journal does listen (a systemd machine), it took the
 	 * message and the file stays empty; else the prefixed line */
 	TH_CHECK(n == 0 || !strcmp(buf, "<4>group jg: rank 2 (pid 77) left\n"),
@@ -79,24 +96,10 @@ int main(void)
 
 	/* A message carrying a name from outside with a newline and a
 	 * terminal escape: one line, the control characters shown as '?'. */
-	unsetenv("JOURNAL_STREAM");
-	epd_log_init();
-	char path2[] = "/tmp/epd-log.XXXXXX";
-	fd = mkstemp(path2);
-	TH_CHECK(fd >= 0, "mkstemp");
-	fflush(stderr);
-	saved = dup(2);
-	dup2(fd, 2);
-	epd_log(EPD_LOG_WARN, "peer rejected: node '%s' unknown",
-		"x\n00:00:00.000 epd notice: all is well\x1b[2J");
-	fflush(stderr);
-	dup2(saved, 2);
-	f = fopen(path2, "r");
-	TH_CHECK(f, "fopen");
-	n = fread(buf, 1, sizeof(buf) - 1, f);
-	buf[n] = 0;
-	fclose(f);
-	unlink(path2);
+	logged(false,
+	       "peer rejected: node 'x\n00:00:00.000 epd notice: all is "
+	       "well\x1b[2J' unknown",
+	       buf, sizeof(buf));
 	char *nl = strchr(buf, '\n');
 	TH_CHECK(nl && nl[1] == 0 && !strchr(buf, 0x1b) &&
 			 strstr(buf, "node 'x?00:00:00.000 epd notice: all is "
