@@ -1060,6 +1060,9 @@ int main(void)
 	CK(cudaMemset(derr, 0xff, 8));
 	CK(cudaMalloc(&dwork, 4));
 	CK(cudaMalloc(&dsm, 32));
+	// the copy and memset above ran on the null stream, which the
+	// non-blocking streams below do not wait for: landed first
+	CK(cudaStreamSynchronize(0));
 	a.slot = dslot;
 	a.err = derr;
 	a.work = dwork;

@@ -161,21 +161,21 @@ static int rank_main(int r, void *arg)
 		}
 	for (size_t i = 0; i < (size_t)T * ns; i++)
 		sc[i] = 1.0f + (float)(rng(&seed) % 100);
-	CU(tg_drv.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)b.x, x, nx * elt));
-	CU(tg_drv.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)b.topk_idx, idx,
-			       (size_t)T * K * 8));
-	CU(tg_drv.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)b.topk_weights, w,
-			       (size_t)T * K * 4));
+	tg_upload((CUdeviceptr)(uintptr_t)b.x, x, nx * elt);
+	tg_upload((CUdeviceptr)(uintptr_t)b.topk_idx, idx,
+			       (size_t)T * K * 8);
+	tg_upload((CUdeviceptr)(uintptr_t)b.topk_weights, w,
+			       (size_t)T * K * 4);
 	if (ns)
-		CU(tg_drv.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)b.x_scales, sc,
-				       (size_t)T * ns * 4));
+		tg_upload((CUdeviceptr)(uintptr_t)b.x_scales, sc,
+				       (size_t)T * ns * 4);
 	/* y for combine: random bf16 rows, all of them */
 	uint64_t maxr = (uint64_t)W * T;
 	uint16_t *y = malloc(maxr * H * 2);
 	for (size_t i = 0; i < maxr * H; i++)
 		y[i] = (uint16_t)(0x3c00 + rng(&seed) % 0x800);
-	CU(tg_drv.cuMemcpyHtoD((CUdeviceptr)(uintptr_t)b.combine_y, y,
-			       maxr * H * 2));
+	tg_upload((CUdeviceptr)(uintptr_t)b.combine_y, y,
+			       maxr * H * 2);
 	free(y);
 	ep_handle_t h;
 	/* EPD_BENCH_KEEP_HANDLES=1: the timed loops release nothing (an A/B of

@@ -529,9 +529,15 @@ static void upload_ex(rank_ctx &R, const cfg &c, uint64_t it,
 			for (uint32_t col = 0; col < c.H; col++)
 				e[(size_t)p * c.H + col] =
 					val_e(it, R.r, el, p, col);
-		if (rows[el])
-			CK(cudaMemcpy(dst + (size_t)el * WN * c.H, e.data(),
-				      e.size() * 2, cudaMemcpyHostToDevice));
+		// on the ranks' stream, as upload: a cudaMemcpy from pageable
+		// memory may return before its DMA lands, and the combine
+		// on the non-blocking stream would not wait for it
+		if (rows[el]) {
+			CK(cudaMemcpyAsync(dst + (size_t)el * WN * c.H, e.data(),
+					   e.size() * 2, cudaMemcpyHostToDevice,
+					   R.st));
+			CK(cudaStreamSynchronize(R.st));
+		}
 	}
 }
 
@@ -974,7 +980,8 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 				fail |= bad(c.name, it, "no ETOOBIG for too many "
 							"tokens (on every rank)");
 			if (!g_libep) // (libep cleared it)
-				CK(cudaMemset(R.priv + 4 * EKC_LL_PRIV_ERR, 0, 4));
+				CK(cudaMemsetAsync(R.priv + 4 * EKC_LL_PRIV_ERR,
+						   0, 4, R.st));
 			err = 0;
 		}
 		if (err) {

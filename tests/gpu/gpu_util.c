@@ -37,6 +37,12 @@ CUstream tg_rank_init(int rank, int *gpu, void *p, size_t len,
 	return st;
 }
 
+void tg_upload(CUdeviceptr dst, const void *src, size_t n)
+{
+	CU(tg_drv.cuMemcpyHtoD(dst, src, n));
+	CU(tg_drv.cuStreamSynchronize(NULL));
+}
+
 static int cmp_double(const void *a, const void *b)
 {
 	double x = *(const double *)a, y = *(const double *)b;

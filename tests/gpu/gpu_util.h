@@ -44,6 +44,13 @@ void tg_line_up(uint32_t *arrive, uint32_t *gen, uint32_t n);
  * code. */
 int tg_barrier_after_graphs(ep_group_t *g, CUstream st);
 
+/* n bytes from host memory to dst, landed when it returns. A plain
+ * cuMemcpyHtoD from pageable memory may return once the bytes are staged,
+ * before the DMA lands (CUDA's "API synchronization behavior"), and the
+ * ranks' work runs on non-blocking streams, which do not wait for the
+ * null stream's copy: so the copy, then a wait for the null stream. */
+void tg_upload(CUdeviceptr dst, const void *src, size_t n);
+
 /* A device address that ep_get_buffers() returned as a pointer. */
 static inline CUdeviceptr tg_dptr(const void *p)
 {

@@ -50,7 +50,7 @@ static void down(void *dst, const void *src, size_t n)
 static void up(void *dst, const void *src, size_t n)
 {
 	if (n)
-		CU(tg_drv.cuMemcpyHtoD(tg_dptr(dst), src, n));
+		tg_upload(tg_dptr(dst), src, n);
 }
 
 static int xrank(int r, void *arg)

@@ -101,7 +101,7 @@ static void check_copies(CUstream st, uint64_t seed)
 	CUdeviceptr src, dst;
 	CU(tg_drv.cuMemAlloc(&src, n));
 	CU(tg_drv.cuMemAlloc(&dst, n));
-	CU(tg_drv.cuMemcpyHtoD(src, h, n));
+	tg_upload(src, h, n);
 	CU(tg_drv.cuMemsetD8(dst, POISON, n));
 	const struct {
 		size_t doff, soff, count;
@@ -223,8 +223,8 @@ static int case_rank(int r, void *arg)
 		memcpy(bad, me->topk, (size_t)me->T * K * 8);
 		if (r == x->bad_rank && me->T)
 			bad[K - 1] = E;
-		CU(tg_drv.cuMemcpyHtoD(tg_dptr(b.topk_idx), bad,
-				       (size_t)me->T * K * 8));
+		tg_upload(tg_dptr(b.topk_idx), bad,
+				       (size_t)me->T * K * 8);
 		ep_handle_t hb;
 		CU(tg_drv.cuMemsetD32(ep_dispatch_recv_count_device(g),
 				      0x5a5a5a5au, 1));
@@ -562,7 +562,7 @@ static int fail_rank(int r, void *arg)
 	int64_t idx[256 * 4];
 	for (int i = 0; i < 256 * 4; i++)
 		idx[i] = (i * 5 + r) % 16;
-	CU(tg_drv.cuMemcpyHtoD(tg_dptr(b.topk_idx), idx, sizeof(idx)));
+	tg_upload(tg_dptr(b.topk_idx), idx, sizeof(idx));
 	ep_handle_t h;
 	TH_OK(ep_dispatch_stream(g, 256, 0, NULL, st, &h));
 	TH_OK(ep_group_sync(g));

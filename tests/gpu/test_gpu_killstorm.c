@@ -47,7 +47,7 @@ static ep_group_t *gjoin(struct shared *s, const char *name, uint32_t world,
 	int64_t topk[T * 4];
 	for (int i = 0; i < T * 4; i++)
 		topk[i] = (i * 7 + rank) % (int)cfg.num_experts;
-	CU(tg_drv.cuMemcpyHtoD(tg_dptr(b.topk_idx), topk, sizeof(topk)));
+	tg_upload(tg_dptr(b.topk_idx), topk, sizeof(topk));
 	return g;
 }
 

@@ -133,7 +133,7 @@ static void down(void *dst, CUdeviceptr src, size_t n)
 static void up(CUdeviceptr dst, const void *src, size_t n)
 {
 	if (n)
-		CU(tg_drv.cuMemcpyHtoD(dst, src, n));
+		tg_upload(dst, src, n);
 }
 
 static int rank_main(int r, void *arg)

@@ -74,7 +74,7 @@ static ep_group_t *gpu_rank(struct shared *s, const char *name, int r,
 	int64_t topk[T * 4];
 	for (int i = 0; i < T * 4; i++)
 		topk[i] = (i * mul + r) % (int)cfg.num_experts;
-	CU(tg_drv.cuMemcpyHtoD(tg_dptr(b->topk_idx), topk, sizeof(topk)));
+	tg_upload(tg_dptr(b->topk_idx), topk, sizeof(topk));
 	return g;
 }
 
