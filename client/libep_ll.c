@@ -32,7 +32,18 @@ struct ep_ll {
 	bool used[2];   /* a dispatch ran on that buffer */
 	uint64_t hw[2], hout[2]; /* a hooked combine's weights and out */
 	CUfunction fn[EP__FN_N];
+	/* the kernels' err word mirrored in host memory (ekc_ll_args.herr):
+	 * read before each launch without a copy */
+	volatile uint32_t *herr;
+	/* after a fatal error (EKC_LL_EFATAL, or the group failed): every
+	 * call returns it, and launches nothing */
+	int dead_rc;
+	bool poisoned; /* the kernels' own state says so (not only the
+			  daemon's): a refused op still marks its flags */
+	char dead_msg[EPP_CTL_MSG_MAX + 96];
 };
+
+static int ll_gate(ep_group_t *g, bool *mark);
 
 static void ll_free(struct ep_ll *l)
 {
@@ -43,6 +54,10 @@ static void ll_free(struct ep_ll *l)
 		}
 		if (l->ph[d])
 			ep__drv.cuMemRelease(l->ph[d]);
+	}
+	if (l->herr) {
+		ep__drv.cuMemHostUnregister((void *)l->herr);
+		free((void *)l->herr);
 	}
 	if (l->priv)
 		ep__drv.cuMemFree(l->priv);
@@ -192,6 +207,28 @@ static int ll_setup(ep_group_t *g)
 		if (r)
 			rc = ep__cufail(r, "allocating the low-latency outputs");
 	}
+	CUdeviceptr herr = 0;
+	if (!rc) {
+		void *h = aligned_alloc(4096, 4096);
+		if (!h) {
+			rc = ep__fail(EP_ENOMEM, "out of memory");
+		} else {
+			memset(h, 0, 4096);
+			r = ep__drv.cuMemHostRegister(
+				h, 4096,
+				CU_MEMHOSTREGISTER_DEVICEMAP |
+					CU_MEMHOSTREGISTER_PORTABLE);
+			if (r) {
+				free(h);
+			} else {
+				l->herr = h;
+				r = ep__drv.cuMemHostGetDevicePointer(&herr, h, 0);
+			}
+			if (r)
+				rc = ep__cufail(r, "mapping the low-latency "
+						   "error word for the GPU");
+		}
+	}
 	if (rc) {
 		ll_free(l);
 		return rc;
@@ -205,6 +242,11 @@ static int ll_setup(ep_group_t *g)
 	/* a wait that never ends past the group's timeout */
 	a->timeout_ns = (uint64_t)(g->timeout_ms ? g->timeout_ms : 30000) *
 			1000000ull;
+	/* and at once when the daemon releases the group (a rank left) */
+	a->released = g->ctl_dev ? g->ctl_dev + EPP_CTL_GROUP_SLOT +
+					   EPP_CTL_RELEASED
+				 : 0;
+	a->herr = herr;
 	a->rank = g->cfg.rank;
 	a->W = l->W;
 	a->N = l->N;
@@ -272,6 +314,10 @@ int ep_ll_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 	int rc = ll_setup(g);
 	if (rc)
 		return rc;
+	bool mark = false;
+	const int dead = ll_gate(g, &mark);
+	if (dead && !mark)
+		return dead;
 	struct ep_ll *l = g->ll;
 	uint32_t fp8 = 0;
 	if (flags & EP_LL_FP8) {
@@ -297,6 +343,8 @@ int ep_ll_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 	a.fp8 = fp8;
 	uint32_t with_recv = !(flags & EP_LL_HOOK);
 	rc = ll_launch(l, EP__FN_LL_DISPATCH, &a, &with_recv, stream);
+	if (dead) /* the kernel only marked its flags */
+		return ep__fail(dead, "%s", l->dead_msg);
 	if (rc)
 		return rc;
 	l->next = b ^ 1;
@@ -334,6 +382,8 @@ static int ll_buffer(ep_group_t *g, uint32_t b)
 int ep_ll_dispatch_hook(ep_group_t *g, uint32_t b, void *stream)
 {
 	int rc = ll_buffer(g, b);
+	if (!rc)
+		rc = ll_gate(g, NULL);
 	if (rc)
 		return rc;
 	struct ekc_ll_args a = ll_args(g->ll, b, g->ll->T[b]);
@@ -347,6 +397,10 @@ int ep_ll_combine(ep_group_t *g, uint32_t b, const void *expert_out,
 	int rc = ll_buffer(g, b);
 	if (rc)
 		return rc;
+	bool mark = false;
+	const int dead = ll_gate(g, &mark);
+	if (dead && !mark)
+		return dead;
 	struct ep_ll *l = g->ll;
 	const unsigned known = EP_LL_HOOK | EP_LL_ZERO_COPY;
 	if (flags & ~known)
@@ -364,17 +418,24 @@ int ep_ll_combine(ep_group_t *g, uint32_t b, const void *expert_out,
 	a.weights = (uint64_t)(uintptr_t)weights;
 	a.out = (uint64_t)(uintptr_t)out;
 	a.ex = (uint64_t)(uintptr_t)expert_out;
-	if (flags & EP_LL_ZERO_COPY)
-		return ll_launch(l, EP__FN_LL_COMBINE_PULL, &a, NULL, stream);
 	uint32_t with_recv = !(flags & EP_LL_HOOK);
-	l->hw[b] = a.weights;
-	l->hout[b] = a.out;
-	return ll_launch(l, EP__FN_LL_COMBINE, &a, &with_recv, stream);
+	if (flags & EP_LL_ZERO_COPY) {
+		rc = ll_launch(l, EP__FN_LL_COMBINE_PULL, &a, NULL, stream);
+	} else {
+		l->hw[b] = a.weights;
+		l->hout[b] = a.out;
+		rc = ll_launch(l, EP__FN_LL_COMBINE, &a, &with_recv, stream);
+	}
+	if (dead) /* the kernel only marked its flags */
+		return ep__fail(dead, "%s", l->dead_msg);
+	return rc;
 }
 
 int ep_ll_combine_hook(ep_group_t *g, uint32_t b, void *stream)
 {
 	int rc = ll_buffer(g, b);
+	if (!rc)
+		rc = ll_gate(g, NULL);
 	if (rc)
 		return rc;
 	/* the weights and out of the combine it completes */
@@ -404,27 +465,31 @@ int ep__ll_trace(ep_group_t *g, uint64_t trace)
 	return (int)g->ll->blocks;
 }
 
-int ep_ll_error(ep_group_t *g)
+/* The message of err's first bit by precedence; the group's own error
+ * for EKC_LL_ERELEASED. */
+static int ll_report(ep_group_t *g, uint32_t err)
 {
-	if (!g)
-		return ep__fail(EP_EINVAL, "NULL argument");
-	if (!g->ll)
-		return 0;
-	uint32_t err = 0;
-	CUresult r = ep__drv.cuMemcpyDtoH(&err, g->ll->priv +
-						       4 * EKC_LL_PRIV_ERR,
-					  4);
-	if (r)
-		return ep__cufail(r, "reading the low-latency error word");
-	if (!err)
-		return 0;
-	static const uint32_t zero;
-	ep__drv.cuMemcpyHtoD(g->ll->priv + 4 * EKC_LL_PRIV_ERR, &zero, 4);
+	if (err & EKC_LL_ERELEASED) {
+		int e = g->buf ? ep__ctl_error(g) : 0;
+		return ep__fail(e ? e : EP_EPEERLOST,
+				"a low-latency op ended: the group failed "
+				"(%.*s)",
+				(int)EPP_CTL_MSG_MAX,
+				e ? (const char *)ep__ctl_slot(g) + EPP_CTL_ERR_MSG
+				  : "the daemon released it");
+	}
 	if (err & EKC_LL_ETIMEDOUT)
 		return ep__fail(EP_ETIMEDOUT,
 				"a low-latency op waited past the group's "
 				"timeout for a peer (a rank that did not make "
 				"the same call, or died)");
+	if (err & EKC_LL_EPEERFAIL)
+		return ep__fail(EP_EFAILED,
+				"a low-latency op ended: a peer's earlier op "
+				"failed (its flags carry the mark)");
+	if (err & EKC_LL_EPOISONED)
+		return ep__fail(EP_EFAILED, "a low-latency op did nothing: an "
+					    "earlier one failed");
 	if (err & EKC_LL_EEXPERT)
 		return ep__fail(EP_EEXPERT, "a low-latency dispatch had an "
 					    "expert index outside [-1, experts)");
@@ -435,4 +500,62 @@ int ep_ll_error(ep_group_t *g)
 				"expert than its buffer holds");
 	return ep__fail(EP_EPROTO, "a peer wrote counts or token indices out "
 				   "of range into this rank's region");
+}
+
+/* A fatal error, kept: every later call returns it (the kernels' state is
+ * out of step with the peers' for good). */
+static int ll_die(struct ep_ll *l, int rc, bool poisoned)
+{
+	l->poisoned = poisoned;
+	snprintf(l->dead_msg, sizeof(l->dead_msg),
+		 "%s; this group's low-latency mode is over: join a new group",
+		 ep_errmsg());
+	l->dead_rc = rc;
+	return ep__fail(rc, "%s", l->dead_msg);
+}
+
+int ep_ll_error(ep_group_t *g)
+{
+	if (!g)
+		return ep__fail(EP_EINVAL, "NULL argument");
+	struct ep_ll *l = g->ll;
+	if (!l)
+		return 0;
+	if (l->dead_rc)
+		return ep__fail(l->dead_rc, "%s", l->dead_msg);
+	uint32_t w[EKC_LL_PRIV_POISON + 1];
+	CUresult r = ep__drv.cuMemcpyDtoH(w, l->priv, sizeof(w));
+	if (r)
+		return ep__cufail(r, "reading the low-latency error word");
+	const uint32_t err = w[EKC_LL_PRIV_ERR];
+	if (!err && !w[EKC_LL_PRIV_POISON])
+		return 0;
+	int rc = ll_report(g, err ? err : EKC_LL_EPOISONED);
+	if (w[EKC_LL_PRIV_POISON])
+		return ll_die(l, rc, true);
+	static const uint32_t zero;
+	ep__drv.cuMemcpyHtoD(l->priv + 4 * EKC_LL_PRIV_ERR, &zero, 4);
+	*l->herr = 0;
+	return rc;
+}
+
+/* Before a launch: a fatal error the kernels mirrored to the host, or the
+ * group's failure, ends the mode here. Other errors wait for ep_ll_error.
+ * *mark: the kernels' state is poisoned, so the refused dispatch or
+ * combine still runs its kernel, which only puts the mark on its flags:
+ * a peer still waiting for this rank ends at once, not at its timeout
+ * (after the group's failure every peer knows already: nothing runs). */
+static int ll_gate(ep_group_t *g, bool *mark)
+{
+	struct ep_ll *l = g->ll;
+	int rc = 0;
+	if (l->dead_rc)
+		rc = ep__fail(l->dead_rc, "%s", l->dead_msg);
+	else if (*l->herr & (EKC_LL_EFATAL | EKC_LL_EPOISONED))
+		rc = ep_ll_error(g);
+	else if (g->buf && ep__ctl_error(g))
+		rc = ll_die(l, ll_report(g, EKC_LL_ERELEASED), false);
+	if (mark)
+		*mark = rc && l->poisoned;
+	return rc;
 }

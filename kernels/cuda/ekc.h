@@ -398,12 +398,24 @@ extern const size_t ekc_fatbin_size;
 #define EKC_LL_PRIV_CCTR 4
 #define EKC_LL_PRIV_BSEQ 5  /* [2]: the dispatch seq of buffer b */
 #define EKC_LL_PRIV_CBSEQ 7 /* [2]: the combine seq of buffer b */
+#define EKC_LL_PRIV_POISON 9 /* nonzero once a wait failed: for good */
 #define EKC_LL_PRIV_TABLES 64u /* bytes */
 /* err bits */
 #define EKC_LL_ETIMEDOUT 1u /* a peer's rows or counts never came */
 #define EKC_LL_EEXPERT 2u   /* a top-k index outside [-1, E) */
 #define EKC_LL_EPEER 4u     /* a peer's counts or (t, k) out of range */
 #define EKC_LL_ETOOBIG 8u   /* more than N tokens, or > W*N rows/expert */
+#define EKC_LL_ERELEASED 16u /* the daemon released the group (a rank left) */
+#define EKC_LL_EPEERFAIL 32u /* a peer's flag carried the poison mark */
+#define EKC_LL_EPOISONED 64u /* an earlier failure: the op did nothing */
+/* The errors above that poison the rank's state (EKC_LL_PRIV_POISON): its
+ * sequence numbers may be out of step with the peers', so every later op
+ * does nothing but raise EKC_LL_EPOISONED and put the mark on its flags
+ * (every flag's high word: EKC_LL_MARK), and a peer that sees the mark
+ * fails and is poisoned too. One failure ends the group's low-latency
+ * mode on every rank within one op, never silently. */
+#define EKC_LL_EFATAL (EKC_LL_ETIMEDOUT | EKC_LL_ERELEASED | EKC_LL_EPEERFAIL)
+#define EKC_LL_MARK 0x504f4953u /* "POIS" */
 
 /* A dispatch with a cast to fp8 (a.fp8): each row's 128-channel groups
  * g scaled so that the largest magnitude amax (at least 1e-4) becomes 448:
@@ -489,6 +501,11 @@ struct ekc_ll_args {
 	uint64_t layout;     /* dispatch: [El, W] i64 (begin << 32 | rows) */
 	uint64_t src_info;   /* dispatch: [El, W*N] i32 source token or -1 */
 	uint64_t timeout_ns;
+	uint64_t released; /* u32 the daemon raises when the group fails
+			      (host memory mapped for the GPU), or 0 */
+	uint64_t herr;     /* u32 host mirror of the err word (the host reads
+			      it without a copy; a bit may be missing when
+			      two blocks fail at once), or 0 */
 	uint32_t rank, W, N, H, El, K, T;
 	uint32_t buf;  /* 0 or 1: the buffer of this op (a combine: its
 			  dispatch's) */

@@ -26,7 +26,11 @@
 //
 // Every peer-written value that steers a write (counts, (t, k)) is bounds-
 // checked where it is used; errors set bits in the private err word, never
-// trap; every wait ends after timeout_ns.
+// trap; every wait ends after timeout_ns, or at once when the daemon
+// releases the group (a rank left it) or a peer's flag carries the poison
+// mark. Such a failure poisons the rank for good (ekc.h, EKC_LL_EFATAL):
+// its later ops only put the mark on their flags, so every rank of the
+// group fails within one op and none reads rows placed out of step.
 //
 // Needs now_ns, ld_relaxed, fence_acquire (ekc_barrier.cu), bf16_f32 and
 // pack_bf16x8 (ekc_dispatch.cu): included after them in ekc_all.cu.
@@ -97,9 +101,39 @@ __device__ static inline uint32_t *ll_rows_tab(const struct ekc_ll_args &a)
 	return ll_off(a) + (uint64_t)a.El * a.W;
 }
 
+// An error bit for the host; a fatal one (EKC_LL_EFATAL) poisons the
+// rank's state for good. The host mirror (a.herr) gets the bits too, so
+// the host learns of it without a copy.
 __device__ static inline void ll_fail(const struct ekc_ll_args &a, uint32_t bit)
 {
-	atomicOr(ll_priv(a) + EKC_LL_PRIV_ERR, bit);
+	const uint32_t o = atomicOr(ll_priv(a) + EKC_LL_PRIV_ERR, bit);
+	if (bit & EKC_LL_EFATAL)
+		atomicExch(ll_priv(a) + EKC_LL_PRIV_POISON, 1u);
+	if (a.herr && !(o & bit))
+		asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(a.herr),
+			     "r"(o | bit) : "memory");
+}
+
+__device__ static inline bool ll_poisoned(const struct ekc_ll_args &a)
+{
+	return *(volatile uint32_t *)(ll_priv(a) + EKC_LL_PRIV_POISON) != 0;
+}
+
+// Flag seq into peer memory p, with the mark if this rank is poisoned.
+__device__ static inline void ll_flag(const struct ekc_ll_args &a, uint64_t *p,
+				      uint32_t seq, bool bad)
+{
+	ll_st64(a, p, (bad ? (uint64_t)EKC_LL_MARK << 32 : 0) | seq);
+}
+
+// Raised by the daemon (host memory) when the group failed: a rank left.
+__device__ static inline bool ll_released(const struct ekc_ll_args &a)
+{
+	uint32_t v = 0;
+	if (a.released)
+		asm volatile("ld.relaxed.sys.global.u32 %0, [%1];"
+			     : "=r"(v) : "l"(a.released));
+	return v != 0;
 }
 
 // Launched with programmatic dependent launch (the caller's choice), a
@@ -125,17 +159,29 @@ __device__ static inline void ll_stamp_max(const struct ekc_ll_args &a, int i)
 			  (unsigned long long)now_ns());
 }
 
-// Wait until the flag is tag or a later sequence number. False on
-// timeout (err raised).
+// Wait until the flag is tag or a later sequence number. False (and the
+// rank poisoned) when the flag carries a poisoned peer's mark, the daemon
+// released the group, or the timeout passed.
 __device__ static bool ll_wait_tag(const struct ekc_ll_args &a,
 				   const uint64_t *p, uint32_t tag, uint64_t t0)
 {
 	for (uint32_t spins = 0;; spins++) {
-		if ((int32_t)((uint32_t)ll_ld64(a, p) - tag) >= 0) {
+		const uint64_t v = ll_ld64(a, p);
+		if ((uint32_t)(v >> 32) == EKC_LL_MARK) {
+			ll_fail(a, EKC_LL_EPEERFAIL);
+			return false;
+		}
+		if ((int32_t)((uint32_t)v - tag) >= 0) {
 			ll_fence(a);
 			return true;
 		}
-		if ((spins & 63) == 63 && now_ns() - t0 > a.timeout_ns) {
+		if ((spins & 63) != 63)
+			continue;
+		if (ll_released(a)) {
+			ll_fail(a, EKC_LL_ERELEASED);
+			return false;
+		}
+		if (now_ns() - t0 > a.timeout_ns) {
 			ll_fail(a, EKC_LL_ETIMEDOUT);
 			return false;
 		}
@@ -363,9 +409,18 @@ __device__ static void ll_dispatch_recv(const struct ekc_ll_args &a,
 	const uint64_t *done = (const uint64_t *)ll_pub(a, a.rank, a.L.done);
 	const uint32_t *snap = ll_rows_tab(a);
 	const int32_t *tk = (const int32_t *)ll_pub(a, a.rank, a.L.tk[a.buf]);
-	for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
-		ll_wait_tag(a, done + s, seq, t0);
-	__syncthreads();
+	const bool bad = ll_poisoned(a);
+	int ok = !bad;
+	for (uint32_t s = threadIdx.x; s < a.W && !bad; s += blockDim.x)
+		ok &= ll_wait_tag(a, done + s, seq, t0);
+	if (!__syncthreads_and(ok)) { // poisoned: nothing received
+		if (bad && blockIdx.x == 0 && threadIdx.x == 0)
+			ll_fail(a, EKC_LL_EPOISONED);
+		for (uint32_t el = threadIdx.x; el < a.El && blockIdx.x == 0;
+		     el += blockDim.x)
+			((int32_t *)a.recv_count)[el] = 0;
+		return;
+	}
 	ll_fence(a);
 	ll_stamp(a, EKC_LL_TR_D_RECV);
 	__shared__ uint32_t sn[EKC_LL_MAXE]; // [el][s]: the table, loaded once
@@ -406,33 +461,16 @@ __device__ static void ll_dispatch_recv(const struct ekc_ll_args &a,
 	}
 }
 
-extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
-ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
+// The send part of dispatch seq once every source's counts are in: where
+// this rank's rows start at each expert, then its rows (and their (t, k)
+// and fp8 scales) into the experts' ranks' buffer a.buf.
+__device__ static void ll_dispatch_rows(const struct ekc_ll_args &a,
+					uint32_t seq, uint32_t par, uint32_t T,
+					uint32_t *off)
 {
-	ll_prior();
-	__shared__ uint32_t off[EKC_LL_MAXE];
-	const uint64_t t0 = now_ns();
-	ll_stamp(a, EKC_LL_TR_D_START);
-	ll_stamp_max(a, EKC_LL_TR_D_MAXSTART);
 	uint32_t *pv = ll_priv(a);
-	const uint32_t seq = *(volatile uint32_t *)(pv + EKC_LL_PRIV_DSEQ) + 1;
-	const uint32_t par = seq & 1, E = a.El * a.W, WN = a.W * a.N;
-	const uint32_t b = a.buf;
-	uint32_t T = a.T, over = 0;
-	if (T > a.N) {
-		T = 0; // take part with no rows: every rank still finishes,
-		over = LL_OVER; // and every rank learns (below)
-	}
-	if (blockIdx.x == 0)
-		ll_plan(a, T, over, seq, par, off);
-	ll_stamp(a, EKC_LL_TR_D_PLAN);
-	// Every source's counts (this rank's own, from block 0, included):
-	// W threads spin on the sources' flags, the rest wait at the barrier.
+	const uint32_t E = a.El * a.W, WN = a.W * a.N, b = a.buf;
 	const uint64_t *cnt = (const uint64_t *)ll_pub(a, a.rank, a.L.cnt[par]);
-	const uint64_t *cflag = (const uint64_t *)ll_pub(a, a.rank, a.L.cflag);
-	for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
-		ll_wait_tag(a, cflag + s, seq, t0);
-	__syncthreads();
 	ll_fence(a);
 	ll_stamp(a, EKC_LL_TR_D_CNT);
 	// Where this rank's rows start in each expert: the rows of the sources
@@ -533,10 +571,53 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 			}
 		}
 	}
+}
+
+extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
+ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
+{
+	ll_prior();
+	__shared__ uint32_t off[EKC_LL_MAXE];
+	const uint64_t t0 = now_ns();
+	ll_stamp(a, EKC_LL_TR_D_START);
+	ll_stamp_max(a, EKC_LL_TR_D_MAXSTART);
+	uint32_t *pv = ll_priv(a);
+	const uint32_t seq = *(volatile uint32_t *)(pv + EKC_LL_PRIV_DSEQ) + 1;
+	const uint32_t par = seq & 1;
+	uint32_t T = a.T, over = 0;
+	if (T > a.N) {
+		T = 0; // take part with no rows: every rank still finishes,
+		over = LL_OVER; // and every rank learns (below)
+	}
+	// A poisoned rank sends no counts: its marked flags fail every peer
+	// at once (they wait for nothing from it).
+	const bool bad0 = ll_poisoned(a);
+	if (blockIdx.x == 0 && !bad0)
+		ll_plan(a, T, over, seq, par, off);
+	if (blockIdx.x == 0 && bad0) {
+		if (threadIdx.x == 0)
+			ll_fail(a, EKC_LL_EPOISONED);
+		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
+			ll_flag(a, (uint64_t *)ll_pub(a, d, a.L.cflag) + a.rank,
+				seq, true);
+	}
+	ll_stamp(a, EKC_LL_TR_D_PLAN);
+	// Every source's counts (this rank's own, from block 0, included):
+	// W threads spin on the sources' flags, the rest wait at the barrier.
+	const uint64_t *cflag = (const uint64_t *)ll_pub(a, a.rank, a.L.cflag);
+	int ok = !bad0;
+	for (uint32_t s = threadIdx.x; s < a.W && !bad0; s += blockDim.x)
+		ok &= ll_wait_tag(a, cflag + s, seq, t0);
+	// a failed wait (this rank now poisoned): no rows; the done flags
+	// below carry the mark
+	if (__syncthreads_and(ok))
+		ll_dispatch_rows(a, seq, par, T, off);
 	ll_stamp(a, EKC_LL_TR_D_COPY);
 	if (ll_last_block(a, EKC_LL_PRIV_DCTR)) {
+		const bool bad = ll_poisoned(a);
 		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
-			ll_st64(a, (uint64_t *)ll_pub(a, d, a.L.done) + a.rank, seq);
+			ll_flag(a, (uint64_t *)ll_pub(a, d, a.L.done) + a.rank,
+				seq, bad);
 		if (threadIdx.x == 0) {
 			pv[EKC_LL_PRIV_DSEQ] = seq;
 			if (a.trace)
@@ -648,9 +729,15 @@ __device__ static void ll_combine_recv(const struct ekc_ll_args &a,
 				       uint32_t seq, uint64_t t0)
 {
 	const uint64_t *cdone = (const uint64_t *)ll_pub(a, a.rank, a.L.cdone);
-	for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
-		ll_wait_tag(a, cdone + s, seq, t0);
-	__syncthreads();
+	const bool bad = ll_poisoned(a);
+	int ok = !bad;
+	for (uint32_t s = threadIdx.x; s < a.W && !bad; s += blockDim.x)
+		ok &= ll_wait_tag(a, cdone + s, seq, t0);
+	if (!__syncthreads_and(ok)) { // poisoned: no sum
+		if (bad && blockIdx.x == 0 && threadIdx.x == 0)
+			ll_fail(a, EKC_LL_EPOISONED);
+		return;
+	}
 	ll_fence(a);
 	ll_stamp(a, EKC_LL_TR_C_RECV);
 	const uint8_t *comb = ll_pub(a, a.rank, a.L.comb[a.buf]);
@@ -673,6 +760,8 @@ ekc_ll_combine(const struct ekc_ll_args a, uint32_t with_recv)
 	const uint32_t seq = *(volatile uint32_t *)(pv + EKC_LL_PRIV_CSEQ) + 1;
 	const uint32_t WN = a.W * a.N, b = a.buf;
 	const uint32_t *snap = ll_rows_tab(a);
+	// poisoned: no rows, and the marked done flags below
+	const bool bad0 = ll_poisoned(a);
 	const int32_t *tk = (const int32_t *)ll_pub(a, a.rank, a.L.tk[b]);
 	if (blockIdx.x == 0 && threadIdx.x == 0)
 		pv[EKC_LL_PRIV_CBSEQ + b] = seq;
@@ -698,8 +787,9 @@ ekc_ll_combine(const struct ekc_ll_args a, uint32_t with_recv)
 	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
 	const uint32_t lane = threadIdx.x & 31, NK = a.N * a.K;
 	const uint64_t nw = (uint64_t)gridDim.x * (blockDim.x / 32);
+	const uint64_t items = bad0 ? 0 : (uint64_t)first[a.El] * S;
 	for (uint64_t it = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-	     it < (uint64_t)first[a.El] * S; it += nw) {
+	     it < items; it += nw) {
 		const uint32_t j = (uint32_t)(it / S), sl = (uint32_t)(it % S);
 		uint32_t lo = 0, hi = a.El; // the el with first[el] <= j
 		while (hi - lo > 1) {
@@ -729,8 +819,10 @@ ekc_ll_combine(const struct ekc_ll_args a, uint32_t with_recv)
 	}
 	ll_stamp(a, EKC_LL_TR_C_COPY);
 	if (ll_last_block(a, EKC_LL_PRIV_CCTR)) {
+		const bool bad = ll_poisoned(a);
 		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
-			ll_st64(a, (uint64_t *)ll_pub(a, d, a.L.cdone) + a.rank, seq);
+			ll_flag(a, (uint64_t *)ll_pub(a, d, a.L.cdone) + a.rank,
+				seq, bad);
 		if (threadIdx.x == 0) {
 			pv[EKC_LL_PRIV_CSEQ] = seq;
 			if (a.trace)
@@ -766,28 +858,35 @@ ekc_ll_combine_pull(const struct ekc_ll_args a)
 	const uint32_t E = a.El * a.W, WN = a.W * a.N, b = a.buf;
 	// This rank's cx rows were written by the work before it on its
 	// stream: say so to every home.
+	// (poisoned: the mark on them, and no sum)
+	const bool bad0 = ll_poisoned(a);
 	if (blockIdx.x == 0) {
 		ll_fence(a);
+		if (bad0 && threadIdx.x == 0)
+			ll_fail(a, EKC_LL_EPOISONED);
 		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
-			ll_st64(a, (uint64_t *)ll_pub(a, d, a.L.cready) + a.rank,
-				seq);
+			ll_flag(a, (uint64_t *)ll_pub(a, d, a.L.cready) + a.rank,
+				seq, bad0);
 	}
 	for (uint32_t e = threadIdx.x; e < E; e += blockDim.x)
 		off[e] = min(__ldcg(ll_off(a) + e), WN);
 	const uint64_t *ready = (const uint64_t *)ll_pub(a, a.rank, a.L.cready);
-	for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
-		ll_wait_tag(a, ready + s, seq, t0);
-	__syncthreads();
+	int ok = !bad0;
+	for (uint32_t s = threadIdx.x; s < a.W && !bad0; s += blockDim.x)
+		ok &= ll_wait_tag(a, ready + s, seq, t0);
+	ok = __syncthreads_and(ok);
 	ll_fence(a);
 	ll_stamp(a, EKC_LL_TR_C_RECV);
 	const uint64_t rowb = (uint64_t)a.H * 2;
-	ll_sum(a, [&](uint32_t, int32_t e, int32_t p) -> const uint8_t * {
+	auto row = [&](uint32_t, int32_t e, int32_t p) -> const uint8_t * {
 		const uint32_t gp = off[e] + (uint32_t)p;
 		if (gp >= WN)
 			return nullptr; // the dispatch raised it
 		const uint32_t d = e / a.El, el = e % a.El;
 		return ll_pub(a, d, a.L.cx[b]) + ((uint64_t)el * WN + gp) * rowb;
-	});
+	};
+	if (ok)
+		ll_sum(a, row);
 	ll_stamp(a, EKC_LL_TR_C_END);
 	if (ll_last_block(a, EKC_LL_PRIV_CCTR) && threadIdx.x == 0)
 		pv[EKC_LL_PRIV_CSEQ] = seq;

@@ -1,0 +1,302 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The low-latency mode (libep ep_ll_*) when a rank fails, 4 GPU ranks
+ * (sharing a GPU under MPS, or one per GPU). Each phase is a fresh set of
+ * rank processes:
+ *
+ *  killed  rank 3 is SIGKILLed 300 ms after the others launched an op
+ *          (their kernels wait for its counts). That op ends with
+ *          EP_EPEERLOST (the daemon released the group and the waiting
+ *          kernels saw it) well before the group's timeout (20 s), and
+ *          their later calls return it at once, launching nothing.
+ *  hung    rank 3 stays alive but skips an op. The others' op ends with
+ *          EP_ETIMEDOUT after the timeout (2 s) and their later calls fail
+ *          at once. Rank 3's late op then fails too (its peers' flags
+ *          carry the poison mark): it never reports success on rows
+ *          placed out of step.
+ *  after   the daemon serves on: a new group of four runs op pairs with
+ *          results bitwise equal to the reference.
+ *
+ * Every op pair before a failure, and after, is checked bitwise: tokens of
+ * small integers, four distinct experts each with weight 1, the experts'
+ * rows sent back as they came, so each token comes home times 4, exactly.
+ * Exit 77 without a GPU, or where ranks share a GPU without MPS (libep
+ * refuses the mode there).
+ */
+#include "gpu_util.h"
+
+#include <signal.h>
+#include <string.h>
+#include <unistd.h>
+
+#define W 4
+#define T 16
+#define H 256
+#define K 4
+#define E (W * 4)
+
+struct shared {
+	const struct th_daemon *d;
+	uint32_t arrive, gen; /* tg_line_up */
+	volatile int unsupported;
+	volatile uint64_t took_ms[W], again_us[W];
+	volatile int rc[W], late_rc;
+};
+
+struct rank {
+	ep_group_t *g;
+	CUstream st;
+	CUdeviceptr x, topk, w, out;
+	uint16_t hx[T * H];
+	int r;
+};
+
+static uint16_t bf16_of(float f)
+{
+	uint32_t u;
+	memcpy(&u, &f, 4);
+	return (uint16_t)(u >> 16); /* small integers: exact */
+}
+
+static void inputs(struct rank *R)
+{
+	int64_t tk[T * K];
+	float w[T * K];
+	for (int t = 0; t < T; t++) {
+		for (int k = 0; k < K; k++) { /* distinct: E / K apart */
+			tk[t * K + k] = (t * 3 + R->r + k * (E / K)) % E;
+			w[t * K + k] = 1.0f;
+		}
+		for (int h = 0; h < H; h++)
+			R->hx[t * H + h] = bf16_of(
+				(float)((R->r * 7 + t * 3 + h) % 17 - 8));
+	}
+	tg_upload(R->x, R->hx, sizeof(R->hx));
+	tg_upload(R->topk, tk, sizeof(tk));
+	tg_upload(R->w, w, sizeof(w));
+}
+
+static void join(struct rank *R, struct shared *s, const char *name,
+		 uint32_t timeout_ms, ep_conn_t **c)
+{
+	int gpu;
+	R->st = tg_rank_init(R->r, &gpu, NULL, 0, NULL);
+	struct ep_group_config cfg = th_group(name, W, (uint32_t)R->r,
+					      timeout_ms);
+	cfg.num_experts = E;
+	cfg.hidden = H;
+	cfg.topk = K;
+	cfg.cuda_device = gpu;
+	TH_OK(ep_connect(s->d->sock, c));
+	TH_OK(ep_join(*c, &cfg, EP_JOIN_CUDA, &R->g));
+	CU(tg_drv.cuMemAlloc(&R->x, T * H * 2));
+	CU(tg_drv.cuMemAlloc(&R->topk, T * K * 8));
+	CU(tg_drv.cuMemAlloc(&R->w, T * K * 4));
+	CU(tg_drv.cuMemAlloc(&R->out, T * H * 2));
+	inputs(R);
+}
+
+/* One dispatch and combine; 0, or the first error. With check: out is
+ * each token times 4, bitwise. */
+static int op_pair(struct rank *R, bool check)
+{
+	struct ep_ll_recv rv;
+	int rc = ep_ll_dispatch(R->g, (void *)(uintptr_t)R->x,
+				(const int64_t *)(uintptr_t)R->topk, T, 0,
+				R->st, &rv);
+	if (!rc)
+		rc = ep_ll_combine(R->g, rv.buffer, rv.recv_x,
+				   (const float *)(uintptr_t)R->w,
+				   (void *)(uintptr_t)R->out, 0, R->st);
+	CU(tg_drv.cuStreamSynchronize(R->st));
+	if (!rc)
+		rc = ep_ll_error(R->g);
+	if (rc || !check)
+		return rc;
+	uint16_t got[T * H];
+	CU(tg_drv.cuMemcpyDtoH(got, R->out, sizeof(got)));
+	for (int i = 0; i < T * H; i++) {
+		uint32_t u = (uint32_t)R->hx[i] << 16;
+		float f;
+		memcpy(&f, &u, 4);
+		TH_CHECK(got[i] == bf16_of(4.0f * f),
+			 "rank %d: token %d channel %d: 0x%04x, want 0x%04x",
+			 R->r, i / H, i % H, got[i], bf16_of(4.0f * f));
+	}
+	return 0;
+}
+
+/* The first op: EP_EUNSUPPORTED on every rank alike (a shared GPU
+ * without MPS) makes the test a skip. */
+static bool first_ops(struct rank *R, struct shared *s, int n)
+{
+	int rc = op_pair(R, true);
+	if (rc == EP_EUNSUPPORTED) {
+		s->unsupported = 1;
+		return false;
+	}
+	TH_CHECK(rc == 0, "rank %d: %s: %s", R->r, ep_strerror(rc),
+		 ep_errmsg());
+	for (int i = 1; i < n; i++)
+		TH_OK(op_pair(R, true));
+	return true;
+}
+
+/* How long (us) a call takes to fail once the mode is over, and that it
+ * fails with want. */
+static uint64_t fails_at_once(struct rank *R, int want)
+{
+	uint64_t t0 = th_now_ns();
+	struct ep_ll_recv rv;
+	int rc = ep_ll_dispatch(R->g, (void *)(uintptr_t)R->x,
+				(const int64_t *)(uintptr_t)R->topk, T, 0,
+				R->st, &rv);
+	uint64_t us = (th_now_ns() - t0) / 1000;
+	TH_CHECK(rc == want, "rank %d: a later call returned %s (%s), want "
+		 "%s", R->r, ep_strerror(rc), ep_errmsg(), ep_strerror(want));
+	TH_CHECK(ep_ll_error(R->g) == want, "rank %d: ep_ll_error forgot",
+		 R->r);
+	return us;
+}
+
+static void leave(struct rank *R, ep_conn_t *c)
+{
+	CU(tg_drv.cuStreamSynchronize(R->st));
+	(void)ep_leave(R->g); /* the group may have failed */
+	ep_close(c);
+}
+
+static int killed_rank(int rank, void *arg)
+{
+	struct shared *s = arg;
+	struct rank R = {.r = rank};
+	ep_conn_t *c;
+	join(&R, s, "llkill", 20000, &c);
+	bool go = first_ops(&R, s, 3);
+	tg_line_up(&s->arrive, &s->gen, W);
+	if (!go)
+		return 0;
+	if (rank == W - 1) { /* killed while the others' kernels wait */
+		th_sleep_ms(300);
+		raise(SIGKILL);
+	}
+	uint64_t t0 = th_now_ns();
+	int rc = op_pair(&R, false);
+	s->took_ms[rank] = (th_now_ns() - t0) / 1000000;
+	s->rc[rank] = rc;
+	TH_CHECK(rc == EP_EPEERLOST, "rank %d: the op after the kill: %s (%s)",
+		 rank, ep_strerror(rc), ep_errmsg());
+	s->again_us[rank] = fails_at_once(&R, EP_EPEERLOST);
+	leave(&R, c);
+	return 0;
+}
+
+static int hung_rank(int rank, void *arg)
+{
+	struct shared *s = arg;
+	struct rank R = {.r = rank};
+	ep_conn_t *c;
+	join(&R, s, "llhang", 2000, &c);
+	bool go = first_ops(&R, s, 2);
+	tg_line_up(&s->arrive, &s->gen, W);
+	if (!go)
+		return 0;
+	if (rank != W - 1) {
+		uint64_t t0 = th_now_ns();
+		int rc = op_pair(&R, false);
+		s->took_ms[rank] = (th_now_ns() - t0) / 1000000;
+		s->rc[rank] = rc;
+		TH_CHECK(rc == EP_ETIMEDOUT, "rank %d: the op rank %d skipped: "
+			 "%s (%s)", rank, W - 1, ep_strerror(rc), ep_errmsg());
+		s->again_us[rank] = fails_at_once(&R, EP_ETIMEDOUT);
+	}
+	tg_line_up(&s->arrive, &s->gen, W); /* the others are done */
+	if (rank == W - 1) { /* late: the others' flags say they failed */
+		uint64_t t0 = th_now_ns();
+		int rc = op_pair(&R, false);
+		s->took_ms[rank] = (th_now_ns() - t0) / 1000000;
+		s->late_rc = rc;
+		TH_CHECK(rc == EP_EFAILED, "the late rank's op: %s (%s)",
+			 ep_strerror(rc), ep_errmsg());
+		s->again_us[rank] = fails_at_once(&R, EP_EFAILED);
+	}
+	tg_line_up(&s->arrive, &s->gen, W);
+	leave(&R, c);
+	return 0;
+}
+
+static int after_rank(int rank, void *arg)
+{
+	struct shared *s = arg;
+	struct rank R = {.r = rank};
+	ep_conn_t *c;
+	join(&R, s, "llafter", 20000, &c);
+	(void)first_ops(&R, s, 5);
+	leave(&R, c);
+	return 0;
+}
+
+static uint64_t most(volatile uint64_t *v, int n)
+{
+	uint64_t m = 0;
+	for (int i = 0; i < n; i++)
+		m = v[i] > m ? v[i] : m;
+	return m;
+}
+
+int main(void)
+{
+	th_init("gpu: low-latency mode when a rank fails", 300);
+	if (tg_probe())
+		return TH_SKIP;
+	struct th_daemon d;
+	th_daemon_start(&d, "-b", "cuda", NULL);
+	struct shared *s = th_shared(sizeof(*s));
+	s->d = &d;
+	pid_t p[W];
+
+	th_spawn(p, W, killed_rank, s);
+	th_reap(p[W - 1], 60);
+	TH_CHECK(th_wait_all(p, W - 1, 60) == 0, "a survivor failed");
+	if (s->unsupported) {
+		printf("skip: the low-latency mode needs MPS where ranks "
+		       "share a GPU\n");
+		th_daemon_stop(&d);
+		return TH_SKIP;
+	}
+	uint64_t kill_ms = most(s->took_ms, W - 1);
+	uint64_t kill_again = most(s->again_us, W - 1);
+	TH_CHECK(kill_ms >= 250 && kill_ms < 5000,
+		 "the survivors' op took %llu ms: they waited for the group's "
+		 "timeout (20 s), not for the daemon's release",
+		 (unsigned long long)kill_ms);
+	TH_CHECK(th_daemon_alive(&d), "the daemon died");
+
+	memset((void *)s->took_ms, 0, sizeof(s->took_ms));
+	memset((void *)s->again_us, 0, sizeof(s->again_us));
+	th_spawn(p, W, hung_rank, s);
+	TH_CHECK(th_wait_all(p, W, 60) == 0, "a rank of the hung phase failed");
+	uint64_t hang_ms = most(s->took_ms, W - 1);
+	TH_CHECK(hang_ms >= 1500 && hang_ms < 10000,
+		 "the op rank %d skipped ended after %llu ms (timeout 2 s)",
+		 W - 1, (unsigned long long)hang_ms);
+	uint64_t late_ms = s->took_ms[W - 1];
+	TH_CHECK(late_ms < 1500, "the late rank's op took %llu ms: it waited "
+		 "for a timeout, not for its peers' marks",
+		 (unsigned long long)late_ms);
+
+	th_spawn(p, W, after_rank, s);
+	TH_CHECK(th_wait_all(p, W, 60) == 0, "the group after the failures");
+	TH_CHECK(th_daemon_alive(&d), "the daemon died");
+	th_daemon_stop(&d);
+	printf("ok: killed rank: survivors' op ended in %llu ms with "
+	       "EP_EPEERLOST (timeout 20 s), later calls in %llu us; hung "
+	       "rank: the others' op ended in %llu ms with EP_ETIMEDOUT "
+	       "(timeout 2 s), later calls in %llu us, the late rank's op in "
+	       "%llu ms with EP_EFAILED; a new group ran 5 op pairs bitwise\n",
+	       (unsigned long long)kill_ms, (unsigned long long)kill_again,
+	       (unsigned long long)hang_ms,
+	       (unsigned long long)most(s->again_us, W),
+	       (unsigned long long)late_ms);
+	return 0;
+}
