@@ -713,7 +713,9 @@ class Group:
 
     def ll_error(self):
         """None, or the first error the low-latency kernels raised (read
-        and cleared; synchronize the stream first)."""
+        and cleared; synchronize the stream first). A failed wait (a peer
+        that timed out, left or failed) is kept: it ends the group's
+        low-latency mode, and every later ll_* call raises it too."""
         rc = _lib.ep_ll_error(self._g)
         return Error(rc, _lib.ep_errmsg().decode()) if rc else None
 
