@@ -38,12 +38,12 @@ struct ep_ll {
 	/* after a fatal error (EKC_LL_EFATAL, or the group failed): every
 	 * call returns it, and launches nothing */
 	int dead_rc;
-	bool poisoned; /* the kernels' own state says so (not only the
-			  daemon's): a refused op still marks its flags */
+	bool poisoned; /* the device's poison word is set (the kernels', or
+			  ll_gate's after the group failed) */
 	char dead_msg[EPP_CTL_MSG_MAX + 96];
 };
 
-static int ll_gate(ep_group_t *g, bool *mark);
+static int ll_gate(ep_group_t *g, void *stream);
 
 static void ll_free(struct ep_ll *l)
 {
@@ -314,9 +314,8 @@ int ep_ll_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 	int rc = ll_setup(g);
 	if (rc)
 		return rc;
-	bool mark = false;
-	const int dead = ll_gate(g, &mark);
-	if (dead && !mark)
+	const int dead = ll_gate(g, stream);
+	if (dead && !g->ll->poisoned) /* not launched */
 		return dead;
 	struct ep_ll *l = g->ll;
 	uint32_t fp8 = 0;
@@ -343,7 +342,7 @@ int ep_ll_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 	a.fp8 = fp8;
 	uint32_t with_recv = !(flags & EP_LL_HOOK);
 	rc = ll_launch(l, EP__FN_LL_DISPATCH, &a, &with_recv, stream);
-	if (dead) /* the kernel only marked its flags */
+	if (dead) /* the kernel only marked its flags (ll_gate) */
 		return ep__fail(dead, "%s", l->dead_msg);
 	if (rc)
 		return rc;
@@ -382,12 +381,14 @@ static int ll_buffer(ep_group_t *g, uint32_t b)
 int ep_ll_dispatch_hook(ep_group_t *g, uint32_t b, void *stream)
 {
 	int rc = ll_buffer(g, b);
-	if (!rc)
-		rc = ll_gate(g, NULL);
 	if (rc)
 		return rc;
+	const int dead = ll_gate(g, stream);
+	if (dead && !g->ll->poisoned) /* not launched */
+		return dead;
 	struct ekc_ll_args a = ll_args(g->ll, b, g->ll->T[b]);
-	return ll_launch(g->ll, EP__FN_LL_DISPATCH_RECV, &a, NULL, stream);
+	rc = ll_launch(g->ll, EP__FN_LL_DISPATCH_RECV, &a, NULL, stream);
+	return dead ? ep__fail(dead, "%s", g->ll->dead_msg) : rc;
 }
 
 int ep_ll_combine(ep_group_t *g, uint32_t b, const void *expert_out,
@@ -397,9 +398,8 @@ int ep_ll_combine(ep_group_t *g, uint32_t b, const void *expert_out,
 	int rc = ll_buffer(g, b);
 	if (rc)
 		return rc;
-	bool mark = false;
-	const int dead = ll_gate(g, &mark);
-	if (dead && !mark)
+	const int dead = ll_gate(g, stream);
+	if (dead && !g->ll->poisoned) /* not launched */
 		return dead;
 	struct ep_ll *l = g->ll;
 	const unsigned known = EP_LL_HOOK | EP_LL_ZERO_COPY;
@@ -426,7 +426,7 @@ int ep_ll_combine(ep_group_t *g, uint32_t b, const void *expert_out,
 		l->hout[b] = a.out;
 		rc = ll_launch(l, EP__FN_LL_COMBINE, &a, &with_recv, stream);
 	}
-	if (dead) /* the kernel only marked its flags */
+	if (dead) /* the kernel only marked its flags (ll_gate) */
 		return ep__fail(dead, "%s", l->dead_msg);
 	return rc;
 }
@@ -434,16 +434,18 @@ int ep_ll_combine(ep_group_t *g, uint32_t b, const void *expert_out,
 int ep_ll_combine_hook(ep_group_t *g, uint32_t b, void *stream)
 {
 	int rc = ll_buffer(g, b);
-	if (!rc)
-		rc = ll_gate(g, NULL);
 	if (rc)
 		return rc;
+	const int dead = ll_gate(g, stream);
+	if (dead && !g->ll->poisoned) /* not launched */
+		return dead;
 	/* the weights and out of the combine it completes */
 	struct ep_ll *l = g->ll;
 	struct ekc_ll_args a = ll_args(l, b, l->T[b]);
 	a.weights = l->hw[b];
 	a.out = l->hout[b];
-	return ll_launch(l, EP__FN_LL_COMBINE_RECV, &a, NULL, stream);
+	rc = ll_launch(l, EP__FN_LL_COMBINE_RECV, &a, NULL, stream);
+	return dead ? ep__fail(dead, "%s", l->dead_msg) : rc;
 }
 
 int ep_ll_combine_buffer(ep_group_t *g, uint32_t b, void **rows)
@@ -540,12 +542,16 @@ int ep_ll_error(ep_group_t *g)
 }
 
 /* Before a launch: a fatal error the kernels mirrored to the host, or the
- * group's failure, ends the mode here. Other errors wait for ep_ll_error.
- * *mark: the kernels' state is poisoned, so the refused dispatch or
- * combine still runs its kernel, which only puts the mark on its flags:
- * a peer still waiting for this rank ends at once, not at its timeout
- * (after the group's failure every peer knows already: nothing runs). */
-static int ll_gate(ep_group_t *g, bool *mark)
+ * group's failure, ends the mode here; the caller gets it. Other errors
+ * wait for ep_ll_error. The refused op still runs its kernel (where the
+ * error is fatal; the caller launches when l->poisoned), with the
+ * device's poison word set first (on the stream, so a capture records
+ * it): that kernel writes no counts and no rows, only its flags with the
+ * mark (a peer still waiting for this rank ends at once, not at its
+ * timeout), zero counts for a receive and NaN for a combine's output (a
+ * graph replayed in a loop, which never reads the error, must not take
+ * stale rows for a result). */
+static int ll_gate(ep_group_t *g, void *stream)
 {
 	struct ep_ll *l = g->ll;
 	int rc = 0;
@@ -555,7 +561,13 @@ static int ll_gate(ep_group_t *g, bool *mark)
 		rc = ep_ll_error(g);
 	else if (g->buf && ep__ctl_error(g))
 		rc = ll_die(l, ll_report(g, EKC_LL_ERELEASED), false);
-	if (mark)
-		*mark = rc && l->poisoned;
+	if (rc && l->dead_rc && !l->poisoned) {
+		CUresult r = ep__drv.cuMemsetD32Async(
+			l->priv + 4 * EKC_LL_PRIV_POISON, 1, 1,
+			(CUstream)stream);
+		if (r)
+			return ep__cufail(r, "poisoning the low-latency state");
+		l->poisoned = true;
+	}
 	return rc;
 }

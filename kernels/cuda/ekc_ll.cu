@@ -416,9 +416,12 @@ __device__ static void ll_dispatch_recv(const struct ekc_ll_args &a,
 	if (!__syncthreads_and(ok)) { // poisoned: nothing received
 		if (bad && blockIdx.x == 0 && threadIdx.x == 0)
 			ll_fail(a, EKC_LL_EPOISONED);
-		for (uint32_t el = threadIdx.x; el < a.El && blockIdx.x == 0;
-		     el += blockDim.x)
-			((int32_t *)a.recv_count)[el] = 0;
+		for (uint32_t j = threadIdx.x; j < a.El * a.W && blockIdx.x == 0;
+		     j += blockDim.x) {
+			((int64_t *)a.layout)[j] = 0;
+			if (j < a.El)
+				((int32_t *)a.recv_count)[j] = 0;
+		}
 		return;
 	}
 	ll_fence(a);
@@ -723,6 +726,19 @@ __device__ static void ll_sum(const struct ekc_ll_args &a, Row row)
 	}
 }
 
+// A failed combine's output: NaN in every channel (each block writes all
+// of it, so rows no block summed are NaN whatever the others did). A
+// caller that never reads the error word (a graph replayed in a loop)
+// must not take stale rows for a result.
+__device__ static void ll_out_nan(const struct ekc_ll_args &a)
+{
+	const uint32_t T = a.T > a.N ? 0 : a.T;
+	const uint64_t n = (uint64_t)T * a.H / 2; // bf16 pairs (H % 8 == 0)
+	uint32_t *o = (uint32_t *)a.out;
+	for (uint64_t j = threadIdx.x; o && j < n; j += blockDim.x)
+		o[j] = 0x7fc07fc0u;
+}
+
 // The sum at home of combine seq (buffer a.buf): wait for every source,
 // then sum the rows they pushed into this rank's comb slots.
 __device__ static void ll_combine_recv(const struct ekc_ll_args &a,
@@ -736,6 +752,7 @@ __device__ static void ll_combine_recv(const struct ekc_ll_args &a,
 	if (!__syncthreads_and(ok)) { // poisoned: no sum
 		if (bad && blockIdx.x == 0 && threadIdx.x == 0)
 			ll_fail(a, EKC_LL_EPOISONED);
+		ll_out_nan(a);
 		return;
 	}
 	ll_fence(a);
@@ -887,6 +904,8 @@ ekc_ll_combine_pull(const struct ekc_ll_args a)
 	};
 	if (ok)
 		ll_sum(a, row);
+	else
+		ll_out_nan(a);
 	ll_stamp(a, EKC_LL_TR_C_END);
 	if (ll_last_block(a, EKC_LL_PRIV_CCTR) && threadIdx.x == 0)
 		pv[EKC_LL_PRIV_CSEQ] = seq;

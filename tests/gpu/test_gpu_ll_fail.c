@@ -17,6 +17,9 @@
  *  after   the daemon serves on: a new group of four runs op pairs with
  *          results bitwise equal to the reference.
  *
+ * Every failed op's combine output is NaN in every channel (not the last
+ * op's rows).
+ *
  * Every op pair before a failure, and after, is checked bitwise: tokens of
  * small integers, four distinct experts each with weight 1, the experts'
  * rows sent back as they came, so each token comes home times 4, exactly.
@@ -142,6 +145,18 @@ static bool first_ops(struct rank *R, struct shared *s, int n)
 	return true;
 }
 
+/* The failed op's combine output: NaN in every channel, not the last
+ * op's rows (a graph replayed in a loop never reads the error). */
+static void nan_out(struct rank *R)
+{
+	uint16_t got[T * H];
+	CU(tg_drv.cuMemcpyDtoH(got, R->out, sizeof(got)));
+	for (int i = 0; i < T * H; i++)
+		TH_CHECK(got[i] == 0x7fc0, "rank %d: the failed combine left "
+			 "0x%04x at token %d channel %d, not NaN", R->r,
+			 got[i], i / H, i % H);
+}
+
 /* How long (us) a call takes to fail once the mode is over, and that it
  * fails with want. */
 static uint64_t fails_at_once(struct rank *R, int want)
@@ -186,6 +201,7 @@ static int killed_rank(int rank, void *arg)
 	s->rc[rank] = rc;
 	TH_CHECK(rc == EP_EPEERLOST, "rank %d: the op after the kill: %s (%s)",
 		 rank, ep_strerror(rc), ep_errmsg());
+	nan_out(&R);
 	s->again_us[rank] = fails_at_once(&R, EP_EPEERLOST);
 	leave(&R, c);
 	return 0;
@@ -208,6 +224,7 @@ static int hung_rank(int rank, void *arg)
 		s->rc[rank] = rc;
 		TH_CHECK(rc == EP_ETIMEDOUT, "rank %d: the op rank %d skipped: "
 			 "%s (%s)", rank, W - 1, ep_strerror(rc), ep_errmsg());
+		nan_out(&R);
 		s->again_us[rank] = fails_at_once(&R, EP_ETIMEDOUT);
 	}
 	tg_line_up(&s->arrive, &s->gen, W); /* the others are done */
@@ -218,6 +235,7 @@ static int hung_rank(int rank, void *arg)
 		s->late_rc = rc;
 		TH_CHECK(rc == EP_EFAILED, "the late rank's op: %s (%s)",
 			 ep_strerror(rc), ep_errmsg());
+		nan_out(&R);
 		s->again_us[rank] = fails_at_once(&R, EP_EFAILED);
 	}
 	tg_line_up(&s->arrive, &s->gen, W);
@@ -293,7 +311,8 @@ int main(void)
 	       "EP_EPEERLOST (timeout 20 s), later calls in %llu us; hung "
 	       "rank: the others' op ended in %llu ms with EP_ETIMEDOUT "
 	       "(timeout 2 s), later calls in %llu us, the late rank's op in "
-	       "%llu ms with EP_EFAILED; a new group ran 5 op pairs bitwise\n",
+	       "%llu ms with EP_EFAILED; every failed combine's output NaN; a "
+	       "new group ran 5 op pairs bitwise\n",
 	       (unsigned long long)kill_ms, (unsigned long long)kill_again,
 	       (unsigned long long)hang_ms,
 	       (unsigned long long)most(s->again_us, W),

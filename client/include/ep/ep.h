@@ -412,9 +412,11 @@ uint64_t ep_group_device_region(const ep_group_t *group, size_t *size);
  * mostly EP_EPEERLOST, seen by the waiting kernels at once, not at the
  * timeout), or a peer whose op failed (EP_EFAILED; the failure travels
  * on the flags, so every rank's kernels end within one op and none reads
- * rows placed out of step). From then on the kernels do nothing, and
- * ep_ll_error and every ep_ll_* launch return that error without
- * launching: join a new group. A rank with more than max_tokens: its call
+ * rows placed out of step). From then on ep_ll_error and every ep_ll_*
+ * call return that error; the kernels they still launch move no rows,
+ * report zero received rows and write NaN into a combine's out (a graph
+ * replayed in a loop must not take stale rows for a result): join a new
+ * group. A rank with more than max_tokens: its call
  * returns EP_ETOOBIG at once (it took part with no tokens, so that every
  * rank finishes) and every rank's ep_ll_error reports EP_ETOOBIG.
  */
