@@ -270,10 +270,13 @@ void ep_close(ep_conn_t *c)
 {
 	if (!c)
 		return;
+	/* The daemon removes this connection's ranks and releases their
+	 * groups, so work still queued for them ends; then they are unmapped
+	 * (group_free waits for it). */
+	close(c->fd);
 	struct list_node *it, *tmp;
 	LIST_FOREACH(it, tmp, &c->groups)
 	group_free(LIST_ENTRY(it, ep_group_t, node));
-	close(c->fd); /* the daemon removes this connection's ranks */
 	pthread_mutex_destroy(&c->mu);
 	pthread_mutex_destroy(&c->wmu);
 	free(c);

@@ -185,6 +185,16 @@ int ep__cuda_map(ep_group_t *g, int fd, uint64_t size)
 
 void ep__cuda_unmap(ep_group_t *g)
 {
+	/* This group's work may still be queued on the rank's streams
+	 * (stream-ordered ops, low-latency kernels waiting for peers): the
+	 * mappings and the control page go only once it is done, or the
+	 * context faults (and under MPS the GPU's other clients with it).
+	 * The daemon has released the group by now (LEAVE, or the closed
+	 * connection), so that work ends at once: its waits see the release. */
+	if ((g->dev_ptr && g->sent) || g->ll) {
+		if (!ep__use_ctx(g->cuda_device))
+			(void)ep__drv.cuCtxSynchronize();
+	}
 	ep__mreg_fini(g);
 	ep__ll_fini(g);
 	ep__graph_fini(g);

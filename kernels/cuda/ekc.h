@@ -35,6 +35,7 @@
 	X(cuCtxSetCurrent)                                                     \
 	X(cuCtxGetCurrent)                                                     \
 	X(cuCtxGetDevice)                                                      \
+	X(cuCtxSynchronize)                                                    \
 	X(cuMemGetAllocationGranularity)                                       \
 	X(cuMemCreate)                                                         \
 	X(cuMemRelease)                                                        \

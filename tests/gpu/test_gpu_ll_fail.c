@@ -14,6 +14,12 @@
  *          at once. Rank 3's late op then fails too (its peers' flags
  *          carry the poison mark): it never reports success on rows
  *          placed out of step.
+ *  leave   rank 0 launches a dispatch the others never join and leaves
+ *          at once, its kernel still waiting for their counts. ep_leave
+ *          returns promptly (the daemon releases the group, the kernel
+ *          sees it, then libep unmaps the regions) and rank 0's CUDA
+ *          context stays healthy (unmapping under the running kernel
+ *          would fault it); the others' next op fails with EP_EPEERLOST.
  *  after   the daemon serves on: a new group of four runs op pairs with
  *          results bitwise equal to the reference.
  *
@@ -243,6 +249,42 @@ static int hung_rank(int rank, void *arg)
 	return 0;
 }
 
+static int leave_rank(int rank, void *arg)
+{
+	struct shared *s = arg;
+	struct rank R = {.r = rank};
+	ep_conn_t *c;
+	join(&R, s, "llleave", 20000, &c);
+	bool go = first_ops(&R, s, 2);
+	tg_line_up(&s->arrive, &s->gen, W);
+	if (!go)
+		return 0;
+	if (rank == 0) {
+		struct ep_ll_recv rv;
+		TH_OK(ep_ll_dispatch(R.g, (void *)(uintptr_t)R.x,
+				     (const int64_t *)(uintptr_t)R.topk, T, 0,
+				     R.st, &rv));
+		uint64_t t0 = th_now_ns();
+		TH_OK(ep_leave(R.g));
+		s->took_ms[0] = (th_now_ns() - t0) / 1000000;
+		/* the kernel ended before its regions went: no fault */
+		CU(tg_drv.cuStreamSynchronize(R.st));
+		uint16_t back[T * H];
+		CU(tg_drv.cuMemcpyDtoH(back, R.x, sizeof(back)));
+		TH_CHECK(!memcmp(back, R.hx, sizeof(back)),
+			 "rank 0's memory after the leave");
+		ep_close(c);
+	}
+	tg_line_up(&s->arrive, &s->gen, W); /* rank 0 has left */
+	if (rank != 0) {
+		int rc = op_pair(&R, false);
+		TH_CHECK(rc == EP_EPEERLOST, "rank %d: the op after rank 0 "
+			 "left: %s (%s)", rank, ep_strerror(rc), ep_errmsg());
+		leave(&R, c);
+	}
+	return 0;
+}
+
 static int after_rank(int rank, void *arg)
 {
 	struct shared *s = arg;
@@ -303,6 +345,13 @@ int main(void)
 		 "for a timeout, not for its peers' marks",
 		 (unsigned long long)late_ms);
 
+	memset((void *)s->took_ms, 0, sizeof(s->took_ms));
+	th_spawn(p, W, leave_rank, s);
+	TH_CHECK(th_wait_all(p, W, 60) == 0, "a rank of the leave phase failed");
+	uint64_t leave_ms = s->took_ms[0];
+	TH_CHECK(leave_ms < 5000, "ep_leave with a kernel in flight took %llu "
+		 "ms (timeout 20 s)", (unsigned long long)leave_ms);
+
 	th_spawn(p, W, after_rank, s);
 	TH_CHECK(th_wait_all(p, W, 60) == 0, "the group after the failures");
 	TH_CHECK(th_daemon_alive(&d), "the daemon died");
@@ -311,11 +360,12 @@ int main(void)
 	       "EP_EPEERLOST (timeout 20 s), later calls in %llu us; hung "
 	       "rank: the others' op ended in %llu ms with EP_ETIMEDOUT "
 	       "(timeout 2 s), later calls in %llu us, the late rank's op in "
-	       "%llu ms with EP_EFAILED; every failed combine's output NaN; a "
-	       "new group ran 5 op pairs bitwise\n",
+	       "%llu ms with EP_EFAILED; every failed combine's output NaN; "
+	       "ep_leave with its kernel waiting took %llu ms, context "
+	       "healthy; a new group ran 5 op pairs bitwise\n",
 	       (unsigned long long)kill_ms, (unsigned long long)kill_again,
 	       (unsigned long long)hang_ms,
 	       (unsigned long long)most(s->again_us, W),
-	       (unsigned long long)late_ms);
+	       (unsigned long long)late_ms, (unsigned long long)leave_ms);
 	return 0;
 }
