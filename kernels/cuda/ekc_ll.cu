@@ -190,6 +190,20 @@ __device__ static bool ll_wait_tag(const struct ekc_ll_args &a,
 	}
 }
 
+// Every rank's flag p[s] at seq, by the block's first W threads (the
+// rest wait at the barrier): true in every thread once all came; false if
+// one did not (the rank is poisoned now) or the rank was poisoned already
+// (bad: nothing is waited for).
+__device__ static bool ll_wait_all(const struct ekc_ll_args &a,
+				   const uint64_t *p, uint32_t seq, uint64_t t0,
+				   bool bad)
+{
+	int ok = !bad;
+	for (uint32_t s = threadIdx.x; s < a.W && !bad; s += blockDim.x)
+		ok &= ll_wait_tag(a, p + s, seq, t0);
+	return __syncthreads_and(ok);
+}
+
 __device__ static inline uint8_t *ll_pub(const struct ekc_ll_args &a,
 					 uint32_t d, uint64_t off)
 {
@@ -412,10 +426,7 @@ __device__ static void ll_dispatch_recv(const struct ekc_ll_args &a,
 	const uint32_t *snap = ll_rows_tab(a);
 	const int32_t *tk = (const int32_t *)ll_pub(a, a.rank, a.L.tk[a.buf]);
 	const bool bad = ll_poisoned(a);
-	int ok = !bad;
-	for (uint32_t s = threadIdx.x; s < a.W && !bad; s += blockDim.x)
-		ok &= ll_wait_tag(a, done + s, seq, t0);
-	if (!__syncthreads_and(ok)) { // poisoned: nothing received
+	if (!ll_wait_all(a, done, seq, t0, bad)) { // poisoned: no rows
 		if (bad && blockIdx.x == 0 && threadIdx.x == 0)
 			ll_fail(a, EKC_LL_EPOISONED);
 		for (uint32_t j = threadIdx.x; j < a.El * a.W && blockIdx.x == 0;
@@ -610,12 +621,9 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 	// Every source's counts (this rank's own, from block 0, included):
 	// W threads spin on the sources' flags, the rest wait at the barrier.
 	const uint64_t *cflag = (const uint64_t *)ll_pub(a, a.rank, a.L.cflag);
-	int ok = !bad0;
-	for (uint32_t s = threadIdx.x; s < a.W && !bad0; s += blockDim.x)
-		ok &= ll_wait_tag(a, cflag + s, seq, t0);
 	// a failed wait (this rank now poisoned): no rows; the done flags
 	// below carry the mark
-	if (__syncthreads_and(ok))
+	if (ll_wait_all(a, cflag, seq, t0, bad0))
 		ll_dispatch_rows(a, seq, par, T, off);
 	ll_stamp(a, EKC_LL_TR_D_COPY);
 	if (ll_last_block(a, EKC_LL_PRIV_DCTR)) {
@@ -748,10 +756,7 @@ __device__ static void ll_combine_recv(const struct ekc_ll_args &a,
 {
 	const uint64_t *cdone = (const uint64_t *)ll_pub(a, a.rank, a.L.cdone);
 	const bool bad = ll_poisoned(a);
-	int ok = !bad;
-	for (uint32_t s = threadIdx.x; s < a.W && !bad; s += blockDim.x)
-		ok &= ll_wait_tag(a, cdone + s, seq, t0);
-	if (!__syncthreads_and(ok)) { // poisoned: no sum
+	if (!ll_wait_all(a, cdone, seq, t0, bad)) { // poisoned: no sum
 		if (bad && blockIdx.x == 0 && threadIdx.x == 0)
 			ll_fail(a, EKC_LL_EPOISONED);
 		ll_out_nan(a);
@@ -890,10 +895,7 @@ ekc_ll_combine_pull(const struct ekc_ll_args a)
 	for (uint32_t e = threadIdx.x; e < E; e += blockDim.x)
 		off[e] = min(__ldcg(ll_off(a) + e), WN);
 	const uint64_t *ready = (const uint64_t *)ll_pub(a, a.rank, a.L.cready);
-	int ok = !bad0;
-	for (uint32_t s = threadIdx.x; s < a.W && !bad0; s += blockDim.x)
-		ok &= ll_wait_tag(a, ready + s, seq, t0);
-	ok = __syncthreads_and(ok);
+	const bool ok = ll_wait_all(a, ready, seq, t0, bad0);
 	ll_fence(a);
 	ll_stamp(a, EKC_LL_TR_C_RECV);
 	const uint64_t rowb = (uint64_t)a.H * 2;

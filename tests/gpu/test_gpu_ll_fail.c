@@ -49,7 +49,6 @@ struct shared {
 	uint32_t arrive, gen; /* tg_line_up */
 	volatile int unsupported;
 	volatile uint64_t took_ms[W], again_us[W];
-	volatile int rc[W], late_rc;
 };
 
 struct rank {
@@ -180,6 +179,31 @@ static uint64_t fails_at_once(struct rank *R, int want)
 	return us;
 }
 
+/* The op that fails: it returns want (its time in took_ms), its combine
+ * output is NaN, and a later call fails at once (again_us). */
+static void failed_op(struct rank *R, struct shared *s, int want,
+		      const char *what)
+{
+	uint64_t t0 = th_now_ns();
+	int rc = op_pair(R, false);
+	s->took_ms[R->r] = (th_now_ns() - t0) / 1000000;
+	TH_CHECK(rc == want, "rank %d: %s: %s (%s)", R->r, what,
+		 ep_strerror(rc), ep_errmsg());
+	nan_out(R);
+	s->again_us[R->r] = fails_at_once(R, want);
+}
+
+/* A phase's start on every rank: join `name`, n op pairs checked, all
+ * ranks lined up. False: the mode is refused here (the test skips). */
+static bool phase(struct rank *R, struct shared *s, const char *name,
+		  uint32_t timeout_ms, int n, ep_conn_t **c)
+{
+	join(R, s, name, timeout_ms, c);
+	bool go = first_ops(R, s, n);
+	tg_line_up(&s->arrive, &s->gen, W);
+	return go;
+}
+
 static void leave(struct rank *R, ep_conn_t *c)
 {
 	CU(tg_drv.cuStreamSynchronize(R->st));
@@ -192,23 +216,13 @@ static int killed_rank(int rank, void *arg)
 	struct shared *s = arg;
 	struct rank R = {.r = rank};
 	ep_conn_t *c;
-	join(&R, s, "llkill", 20000, &c);
-	bool go = first_ops(&R, s, 3);
-	tg_line_up(&s->arrive, &s->gen, W);
-	if (!go)
+	if (!phase(&R, s, "llkill", 20000, 3, &c))
 		return 0;
 	if (rank == W - 1) { /* killed while the others' kernels wait */
 		th_sleep_ms(300);
 		raise(SIGKILL);
 	}
-	uint64_t t0 = th_now_ns();
-	int rc = op_pair(&R, false);
-	s->took_ms[rank] = (th_now_ns() - t0) / 1000000;
-	s->rc[rank] = rc;
-	TH_CHECK(rc == EP_EPEERLOST, "rank %d: the op after the kill: %s (%s)",
-		 rank, ep_strerror(rc), ep_errmsg());
-	nan_out(&R);
-	s->again_us[rank] = fails_at_once(&R, EP_EPEERLOST);
+	failed_op(&R, s, EP_EPEERLOST, "the op after the kill");
 	leave(&R, c);
 	return 0;
 }
@@ -218,32 +232,13 @@ static int hung_rank(int rank, void *arg)
 	struct shared *s = arg;
 	struct rank R = {.r = rank};
 	ep_conn_t *c;
-	join(&R, s, "llhang", 2000, &c);
-	bool go = first_ops(&R, s, 2);
-	tg_line_up(&s->arrive, &s->gen, W);
-	if (!go)
+	if (!phase(&R, s, "llhang", 2000, 2, &c))
 		return 0;
-	if (rank != W - 1) {
-		uint64_t t0 = th_now_ns();
-		int rc = op_pair(&R, false);
-		s->took_ms[rank] = (th_now_ns() - t0) / 1000000;
-		s->rc[rank] = rc;
-		TH_CHECK(rc == EP_ETIMEDOUT, "rank %d: the op rank %d skipped: "
-			 "%s (%s)", rank, W - 1, ep_strerror(rc), ep_errmsg());
-		nan_out(&R);
-		s->again_us[rank] = fails_at_once(&R, EP_ETIMEDOUT);
-	}
+	if (rank != W - 1)
+		failed_op(&R, s, EP_ETIMEDOUT, "the op the last rank skipped");
 	tg_line_up(&s->arrive, &s->gen, W); /* the others are done */
-	if (rank == W - 1) { /* late: the others' flags say they failed */
-		uint64_t t0 = th_now_ns();
-		int rc = op_pair(&R, false);
-		s->took_ms[rank] = (th_now_ns() - t0) / 1000000;
-		s->late_rc = rc;
-		TH_CHECK(rc == EP_EFAILED, "the late rank's op: %s (%s)",
-			 ep_strerror(rc), ep_errmsg());
-		nan_out(&R);
-		s->again_us[rank] = fails_at_once(&R, EP_EFAILED);
-	}
+	if (rank == W - 1) /* late: the others' flags say they failed */
+		failed_op(&R, s, EP_EFAILED, "the late rank's op");
 	tg_line_up(&s->arrive, &s->gen, W);
 	leave(&R, c);
 	return 0;
@@ -254,10 +249,7 @@ static int leave_rank(int rank, void *arg)
 	struct shared *s = arg;
 	struct rank R = {.r = rank};
 	ep_conn_t *c;
-	join(&R, s, "llleave", 20000, &c);
-	bool go = first_ops(&R, s, 2);
-	tg_line_up(&s->arrive, &s->gen, W);
-	if (!go)
+	if (!phase(&R, s, "llleave", 20000, 2, &c))
 		return 0;
 	if (rank == 0) {
 		struct ep_ll_recv rv;
