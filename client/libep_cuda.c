@@ -183,18 +183,34 @@ int ep__cuda_map(ep_group_t *g, int fd, uint64_t size)
 	return 0;
 }
 
+/* Has the daemon released the group (its error in this rank's slot)? It
+ * does so on a LEAVE before it replies, and when a connection closes: up
+ * to 2 s for that to land. */
+static bool released(const ep_group_t *g)
+{
+	for (int i = 0; i < 2000; i++) {
+		if (ep__ctl_error(g))
+			return true;
+		usleep(1000);
+	}
+	return false;
+}
+
 void ep__cuda_unmap(ep_group_t *g)
 {
 	/* This group's work may still be queued on the rank's streams
-	 * (stream-ordered ops, low-latency kernels waiting for peers): the
-	 * mappings and the control page go only once it is done, or the
-	 * context faults (and under MPS the GPU's other clients with it).
-	 * The daemon has released the group by now (LEAVE, or the closed
-	 * connection), so that work ends at once: its waits see the release. */
-	if ((g->dev_ptr && g->sent) || g->ll) {
-		if (!ep__use_ctx(g->cuda_device))
-			(void)ep__drv.cuCtxSynchronize();
-	}
+	 * (stream-ordered ops, low-latency kernels waiting for peers, a
+	 * graph's replay at its gate): the mappings and the control page go
+	 * only once it is done, or the context faults (and under MPS the
+	 * GPU's other clients with it). Once the daemon released the group,
+	 * every such wait ends at once (the release's far doorbells, the
+	 * low-latency kernels' released word, the graph watcher's gates), so
+	 * the wait for the context is short. Without the release (a daemon
+	 * that died) a stream wait would never end: no wait then, as
+	 * before. */
+	if (((g->dev_ptr && g->sent) || g->ll) && g->buf && released(g) &&
+	    !ep__use_ctx(g->cuda_device))
+		(void)ep__drv.cuCtxSynchronize();
 	ep__mreg_fini(g);
 	ep__ll_fini(g);
 	ep__graph_fini(g);
