@@ -36,7 +36,8 @@ struct ep_ll {
 	 * read before each launch without a copy */
 	volatile uint32_t *herr;
 	/* after a fatal error (EKC_LL_EFATAL, or the group failed): every
-	 * call returns it, and launches nothing */
+	 * call returns it (a refused op still runs its poisoned kernel:
+	 * ll_gate) */
 	int dead_rc;
 	bool poisoned; /* the device's poison word is set (the kernels', or
 			  ll_gate's after the group failed) */
