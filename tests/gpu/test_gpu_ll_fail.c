@@ -4,24 +4,24 @@
  * (sharing a GPU under MPS, or one per GPU). Each phase is a fresh set of
  * rank processes:
  *
- *  killed  rank 3 is SIGKILLed 300 ms after the others launched an op
- *          (their kernels wait for its counts). That op ends with
- *          EP_EPEERLOST (the daemon released the group and the waiting
- *          kernels saw it) well before the group's timeout (20 s), and
- *          their later calls return it at once, launching nothing.
- *  hung    rank 3 stays alive but skips an op. The others' op ends with
- *          EP_ETIMEDOUT after the timeout (2 s) and their later calls fail
- *          at once. Rank 3's late op then fails too (its peers' flags
- *          carry the poison mark): it never reports success on rows
- *          placed out of step.
+ *  killed  (zero-copy combines) rank 3 is SIGKILLed 300 ms after the
+ *          others launched an op (their kernels wait for its counts).
+ *          That op ends with EP_EPEERLOST (the daemon released the group
+ *          and the waiting kernels saw it) well before the group's
+ *          timeout (20 s), and their later calls return it at once.
+ *  hung    (receive hooks) rank 3 stays alive but skips an op. The
+ *          others' op ends with EP_ETIMEDOUT after the timeout (2 s) and
+ *          their later calls fail at once. Rank 3's late op then fails
+ *          too (its peers' flags carry the poison mark): it never reports
+ *          success on rows placed out of step.
  *  leave   rank 0 launches a dispatch the others never join and leaves
  *          at once, its kernel still waiting for their counts. ep_leave
  *          returns promptly (the daemon releases the group, the kernel
  *          sees it, then libep unmaps the regions) and rank 0's CUDA
  *          context stays healthy (unmapping under the running kernel
  *          would fault it); the others' next op fails with EP_EPEERLOST.
- *  after   the daemon serves on: a new group of four runs op pairs with
- *          results bitwise equal to the reference.
+ *  after   the daemon serves on: a new group of four runs op pairs, each
+ *          way twice, with results bitwise equal to the reference.
  *
  * Every failed op's combine output is NaN in every channel (not the last
  * op's rows).
@@ -51,9 +51,14 @@ struct shared {
 	volatile uint64_t took_ms[W], again_us[W];
 };
 
+/* How an op pair runs: one kernel per op, with receive hooks, or the
+ * combine zero-copy (the experts' rows copied where the homes read them). */
+enum { PUSH, HOOK, ZCOPY };
+
 struct rank {
 	ep_group_t *g;
 	CUstream st;
+	int mode;
 	CUdeviceptr x, topk, w, out;
 	uint16_t hx[T * H];
 	int r;
@@ -104,21 +109,46 @@ static void join(struct rank *R, struct shared *s, const char *name,
 	inputs(R);
 }
 
-/* One dispatch and combine; 0, or the first error. With check: out is
- * each token times 4, bitwise. */
+/* One dispatch and combine; 0, or the first error. Once the dispatch
+ * was taken, every step is called whatever the one before returned, as a
+ * graph replays it (the failed combine's NaN is what such a caller
+ * sees). With check: out is each token times 4, bitwise. */
+#define STEP(call)                                                             \
+	do {                                                                   \
+		int r_ = (call);                                               \
+		if (!rc)                                                       \
+			rc = r_;                                               \
+	} while (0)
+
 static int op_pair(struct rank *R, bool check)
 {
 	struct ep_ll_recv rv;
+	const unsigned hk = R->mode == HOOK ? EP_LL_HOOK : 0;
 	int rc = ep_ll_dispatch(R->g, (void *)(uintptr_t)R->x,
-				(const int64_t *)(uintptr_t)R->topk, T, 0,
+				(const int64_t *)(uintptr_t)R->topk, T, hk,
 				R->st, &rv);
-	if (!rc)
-		rc = ep_ll_combine(R->g, rv.buffer, rv.recv_x,
-				   (const float *)(uintptr_t)R->w,
-				   (void *)(uintptr_t)R->out, 0, R->st);
+	if (rc) /* no buffer to go on with */
+		return rc;
+	if (hk)
+		STEP(ep_ll_dispatch_hook(R->g, rv.buffer, R->st));
+	if (R->mode == ZCOPY) { /* the rows where the homes read them */
+		void *cx;
+		CU(tg_drv.cuStreamSynchronize(R->st));
+		TH_OK(ep_ll_combine_buffer(R->g, rv.buffer, &cx));
+		/* (the null stream's copy, landed: as tg_upload) */
+		CU(tg_drv.cuMemcpyDtoD(tg_dptr(cx), tg_dptr(rv.recv_x),
+				       (size_t)rv.local_experts * rv.max_recv *
+					       H * 2));
+		CU(tg_drv.cuStreamSynchronize(NULL));
+	}
+	STEP(ep_ll_combine(R->g, rv.buffer, R->mode == ZCOPY ? NULL : rv.recv_x,
+			   (const float *)(uintptr_t)R->w,
+			   (void *)(uintptr_t)R->out,
+			   R->mode == ZCOPY ? EP_LL_ZERO_COPY : hk, R->st));
+	if (hk)
+		STEP(ep_ll_combine_hook(R->g, rv.buffer, R->st));
 	CU(tg_drv.cuStreamSynchronize(R->st));
-	if (!rc)
-		rc = ep_ll_error(R->g);
+	STEP(ep_ll_error(R->g));
 	if (rc || !check)
 		return rc;
 	uint16_t got[T * H];
@@ -216,6 +246,7 @@ static int killed_rank(int rank, void *arg)
 	struct shared *s = arg;
 	struct rank R = {.r = rank};
 	ep_conn_t *c;
+	R.mode = ZCOPY;
 	if (!phase(&R, s, "llkill", 20000, 3, &c))
 		return 0;
 	if (rank == W - 1) { /* killed while the others' kernels wait */
@@ -232,6 +263,7 @@ static int hung_rank(int rank, void *arg)
 	struct shared *s = arg;
 	struct rank R = {.r = rank};
 	ep_conn_t *c;
+	R.mode = HOOK;
 	if (!phase(&R, s, "llhang", 2000, 2, &c))
 		return 0;
 	if (rank != W - 1)
@@ -283,7 +315,11 @@ static int after_rank(int rank, void *arg)
 	struct rank R = {.r = rank};
 	ep_conn_t *c;
 	join(&R, s, "llafter", 20000, &c);
-	(void)first_ops(&R, s, 5);
+	if (first_ops(&R, s, 1))
+		for (int i = 1; i <= 6; i++) { /* every way, bitwise */
+			R.mode = i % 3;
+			TH_OK(op_pair(&R, true));
+		}
 	leave(&R, c);
 	return 0;
 }
@@ -354,7 +390,8 @@ int main(void)
 	       "(timeout 2 s), later calls in %llu us, the late rank's op in "
 	       "%llu ms with EP_EFAILED; every failed combine's output NaN; "
 	       "ep_leave with its kernel waiting took %llu ms, context "
-	       "healthy; a new group ran 5 op pairs bitwise\n",
+	       "healthy; a new group ran 7 op pairs bitwise (plain, hooks, "
+	       "zero copy)\n",
 	       (unsigned long long)kill_ms, (unsigned long long)kill_again,
 	       (unsigned long long)hang_ms,
 	       (unsigned long long)most(s->again_us, W),
