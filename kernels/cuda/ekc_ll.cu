@@ -114,9 +114,12 @@ __device__ static inline void ll_fail(const struct ekc_ll_args &a, uint32_t bit)
 			     "r"(o | bit) : "memory");
 }
 
+// Is the rank poisoned? Called by every thread of the block (a barrier):
+// the same answer in each, even while another block sets the word.
 __device__ static inline bool ll_poisoned(const struct ekc_ll_args &a)
 {
-	return *(volatile uint32_t *)(ll_priv(a) + EKC_LL_PRIV_POISON) != 0;
+	return __syncthreads_or(
+		*(volatile uint32_t *)(ll_priv(a) + EKC_LL_PRIV_POISON) != 0);
 }
 
 // Flag seq into peer memory p, with the mark if this rank is poisoned.
