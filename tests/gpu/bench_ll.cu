@@ -652,8 +652,15 @@ static int check(rank_ctx &R, const cfg &c, uint64_t it, int check_combine)
 			}
 		}
 		for (uint32_t col = 0; col < H; col++)
-			if (got[(size_t)t * H + col] != f2bf(acc[col]))
+			if (got[(size_t)t * H + col] != f2bf(acc[col])) {
+				// what differs: zeros or stale rows point at the
+				// inputs, a shifted value at the places
+				fprintf(stderr, "rank %d: token %u channel %u: "
+						"0x%04x, want 0x%04x\n",
+					g_rank, t, col, got[(size_t)t * H + col],
+					f2bf(acc[col]));
 				return bad(c.name, it, "combined row");
+			}
 	}
 	return 0;
 }
