@@ -406,9 +406,9 @@ uint64_t ep_group_device_region(const ep_group_t *group, size_t *size);
  * Errors (a peer that never came within the group's timeout, a bad expert
  * index, too many tokens) are bits the kernels raise on the device; the
  * ops never trap or hang. ep_ll_error reads them (synchronize the stream
- * first) and clears them. A failed wait is fatal to the group's
- * low-latency mode: a peer that did not come within the timeout
- * (EP_ETIMEDOUT), the group's failure (a rank left or died: its code,
+ * first) and clears them, except a fatal one. A failed wait is fatal to
+ * the group's low-latency mode: a peer that did not come within the
+ * timeout (EP_ETIMEDOUT), the group's failure (a rank left or died: its code,
  * mostly EP_EPEERLOST, seen by the waiting kernels at once, not at the
  * timeout), or a peer whose op failed (EP_EFAILED; the failure travels
  * on the flags, so every rank's kernels end within one op and none reads
@@ -416,9 +416,9 @@ uint64_t ep_group_device_region(const ep_group_t *group, size_t *size);
  * call return that error; the kernels they still launch move no rows,
  * report zero received rows and write NaN into a combine's out (a graph
  * replayed in a loop must not take stale rows for a result): join a new
- * group. A rank with more than max_tokens: its call
- * returns EP_ETOOBIG at once (it took part with no tokens, so that every
- * rank finishes) and every rank's ep_ll_error reports EP_ETOOBIG.
+ * group. A rank with more than max_tokens: its call returns EP_ETOOBIG at
+ * once (it took part with no tokens, so that every rank finishes) and
+ * every rank's ep_ll_error reports EP_ETOOBIG.
  */
 #define EP_LL_HOOK 0x1      /* the receive half is left to *_hook */
 #define EP_LL_ZERO_COPY 0x2 /* combine: rows already in the combine buffer */
