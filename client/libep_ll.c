@@ -37,7 +37,7 @@ struct ep_ll {
 	volatile uint32_t *herr;
 	/* after a fatal error (EKC_LL_EFATAL, or the group failed): every
 	 * call returns it (a refused op still runs its poisoned kernel:
-	 * ll_gate) */
+	 * ll_launch) */
 	int dead_rc;
 	bool poisoned; /* the device's poison word is set (the kernels', or
 			  ll_gate's after the group failed) */
@@ -56,10 +56,8 @@ static void ll_free(struct ep_ll *l)
 		if (l->ph[d])
 			ep__drv.cuMemRelease(l->ph[d]);
 	}
-	if (l->herr) {
-		ep__drv.cuMemHostUnregister((void *)l->herr);
-		free((void *)l->herr);
-	}
+	if (l->herr)
+		ep__drv.cuMemFreeHost((void *)l->herr);
 	if (l->priv)
 		ep__drv.cuMemFree(l->priv);
 	if (l->outs)
@@ -210,25 +208,19 @@ static int ll_setup(ep_group_t *g)
 	}
 	CUdeviceptr herr = 0;
 	if (!rc) {
-		void *h = aligned_alloc(4096, 4096);
-		if (!h) {
-			rc = ep__fail(EP_ENOMEM, "out of memory");
-		} else {
-			memset(h, 0, 4096);
-			r = ep__drv.cuMemHostRegister(
-				h, 4096,
-				CU_MEMHOSTREGISTER_DEVICEMAP |
-					CU_MEMHOSTREGISTER_PORTABLE);
-			if (r) {
-				free(h);
-			} else {
-				l->herr = h;
-				r = ep__drv.cuMemHostGetDevicePointer(&herr, h, 0);
-			}
-			if (r)
-				rc = ep__cufail(r, "mapping the low-latency "
-						   "error word for the GPU");
-		}
+		r = ep__drv.cuMemHostAlloc((void **)&l->herr, sizeof(*l->herr),
+					   CU_MEMHOSTALLOC_DEVICEMAP |
+						   CU_MEMHOSTALLOC_PORTABLE);
+		if (r)
+			l->herr = NULL;
+		else
+			r = ep__drv.cuMemHostGetDevicePointer(
+				&herr, (void *)l->herr, 0);
+		if (r)
+			rc = ep__cufail(r, "mapping the low-latency error word "
+					   "for the GPU");
+		else
+			*l->herr = 0;
 	}
 	if (rc) {
 		ll_free(l);
@@ -272,9 +264,16 @@ static struct ekc_ll_args ll_args(const struct ep_ll *l, uint32_t b,
 	return a;
 }
 
-static int ll_launch(const struct ep_ll *l, int fn, struct ekc_ll_args *a,
+/* Kernel fn of one op, after ll_gate: where the mode is over, the error
+ * it kept (the kernel, poisoned, then only marks its flags; not launched
+ * where the poison could not be set). */
+static int ll_launch(ep_group_t *g, int fn, struct ekc_ll_args *a,
 		     uint32_t *with_recv, void *stream)
 {
+	const struct ep_ll *l = g->ll;
+	const int dead = ll_gate(g, stream);
+	if (dead && !l->poisoned)
+		return dead;
 	void *params[2] = {a, with_recv};
 	CUresult r;
 	if (l->pdl) {
@@ -295,6 +294,8 @@ static int ll_launch(const struct ep_ll *l, int fn, struct ekc_ll_args *a,
 					   1, 0, (CUstream)stream, params,
 					   NULL);
 	}
+	if (dead)
+		return ep__fail(dead, "%s", l->dead_msg);
 	return r ? ep__cufail(r, "launching a low-latency kernel") : 0;
 }
 
@@ -315,9 +316,6 @@ int ep_ll_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 	int rc = ll_setup(g);
 	if (rc)
 		return rc;
-	const int dead = ll_gate(g, stream);
-	if (dead && !g->ll->poisoned) /* not launched */
-		return dead;
 	struct ep_ll *l = g->ll;
 	uint32_t fp8 = 0;
 	if (flags & EP_LL_FP8) {
@@ -342,9 +340,7 @@ int ep_ll_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 	a.topk = (uint64_t)(uintptr_t)topk_idx;
 	a.fp8 = fp8;
 	uint32_t with_recv = !(flags & EP_LL_HOOK);
-	rc = ll_launch(l, EP__FN_LL_DISPATCH, &a, &with_recv, stream);
-	if (dead) /* the kernel only marked its flags (ll_gate) */
-		return ep__fail(dead, "%s", l->dead_msg);
+	rc = ll_launch(g, EP__FN_LL_DISPATCH, &a, &with_recv, stream);
 	if (rc)
 		return rc;
 	l->next = b ^ 1;
@@ -384,12 +380,8 @@ int ep_ll_dispatch_hook(ep_group_t *g, uint32_t b, void *stream)
 	int rc = ll_buffer(g, b);
 	if (rc)
 		return rc;
-	const int dead = ll_gate(g, stream);
-	if (dead && !g->ll->poisoned) /* not launched */
-		return dead;
 	struct ekc_ll_args a = ll_args(g->ll, b, g->ll->T[b]);
-	rc = ll_launch(g->ll, EP__FN_LL_DISPATCH_RECV, &a, NULL, stream);
-	return dead ? ep__fail(dead, "%s", g->ll->dead_msg) : rc;
+	return ll_launch(g, EP__FN_LL_DISPATCH_RECV, &a, NULL, stream);
 }
 
 int ep_ll_combine(ep_group_t *g, uint32_t b, const void *expert_out,
@@ -399,9 +391,6 @@ int ep_ll_combine(ep_group_t *g, uint32_t b, const void *expert_out,
 	int rc = ll_buffer(g, b);
 	if (rc)
 		return rc;
-	const int dead = ll_gate(g, stream);
-	if (dead && !g->ll->poisoned) /* not launched */
-		return dead;
 	struct ep_ll *l = g->ll;
 	const unsigned known = EP_LL_HOOK | EP_LL_ZERO_COPY;
 	if (flags & ~known)
@@ -419,17 +408,12 @@ int ep_ll_combine(ep_group_t *g, uint32_t b, const void *expert_out,
 	a.weights = (uint64_t)(uintptr_t)weights;
 	a.out = (uint64_t)(uintptr_t)out;
 	a.ex = (uint64_t)(uintptr_t)expert_out;
+	if (flags & EP_LL_ZERO_COPY)
+		return ll_launch(g, EP__FN_LL_COMBINE_PULL, &a, NULL, stream);
 	uint32_t with_recv = !(flags & EP_LL_HOOK);
-	if (flags & EP_LL_ZERO_COPY) {
-		rc = ll_launch(l, EP__FN_LL_COMBINE_PULL, &a, NULL, stream);
-	} else {
-		l->hw[b] = a.weights;
-		l->hout[b] = a.out;
-		rc = ll_launch(l, EP__FN_LL_COMBINE, &a, &with_recv, stream);
-	}
-	if (dead) /* the kernel only marked its flags (ll_gate) */
-		return ep__fail(dead, "%s", l->dead_msg);
-	return rc;
+	l->hw[b] = a.weights;
+	l->hout[b] = a.out;
+	return ll_launch(g, EP__FN_LL_COMBINE, &a, &with_recv, stream);
 }
 
 int ep_ll_combine_hook(ep_group_t *g, uint32_t b, void *stream)
@@ -437,16 +421,12 @@ int ep_ll_combine_hook(ep_group_t *g, uint32_t b, void *stream)
 	int rc = ll_buffer(g, b);
 	if (rc)
 		return rc;
-	const int dead = ll_gate(g, stream);
-	if (dead && !g->ll->poisoned) /* not launched */
-		return dead;
 	/* the weights and out of the combine it completes */
 	struct ep_ll *l = g->ll;
 	struct ekc_ll_args a = ll_args(l, b, l->T[b]);
 	a.weights = l->hw[b];
 	a.out = l->hout[b];
-	rc = ll_launch(l, EP__FN_LL_COMBINE_RECV, &a, NULL, stream);
-	return dead ? ep__fail(dead, "%s", l->dead_msg) : rc;
+	return ll_launch(g, EP__FN_LL_COMBINE_RECV, &a, NULL, stream);
 }
 
 int ep_ll_combine_buffer(ep_group_t *g, uint32_t b, void **rows)
@@ -544,9 +524,9 @@ int ep_ll_error(ep_group_t *g)
 
 /* Before a launch: a fatal error the kernels mirrored to the host, or the
  * group's failure, ends the mode here; the caller gets it. Other errors
- * wait for ep_ll_error. The refused op still runs its kernel (where the
- * error is fatal; the caller launches when l->poisoned), with the
- * device's poison word set first (on the stream, so a capture records
+ * wait for ep_ll_error. The refused op still runs its kernel (ll_launch,
+ * where the error is fatal and l->poisoned), with the device's poison
+ * word set first (on the stream, so a capture records
  * it): that kernel writes no counts and no rows, only its flags with the
  * mark (a peer still waiting for this rank ends at once, not at its
  * timeout), zero counts for a receive and NaN for a combine's output (a

@@ -122,12 +122,6 @@ __device__ static inline bool ll_poisoned(const struct ekc_ll_args &a)
 		*(volatile uint32_t *)(ll_priv(a) + EKC_LL_PRIV_POISON) != 0);
 }
 
-// Flag seq into peer memory p, with the mark if this rank is poisoned.
-__device__ static inline void ll_flag(const struct ekc_ll_args &a, uint64_t *p,
-				      uint32_t seq, bool bad)
-{
-	ll_st64(a, p, (bad ? (uint64_t)EKC_LL_MARK << 32 : 0) | seq);
-}
 
 // Raised by the daemon (host memory) when the group failed: a rank left.
 __device__ static inline bool ll_released(const struct ekc_ll_args &a)
@@ -211,6 +205,16 @@ __device__ static inline uint8_t *ll_pub(const struct ekc_ll_args &a,
 					 uint32_t d, uint64_t off)
 {
 	return (uint8_t *)a.peer[d] + off;
+}
+
+// This rank's flag at seq in every rank's array of flags at off (the
+// block's threads, one rank each), with the mark if bad (poisoned).
+__device__ static inline void ll_post(const struct ekc_ll_args &a,
+				      uint64_t off, uint32_t seq, bool bad)
+{
+	const uint64_t v = (bad ? (uint64_t)EKC_LL_MARK << 32 : 0) | seq;
+	for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
+		ll_st64(a, (uint64_t *)ll_pub(a, d, off) + a.rank, v);
 }
 
 // The calling block's arrival at the grid's counter; true in the last
@@ -412,8 +416,7 @@ __device__ static void ll_plan(const struct ekc_ll_args &a, uint32_t T,
 	// then one flag per destination: its W flags are all it waits on
 	ll_fence(a);
 	__syncthreads();
-	for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
-		ll_st64(a, (uint64_t *)ll_pub(a, d, a.L.cflag) + a.rank, seq);
+	ll_post(a, a.L.cflag, seq, false);
 }
 
 // The receive side of dispatch seq (buffer a.buf), by every block of the
@@ -616,9 +619,7 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 	if (blockIdx.x == 0 && bad0) {
 		if (threadIdx.x == 0)
 			ll_fail(a, EKC_LL_EPOISONED);
-		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
-			ll_flag(a, (uint64_t *)ll_pub(a, d, a.L.cflag) + a.rank,
-				seq, true);
+		ll_post(a, a.L.cflag, seq, true);
 	}
 	ll_stamp(a, EKC_LL_TR_D_PLAN);
 	// Every source's counts (this rank's own, from block 0, included):
@@ -630,10 +631,7 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 		ll_dispatch_rows(a, seq, par, T, off);
 	ll_stamp(a, EKC_LL_TR_D_COPY);
 	if (ll_last_block(a, EKC_LL_PRIV_DCTR)) {
-		const bool bad = ll_poisoned(a);
-		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
-			ll_flag(a, (uint64_t *)ll_pub(a, d, a.L.done) + a.rank,
-				seq, bad);
+		ll_post(a, a.L.done, seq, ll_poisoned(a));
 		if (threadIdx.x == 0) {
 			pv[EKC_LL_PRIV_DSEQ] = seq;
 			if (a.trace)
@@ -846,10 +844,7 @@ ekc_ll_combine(const struct ekc_ll_args a, uint32_t with_recv)
 	}
 	ll_stamp(a, EKC_LL_TR_C_COPY);
 	if (ll_last_block(a, EKC_LL_PRIV_CCTR)) {
-		const bool bad = ll_poisoned(a);
-		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
-			ll_flag(a, (uint64_t *)ll_pub(a, d, a.L.cdone) + a.rank,
-				seq, bad);
+		ll_post(a, a.L.cdone, seq, ll_poisoned(a));
 		if (threadIdx.x == 0) {
 			pv[EKC_LL_PRIV_CSEQ] = seq;
 			if (a.trace)
@@ -891,9 +886,7 @@ ekc_ll_combine_pull(const struct ekc_ll_args a)
 		ll_fence(a);
 		if (bad0 && threadIdx.x == 0)
 			ll_fail(a, EKC_LL_EPOISONED);
-		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
-			ll_flag(a, (uint64_t *)ll_pub(a, d, a.L.cready) + a.rank,
-				seq, bad0);
+		ll_post(a, a.L.cready, seq, bad0);
 	}
 	for (uint32_t e = threadIdx.x; e < E; e += blockDim.x)
 		off[e] = min(__ldcg(ll_off(a) + e), WN);

@@ -335,6 +335,36 @@ int th_maps(pid_t pid, const char *match)
 	return n;
 }
 
+struct th_capture th_stderr_capture(void)
+{
+	char path[] = "/tmp/th-stderr.XXXXXX";
+	struct th_capture c;
+	c.fd = mkstemp(path);
+	TH_CHECK(c.fd >= 0, "mkstemp");
+	unlink(path);
+	fflush(stderr);
+	c.saved = dup(2);
+	TH_CHECK(c.saved >= 0 && dup2(c.fd, 2) == 2, "redirecting stderr");
+	return c;
+}
+
+size_t th_stderr_collect(struct th_capture c, char *buf, size_t cap)
+{
+	fflush(stderr);
+	dup2(c.saved, 2);
+	close(c.saved);
+	size_t n = 0;
+	ssize_t r = 1;
+	while (n + 1 < cap && r > 0) {
+		r = pread(c.fd, buf + n, cap - 1 - n, (off_t)n);
+		if (r > 0)
+			n += (size_t)r;
+	}
+	buf[n] = 0;
+	close(c.fd);
+	return n;
+}
+
 void *th_shared(size_t size)
 {
 	void *p = mmap(NULL, size, PROT_READ | PROT_WRITE,

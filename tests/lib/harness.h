@@ -91,6 +91,15 @@ int th_maps(pid_t pid, const char *match);
 /* Shared anonymous memory visible to forked ranks. */
 void *th_shared(size_t size);
 
+/* Everything written to stderr from th_stderr_capture() on goes to a
+ * temporary file; th_stderr_collect() puts stderr back and returns what
+ * was written (up to cap - 1 bytes, NUL-terminated in buf): its length. */
+struct th_capture {
+	int saved, fd;
+};
+struct th_capture th_stderr_capture(void);
+size_t th_stderr_collect(struct th_capture c, char *buf, size_t cap);
+
 /* Fork n children running fn(i, arg); exit status of fn is the child's. */
 typedef int (*th_child_fn)(int i, void *arg);
 void th_spawn(pid_t *pids, int n, th_child_fn fn, void *arg);

@@ -28,13 +28,7 @@ static void want(const char *line, const char *group, const char *node,
  * length, the text in buf. */
 static size_t logged(bool journal, const char *msg, char *buf, size_t cap)
 {
-	char path[] = "/tmp/epd-log.XXXXXX";
-	int fd = mkstemp(path);
-	TH_CHECK(fd >= 0, "mkstemp");
-	fflush(stderr);
-	int saved = dup(2);
-	dup2(fd, 2);
-	close(fd);
+	struct th_capture c = th_stderr_capture();
 	if (journal) {
 		struct stat st;
 		fstat(2, &st);
@@ -47,16 +41,7 @@ static size_t logged(bool journal, const char *msg, char *buf, size_t cap)
 	}
 	epd_log_init();
 	epd_log(EPD_LOG_WARN, "%s", msg);
-	fflush(stderr);
-	dup2(saved, 2);
-	close(saved);
-	FILE *f = fopen(path, "r");
-	TH_CHECK(f, "fopen");
-	size_t n = fread(buf, 1, cap - 1, f);
-	buf[n] = 0;
-	fclose(f);
-	unlink(path);
-	return n;
+	return th_stderr_collect(c, buf, cap);
 }
 
 int main(void)

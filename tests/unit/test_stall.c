@@ -26,12 +26,7 @@ static void quit(uv_timer_t *t)
 int main(void)
 {
 	th_init("test_stall", 30);
-	char path[] = "/tmp/epd-stall.XXXXXX";
-	int fd = mkstemp(path);
-	TH_CHECK(fd >= 0, "mkstemp");
-	fflush(stderr);
-	int saved = dup(2);
-	dup2(fd, 2);
+	struct th_capture cap = th_stderr_capture();
 	uv_loop_t *loop = uv_default_loop();
 	TH_CHECK(epd_stall_start(loop, 200) == 0, "start");
 	uint64_t n, longest;
@@ -52,16 +47,11 @@ int main(void)
 	epd_stall_stop();
 	uv_close((uv_handle_t *)&t, NULL);
 	uv_run(loop, UV_RUN_DEFAULT);
-	fflush(stderr);
-	dup2(saved, 2);
+	char log[4096];
+	ssize_t r = (ssize_t)th_stderr_collect(cap, log, sizeof(log));
 	TH_CHECK(n == 1, "%llu stalls counted, not 1", (unsigned long long)n);
 	TH_CHECK(longest >= 600 && longest < 1000, "longest stall %llu ms",
 		 (unsigned long long)longest);
-	char log[4096] = {0};
-	lseek(fd, 0, SEEK_SET);
-	ssize_t r = read(fd, log, sizeof(log) - 1);
-	close(fd);
-	unlink(path);
 	TH_CHECK(r > 0, "nothing logged");
 	TH_CHECK(strstr(log, "a test's blocking callback (group gstall)"),
 		 "the stall's mark not named: %s", log);
