@@ -257,8 +257,9 @@ int ep_connect(const char *path, ep_conn_t **out)
 	return 0;
 }
 
-static void group_free(ep_group_t *g)
+void ep__group_free(ep_group_t *g)
 {
+	ep__llh_fini(g);
 	ep__cuda_unmap(g);
 	if (g->buf && g->buf != MAP_FAILED)
 		munmap(g->buf, g->buf_size);
@@ -276,7 +277,7 @@ void ep_close(ep_conn_t *c)
 	close(c->fd);
 	struct list_node *it, *tmp;
 	LIST_FOREACH(it, tmp, &c->groups)
-	group_free(LIST_ENTRY(it, ep_group_t, node));
+	ep__group_free(LIST_ENTRY(it, ep_group_t, node));
 	pthread_mutex_destroy(&c->mu);
 	pthread_mutex_destroy(&c->wmu);
 	free(c);
@@ -405,10 +406,11 @@ int ep_leave(ep_group_t *g)
 	ep_conn_t *c = g->conn;
 	uint8_t buf[8];
 	put_gid(buf, g->id);
+	ep__llh_leave(g); /* the low-latency mode's pseudo group first */
 	pthread_mutex_lock(&c->mu);
 	int rc = ep__rpc(c, EPP_LEAVE, 0, buf, 8, NULL, NULL, NULL, 0,
 			 CLIENT_MARGIN_MS);
-	group_free(g);
+	ep__group_free(g);
 	pthread_mutex_unlock(&c->mu);
 	/* The daemon also drops the rank when the connection is gone. */
 	return rc == EP_ECONNRESET || rc == EP_ESHUTDOWN ? 0 : rc;

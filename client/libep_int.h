@@ -66,6 +66,7 @@ struct ep_group {
 	bool last_cached;       /* and whether it was a cached one */
 	struct ep_graphs *gr;   /* ops captured into CUDA graphs (libep_graph.c) */
 	struct ep_ll *ll;       /* the low-latency mode (libep_ll.c) */
+	struct ep_llh *llh;     /* and a host rank's (libep_llhost.c) */
 	struct list_node mregs; /* registered memory (libep_mreg.c) */
 };
 
@@ -140,6 +141,35 @@ int ep__copies_check(const struct ep_copy *c, unsigned n, unsigned *todo);
 /* A GPU rank's buffers follow the control words in its region. */
 #define EP__DEV_DATA 4096u
 uint64_t ep__ctl_completed(const ep_group_t *g);
+
+/* Unmap and free a group's handle (no message to the daemon). */
+void ep__group_free(ep_group_t *g);
+/* The low-latency mode: libep_llhost.c has the ep_ll_* calls, which
+ * check their arguments and go on to a host rank's way (ep__llh_*, there)
+ * or a GPU rank's (ep__llg_*: libep_ll.c, or EP_EUNSUPPORTED in a build
+ * without CUDA). fp8: 0 or EK_LL_FP8* (kernels/ek.h). */
+bool ep__llh_is(const ep_group_t *g);
+int ep__llh_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
+		     uint32_t num_tokens, int fp8, struct ep_ll_recv *out);
+int ep__llh_dispatch_hook(ep_group_t *g, uint32_t buffer);
+int ep__llh_combine(ep_group_t *g, uint32_t buffer, const void *expert_out,
+		    const float *weights, void *out, unsigned flags);
+int ep__llh_combine_hook(ep_group_t *g, uint32_t buffer);
+int ep__llh_combine_buffer(ep_group_t *g, uint32_t buffer, void **rows);
+int ep__llh_error(ep_group_t *g);
+int ep__llg_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
+		     uint32_t num_tokens, unsigned flags, int fp8, void *stream,
+		     struct ep_ll_recv *out);
+int ep__llg_dispatch_hook(ep_group_t *g, uint32_t buffer, void *stream);
+int ep__llg_combine(ep_group_t *g, uint32_t buffer, const void *expert_out,
+		    const float *weights, void *out, unsigned flags,
+		    void *stream);
+int ep__llg_combine_hook(ep_group_t *g, uint32_t buffer, void *stream);
+int ep__llg_combine_buffer(ep_group_t *g, uint32_t buffer, void **rows);
+int ep__llg_error(ep_group_t *g);
+/* ep_leave: leave the pseudo group first; group free: free it all. */
+void ep__llh_leave(ep_group_t *g);
+void ep__llh_fini(ep_group_t *g);
 
 int ep__fail(int code, const char *fmt, ...)
 	__attribute__((format(printf, 2, 3)));

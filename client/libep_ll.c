@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * libep's low-latency mode (ep.h): the kernels of kernels/cuda/ekc_ll.cu
- * on the caller's stream. At the first call the rank asks the daemon for
+ * libep's low-latency mode (ep.h) of GPU ranks (host ranks':
+ * libep_llhost.c): the kernels of kernels/cuda/ekc_ll.cu on the caller's
+ * stream. At the first call the rank asks the daemon for
  * every local rank's low-latency region (LL_MAP, one descriptor each),
  * maps them, and makes its private words and its outputs; each op after
  * that is one or two kernel launches and no message. The two buffers
@@ -10,6 +11,8 @@
  * CUDA graphs replay correctly.
  */
 #include "libep_cuda_int.h"
+
+#include "ek.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -45,6 +48,11 @@ struct ep_ll {
 };
 
 static int ll_gate(ep_group_t *g, void *stream);
+
+/* ep_ll_dispatch's cast modes (ek.h) are the kernels' */
+_Static_assert(EK_LL_FP8 == EKC_LL_FP8 && EK_LL_FP8_ROUND == EKC_LL_FP8_ROUND &&
+		       EK_LL_FP8_UE8M0 == EKC_LL_FP8_UE8M0,
+	       "the fp8 modes of ek.h and ekc.h");
 
 static void ll_free(struct ep_ll *l)
 {
@@ -299,46 +307,21 @@ static int ll_launch(ep_group_t *g, int fn, struct ekc_ll_args *a,
 	return r ? ep__cufail(r, "launching a low-latency kernel") : 0;
 }
 
-int ep_ll_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
-		   uint32_t num_tokens, unsigned flags, void *stream,
-		   struct ep_ll_recv *out)
+int ep__llg_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
+		     uint32_t num_tokens, unsigned flags, int fp8, void *stream,
+		     struct ep_ll_recv *out)
 {
-	if (!g || !out || (num_tokens && (!x || !topk_idx)))
-		return ep__fail(EP_EINVAL, "NULL argument");
-	const unsigned known = EP_LL_HOOK | EP_LL_FP8 | EP_LL_ROUND_SCALE |
-			       EP_LL_UE8M0;
-	if (flags & ~known)
-		return ep__fail(EP_EINVAL, "unknown dispatch flags 0x%x",
-				flags & ~known);
-	if ((flags & (EP_LL_ROUND_SCALE | EP_LL_UE8M0)) && !(flags & EP_LL_FP8))
-		return ep__fail(EP_EINVAL, "EP_LL_ROUND_SCALE and EP_LL_UE8M0 "
-					   "need EP_LL_FP8");
 	int rc = ll_setup(g);
 	if (rc)
 		return rc;
 	struct ep_ll *l = g->ll;
-	uint32_t fp8 = 0;
-	if (flags & EP_LL_FP8) {
-		const uint32_t m = flags & EP_LL_UE8M0 ? 512 : 128;
-		if (l->H % m)
-			return ep__fail(EP_ESHAPE, "a fp8 low-latency dispatch "
-						   "%sneeds hidden a multiple "
-						   "of %u (this group's is %u)",
-					flags & EP_LL_UE8M0 ? "with UE8M0 "
-							    "scales "
-							  : "",
-					m, l->H);
-		fp8 = flags & EP_LL_UE8M0	   ? EKC_LL_FP8_UE8M0
-		      : flags & EP_LL_ROUND_SCALE ? EKC_LL_FP8_ROUND
-						  : EKC_LL_FP8;
-	}
 	const uint32_t b = l->next;
 	/* More tokens than the group's maximum: the kernel takes part with
 	 * none (every rank finishes) and raises ETOOBIG here. */
 	struct ekc_ll_args a = ll_args(l, b, num_tokens);
 	a.x = (uint64_t)(uintptr_t)x;
 	a.topk = (uint64_t)(uintptr_t)topk_idx;
-	a.fp8 = fp8;
+	a.fp8 = (uint32_t)fp8;
 	uint32_t with_recv = !(flags & EP_LL_HOOK);
 	rc = ll_launch(g, EP__FN_LL_DISPATCH, &a, &with_recv, stream);
 	if (rc)
@@ -366,8 +349,6 @@ int ep_ll_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 
 static int ll_buffer(ep_group_t *g, uint32_t b)
 {
-	if (!g)
-		return ep__fail(EP_EINVAL, "NULL argument");
 	if (!g->ll || b > 1 || !g->ll->used[b])
 		return ep__fail(EP_EINVAL, "buffer %u has no low-latency "
 					   "dispatch",
@@ -375,7 +356,7 @@ static int ll_buffer(ep_group_t *g, uint32_t b)
 	return 0;
 }
 
-int ep_ll_dispatch_hook(ep_group_t *g, uint32_t b, void *stream)
+int ep__llg_dispatch_hook(ep_group_t *g, uint32_t b, void *stream)
 {
 	int rc = ll_buffer(g, b);
 	if (rc)
@@ -384,21 +365,14 @@ int ep_ll_dispatch_hook(ep_group_t *g, uint32_t b, void *stream)
 	return ll_launch(g, EP__FN_LL_DISPATCH_RECV, &a, NULL, stream);
 }
 
-int ep_ll_combine(ep_group_t *g, uint32_t b, const void *expert_out,
-		  const float *weights, void *out, unsigned flags,
-		  void *stream)
+int ep__llg_combine(ep_group_t *g, uint32_t b, const void *expert_out,
+		    const float *weights, void *out, unsigned flags,
+		    void *stream)
 {
 	int rc = ll_buffer(g, b);
 	if (rc)
 		return rc;
 	struct ep_ll *l = g->ll;
-	const unsigned known = EP_LL_HOOK | EP_LL_ZERO_COPY;
-	if (flags & ~known)
-		return ep__fail(EP_EINVAL, "unknown combine flags 0x%x",
-				flags & ~known);
-	if ((flags & EP_LL_ZERO_COPY) && (flags & EP_LL_HOOK))
-		return ep__fail(EP_EINVAL, "a zero-copy combine reads in place: "
-					   "it has no hook");
 	if (l->T[b] && (!weights || !out))
 		return ep__fail(EP_EINVAL, "weights and out are required");
 	if (!(flags & EP_LL_ZERO_COPY) && !expert_out)
@@ -416,7 +390,7 @@ int ep_ll_combine(ep_group_t *g, uint32_t b, const void *expert_out,
 	return ll_launch(g, EP__FN_LL_COMBINE, &a, &with_recv, stream);
 }
 
-int ep_ll_combine_hook(ep_group_t *g, uint32_t b, void *stream)
+int ep__llg_combine_hook(ep_group_t *g, uint32_t b, void *stream)
 {
 	int rc = ll_buffer(g, b);
 	if (rc)
@@ -429,10 +403,8 @@ int ep_ll_combine_hook(ep_group_t *g, uint32_t b, void *stream)
 	return ll_launch(g, EP__FN_LL_COMBINE_RECV, &a, NULL, stream);
 }
 
-int ep_ll_combine_buffer(ep_group_t *g, uint32_t b, void **rows)
+int ep__llg_combine_buffer(ep_group_t *g, uint32_t b, void **rows)
 {
-	if (!g || !rows || b > 1)
-		return ep__fail(EP_EINVAL, "bad argument");
 	int rc = ll_setup(g);
 	if (rc)
 		return rc;
@@ -497,10 +469,8 @@ static int ll_die(struct ep_ll *l, int rc, bool poisoned)
 	return ep__fail(rc, "%s", l->dead_msg);
 }
 
-int ep_ll_error(ep_group_t *g)
+int ep__llg_error(ep_group_t *g)
 {
-	if (!g)
-		return ep__fail(EP_EINVAL, "NULL argument");
 	struct ep_ll *l = g->ll;
 	if (!l)
 		return 0;
@@ -539,7 +509,7 @@ static int ll_gate(ep_group_t *g, void *stream)
 	if (l->dead_rc)
 		rc = ep__fail(l->dead_rc, "%s", l->dead_msg);
 	else if (*l->herr & (EKC_LL_EFATAL | EKC_LL_EPOISONED))
-		rc = ep_ll_error(g);
+		rc = ep__llg_error(g);
 	else if (g->buf && ep__ctl_error(g))
 		rc = ll_die(l, ll_report(g, EKC_LL_ERELEASED), false);
 	if (rc && l->dead_rc && !l->poisoned) {

@@ -61,43 +61,45 @@ int ep_dispatch_recv_count(ep_group_t *g, ep_handle_t *h)
 	return 0; /* host dispatches return their count */
 }
 
-int ep_ll_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
-		   uint32_t num_tokens, unsigned flags, void *stream,
-		   struct ep_ll_recv *out)
+/* No GPU groups in this build: the low-latency calls of one never come
+ * here (every group is a host group: libep_llhost.c). */
+int ep__llg_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
+		     uint32_t num_tokens, unsigned flags, int fp8, void *stream,
+		     struct ep_ll_recv *out)
 {
 	(void)g, (void)x, (void)topk_idx, (void)num_tokens, (void)flags;
-	(void)stream, (void)out;
+	(void)fp8, (void)stream, (void)out;
 	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
 }
 
-int ep_ll_dispatch_hook(ep_group_t *g, uint32_t buffer, void *stream)
+int ep__llg_dispatch_hook(ep_group_t *g, uint32_t buffer, void *stream)
 {
 	(void)g, (void)buffer, (void)stream;
 	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
 }
 
-int ep_ll_combine(ep_group_t *g, uint32_t buffer, const void *expert_out,
-		  const float *weights, void *out, unsigned flags,
-		  void *stream)
+int ep__llg_combine(ep_group_t *g, uint32_t buffer, const void *expert_out,
+		    const float *weights, void *out, unsigned flags,
+		    void *stream)
 {
 	(void)g, (void)buffer, (void)expert_out, (void)weights, (void)out;
 	(void)flags, (void)stream;
 	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
 }
 
-int ep_ll_combine_hook(ep_group_t *g, uint32_t buffer, void *stream)
+int ep__llg_combine_hook(ep_group_t *g, uint32_t buffer, void *stream)
 {
 	(void)g, (void)buffer, (void)stream;
 	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
 }
 
-int ep_ll_combine_buffer(ep_group_t *g, uint32_t buffer, void **rows)
+int ep__llg_combine_buffer(ep_group_t *g, uint32_t buffer, void **rows)
 {
 	(void)g, (void)buffer, (void)rows;
 	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
 }
 
-int ep_ll_error(ep_group_t *g)
+int ep__llg_error(ep_group_t *g)
 {
 	(void)g;
 	return 0;

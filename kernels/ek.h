@@ -100,6 +100,24 @@ void ek_layout(const struct ek_shape *s, const int64_t *topk_idx,
 	       uint32_t num_tokens, int32_t *per_rank, int32_t *per_expert,
 	       uint8_t *in_rank);
 
+/* The low-latency mode's row arithmetic on the host (doc/design.md,
+ * section 9), bit for bit what kernels/cuda/ekc_ll.cu computes. */
+enum { EK_LL_FP8 = 1, EK_LL_FP8_ROUND = 2, EK_LL_FP8_UE8M0 = 3 };
+/* One bf16 row x [H] (H % 128 == 0) to e4m3 q [H] and, per 128-channel
+ * group g, the scale's fp32 bits sb[g]: amax (its largest magnitude, at
+ * least 1e-4) times fl(1/448); values times fl(1/amax) * 448, or, with
+ * EK_LL_FP8_ROUND / _UE8M0, the scale rounded up to a power of two and
+ * values times its inverse; each product rounded to fp32, then to the
+ * nearest e4m3 (ties to even, saturated at 448). */
+void ek_ll_cast(const uint16_t *x, uint32_t H, int mode, uint8_t *q,
+		uint32_t *sb);
+/* acc[i] += fl(w * row[i]) (fp32, the product rounded: no fused
+ * multiply-add). */
+void ek_ll_acc(float *acc, const uint16_t *row, float w, uint32_t H);
+/* out[i] = acc[i] rounded to the nearest bf16 (ties to even; every NaN
+ * the canonical 0x7fff, as the GPU's conversion gives). */
+void ek_ll_round(const float *acc, uint16_t *out, uint32_t H);
+
 /* A barrier engine that serves a group's barriers from the ranks'
  * doorbells alone, for the group's life: the resident barrier kernel
  * (ekc_fastbar, under MPS) or the daemon's host barrier thread. The daemon
