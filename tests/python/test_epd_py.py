@@ -287,6 +287,136 @@ def check_numpy(sock):
           "non-contiguous inputs accepted")
 
 
+LL = dict(W=2, E=8, H=128, K=2, N=4)
+
+
+def ll_inputs(rank):
+    r = random.Random(SEED * 17 + rank)
+    N, H, K, E = LL["N"], LL["H"], LL["K"], LL["E"]
+    T = [N, 3][rank]
+    x = [[r.getrandbits(1) << 15 | (120 + r.randrange(11)) << 7 |
+          r.getrandbits(7) for _ in range(H)] for _ in range(T)]
+    topk = [[-1 if r.randrange(5) == 0 else r.randrange(E) for _ in range(K)]
+            for _ in range(T)]
+    w = [[f32(r.randrange(-1000, 1000) / 997) for _ in range(K)]
+         for _ in range(T)]
+    return T, x, topk, w
+
+
+def ll_rank(rank, sock, q):
+    """A host rank's low-latency dispatch and combine (numpy), against a
+    reference: rows per local expert by source rank, then (token, k);
+    the combine's sum in top-k order, each product rounded to fp32."""
+    try:
+        import numpy as np
+        W, E, H, K, N = (LL[k] for k in ("W", "E", "H", "K", "N"))
+        El = E // W
+        ins = [ll_inputs(s) for s in range(W)]
+        T, x, topk, w = ins[rank]
+        with epd.connect(sock) as c:
+            with c.join("py_ll", world_size=W, ranks_per_node=W, rank=rank,
+                        num_experts=E, hidden=H, max_tokens_per_rank=N,
+                        topk=K) as g:
+                for zero_copy in (False, True):
+                    r = g.ll_dispatch(np.array(x, np.uint16).reshape(T, H),
+                                      np.array(topk, np.int64).reshape(T, K))
+                    assert r["recv_x"].shape == (El, W * N, H)
+                    assert r["recv_x"].dtype == np.uint16
+                    # the reference: (expert, source rank, token, k)
+                    places = {}
+                    for el in range(El):
+                        p = 0
+                        for s in range(W):
+                            begin = p
+                            for t in range(ins[s][0]):
+                                for k in range(K):
+                                    if ins[s][2][t][k] == rank * El + el:
+                                        assert list(r["recv_x"][el, p]) == \
+                                            ins[s][1][t]
+                                        assert r["src_info"][el, p] == t
+                                        places[(s, t, k)] = (el, p)
+                                        p += 1
+                            assert r["layout_range"][el, s] == \
+                                (begin << 32 | (p - begin))
+                        assert r["recv_count"][el] == p
+                        assert (r["src_info"][el, p:] == -1).all()
+                    # each expert's output row: its place, scaled
+                    y = (np.arange(El * W * N * H, dtype=np.uint32) * 7 +
+                         rank * 11) % 251
+                    y = (0x3c00 + y).astype(np.uint16).reshape(El, W * N, H)
+                    if zero_copy:
+                        g.ll_combine_buffer(r["buffer"])[...] = y
+                    out = np.zeros((T, H), np.uint16)
+                    g.ll_combine(r["buffer"], None if zero_copy else y,
+                                 np.array(w, np.float32).reshape(T, K), out)
+                    q.put(("places", rank, places))
+                    allp = {}
+                    for _ in range(W):
+                        allp.update(q_in[rank].get(timeout=60))
+                    for t in range(T):
+                        acc = [0.0] * H
+                        for k in range(K):
+                            e = topk[t][k]
+                            if e < 0:
+                                continue
+                            d = e // El
+                            el, p = allp[(d, rank, t, k)]
+                            yd = (np.arange(El * W * N * H, dtype=np.uint32)
+                                  * 7 + d * 11) % 251
+                            row = (0x3c00 + yd).reshape(El, W * N, H)[el, p]
+                            for ch in range(H):
+                                acc[ch] = f32(acc[ch] + f32(
+                                    w[t][k] * bf16_f32(int(row[ch]))))
+                        assert list(out[t]) == [f32_bf16(a) for a in acc], \
+                            (rank, t)
+                r = g.ll_dispatch(np.array(x, np.uint16).reshape(T, H),
+                                  np.array(topk, np.int64).reshape(T, K),
+                                  fp8=True)
+                assert r["recv_x"].dtype == np.uint8
+                assert r["recv_scales"].shape == (El, W * N, H // 128)
+                assert g.ll_error() is None
+        q.put(("done", rank, None))
+    except Exception as e:  # noqa: BLE001
+        import traceback
+        q.put(("done", rank, traceback.format_exc() or repr(e)))
+
+
+q_in = None
+
+
+def check_ll(sock):
+    """The low-latency calls on host ranks with numpy arrays."""
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        print("skip: the low-latency calls on host ranks (no numpy)")
+        return
+    global q_in
+    W = LL["W"]
+    q = mp.Queue()
+    q_in = [mp.Queue() for _ in range(W)]
+    procs = [mp.Process(target=ll_rank, args=(r, sock, q)) for r in range(W)]
+    for pr in procs:
+        pr.start()
+    done, errs = 0, []
+    while done < W:
+        kind, rank, v = q.get(timeout=120)
+        if kind == "places":  # each rank's places of its rows, to all
+            tagged = {(rank,) + k: p for k, p in v.items()}
+            for qi in q_in:
+                qi.put(tagged)
+        else:
+            done += 1
+            if v:
+                errs.append(v)
+    for pr in procs:
+        pr.join(30)
+    assert not errs, errs
+    print(f"ok: the low-latency calls on {W} host ranks (numpy): layout, "
+          "rows, src_info and the combine (plain and zero copy) bitwise "
+          "against a Python reference; fp8 shapes")
+
+
 def check_doctest(sock):
     try:
         import numpy  # noqa: F401  (the examples use it)
@@ -332,6 +462,7 @@ def main():
             return 1
         check_lifetimes(sock)
         check_numpy(sock)
+        check_ll(sock)
         check_doctest(sock)
         print(f"ok: python binding, {W} ranks (seed {SEED}): layout, dispatch, "
               "cached dispatch, combine bitwise equal to a Python reference; "

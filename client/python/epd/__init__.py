@@ -630,46 +630,87 @@ class Group:
     def sync(self):
         _check(_lib.ep_group_sync(self._g))
 
-    # ---- low-latency mode (GPU ranks of one node; ep.h, ep_ll_*) ----
+    # ---- low-latency mode (ep.h, ep_ll_*): GPU ranks of one node with
+    # torch tensors on the rank's stream; host ranks (one node or several)
+    # with numpy arrays (or CPU tensors), each call complete on return ----
 
     def _ll_view(self, ptr, shape, typestr):
+        if not self._per_gpu:  # libep's host memory: a numpy view
+            import numpy
+            dt = numpy.dtype("<u2" if typestr == "<i2" else typestr)
+            n = 1
+            for d in shape:
+                n *= d
+            raw = (ctypes.c_char * max(n * dt.itemsize, 1)).from_address(ptr)
+            return numpy.frombuffer(raw, dtype=dt, count=n).reshape(shape)
         import torch
         t = torch.as_tensor(_DeviceArray(ptr, shape, typestr),
                             device="cuda")
         return t.view(torch.bfloat16) if typestr == "<i2" else t
 
+    @staticmethod
+    def _ll_in(a):
+        """(address or None, what keeps it alive) of an input: a torch
+        tensor (contiguous), or anything numpy takes."""
+        if a is None:
+            return None, None
+        if hasattr(a, "data_ptr"):
+            return (a.data_ptr() if a.numel() else None), a
+        import numpy
+        a = numpy.ascontiguousarray(a)
+        return (a.ctypes.data if a.size else None), a
+
+    @staticmethod
+    def _ll_out(a):
+        """Address of an output written in place: a torch tensor, or a
+        writable C-contiguous numpy array."""
+        if hasattr(a, "data_ptr"):
+            return a.data_ptr() if a.numel() else None
+        import numpy
+        if not isinstance(a, numpy.ndarray) or not a.flags.c_contiguous \
+                or not a.flags.writeable:
+            raise ValueError("out: a writable C-contiguous numpy array")
+        return a.ctypes.data if a.size else None
+
     def ll_dispatch(self, x, topk_idx, num_tokens=None, hook=False,
                     stream=None, fp8=False, round_scale=False, ue8m0=False):
-        """Low-latency dispatch on the stream (torch tensors on the GPU:
-        x [T, hidden] bf16, topk_idx [T, topk] int64, contiguous). Returns
-        a dict: buffer (0/1, for ll_combine and the hooks), recv_x
-        [El, W*max_tokens, hidden] bf16, recv_count [El] int32,
-        layout_range [El, W] int64, src_info [El, W*max_tokens] int32:
-        views of this rank's low-latency memory, valid until the dispatch
+        """Low-latency dispatch. x [T, hidden] bf16 (a host rank: uint16
+        bits), topk_idx [T, topk] int64, contiguous: torch tensors on the
+        GPU for a GPU rank (the op goes on the stream), numpy arrays for a
+        host rank (done on return). Returns a dict: buffer (0/1, for
+        ll_combine and the hooks), recv_x [El, W*max_tokens, hidden] bf16,
+        recv_count [El] int32, layout_range [El, W] int64, src_info
+        [El, W*max_tokens] int32: views of this rank's low-latency memory
+        (torch on the GPU, numpy on the host), valid until the dispatch
         after next. hook: ll_dispatch_hook(buffer) completes it later.
-        fp8: recv_x is float8_e4m3fn (uint8 where torch has no fp8) and
-        recv_scales its per-128 scales, [El, W*max_tokens, hidden/128]
-        float32 column-major in the last two (round_scale: powers of two;
-        ue8m0: [El, W*max_tokens, hidden/512] int32 of exponent bytes)."""
-        import torch
-        T = x.size(0) if num_tokens is None else num_tokens
+        fp8: recv_x is float8_e4m3fn (uint8 where torch has no fp8, and on
+        the host) and recv_scales its per-128 scales,
+        [El, W*max_tokens, hidden/128] float32 column-major in the last
+        two (round_scale: powers of two; ue8m0: [El, W*max_tokens,
+        hidden/512] int32 of exponent bytes)."""
+        T = (x.shape[0] if num_tokens is None else num_tokens)
         f = (LL_HOOK if hook else 0) | (LL_FP8 if fp8 else 0) | \
             (LL_ROUND_SCALE if round_scale else 0) | \
             (LL_UE8M0 if ue8m0 else 0)
         r = _LLRecv()
-        rc = _lib.ep_ll_dispatch(self._g, x.data_ptr() if T else None,
-                                 topk_idx.data_ptr() if T else None, T,
-                                 f, self._stream(stream), ctypes.byref(r))
+        px, kx = self._ll_in(x if T else None)
+        pt, kt = self._ll_in(topk_idx if T else None)
+        rc = _lib.ep_ll_dispatch(self._g, px, pt, T, f,
+                                 self._stream(stream), ctypes.byref(r))
         _check(rc)
         El, R, H = r.local_experts, r.max_recv, self.cfg["hidden"]
         W = self.cfg["world_size"]
         if fp8:
             rx = self._ll_view(r.recv_x, (El, R, H), "|u1")
-            if hasattr(torch, "float8_e4m3fn"):
-                rx = rx.view(torch.float8_e4m3fn)
+            if self._per_gpu:
+                import torch
+                if hasattr(torch, "float8_e4m3fn"):
+                    rx = rx.view(torch.float8_e4m3fn)
             G = H // 512 if ue8m0 else H // 128
             sc = self._ll_view(r.recv_scales, (El, G, R),
-                               "<i4" if ue8m0 else "<f4").transpose(1, 2)
+                               "<i4" if ue8m0 else "<f4")
+            sc = sc.transpose(1, 2) if self._per_gpu else \
+                sc.transpose(0, 2, 1)
         else:
             rx, sc = self._ll_view(r.recv_x, (El, R, H), "<i2"), None
         return {"buffer": r.buffer, "recv_x": rx, "recv_scales": sc,
@@ -686,23 +727,23 @@ class Group:
                    stream=None):
         """Low-latency combine of buffer's dispatch into out [T, hidden]
         bf16 (weights [T, topk] float32); expert_out None: zero copy (the
-        rows are in ll_combine_buffer(buffer))."""
+        rows are in ll_combine_buffer(buffer)). On a host rank: numpy
+        arrays, out written in place (uint16 bf16 bits)."""
         f = (LL_ZERO_COPY if expert_out is None else 0) | \
             (LL_HOOK if hook else 0)
-        _check(_lib.ep_ll_combine(
-            self._g, buffer,
-            expert_out.data_ptr() if expert_out is not None else None,
-            weights.data_ptr() if weights.numel() else None,
-            out.data_ptr() if out.numel() else None, f,
-            self._stream(stream)))
+        pe, ke = self._ll_in(expert_out)
+        pw, kw = self._ll_in(weights)
+        _check(_lib.ep_ll_combine(self._g, buffer, pe, pw,
+                                  self._ll_out(out), f,
+                                  self._stream(stream)))
 
     def ll_combine_hook(self, buffer, stream=None):
         _check(_lib.ep_ll_combine_hook(self._g, buffer,
                                        self._stream(stream)))
 
     def ll_combine_buffer(self, buffer):
-        """[El, W*max_tokens, hidden] bf16: where a zero-copy combine of
-        buffer reads the experts' rows."""
+        """[El, W*max_tokens, hidden] bf16 (a host rank: numpy uint16):
+        where a zero-copy combine of buffer reads the experts' rows."""
         p = ctypes.c_void_p()
         _check(_lib.ep_ll_combine_buffer(self._g, buffer, ctypes.byref(p)))
         c = self.cfg
@@ -712,8 +753,8 @@ class Group:
                                        c["hidden"]), "<i2")
 
     def ll_error(self):
-        """None, or the first error the low-latency kernels raised (read
-        and cleared; synchronize the stream first). A failed wait (a peer
+        """None, or the first error the low-latency ops raised (read and
+        cleared; on a GPU rank synchronize the stream first). A failed wait (a peer
         that timed out, left or failed) is kept: it ends the group's
         low-latency mode, and every later ll_* call raises it too."""
         rc = _lib.ep_ll_error(self._g)
