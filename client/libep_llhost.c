@@ -287,9 +287,8 @@ static void llh_place(struct ep_llh *l, struct llh_buf *B, int fp8)
 		if (begin > WN) /* an expert repeated in a token's top-k */
 			l->pend |= LLH_ETOOBIG, begin = WN;
 		B->count[el] = (int32_t)begin;
-		int32_t *src = B->src + el * WN;
-		for (uint64_t p = begin; p < WN && src[p] != -1; p++)
-			src[p] = -1; /* past the count (the rest still is) */
+		int32_t *src = B->src + el * WN; /* -1 past the count */
+		memset(src + begin, 0xff, (WN - begin) * sizeof(*src));
 	}
 	const size_t rowb = fp8 ? H : (size_t)H * 2;
 	const uint32_t G = H / 128;

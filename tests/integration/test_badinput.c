@@ -626,27 +626,36 @@ int main(void)
 		       after);
 	}
 	close(fd);
-	/* libep's low-latency calls on a host group: refused, nothing sent
-	 * that could hurt (EP_EUNSUPPORTED with or without CUDA in libep) */
+	/* libep's low-latency calls on a host group: the host path (the
+	 * daemon's ops; test_ll tests it whole), its arguments checked */
 	{
 		ep_conn_t *lc;
 		ep_group_t *lg;
 		TH_OK(ep_connect(d.sock, &lc));
 		struct ep_group_config lcfg = th_group("llhost", 1, 0, 5000);
 		TH_OK(ep_join(lc, &lcfg, 0, &lg));
-		int64_t idx[2] = {0, 1};
+		int64_t idx[4] = {0, 1, -1, 3}; /* th_group: top-4 of 4 */
 		uint16_t x[256] = {0};
 		struct ep_ll_recv lr;
-		TH_EXPECT_RC(ep_ll_dispatch(lg, x, idx, 1, 0, NULL, &lr),
-			     EP_EUNSUPPORTED);
-		printf("ok: ll dispatch on a host group -> %s\n", ep_errmsg());
-		int lrc = ep_ll_combine(lg, 0, x, NULL, x, 0, NULL);
-		TH_CHECK(lrc == EP_EINVAL || lrc == EP_EUNSUPPORTED,
-			 "ll combine without a dispatch: %d (%s)", lrc,
-			 ep_errmsg());
+		TH_EXPECT_RC(ep_ll_combine(lg, 0, x, NULL, x, 0, NULL),
+			     EP_EINVAL); /* no dispatch yet */
+		TH_OK(ep_ll_dispatch(lg, x, idx, 1, 0, NULL, &lr));
+		TH_CHECK(lr.local_experts == 4 && lr.recv_count[0] == 1 &&
+				 lr.recv_count[1] == 1 && lr.recv_count[2] == 0 &&
+				 lr.recv_count[3] == 1,
+			 "ll dispatch on a host group: %u experts, %d %d %d %d "
+			 "rows",
+			 lr.local_experts, lr.recv_count[0], lr.recv_count[1],
+			 lr.recv_count[2], lr.recv_count[3]);
+		TH_EXPECT_RC(ep_ll_combine(lg, lr.buffer, x, NULL, x, 0, NULL),
+			     EP_EINVAL); /* no weights */
+		TH_EXPECT_RC(ep_ll_dispatch(lg, x, idx, 1, 0x40, NULL, &lr),
+			     EP_EINVAL);
 		TH_CHECK(ep_ll_error(lg) == 0, "ll error on a host group");
 		TH_OK(ep_leave(lg));
 		ep_close(lc);
+		printf("ok: ll calls on a host group: the host path, bad "
+		       "arguments refused\n");
 	}
 
 	/* A client that sends requests and never reads the replies: dropped

@@ -383,6 +383,15 @@ uint64_t ep_group_device_region(const ep_group_t *group, size_t *size);
  * sequence numbers advance on the device). Every rank makes the same
  * calls in the same order.
  *
+ * Host ranks (one node or several) have the same calls, outputs and bits
+ * on the daemon's path: stream is ignored, each call is complete on
+ * return (the hooks only report a failure), the outputs are host memory
+ * (valid until the dispatch after next). The (token, k) rows go through a
+ * second group of the same ranks (the group's name with ":ll-" and a
+ * hash), joined at the first low-latency call and left with the group. A
+ * failed op (a rank died or left, a timeout: the daemon's error) ends the
+ * mode as below.
+ *
  * ep_ll_dispatch sends this rank's num_tokens (<= max_tokens) rows of x
  * [T, hidden] to the ranks of its top-k experts (topk_idx [T, topk] i64,
  * -1 skips). Buffer out->buffer (0, 1: the two buffers alternate, so two

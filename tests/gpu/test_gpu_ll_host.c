@@ -1,0 +1,302 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The low-latency mode's two ways give the same bits: 4 ranks, each in a
+ * GPU group (the kernels on its stream; ranks sharing a GPU under MPS)
+ * and in a host group of another daemon (libep's host path over the
+ * daemon's dispatch and combine), run the same random inputs through
+ * both: recv_count, layout_range, src_info, every received row and scale
+ * (bf16, and the three fp8 casts) and every combined token (plain, with
+ * hooks, zero copy) bitwise equal. Rows with zeros, -0.0, tiny and large
+ * values; experts repeated in a token, -1 slots. A rank with too many
+ * tokens and an expert index out of range give the same error codes on
+ * both (ep_ll_error, every rank).
+ *
+ * Exit 77 without a GPU, or where ranks share a GPU without MPS.
+ */
+#include "gpu_util.h"
+
+#include <string.h>
+
+#define W 4
+#define N 16
+#define H 1024
+#define K 4
+#define E (W * 4)
+#define El (E / W)
+#define WN (W * N)
+#define ROUNDS 10
+
+struct shared {
+	const struct th_daemon *gpu, *host;
+	volatile int unsupported;
+};
+
+static uint64_t mix(uint64_t *s)
+{
+	uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+	return z ^ (z >> 31);
+}
+
+static uint16_t bfv(uint64_t *s, int scale_exp)
+{
+	uint64_t v = mix(s);
+	uint16_t e = (uint16_t)(127 + scale_exp + (int)(v % 5) - 2);
+	switch (v % 64) {
+	case 0: return 0x0000;
+	case 1: return 0x8000;
+	case 2: return (uint16_t)(((e > 20 ? e - 20 : 1) << 7) | (v >> 9 & 0x7f));
+	default:
+		return (uint16_t)((v >> 8 & 1) << 15 | e << 7 | (v >> 9 & 0x7f));
+	}
+}
+
+struct in {
+	uint32_t T;
+	uint16_t x[(N + 1) * H];
+	int64_t topk[(N + 1) * K];
+	float w[(N + 1) * K];
+};
+
+static void gen(uint64_t seed, int round, int r, bool too_many, bool bad,
+		struct in *in)
+{
+	uint64_t s = seed * 977 + (uint64_t)round * 131 + (uint64_t)r;
+	in->T = too_many ? N + 1 : (uint32_t)(mix(&s) % (N + 1));
+	for (uint32_t t = 0; t < in->T; t++) {
+		int sc = (int)(mix(&s) % 30) - 15;
+		for (int c = 0; c < H; c++)
+			in->x[t * H + c] = bfv(&s, sc);
+		for (int k = 0; k < K; k++) {
+			uint64_t v = mix(&s);
+			in->topk[t * K + k] = v % 9 == 0 ? -1 : (int64_t)(v % E);
+			in->w[t * K + k] =
+				(float)((int)(v >> 20 & 2047) - 1024) / 1021.0f;
+		}
+		if (mix(&s) % 8 == 0)
+			in->topk[t * K + K - 1] = in->topk[t * K];
+	}
+	if (bad && in->T)
+		in->topk[1] = E + 3;
+}
+
+/* An expert's output row for its place p (the same on both ways once the
+ * layouts are equal) */
+static void gen_y(uint64_t seed, int round, int r, uint16_t *y)
+{
+	uint64_t s = seed * 31 + (uint64_t)round * 7 + (uint64_t)r + 99;
+	for (uint64_t i = 0; i < (uint64_t)El * WN * H; i++)
+		y[i] = bfv(&s, -1);
+}
+
+struct out {
+	int32_t count[El];
+	int64_t layout[El * W];
+	int32_t src[El * WN];
+	uint8_t *rx;  /* [El, WN, H * 2] */
+	uint32_t *sc; /* [El, H/128, WN] */
+	uint16_t comb[N * H];
+	int rc_d, rc_err;
+};
+
+#define SAME(a, b, n, what)                                                    \
+	do {                                                                   \
+		size_t d_ = th_first_diff((a), (b), (n));                      \
+		TH_CHECK(d_ == (size_t)(n),                                    \
+			 "round %d rank %d: %s differs at byte %zu", round, r,  \
+			 what, d_);                                            \
+	} while (0)
+
+static int rank_main(int r, void *arg)
+{
+	struct shared *s = arg;
+	int gpu;
+	CUstream st = tg_rank_init(r, &gpu, NULL, 0, NULL);
+	struct ep_group_config cfg = {
+		.name = "llx", .world_size = W, .ranks_per_node = W,
+		.rank = (uint32_t)r, .num_experts = E, .hidden = H,
+		.max_tokens_per_rank = N, .topk = K, .dtype = EP_DTYPE_BF16,
+		.timeout_ms = 20000, .cuda_device = gpu};
+	ep_conn_t *gc, *hc;
+	ep_group_t *g, *h;
+	TH_OK(ep_connect(s->gpu->sock, &gc));
+	TH_OK(ep_join(gc, &cfg, EP_JOIN_CUDA, &g));
+	h = th_join(s->host, &cfg, &hc);
+	CUdeviceptr dx, dtk, dw, dy, dout;
+	CU(tg_drv.cuMemAlloc(&dx, sizeof(((struct in *)0)->x)));
+	CU(tg_drv.cuMemAlloc(&dtk, sizeof(((struct in *)0)->topk)));
+	CU(tg_drv.cuMemAlloc(&dw, sizeof(((struct in *)0)->w)));
+	CU(tg_drv.cuMemAlloc(&dy, (size_t)El * WN * H * 2));
+	CU(tg_drv.cuMemAlloc(&dout, N * H * 2));
+	struct in *in = malloc(sizeof(*in));
+	uint16_t *y = malloc((size_t)El * WN * H * 2);
+	struct out *o[2];
+	for (int i = 0; i < 2; i++) {
+		o[i] = calloc(1, sizeof(*o[i]));
+		o[i]->rx = malloc((size_t)El * WN * H * 2);
+		o[i]->sc = malloc((size_t)El * (H / 128) * WN * 4);
+	}
+	static const unsigned df[] = {
+		0, EP_LL_FP8, EP_LL_FP8 | EP_LL_ROUND_SCALE,
+		EP_LL_FP8 | EP_LL_UE8M0, EP_LL_HOOK,
+		EP_LL_HOOK | EP_LL_FP8 | EP_LL_UE8M0};
+	static const unsigned cf[] = {0, EP_LL_HOOK, EP_LL_ZERO_COPY};
+	const uint64_t seed = th_seed();
+	for (int round = 0; round < ROUNDS + 2; round++) {
+		const bool too_many = round == ROUNDS && r == 1;
+		const bool bad = round == ROUNDS + 1 && r == 2;
+		const unsigned dfl = df[round % 6], cfl = cf[round % 3];
+		gen(seed, round, r, too_many, bad, in);
+		gen_y(seed, round, r, y);
+		const bool fp8 = dfl & EP_LL_FP8;
+		const size_t rowb = fp8 ? H : H * 2;
+		const size_t G = (dfl & EP_LL_UE8M0) ? H / 512 : H / 128;
+		for (int way = 0; way < 2; way++) { /* 0: GPU, 1: host */
+			struct out *ou = o[way];
+			ep_group_t *gg = way ? h : g;
+			struct ep_ll_recv rv;
+			const void *px = in->x;
+			const int64_t *pt = in->topk;
+			if (!way) {
+				tg_upload(dx, in->x, sizeof(in->x));
+				tg_upload(dtk, in->topk, sizeof(in->topk));
+				tg_upload(dw, in->w, sizeof(in->w));
+				px = (void *)(uintptr_t)dx;
+				pt = (const int64_t *)(uintptr_t)dtk;
+			}
+			ou->rc_d = ep_ll_dispatch(gg, px, pt, in->T, dfl,
+						  way ? NULL : st, &rv);
+			if (ou->rc_d == EP_EUNSUPPORTED && !way && !round) {
+				s->unsupported = 1;
+				return 0;
+			}
+			TH_CHECK(!ou->rc_d || ou->rc_d == EP_ETOOBIG,
+				 "round %d rank %d way %d: %s: %s", round, r,
+				 way, ep_strerror(ou->rc_d), ep_errmsg());
+			if (dfl & EP_LL_HOOK)
+				TH_OK(ep_ll_dispatch_hook(gg, rv.buffer,
+							  way ? NULL : st));
+			const size_t nrx = (size_t)El * WN * rowb,
+				     nsc = (size_t)El * G * WN * 4;
+			if (!way) {
+				CU(tg_drv.cuStreamSynchronize(st));
+				CU(tg_drv.cuMemcpyDtoH(ou->count,
+						       tg_dptr(rv.recv_count),
+						       sizeof(ou->count)));
+				CU(tg_drv.cuMemcpyDtoH(ou->layout,
+						       tg_dptr(rv.layout_range),
+						       sizeof(ou->layout)));
+				CU(tg_drv.cuMemcpyDtoH(ou->src,
+						       tg_dptr(rv.src_info),
+						       sizeof(ou->src)));
+				CU(tg_drv.cuMemcpyDtoH(ou->rx, tg_dptr(rv.recv_x),
+						       nrx));
+				if (fp8)
+					CU(tg_drv.cuMemcpyDtoH(
+						ou->sc, tg_dptr(rv.recv_scales),
+						nsc));
+			} else {
+				memcpy(ou->count, rv.recv_count,
+				       sizeof(ou->count));
+				memcpy(ou->layout, rv.layout_range,
+				       sizeof(ou->layout));
+				memcpy(ou->src, rv.src_info, sizeof(ou->src));
+				memcpy(ou->rx, rv.recv_x, nrx);
+				if (fp8)
+					memcpy(ou->sc, rv.recv_scales, nsc);
+			}
+			/* the combine: y at the places the dispatch gave */
+			const void *ex = way ? (const void *)y
+					     : (const void *)(uintptr_t)dy;
+			if (cfl & EP_LL_ZERO_COPY) {
+				void *cx;
+				TH_OK(ep_ll_combine_buffer(gg, rv.buffer, &cx));
+				if (way)
+					memcpy(cx, y, (size_t)El * WN * H * 2);
+				else
+					tg_upload(tg_dptr(cx), y,
+						  (size_t)El * WN * H * 2);
+				ex = NULL;
+			} else if (!way) {
+				tg_upload(dy, y, (size_t)El * WN * H * 2);
+			}
+			const float *pw = way ? in->w
+					      : (const float *)(uintptr_t)dw;
+			void *pout = way ? (void *)ou->comb
+					 : (void *)(uintptr_t)dout;
+			TH_OK(ep_ll_combine(gg, rv.buffer, ex, pw, pout, cfl,
+					    way ? NULL : st));
+			if (cfl & EP_LL_HOOK)
+				TH_OK(ep_ll_combine_hook(gg, rv.buffer,
+							 way ? NULL : st));
+			if (!way) {
+				CU(tg_drv.cuStreamSynchronize(st));
+				CU(tg_drv.cuMemcpyDtoH(ou->comb, dout,
+						       sizeof(ou->comb)));
+			}
+			ou->rc_err = ep_ll_error(gg);
+		}
+		TH_CHECK(o[0]->rc_d == o[1]->rc_d && o[0]->rc_err == o[1]->rc_err,
+			 "round %d rank %d: the GPU's %d/%d, the host's %d/%d",
+			 round, r, o[0]->rc_d, o[0]->rc_err, o[1]->rc_d,
+			 o[1]->rc_err);
+		TH_CHECK(round < ROUNDS || o[0]->rc_err ==
+					   (round == ROUNDS ? EP_ETOOBIG
+					    : r == 2	 ? EP_EEXPERT
+							 : 0),
+			 "round %d rank %d: ep_ll_error %d", round, r,
+			 o[0]->rc_err);
+		SAME(o[0]->count, o[1]->count, sizeof(o[0]->count),
+		     "recv_count");
+		SAME(o[0]->layout, o[1]->layout, sizeof(o[0]->layout),
+		     "layout_range");
+		SAME(o[0]->src, o[1]->src, sizeof(o[0]->src), "src_info");
+		for (int el = 0; el < El; el++) {
+			const size_t n = (size_t)o[0]->count[el];
+			SAME(o[0]->rx + (size_t)el * WN * rowb,
+			     o[1]->rx + (size_t)el * WN * rowb, n * rowb,
+			     "recv_x");
+			for (size_t gi = 0; fp8 && gi < G; gi++)
+				SAME(o[0]->sc + ((size_t)el * G + gi) * WN,
+				     o[1]->sc + ((size_t)el * G + gi) * WN,
+				     n * 4, "recv_scales");
+		}
+		const uint32_t T = in->T > N ? 0 : in->T;
+		SAME(o[0]->comb, o[1]->comb, (size_t)T * H * 2, "combined");
+	}
+	TH_OK(ep_leave(g));
+	TH_OK(ep_leave(h));
+	ep_close(gc);
+	ep_close(hc);
+	return 0;
+}
+
+int main(void)
+{
+	th_init("gpu: the low-latency mode, GPU and host ways bitwise", 300);
+	if (tg_probe())
+		return TH_SKIP;
+	struct th_daemon dg, dh;
+	th_daemon_start(&dg, "-b", "cuda", NULL);
+	th_daemon_start(&dh, NULL);
+	struct shared *s = th_shared(sizeof(*s));
+	s->gpu = &dg;
+	s->host = &dh;
+	pid_t p[W];
+	th_spawn(p, W, rank_main, s);
+	TH_CHECK(th_wait_all(p, W, 240) == 0, "a rank failed");
+	th_daemon_stop(&dg);
+	th_daemon_stop(&dh);
+	if (s->unsupported) {
+		printf("skip: the low-latency mode needs MPS where ranks share "
+		       "a GPU\n");
+		return TH_SKIP;
+	}
+	printf("ok: %d rounds and two error rounds, 4 ranks: the kernels and "
+	       "the host path bitwise equal (counts, layout, src_info, rows "
+	       "and scales of bf16 and three fp8 casts, combined tokens plain, "
+	       "hooked and zero copy; the same error codes)\n",
+	       ROUNDS);
+	return 0;
+}
