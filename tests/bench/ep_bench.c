@@ -40,6 +40,7 @@ struct opts {
 	uint32_t tokens, hidden, topk, experts;
 	ep_dtype_t dtype;
 	int skip_ops;
+	int ll; /* --ll: the low-latency calls (ep_ll_*) */
 };
 
 struct shared {
@@ -48,6 +49,7 @@ struct shared {
 	double combine_us[MAX_SAMPLES];
 	uint64_t recv_rows[1024];
 	uint64_t xrows[1024]; /* rows each rank sends to other nodes */
+	uint64_t ll_rows[1024]; /* --ll: (token, k) rows each rank got */
 	int samples;
 };
 
@@ -162,7 +164,47 @@ static int rank_main(int rank, const struct opts *o, struct shared *s)
 	};
 	CALL("join", ep_join(c, &cfg, 0, &g));
 	int n = o->iters > MAX_SAMPLES ? MAX_SAMPLES : o->iters;
-	if (!o->skip_ops) {
+	if (!o->skip_ops && o->ll) {
+		/* the low-latency calls: the group's send buffers as the
+		 * caller's arrays, the experts' rows random */
+		struct ep_buffers b;
+		ep_get_buffers(g, &b);
+		fill_inputs(g, o, rank);
+		const uint64_t el = o->experts / (uint32_t)o->world,
+			       wn = (uint64_t)o->world * o->tokens;
+		uint16_t *y = malloc(el * wn * o->hidden * 2 + 2),
+			 *out = malloc((size_t)o->tokens * o->hidden * 2 + 2);
+		if (!y || !out)
+			FAIL("out of memory");
+		uint64_t rs = 99 + (uint64_t)rank;
+		for (uint64_t i = 0; i < el * wn * o->hidden; i++)
+			y[i] = (uint16_t)(0x3c00 + rng_next(&rs) % 0x0800);
+		struct ep_ll_recv rv;
+		for (int i = 0; i < n + 3; i++) {
+			CALL("barrier", ep_barrier(g));
+			uint64_t t0 = now_ns();
+			CALL("ll dispatch",
+			     ep_ll_dispatch(g, b.x, b.topk_idx, o->tokens, 0,
+					    NULL, &rv));
+			uint64_t t1 = now_ns();
+			CALL("barrier", ep_barrier(g));
+			uint64_t t2 = now_ns();
+			CALL("ll combine",
+			     ep_ll_combine(g, rv.buffer, y, b.topk_weights,
+					   out, 0, NULL));
+			uint64_t t3 = now_ns();
+			if (rank == 0 && i >= 3) { /* 3 to warm up */
+				s->dispatch_us[i - 3] = (double)(t1 - t0) / 1e3;
+				s->combine_us[i - 3] = (double)(t3 - t2) / 1e3;
+			}
+		}
+		uint64_t got = 0;
+		for (uint64_t e = 0; e < el; e++)
+			got += (uint64_t)rv.recv_count[e];
+		s->ll_rows[rank] = got;
+		free(y);
+		free(out);
+	} else if (!o->skip_ops) {
 		ep_handle_t h;
 		struct ep_buffers b;
 		ep_get_buffers(g, &b);
@@ -328,7 +370,8 @@ static void usage(FILE *f)
 	fprintf(f,
 		"usage: ep-bench [-s SOCKET[,SOCKET...]] [-n RANKS] [-i ITERS] [-g GROUP]\n"
 		"                [-T TOKENS] [-H HIDDEN] [-k TOPK] [-E EXPERTS]\n"
-		"                [--fp8] [--barrier-only] [--linger-ms MS]\n");
+		"                [--fp8] [--ll] [--barrier-only] [--linger-ms MS]\n"
+		"  --ll: the low-latency calls (ep_ll_dispatch/combine; bf16)\n");
 }
 
 int main(int argc, char **argv)
@@ -347,6 +390,7 @@ int main(int argc, char **argv)
 		{"experts", required_argument, NULL, 'E'},
 		{"fp8", no_argument, NULL, 'F'},
 		{"barrier-only", no_argument, NULL, 'B'},
+		{"ll", no_argument, NULL, 'l'},
 		{"linger-ms", required_argument, NULL, 'L'},
 		{"help", no_argument, NULL, 'h'},
 		{0},
@@ -365,6 +409,7 @@ int main(int argc, char **argv)
 		case 'E': o.experts = (uint32_t)atoi(optarg); break;
 		case 'F': o.dtype = EP_DTYPE_FP8; break;
 		case 'B': o.skip_ops = 1; break;
+		case 'l': o.ll = 1; break;
 		case 'L': o.linger_ms = atoi(optarg); break;
 		case 'h': usage(stdout); return 0;
 		default: usage(stderr); return 2;
@@ -422,7 +467,35 @@ int main(int argc, char **argv)
 		return 1;
 	}
 	int n = s->samples;
-	if (!o.skip_ops) {
+	if (!o.skip_ops && o.ll) {
+		uint64_t rows = 0;
+		for (int r = 0; r < o.world; r++)
+			rows += s->ll_rows[r];
+		/* the fewest bytes: dispatch reads every token and writes
+		 * every (token, k) row where it lands; combine reads every
+		 * row and writes every token */
+		double row = (double)o.hidden * 2,
+		       tokens = (double)o.tokens * o.world;
+		double dbytes = (tokens + (double)rows) * row,
+		       cbytes = ((double)rows + tokens) * row;
+		double dt = median(s->dispatch_us, n),
+		       ct = median(s->combine_us, n);
+		printf("low-latency calls (host ranks): %d ranks (%d node%s x "
+		       "%d), %u tokens/rank, hidden %u, top-%u of %u experts, "
+		       "bf16; %llu (token, k) rows in all\n",
+		       o.world, o.nodes, o.nodes > 1 ? "s" : "", o.ranks,
+		       o.tokens, o.hidden, o.topk, o.experts,
+		       (unsigned long long)rows);
+		printf("memcpy ceiling (read+write): %.2f GB/s with 1 thread, "
+		       "%.2f GB/s with %d threads\n",
+		       mc1, mcn, nthr);
+		printf("ll dispatch: %9.1f us per call, %.2f GB/s, %.2f of "
+		       "memcpy (%d threads)\n",
+		       dt, dbytes / dt / 1e3, dbytes / dt / 1e3 / mcn, nthr);
+		printf("ll combine:  %9.1f us per call, %.2f GB/s, %.2f of "
+		       "memcpy (%d threads)\n",
+		       ct, cbytes / ct / 1e3, cbytes / ct / 1e3 / mcn, nthr);
+	} else if (!o.skip_ops) {
 		uint64_t rows = 0, xrows = 0;
 		for (int r = 0; r < o.world; r++) {
 			rows += s->recv_rows[r];
