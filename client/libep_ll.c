@@ -35,8 +35,8 @@ struct ep_ll {
 	bool used[2];   /* a dispatch ran on that buffer */
 	uint64_t hw[2], hout[2]; /* a hooked combine's weights and out */
 	CUfunction fn[EP__FN_N];
-	/* the kernels' err word mirrored in host memory (ekc_ll_args.herr):
-	 * read before each launch without a copy */
+	/* the kernels' fatal and poisoned bits mirrored in host memory
+	 * (ekc_ll_args.herr): read before each launch without a copy */
 	volatile uint32_t *herr;
 	/* after a fatal error (EKC_LL_EFATAL, or the group failed): every
 	 * call returns it (a refused op still runs its poisoned kernel:

@@ -504,9 +504,10 @@ struct ekc_ll_args {
 	uint64_t timeout_ns;
 	uint64_t released; /* u32 the daemon raises when the group fails
 			      (host memory mapped for the GPU), or 0 */
-	uint64_t herr;     /* u32 host mirror of the err word (the host reads
-			      it without a copy; a bit may be missing when
-			      two blocks fail at once), or 0 */
+	uint64_t herr;     /* u32 host mirror of the err word's fatal and
+			      poisoned bits (the host reads it without a
+			      copy; each store carries one, so racing
+			      stores never hide the mode's end), or 0 */
 	uint32_t rank, W, N, H, El, K, T;
 	uint32_t buf;  /* 0 or 1: the buffer of this op (a combine: its
 			  dispatch's) */

@@ -102,14 +102,18 @@ __device__ static inline uint32_t *ll_rows_tab(const struct ekc_ll_args &a)
 }
 
 // An error bit for the host; a fatal one (EKC_LL_EFATAL) poisons the
-// rank's state for good. The host mirror (a.herr) gets the bits too, so
-// the host learns of it without a copy.
+// rank's state for good. The host mirror (a.herr) gets the fatal and
+// poisoned bits, so the host learns of the mode's end without a copy.
+// Only those: every store to it then carries one, so whichever of two
+// racing threads' stores lands last (plain stores: host memory has no
+// atomics over PCIe), the host still sees the end; the other bits wait
+// for ep_ll_error's read of the device word.
 __device__ static inline void ll_fail(const struct ekc_ll_args &a, uint32_t bit)
 {
 	const uint32_t o = atomicOr(ll_priv(a) + EKC_LL_PRIV_ERR, bit);
 	if (bit & EKC_LL_EFATAL)
 		atomicExch(ll_priv(a) + EKC_LL_PRIV_POISON, 1u);
-	if (a.herr && !(o & bit))
+	if (a.herr && (bit & (EKC_LL_EFATAL | EKC_LL_EPOISONED)) && !(o & bit))
 		asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(a.herr),
 			     "r"(o | bit) : "memory");
 }

@@ -375,6 +375,11 @@ def ll_rank(rank, sock, q):
                 assert r["recv_x"].dtype == np.uint8
                 assert r["recv_scales"].shape == (El, W * N, H // 128)
                 assert g.ll_error() is None
+                kept = int(r["recv_count"].sum())
+        # the host outputs are copies: still readable once the group
+        # is gone (no view of freed memory)
+        assert int(r["recv_count"].sum()) == kept
+        r["recv_x"].sum()
         q.put(("done", rank, None))
     except Exception as e:  # noqa: BLE001
         import traceback

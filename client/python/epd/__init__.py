@@ -635,14 +635,17 @@ class Group:
     # with numpy arrays (or CPU tensors), each call complete on return ----
 
     def _ll_view(self, ptr, shape, typestr):
-        if not self._per_gpu:  # libep's host memory: a numpy view
+        if not self._per_gpu:
+            # libep's host memory: a numpy copy (a view would outlive the
+            # memory once the group is left: Python stays memory-safe)
             import numpy
             dt = numpy.dtype("<u2" if typestr == "<i2" else typestr)
             n = 1
             for d in shape:
                 n *= d
             raw = (ctypes.c_char * max(n * dt.itemsize, 1)).from_address(ptr)
-            return numpy.frombuffer(raw, dtype=dt, count=n).reshape(shape)
+            return numpy.frombuffer(raw, dtype=dt,
+                                    count=n).reshape(shape).copy()
         import torch
         t = torch.as_tensor(_DeviceArray(ptr, shape, typestr),
                             device="cuda")
@@ -681,8 +684,8 @@ class Group:
         ll_combine and the hooks), recv_x [El, W*max_tokens, hidden] bf16,
         recv_count [El] int32, layout_range [El, W] int64, src_info
         [El, W*max_tokens] int32: views of this rank's low-latency memory
-        (torch on the GPU, numpy on the host), valid until the dispatch
-        after next. hook: ll_dispatch_hook(buffer) completes it later.
+        (torch on the GPU, valid until the dispatch after next), or numpy
+        copies on the host. hook: ll_dispatch_hook(buffer) completes it later.
         fp8: recv_x is float8_e4m3fn (uint8 where torch has no fp8, and on
         the host) and recv_scales its per-128 scales,
         [El, W*max_tokens, hidden/128] float32 column-major in the last
@@ -731,6 +734,14 @@ class Group:
         arrays, out written in place (uint16 bf16 bits)."""
         f = (LL_ZERO_COPY if expert_out is None else 0) | \
             (LL_HOOK if hook else 0)
+        if expert_out is None and not self._per_gpu:
+            # a host rank's combine buffer is this object's array
+            # (ll_combine_buffer): into libep's, then zero copy
+            p = ctypes.c_void_p()
+            _check(_lib.ep_ll_combine_buffer(self._g, buffer,
+                                             ctypes.byref(p)))
+            a = self._ll_cx(buffer)
+            ctypes.memmove(p.value, a.ctypes.data, a.nbytes)
         pe, ke = self._ll_in(expert_out)
         pw, kw = self._ll_in(weights)
         _check(_lib.ep_ll_combine(self._g, buffer, pe, pw,
@@ -742,15 +753,31 @@ class Group:
                                        self._stream(stream)))
 
     def ll_combine_buffer(self, buffer):
-        """[El, W*max_tokens, hidden] bf16 (a host rank: numpy uint16):
-        where a zero-copy combine of buffer reads the experts' rows."""
+        """[El, W*max_tokens, hidden] bf16: where a zero-copy combine of
+        buffer reads the experts' rows (a host rank: a numpy uint16 array
+        of this object's, which ll_combine copies from)."""
         p = ctypes.c_void_p()
         _check(_lib.ep_ll_combine_buffer(self._g, buffer, ctypes.byref(p)))
+        if not self._per_gpu:
+            return self._ll_cx(buffer)
         c = self.cfg
         W = c["world_size"]
         return self._ll_view(p.value, (c["num_experts"] // W,
                                        W * c["max_tokens_per_rank"],
                                        c["hidden"]), "<i2")
+
+    def _ll_cx(self, buffer):
+        """A host rank's zero-copy rows of buffer: an array this object
+        owns, copied into libep's combine buffer by ll_combine."""
+        import numpy
+        cx = self.__dict__.setdefault("_ll_cxs", {})
+        if buffer not in cx:
+            c = self.cfg
+            W = c["world_size"]
+            cx[buffer] = numpy.zeros((c["num_experts"] // W,
+                                      W * c["max_tokens_per_rank"],
+                                      c["hidden"]), numpy.uint16)
+        return cx[buffer]
 
     def ll_error(self):
         """None, or the first error the low-latency ops raised (read and
