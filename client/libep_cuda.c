@@ -208,7 +208,8 @@ void ep__cuda_unmap(ep_group_t *g)
 	 * the wait for the context is short. Without the release (a daemon
 	 * that died) a stream wait would never end: no wait then, as
 	 * before. */
-	if (((g->dev_ptr && g->sent) || g->ll) && g->buf && released(g) &&
+	if (((g->dev_ptr && g->sent) || g->ll || g->llx) && g->buf &&
+	    released(g) &&
 	    !ep__use_ctx(g->cuda_device))
 		(void)ep__drv.cuCtxSynchronize();
 	ep__mreg_fini(g);

@@ -67,6 +67,7 @@ struct ep_group {
 	struct ep_graphs *gr;   /* ops captured into CUDA graphs (libep_graph.c) */
 	struct ep_ll *ll;       /* the low-latency mode (libep_ll.c) */
 	struct ep_llh *llh;     /* and a host rank's (libep_llhost.c) */
+	struct ep_llx *llx;     /* a GPU rank's across nodes (libep_ll.c) */
 	struct list_node mregs; /* registered memory (libep_mreg.c) */
 };
 
@@ -157,6 +158,8 @@ int ep__llh_combine(ep_group_t *g, uint32_t buffer, const void *expert_out,
 int ep__llh_combine_hook(ep_group_t *g, uint32_t buffer);
 int ep__llh_combine_buffer(ep_group_t *g, uint32_t buffer, void **rows);
 int ep__llh_error(ep_group_t *g);
+/* The buffer the host path's next dispatch takes (0 or 1). */
+uint32_t ep__llh_next(const ep_group_t *g);
 int ep__llg_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 		     uint32_t num_tokens, unsigned flags, int fp8, void *stream,
 		     struct ep_ll_recv *out);

@@ -506,6 +506,11 @@ int ep__llh_combine_buffer(ep_group_t *g, uint32_t b, void **rows)
 	return 0;
 }
 
+uint32_t ep__llh_next(const ep_group_t *g)
+{
+	return g->llh ? g->llh->next : 0;
+}
+
 int ep__llh_error(ep_group_t *g)
 {
 	struct ep_llh *l = g->llh;

@@ -1,10 +1,11 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The low-latency mode's two ways give the same bits: 4 ranks, each in a
- * GPU group (the kernels on its stream; ranks sharing a GPU under MPS)
- * and in a host group of another daemon (libep's host path over the
- * daemon's dispatch and combine), run the same random inputs through
- * both: recv_count, layout_range, src_info, every received row and scale
+ * The low-latency mode's three ways give the same bits: 4 ranks, each in
+ * a GPU group (the kernels on its stream; ranks sharing a GPU under MPS),
+ * in a host group of another daemon (libep's host path over the daemon's
+ * dispatch and combine), and in a GPU group across two more daemons (2
+ * nodes of 2 ranks over tcp: the host path, staged through host memory),
+ * run the same random inputs through all three: recv_count, layout_range, src_info, every received row and scale
  * (bf16, and the three fp8 casts) and every combined token (plain, with
  * hooks, zero copy) bitwise equal. Rows with zeros, -0.0, tiny and large
  * values; experts repeated in a token, -1 slots. A rank with too many
@@ -16,6 +17,7 @@
 #include "gpu_util.h"
 
 #include <string.h>
+#include <unistd.h>
 
 #define W 4
 #define N 16
@@ -27,7 +29,7 @@
 #define ROUNDS 10
 
 struct shared {
-	const struct th_daemon *gpu, *host;
+	const struct th_daemon *gpu, *host, *node[2];
 	volatile int unsupported;
 };
 
@@ -118,11 +120,16 @@ static int rank_main(int r, void *arg)
 		.rank = (uint32_t)r, .num_experts = E, .hidden = H,
 		.max_tokens_per_rank = N, .topk = K, .dtype = EP_DTYPE_BF16,
 		.timeout_ms = 20000, .cuda_device = gpu};
-	ep_conn_t *gc, *hc;
-	ep_group_t *g, *h;
+	ep_conn_t *gc, *hc, *xc;
+	ep_group_t *g, *h, *xg;
 	TH_OK(ep_connect(s->gpu->sock, &gc));
 	TH_OK(ep_join(gc, &cfg, EP_JOIN_CUDA, &g));
 	h = th_join(s->host, &cfg, &hc);
+	struct ep_group_config xcfg = cfg;
+	xcfg.name = "llx2n";
+	xcfg.ranks_per_node = 2;
+	TH_OK(ep_connect(s->node[r / 2]->sock, &xc));
+	TH_OK(ep_join(xc, &xcfg, EP_JOIN_CUDA, &xg));
 	CUdeviceptr dx, dtk, dw, dy, dout;
 	CU(tg_drv.cuMemAlloc(&dx, sizeof(((struct in *)0)->x)));
 	CU(tg_drv.cuMemAlloc(&dtk, sizeof(((struct in *)0)->topk)));
@@ -131,8 +138,8 @@ static int rank_main(int r, void *arg)
 	CU(tg_drv.cuMemAlloc(&dout, N * H * 2));
 	struct in *in = malloc(sizeof(*in));
 	uint16_t *y = malloc((size_t)El * WN * H * 2);
-	struct out *o[2];
-	for (int i = 0; i < 2; i++) {
+	struct out *o[3];
+	for (int i = 0; i < 3; i++) {
 		o[i] = calloc(1, sizeof(*o[i]));
 		o[i]->rx = malloc((size_t)El * WN * H * 2);
 		o[i]->sc = malloc((size_t)El * (H / 128) * WN * 4);
@@ -152,21 +159,25 @@ static int rank_main(int r, void *arg)
 		const bool fp8 = dfl & EP_LL_FP8;
 		const size_t rowb = fp8 ? H : H * 2;
 		const size_t G = (dfl & EP_LL_UE8M0) ? H / 512 : H / 128;
-		for (int way = 0; way < 2; way++) { /* 0: GPU, 1: host */
+		/* 0: the kernels, 1: host ranks, 2: GPU ranks on two nodes
+		 * (staged) */
+		for (int way = 0; way < 3; way++) {
 			struct out *ou = o[way];
-			ep_group_t *gg = way ? h : g;
+			ep_group_t *gg = way == 1 ? h : way == 2 ? xg : g;
+			const bool dev = way != 1;
+			void *stw = dev ? st : NULL;
 			struct ep_ll_recv rv;
 			const void *px = in->x;
 			const int64_t *pt = in->topk;
-			if (!way) {
+			if (dev) {
 				tg_upload(dx, in->x, sizeof(in->x));
 				tg_upload(dtk, in->topk, sizeof(in->topk));
 				tg_upload(dw, in->w, sizeof(in->w));
 				px = (void *)(uintptr_t)dx;
 				pt = (const int64_t *)(uintptr_t)dtk;
 			}
-			ou->rc_d = ep_ll_dispatch(gg, px, pt, in->T, dfl,
-						  way ? NULL : st, &rv);
+			ou->rc_d = ep_ll_dispatch(gg, px, pt, in->T, dfl, stw,
+						  &rv);
 			if (ou->rc_d == EP_EUNSUPPORTED && !way && !round) {
 				s->unsupported = 1;
 				return 0;
@@ -175,11 +186,10 @@ static int rank_main(int r, void *arg)
 				 "round %d rank %d way %d: %s: %s", round, r,
 				 way, ep_strerror(ou->rc_d), ep_errmsg());
 			if (dfl & EP_LL_HOOK)
-				TH_OK(ep_ll_dispatch_hook(gg, rv.buffer,
-							  way ? NULL : st));
+				TH_OK(ep_ll_dispatch_hook(gg, rv.buffer, stw));
 			const size_t nrx = (size_t)El * WN * rowb,
 				     nsc = (size_t)El * G * WN * 4;
-			if (!way) {
+			if (dev) {
 				CU(tg_drv.cuStreamSynchronize(st));
 				CU(tg_drv.cuMemcpyDtoH(ou->count,
 						       tg_dptr(rv.recv_count),
@@ -207,68 +217,77 @@ static int rank_main(int r, void *arg)
 					memcpy(ou->sc, rv.recv_scales, nsc);
 			}
 			/* the combine: y at the places the dispatch gave */
-			const void *ex = way ? (const void *)y
-					     : (const void *)(uintptr_t)dy;
+			const void *ex = dev ? (const void *)(uintptr_t)dy
+					     : (const void *)y;
 			if (cfl & EP_LL_ZERO_COPY) {
 				void *cx;
 				TH_OK(ep_ll_combine_buffer(gg, rv.buffer, &cx));
-				if (way)
+				if (!dev)
 					memcpy(cx, y, (size_t)El * WN * H * 2);
 				else
 					tg_upload(tg_dptr(cx), y,
 						  (size_t)El * WN * H * 2);
 				ex = NULL;
-			} else if (!way) {
+			} else if (dev) {
 				tg_upload(dy, y, (size_t)El * WN * H * 2);
 			}
-			const float *pw = way ? in->w
-					      : (const float *)(uintptr_t)dw;
-			void *pout = way ? (void *)ou->comb
-					 : (void *)(uintptr_t)dout;
+			const float *pw = dev ? (const float *)(uintptr_t)dw
+					      : in->w;
+			void *pout = dev ? (void *)(uintptr_t)dout
+					 : (void *)ou->comb;
 			TH_OK(ep_ll_combine(gg, rv.buffer, ex, pw, pout, cfl,
-					    way ? NULL : st));
+					    stw));
 			if (cfl & EP_LL_HOOK)
-				TH_OK(ep_ll_combine_hook(gg, rv.buffer,
-							 way ? NULL : st));
-			if (!way) {
+				TH_OK(ep_ll_combine_hook(gg, rv.buffer, stw));
+			if (dev) {
 				CU(tg_drv.cuStreamSynchronize(st));
 				CU(tg_drv.cuMemcpyDtoH(ou->comb, dout,
 						       sizeof(ou->comb)));
 			}
 			ou->rc_err = ep_ll_error(gg);
 		}
-		TH_CHECK(o[0]->rc_d == o[1]->rc_d && o[0]->rc_err == o[1]->rc_err,
-			 "round %d rank %d: the GPU's %d/%d, the host's %d/%d",
-			 round, r, o[0]->rc_d, o[0]->rc_err, o[1]->rc_d,
-			 o[1]->rc_err);
-		TH_CHECK(round < ROUNDS || o[0]->rc_err ==
-					   (round == ROUNDS ? EP_ETOOBIG
-					    : r == 2	 ? EP_EEXPERT
-							 : 0),
-			 "round %d rank %d: ep_ll_error %d", round, r,
-			 o[0]->rc_err);
-		SAME(o[0]->count, o[1]->count, sizeof(o[0]->count),
-		     "recv_count");
-		SAME(o[0]->layout, o[1]->layout, sizeof(o[0]->layout),
-		     "layout_range");
-		SAME(o[0]->src, o[1]->src, sizeof(o[0]->src), "src_info");
-		for (int el = 0; el < El; el++) {
-			const size_t n = (size_t)o[0]->count[el];
-			SAME(o[0]->rx + (size_t)el * WN * rowb,
-			     o[1]->rx + (size_t)el * WN * rowb, n * rowb,
-			     "recv_x");
-			for (size_t gi = 0; fp8 && gi < G; gi++)
-				SAME(o[0]->sc + ((size_t)el * G + gi) * WN,
-				     o[1]->sc + ((size_t)el * G + gi) * WN,
-				     n * 4, "recv_scales");
+		for (int wv = 0; wv < 3; wv += 2) {
+			const struct out *a = o[wv], *hb = o[1];
+			TH_CHECK(a->rc_d == hb->rc_d && a->rc_err == hb->rc_err,
+				 "round %d rank %d: way %d's %d/%d, the host's "
+				 "%d/%d",
+				 round, r, wv, a->rc_d, a->rc_err, hb->rc_d,
+				 hb->rc_err);
+			TH_CHECK(round < ROUNDS || a->rc_err ==
+						   (round == ROUNDS ? EP_ETOOBIG
+						    : r == 2	 ? EP_EEXPERT
+								 : 0),
+				 "round %d rank %d way %d: ep_ll_error %d", round,
+				 r, wv, a->rc_err);
+			SAME(a->count, hb->count, sizeof(a->count),
+			     wv ? "recv_count (two nodes)" : "recv_count");
+			SAME(a->layout, hb->layout, sizeof(a->layout),
+			     wv ? "layout_range (two nodes)" : "layout_range");
+			SAME(a->src, hb->src, sizeof(a->src),
+			     wv ? "src_info (two nodes)" : "src_info");
+			for (int el = 0; el < El; el++) {
+				const size_t n = (size_t)a->count[el];
+				SAME(a->rx + (size_t)el * WN * rowb,
+				     hb->rx + (size_t)el * WN * rowb, n * rowb,
+				     wv ? "recv_x (two nodes)" : "recv_x");
+				for (size_t gi = 0; fp8 && gi < G; gi++)
+					SAME(a->sc + ((size_t)el * G + gi) * WN,
+					     hb->sc + ((size_t)el * G + gi) * WN,
+					     n * 4,
+					     wv ? "recv_scales (two nodes)"
+						: "recv_scales");
+			}
+			const uint32_t T = in->T > N ? 0 : in->T;
+			SAME(a->comb, hb->comb, (size_t)T * H * 2,
+			     wv ? "combined (two nodes)" : "combined");
 		}
-		const uint32_t T = in->T > N ? 0 : in->T;
-		SAME(o[0]->comb, o[1]->comb, (size_t)T * H * 2, "combined");
 	}
 	TH_OK(ep_leave(g));
 	TH_OK(ep_leave(h));
+	TH_OK(ep_leave(xg));
 	ep_close(gc);
 	ep_close(hc);
+	ep_close(xc);
 	return 0;
 }
 
@@ -277,26 +296,64 @@ int main(void)
 	th_init("gpu: the low-latency mode, GPU and host ways bitwise", 300);
 	if (tg_probe())
 		return TH_SKIP;
-	struct th_daemon dg, dh;
+	struct th_daemon dg, dh, dn[2];
 	th_daemon_start(&dg, "-b", "cuda", NULL);
 	th_daemon_start(&dh, NULL);
+	/* two more, a cluster over tcp: the GPU ranks' group across nodes */
+	int port = th_ports(2);
+	char peers[160], key[128], kv[2][5][200];
+	snprintf(peers, sizeof(peers), "n0@127.0.0.1:%d, n1@127.0.0.1:%d",
+		 port, port + 1);
+	snprintf(key, sizeof(key), "%s/cluster.key", th_tmpdir("epdllx"));
+	FILE *f = fopen(key, "w");
+	TH_CHECK(f, "key file");
+	fprintf(f, "gpu-ll-host-test-secret-%d\n", getpid());
+	fclose(f);
+	for (int i = 0; i < 2; i++) {
+		snprintf(kv[i][0], 200, "node_name=n%d", i);
+		snprintf(kv[i][1], 200, "peers=%s", peers);
+		snprintf(kv[i][2], 200, "cluster_key_file=%s", key);
+		snprintf(kv[i][3], 200, "heartbeat_ms=100");
+		snprintf(kv[i][4], 200, "heartbeat_miss=20");
+		th_daemon_start(&dn[i], "-b", "cuda", "-o", kv[i][0], "-o",
+				kv[i][1], "-o", kv[i][2], "-o", kv[i][3], "-o",
+				kv[i][4], "-o", "transport=tcp", NULL);
+	}
+	for (int t = 0;; t++) {
+		ep_conn_t *c;
+		char *js = NULL;
+		TH_OK(ep_connect(dn[0].sock, &c));
+		TH_OK(ep_daemon_status(c, &js));
+		ep_close(c);
+		bool up = strstr(js, "\"SU\"") && strstr(js, "\"US\"");
+		free(js);
+		if (up)
+			break;
+		TH_CHECK(t < 300, "the two nodes never saw each other");
+		th_sleep_ms(20);
+	}
 	struct shared *s = th_shared(sizeof(*s));
 	s->gpu = &dg;
 	s->host = &dh;
+	s->node[0] = &dn[0];
+	s->node[1] = &dn[1];
 	pid_t p[W];
 	th_spawn(p, W, rank_main, s);
 	TH_CHECK(th_wait_all(p, W, 240) == 0, "a rank failed");
 	th_daemon_stop(&dg);
 	th_daemon_stop(&dh);
+	th_daemon_stop(&dn[0]);
+	th_daemon_stop(&dn[1]);
 	if (s->unsupported) {
 		printf("skip: the low-latency mode needs MPS where ranks share "
 		       "a GPU\n");
 		return TH_SKIP;
 	}
-	printf("ok: %d rounds and two error rounds, 4 ranks: the kernels and "
-	       "the host path bitwise equal (counts, layout, src_info, rows "
-	       "and scales of bf16 and three fp8 casts, combined tokens plain, "
-	       "hooked and zero copy; the same error codes)\n",
+	printf("ok: %d rounds and two error rounds, 4 ranks: the kernels, "
+	       "the host path and GPU ranks on two nodes (staged) bitwise "
+	       "equal (counts, layout, src_info, rows and scales of bf16 and "
+	       "three fp8 casts, combined tokens plain, hooked and zero copy; "
+	       "the same error codes)\n",
 	       ROUNDS);
 	return 0;
 }

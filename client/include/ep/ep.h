@@ -390,7 +390,11 @@ uint64_t ep_group_device_region(const ep_group_t *group, size_t *size);
  * second group of the same ranks (the group's name with ":ll-" and a
  * hash), joined at the first low-latency call and left with the group. A
  * failed op (a rank died or left, a timeout: the daemon's error) ends the
- * mode as below.
+ * mode as below. GPU ranks of a group across nodes take that host path,
+ * staged: each call waits for the stream, copies its inputs to the host
+ * and queues its outputs' copies (libep's device memory) on the stream;
+ * the same bits, not the kernels' speed, and not capturable (a capturing
+ * stream gets EP_EUNSUPPORTED).
  *
  * ep_ll_dispatch sends this rank's num_tokens (<= max_tokens) rows of x
  * [T, hidden] to the ranks of its top-k experts (topk_idx [T, topk] i64,
