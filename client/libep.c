@@ -286,6 +286,12 @@ void ep_close(ep_conn_t *c)
 int ep_join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 	    ep_group_t **out)
 {
+	return ep__join(c, cfg, flags, 0, out);
+}
+
+int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
+	     uint64_t link, ep_group_t **out)
+{
 	if (!c || !cfg || !out || !cfg->name)
 		return ep__fail(EP_EINVAL, "NULL argument");
 	if (flags & ~(EP_JOIN_NOWAIT | EP_JOIN_CUDA | EP_JOIN_RECV_AREAS(~0u)))
@@ -310,6 +316,9 @@ int ep_join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 	j.topk = cfg->topk;
 	j.dtype = (uint32_t)cfg->dtype;
 	j.timeout_ms = cfg->timeout_ms;
+	/* linked (1.16): fails with that group, even while forming; a daemon
+	 * below 1.16 would refuse the flag */
+	j.link = c->minor >= 16 ? link : 0;
 	if (flags & EP_JOIN_CUDA) {
 		if (flags & EP_JOIN_NOWAIT)
 			return ep__fail(EP_EINVAL, "a GPU rank's join waits "
@@ -334,8 +343,9 @@ int ep_join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 	int fds[2];
 	pthread_mutex_lock(&c->mu);
 	int rc = ep__rpc(c, EPP_JOIN,
-			 flags & EP_JOIN_NOWAIT ? EPP_F_JOIN_NOWAIT : 0, buf,
-			 (uint32_t)n, &rep, &rlen, fds, 2, wait);
+			 (flags & EP_JOIN_NOWAIT ? EPP_F_JOIN_NOWAIT : 0) |
+				 (j.link ? EPP_F_JOIN_LINK : 0),
+			 buf, (uint32_t)n, &rep, &rlen, fds, 2, wait);
 	int fd = fds[0];
 	pthread_mutex_unlock(&c->mu);
 	if (rc) {

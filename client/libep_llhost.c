@@ -181,7 +181,9 @@ static int llh_setup(ep_group_t *g)
 		.num_experts = l->E, .hidden = l->H,
 		.max_tokens_per_rank = (uint32_t)aux_max, .topk = 1,
 		.dtype = EP_DTYPE_BF16, .timeout_ms = g->timeout_ms};
-	int rc = ep_join(g->conn, &ac, 0, &l->aux);
+	/* linked: a rank the group lost fails this join at once, not at
+	 * the pseudo group's timeout */
+	int rc = ep__join(g->conn, &ac, 0, g->id, &l->aux);
 	if (!rc) {
 		/* the group owns it: freed with it, never on its own by
 		 * ep_close */

@@ -273,6 +273,9 @@ size_t epp_join_encode(const struct epp_join *j, uint8_t *out, size_t cap)
 	/* 1.12: only above one (older daemons read the rest) */
 	if (j->recv_areas > 1)
 		epp_put_u32(&w, j->recv_areas);
+	/* 1.16: with EPP_F_JOIN_LINK in the header */
+	if (j->link)
+		epp_put_u64(&w, j->link);
 	return w.err ? 0 : w.off;
 }
 
@@ -316,6 +319,7 @@ int epp_join_decode(const uint8_t *p, size_t len, struct epp_join *j,
 	memset(j->gpu_uuid, 0, sizeof(j->gpu_uuid));
 	j->rank_flags = 0;
 	j->recv_areas = 1;
+	j->link = 0;
 	size_t tail = r.len >= r.off ? r.len - r.off : 0;
 	if (tail == 20 || tail == 24) {
 		for (int i = 0; i < 16; i++)
@@ -395,6 +399,29 @@ int epp_join_decode(const uint8_t *p, size_t len, struct epp_join *j,
 		return EP_EINVAL;
 	}
 	return 0;
+}
+
+int epp_join_decode_flags(const uint8_t *p, size_t len, uint16_t flags,
+			  struct epp_join *j, char *err, size_t errlen)
+{
+	if (!(flags & EPP_F_JOIN_LINK))
+		return epp_join_decode(p, len, j, err, errlen);
+	if (len < 8) {
+		ERRF("malformed join payload (%zu bytes): no group to link to",
+		     len);
+		return EP_EPROTO;
+	}
+	struct epp_rd r;
+	epp_rd_init(&r, p + len - 8, 8);
+	const uint64_t link = epp_get_u64(&r);
+	if (epp_rd_end(&r) || !link) {
+		ERRF("malformed join payload: the group to link to is 0");
+		return EP_EPROTO;
+	}
+	int rc = epp_join_decode(p, len - 8, j, err, errlen);
+	if (!rc)
+		j->link = link;
+	return rc;
 }
 
 size_t epp_join_ok_encode(const struct epp_join_ok *j, uint8_t *out, size_t cap)

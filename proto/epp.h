@@ -89,6 +89,12 @@
  *        (EPP_CTL_RECV_SEQ) once the routing is known, before the rows
  *        land: a rank's CPU waits for the counts alone, as DeepEP's does,
  *        and the op's rows follow in stream order.
+ *   1.16 JOIN with EPP_F_JOIN_LINK ends with u64 link: the id of a group
+ *        this connection has joined. The new group fails whenever that
+ *        one does (at once if it has; joiners still waiting for the
+ *        group get that error and are removed), so a group libep makes
+ *        for another (the host ranks' low-latency pseudo group) never
+ *        waits out its timeout for a rank its group already lost.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -107,7 +113,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 15
+#define EPP_VERSION_MINOR 16
 /* Stream-ordered ops a GPU rank may have in flight (libep waits before
  * more; the daemon's rings are this deep). */
 #define EPP_MAX_INFLIGHT 1024
@@ -164,7 +170,8 @@ enum epp_flags {
 				    ordered; errors go to the control page,
 				    no reply on success. RELEASE: no reply
 				    on success */
-	EPP_F_ALL = 0x3,
+	EPP_F_JOIN_LINK = 0x4,   /* JOIN: linked to another group (1.16) */
+	EPP_F_ALL = 0x7,
 };
 
 struct epp_hdr {
@@ -187,6 +194,8 @@ struct epp_join {
 	uint8_t gpu_uuid[16]; /* all zero: a host rank */
 	uint32_t rank_flags;  /* EPP_RANK_*, with a UUID only */
 	uint32_t recv_areas;  /* 1.12: areas of received rows, 1 or more */
+	uint64_t link;        /* 1.16: with EPP_F_JOIN_LINK, the group it is
+				 linked to (encoded last when not 0) */
 };
 
 #define EPP_RANK_MPS 0x1 /* the rank's CUDA context runs under MPS */
@@ -516,6 +525,10 @@ const char *epp_type_name(uint16_t type);
 
 /* Payload codecs. decode returns 0 or EP_EPROTO/EP_EINVAL with a message. */
 size_t epp_join_encode(const struct epp_join *j, uint8_t *out, size_t cap);
+/* JOIN's payload as the header's flags say: with EPP_F_JOIN_LINK the last
+ * 8 bytes are j->link (not 0), the rest as epp_join_decode. */
+int epp_join_decode_flags(const uint8_t *p, size_t len, uint16_t flags,
+			  struct epp_join *j, char *err, size_t errlen);
 int epp_join_decode(const uint8_t *p, size_t len, struct epp_join *j,
 		    char *err, size_t errlen);
 bool epp_group_name_valid(const char *name);

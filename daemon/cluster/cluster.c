@@ -547,26 +547,42 @@ void *epd_cluster_status(struct epd_server *srv)
 	return o;
 }
 
-/* Tell the group's other nodes it failed here. */
-static void group_failed(struct epd_group *g, int code, const char *msg)
+/* Tell the other nodes of group `key` (nnodes of them) that it failed
+ * here, having completed `round` barriers and `xops` data ops. */
+static void gfail_send(struct epd_cluster *cl, const char *key,
+		       uint32_t nnodes, int code, const char *msg,
+		       uint64_t round, uint64_t xops)
 {
-	struct epd_cluster *cl = g->srv->cluster;
 	uint8_t buf[EPP_ERRMSG_MAX + 128];
 	if (!cl)
 		return;
-	/* How far this node got: the barriers it completed (every local rank
-	 * entered them, so their arrivals went out) and the data ops it
-	 * completed (their rows went out). The others may finish up to there;
-	 * a rank that died never entered the next round. */
-	struct epp_peer_gfail m = {.code = code, .round = g->round,
-				   .xops = g->xop_next};
-	snprintf(m.group, sizeof(m.group), "%s", g->key);
+	struct epp_peer_gfail m = {.code = code, .round = round, .xops = xops};
+	snprintf(m.group, sizeof(m.group), "%s", key);
 	snprintf(m.msg, sizeof(m.msg), "%s", msg);
 	size_t gn = epp_peer_gfail_encode(&m, buf, sizeof(buf));
-	for (uint32_t n = 0; n < g->nnodes; n++)
+	for (uint32_t n = 0; n < nnodes && (int)n < cl->n; n++)
 		if ((int)n != cl->self && cl->node[n].state == NODE_UP)
 			cl_conn_send(cl->node[n].conn, EPP_PEER_GFAIL, buf,
 				  (uint32_t)gn);
+}
+
+/* Tell the group's other nodes it failed here. How far this node got:
+ * the barriers it completed (every local rank entered them, so their
+ * arrivals went out) and the data ops it completed (their rows went
+ * out). The others may finish up to there; a rank that died never
+ * entered the next round. */
+static void group_failed(struct epd_group *g, int code, const char *msg)
+{
+	gfail_send(g->srv->cluster, g->key, g->nnodes, code, msg, g->round,
+		   g->xop_next);
+}
+
+/* A group this node refused to form (it is linked to a group that
+ * failed): the nodes where it formed fail it at its first op. */
+static void span_failed_key(struct epd_server *srv, const char *key,
+			    uint32_t nnodes, int code, const char *msg)
+{
+	gfail_send(srv->cluster, key, nnodes, code, msg, 0, 0);
 }
 
 void epd_cluster_send(struct epd_group *g, uint32_t n, uint16_t type,
@@ -633,6 +649,7 @@ static const struct epd_span_ops span_ops = {
 	.missing = epd_xop_missing,
 	.ready = span_ready,
 	.failed = span_failed,
+	.failed_key = span_failed_key,
 	.freed = span_freed,
 	.node_name = epd_cluster_node_name,
 };

@@ -93,6 +93,10 @@ struct epd_span_ops {
 	 * be told to the others. */
 	void (*failed)(struct epd_group *g, int code, const char *msg,
 		       bool tell);
+	/* A group of key (spanning nnodes) that this node refused to form:
+	 * the others fail it at its first op. */
+	void (*failed_key)(struct epd_server *srv, const char *key,
+			   uint32_t nnodes, int code, const char *msg);
 	/* The group is being freed. */
 	void (*freed)(struct epd_group *g);
 	/* Its nodes' names, for messages. */
@@ -234,6 +238,12 @@ struct epd_group {
 	uint64_t handle_bytes; /* their memory, against max_handle_bytes */
 	uint64_t next_seq;
 
+	/* Linked groups (JOIN with EPP_F_JOIN_LINK): this group fails when
+	 * link_parent does; linked lists the groups linked to this one. */
+	struct epd_group *link_parent;
+	struct list_node link_node; /* in link_parent->linked */
+	struct list_node linked;
+
 	uint64_t n_barrier, n_dispatch, n_combine, n_errors;
 	uint64_t bytes_moved;
 	/* host path: when the collective's first local rank arrived, and the
@@ -325,6 +335,9 @@ struct epd_server {
 int epd_group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 		   const struct epp_join *j);
 int epd_group_leave(struct epd_session *c, uint64_t req_id, uint64_t gid);
+/* Fail the groups linked to g (EPP_F_JOIN_LINK) with code: g failed
+ * (why). */
+void epd_group_links_fail(struct epd_group *g, int code, const char *why);
 int epd_group_barrier(struct epd_session *c, uint64_t req_id, uint64_t gid);
 int epd_group_async(struct epd_session *c, uint64_t req_id, uint64_t gid,
 		    const struct epd_aop *op);

@@ -130,6 +130,17 @@ static void group_destroy(struct epd_group *g)
 	epd_info("group %s (id %lu) destroyed", g->shape.name,
 		 (unsigned long)g->id);
 	list_del(&g->node);
+	/* no links outlive it, either way */
+	list_del(&g->link_node);
+	g->link_parent = NULL;
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &g->linked)
+	{
+		struct epd_group *ch = LIST_ENTRY(it, struct epd_group,
+						  link_node);
+		list_del(&ch->link_node);
+		ch->link_parent = NULL;
+	}
 	g->timer_closing = true;
 	uv_close((uv_handle_t *)&g->timer, group_timer_closed);
 }
@@ -187,6 +198,43 @@ void epd_list_ranks(char *out, size_t cap, struct epd_group *g,
 	}
 }
 
+/* Group ch's linked group (named pname) failed (why): ch fails with that
+ * code. Its ranks still waiting to join get the error and are removed,
+ * as at the join timeout (the group goes with its last member). */
+static void link_fail(struct epd_group *ch, int code, const char *pname,
+		      const char *why)
+{
+	if (ch->state == EPD_G_FAILED || ch->destroyed)
+		return;
+	char msg[EPP_ERRMSG_MAX];
+	snprintf(msg, sizeof(msg), "group %.64s, which it is linked to, "
+		 "failed: %.900s",
+		 pname, why);
+	/* the ranks waiting to join it, before the failure replies to them */
+	bool waiting[EPP_MAX_WORLD];
+	const uint32_t rpn = ch->shape.ranks_per_node;
+	for (uint32_t l = 0; l < rpn; l++)
+		waiting[l] = ch->local[l] &&
+			     ch->local[l]->pending_type == EPP_JOIN;
+	/* failed first: its other nodes learn it (where it formed, its
+	 * first op fails instead of waiting out the timeout) */
+	epd_group_fail(ch, code, "%s", msg);
+	for (uint32_t l = 0; l < rpn && !ch->destroyed; l++)
+		if (waiting[l] && ch->local[l])
+			epd_member_remove(ch->local[l], "the group it is "
+							"linked to failed");
+}
+
+void epd_group_links_fail(struct epd_group *g, int code, const char *why)
+{
+	/* a removal in link_fail may destroy a linked group: it leaves this
+	 * list, and the walk goes on from the next */
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &g->linked)
+	link_fail(LIST_ENTRY(it, struct epd_group, link_node), code,
+		  g->shape.name, why);
+}
+
 /* The group can no longer run collectives: every pending op fails with
  * `code`; later ops get the same code and message. */
 void epd_group_fail(struct epd_group *g, int code, const char *fmt, ...)
@@ -225,6 +273,7 @@ void epd_group_fail(struct epd_group *g, int code, const char *fmt, ...)
 			epd_member_reply_err(m, code, g->last_error);
 		}
 	}
+	epd_group_links_fail(g, code, g->last_error);
 }
 
 static void join_reply(struct epd_member *m)
@@ -438,6 +487,9 @@ static struct epd_group *group_create(struct epd_server *srv, uid_t owner,
 	g->node_index = j->rank / j->ranks_per_node;
 	g->timeout_ms = j->timeout_ms ? j->timeout_ms : srv->cfg.timeout_ms;
 	g->state = EPD_G_FORMING;
+	g->shape.link = 0; /* a joiner's, not the group's */
+	LIST_INIT(&g->linked);
+	LIST_INIT(&g->link_node);
 	g->created_ns = epd_now_ns();
 	g->buf_fd = -1;
 	g->local = calloc(j->ranks_per_node, sizeof(*g->local));
@@ -584,6 +636,44 @@ int epd_group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 	char key[EPP_GKEY_MAX + 1];
 	bool shared = epd_group_key(&srv->cfg, c->uid, j->name, key,
 				    sizeof(key));
+	/* 1.16: linked to a group of this connection's: refused at once if
+	 * that one failed */
+	struct epd_group *parent = NULL;
+	if (flags & EPP_F_JOIN_LINK) {
+		struct epd_member *pm = epd_member_find(c, j->link);
+		if (!pm) {
+			epd_session_error(c, req_id, EP_ENOGROUP,
+					 "the group to link %s to (id %lu) is "
+					 "not joined on this connection",
+					 j->name, (unsigned long)j->link);
+			return EP_ENOGROUP;
+		}
+		parent = pm->group;
+		/* failed, or failing on another node (a local op past what
+		 * that node did would fail it; the linked group's would) */
+		const bool failed = parent->state == EPD_G_FAILED;
+		if (failed || parent->rfail_code) {
+			code = failed ? parent->fail_code : parent->rfail_code;
+			epd_session_error(c, req_id, code,
+					 "group %s, which %s is linked to, "
+					 "failed: %s",
+					 parent->shape.name, j->name,
+					 failed ? parent->last_error
+						: parent->rfail_msg);
+			/* where it formed already, it fails at its first op
+			 * (it can never have this node's ranks) */
+			struct epd_group *o = epd_group_find(srv, key);
+			if (o && o->state != EPD_G_FAILED)
+				link_fail(o, code, parent->shape.name,
+					  failed ? parent->last_error
+						 : parent->rfail_msg);
+			else if (!o && nnodes > 1 && srv->span->failed_key)
+				srv->span->failed_key(srv, key, nnodes, code,
+						      "a rank's linked group "
+						      "failed here");
+			return code;
+		}
+	}
 	struct epd_group *g = epd_group_find(srv, key);
 	if (g) {
 		if (g->state == EPD_G_FAILED) {
@@ -616,6 +706,25 @@ int epd_group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 				 "pid %d",
 				 j->rank, g->shape.name, (int)o->client->pid);
 		return EP_EDUPRANK;
+	}
+	if (parent && (parent == g || (g->link_parent &&
+				       g->link_parent != parent))) {
+		code = parent == g ? EP_EINVAL : EP_EMISMATCH;
+		epd_session_error(c, req_id, code,
+				 parent == g ? "group %s cannot be linked to "
+					       "itself"
+					     : "group %s is linked to group %s; "
+					       "this join names another",
+				 g->shape.name,
+				 g->link_parent ? g->link_parent->shape.name
+						: "");
+		if (g->njoined == 0)
+			group_destroy(g);
+		return code;
+	}
+	if (parent && !g->link_parent) {
+		g->link_parent = parent;
+		list_add_tail(&parent->linked, &g->link_node);
 	}
 	struct epd_member *m = calloc(1, sizeof(*m));
 	if (!m) {

@@ -406,7 +406,8 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 				 "daemon is shutting down");
 		return;
 	}
-	if ((h->flags & ~EPP_F_JOIN_NOWAIT) && h->type == EPP_JOIN) {
+	if ((h->flags & ~(EPP_F_JOIN_NOWAIT | EPP_F_JOIN_LINK)) &&
+	    h->type == EPP_JOIN) {
 		epd_session_error(&c->s, h->req_id, EP_EPROTO,
 				 "flags 0x%x not valid for join", h->flags);
 		return;
@@ -427,7 +428,8 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 		break;
 	case EPP_JOIN: {
 		struct epp_join j;
-		int rc = epp_join_decode(p, h->length, &j, err, sizeof(err));
+		int rc = epp_join_decode_flags(p, h->length, h->flags, &j, err,
+					       sizeof(err));
 		if (rc) {
 			epd_session_error(&c->s, h->req_id, rc, "%s", err);
 			break;

@@ -56,6 +56,12 @@ static json_t *group_json(struct epd_group *g)
 		json_object_set_new(o, "owner_uid",
 				    json_integer((json_int_t)g->owner));
 		json_object_set_new(o, "shared", json_boolean(g->shared));
+		/* the group it fails with (libep's low-latency pseudo group
+		 * names its group), or null */
+		json_object_set_new(o, "linked_to",
+				    g->link_parent
+					    ? json_string(g->link_parent->shape.name)
+					    : json_null());
 		/* handles not yet released (host routings) */
 		json_object_set_new(o, "handles",
 				    json_pack("{s:I, s:I}", "held",

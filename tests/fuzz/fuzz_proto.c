@@ -49,6 +49,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		size_t n = epp_join_encode(&j, b, sizeof(b));
 		must(n == size && !memcmp(b, data, n), "join re-encode");
 	}
+	/* the same bytes as a JOIN linked to a group: its last 8 bytes */
+	if (epp_join_decode_flags(data, size, EPP_F_JOIN_LINK, &j, err,
+				  sizeof(err)) == 0) {
+		must(j.link != 0 && size >= 8, "join link");
+		uint8_t b[256];
+		size_t n = epp_join_encode(&j, b, sizeof(b));
+		must(n == size && !memcmp(b, data, n), "linked join re-encode");
+	}
 	struct epp_join_ok jo;
 	(void)epp_join_ok_decode(data, size, &jo);
 	/* fixed-size op payloads: a decode that succeeds consumed exactly

@@ -422,6 +422,25 @@ int main(void)
 	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_JOIN, 0, (uint32_t)jn,
 		 12, jb);
 	expect_error(fd, 12, EP_EINVAL, "group name");
+	/* linked joins (1.16): no link id, a link of 0, a group this
+	 * connection has not joined */
+	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_JOIN, EPP_F_JOIN_LINK,
+		 5, 14, "\x03\x00" "abc");
+	expect_error(fd, 14, EP_EPROTO, "no group to link to");
+	strcpy(j.name, "lk");
+	j.world_size = j.ranks_per_node = 1;
+	j.link = 0;
+	jn = epp_join_encode(&j, jb, sizeof(jb));
+	memset(jb + jn, 0, 8);
+	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_JOIN, EPP_F_JOIN_LINK,
+		 (uint32_t)jn + 8, 15, jb);
+	expect_error(fd, 15, EP_EPROTO, "link to is 0");
+	j.link = 77;
+	jn = epp_join_encode(&j, jb, sizeof(jb));
+	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_JOIN, EPP_F_JOIN_LINK,
+		 (uint32_t)jn, 16, jb);
+	expect_error(fd, 16, EP_ENOGROUP, "to link lk to");
+	j.link = 0;
 	expect_usable(fd);
 	close(fd);
 

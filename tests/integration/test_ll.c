@@ -15,6 +15,9 @@
  *    sent, the next op is whole again; an expert index out of range: the
  *    sender's ep_ll_error reports EP_EEXPERT and that (token, k) is
  *    skipped;
+ *  - a rank lost before the first low-latency call, or while the others
+ *    wait for the pseudo group to form: their call fails with
+ *    EP_EPEERLOST at once (the pseudo group is linked to the group);
  *  - a rank killed, a rank that leaves, a rank late past the timeout:
  *    the others' op fails (EP_EPEERLOST at once for the first two,
  *    EP_ETIMEDOUT for the third), and from then on every call returns
@@ -494,7 +497,7 @@ static int rounds_rank(int r, void *arg)
 
 /* ---- failures ---- */
 
-enum fail { F_KILL, F_LEAVE, F_LATE };
+enum fail { F_KILL, F_LEAVE, F_LATE, F_EARLY, F_JOINING, F_LATEJOIN };
 
 struct fx {
 	struct run run;
@@ -595,6 +598,47 @@ static int fail_rank(int r, void *arg)
 	return 0;
 }
 
+/* A rank lost before the group's first low-latency call (which joins
+ * the pseudo group, linked to the group): the others' first call fails
+ * with EP_EPEERLOST at once, not at the timeout, whether the group had
+ * failed already (early) or fails while they wait for the pseudo group
+ * to form (joining), or while they wait in its first op for a rank that
+ * comes after the loss (late join: across nodes, the pseudo group formed
+ * on the others' node); later calls too. */
+static int early_rank(int r, void *arg)
+{
+	const struct fx *f = arg;
+	const struct run *x = &f->run;
+	ep_conn_t *conn;
+	ep_group_t *g = join(x, r, x->name, TIMEOUT_MS, &conn);
+	if (r == x->W - 1) {
+		if (f->how != F_EARLY)
+			th_sleep_ms(300);
+		raise(SIGKILL);
+	}
+	/* late join: the victim's node-mate comes after the loss (its join
+	 * is refused; where the others formed the pseudo group, their op
+	 * fails at once) */
+	if (f->how == F_EARLY || (f->how == F_LATEJOIN && r == x->W - 2))
+		th_sleep_ms(600);
+	struct rin mine;
+	gen_in(70, r, false, false, &mine);
+	struct ep_ll_recv o;
+	for (int i = 0; i < 2; i++) {
+		uint64_t t0 = th_now_ns();
+		TH_EXPECT_RC(ep_ll_dispatch(g, mine.x, &mine.topk[0][0],
+					    mine.T, 0, NULL, &o),
+			     EP_EPEERLOST);
+		uint64_t ms = (th_now_ns() - t0) / 1000000;
+		TH_CHECK(ms < TIMEOUT_MS / 4,
+			 "call %d failed after %llu ms (the timeout is %d)", i,
+			 (unsigned long long)ms, TIMEOUT_MS);
+	}
+	TH_OK(ep_leave(g));
+	ep_close(conn);
+	return 0;
+}
+
 /* A new group after the failure */
 static int after_rank(int r, void *arg)
 {
@@ -668,7 +712,23 @@ static void run_all(struct run *x, const char *what)
 	printf("ok: %s: %d rounds (bf16, three fp8 casts, hooks, zero copy), "
 	       "two micro-batches, too many tokens, a bad index: bitwise\n",
 	       what, x->rounds);
-	static const char *names[] = {"killed", "left", "late"};
+	static const char *names[] = {"killed", "left", "late",
+				      "lost before its first call",
+				      "lost while the others joined",
+				      "lost before its node-mate joined"};
+	for (int how = F_EARLY; how <= F_LATEJOIN; how++) {
+		char name[32];
+		snprintf(name, sizeof(name), "lle-%d-%d", how, x->W);
+		struct fx f = {.run = *x, .how = (enum fail)how};
+		f.run.name = name;
+		th_spawn(pids, x->W, early_rank, &f);
+		th_reap(pids[x->W - 1], 60);
+		TH_CHECK(th_wait_all(pids, x->W - 1, 120) == 0,
+			 "%s, a rank %s: a rank failed", what, names[how]);
+		printf("ok: %s: a rank %s: the others' first low-latency call "
+		       "failed with EP_EPEERLOST at once\n",
+		       what, names[how]);
+	}
 	for (int how = F_KILL; how <= F_LATE; how++) {
 		char name[32];
 		snprintf(name, sizeof(name), "llf-%s-%d", names[how], x->W);
