@@ -162,6 +162,9 @@ int ep__llh_combine(ep_group_t *g, uint32_t buffer, const void *expert_out,
 int ep__llh_combine_hook(ep_group_t *g, uint32_t buffer);
 int ep__llh_combine_buffer(ep_group_t *g, uint32_t buffer, void **rows);
 int ep__llh_error(ep_group_t *g);
+/* The low-latency errors that do not end the mode, by precedence (a bad
+ * expert index, then too many tokens or rows): 0 if neither. */
+int ep__ll_soft_error(bool expert, bool toobig);
 /* The buffer the host path's next dispatch takes (0 or 1). */
 uint32_t ep__llh_next(const ep_group_t *g);
 int ep__llg_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,

@@ -770,14 +770,9 @@ static int ll_report(ep_group_t *g, uint32_t err)
 	if (err & EKC_LL_EPOISONED)
 		return ep__fail(EP_EFAILED, "a low-latency op did nothing: an "
 					    "earlier one failed");
-	if (err & EKC_LL_EEXPERT)
-		return ep__fail(EP_EEXPERT, "a low-latency dispatch had an "
-					    "expert index outside [-1, experts)");
-	if (err & EKC_LL_ETOOBIG)
-		return ep__fail(EP_ETOOBIG,
-				"a low-latency dispatch had more tokens than "
-				"the group's maximum, or more rows for an "
-				"expert than its buffer holds");
+	if (err & (EKC_LL_EEXPERT | EKC_LL_ETOOBIG))
+		return ep__ll_soft_error(err & EKC_LL_EEXPERT,
+					 err & EKC_LL_ETOOBIG);
 	return ep__fail(EP_EPROTO, "a peer wrote counts or token indices out "
 				   "of range into this rank's region");
 }

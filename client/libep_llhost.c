@@ -522,10 +522,15 @@ int ep__llh_error(ep_group_t *g)
 		return ep__fail(l->dead_rc, "%s", l->dead_msg);
 	const unsigned p = l->pend;
 	l->pend = 0;
-	if (p & LLH_EEXPERT)
+	return ep__ll_soft_error(p & LLH_EEXPERT, p & LLH_ETOOBIG);
+}
+
+int ep__ll_soft_error(bool expert, bool toobig)
+{
+	if (expert)
 		return ep__fail(EP_EEXPERT, "a low-latency dispatch had an "
 					    "expert index outside [-1, experts)");
-	if (p & LLH_ETOOBIG)
+	if (toobig)
 		return ep__fail(EP_ETOOBIG,
 				"a low-latency dispatch had more tokens than "
 				"the group's maximum, or more rows for an "

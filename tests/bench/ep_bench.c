@@ -365,6 +365,19 @@ static double tcp_loopback_gbs(void)
 	return (double)got / t / 1e9;
 }
 
+/* One op's line: time per call, GB/s of the fewest bytes, and that as a
+ * share of the memcpy ceilings (mc1, 1 thread: printed unless 0). */
+static void print_op(const char *what, double us, double bytes, double mcn,
+		     int nthr, double mc1)
+{
+	const double gbs = bytes / us / 1e3;
+	printf("%s %9.1f us per call, %.2f GB/s, %.2f of memcpy (%d threads)",
+	       what, us, gbs, gbs / mcn, nthr);
+	if (mc1)
+		printf(", %.2f of memcpy (1 thread)", gbs / mc1);
+	printf("\n");
+}
+
 static void usage(FILE *f)
 {
 	fprintf(f,
@@ -489,12 +502,8 @@ int main(int argc, char **argv)
 		printf("memcpy ceiling (read+write): %.2f GB/s with 1 thread, "
 		       "%.2f GB/s with %d threads\n",
 		       mc1, mcn, nthr);
-		printf("ll dispatch: %9.1f us per call, %.2f GB/s, %.2f of "
-		       "memcpy (%d threads)\n",
-		       dt, dbytes / dt / 1e3, dbytes / dt / 1e3 / mcn, nthr);
-		printf("ll combine:  %9.1f us per call, %.2f GB/s, %.2f of "
-		       "memcpy (%d threads)\n",
-		       ct, cbytes / ct / 1e3, cbytes / ct / 1e3 / mcn, nthr);
+		print_op("ll dispatch:", dt, dbytes, mcn, nthr, 0);
+		print_op("ll combine: ", ct, cbytes, mcn, nthr, 0);
 	} else if (!o.skip_ops) {
 		uint64_t rows = 0, xrows = 0;
 		for (int r = 0; r < o.world; r++) {
@@ -523,14 +532,8 @@ int main(int argc, char **argv)
 		printf("memcpy ceiling (read+write): %.2f GB/s with 1 thread, "
 		       "%.2f GB/s with %d threads\n",
 		       mc1, mcn, nthr);
-		printf("dispatch: %9.1f us per call, %.2f GB/s, %.2f of memcpy "
-		       "(%d threads), %.2f of memcpy (1 thread)\n",
-		       dt, dbytes / dt / 1e3, dbytes / dt / 1e3 / mcn, nthr,
-		       dbytes / dt / 1e3 / mc1);
-		printf("combine:  %9.1f us per call, %.2f GB/s, %.2f of memcpy "
-		       "(%d threads), %.2f of memcpy (1 thread)\n",
-		       ct, cbytes / ct / 1e3, cbytes / ct / 1e3 / mcn, nthr,
-		       cbytes / ct / 1e3 / mc1);
+		print_op("dispatch:", dt, dbytes, mcn, nthr, mc1);
+		print_op("combine: ", ct, cbytes, mcn, nthr, mc1);
 		if (o.nodes > 1) {
 			/* rows that cross nodes, each way, against the
 			 * loopback TCP ceiling of this run */
