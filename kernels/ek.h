@@ -105,7 +105,7 @@ void ek_layout(const struct ek_shape *s, const int64_t *topk_idx,
 enum { EK_LL_FP8 = 1, EK_LL_FP8_ROUND = 2, EK_LL_FP8_UE8M0 = 3 };
 /* One bf16 row x [H] (H % 128 == 0) to e4m3 q [H] and, per 128-channel
  * group g, the scale's fp32 bits sb[g]: amax (its largest magnitude, at
- * least 1e-4) times fl(1/448); values times fl(1/amax) * 448, or, with
+ * least 1e-4) times fl(1/448); values times fl(448/amax), or, with
  * EK_LL_FP8_ROUND / _UE8M0, the scale rounded up to a power of two and
  * values times its inverse; each product rounded to fp32, then to the
  * nearest e4m3 (ties to even, saturated at 448). */

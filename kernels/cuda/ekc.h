@@ -420,7 +420,7 @@ extern const size_t ekc_fatbin_size;
 
 /* A dispatch with a cast to fp8 (a.fp8): each row's 128-channel groups
  * g scaled so that the largest magnitude amax (at least 1e-4) becomes 448:
- * scale = amax * fl(1/448), the values times fl(1/amax) * 448 (each step
+ * scale = amax * fl(1/448), the values times fl(448/amax) (each step
  * rounded to fp32, then to e4m3 to nearest even); _ROUND: the scale
  * rounded up to a power of two, the values times its inverse; _UE8M0:
  * rounded, and the scale's exponent byte stored, four groups to an i32.

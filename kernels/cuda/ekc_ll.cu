@@ -320,7 +320,7 @@ __device__ static inline uint32_t ll_quant(const uint4 v[LL_U],
 		amax = fmaxf(amax, 1e-4f);
 		float scale = __fmul_rn(amax, (float)(1.0 / 448.0)), mul;
 		if (mode == EKC_LL_FP8) {
-			mul = __fmul_rn(__frcp_rn(amax), 448.0f);
+			mul = __fdiv_rn(448.0f, amax); // DeepEP's multiplier
 		} else { // up to a power of two: its inverse is exact
 			uint32_t sb = __float_as_uint(scale);
 			if (sb & 0x7fffffu)

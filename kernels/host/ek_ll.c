@@ -65,13 +65,20 @@ void ek_ll_cast(const uint16_t *x, uint32_t H, int mode, uint8_t *q,
 	const float inv448 = (float)(1.0 / 448.0);
 	for (uint32_t g = 0; g < H / 128; g++) {
 		const uint16_t *v = x + g * 128;
+		/* NaNs are passed over, signaling ones too: the GPU's max
+		 * does that, while C's fmaxf turns a signaling NaN into a
+		 * quiet one, which would make amax NaN */
 		float amax = 0.0f;
-		for (int c = 0; c < 128; c++)
-			amax = fmaxf(amax, fabsf(bf16_f32(v[c])));
-		amax = fmaxf(amax, 1e-4f);
+		for (int c = 0; c < 128; c++) {
+			const float a = fabsf(bf16_f32(v[c]));
+			if (a > amax)
+				amax = a;
+		}
+		if (!(amax >= 1e-4f))
+			amax = 1e-4f;
 		float scale = amax * inv448, mul;
 		if (mode == EK_LL_FP8) {
-			mul = (1.0f / amax) * 448.0f;
+			mul = 448.0f / amax;
 		} else { /* up to a power of two: its inverse is exact */
 			uint32_t s = bits_of(scale);
 			if (s & 0x7fffffu)

@@ -161,8 +161,7 @@ static void ref_cast(const uint16_t *x, uint32_t H, uint32_t mode, uint8_t *q,
 		amax = std::max(amax, 1e-4f);
 		volatile float scale = amax * (float)(1.0 / 448.0), mul;
 		if (mode == EKC_LL_FP8) {
-			volatile float r = 1.0f / amax;
-			mul = r * 448.0f;
+			mul = 448.0f / amax;
 		} else {
 			float sf = scale;
 			uint32_t b;

@@ -37,6 +37,27 @@ float ref_f32(uint16_t b)
 
 /* Round to nearest, ties to even, by looking at the dropped bits; every
  * NaN to the canonical 0x7fff. */
+/* e4m3 value of code c (0..0x7e) */
+static double e4m3_val(int c)
+{
+	int ex = (c >> 3) & 15, m = c & 7;
+	return ex ? ldexp(1.0 + m / 8.0, ex - 7) : ldexp(m, -9);
+}
+
+uint8_t ref_e4m3(float f)
+{
+	if (isnan(f))
+		return 0x7f;
+	double a = fabs((double)f);
+	int best = 0;
+	for (int c = 1; c <= 0x7e; c++) {
+		double dc = fabs(e4m3_val(c) - a), db = fabs(e4m3_val(best) - a);
+		if (dc < db || (dc == db && !(c & 1)))
+			best = c;
+	}
+	return (uint8_t)((signbit(f) ? 0x80 : 0) | best);
+}
+
 uint16_t ref_bf16(float f)
 {
 	uint32_t u;

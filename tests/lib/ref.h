@@ -104,6 +104,10 @@ void ref_layout(const struct ref_case *c, const struct ref_inputs *in,
  * payload), infinities, the largest finite values and -0.0. */
 uint16_t *ref_gen_y(const struct ref_case *c, uint32_t d, uint32_t R,
 		    uint64_t salt);
+/* float -> e4m3 (bias 7, 0x7f the NaN): the nearest value by search,
+ * ties to the even code, saturated at +-448; the sign kept (-0.0 ->
+ * 0x80). */
+uint8_t ref_e4m3(float f);
 /* float -> bf16, round to nearest even; bf16 -> float. */
 uint16_t ref_bf16(float f);
 float ref_f32(uint16_t b);

@@ -440,9 +440,10 @@ uint64_t ep_group_device_region(const ep_group_t *group, size_t *size);
  * [El, W*max_tokens, hidden] e4m3 and recv_scales, per 128 channels,
  * column-major [El, hidden/128, W*max_tokens] f32 (element (e, row, g) at
  * (e * hidden/128 + g) * W*max_tokens + row). Each group's scale is amax
- * * fl(1/448), amax its largest magnitude (at least 1e-4), and its values
- * are multiplied by fl(1/amax) * 448 and rounded to nearest even e4m3
- * (every step rounded to fp32). EP_LL_ROUND_SCALE: the scale rounded up
+ * * fl(1/448), amax its largest magnitude (at least 1e-4; NaNs take no
+ * part), and its values are multiplied by fl(448/amax) (DeepEP's
+ * multiplier) and rounded to nearest even e4m3 (every step rounded to
+ * fp32). EP_LL_ROUND_SCALE: the scale rounded up
  * to a power of two, the values multiplied by its inverse. EP_LL_UE8M0
  * (hidden a multiple of 512; implies the rounding): the scales' exponent
  * bytes, four groups to an i32 (group 4i + j in byte j), [El, hidden/512,

@@ -25,18 +25,23 @@ def calc_diff(x, y):
     return (1 - 2 * (x * y).sum() / (x * x + y * y).sum()).item()
 
 
-def per_token_cast_to_fp8(x, round_scale=False):
+def per_token_cast_to_fp8(x, round_scale=False, skip_nan=False):
     """[m, n] -> (e4m3 [m, n], fp32 scales [m, ceil(n/128)]): each group
     of 128 columns scaled so that its largest magnitude is 448 (amax at
     least 1e-4; scale amax * (1 / 448), values times 448 / amax). With
     round_scale (epd's addition, as DeepEP's low-latency
     cast) the scale amax / 448 is rounded up to a power of two and the
-    values are multiplied by its inverse."""
+    values are multiplied by its inverse. skip_nan (epd's): NaNs take no
+    part in amax, as in the low-latency kernels (DeepEP's and epd's take
+    the max with fmaxf), so a row with a NaN keeps its other values."""
     import torch
     m, n = x.shape
     pad = align(n, 128) - n
     xp = torch.nn.functional.pad(x, (0, pad)).view(m, (n + pad) // 128, 128)
-    amax = xp.abs().float().amax(dim=2).clamp(min=1e-4)
+    mag = xp.abs().float()
+    if skip_nan:
+        mag = torch.where(torch.isnan(mag), torch.zeros_like(mag), mag)
+    amax = mag.amax(dim=2).clamp(min=1e-4)
     if round_scale:
         # amax * fl(1/448), as DeepEP's kernel (and epd's): the same bits on
         # the CPU and the GPU (a GPU's amax / 448.0 is that product too)
