@@ -86,7 +86,11 @@ static void join_areas(void)
 		memset(&o, 0x5a, sizeof(o));
 		memset(o.name, 0, sizeof(o.name));
 		TH_OK(epp_join_decode(b, n, &o, err, sizeof(err)));
-		TH_CHECK(!memcmp(&j, &o, sizeof(j)), "areas round trip");
+		uint8_t b2[256]; /* every field, by its encoding (padding) */
+		TH_CHECK(epp_join_encode(&o, b2, sizeof(b2)) == n &&
+				 !memcmp(b, b2, n) && o.recv_areas == 3 &&
+				 !memcmp(o.gpu_uuid, j.gpu_uuid, 16),
+			 "areas round trip");
 		/* an explicit count of 1 (or 0) is not how one area is sent */
 		for (uint32_t v = 0; v < 2; v++) {
 			struct epp_wr w;
@@ -140,7 +144,25 @@ static void join_codec(void)
 	memset(&o, 0x5a, sizeof(o));
 	memset(o.name, 0, sizeof(o.name));
 	TH_OK(epp_join_decode(b, n, &o, err, sizeof(err)));
-	TH_CHECK(!memcmp(&j, &o, sizeof(j)), "round trip");
+	/* every field, by its encoding (the struct has padding) */
+	uint8_t b2[256];
+	TH_CHECK(epp_join_encode(&o, b2, sizeof(b2)) == n && !memcmp(b, b2, n) &&
+			 !strcmp(o.name, j.name) && o.link == 0,
+		 "round trip");
+	/* linked (1.16): the id is the last 8 bytes, with the flag */
+	j.link = 0x1122334455667788ull;
+	size_t ln = epp_join_encode(&j, b2, sizeof(b2));
+	TH_CHECK(ln == n + 8, "a linked join is 8 bytes longer");
+	TH_OK(epp_join_decode_flags(b2, ln, EPP_F_JOIN_LINK, &o, err,
+				    sizeof(err)));
+	TH_CHECK(o.link == j.link && o.world_size == j.world_size,
+		 "linked round trip");
+	TH_EXPECT_RC(epp_join_decode(b2, ln, &o, err, sizeof(err)),
+		     EP_EPROTO); /* without the flag: 8 bytes too many */
+	TH_EXPECT_RC(epp_join_decode_flags(b, n, EPP_F_JOIN_LINK, &o, err,
+					   sizeof(err)),
+		     EP_EPROTO); /* the flag, no id: the tail is eaten */
+	j.link = 0;
 	/* Every prefix is malformed, and so is one extra byte. */
 	for (size_t k = 0; k < n; k++)
 		TH_EXPECT_RC(epp_join_decode(b, k, &o, err, sizeof(err)),
