@@ -566,6 +566,21 @@ static void gfail_send(struct epd_cluster *cl, const char *key,
 				  (uint32_t)gn);
 }
 
+void epd_cluster_tell_failed(struct epd_group *g, uint32_t n)
+{
+	struct epd_cluster *cl = g->srv->cluster;
+	uint8_t buf[EPP_ERRMSG_MAX + 128];
+	if (!cl || (int)n >= cl->n || (int)n == cl->self ||
+	    cl->node[n].state != NODE_UP)
+		return;
+	struct epp_peer_gfail m = {.code = g->fail_code, .round = g->round,
+				   .xops = g->xop_next};
+	snprintf(m.group, sizeof(m.group), "%s", g->key);
+	snprintf(m.msg, sizeof(m.msg), "%s", g->last_error);
+	size_t gn = epp_peer_gfail_encode(&m, buf, sizeof(buf));
+	cl_conn_send(cl->node[n].conn, EPP_PEER_GFAIL, buf, (uint32_t)gn);
+}
+
 /* Tell the group's other nodes it failed here. How far this node got:
  * the barriers it completed (every local rank entered them, so their
  * arrivals went out) and the data ops it completed (their rows went

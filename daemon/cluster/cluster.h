@@ -37,6 +37,9 @@ struct epd_tconn *epd_cluster_wconn(const struct epd_server *srv, uint32_t n);
 void epd_cluster_send(struct epd_group *g, uint32_t n, uint16_t type,
 		      const void *a, size_t na, const void *b, size_t nb,
 		      struct epd_sref *ref);
+/* Tell node n that g failed here (its code and message, and how far this
+ * node got): a node whose group formed after the failure was told. */
+void epd_cluster_tell_failed(struct epd_group *g, uint32_t n);
 void *epd_cluster_status(struct epd_server *srv);
 const char *epd_cluster_node_name(const struct epd_server *srv, uint32_t n);
 

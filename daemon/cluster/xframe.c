@@ -147,6 +147,14 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 		stash_frame(srv, name, type, from, p, len);
 		return;
 	}
+	/* A node that formed the group after it failed here (its GFAIL
+	 * found no group there): told now, or its ops would wait out their
+	 * timeout for ranks that are gone. */
+	if (!bad && type == EPP_PEER_GSHAPE && g->state == EPD_G_FAILED &&
+	    from < g->nnodes) {
+		epd_cluster_tell_failed(g, from);
+		return;
+	}
 	if (bad || g->state != EPD_G_READY || from >= g->nnodes) {
 		epd_warn("cross-node %s for group %s (op %llu) from node %u "
 			 "dropped: the group failed or the frame is malformed",
