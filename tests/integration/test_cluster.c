@@ -119,6 +119,7 @@ struct late {
 	volatile int entered;
 	int codes[MAXW];
 	char msgs[MAXW][256];
+	uint64_t took_ms[MAXW];
 };
 
 /* Shared state of one scenario: a group of nodes x rpn ranks. */
@@ -534,6 +535,54 @@ static void check_remote_rank_loss(void)
 }
 
 /* Node 1's ranks join with another hidden: every rank gets EP_EMISMATCH. */
+/* A rank dies on node 1 before node 0's ranks joined (node 1's notice of
+ * the failure finds no group on node 0): node 0 learns it when its group
+ * forms and its shape reaches node 1, so its first barrier fails at once,
+ * not at the timeout. */
+static int early_loss_rank(int rank, void *arg)
+{
+	struct late *s = arg;
+	if (rank < 2)
+		th_sleep_ms(400); /* node 0 joins after the loss */
+	ep_conn_t *c;
+	ep_group_t *g = join(s, rank, &c, 20000);
+	if (rank == 3)
+		raise(SIGKILL);
+	if (rank == 2) { /* node 1's group stays, failed, while node 0 asks */
+		s->codes[rank] = ep_barrier(g);
+		th_sleep_ms(1500);
+		ep_leave(g);
+		ep_close(c);
+		return 0;
+	}
+	uint64_t t0 = th_now_ns();
+	s->codes[rank] = ep_barrier(g);
+	s->took_ms[rank] = (th_now_ns() - t0) / 1000000;
+	snprintf(s->msgs[rank], sizeof(s->msgs[rank]), "%s", ep_errmsg());
+	ep_leave(g);
+	ep_close(c);
+	return 0;
+}
+
+static void check_early_remote_loss(void)
+{
+	struct late *s = late_new(2, 2, "eloss");
+	pid_t pids[4];
+	th_spawn(pids, 4, early_loss_rank, s);
+	th_reap(pids[3], 30);
+	TH_CHECK(th_wait_all(pids, 3, 60) == 0, "a rank failed");
+	for (int r = 0; r < 3; r++)
+		TH_EXPECT_RC(s->codes[r], EP_EPEERLOST);
+	for (int r = 0; r < 2; r++)
+		TH_CHECK(s->took_ms[r] < 5000,
+			 "rank %d's barrier failed after %llu ms (timeout 20 "
+			 "s): %s",
+			 r, (unsigned long long)s->took_ms[r], s->msgs[r]);
+	printf("ok: a rank killed on node 1 before node 0's ranks joined -> "
+	       "node 0's first barrier fails in %llu ms: %s\n",
+	       (unsigned long long)s->took_ms[0], s->msgs[0]);
+}
+
 static int shape_rank(int rank, void *arg)
 {
 	struct late *s = arg;
@@ -2095,6 +2144,7 @@ int main(void)
 	check_weights_mismatch();
 	check_xtoobig();
 	check_remote_rank_loss();
+	check_early_remote_loss();
 	check_node_loss();
 	check_node_loss_streaming();
 	check_late(3, 2); /* a new group across all nodes after the rejoin */
