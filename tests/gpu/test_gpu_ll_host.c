@@ -66,6 +66,8 @@ static void gen(uint64_t seed, int round, int r, bool too_many, bool bad,
 {
 	uint64_t s = seed * 977 + (uint64_t)round * 131 + (uint64_t)r;
 	in->T = too_many ? N + 1 : (uint32_t)(mix(&s) % (N + 1));
+	if (bad && !in->T)
+		in->T = 1; /* a token to carry the bad index */
 	for (uint32_t t = 0; t < in->T; t++) {
 		int sc = (int)(mix(&s) % 30) - 15;
 		for (int c = 0; c < H; c++)

@@ -122,6 +122,8 @@ static void gen_in(int round, int r, bool too_many, bool bad,
 	in->T = too_many ? N + 1 : (uint32_t)(mix(&s) % (N + 1));
 	if (!too_many && mix(&s) % 4 == 0)
 		in->T = N;
+	if (bad && !in->T)
+		in->T = 1; /* a token to carry the bad index */
 	for (uint32_t t = 0; t < in->T; t++) {
 		float scale = f32(0x3f800000u +
 				  (uint32_t)((int)(mix(&s) % 40) - 20)
