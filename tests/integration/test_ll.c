@@ -63,29 +63,16 @@ static uint64_t stream(int round, int r, int what)
 	       (uint64_t)what;
 }
 
-static float f32(uint32_t u)
-{
-	float f;
-	memcpy(&f, &u, 4);
-	return f;
-}
-
-static uint32_t bits(float f)
-{
-	uint32_t u;
-	memcpy(&u, &f, 4);
-	return u;
-}
 
 static float bf(uint16_t v)
 {
-	return f32((uint32_t)v << 16);
+	return ref_float((uint32_t)v << 16);
 }
 
 /* bf16 of f, nearest even (inputs here are finite) */
 static uint16_t to_bf(float f)
 {
-	uint32_t u = bits(f), hi = u >> 16, lo = u & 0xffff;
+	uint32_t u = ref_bits(f), hi = u >> 16, lo = u & 0xffff;
 	if (lo > 0x8000 || (lo == 0x8000 && (hi & 1)))
 		hi++;
 	return (uint16_t)hi;
@@ -125,7 +112,7 @@ static void gen_in(int round, int r, bool too_many, bool bad,
 	if (bad && !in->T)
 		in->T = 1; /* a token to carry the bad index */
 	for (uint32_t t = 0; t < in->T; t++) {
-		float scale = f32(0x3f800000u +
+		float scale = ref_float(0x3f800000u +
 				  (uint32_t)((int)(mix(&s) % 40) - 20)
 					  * 0x00800000u);
 		for (int c = 0; c < H; c++)
@@ -286,7 +273,7 @@ static void check_recv(const struct rin *in, int W, int r, int round,
 					volatile float v = bf(x[g * 128 + c]) * mul;
 					q[g * 128 + c] = ref_e4m3(v);
 				}
-				sb[g] = bits(scale);
+				sb[g] = ref_bits(scale);
 			}
 			SAME((const uint8_t *)o->recv_x + row * H, q, H,
 			     "round %d rank %d fp8 row %d/%d", round, r, el, p);

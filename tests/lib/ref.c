@@ -37,6 +37,20 @@ float ref_f32(uint16_t b)
 
 /* Round to nearest, ties to even, by looking at the dropped bits; every
  * NaN to the canonical 0x7fff. */
+uint32_t ref_bits(float f)
+{
+	uint32_t u;
+	memcpy(&u, &f, 4);
+	return u;
+}
+
+float ref_float(uint32_t u)
+{
+	float f;
+	memcpy(&f, &u, 4);
+	return f;
+}
+
 /* e4m3 value of code c (0..0x7e) */
 static double e4m3_val(int c)
 {

@@ -108,6 +108,9 @@ uint16_t *ref_gen_y(const struct ref_case *c, uint32_t d, uint32_t R,
  * ties to the even code, saturated at +-448; the sign kept (-0.0 ->
  * 0x80). */
 uint8_t ref_e4m3(float f);
+/* A float's bits, and the float of bits. */
+uint32_t ref_bits(float f);
+float ref_float(uint32_t u);
 /* float -> bf16, round to nearest even; bf16 -> float. */
 uint16_t ref_bf16(float f);
 float ref_f32(uint16_t b);

@@ -22,19 +22,6 @@
 
 #include "ek.h"
 
-static float f32(uint32_t u)
-{
-	float f;
-	memcpy(&f, &u, 4);
-	return f;
-}
-
-static uint32_t bits(float f)
-{
-	uint32_t u;
-	memcpy(&u, &f, 4);
-	return u;
-}
 
 int main(void)
 {
@@ -57,7 +44,7 @@ int main(void)
 		for (int c = n; c < 128; c++)
 			row[c] = 0;
 		ek_ll_cast(row, 128, EK_LL_FP8_ROUND, q, sb);
-		TH_CHECK(sb[0] == bits(1.0f),
+		TH_CHECK(sb[0] == ref_bits(1.0f),
 			 "scale %08x for amax 448 (values up to bf16 %04x, "
 			 "row %04x %04x %04x)",
 			 sb[0], v, row[0], row[1], row[2]);
@@ -118,9 +105,9 @@ int main(void)
 				float m = frexpf(scale, &ex); /* [0.5, 1) */
 				want = m == 0.5f ? scale : ldexpf(1.0f, ex);
 			}
-			TH_CHECK(sb[0] == bits(want),
+			TH_CHECK(sb[0] == ref_bits(want),
 				 "2^%d, mode %d: scale %08x, want %08x", e,
-				 mode, sb[0], bits(want));
+				 mode, sb[0], ref_bits(want));
 			volatile float mul = mode == EK_LL_FP8 ? 448.0f / amax
 							       : 1.0f / want;
 			for (int c = 0; c < 128; c++) {
@@ -142,12 +129,12 @@ int main(void)
 	for (size_t h = 0; h < sizeof(hi) / sizeof(hi[0]); h++)
 		for (uint32_t lo = 0; lo < 65536; lo += 1024) {
 			for (int i = 0; i < 1024; i++)
-				acc[i] = f32(hi[h] << 16 | (lo + (uint32_t)i));
+				acc[i] = ref_float(hi[h] << 16 | (lo + (uint32_t)i));
 			ek_ll_round(acc, out, 1024);
 			for (int i = 0; i < 1024; i++)
 				TH_CHECK(out[i] == ref_bf16(acc[i]),
 					 "%08x -> %04x, want %04x",
-					 bits(acc[i]), out[i], ref_bf16(acc[i]));
+					 ref_bits(acc[i]), out[i], ref_bf16(acc[i]));
 		}
 	printf("ok: bf16 rounding of 655,360 floats (ties, carries into the "
 	       "exponent, infinities, NaNs of any payload) equal to the "
