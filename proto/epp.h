@@ -95,6 +95,8 @@
  *        group get that error and are removed), so a group libep makes
  *        for another (the host ranks' low-latency pseudo group) never
  *        waits out its timeout for a rank its group already lost.
+ *        Links are one level deep: the named group may not itself be
+ *        linked, and a group with linked groups may not be (EP_EINVAL).
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be

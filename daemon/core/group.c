@@ -649,6 +649,17 @@ int epd_group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 			return EP_ENOGROUP;
 		}
 		parent = pm->group;
+		/* one level deep: no chains or cycles, so a failure reaches
+		 * every linked group in one step (a chain as long as a uid's
+		 * groups once recursed that deep on the loop's stack) */
+		if (parent->link_parent) {
+			epd_session_error(c, req_id, EP_EINVAL,
+					 "group %s is itself linked to group "
+					 "%s: links are one level deep",
+					 parent->shape.name,
+					 parent->link_parent->shape.name);
+			return EP_EINVAL;
+		}
 		/* failed, or failing on another node (a local op past what
 		 * that node did would fail it; the linked group's would) */
 		const bool failed = parent->state == EPD_G_FAILED;
@@ -707,17 +718,24 @@ int epd_group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 				 j->rank, g->shape.name, (int)o->client->pid);
 		return EP_EDUPRANK;
 	}
-	if (parent && (parent == g || (g->link_parent &&
-				       g->link_parent != parent))) {
-		code = parent == g ? EP_EINVAL : EP_EMISMATCH;
-		epd_session_error(c, req_id, code,
-				 parent == g ? "group %s cannot be linked to "
-					       "itself"
-					     : "group %s is linked to group %s; "
-					       "this join names another",
-				 g->shape.name,
-				 g->link_parent ? g->link_parent->shape.name
-						: "");
+	if (parent && (parent == g || !LIST_EMPTY(&g->linked) ||
+		       (g->link_parent && g->link_parent != parent))) {
+		code = EP_EINVAL;
+		if (parent == g)
+			epd_session_error(c, req_id, code,
+					 "group %s cannot be linked to itself",
+					 g->shape.name);
+		else if (g->link_parent)
+			epd_session_error(c, req_id, code = EP_EMISMATCH,
+					 "group %s is linked to group %s; "
+					 "this join names another",
+					 g->shape.name,
+					 g->link_parent->shape.name);
+		else
+			epd_session_error(c, req_id, code,
+					 "group %s has groups linked to it: "
+					 "links are one level deep",
+					 g->shape.name);
 		if (g->njoined == 0)
 			group_destroy(g);
 		return code;

@@ -312,6 +312,84 @@ static void check_client_name(void)
 	       "the status, named ???[31mX?\n");
 }
 
+/* A raw JOIN of `name` (world `world`, rank `rank`, one node; NOWAIT
+ * unless world is 1), linked to group `link` if nonzero: the reply's
+ * group id, or 0 with *code the error. */
+static uint64_t link_join(int fd, const char *name, uint32_t world,
+			  uint32_t rank, uint64_t link, uint64_t req,
+			  int *code)
+{
+	struct epp_join j = {.world_size = world, .ranks_per_node = world,
+			     .rank = rank, .num_experts = 4 * world,
+			     .hidden = 128, .max_tokens = 8, .topk = 2,
+			     .dtype = 1, .link = link};
+	snprintf(j.name, sizeof(j.name), "%s", name);
+	uint8_t b[512];
+	size_t n = epp_join_encode(&j, b, sizeof(b));
+	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_JOIN,
+		 (uint16_t)((link ? EPP_F_JOIN_LINK : 0) |
+			    (world > 1 ? EPP_F_JOIN_NOWAIT : 0)),
+		 (uint32_t)n, req, b);
+	struct epp_hdr h;
+	uint8_t *p;
+	int fds[EPP_MAX_FDS];
+	TH_OK(epp_recv_frame(fd, &h, &p, fds, 5000, NULL, 0));
+	for (unsigned i = 0; i < h.nfds; i++)
+		close(fds[i]);
+	TH_CHECK(h.req_id == req, "join reply for %lu", (unsigned long)h.req_id);
+	uint64_t id = 0;
+	*code = 0;
+	if (h.type == EPP_OK) {
+		struct epp_join_ok ok;
+		TH_OK(epp_join_ok_decode(p, h.length, &ok));
+		id = ok.group_id;
+	} else {
+		char msg[EPP_ERRMSG_MAX];
+		TH_OK(epp_error_decode(p, h.length, code, msg, sizeof(msg)));
+		printf("ok: linked join of %s -> %s\n", name, msg);
+	}
+	free(p);
+	return id;
+}
+
+/* Links are one level deep: a chain (a group linked to a linked group)
+ * and a cycle (a group with linked groups joined linked to another) are
+ * refused; the groups stay usable. A chain as long as a uid's groups
+ * once recursed that deep on the daemon's stack when its head failed. */
+static void check_link_depth(void)
+{
+	int fd = raw_connect(), fd2 = raw_connect(), code;
+	const uint64_t a = link_join(fd, "lda", 2, 0, 0, 1, &code);
+	TH_CHECK(a && !code, "join lda: %s", ep_strerror(code));
+	const uint64_t b = link_join(fd, "ldb", 1, 0, a, 2, &code);
+	TH_CHECK(b && !code, "join ldb linked to lda: %s", ep_strerror(code));
+	TH_CHECK(!link_join(fd, "ldc", 1, 0, b, 3, &code) && code == EP_EINVAL,
+		 "a chain: %s", ep_strerror(code));
+	const uint64_t z = link_join(fd2, "ldz", 1, 0, 0, 4, &code);
+	TH_CHECK(z && !code, "join ldz: %s", ep_strerror(code));
+	/* lda's second rank, linked to ldz: lda has ldb linked to it */
+	TH_CHECK(!link_join(fd2, "lda", 2, 1, z, 5, &code) &&
+			 code == EP_EINVAL,
+		 "a group with linked groups, linked: %s", ep_strerror(code));
+	/* unlinked, the same rank joins */
+	TH_CHECK(link_join(fd2, "lda", 2, 1, 0, 6, &code) && !code,
+		 "lda's second rank: %s", ep_strerror(code));
+	expect_usable(fd);
+	expect_usable(fd2);
+	close(fd2); /* lda fails, and ldb with it: one level */
+	close(fd);
+	/* every group went with its ranks: joined anew, each is new */
+	fd = raw_connect();
+	uint64_t id = 0;
+	for (int i = 0; i < 100 && !id; i++) {
+		th_sleep_ms(20);
+		id = link_join(fd, "lda", 2, 0, 0, 7 + 2 * (uint64_t)i, &code);
+	}
+	TH_CHECK(id && link_join(fd, "ldb", 1, 0, id, 8, &code) && !code,
+		 "lda and ldb anew: %s", ep_strerror(code));
+	close(fd);
+}
+
 int main(void)
 {
 	th_init("bad input", 120);
@@ -443,6 +521,7 @@ int main(void)
 	j.link = 0;
 	expect_usable(fd);
 	close(fd);
+	check_link_depth();
 
 	/* Descriptors from a client: refused, disconnect. */
 	fd = raw_connect();
