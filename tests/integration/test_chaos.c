@@ -486,6 +486,12 @@ static void do_join(struct cconn *c)
 	uint8_t p[512];
 	uint32_t len = (uint32_t)epp_join_encode(&j, p, sizeof(p));
 	uint16_t flags = ONE_IN(rs, 3) ? 0 : EPP_F_JOIN_NOWAIT;
+	/* linked (1.16) to a group of this connection's, mostly: chains,
+	 * cycles, links to itself or to guessed ids included */
+	if (ONE_IN(rs, 4)) {
+		j.link = pick_gid(c);
+		flags |= EPP_F_JOIN_LINK;
+	}
 	if (ONE_IN(rs, 20))
 		flags = (uint16_t)rnd(rs);
 	for (int i = 0; i < MAXPEND; i++)

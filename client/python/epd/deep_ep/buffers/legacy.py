@@ -32,11 +32,16 @@ none).
 
 Low-latency mode has DeepEP's semantics (the per-local-expert layout,
 src_info, layout_range, counts, fp8 with per-128 scales, the weighted
-combine) over the normal path: each (token, k) is a pseudo token of one
-expert in a group of its own shape, and the weighted sum is made at home.
-It is correct, not yet fast (the decode kernels are the next step); the
-receive hook has nothing left to do; masking ranks (shrink mode) raises
-NotImplementedError.
+combine, the receive hook, zero copy). GPU ranks of one node run it on
+epd's kernels, one kernel on the rank's stream per op (or two with the
+hook), capturable in CUDA graphs (_ll_kernels). Elsewhere (host ranks,
+ranks on several nodes, ranks sharing a GPU without MPS, or
+EPD_DEEP_EP_LL_KERNELS=0) it goes over the daemon's normal path: each
+(token, k) is a pseudo token of one expert in a group of its own shape,
+and the weighted sum is made at home; the same bits, not the kernels'
+speed, and the hook has nothing left to do there. Masking ranks (DeepEP's
+shrink mode) raises NotImplementedError: a rank that dies or leaves fails
+the group on every rank (EP_EPEERLOST), and the job joins a new one.
 """
 import os
 import socket
