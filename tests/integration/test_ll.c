@@ -63,21 +63,6 @@ static uint64_t stream(int round, int r, int what)
 	       (uint64_t)what;
 }
 
-
-static float bf(uint16_t v)
-{
-	return ref_float((uint32_t)v << 16);
-}
-
-/* bf16 of f, nearest even (inputs here are finite) */
-static uint16_t to_bf(float f)
-{
-	uint32_t u = ref_bits(f), hi = u >> 16, lo = u & 0xffff;
-	if (lo > 0x8000 || (lo == 0x8000 && (hi & 1)))
-		hi++;
-	return (uint16_t)hi;
-}
-
 /* A row value: mostly moderate, with zeros, -0.0, tiny and large ones,
  * each row with its own scale (so the fp8 scales differ). */
 static uint16_t gen_val(uint64_t *s, float scale)
@@ -86,10 +71,10 @@ static uint16_t gen_val(uint64_t *s, float scale)
 	switch (v % 64) {
 	case 0: return 0x0000;
 	case 1: return 0x8000;
-	case 2: return to_bf(scale * 1e-6f);
-	case 3: return to_bf(-scale * 3.0f);
+	case 2: return ref_bf16(scale * 1e-6f);
+	case 3: return ref_bf16(-scale * 3.0f);
 	default:
-		return to_bf(scale * ((float)((v >> 8) % 20001) / 10000.0f -
+		return ref_bf16(scale * ((float)((v >> 8) % 20001) / 10000.0f -
 				      1.0f));
 	}
 }
@@ -254,7 +239,9 @@ static void check_recv(const struct rin *in, int W, int r, int round,
 			for (int g = 0; g < G; g++) {
 				float amax = 0;
 				for (int c = 0; c < 128; c++)
-					amax = fmaxf(amax, fabsf(bf(x[g * 128 + c])));
+					amax = fmaxf(
+					    amax,
+					    fabsf(ref_f32(x[g * 128 + c])));
 				amax = fmaxf(amax, 1e-4f);
 				float scale = amax * (float)(1.0 / 448.0), mul;
 				if (fp8 == 1) {
@@ -270,7 +257,8 @@ static void check_recv(const struct rin *in, int W, int r, int round,
 					mul = 1.0f / scale;
 				}
 				for (int c = 0; c < 128; c++) {
-					volatile float v = bf(x[g * 128 + c]) * mul;
+					volatile float v =
+					    ref_f32(x[g * 128 + c]) * mul;
 					q[g * 128 + c] = ref_e4m3(v);
 				}
 				sb[g] = ref_bits(scale);
@@ -334,15 +322,15 @@ static void check_out(const struct rin *in, int W, int r, int round,
 			const int p = ref_place(in, W, r, t, k);
 			for (int c = 0; c < H; c++) {
 				volatile float prod =
-					bf(gen_y(round, d, (uint32_t)(e % El),
-						 (uint32_t)p, c)) *
-					in[r].w[t][k];
+				    ref_f32(gen_y(round, d, (uint32_t)(e % El),
+						  (uint32_t)p, c)) *
+				    in[r].w[t][k];
 				acc[c] = acc[c] + prod;
 			}
 		}
 		uint16_t want[H];
 		for (int c = 0; c < H; c++)
-			want[c] = to_bf(acc[c]);
+			want[c] = ref_bf16(acc[c]);
 		SAME(out + (uint64_t)t * H, want, H * 2,
 		     "round %d rank %d combined token %u", round, r, t);
 	}

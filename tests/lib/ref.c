@@ -27,16 +27,6 @@ static struct rng rstream(uint64_t seed, uint64_t a, uint64_t b, uint64_t c)
 	return r;
 }
 
-float ref_f32(uint16_t b)
-{
-	uint32_t u = (uint32_t)b << 16;
-	float f;
-	memcpy(&f, &u, sizeof(f));
-	return f;
-}
-
-/* Round to nearest, ties to even, by looking at the dropped bits; every
- * NaN to the canonical 0x7fff. */
 uint32_t ref_bits(float f)
 {
 	uint32_t u;
@@ -49,6 +39,11 @@ float ref_float(uint32_t u)
 	float f;
 	memcpy(&f, &u, 4);
 	return f;
+}
+
+float ref_f32(uint16_t b)
+{
+	return ref_float((uint32_t)b << 16);
 }
 
 /* e4m3 value of code c (0..0x7e) */
@@ -72,10 +67,11 @@ uint8_t ref_e4m3(float f)
 	return (uint8_t)((signbit(f) ? 0x80 : 0) | best);
 }
 
+/* Round to nearest, ties to even, by looking at the dropped bits; every
+ * NaN to the canonical 0x7fff. */
 uint16_t ref_bf16(float f)
 {
-	uint32_t u;
-	memcpy(&u, &f, sizeof(u));
+	const uint32_t u = ref_bits(f);
 	if (isnan(f)) /* every NaN: the canonical one */
 		return 0x7fff;
 	uint32_t hi = u >> 16, lo = u & 0xffff;

@@ -22,7 +22,6 @@
 
 #include "ek.h"
 
-
 int main(void)
 {
 	th_init("test_ek_ll", 120);
