@@ -101,7 +101,9 @@ def ref_ll_cast(torch, x, round_scale):
     scale = max(amax, 1e-4) * (1 / 448) (a product, as DeepEP's kernel
     computes it), rounded up to a power of two with round_scale (here
     through frexp) and values times 1 / scale, else values times
-    448 / amax (torch: reciprocal(amax) * 448, each step rounded)."""
+    fl(448 / amax), one correctly rounded division as DeepEP's kernel
+    computes it (a tensor by a tensor: torch's 448.0 / amax would be
+    reciprocal(amax) * 448, rounded twice, and differs in the last bit)."""
     m = x.size(0)
     xb = x.float().view(m, H // 128, 128)
     amax = xb.abs().amax(dim=2).clamp(min=1e-4)
@@ -112,7 +114,7 @@ def ref_ll_cast(torch, x, round_scale):
         q = xb * (1.0 / s).unsqueeze(2)
     else:
         s = amax * (1.0 / 448.0)
-        q = xb * (448.0 / amax).unsqueeze(2)
+        q = xb * (torch.full_like(amax, 448.0) / amax).unsqueeze(2)
     return q.to(torch.float8_e4m3fn).view(m, H), s
 
 

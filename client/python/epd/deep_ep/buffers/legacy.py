@@ -1332,7 +1332,7 @@ class Buffer:
                 recv_count.to(cumulative_local_expert_recv_stats.device))
         if use_fp8:
             q, sinv = per_token_cast_to_fp8(rows, round_scale,
-                                            skip_nan=True)
+                                            skip_nan=True, one_div=True)
             px = torch.empty((El, WN, H), dtype=torch.float8_e4m3fn,
                              device=dev)
             px.view(torch.uint8)[es, pos] = q.view(torch.uint8)

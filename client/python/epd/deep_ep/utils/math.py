@@ -25,7 +25,8 @@ def calc_diff(x, y):
     return (1 - 2 * (x * y).sum() / (x * x + y * y).sum()).item()
 
 
-def per_token_cast_to_fp8(x, round_scale=False, skip_nan=False):
+def per_token_cast_to_fp8(x, round_scale=False, skip_nan=False,
+                          one_div=False):
     """[m, n] -> (e4m3 [m, n], fp32 scales [m, ceil(n/128)]): each group
     of 128 columns scaled so that its largest magnitude is 448 (amax at
     least 1e-4; scale amax * (1 / 448), values times 448 / amax). With
@@ -33,7 +34,12 @@ def per_token_cast_to_fp8(x, round_scale=False, skip_nan=False):
     cast) the scale amax / 448 is rounded up to a power of two and the
     values are multiplied by its inverse. skip_nan (epd's): NaNs take no
     part in amax, as in the low-latency kernels (DeepEP's and epd's take
-    the max with fmaxf), so a row with a NaN keeps its other values."""
+    the max with fmaxf), so a row with a NaN keeps its other values.
+    one_div (epd's): the multiplier 448 / amax as one correctly rounded
+    division, as the low-latency kernels (DeepEP's and epd's) compute it;
+    without it, as DeepEP's Python helper, torch's 448.0 / amax, which is
+    reciprocal(amax) * 448 (rounded twice: the last bit differs for about
+    a quarter of the values)."""
     import torch
     m, n = x.shape
     pad = align(n, 128) - n
@@ -52,7 +58,8 @@ def per_token_cast_to_fp8(x, round_scale=False, skip_nan=False):
     else:
         # the scale as a product (as DeepEP's kernels and PyTorch on a GPU
         # compute amax / 448.0): the same bits on the CPU and the GPU
-        scale, mul = amax * (1.0 / 448.0), 448.0 / amax
+        scale = amax * (1.0 / 448.0)
+        mul = torch.full_like(amax, 448.0) / amax if one_div else 448.0 / amax
     q = (xp.float() * mul.unsqueeze(2)).to(torch.float8_e4m3fn)
     return q.view(m, n + pad)[:, :n].contiguous(), scale
 
