@@ -61,6 +61,8 @@ static int g_libep;
 		}                                                              \
 	} while (0)
 
+#define LL_IT_MAX 256 // iterations kept per rank for the skew line
+
 struct shm {
 	pthread_barrier_t bar;
 	cudaIpcMemHandle_t h[EKC_LL_MAXW];
@@ -69,6 +71,10 @@ struct shm {
 	double tr[EKC_LL_MAXW][EKC_LL_TR_N]; // median stamp - start, us
 	uint64_t start;                      // the gates' common deadline
 	uint32_t late[EKC_LL_MAXW];
+	// every iteration's stamps (us after the start, -1: none), for the
+	// per-iteration extremes over the ranks (the waits end with them)
+	uint32_t nit;
+	float it[EKC_LL_MAXW][LL_IT_MAX][EKC_LL_TR_N];
 };
 static struct shm *g_sh;
 static void bar() { pthread_barrier_wait(&g_sh->bar); }
@@ -691,6 +697,52 @@ static double median(std::vector<double> v)
 	return v.empty() ? 0 : v[v.size() / 2];
 }
 
+// Each wait ends with the last rank of its iteration, which the medians
+// of each rank's stamps hide: per iteration, the latest rank's stamp of
+// one stage (the last post) and the earliest rank's of the next (the
+// first to see it); the medians over the iterations of those.
+static double it_ext(uint32_t W, uint32_t i, int j, bool latest)
+{
+	double v = latest ? -1e9 : 1e9;
+	for (uint32_t s = 0; s < W; s++) {
+		const double x = g_sh->it[s][i][j];
+		if (x < 0)
+			return -1; // a rank without the stamp
+		v = latest ? std::max(v, x) : std::min(v, x);
+	}
+	return v;
+}
+
+static void skew_line(const cfg &c, uint32_t W)
+{
+	enum { ST, ST0, PL, CN, FL, RC, CS, CF, CR, NX };
+	static const int st[NX] = {EKC_LL_TR_D_MAXSTART, EKC_LL_TR_D_START,
+		EKC_LL_TR_D_PLAN, EKC_LL_TR_D_CNT, EKC_LL_TR_D_FLAGS,
+		EKC_LL_TR_D_RECV, EKC_LL_TR_C_MAXSTART, EKC_LL_TR_C_FLAGS,
+		EKC_LL_TR_C_RECV};
+	static const bool hi[NX] = {true, false, true, false, true, false,
+				    true, true, false};
+	std::vector<double> v[NX];
+	for (uint32_t i = 0; i < g_sh->nit; i++)
+		for (int k = 0; k < NX; k++) {
+			const double x = it_ext(W, i, st[k], hi[k]);
+			if (x >= 0)
+				v[k].push_back(x);
+		}
+	// zero copy: no flags stage in the combine; its ready flags go out
+	// as its blocks start
+	const int cf = v[CF].empty() ? CS : CF;
+	printf("skew: ll %s%s%s, per iteration (median of %u): last block "
+	       "started %.1f us (first rank's block 0 %.1f); counts: last "
+	       "posted %.1f, first seen %.1f; done flags: last %.1f, first "
+	       "seen %.1f; combine: last %s %.1f, first seen %.1f\n",
+	       c.name, c.fp8 ? " (fp8 dispatch)" : "",
+	       c.pull ? " (zero-copy combine)" : "", g_sh->nit, median(v[ST]),
+	       median(v[ST0]), median(v[PL]), median(v[CN]), median(v[FL]),
+	       median(v[RC]), cf == CF ? "flags" : "block started",
+	       median(v[cf]), median(v[CR]));
+}
+
 // Read+write ceiling: a device-to-device copy of 1 GiB (GB/s counting both).
 static double d2d(rank_ctx &R)
 {
@@ -799,8 +851,12 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 		if (g_libep)
 			ep_ok(ep__ll_trace(R.g, 0) < 0 ? -1 : 0, "ep__ll_trace");
 		CK(cudaMemcpy(&late, dlate, 4, cudaMemcpyDeviceToHost));
-		for (int j = 0; j < EKC_LL_TR_N; j++)
+		for (int j = 0; j < EKC_LL_TR_N; j++) {
 			g_sh->tr[R.r][j] = median(trs[j]);
+			for (size_t i = 0; i < trs[j].size() && i < LL_IT_MAX; i++)
+				g_sh->it[R.r][i][j] = (float)trs[j][i];
+		}
+		g_sh->nit = std::min(iters, LL_IT_MAX);
 		g_sh->late[R.r] = late;
 		CK(cudaFree(dclk));
 		CK(cudaFree(dtr));
@@ -874,6 +930,7 @@ static int run_cfg(rank_ctx &R, const cfg &c)
 			for (uint32_t s = 0; s < W; s++)
 				lt += g_sh->late[s];
 			printf("; late gates %u\n", lt);
+			skew_line(c, W);
 		}
 		bar();
 		return fail;
