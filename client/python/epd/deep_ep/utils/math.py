@@ -48,20 +48,29 @@ def per_token_cast_to_fp8(x, round_scale=False, skip_nan=False,
     if skip_nan:
         mag = torch.where(torch.isnan(mag), torch.zeros_like(mag), mag)
     amax = mag.amax(dim=2).clamp(min=1e-4)
+    scale, mul = fp8_scale(amax, round_scale, one_div)
+    q = (xp.float() * mul.unsqueeze(2)).to(torch.float8_e4m3fn)
+    return q.view(m, n + pad)[:, :n].contiguous(), scale
+
+
+def fp8_scale(amax, round_scale=False, one_div=False):
+    """Each group's scale and multiplier from its amax (fp32, at least
+    1e-4): see per_token_cast_to_fp8."""
+    import torch
     if round_scale:
         # amax * fl(1/448), as DeepEP's kernel (and epd's): the same bits on
-        # the CPU and the GPU (a GPU's amax / 448.0 is that product too)
+        # the CPU and the GPU (a GPU's amax / 448.0 is that product too),
+        # rounded up to a power of two
         bits = (amax * (1.0 / 448.0)).view(torch.int32)
         up = ((bits & 0x7FFFFF) != 0).to(torch.int32)
         scale = (((bits >> 23) + up) << 23).view(torch.float32)
-        mul = 1.0 / scale
-    else:
-        # the scale as a product (as DeepEP's kernels and PyTorch on a GPU
-        # compute amax / 448.0): the same bits on the CPU and the GPU
-        scale = amax * (1.0 / 448.0)
-        mul = torch.full_like(amax, 448.0) / amax if one_div else 448.0 / amax
-    q = (xp.float() * mul.unsqueeze(2)).to(torch.float8_e4m3fn)
-    return q.view(m, n + pad)[:, :n].contiguous(), scale
+        return scale, 1.0 / scale
+    # the scale as a product (as DeepEP's kernels and PyTorch on a GPU
+    # compute amax / 448.0): the same bits on the CPU and the GPU
+    scale = amax * (1.0 / 448.0)
+    if one_div:  # a tensor by a tensor: one correctly rounded division
+        return scale, torch.full_like(amax, 448.0) / amax
+    return scale, 448.0 / amax  # torch: reciprocal(amax) * 448
 
 
 def per_token_cast_back(x_fp8, x_scales):
