@@ -716,16 +716,18 @@ static double it_ext(uint32_t W, uint32_t i, int j, bool latest)
 static void skew_line(const cfg &c, uint32_t W)
 {
 	enum { ST, ST0, PL, CN, FL, RC, CS, CF, CR, NX };
-	static const int st[NX] = {EKC_LL_TR_D_MAXSTART, EKC_LL_TR_D_START,
-		EKC_LL_TR_D_PLAN, EKC_LL_TR_D_CNT, EKC_LL_TR_D_FLAGS,
-		EKC_LL_TR_D_RECV, EKC_LL_TR_C_MAXSTART, EKC_LL_TR_C_FLAGS,
-		EKC_LL_TR_C_RECV};
-	static const bool hi[NX] = {true, false, true, false, true, false,
-				    true, true, false};
+	// each column's stage and whether its latest rank counts (a post)
+	// or its earliest (a sight)
+	static const struct { int stage; bool latest; } col[NX] = {
+		{EKC_LL_TR_D_MAXSTART, true}, {EKC_LL_TR_D_START, false},
+		{EKC_LL_TR_D_PLAN, true}, {EKC_LL_TR_D_CNT, false},
+		{EKC_LL_TR_D_FLAGS, true}, {EKC_LL_TR_D_RECV, false},
+		{EKC_LL_TR_C_MAXSTART, true}, {EKC_LL_TR_C_FLAGS, true},
+		{EKC_LL_TR_C_RECV, false}};
 	std::vector<double> v[NX];
 	for (uint32_t i = 0; i < g_sh->nit; i++)
 		for (int k = 0; k < NX; k++) {
-			const double x = it_ext(W, i, st[k], hi[k]);
+			const double x = it_ext(W, i, col[k].stage, col[k].latest);
 			if (x >= 0)
 				v[k].push_back(x);
 		}

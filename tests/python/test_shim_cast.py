@@ -20,6 +20,12 @@ import torch
 from epd.deep_ep.utils.math import fp8_scale, per_token_cast_to_fp8
 
 
+def eq(t, n):
+    """A torch float32 tensor and a numpy array, bit for bit."""
+    return np.array_equal(t.numpy().view(np.uint32),
+                          n.astype(np.float32).view(np.uint32))
+
+
 def main():
     rng = np.random.default_rng(20261205)
     a = np.concatenate([
@@ -31,8 +37,6 @@ def main():
     f448 = np.float32(448.0)
     want_div = f448 / a
     want_rcp = (np.float32(1.0) / a) * f448
-    eq = lambda t, n: np.array_equal(t.numpy().view(np.uint32),  # noqa: E731
-                                     n.astype(np.float32).view(np.uint32))
     s, m = fp8_scale(amax, False, True)
     assert eq(s, want_scale), "scale: amax * fl(1/448)"
     assert eq(m, want_div), "one_div: fl(448 / amax)"
