@@ -34,7 +34,7 @@ CUfunction ep__post_fn(void);
 /* A kernel of the module in the current context, or NULL. */
 enum { EP__FN_RING, EP__FN_POST, EP__FN_LL_DISPATCH, EP__FN_LL_DISPATCH_RECV,
        EP__FN_LL_COMBINE, EP__FN_LL_COMBINE_RECV, EP__FN_LL_COMBINE_PULL,
-       EP__FN_COPIES, EP__FN_N };
+       EP__FN_LL_BARRIER, EP__FN_COPIES, EP__FN_N };
 CUfunction ep__fn(int which);
 /* Make device dev's primary context current. */
 int ep__use_ctx(int dev);

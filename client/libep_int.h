@@ -177,6 +177,11 @@ int ep__llg_combine(ep_group_t *g, uint32_t buffer, const void *expert_out,
 int ep__llg_combine_hook(ep_group_t *g, uint32_t buffer, void *stream);
 int ep__llg_combine_buffer(ep_group_t *g, uint32_t buffer, void **rows);
 int ep__llg_error(ep_group_t *g);
+int ep__llg_shrink(ep_group_t *g);
+int ep__llg_mask(ep_group_t *g, uint32_t rank, int masked, void *stream);
+int ep__llg_mask_query(ep_group_t *g, int32_t *mask, void *stream);
+int ep__llg_mask_clean(ep_group_t *g, void *stream);
+int ep__llg_barrier(ep_group_t *g, void *stream);
 /* ep_leave: leave the pseudo group first; group free: free it all. */
 void ep__llh_leave(ep_group_t *g);
 void ep__llh_fini(ep_group_t *g);

@@ -32,6 +32,7 @@ struct ep_ll {
 	struct ekc_ll_args base; /* what every op's arguments share */
 	uint32_t next;  /* the buffer of the next dispatch */
 	uint32_t T[2];  /* each buffer's dispatch: its tokens */
+	uint32_t Kb[2]; /* and its top-k width (at most the group's) */
 	bool used[2];   /* a dispatch ran on that buffer */
 	uint64_t hw[2], hout[2]; /* a hooked combine's weights and out */
 	CUfunction fn[EP__FN_N];
@@ -48,6 +49,7 @@ struct ep_ll {
 };
 
 static int ll_gate(ep_group_t *g, void *stream);
+static bool ll_gone_only(const ep_group_t *g);
 static void llx_free(struct ep_llx *x);
 
 /* ep_ll_dispatch's cast modes (ek.h) are the kernels' */
@@ -251,6 +253,9 @@ static int ll_setup(ep_group_t *g)
 	a->released = g->ctl_dev ? g->ctl_dev + EPP_CTL_GROUP_SLOT +
 					   EPP_CTL_RELEASED
 				 : 0;
+	/* shrink mode: which ranks left (ep_ll_shrink turns it on) */
+	a->gone = g->ctl_dev ? g->ctl_dev + EPP_CTL_GROUP_SLOT + EPP_CTL_GONE
+			     : 0;
 	a->herr = herr;
 	a->rank = g->cfg.rank;
 	a->W = l->W;
@@ -268,6 +273,8 @@ static struct ekc_ll_args ll_args(const struct ep_ll *l, uint32_t b,
 {
 	struct ekc_ll_args a = l->base;
 	const CUdeviceptr o = l->outs + b * l->out_stride;
+	if (l->Kb[b]) /* the top-k width of the buffer's dispatch */
+		a.K = l->Kb[b];
 	a.recv_count = o;
 	a.layout = o + (l->El * 4 + 7) / 8 * 8;
 	a.src_info = a.layout + l->El * l->W * 8;
@@ -282,6 +289,7 @@ static struct ekc_ll_args ll_args(const struct ep_ll *l, uint32_t b,
 static int ll_launch(ep_group_t *g, int fn, struct ekc_ll_args *a,
 		     uint32_t *with_recv, void *stream)
 {
+	const uint32_t blocks = fn == EP__FN_LL_BARRIER ? 1 : g->ll->blocks;
 	const struct ep_ll *l = g->ll;
 	const int dead = ll_gate(g, stream);
 	if (dead && !l->poisoned)
@@ -295,14 +303,14 @@ static int ll_launch(ep_group_t *g, int fn, struct ekc_ll_args *a,
 		CUlaunchAttribute at = {
 			.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
 			.value.programmaticStreamSerializationAllowed = 1};
-		CUlaunchConfig cfg = {.gridDimX = l->blocks, .gridDimY = 1,
+		CUlaunchConfig cfg = {.gridDimX = blocks, .gridDimY = 1,
 				      .gridDimZ = 1, .blockDimX = 512,
 				      .blockDimY = 1, .blockDimZ = 1,
 				      .hStream = (CUstream)stream,
 				      .attrs = &at, .numAttrs = 1};
 		r = ep__drv.cuLaunchKernelEx(&cfg, l->fn[fn], params, NULL);
 	} else {
-		r = ep__drv.cuLaunchKernel(l->fn[fn], l->blocks, 1, 1, 512, 1,
+		r = ep__drv.cuLaunchKernel(l->fn[fn], blocks, 1, 1, 512, 1,
 					   1, 0, (CUstream)stream, params,
 					   NULL);
 	}
@@ -632,9 +640,15 @@ int ep__llg_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 		return rc;
 	struct ep_ll *l = g->ll;
 	const uint32_t b = l->next;
+	const uint32_t K = EP_LL_TOPK_OF(flags) ? EP_LL_TOPK_OF(flags) : l->K;
+	if (K > l->K)
+		return ep__fail(EP_ESHAPE, "topk_idx of %u columns: the group's "
+					   "top-k is %u",
+				K, l->K);
 	/* More tokens than the group's maximum: the kernel takes part with
 	 * none (every rank finishes) and raises ETOOBIG here. */
 	struct ekc_ll_args a = ll_args(l, b, num_tokens);
+	a.K = K;
 	a.x = (uint64_t)(uintptr_t)x;
 	a.topk = (uint64_t)(uintptr_t)topk_idx;
 	a.fp8 = (uint32_t)fp8;
@@ -644,6 +658,7 @@ int ep__llg_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 		return rc;
 	l->next = b ^ 1;
 	l->T[b] = num_tokens > l->N ? 0 : num_tokens;
+	l->Kb[b] = K;
 	l->used[b] = true;
 	out->buffer = b;
 	out->recv_x = (void *)(uintptr_t)(l->peer[g->cfg.rank] + l->L.rx[b]);
@@ -763,6 +778,12 @@ static int ll_report(ep_group_t *g, uint32_t err)
 				"a low-latency op waited past the group's "
 				"timeout for a peer (a rank that did not make "
 				"the same call, or died)");
+	if (err & EKC_LL_EMASK)
+		return ep__fail(EP_EMISMATCH,
+				"a low-latency dispatch ended: in shrink mode "
+				"a peer counted other ranks present than this "
+				"rank did (a rank failed between two ranks' "
+				"waits, or the ranks masked different ranks)");
 	if (err & EKC_LL_EPEERFAIL)
 		return ep__fail(EP_EFAILED,
 				"a low-latency op ended: a peer's earlier op "
@@ -832,7 +853,7 @@ static int ll_gate(ep_group_t *g, void *stream)
 		rc = ep__fail(l->dead_rc, "%s", l->dead_msg);
 	else if (*l->herr & (EKC_LL_EFATAL | EKC_LL_EPOISONED))
 		rc = ep__llg_error(g);
-	else if (g->buf && ep__ctl_error(g))
+	else if (g->buf && ep__ctl_error(g) && !ll_gone_only(g))
 		rc = ll_die(l, ll_report(g, EKC_LL_ERELEASED), false);
 	if (rc && l->dead_rc && !l->poisoned) {
 		CUresult r = ep__drv.cuMemsetD32Async(
@@ -843,4 +864,118 @@ static int ll_gate(ep_group_t *g, void *stream)
 		l->poisoned = true;
 	}
 	return rc;
+}
+
+/* ---- shrink mode (ep.h; the kernels' side: ekc.h) ---- */
+
+/* The ranks that left the group, as the daemon wrote them before it
+ * released the group (EPP_CTL_GONE). */
+static uint64_t ll_gone(const ep_group_t *g)
+{
+	if (!g->buf)
+		return 0;
+	return __atomic_load_n((const uint64_t *)((const uint8_t *)g->buf +
+						  EPP_CTL_GROUP_SLOT +
+						  EPP_CTL_GONE),
+			       __ATOMIC_ACQUIRE);
+}
+
+/* In shrink mode, a group that failed because ranks left (and nothing
+ * else) leaves the low-latency mode going: its kernels mask them. */
+static bool ll_gone_only(const ep_group_t *g)
+{
+	return g->ll && g->ll->base.shrink && ep__ctl_error(g) == EP_EPEERLOST &&
+	       ll_gone(g);
+}
+
+int ep__llg_shrink(ep_group_t *g)
+{
+	if (ll_staged(g))
+		return ep__fail(EP_EUNSUPPORTED,
+				"shrink mode runs on the low-latency kernels: "
+				"GPU ranks of one node (this group spans "
+				"several)");
+	int rc = ll_setup(g);
+	if (rc)
+		return rc;
+	g->ll->base.shrink = 1;
+	return 0;
+}
+
+static int ll_shrinking(ep_group_t *g, const char *what)
+{
+	if (ll_staged(g) || !g->ll || !g->ll->base.shrink)
+		return ep__fail(EP_EINVAL, "%s: shrink mode is off "
+					   "(ep_ll_shrink turns it on)",
+				what);
+	return ep__use_ctx(g->cuda_device);
+}
+
+/* Unmasked, rank d may be admitted again: the high word of its counts
+ * flag here (the EKC_LL_OUT mark of a rank given up, ekc_ll.cu) cleared,
+ * in the stream's order. A post of d's racing with it fails its
+ * compare-and-swap and reads the flag again. */
+static CUresult ll_unmark(ep_group_t *g, uint32_t d, void *stream)
+{
+	const struct ep_ll *l = g->ll;
+	return ep__drv.cuMemsetD32Async(l->peer[g->cfg.rank] + l->L.cflag +
+						8 * (uint64_t)d + 4,
+					0, 1, (CUstream)stream);
+}
+
+int ep__llg_mask(ep_group_t *g, uint32_t rank, int masked, void *stream)
+{
+	int rc = ll_shrinking(g, "ep_ll_mask");
+	if (rc)
+		return rc;
+	if (rank >= g->ll->W || rank == g->cfg.rank)
+		return ep__fail(EP_EINVAL, "ep_ll_mask: rank %u is %s", rank,
+				rank == g->cfg.rank ? "this rank" : "not in the "
+								    "group");
+	CUresult r = ep__drv.cuMemsetD32Async(
+		g->ll->priv + 4 * (EKC_LL_PRIV_MASK + rank), masked ? 1 : 0, 1,
+		(CUstream)stream);
+	if (!r && !masked)
+		r = ll_unmark(g, rank, stream);
+	return r ? ep__cufail(r, "writing the mask") : 0;
+}
+
+int ep__llg_mask_query(ep_group_t *g, int32_t *mask, void *stream)
+{
+	int rc = ll_shrinking(g, "ep_ll_mask_query");
+	if (rc)
+		return rc;
+	CUresult r = ep__drv.cuMemcpyDtoDAsync(
+		(CUdeviceptr)(uintptr_t)mask,
+		g->ll->priv + 4 * EKC_LL_PRIV_MASK, (size_t)g->ll->W * 4,
+		(CUstream)stream);
+	return r ? ep__cufail(r, "copying the mask") : 0;
+}
+
+int ep__llg_mask_clean(ep_group_t *g, void *stream)
+{
+	int rc = ll_shrinking(g, "ep_ll_mask_clean");
+	if (rc)
+		return rc;
+	CUresult r = ep__drv.cuMemsetD32Async(
+		g->ll->priv + 4 * EKC_LL_PRIV_MASK, 0, g->ll->W,
+		(CUstream)stream);
+	for (uint32_t d = 0; d < g->ll->W && !r; d++)
+		if (d != g->cfg.rank)
+			r = ll_unmark(g, d, stream);
+	return r ? ep__cufail(r, "clearing the mask") : 0;
+}
+
+int ep__llg_barrier(ep_group_t *g, void *stream)
+{
+	if (ll_staged(g))
+		return ep__fail(EP_EUNSUPPORTED,
+				"ep_ll_barrier runs on the low-latency "
+				"kernels: GPU ranks of one node (this group "
+				"spans several)");
+	int rc = ll_setup(g);
+	if (rc || (rc = ep__use_ctx(g->cuda_device)))
+		return rc;
+	struct ekc_ll_args a = ll_args(g->ll, 0, 0);
+	return ll_launch(g, EP__FN_LL_BARRIER, &a, NULL, stream);
 }

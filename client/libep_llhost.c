@@ -548,7 +548,7 @@ int ep_ll_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 	if (!g || !out || (num_tokens && (!x || !topk_idx)))
 		return ep__fail(EP_EINVAL, "NULL argument");
 	const unsigned known = EP_LL_HOOK | EP_LL_FP8 | EP_LL_ROUND_SCALE |
-			       EP_LL_UE8M0;
+			       EP_LL_UE8M0 | EP_LL_TOPK(0xff);
 	if (flags & ~known)
 		return ep__fail(EP_EINVAL, "unknown dispatch flags 0x%x",
 				flags & ~known);
@@ -570,6 +570,14 @@ int ep_ll_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 		      : flags & EP_LL_ROUND_SCALE ? EK_LL_FP8_ROUND
 						  : EK_LL_FP8;
 	}
+	const uint32_t K = EP_LL_TOPK_OF(flags);
+	if (K && K != g->cfg.topk && (ep__llh_is(g) ||
+				      g->cfg.world_size != g->cfg.ranks_per_node))
+		return ep__fail(EP_EUNSUPPORTED,
+				"a low-latency dispatch of top-%u in a group of "
+				"top-%u runs on the kernels only (GPU ranks of "
+				"one node)",
+				K, g->cfg.topk);
 	return ep__llh_is(g) ? ep__llh_dispatch(g, x, topk_idx, num_tokens,
 						 fp8, out)
 			     : ep__llg_dispatch(g, x, topk_idx, num_tokens,
@@ -624,4 +632,49 @@ int ep_ll_error(ep_group_t *g)
 	if (!g)
 		return ep__fail(EP_EINVAL, "NULL argument");
 	return ep__llh_is(g) ? ep__llh_error(g) : ep__llg_error(g);
+}
+
+/* Shrink mode is the kernels' (ep.h): a host rank's low-latency ops run
+ * on the daemon's, where a rank that fails fails the group. */
+static int llh_no_shrink(ep_group_t *g, const char *what)
+{
+	if (!g)
+		return ep__fail(EP_EINVAL, "NULL argument");
+	return ep__fail(EP_EUNSUPPORTED,
+			"%s: shrink mode runs on the low-latency kernels "
+			"(GPU ranks of one node); a host rank's ops run on "
+			"the daemon's path",
+			what);
+}
+
+int ep_ll_shrink(ep_group_t *g)
+{
+	return !g || ep__llh_is(g) ? llh_no_shrink(g, "ep_ll_shrink")
+				   : ep__llg_shrink(g);
+}
+
+int ep_ll_mask(ep_group_t *g, uint32_t rank, int masked, void *stream)
+{
+	return !g || ep__llh_is(g) ? llh_no_shrink(g, "ep_ll_mask")
+				   : ep__llg_mask(g, rank, masked, stream);
+}
+
+int ep_ll_mask_query(ep_group_t *g, int32_t *mask, void *stream)
+{
+	if (g && !mask)
+		return ep__fail(EP_EINVAL, "NULL argument");
+	return !g || ep__llh_is(g) ? llh_no_shrink(g, "ep_ll_mask_query")
+				   : ep__llg_mask_query(g, mask, stream);
+}
+
+int ep_ll_mask_clean(ep_group_t *g, void *stream)
+{
+	return !g || ep__llh_is(g) ? llh_no_shrink(g, "ep_ll_mask_clean")
+				   : ep__llg_mask_clean(g, stream);
+}
+
+int ep_ll_barrier(ep_group_t *g, void *stream)
+{
+	return !g || ep__llh_is(g) ? llh_no_shrink(g, "ep_ll_barrier")
+				   : ep__llg_barrier(g, stream);
 }

@@ -105,6 +105,36 @@ int ep__llg_error(ep_group_t *g)
 	return 0;
 }
 
+int ep__llg_shrink(ep_group_t *g)
+{
+	(void)g;
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}
+
+int ep__llg_mask(ep_group_t *g, uint32_t rank, int masked, void *stream)
+{
+	(void)g, (void)rank, (void)masked, (void)stream;
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}
+
+int ep__llg_mask_query(ep_group_t *g, int32_t *mask, void *stream)
+{
+	(void)g, (void)mask, (void)stream;
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}
+
+int ep__llg_mask_clean(ep_group_t *g, void *stream)
+{
+	(void)g, (void)stream;
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}
+
+int ep__llg_barrier(ep_group_t *g, void *stream)
+{
+	(void)g, (void)stream;
+	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
+}
+
 int ep_mem_register(ep_group_t *g, const void *ptr, size_t len,
 		    ep_mreg_t **mr)
 {

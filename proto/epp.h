@@ -97,6 +97,9 @@
  *        waits out its timeout for a rank its group already lost.
  *        Links are one level deep: the named group may not itself be
  *        linked, and a group with linked groups may not be (EP_EINVAL).
+ *   1.17 A GPU group's control page names the ranks that left it
+ *        (EPP_CTL_GONE), written before the group is released: the
+ *        low-latency kernels of shrink mode mask them and go on.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -115,7 +118,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 16
+#define EPP_VERSION_MINOR 17
 /* Stream-ordered ops a GPU rank may have in flight (libep waits before
  * more; the daemon's rings are this deep). */
 #define EPP_MAX_INFLIGHT 1024
@@ -237,6 +240,10 @@ struct epp_join_ok {
  * CPU stores it, so no GPU queue stands between the release and a kernel
  * that spins for a rank that will never come. */
 #define EPP_CTL_RELEASED 16u
+/* u64 (1.17): bit r set once world rank r of a group of at most 64 ranks
+ * left it or died, stored before EPP_CTL_RELEASED (the low-latency
+ * kernels of shrink mode mask those ranks and go on). */
+#define EPP_CTL_GONE 24u
 #define EPP_FEAT_FAST_BARRIER 1u /* barriers by device doorbell alone */
 #define EPP_FEAT_KERNEL_WAIT 2u  /* MPS: ranks ring and wait with a kernel */
 #define EPP_FEAT_HOST_BARRIER 4u /* barriers by host doorbell alone */

@@ -819,6 +819,13 @@ void epd_member_remove(struct epd_member *m, const char *why)
 		g->dev->remove_rank(g, m->local);
 	epd_info("group %s: rank %u (pid %d) removed: %s", g->shape.name,
 		 m->rank, (int)c->pid, why);
+	/* Who left a group that formed, before a failure releases it, and
+	 * also once it failed (EPP_CTL_GONE: the low-latency kernels of
+	 * shrink mode go on without each rank that goes). */
+	if (g->state != EPD_G_FORMING && g->map && m->rank < 64)
+		__atomic_fetch_or((uint64_t *)(g->map + EPP_CTL_GROUP_SLOT +
+					       EPP_CTL_GONE),
+				  1ull << m->rank, __ATOMIC_RELEASE);
 	if (g->state == EPD_G_READY)
 		epd_group_fail(g, EP_EPEERLOST, "rank %u (pid %d) left the group: %s",
 			   m->rank, (int)c->pid, why);

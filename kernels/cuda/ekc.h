@@ -54,6 +54,7 @@
 	X(cuMemcpyHtoD)                                                        \
 	X(cuMemcpyDtoH)                                                        \
 	X(cuMemcpyDtoHAsync)                                                   \
+	X(cuMemcpyDtoDAsync)                                                   \
 	X(cuMemsetD32)                                                         \
 	X(cuMemsetD32Async)                                                    \
 	X(cuMemsetD8)                                                          \
@@ -368,6 +369,10 @@ extern const size_t ekc_fatbin_size;
  *   done     [W] u64      dispatch seq: source s's rows have landed
  *   cdone    [W] u64      combine seq: source s's combine rows landed
  *   cready   [W] u64      combine seq: source s's cx rows are written
+ *   bflag    [W] u64      barrier seq (ekc_ll_barrier): source s came
+ *   pset[p]  [W] u64      shrink mode: the ranks source s counted as
+ *                         present in dispatch seq (p = seq & 1), written
+ *                         before its done flag (below)
  *   tk[b]    [El][W*N] i32  source's t*K+k of each received row
  *   rx[b]    [El][W*N][H] bf16  received rows, per local expert packed in
  *                         source rank order, then source (t, k) order
@@ -400,7 +405,25 @@ extern const size_t ekc_fatbin_size;
 #define EKC_LL_PRIV_BSEQ 5  /* [2]: the dispatch seq of buffer b */
 #define EKC_LL_PRIV_CBSEQ 7 /* [2]: the combine seq of buffer b */
 #define EKC_LL_PRIV_POISON 9 /* nonzero once a wait failed: for good */
-#define EKC_LL_PRIV_TABLES 64u /* bytes */
+#define EKC_LL_PRIV_BARSEQ 10 /* the last barrier's seq */
+#define EKC_LL_PRIV_MASK 16 /* [EKC_LL_MAXW]: 1 = rank masked (shrink) */
+#define EKC_LL_PRIV_PSET 80 /* u64 [2] at this word: buffer b's present set */
+#define EKC_LL_PRIV_ABN 84 /* u64 at this word: the ranks that gave this
+			      one up in the dispatch EKC_LL_PRIV_ABNSEQ */
+#define EKC_LL_PRIV_ABNSEQ 86
+#define EKC_LL_PRIV_DEC 128 /* u64 [EKC_LL_WAITS][EKC_LL_MAXW] at this word */
+#define EKC_LL_PRIV_TABLES 4096u /* bytes */
+/* Shrink mode (DeepEP's, a.shrink): a rank masked in this rank's words is
+ * neither sent to nor waited for; a peer that does not come to a wait
+ * within the timeout, that the daemon says has left (the gone bits), or
+ * whose flags carry the poison mark is masked there and then, and the op
+ * goes on without it. The blocks of a grid decide each (wait, source)
+ * once, by a compare-and-swap on its decision word (seq << 1 | absent),
+ * so that every block of the rank uses the same present set. The waits:
+ * the dispatch's counts, its done flags, the combine's done and ready
+ * flags, the barrier's. */
+enum { EKC_LL_W_CNT, EKC_LL_W_DONE, EKC_LL_W_CDONE, EKC_LL_W_CREADY,
+       EKC_LL_W_BAR, EKC_LL_WAITS };
 /* err bits */
 #define EKC_LL_ETIMEDOUT 1u /* a peer's rows or counts never came */
 #define EKC_LL_EEXPERT 2u   /* a top-k index outside [-1, E) */
@@ -409,14 +432,20 @@ extern const size_t ekc_fatbin_size;
 #define EKC_LL_ERELEASED 16u /* the daemon released the group (a rank left) */
 #define EKC_LL_EPEERFAIL 32u /* a peer's flag carried the poison mark */
 #define EKC_LL_EPOISONED 64u /* an earlier failure: the op did nothing */
+#define EKC_LL_EMASK 128u /* shrink: a source counted other ranks present
+			     than this rank did (rows may be misplaced) */
 /* The errors above that poison the rank's state (EKC_LL_PRIV_POISON): its
  * sequence numbers may be out of step with the peers', so every later op
  * does nothing but raise EKC_LL_EPOISONED and put the mark on its flags
  * (every flag's high word: EKC_LL_MARK), and a peer that sees the mark
  * fails and is poisoned too. One failure ends the group's low-latency
  * mode on every rank within one op, never silently. */
-#define EKC_LL_EFATAL (EKC_LL_ETIMEDOUT | EKC_LL_ERELEASED | EKC_LL_EPEERFAIL)
+#define EKC_LL_EFATAL (EKC_LL_ETIMEDOUT | EKC_LL_ERELEASED | EKC_LL_EPEERFAIL | \
+		       EKC_LL_EMASK)
 #define EKC_LL_MARK 0x504f4953u /* "POIS" */
+/* Shrink mode: a counts flag a rank swapped for this mark gave its source
+ * up for that dispatch and those after (until ep_ll_mask unmasks it). */
+#define EKC_LL_OUT 0x4f555421u /* "OUT!" */
 
 /* A dispatch with a cast to fp8 (a.fp8): each row's 128-channel groups
  * g scaled so that the largest magnitude amax (at least 1e-4) becomes 448:
@@ -431,7 +460,7 @@ extern const size_t ekc_fatbin_size;
 #define EKC_LL_FP8_UE8M0 3u
 
 struct ekc_ll_layout {
-	uint64_t cnt[2], cflag, done, cdone, cready, flags_end;
+	uint64_t cnt[2], cflag, done, cdone, cready, bflag, pset[2], flags_end;
 	uint64_t tk[2], rx[2], comb[2], cx[2], total;
 	uint64_t sc[2]; /* inside rx[b]: a fp8 dispatch's scales (above) */
 	uint64_t tab[2]; /* private: buffer b's tables (key, pos, off, rows) */
@@ -461,6 +490,12 @@ static inline void ekc_ll_layout_of(uint32_t W, uint32_t N, uint32_t H,
 	o += W * 8;
 	L->cready = o;
 	o += W * 8;
+	L->bflag = o;
+	o += W * 8;
+	for (int p = 0; p < 2; p++) {
+		L->pset[p] = o;
+		o += W * 8;
+	}
 	o = L->flags_end = ekc_ll_align(o);
 	for (int p = 0; p < 2; p++) {
 		L->tk[p] = o;
@@ -513,6 +548,10 @@ struct ekc_ll_args {
 			  dispatch's) */
 	uint32_t gpu_scope; /* every rank on this GPU: flags at GPU scope */
 	uint32_t fp8;  /* dispatch: EKC_LL_FP8_*, 0 for bf16 rows */
+	uint32_t shrink; /* shrink mode (EKC_LL_PRIV_MASK) */
+	uint64_t gone; /* shrink: u64 of the ranks that left the group (host
+			  memory the daemon writes before it raises released),
+			  or 0 */
 	uint64_t trace; /* u64[EKC_LL_TR_N] globaltimer stamps, or 0 */
 };
 

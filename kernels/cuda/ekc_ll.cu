@@ -211,14 +211,231 @@ __device__ static inline uint8_t *ll_pub(const struct ekc_ll_args &a,
 	return (uint8_t *)a.peer[d] + off;
 }
 
+// ---- shrink mode (ekc.h): the present set of each wait ----
+
+__device__ static inline uint64_t ll_all(const struct ekc_ll_args &a)
+{
+	return a.W >= 64 ? ~0ull : (1ull << a.W) - 1;
+}
+
+// The ranks this rank has masked now (all zero outside shrink mode).
+__device__ static inline uint64_t ll_mask_now(const struct ekc_ll_args &a)
+{
+	uint64_t m = 0;
+	if (!a.shrink)
+		return 0;
+	const volatile uint32_t *w = ll_priv(a) + EKC_LL_PRIV_MASK;
+	for (uint32_t d = 0; d < a.W; d++)
+		m |= (uint64_t)(w[d] != 0) << d;
+	return m;
+}
+
+// Wait `kind` of op seq decides source s: absent or present, once for
+// every block of the grid (the first decision wins); the answer is the
+// decision made. An absent source is masked for the ops after.
+__device__ static bool ll_decide(const struct ekc_ll_args &a, uint32_t kind,
+				 uint32_t s, uint32_t seq, bool absent)
+{
+	unsigned long long *w =
+		(unsigned long long *)(ll_priv(a) + EKC_LL_PRIV_DEC) +
+		kind * EKC_LL_MAXW + s;
+	const unsigned long long want = (unsigned long long)seq << 1 | absent;
+	unsigned long long old = *(volatile unsigned long long *)w;
+	for (;;) {
+		if ((old >> 1) == seq) {
+			absent = old & 1;
+			break;
+		}
+		const unsigned long long prev = atomicCAS(w, old, want);
+		if (prev == old)
+			break;
+		old = prev;
+	}
+	if (absent)
+		atomicExch(ll_priv(a) + EKC_LL_PRIV_MASK + s, 1u);
+	return absent;
+}
+
+// Has wait `kind` of op seq found s absent already (another block)?
+__device__ static inline bool ll_decided_absent(const struct ekc_ll_args &a,
+						uint32_t kind, uint32_t s,
+						uint32_t seq)
+{
+	const unsigned long long v = *((volatile unsigned long long *)(
+		ll_priv(a) + EKC_LL_PRIV_DEC) + kind * EKC_LL_MAXW + s);
+	return v == ((unsigned long long)seq << 1 | 1);
+}
+
+__device__ static inline uint64_t ll_cas64(const struct ekc_ll_args &a,
+					   uint64_t *p, uint64_t cmp,
+					   uint64_t val)
+{
+	uint64_t old;
+	if (a.gpu_scope)
+		asm volatile("atom.relaxed.gpu.global.cas.b64 %0, [%1], %2, %3;"
+			     : "=l"(old) : "l"(p), "l"(cmp), "l"(val) : "memory");
+	else
+		asm volatile("atom.relaxed.sys.global.cas.b64 %0, [%1], %2, %3;"
+			     : "=l"(old) : "l"(p), "l"(cmp), "l"(val) : "memory");
+	return old;
+}
+
+// Shrink mode's wait for source s's flag p[s] at seq: true once it came,
+// false once s is absent (masked already, decided absent by another
+// block, gone from the group, its flags marked, or past the timeout).
+// *fatal: the daemon released the group without naming a rank that left,
+// or named this rank.
+//
+// The counts' wait (EKC_LL_W_CNT) gives s up only by swapping its flag
+// here for the EKC_LL_OUT mark while its counts have not come: s posts
+// that flag by a compare-and-swap that fails on the mark (ll_post_cnt),
+// so either s learns that it was given up and sends this rank nothing,
+// or its counts came first and this rank takes its rows. A rank late
+// past the timeout never writes rows where this rank no longer expects
+// them. Its counts landed, then it failed: its rows stay a hole (below).
+__device__ static bool ll_wait_one(const struct ekc_ll_args &a,
+				   const uint64_t *p, uint32_t s, uint32_t seq,
+				   uint64_t t0, uint32_t kind, bool *fatal)
+{
+	bool give_up =
+		*(volatile uint32_t *)(ll_priv(a) + EKC_LL_PRIV_MASK + s) != 0;
+	for (uint32_t spins = 0;; spins++) {
+		const uint64_t v = ll_ld64(a, p + s);
+		const uint32_t hi = (uint32_t)(v >> 32);
+		if (hi == EKC_LL_MARK || hi == EKC_LL_OUT) // poisoned; given up
+			return !ll_decide(a, kind, s, seq, true);
+		if ((int32_t)((uint32_t)v - seq) >= 0) {
+			ll_fence(a);
+			if (kind == EKC_LL_W_CNT) {
+				// did s give this rank up (ll_post_cnt)?
+				volatile uint32_t *pv = ll_priv(a);
+				while (pv[EKC_LL_PRIV_ABNSEQ] != seq)
+					;
+				ll_fence(a);
+				const uint64_t out = *(volatile unsigned long long *)(
+					pv + EKC_LL_PRIV_ABN);
+				if (out >> s & 1)
+					return !ll_decide(a, kind, s, seq, true);
+			}
+			return !ll_decide(a, kind, s, seq, false);
+		}
+		if (give_up) {
+			if (kind != EKC_LL_W_CNT)
+				return !ll_decide(a, kind, s, seq, true);
+			if (ll_cas64(a, (uint64_t *)(p + s), v,
+				     (uint64_t)EKC_LL_OUT << 32 | seq) == v)
+				return !ll_decide(a, kind, s, seq, true);
+			continue; // s posted meanwhile: look again
+		}
+		if ((spins & 63) != 63)
+			continue;
+		if (ll_decided_absent(a, kind, s, seq))
+			give_up = true;
+		if ((spins & 1023) == 1023 && ll_released(a)) {
+			uint64_t gone = 0;
+			if (a.gone)
+				asm volatile("ld.relaxed.sys.global.u64 %0, [%1];"
+					     : "=l"(gone) : "l"(a.gone));
+			// released for another reason, or this rank itself
+			// left (its peers go on without it)
+			if (!gone || (gone >> a.rank & 1)) {
+				*fatal = true;
+				return false;
+			}
+			if (gone >> s & 1)
+				give_up = true;
+		}
+		if (now_ns() - t0 > a.timeout_ns)
+			give_up = true;
+	}
+}
+
+// Shrink mode's counts flag of dispatch seq (bad: with the poison mark)
+// to every rank in `to`, each by a compare-and-swap that fails on the
+// EKC_LL_OUT mark (ll_wait_one): then that rank gave this one up, and it
+// is published, with seq, in the private words EKC_LL_PRIV_ABN{,SEQ} for
+// every block's wait. By the block's threads, one rank each.
+__device__ static void ll_post_cnt(const struct ekc_ll_args &a, uint32_t seq,
+				   bool bad, uint64_t to)
+{
+	__shared__ unsigned long long out;
+	if (threadIdx.x == 0)
+		out = 0;
+	__syncthreads();
+	const uint64_t val = (bad ? (uint64_t)EKC_LL_MARK << 32 : 0) | seq;
+	for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x) {
+		if (!(to >> d & 1))
+			continue;
+		uint64_t *f = (uint64_t *)ll_pub(a, d, a.L.cflag) + a.rank;
+		uint64_t v = ll_ld64(a, f);
+		for (;;) {
+			if ((uint32_t)(v >> 32) == EKC_LL_OUT) {
+				atomicOr(&out, 1ull << d);
+				break;
+			}
+			const uint64_t o = ll_cas64(a, f, v, val);
+			if (o == v)
+				break;
+			v = o;
+		}
+	}
+	__syncthreads();
+	if (threadIdx.x == 0) {
+		uint32_t *pv = ll_priv(a);
+		*(volatile unsigned long long *)(pv + EKC_LL_PRIV_ABN) = out;
+		__threadfence();
+		*(volatile uint32_t *)(pv + EKC_LL_PRIV_ABNSEQ) = seq;
+	}
+}
+
+// Every rank's flag p[s] at seq, of the ranks in `want`, by the block's
+// first W threads: the set of those that came, the same in every block of
+// the grid. Outside shrink mode every rank is waited for and a failed
+// wait poisons the rank (the set is then empty); in it an absent rank is
+// masked and left out. *ok: false if the rank was poisoned already (bad:
+// nothing is waited for) or is now.
+__device__ static uint64_t ll_wait_set(const struct ekc_ll_args &a,
+				       const uint64_t *p, uint32_t seq,
+				       uint64_t t0, bool bad, uint32_t kind,
+				       uint64_t want, bool *ok)
+{
+	__shared__ unsigned long long got;
+	if (!a.shrink) {
+		*ok = ll_wait_all(a, p, seq, t0, bad);
+		return *ok ? ll_all(a) : 0;
+	}
+	if (threadIdx.x == 0)
+		got = 0;
+	__syncthreads();
+	int fatal = 0;
+	for (uint32_t s = threadIdx.x; s < a.W && !bad; s += blockDim.x) {
+		bool f = false;
+		if ((want >> s & 1) && ll_wait_one(a, p, s, seq, t0, kind, &f))
+			atomicOr(&got, 1ull << s);
+		fatal |= f;
+	}
+	if (__syncthreads_or(fatal)) {
+		if (threadIdx.x == 0)
+			ll_fail(a, EKC_LL_ERELEASED);
+		*ok = false;
+		return 0;
+	}
+	const uint64_t r = got;
+	*ok = !bad;
+	__syncthreads();
+	return bad ? 0 : r;
+}
+
 // This rank's flag at seq in every rank's array of flags at off (the
 // block's threads, one rank each), with the mark if bad (poisoned).
 __device__ static inline void ll_post(const struct ekc_ll_args &a,
-				      uint64_t off, uint32_t seq, bool bad)
+				      uint64_t off, uint32_t seq, bool bad,
+				      uint64_t to = ~0ull)
 {
 	const uint64_t v = (bad ? (uint64_t)EKC_LL_MARK << 32 : 0) | seq;
 	for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
-		ll_st64(a, (uint64_t *)ll_pub(a, d, off) + a.rank, v);
+		if (to >> d & 1)
+			ll_st64(a, (uint64_t *)ll_pub(a, d, off) + a.rank, v);
 }
 
 // The calling block's arrival at the grid's counter; true in the last
@@ -361,7 +578,7 @@ __device__ static inline uint32_t ll_quant(const uint4 v[LL_U],
 #define LL_PW (LL_TPB / 32)
 __device__ static void ll_plan(const struct ekc_ll_args &a, uint32_t T,
 			       uint32_t over, uint32_t seq, uint32_t par,
-			       uint32_t *cnt)
+			       uint32_t *cnt, uint64_t to)
 {
 	__shared__ uint16_t wc[LL_PW][EKC_LL_MAXE]; // N*K <= EKC_LL_MAXTK
 	const uint32_t E = a.El * a.W, TK = T * a.K;
@@ -413,14 +630,18 @@ __device__ static void ll_plan(const struct ekc_ll_args &a, uint32_t T,
 	__threadfence();
 	for (uint32_t j = threadIdx.x; j < a.W * E; j += blockDim.x) {
 		uint32_t d = j / E, e = j % E;
-		ll_st64(a, (uint64_t *)ll_pub(a, d, a.L.cnt[par]) +
-				(uint64_t)a.rank * E + e,
-			(uint64_t)seq << 32 | over | cnt[e]);
+		if (to >> d & 1)
+			ll_st64(a, (uint64_t *)ll_pub(a, d, a.L.cnt[par]) +
+					(uint64_t)a.rank * E + e,
+				(uint64_t)seq << 32 | over | cnt[e]);
 	}
 	// then one flag per destination: its W flags are all it waits on
 	ll_fence(a);
 	__syncthreads();
-	ll_post(a, a.L.cflag, seq, false);
+	if (a.shrink)
+		ll_post_cnt(a, seq, false, to);
+	else
+		ll_post(a, a.L.cflag, seq, false, to);
 }
 
 // The receive side of dispatch seq (buffer a.buf), by every block of the
@@ -428,7 +649,7 @@ __device__ static void ll_plan(const struct ekc_ll_args &a, uint32_t T,
 // (block 0) and src_info (grid-strided), from the rows each source sent
 // here as the send part snapshotted them.
 __device__ static void ll_dispatch_recv(const struct ekc_ll_args &a,
-					uint32_t seq, uint64_t t0)
+					uint32_t seq, uint64_t t0, uint64_t P)
 {
 	__shared__ uint32_t rows[EKC_LL_MAXE];
 	const uint32_t WN = a.W * a.N;
@@ -436,7 +657,30 @@ __device__ static void ll_dispatch_recv(const struct ekc_ll_args &a,
 	const uint32_t *snap = ll_rows_tab(a);
 	const int32_t *tk = (const int32_t *)ll_pub(a, a.rank, a.L.tk[a.buf]);
 	const bool bad = ll_poisoned(a);
-	if (!ll_wait_all(a, done, seq, t0, bad)) { // poisoned: no rows
+	// P: the sources the send part counted present (shrink: the rest
+	// sent nothing here); Q: of them, those whose rows all landed
+	bool ok;
+	const uint64_t Q =
+		ll_wait_set(a, done, seq, t0, bad, EKC_LL_W_DONE, P, &ok);
+	// Every source that came must have counted the same ranks present:
+	// its rows' places were computed from the counts of those before it
+	// (ekc.h, shrink mode). Else some rows may lie where another
+	// source's are: the mode ends here, never silently.
+	if (ok && a.shrink) {
+		const uint64_t *ps =
+			(const uint64_t *)ll_pub(a, a.rank, a.L.pset[a.buf]);
+		int bad_set = 0;
+		for (uint32_t s = threadIdx.x; s < a.W; s += blockDim.x)
+			if ((Q >> s & 1) &&
+			    __ldcg((const unsigned long long *)ps + s) != P)
+				bad_set = 1;
+		if (__syncthreads_or(bad_set)) {
+			if (threadIdx.x == 0)
+				ll_fail(a, EKC_LL_EMASK);
+			ok = false;
+		}
+	}
+	if (!ok) { // poisoned: no rows
 		if (bad && blockIdx.x == 0 && threadIdx.x == 0)
 			ll_fail(a, EKC_LL_EPOISONED);
 		for (uint32_t j = threadIdx.x; j < a.El * a.W && blockIdx.x == 0;
@@ -453,13 +697,18 @@ __device__ static void ll_dispatch_recv(const struct ekc_ll_args &a,
 	for (uint32_t j = threadIdx.x; j < a.El * a.W; j += blockDim.x)
 		sn[j] = __ldcg(snap + j);
 	__syncthreads();
+	// a source counted present whose rows never all landed (it failed
+	// between its counts and its done flag): its rows stay a hole, in
+	// the layout with none and in src_info as -1
+	const uint64_t hole = P & ~Q;
 	for (uint32_t el = threadIdx.x; el < a.El; el += blockDim.x) {
 		uint64_t begin = 0;
 		for (uint32_t s = 0; s < a.W; s++) {
 			uint32_t c = sn[el * a.W + s];
 			if (blockIdx.x == 0)
 				((int64_t *)a.layout)[el * a.W + s] =
-					(int64_t)(begin << 32 | c);
+					(int64_t)(begin << 32 |
+						  (hole >> s & 1 ? 0 : c));
 			begin += c;
 		}
 		if (begin > WN) {
@@ -476,7 +725,14 @@ __device__ static void ll_dispatch_recv(const struct ekc_ll_args &a,
 	     j += (uint64_t)gridDim.x * blockDim.x) {
 		uint32_t el = (uint32_t)(j / WN), p = (uint32_t)(j % WN);
 		int32_t v = -1;
-		if (p < rows[el]) {
+		bool in_hole = false;
+		if (hole && p < rows[el]) {
+			uint32_t s = 0, c = 0;
+			while (s < a.W && p >= c + sn[el * a.W + s])
+				c += sn[el * a.W + s++];
+			in_hole = s < a.W && (hole >> s & 1);
+		}
+		if (p < rows[el] && !in_hole) {
 			int32_t i = __ldcg(tk + j);
 			if (i >= 0 && (uint32_t)i < a.N * a.K)
 				v = i / (int32_t)a.K;
@@ -492,7 +748,7 @@ __device__ static void ll_dispatch_recv(const struct ekc_ll_args &a,
 // and fp8 scales) into the experts' ranks' buffer a.buf.
 __device__ static void ll_dispatch_rows(const struct ekc_ll_args &a,
 					uint32_t seq, uint32_t par, uint32_t T,
-					uint32_t *off)
+					uint32_t *off, uint64_t P)
 {
 	uint32_t *pv = ll_priv(a);
 	const uint32_t E = a.El * a.W, WN = a.W * a.N, b = a.buf;
@@ -511,8 +767,11 @@ __device__ static void ll_dispatch_rows(const struct ekc_ll_args &a,
 	__syncthreads();
 	for (uint32_t j = threadIdx.x; j < a.W * E; j += blockDim.x) {
 		const uint32_t s = j / E, e = j % E;
-		const uint32_t raw = (uint32_t)__ldcg(
-			(const unsigned long long *)cnt + j);
+		// an absent source (shrink) sent nothing: its words are stale
+		const uint32_t raw =
+			P >> s & 1 ? (uint32_t)__ldcg(
+					     (const unsigned long long *)cnt + j)
+				   : 0;
 		const uint32_t n = raw & ~LL_OVER;
 		if (s < a.rank && n)
 			atomicAdd(&off[e], n < WN ? n : WN);
@@ -529,8 +788,10 @@ __device__ static void ll_dispatch_rows(const struct ekc_ll_args &a,
 		if (blockIdx.x == 0)
 			ll_off(a)[e] = off[e];
 	}
-	if (blockIdx.x == 0 && threadIdx.x == 0)
+	if (blockIdx.x == 0 && threadIdx.x == 0) {
 		pv[EKC_LL_PRIV_BSEQ + b] = seq;
+		((unsigned long long *)(pv + EKC_LL_PRIV_PSET))[b] = P;
+	}
 	__syncthreads();
 	const int32_t *key = ll_key(a), *pos = ll_pos(a);
 	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
@@ -571,6 +832,8 @@ __device__ static void ll_dispatch_rows(const struct ekc_ll_args &a,
 					continue;
 				}
 				const uint32_t d = e / a.El, el = e % a.El;
+				if (!(P >> d & 1))
+					continue; // masked (shrink)
 				const uint64_t row = (uint64_t)el * WN + gp;
 				uint8_t *rx = ll_pub(a, d, a.L.rx[b]);
 				if (!fp8) {
@@ -618,24 +881,45 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 	// A poisoned rank sends no counts: its marked flags fail every peer
 	// at once (they wait for nothing from it).
 	const bool bad0 = ll_poisoned(a);
+	// shrink: the ranks masked now are neither sent to nor waited for
+	const uint64_t m0 = ll_mask_now(a) & ~(1ull << a.rank);
 	if (blockIdx.x == 0 && !bad0)
-		ll_plan(a, T, over, seq, par, off);
+		ll_plan(a, T, over, seq, par, off, ~m0);
 	if (blockIdx.x == 0 && bad0) {
 		if (threadIdx.x == 0)
 			ll_fail(a, EKC_LL_EPOISONED);
-		ll_post(a, a.L.cflag, seq, true);
+		if (a.shrink)
+			ll_post_cnt(a, seq, true, ~m0);
+		else
+			ll_post(a, a.L.cflag, seq, true, ~m0);
 	}
 	ll_stamp(a, EKC_LL_TR_D_PLAN);
 	// Every source's counts (this rank's own, from block 0, included):
 	// W threads spin on the sources' flags, the rest wait at the barrier.
 	const uint64_t *cflag = (const uint64_t *)ll_pub(a, a.rank, a.L.cflag);
 	// a failed wait (this rank now poisoned): no rows; the done flags
-	// below carry the mark
-	if (ll_wait_all(a, cflag, seq, t0, bad0))
-		ll_dispatch_rows(a, seq, par, T, off);
+	// below carry the mark. P: the sources present (shrink: all but the
+	// absent ones; else all)
+	bool ok;
+	const uint64_t P = ll_wait_set(a, cflag, seq, t0, bad0, EKC_LL_W_CNT,
+				       ll_all(a) & ~m0, &ok);
+	if (ok)
+		ll_dispatch_rows(a, seq, par, T, off, P);
 	ll_stamp(a, EKC_LL_TR_D_COPY);
 	if (ll_last_block(a, EKC_LL_PRIV_DCTR)) {
-		ll_post(a, a.L.done, seq, ll_poisoned(a));
+		// shrink: the present set travels before the done flag, for
+		// each receiver to compare with its own
+		if (a.shrink && ok) {
+			for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
+				if (P >> d & 1)
+					ll_st64(a, (uint64_t *)ll_pub(
+							   a, d, a.L.pset[a.buf]) +
+							   a.rank,
+						P);
+			ll_fence(a);
+			__syncthreads();
+		}
+		ll_post(a, a.L.done, seq, ll_poisoned(a), ok ? P : ~m0);
 		if (threadIdx.x == 0) {
 			pv[EKC_LL_PRIV_DSEQ] = seq;
 			if (a.trace)
@@ -643,7 +927,7 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 		}
 	}
 	if (with_recv) {
-		ll_dispatch_recv(a, seq, t0);
+		ll_dispatch_recv(a, seq, t0, P);
 		ll_stamp(a, EKC_LL_TR_D_END);
 	}
 	ll_stamp_max(a, EKC_LL_TR_D_MAXEND);
@@ -654,7 +938,14 @@ ekc_ll_dispatch_recv(const struct ekc_ll_args a)
 {
 	ll_prior();
 	const uint64_t t0 = now_ns();
-	ll_dispatch_recv(a, __ldcg(ll_priv(a) + EKC_LL_PRIV_BSEQ + a.buf), t0);
+	// the send part's present set (its kernel is done: stream order)
+	const uint64_t P =
+		a.shrink ? __ldcg((const unsigned long long *)(ll_priv(a) +
+							       EKC_LL_PRIV_PSET) +
+				  a.buf)
+			 : ll_all(a);
+	ll_dispatch_recv(a, __ldcg(ll_priv(a) + EKC_LL_PRIV_BSEQ + a.buf), t0,
+			 P);
 	ll_stamp(a, EKC_LL_TR_D_END);
 }
 
@@ -761,7 +1052,13 @@ __device__ static void ll_combine_recv(const struct ekc_ll_args &a,
 {
 	const uint64_t *cdone = (const uint64_t *)ll_pub(a, a.rank, a.L.cdone);
 	const bool bad = ll_poisoned(a);
-	if (!ll_wait_all(a, cdone, seq, t0, bad)) { // poisoned: no sum
+	// shrink: the experts' ranks that came; a (t, k) of another is left
+	// out of the sum
+	bool ok;
+	const uint64_t R = ll_wait_set(
+		a, cdone, seq, t0, bad, EKC_LL_W_CDONE,
+		ll_all(a) & ~(ll_mask_now(a) & ~(1ull << a.rank)), &ok);
+	if (!ok) { // poisoned: no sum
 		if (bad && blockIdx.x == 0 && threadIdx.x == 0)
 			ll_fail(a, EKC_LL_EPOISONED);
 		ll_out_nan(a);
@@ -771,8 +1068,8 @@ __device__ static void ll_combine_recv(const struct ekc_ll_args &a,
 	ll_stamp(a, EKC_LL_TR_C_RECV);
 	const uint8_t *comb = ll_pub(a, a.rank, a.L.comb[a.buf]);
 	const uint64_t rowb = (uint64_t)a.H * 2;
-	ll_sum(a, [&](uint32_t i, int32_t, int32_t) -> const uint8_t * {
-		return comb + i * rowb;
+	ll_sum(a, [&](uint32_t i, int32_t e, int32_t) -> const uint8_t * {
+		return R >> (e / a.El) & 1 ? comb + i * rowb : nullptr;
 	});
 }
 
@@ -791,6 +1088,8 @@ ekc_ll_combine(const struct ekc_ll_args a, uint32_t with_recv)
 	const uint32_t *snap = ll_rows_tab(a);
 	// poisoned: no rows, and the marked done flags below
 	const bool bad0 = ll_poisoned(a);
+	// shrink: the ranks masked now get no rows (and no flags)
+	const uint64_t m0 = ll_mask_now(a) & ~(1ull << a.rank);
 	const int32_t *tk = (const int32_t *)ll_pub(a, a.rank, a.L.tk[b]);
 	if (blockIdx.x == 0 && threadIdx.x == 0)
 		pv[EKC_LL_PRIV_CBSEQ + b] = seq;
@@ -832,6 +1131,8 @@ ekc_ll_combine(const struct ekc_ll_args a, uint32_t with_recv)
 		uint32_t s = 0;
 		while (s + 1 < a.W && begin[el * a.W + s + 1] <= p)
 			s++;
+		if (m0 >> s & 1)
+			continue; // masked home (shrink)
 		const uint64_t row = (uint64_t)el * WN + p;
 		const int32_t i = __ldcg(tk + row);
 		if (i < 0 || (uint32_t)i >= NK) {
@@ -848,7 +1149,7 @@ ekc_ll_combine(const struct ekc_ll_args a, uint32_t with_recv)
 	}
 	ll_stamp(a, EKC_LL_TR_C_COPY);
 	if (ll_last_block(a, EKC_LL_PRIV_CCTR)) {
-		ll_post(a, a.L.cdone, seq, ll_poisoned(a));
+		ll_post(a, a.L.cdone, seq, ll_poisoned(a), ~m0);
 		if (threadIdx.x == 0) {
 			pv[EKC_LL_PRIV_CSEQ] = seq;
 			if (a.trace)
@@ -886,16 +1187,19 @@ ekc_ll_combine_pull(const struct ekc_ll_args a)
 	// stream: say so to every home.
 	// (poisoned: the mark on them, and no sum)
 	const bool bad0 = ll_poisoned(a);
+	const uint64_t m0 = ll_mask_now(a) & ~(1ull << a.rank); // shrink
 	if (blockIdx.x == 0) {
 		ll_fence(a);
 		if (bad0 && threadIdx.x == 0)
 			ll_fail(a, EKC_LL_EPOISONED);
-		ll_post(a, a.L.cready, seq, bad0);
+		ll_post(a, a.L.cready, seq, bad0, ~m0);
 	}
 	for (uint32_t e = threadIdx.x; e < E; e += blockDim.x)
 		off[e] = min(__ldcg(ll_off(a) + e), WN);
 	const uint64_t *ready = (const uint64_t *)ll_pub(a, a.rank, a.L.cready);
-	const bool ok = ll_wait_all(a, ready, seq, t0, bad0);
+	bool ok;
+	const uint64_t R = ll_wait_set(a, ready, seq, t0, bad0,
+				       EKC_LL_W_CREADY, ll_all(a) & ~m0, &ok);
 	ll_fence(a);
 	ll_stamp(a, EKC_LL_TR_C_RECV);
 	const uint64_t rowb = (uint64_t)a.H * 2;
@@ -904,6 +1208,8 @@ ekc_ll_combine_pull(const struct ekc_ll_args a)
 		if (gp >= WN)
 			return nullptr; // the dispatch raised it
 		const uint32_t d = e / a.El, el = e % a.El;
+		if (!(R >> d & 1))
+			return nullptr; // absent (shrink)
 		return ll_pub(a, d, a.L.cx[b]) + ((uint64_t)el * WN + gp) * rowb;
 	};
 	if (ok)
@@ -914,4 +1220,29 @@ ekc_ll_combine_pull(const struct ekc_ll_args a)
 	if (ll_last_block(a, EKC_LL_PRIV_CCTR) && threadIdx.x == 0)
 		pv[EKC_LL_PRIV_CSEQ] = seq;
 	ll_stamp_max(a, EKC_LL_TR_C_MAXEND);
+}
+
+// A barrier of the group's ranks (one block): DeepEP's
+// clean_low_latency_buffer in shrink mode, where a rank that does not
+// come is masked (ekc.h); outside it, a rank that does not come within the
+// timeout ends the mode, as any op's wait.
+extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
+ekc_ll_barrier(const struct ekc_ll_args a)
+{
+	ll_prior();
+	const uint64_t t0 = now_ns();
+	uint32_t *pv = ll_priv(a);
+	const uint32_t seq =
+		*(volatile uint32_t *)(pv + EKC_LL_PRIV_BARSEQ) + 1;
+	const bool bad = ll_poisoned(a);
+	const uint64_t m0 = ll_mask_now(a) & ~(1ull << a.rank);
+	if (bad && threadIdx.x == 0)
+		ll_fail(a, EKC_LL_EPOISONED);
+	ll_fence(a);
+	ll_post(a, a.L.bflag, seq, bad, ~m0);
+	bool ok;
+	(void)ll_wait_set(a, (const uint64_t *)ll_pub(a, a.rank, a.L.bflag),
+			  seq, t0, bad, EKC_LL_W_BAR, ll_all(a) & ~m0, &ok);
+	if (threadIdx.x == 0)
+		pv[EKC_LL_PRIV_BARSEQ] = seq;
 }

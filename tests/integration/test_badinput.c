@@ -390,6 +390,81 @@ static void check_link_depth(void)
 	close(fd);
 }
 
+/* A raw JOIN of `name` (world 3, one node, NOWAIT) whose buffer is
+ * mapped here: the control page, in *map. */
+static int gone_join(uint32_t rank, const uint8_t **map, size_t *len)
+{
+	int fd = raw_connect();
+	struct epp_join j = {.world_size = 3, .ranks_per_node = 3,
+			     .rank = rank, .num_experts = 12, .hidden = 128,
+			     .max_tokens = 8, .topk = 2, .dtype = 1};
+	snprintf(j.name, sizeof(j.name), "gone");
+	uint8_t b[512];
+	size_t n = epp_join_encode(&j, b, sizeof(b));
+	send_hdr(fd, EPP_MAGIC, EPP_VERSION_MAJOR, EPP_JOIN, EPP_F_JOIN_NOWAIT,
+		 (uint32_t)n, 40 + rank, b);
+	struct epp_hdr h;
+	uint8_t *p;
+	int fds[EPP_MAX_FDS];
+	TH_OK(epp_recv_frame(fd, &h, &p, fds, 5000, NULL, 0));
+	TH_CHECK(h.type == EPP_OK && h.nfds >= 1, "join of gone rank %u", rank);
+	struct epp_join_ok ok;
+	TH_OK(epp_join_ok_decode(p, h.length, &ok));
+	free(p);
+	if (map) {
+		void *m = mmap(NULL, ok.buf_size, PROT_READ, MAP_SHARED, fds[0],
+			       0);
+		TH_CHECK(m != MAP_FAILED, "mapping the group buffer: %m");
+		*map = m;
+		*len = ok.buf_size;
+	}
+	for (unsigned i = 0; i < h.nfds; i++)
+		close(fds[i]);
+	return fd;
+}
+
+/* The control page's gone word (protocol 1.17) once the set of bits
+ * `want` is in it (2 s at most). */
+static uint64_t gone_bits(const uint8_t *map, uint64_t want)
+{
+	uint64_t v = 0;
+	for (int i = 0; i < 200; i++) {
+		v = __atomic_load_n((const uint64_t *)(map + EPP_CTL_GROUP_SLOT +
+						       EPP_CTL_GONE),
+				    __ATOMIC_ACQUIRE);
+		if ((v & want) == want)
+			break;
+		th_sleep_ms(10);
+	}
+	return v;
+}
+
+/* The daemon names each rank that leaves a formed group in the control
+ * page (EPP_CTL_GONE), also after the first departure failed the group:
+ * the low-latency kernels of shrink mode mask exactly those ranks. */
+static void check_gone_word(void)
+{
+	const uint8_t *map;
+	size_t len;
+	int f0 = gone_join(0, &map, &len);
+	int f1 = gone_join(1, NULL, NULL);
+	int f2 = gone_join(2, NULL, NULL);
+	expect_usable(f0); /* the joins are processed: the group formed */
+	TH_CHECK(gone_bits(map, 0) == 0, "a gone bit before anyone left");
+	close(f2);
+	uint64_t v = gone_bits(map, 4);
+	TH_CHECK(v == 4, "after rank 2 left: gone 0x%llx, want 0x4",
+		 (unsigned long long)v);
+	close(f1); /* the group failed already */
+	v = gone_bits(map, 6);
+	TH_CHECK(v == 6, "after rank 1 left too: gone 0x%llx, want 0x6",
+		 (unsigned long long)v);
+	close(f0);
+	munmap((void *)map, len);
+	printf("ok: the control page named rank 2, then rank 1, as each left "
+	       "the group (the second after the group had failed)\n");
+}
+
 int main(void)
 {
 	th_init("bad input", 120);
@@ -522,6 +597,7 @@ int main(void)
 	expect_usable(fd);
 	close(fd);
 	check_link_depth();
+	check_gone_word();
 
 	/* Descriptors from a client: refused, disconnect. */
 	fd = raw_connect();

@@ -235,6 +235,14 @@ def ll_checks(torch, buf, ins, r, W, D):
 def rank_main(torch, dist, group, r, W):
     sock = os.environ["EPD_SOCKET"]  # this rank's node
     import epd.deep_ep as deep_ep
+    if not CUDA:
+        # shrink mode runs on epd's low-latency kernels (GPU ranks)
+        try:
+            deep_ep.Buffer(group, 0, 1 << 20, low_latency_mode=True,
+                           enable_shrink=True, explicitly_destroy=True)
+            raise AssertionError("a host rank's shrink-mode Buffer")
+        except NotImplementedError as e:
+            assert "kernels" in str(e), e
     buf = deep_ep.Buffer(group, int(1e9), 0, explicitly_destroy=True)
     checks(torch, dist, deep_ep, buf, group, r, W, sock)
     buf.destroy()
@@ -547,8 +555,11 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
                      (lambda: buf.combine(D(ys[r]), h,
                                           bias=D(me["bias"].float())),
                       ValueError),
+                     # the mask needs shrink mode
                      (lambda: buf.low_latency_update_mask_buffer(0, True),
-                      NotImplementedError),
+                      ValueError),
+                     (lambda: buf.low_latency_query_mask_buffer(
+                         torch.zeros(W, dtype=torch.int32)), ValueError),
                      (lambda: buf.combine(D(ys[r]), (1, 2, 3)), ValueError)):
         try:
             bad()

@@ -452,6 +452,12 @@ uint64_t ep_group_device_region(const ep_group_t *group, size_t *size);
 #define EP_LL_FP8 0x4
 #define EP_LL_ROUND_SCALE 0x8
 #define EP_LL_UE8M0 0x10
+/* Dispatch: topk_idx has k columns (1 .. the group's topk), every rank's
+ * dispatch alike; its combine's weights then [T, k] too. 0 (the default):
+ * the group's topk. On the kernels only (GPU ranks of one node), else
+ * EP_EUNSUPPORTED unless k is the group's. */
+#define EP_LL_TOPK(k) ((unsigned)(k) << 8)
+#define EP_LL_TOPK_OF(flags) (((flags) >> 8) & 0xffu)
 struct ep_ll_recv {
 	uint32_t buffer;        /* 0 or 1: give it to combine and the hooks */
 	void *recv_x;           /* device addresses, in this rank's region */
@@ -475,6 +481,38 @@ int ep_ll_combine_hook(ep_group_t *group, uint32_t buffer, void *stream);
 int ep_ll_combine_buffer(ep_group_t *group, uint32_t buffer, void **rows);
 /* 0, or the first error the low-latency kernels raised (cleared). */
 int ep_ll_error(ep_group_t *group);
+
+/*
+ * Shrink mode (DeepEP's): a rank that fails no longer ends the mode.
+ * ep_ll_shrink turns it on for this rank's low-latency kernels (every rank
+ * of the group alike, before the ops it should cover; GPU ranks of one
+ * node, else EP_EUNSUPPORTED). Each rank keeps a mask of ranks: a masked
+ * rank is neither sent to nor waited for. A wait masks the rank it waits
+ * for, and the op goes on without it, when that rank left the group or
+ * died (the daemon says so at once, protocol 1.17), did not come within
+ * the group's timeout, or failed (its flags carry the mark). A dispatch
+ * then delivers the rows of the ranks that came, a combine sums the rows
+ * of the experts whose ranks came (a (t, k) of a masked rank's expert is
+ * left out, as -1 is), and no row goes to a masked rank. A rank that
+ * failed between its counts and its rows leaves a hole: its rows keep
+ * their places in recv_x and recv_count, with none in layout_range and
+ * -1 in src_info. The ranks must agree on who is present: each dispatch
+ * checks that every source counted the same ranks as the receiver (a
+ * rank's rows are placed after those of the ranks before it), and a
+ * disagreement ends the mode with EP_EMISMATCH rather than misplace rows.
+ *
+ * ep_ll_mask sets (masked 1) or clears rank's mask word (not this rank's
+ * own); ep_ll_mask_query copies the mask words, int32 [world] (1 masked),
+ * to device memory; ep_ll_mask_clean clears them all; all three on the
+ * stream, in its order. ep_ll_barrier waits on the stream for every rank
+ * not masked (one block; in shrink mode it masks a rank that does not
+ * come, as any wait does, which is DeepEP's clean_low_latency_buffer).
+ */
+int ep_ll_shrink(ep_group_t *group);
+int ep_ll_mask(ep_group_t *group, uint32_t rank, int masked, void *stream);
+int ep_ll_mask_query(ep_group_t *group, int32_t *mask, void *stream);
+int ep_ll_mask_clean(ep_group_t *group, void *stream);
+int ep_ll_barrier(ep_group_t *group, void *stream);
 
 /*
  * Registered memory (GPU ranks of a one-node group): the daemon maps a

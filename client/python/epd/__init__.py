@@ -62,6 +62,12 @@ LL_ROUND_SCALE = 0x8  # EP_LL_ROUND_SCALE: scales rounded up to 2^n
 LL_UE8M0 = 0x10  # EP_LL_UE8M0: the scales' exponent bytes, 4 to an int32
 
 
+def LL_TOPK(k):
+    """EP_LL_TOPK(k): a dispatch's topk_idx has k columns (at most the
+    group's topk; the kernels only)."""
+    return k << 8
+
+
 def _candidates():
     env = os.environ.get("EP_LIBRARY")
     if env:
@@ -272,6 +278,13 @@ _lib.ep_ll_combine.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
                                ctypes.c_void_p]
 _lib.ep_ll_combine_buffer.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
                                       ctypes.POINTER(ctypes.c_void_p)]
+_lib.ep_ll_shrink.argtypes = [ctypes.c_void_p]
+_lib.ep_ll_mask.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int,
+                            ctypes.c_void_p]
+_lib.ep_ll_mask_query.argtypes = [ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_void_p]
+for _f in ("ep_ll_mask_clean", "ep_ll_barrier"):
+    getattr(_lib, _f).argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 
 
 class _Copy(ctypes.Structure):
@@ -695,6 +708,9 @@ class Group:
         f = (LL_HOOK if hook else 0) | (LL_FP8 if fp8 else 0) | \
             (LL_ROUND_SCALE if round_scale else 0) | \
             (LL_UE8M0 if ue8m0 else 0)
+        K = topk_idx.shape[1] if len(topk_idx.shape) == 2 else 0
+        if K and K != self.cfg["topk"]:
+            f |= LL_TOPK(K)  # fewer columns than the group's top-k
         r = _LLRecv()
         px, kx = self._ll_in(x if T else None)
         pt, kt = self._ll_in(topk_idx if T else None)
@@ -778,6 +794,33 @@ class Group:
                                       W * c["max_tokens_per_rank"],
                                       c["hidden"]), numpy.uint16)
         return cx[buffer]
+
+    # ---- shrink mode (ep.h, ep_ll_shrink): a rank that fails is masked
+    # and the others go on; GPU ranks of one node ----
+
+    def ll_shrink(self):
+        """Turn shrink mode on (every rank alike, before the ops it
+        should cover); maps the low-latency regions now."""
+        _check(_lib.ep_ll_shrink(self._g))
+
+    def ll_mask(self, rank, masked=True, stream=None):
+        """Mask (or unmask) a rank, on the stream."""
+        _check(_lib.ep_ll_mask(self._g, rank, 1 if masked else 0,
+                               self._stream(stream)))
+
+    def ll_mask_query(self, out, stream=None):
+        """Copy the mask (int32 [world], 1: masked) into out, a
+        contiguous int32 CUDA tensor, on the stream."""
+        _check(_lib.ep_ll_mask_query(self._g, out.data_ptr(),
+                                     self._stream(stream)))
+
+    def ll_mask_clean(self, stream=None):
+        _check(_lib.ep_ll_mask_clean(self._g, self._stream(stream)))
+
+    def ll_barrier(self, stream=None):
+        """A barrier of the ranks not masked, on the stream (in shrink
+        mode a rank that does not come is masked)."""
+        _check(_lib.ep_ll_barrier(self._g, self._stream(stream)))
 
     def ll_error(self):
         """None, or the first error the low-latency ops raised (read and

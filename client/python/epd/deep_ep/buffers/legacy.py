@@ -39,9 +39,20 @@ ranks on several nodes, ranks sharing a GPU without MPS, or
 EPD_DEEP_EP_LL_KERNELS=0) it goes over the daemon's normal path: each
 (token, k) is a pseudo token of one expert in a group of its own shape,
 and the weighted sum is made at home; the same bits, not the kernels'
-speed, and the hook has nothing left to do there. Masking ranks (DeepEP's
-shrink mode) raises NotImplementedError: a rank that dies or leaves fails
-the group on every rank (EP_EPEERLOST), and the job joins a new one.
+speed, and the hook has nothing left to do there.
+
+Shrink mode (enable_shrink, DeepEP's masking of ranks) runs on the
+kernels (libep ep_ll_shrink): a rank that leaves, dies, does not come
+within the timeout or fails is masked by the ranks that wait for it, and
+they go on without it; the low_latency_*_mask_buffer calls read and write
+the mask, and clean_low_latency_buffer is a barrier that masks a rank that
+does not come. The low-latency group forms at a shape's first dispatch,
+with every rank; to cover a rank that fails before it, the Buffer joins
+that group at construction when num_rdma_bytes is the value
+get_low_latency_rdma_size_hint returned in this process (its shape is
+known then), with room for up to _LL_SHRINK_TOPK experts per token.
+Elsewhere (the daemon's path) a rank that dies or leaves fails the group
+on every rank (EP_EPEERLOST), and the job joins a new one.
 """
 import os
 import socket
@@ -57,6 +68,13 @@ from ..utils.math import per_token_cast_to_fp8
 def _torch():
     import torch
     return torch
+
+
+# num_rdma_bytes -> (num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+# num_experts) of get_low_latency_rdma_size_hint's answers in this process
+_LL_HINTS = {}
+# the top-k room of a low-latency group joined at construction (shrink)
+_LL_SHRINK_TOPK = 16
 
 
 class Config:
@@ -573,6 +591,80 @@ class Buffer:
         self._ll_off = None if os.environ.get(
             "EPD_DEEP_EP_LL_KERNELS", "1") != "0" else \
             "EPD_DEEP_EP_LL_KERNELS=0"
+        if enable_shrink:
+            self._ll_shrink_start(low_latency_mode, num_rdma_bytes)
+
+    # ---- shrink mode (the module's docstring) ----
+
+    def _ll_shrink_start(self, low_latency_mode, num_rdma_bytes):
+        if self._device is None or self._rpn != self.group_size or \
+                self._ll_off is not None:
+            self._destroy()
+            raise NotImplementedError(
+                "epd's deep_ep: shrink mode runs on epd's low-latency "
+                "kernels: GPU ranks of one node (this Buffer's low-latency "
+                "ops go over the daemon's path)")
+        hint = _LL_HINTS.get(num_rdma_bytes)
+        if not low_latency_mode or hint is None or \
+                hint[2] != self.group_size:
+            return  # each shape's group: shrink once it formed
+        N, H, _, E = hint
+        if E % self.group_size or H % 128:
+            return
+        self._llk_sub(("llk", H, E, None, N), H, E,
+                      min(E, _LL_SHRINK_TOPK), N)
+        # every rank mapped every region before any can leave
+        _torch().distributed.barrier(self.group)
+
+    def _llk_sub(self, key, H, E, K, N):
+        """The low-latency kernels' group of a shape (made at its first
+        use; in shrink mode, with shrink mode on)."""
+        sub = self._subs.get(key)
+        if sub is None:
+            sub = _Sub(self, (H, False, K, E), N, tag=f"llk{N}-")
+            sub.ll_gen = [0, 0]
+            self._subs[key] = sub
+            if self.enable_shrink:
+                sub.g.ll_shrink()
+        return sub
+
+    def _ll_shrink_subs(self):
+        if not self.enable_shrink:
+            raise ValueError("epd's deep_ep: the mask buffer needs "
+                             "enable_shrink=True")
+        return [s for k, s in self._subs.items()
+                if k[0] == "llk" and s.g is not None]
+
+    def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
+        """Mask (mask=True) or unmask a rank in this rank's low-latency
+        ops, on the current stream."""
+        subs = self._ll_shrink_subs()
+        st = _torch().cuda.current_stream()
+        for s in subs:
+            s.g.ll_mask(rank_to_mask, mask, stream=st)
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        """mask_status [num_ranks] int32 CUDA: 1 where this rank masks
+        that rank (in any of its low-latency groups)."""
+        torch = _torch()
+        if tuple(mask_status.shape) != (self.group_size,) or \
+                mask_status.dtype != torch.int32 or not mask_status.is_cuda:
+            raise ValueError(f"mask_status must be [{self.group_size}] "
+                             f"int32 on the GPU")
+        subs = self._ll_shrink_subs()
+        st = torch.cuda.current_stream()
+        mask_status.zero_()
+        tmp = torch.empty_like(mask_status)
+        for s in subs:
+            s.g.ll_mask_query(tmp, stream=st)
+            torch.maximum(mask_status, tmp, out=mask_status)
+
+    def low_latency_clean_mask_buffer(self):
+        """Unmask every rank."""
+        subs = self._ll_shrink_subs()
+        st = _torch().cuda.current_stream()
+        for s in subs:
+            s.g.ll_mask_clean(stream=st)
 
     # ---- life ----
 
@@ -631,7 +723,12 @@ class Buffer:
         buffers of every expert's rows, rounded up to 128 MiB."""
         b = 2 * num_max_dispatch_tokens_per_rank * num_ranks * \
             (num_experts // max(num_ranks, 1)) * (hidden * 2 + 64)
-        return (b + (128 << 20) - 1) // (128 << 20) * (128 << 20)
+        n = (b + (128 << 20) - 1) // (128 << 20) * (128 << 20)
+        # shrink mode joins the low-latency group of a Buffer given this
+        # size at its construction (the module's docstring)
+        _LL_HINTS[n] = (num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                        num_experts)
+        return n
 
     def get_comm_stream(self):
         return self._comm if self._device is not None else None
@@ -1392,12 +1489,10 @@ class Buffer:
         torch = _torch()
         T, H = x.shape
         K = topk_idx.size(1)
-        key = ("llk", H, E, K, N)
-        sub = self._subs.get(key)
-        if sub is None:
-            sub = _Sub(self, (H, False, K, E), N, tag=f"llk{N}-")
-            sub.ll_gen = [0, 0]
-            self._subs[key] = sub
+        # shrink mode's group joined at construction, where it fits
+        sub = self._subs.get(("llk", H, E, None, N))
+        if sub is None or sub.g is None or K > sub.K:
+            sub = self._llk_sub(("llk", H, E, K, N), H, E, K, N)
         st = torch.cuda.current_stream()
         xc = x.contiguous()
         idx = topk_idx.to(torch.int64).contiguous()
@@ -1545,18 +1640,15 @@ class Buffer:
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank,
                                  hidden, num_experts):
-        """Nothing to clean: epd's buffers carry no state between ops."""
-
-    def _not_yet(self, *a, **kw):
-        raise NotImplementedError(_MASK)
-
-    low_latency_update_mask_buffer = low_latency_query_mask_buffer = \
-        low_latency_clean_mask_buffer = _not_yet
-
-
-_MASK = ("epd's deep_ep: masking ranks (DeepEP's shrink mode) is not "
-         "implemented; a rank that dies fails its groups with "
-         "EP_EPEERLOST instead")
+        """Nothing to clean: epd's buffers carry no state between ops.
+        In shrink mode, a barrier of the ranks not masked on the current
+        stream (a rank that does not come is masked, as DeepEP's is)."""
+        if not self.enable_shrink:
+            return
+        subs = self._ll_shrink_subs()
+        st = _torch().cuda.current_stream()
+        for s in subs:
+            s.g.ll_barrier(stream=st)
 
 
 def _ready():
