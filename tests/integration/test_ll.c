@@ -24,7 +24,8 @@
  *    that error, a refused dispatch reports no rows and a refused combine
  *    writes NaN; the late rank's own op fails too, never succeeds on rows
  *    out of step; a new group works;
- *  - argument errors.
+ *  - argument errors, and the kernels' own calls (a narrower top-k,
+ *    shrink mode) refused on host ranks.
  *
  * EPD_TEST_SEED=N repeats a run.
  */
@@ -622,9 +623,20 @@ static void args_checks(void)
 	struct rin *mine = calloc(1, sizeof(*mine));
 	struct ep_ll_recv o;
 	TH_EXPECT_RC(ep_ll_dispatch(g, NULL, NULL, 1, 0, NULL, &o), EP_EINVAL);
-	TH_EXPECT_RC(ep_ll_dispatch(g, mine->x, &mine->topk[0][0], 0, 0x100,
+	TH_EXPECT_RC(ep_ll_dispatch(g, mine->x, &mine->topk[0][0], 0, 0x10000,
 				    NULL, &o),
 		     EP_EINVAL);
+	/* the kernels' own: a narrower top-k, shrink mode */
+	TH_EXPECT_RC(ep_ll_dispatch(g, mine->x, &mine->topk[0][0], 0,
+				    EP_LL_TOPK(K - 1), NULL, &o),
+		     EP_EUNSUPPORTED);
+	TH_EXPECT_RC(ep_ll_shrink(g), EP_EUNSUPPORTED);
+	TH_EXPECT_RC(ep_ll_mask(g, 0, 1, NULL), EP_EUNSUPPORTED);
+	TH_EXPECT_RC(ep_ll_mask_clean(g, NULL), EP_EUNSUPPORTED);
+	TH_EXPECT_RC(ep_ll_barrier(g, NULL), EP_EUNSUPPORTED);
+	TH_EXPECT_RC(ep_ll_mask_query(g, NULL, NULL), EP_EINVAL);
+	TH_EXPECT_RC(ep_ll_shrink(NULL), EP_EINVAL);
+	TH_EXPECT_RC(ep_ll_barrier(NULL, NULL), EP_EINVAL);
 	TH_EXPECT_RC(ep_ll_dispatch(g, mine->x, &mine->topk[0][0], 0,
 				    EP_LL_ROUND_SCALE, NULL, &o),
 		     EP_EINVAL);
@@ -636,6 +648,8 @@ static void args_checks(void)
 	TH_EXPECT_RC(ep_ll_dispatch_hook(g, 2, NULL), EP_EINVAL);
 	TH_EXPECT_RC(ep_ll_error(NULL), EP_EINVAL);
 	TH_OK(ep_ll_error(g));
+	TH_OK(ep_ll_dispatch(g, mine->x, &mine->topk[0][0], 0, EP_LL_TOPK(K),
+			     NULL, &o)); /* the group's own width */
 	/* a world of one: a dispatch and a combine to itself */
 	uint64_t s = 5;
 	mine->T = 3;
