@@ -888,14 +888,21 @@ static bool ll_gone_only(const ep_group_t *g)
 	       ll_gone(g);
 }
 
-int ep__llg_shrink(ep_group_t *g)
+/* The kernels' state of a call that only they have (what), made now. */
+static int ll_kernels_only(ep_group_t *g, const char *what)
 {
 	if (ll_staged(g))
 		return ep__fail(EP_EUNSUPPORTED,
-				"shrink mode runs on the low-latency kernels: "
-				"GPU ranks of one node (this group spans "
-				"several)");
+				"%s runs on the low-latency kernels: GPU ranks "
+				"of one node (this group spans several)",
+				what);
 	int rc = ll_setup(g);
+	return rc ? rc : ep__use_ctx(g->cuda_device);
+}
+
+int ep__llg_shrink(ep_group_t *g)
+{
+	int rc = ll_kernels_only(g, "shrink mode");
 	if (rc)
 		return rc;
 	g->ll->base.shrink = 1;
@@ -968,13 +975,8 @@ int ep__llg_mask_clean(ep_group_t *g, void *stream)
 
 int ep__llg_barrier(ep_group_t *g, void *stream)
 {
-	if (ll_staged(g))
-		return ep__fail(EP_EUNSUPPORTED,
-				"ep_ll_barrier runs on the low-latency "
-				"kernels: GPU ranks of one node (this group "
-				"spans several)");
-	int rc = ll_setup(g);
-	if (rc || (rc = ep__use_ctx(g->cuda_device)))
+	int rc = ll_kernels_only(g, "ep_ll_barrier");
+	if (rc)
 		return rc;
 	struct ekc_ll_args a = ll_args(g->ll, 0, 0);
 	return ll_launch(g, EP__FN_LL_BARRIER, &a, NULL, stream);

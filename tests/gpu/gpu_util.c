@@ -37,6 +37,24 @@ CUstream tg_rank_init(int rank, int *gpu, void *p, size_t len,
 	return st;
 }
 
+ep_group_t *tg_ll_join(const char *sock, const char *name, uint32_t world,
+		       uint32_t r, uint32_t experts, uint32_t hidden,
+		       uint32_t topk, uint32_t timeout_ms, CUstream *st,
+		       ep_conn_t **conn)
+{
+	int gpu;
+	*st = tg_rank_init((int)r, &gpu, NULL, 0, NULL);
+	struct ep_group_config cfg = th_group(name, world, r, timeout_ms);
+	cfg.num_experts = experts;
+	cfg.hidden = hidden;
+	cfg.topk = topk;
+	cfg.cuda_device = gpu;
+	ep_group_t *g;
+	TH_OK(ep_connect(sock, conn));
+	TH_OK(ep_join(*conn, &cfg, EP_JOIN_CUDA, &g));
+	return g;
+}
+
 void tg_upload(CUdeviceptr dst, const void *src, size_t n)
 {
 	CU(tg_drv.cuMemcpyHtoD(dst, src, n));

@@ -7,6 +7,8 @@
 #include "ekc.h"
 #include "harness.h"
 
+#include <string.h>
+
 extern struct ekc_driver tg_drv;
 
 #define CU(call)                                                               \
@@ -50,6 +52,31 @@ int tg_barrier_after_graphs(ep_group_t *g, CUstream st);
  * ranks' work runs on non-blocking streams, which do not wait for the
  * null stream's copy: so the copy, then a wait for the null stream. */
 void tg_upload(CUdeviceptr dst, const void *src, size_t n);
+
+/* Small integers as bf16 bits (exact). */
+static inline uint16_t tg_bf16(float f)
+{
+	uint32_t u;
+	memcpy(&u, &f, 4);
+	return (uint16_t)(u >> 16);
+}
+
+/* rc keeps the first error of a sequence of calls (each call is made
+ * whatever the one before returned, as a replayed graph makes them). */
+#define TG_FIRST(rc, call)                                                     \
+	do {                                                                   \
+		int r_ = (call);                                               \
+		if (!(rc))                                                     \
+			(rc) = r_;                                             \
+	} while (0)
+
+/* A low-latency test's rank: its context and stream (tg_rank_init, in
+ * *st), connected to the daemon at sock and joined to group `name` of
+ * world ranks as rank r, with the shape given, on its GPU. */
+ep_group_t *tg_ll_join(const char *sock, const char *name, uint32_t world,
+		       uint32_t r, uint32_t experts, uint32_t hidden,
+		       uint32_t topk, uint32_t timeout_ms, CUstream *st,
+		       ep_conn_t **conn);
 
 /* A device address that ep_get_buffers() returned as a pointer. */
 static inline CUdeviceptr tg_dptr(const void *p)

@@ -64,13 +64,6 @@ struct rank {
 	int r;
 };
 
-static uint16_t bf16_of(float f)
-{
-	uint32_t u;
-	memcpy(&u, &f, 4);
-	return (uint16_t)(u >> 16); /* small integers: exact */
-}
-
 static void inputs(struct rank *R)
 {
 	int64_t tk[T * K];
@@ -81,7 +74,7 @@ static void inputs(struct rank *R)
 			w[t * K + k] = 1.0f;
 		}
 		for (int h = 0; h < H; h++)
-			R->hx[t * H + h] = bf16_of(
+			R->hx[t * H + h] = tg_bf16(
 				(float)((R->r * 7 + t * 3 + h) % 17 - 8));
 	}
 	tg_upload(R->x, R->hx, sizeof(R->hx));
@@ -92,16 +85,8 @@ static void inputs(struct rank *R)
 static void join(struct rank *R, struct shared *s, const char *name,
 		 uint32_t timeout_ms, ep_conn_t **c)
 {
-	int gpu;
-	R->st = tg_rank_init(R->r, &gpu, NULL, 0, NULL);
-	struct ep_group_config cfg = th_group(name, W, (uint32_t)R->r,
-					      timeout_ms);
-	cfg.num_experts = E;
-	cfg.hidden = H;
-	cfg.topk = K;
-	cfg.cuda_device = gpu;
-	TH_OK(ep_connect(s->d->sock, c));
-	TH_OK(ep_join(*c, &cfg, EP_JOIN_CUDA, &R->g));
+	R->g = tg_ll_join(s->d->sock, name, W, (uint32_t)R->r, E, H, K,
+			  timeout_ms, &R->st, c);
 	CU(tg_drv.cuMemAlloc(&R->x, T * H * 2));
 	CU(tg_drv.cuMemAlloc(&R->topk, T * K * 8));
 	CU(tg_drv.cuMemAlloc(&R->w, T * K * 4));
@@ -113,12 +98,7 @@ static void join(struct rank *R, struct shared *s, const char *name,
  * was taken, every step is called whatever the one before returned, as a
  * graph replays it (the failed combine's NaN is what such a caller
  * sees). With check: out is each token times 4, bitwise. */
-#define STEP(call)                                                             \
-	do {                                                                   \
-		int r_ = (call);                                               \
-		if (!rc)                                                       \
-			rc = r_;                                               \
-	} while (0)
+#define STEP(call) TG_FIRST(rc, call)
 
 static int op_pair(struct rank *R, bool check)
 {
@@ -157,9 +137,9 @@ static int op_pair(struct rank *R, bool check)
 		uint32_t u = (uint32_t)R->hx[i] << 16;
 		float f;
 		memcpy(&f, &u, 4);
-		TH_CHECK(got[i] == bf16_of(4.0f * f),
+		TH_CHECK(got[i] == tg_bf16(4.0f * f),
 			 "rank %d: token %d channel %d: 0x%04x, want 0x%04x",
-			 R->r, i / H, i % H, got[i], bf16_of(4.0f * f));
+			 R->r, i / H, i % H, got[i], tg_bf16(4.0f * f));
 	}
 	return 0;
 }

@@ -67,13 +67,6 @@ struct rank {
 	int r;
 };
 
-static uint16_t bf16_of(float f)
-{
-	uint32_t u;
-	memcpy(&u, &f, 4);
-	return (uint16_t)(u >> 16); /* small integers: exact */
-}
-
 static float f_of(uint16_t b)
 {
 	uint32_t u = (uint32_t)b << 16;
@@ -91,7 +84,7 @@ static int64_t expert_of(int s, int t, int k)
 
 static uint16_t x_of(int s, int t, int h)
 {
-	return bf16_of((float)((s * 7 + t * 3 + h) % 17 - 8));
+	return tg_bf16((float)((s * 7 + t * 3 + h) % 17 - 8));
 }
 
 static void inputs(struct rank *R)
@@ -115,16 +108,8 @@ static void inputs(struct rank *R)
 static void join(struct rank *R, struct shared *s, const char *name,
 		 uint32_t timeout_ms)
 {
-	int gpu;
-	R->st = tg_rank_init(R->r, &gpu, NULL, 0, NULL);
-	struct ep_group_config cfg = th_group(name, W, (uint32_t)R->r,
-					      timeout_ms);
-	cfg.num_experts = E;
-	cfg.hidden = H;
-	cfg.topk = K;
-	cfg.cuda_device = gpu;
-	TH_OK(ep_connect(s->d->sock, &R->c));
-	TH_OK(ep_join(R->c, &cfg, EP_JOIN_CUDA, &R->g));
+	R->g = tg_ll_join(s->d->sock, name, W, (uint32_t)R->r, E, H, K,
+			  timeout_ms, &R->st, &R->c);
 	CU(tg_drv.cuMemAlloc(&R->x, T * H * 2));
 	CU(tg_drv.cuMemAlloc(&R->topk, T * K * 8));
 	CU(tg_drv.cuMemAlloc(&R->w, T * K * 4));
@@ -218,7 +203,7 @@ static void check_out(struct rank *R, uint32_t present)
 	CU(tg_drv.cuMemcpyDtoH(got, R->out, sizeof(got)));
 	const float n = (float)__builtin_popcount(present);
 	for (int i = 0; i < T * H; i++) {
-		const uint16_t want = bf16_of(n * f_of(x_of(R->r, i / H, i % H)));
+		const uint16_t want = tg_bf16(n * f_of(x_of(R->r, i / H, i % H)));
 		TH_CHECK(got[i] == want,
 			 "rank %d: token %d channel %d: 0x%04x, want 0x%04x "
 			 "(%d ranks present)",
@@ -226,12 +211,7 @@ static void check_out(struct rank *R, uint32_t present)
 	}
 }
 
-#define STEP(call)                                                             \
-	do {                                                                   \
-		int r_ = (call);                                               \
-		if (!rc)                                                       \
-			rc = r_;                                               \
-	} while (0)
+#define STEP(call) TG_FIRST(rc, call)
 
 /* One dispatch and combine; 0, or the first error. With check: the
  * dispatch's outputs from the sources in dpresent and the sums from the
