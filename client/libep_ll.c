@@ -22,6 +22,9 @@
 struct ep_ll {
 	uint32_t W, El, N, H, K, blocks;
 	bool pdl; /* programmatic dependent launch (EP_LL_PDL=0: off) */
+	/* fault injection for tests (EP_LL_TEST_STALL="op:ms"): this rank's
+	 * op-th dispatch holds its done flags back ms after its rows */
+	uint32_t stall_op, stall_ms, ndisp;
 	CUdeviceptr peer[EKC_LL_MAXW];
 	CUmemGenericAllocationHandle ph[EKC_LL_MAXW];
 	uint64_t psize;
@@ -179,6 +182,9 @@ static int ll_setup(ep_group_t *g)
 	/* programmatic dependent launch unless EP_LL_PDL=0 */
 	const char *pe = getenv("EP_LL_PDL");
 	l->pdl = !pe || strcmp(pe, "0");
+	const char *st = getenv("EP_LL_TEST_STALL");
+	if (st && sscanf(st, "%u:%u", &l->stall_op, &l->stall_ms) != 2)
+		l->stall_op = l->stall_ms = 0;
 	ekc_ll_layout_of(l->W, l->N, l->H, l->El, l->K, &l->L);
 	for (int k = EP__FN_LL_DISPATCH; k < EP__FN_N; k++)
 		if (!(l->fn[k] = ep__fn(k))) {
@@ -649,6 +655,8 @@ int ep__llg_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 	 * none (every rank finishes) and raises ETOOBIG here. */
 	struct ekc_ll_args a = ll_args(l, b, num_tokens);
 	a.K = K;
+	if (l->stall_op && ++l->ndisp == l->stall_op)
+		a.stall_ms = l->stall_ms;
 	a.x = (uint64_t)(uintptr_t)x;
 	a.topk = (uint64_t)(uintptr_t)topk_idx;
 	a.fp8 = (uint32_t)fp8;

@@ -549,6 +549,9 @@ struct ekc_ll_args {
 	uint32_t gpu_scope; /* every rank on this GPU: flags at GPU scope */
 	uint32_t fp8;  /* dispatch: EKC_LL_FP8_*, 0 for bf16 rows */
 	uint32_t shrink; /* shrink mode (EKC_LL_PRIV_MASK) */
+	uint32_t stall_ms; /* fault injection for tests: a dispatch holds its
+			      done flags back this long after its rows (a
+			      source that fails between counts and rows) */
 	uint64_t gone; /* shrink: u64 of the ranks that left the group (host
 			  memory the daemon writes before it raises released),
 			  or 0 */

@@ -906,6 +906,9 @@ ekc_ll_dispatch(const struct ekc_ll_args a, uint32_t with_recv)
 	if (ok)
 		ll_dispatch_rows(a, seq, par, T, off, P);
 	ll_stamp(a, EKC_LL_TR_D_COPY);
+	if (a.stall_ms) // a test's fault: rows written, done flags late
+		while (now_ns() - t0 < (uint64_t)a.stall_ms * 1000000u)
+			;
 	if (ll_last_block(a, EKC_LL_PRIV_DCTR)) {
 		// shrink: the present set travels before the done flag, for
 		// each receiver to compare with its own

@@ -20,6 +20,14 @@
  *           once, and runs alone: its combine sums its own experts' rows
  *           only, and nothing of it reaches the others (their next op is
  *           bitwise right).
+ *  hole     (timeout 2 s) rank 2's dispatch holds its done flags back
+ *           3.5 s after its counts and rows (EP_LL_TEST_STALL: a source
+ *           that fails in between). The others mask it at their timeout:
+ *           its rows stay a hole (layout_range none, src_info -1,
+ *           recv_count spanning them, every other source's rows bitwise
+ *           at their places), and their combine leaves its experts out.
+ *           Rank 2, late, gets its rows whole, then finds no combine
+ *           flags from the ranks that gave it up and sums alone.
  *  disagree (timeout 2 s) rank 0 masks rank 1 by hand, the others do
  *           not: rank 1 masks rank 0 at its timeout, and the ranks'
  *           present sets differ. Every rank's dispatch ends with
@@ -135,9 +143,11 @@ static uint32_t mask_of(struct rank *R)
 }
 
 /* The dispatch's outputs against the reference: the rows of the sources
- * in `present`, in source then (t, k) order, per local expert. */
+ * in `present`, in source then (t, k) order, per local expert; those of
+ * the sources in `hole` keep their places with no rows in the layout and
+ * src_info -1. */
 static void check_recv(struct rank *R, const struct ep_ll_recv *rv,
-		       uint32_t present)
+		       uint32_t present, uint32_t hole)
 {
 	const uint32_t WN = rv->max_recv;
 	int32_t cnt[El];
@@ -162,6 +172,14 @@ static void check_recv(struct rank *R, const struct ep_ll_recv *rv,
 							continue;
 						const uint64_t row =
 							(uint64_t)el * WN + p++;
+						if (hole >> s & 1) {
+							TH_CHECK(src[row] == -1,
+								 "rank %d: a hole "
+								 "row's src_info "
+								 "%d",
+								 R->r, src[row]);
+							continue;
+						}
 						TH_CHECK(src[row] == t,
 							 "rank %d: expert %d "
 							 "row %u: src_info %d, "
@@ -177,7 +195,9 @@ static void check_recv(struct rank *R, const struct ep_ll_recv *rv,
 								 R->r, el, p - 1,
 								 h);
 					}
-			const int64_t want = (int64_t)begin << 32 | (p - begin);
+			const int64_t want =
+				(int64_t)begin << 32 |
+				(hole >> s & 1 ? 0 : p - begin);
 			TH_CHECK(lay[el * W + s] == want,
 				 "rank %d: layout of expert %d from %d: "
 				 "0x%llx, want 0x%llx",
@@ -216,8 +236,8 @@ static void check_out(struct rank *R, uint32_t present)
 /* One dispatch and combine; 0, or the first error. With check: the
  * dispatch's outputs from the sources in dpresent and the sums from the
  * experts' ranks in cpresent, bitwise. */
-static int op_pair(struct rank *R, bool check, uint32_t dpresent,
-		   uint32_t cpresent)
+static int op_pair_hole(struct rank *R, bool check, uint32_t dpresent,
+			uint32_t hole, uint32_t cpresent)
 {
 	struct ep_ll_recv rv;
 	const unsigned hk = R->mode == HOOK ? EP_LL_HOOK : 0;
@@ -241,7 +261,7 @@ static int op_pair(struct rank *R, bool check, uint32_t dpresent,
 	const int drc = ep_ll_error(R->g);
 	STEP(drc);
 	if (!drc && check)
-		check_recv(R, &rv, dpresent);
+		check_recv(R, &rv, dpresent, hole);
 	STEP(ep_ll_combine(R->g, rv.buffer, R->mode == ZCOPY ? NULL : rv.recv_x,
 			   (const float *)(uintptr_t)R->w,
 			   (void *)(uintptr_t)R->out,
@@ -253,6 +273,12 @@ static int op_pair(struct rank *R, bool check, uint32_t dpresent,
 	if (!rc && check)
 		check_out(R, cpresent);
 	return rc;
+}
+
+static int op_pair(struct rank *R, bool check, uint32_t dpresent,
+		   uint32_t cpresent)
+{
+	return op_pair_hole(R, check, dpresent, 0, cpresent);
 }
 
 /* A phase's start: join, shrink mode on, n op pairs checked with every
@@ -386,6 +412,39 @@ static int hang_rank(int rank, void *arg)
 	return 0;
 }
 
+static int hole_rank(int rank, void *arg)
+{
+	struct shared *s = arg;
+	struct rank R = {.r = rank};
+	if (rank == 2) /* its second dispatch: done flags 3.5 s late */
+		setenv("EP_LL_TEST_STALL", "2:3500", 1);
+	if (!phase(&R, s, "llshrinkhole", 2000, 1))
+		return 0;
+	R.mode = PUSH;
+	uint64_t t0 = th_now_ns();
+	int rc;
+	if (rank != 2) {
+		rc = op_pair_hole(&R, true, 0xf, 1u << 2, 0xb);
+		TH_CHECK(mask_of(&R) == 1u << 2, "rank %d: mask after the "
+			 "hole", rank);
+	} else { /* whole rows; then nobody's combine flags */
+		rc = op_pair(&R, true, 0xf, 1u << 2);
+		TH_CHECK(mask_of(&R) == 0xb, "the late rank's mask after "
+			 "its combine");
+	}
+	s->took_ms[rank] = (th_now_ns() - t0) / 1000000;
+	TH_CHECK(rc == 0, "rank %d: the op of the hole: %s (%s)", rank,
+		 ep_strerror(rc), ep_errmsg());
+	tg_line_up(&s->arrive, &s->gen, W);
+	if (rank != 2) { /* and on without it */
+		R.mode = ZCOPY;
+		TH_OK(op_pair(&R, true, 0xb, 0xb));
+	}
+	tg_line_up(&s->arrive, &s->gen, W);
+	leave(&R);
+	return 0;
+}
+
 static int disagree_rank(int rank, void *arg)
 {
 	struct shared *s = arg;
@@ -454,6 +513,17 @@ int main(void)
 		 "for a timeout, not for the marks of the ranks that gave it "
 		 "up", (unsigned long long)late_ms);
 
+	memset((void *)s->took_ms, 0, sizeof(s->took_ms));
+	th_spawn(p, W, hole_rank, s);
+	TH_CHECK(th_wait_all(p, W, 90) == 0, "a rank of the hole phase");
+	uint64_t hole_ms = 0;
+	for (int i = 0; i < W; i++)
+		if (i != 2)
+			hole_ms = s->took_ms[i] > hole_ms ? s->took_ms[i] : hole_ms;
+	TH_CHECK(hole_ms >= 1500 && hole_ms < 3400, "the others' op of the "
+		 "hole took %llu ms (timeout 2 s, the late rank 3.5 s)",
+		 (unsigned long long)hole_ms);
+
 	memset((void *)s->rc, 0, sizeof(s->rc));
 	th_spawn(p, W, disagree_rank, s);
 	TH_CHECK(th_wait_all(p, W, 90) == 0, "a rank of the disagree phase");
@@ -472,10 +542,12 @@ int main(void)
 	       "hooks, zero copy) with 3 and then 2 ranks, the barrier "
 	       "masked the rank that left; hang: the op ended at the timeout "
 	       "(%llu ms) with the sleeper masked, the next in %llu ms, the "
-	       "late rank's op ran alone (%llu ms); disagree: %d of %d ranks "
+	       "late rank's op ran alone (%llu ms); hole: the others' op "
+	       "ended at the timeout (%llu ms) with the late source's rows a "
+	       "hole and its experts left out; disagree: %d of %d ranks "
 	       "EP_EMISMATCH, the rest EP_EFAILED, NaN outputs\n",
 	       (unsigned long long)leave_ms, (unsigned long long)hang_ms,
-	       (unsigned long long)next_ms, (unsigned long long)late_ms, mism,
-	       W);
+	       (unsigned long long)next_ms, (unsigned long long)late_ms,
+	       (unsigned long long)hole_ms, mism, W);
 	return 0;
 }
