@@ -28,6 +28,11 @@
  *           at their places), and their combine leaves its experts out.
  *           Rank 2, late, gets its rows whole, then finds no combine
  *           flags from the ranks that gave it up and sums alone.
+ *  graph    (timeout 20 s) a dispatch and its combine captured into a
+ *           CUDA graph, replayed (every rank present); rank 3 leaves, and
+ *           the same graph, replayed by the others, masks it and goes on
+ *           without it: the mask lives on the device, nothing is baked
+ *           into the capture.
  *  disagree (timeout 2 s) rank 0 masks rank 1 by hand, the others do
  *           not: rank 1 masks rank 0 at its timeout, and the ranks'
  *           present sets differ. Every rank's dispatch ends with
@@ -445,6 +450,60 @@ static int hole_rank(int rank, void *arg)
 	return 0;
 }
 
+/* The graph of one op pair (push combine) replayed n times, each checked
+ * bitwise with the present set given. */
+static void replay(struct rank *R, CUgraphExec ge, const struct ep_ll_recv *rv,
+		   int n, uint32_t present)
+{
+	for (int i = 0; i < n; i++) {
+		CU(tg_drv.cuGraphLaunch(ge, R->st));
+		CU(tg_drv.cuStreamSynchronize(R->st));
+		TH_OK(ep_ll_error(R->g));
+		check_recv(R, rv, present, 0);
+		check_out(R, present);
+	}
+}
+
+static int graph_rank(int rank, void *arg)
+{
+	struct shared *s = arg;
+	struct rank R = {.r = rank};
+	if (!phase(&R, s, "llshrinkgraph", 20000, 1))
+		return 0;
+	struct ep_ll_recv rv;
+	CUgraph gr;
+	CUgraphExec ge;
+	CU(tg_drv.cuStreamBeginCapture(R.st,
+				       CU_STREAM_CAPTURE_MODE_THREAD_LOCAL));
+	TH_OK(ep_ll_dispatch(R.g, (void *)(uintptr_t)R.x,
+			     (const int64_t *)(uintptr_t)R.topk, T, 0, R.st,
+			     &rv));
+	TH_OK(ep_ll_combine(R.g, rv.buffer, rv.recv_x,
+			    (const float *)(uintptr_t)R.w,
+			    (void *)(uintptr_t)R.out, 0, R.st));
+	CU(tg_drv.cuStreamEndCapture(R.st, &gr));
+	CU(tg_drv.cuGraphInstantiateWithFlags(&ge, gr, 0));
+	replay(&R, ge, &rv, 3, 0xf);
+	tg_line_up(&s->arrive, &s->gen, W);
+	if (rank == 3) { /* gone while the others replay */
+		th_sleep_ms(300);
+		CU(tg_drv.cuGraphExecDestroy(ge));
+		CU(tg_drv.cuGraphDestroy(gr));
+		leave(&R);
+		return 0;
+	}
+	uint64_t t0 = th_now_ns();
+	replay(&R, ge, &rv, 1, 0x7);
+	s->took_ms[rank] = (th_now_ns() - t0) / 1000000;
+	TH_CHECK(mask_of(&R) == 0x8, "rank %d: mask after the replay rank 3 "
+		 "left", rank);
+	replay(&R, ge, &rv, 3, 0x7);
+	CU(tg_drv.cuGraphExecDestroy(ge));
+	CU(tg_drv.cuGraphDestroy(gr));
+	leave(&R);
+	return 0;
+}
+
 static int disagree_rank(int rank, void *arg)
 {
 	struct shared *s = arg;
@@ -524,6 +583,15 @@ int main(void)
 		 "hole took %llu ms (timeout 2 s, the late rank 3.5 s)",
 		 (unsigned long long)hole_ms);
 
+	memset((void *)s->took_ms, 0, sizeof(s->took_ms));
+	th_spawn(p, W, graph_rank, s);
+	TH_CHECK(th_wait_all(p, W, 90) == 0, "a rank of the graph phase");
+	uint64_t graph_ms = 0;
+	for (int i = 0; i < W - 1; i++)
+		graph_ms = s->took_ms[i] > graph_ms ? s->took_ms[i] : graph_ms;
+	TH_CHECK(graph_ms < 5000, "the replay after rank 3 left took %llu ms "
+		 "(timeout 20 s)", (unsigned long long)graph_ms);
+
 	memset((void *)s->rc, 0, sizeof(s->rc));
 	th_spawn(p, W, disagree_rank, s);
 	TH_CHECK(th_wait_all(p, W, 90) == 0, "a rank of the disagree phase");
@@ -544,10 +612,13 @@ int main(void)
 	       "(%llu ms) with the sleeper masked, the next in %llu ms, the "
 	       "late rank's op ran alone (%llu ms); hole: the others' op "
 	       "ended at the timeout (%llu ms) with the late source's rows a "
-	       "hole and its experts left out; disagree: %d of %d ranks "
-	       "EP_EMISMATCH, the rest EP_EFAILED, NaN outputs\n",
+	       "hole and its experts left out; graph: a captured op pair "
+	       "replayed bitwise, then without the rank that left (%llu ms); "
+	       "disagree: %d of %d ranks EP_EMISMATCH, the rest EP_EFAILED, "
+	       "NaN outputs\n",
 	       (unsigned long long)leave_ms, (unsigned long long)hang_ms,
 	       (unsigned long long)next_ms, (unsigned long long)late_ms,
-	       (unsigned long long)hole_ms, mism, W);
+	       (unsigned long long)hole_ms, (unsigned long long)graph_ms, mism,
+	       W);
 	return 0;
 }
