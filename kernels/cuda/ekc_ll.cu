@@ -218,16 +218,31 @@ __device__ static inline uint64_t ll_all(const struct ekc_ll_args &a)
 	return a.W >= 64 ? ~0ull : (1ull << a.W) - 1;
 }
 
+// Is rank d masked (its private mask word, written by other blocks and
+// the host's stream ops)?
+__device__ static inline bool ll_masked(const struct ekc_ll_args &a,
+					uint32_t d)
+{
+	return *(volatile uint32_t *)(ll_priv(a) + EKC_LL_PRIV_MASK + d) != 0;
+}
+
 // The ranks this rank has masked now (all zero outside shrink mode).
 __device__ static inline uint64_t ll_mask_now(const struct ekc_ll_args &a)
 {
 	uint64_t m = 0;
 	if (!a.shrink)
 		return 0;
-	const volatile uint32_t *w = ll_priv(a) + EKC_LL_PRIV_MASK;
 	for (uint32_t d = 0; d < a.W; d++)
-		m |= (uint64_t)(w[d] != 0) << d;
+		m |= (uint64_t)ll_masked(a, d) << d;
 	return m;
+}
+
+// Wait `kind`'s decision word of source s (ekc.h: seq << 1 | absent).
+__device__ static inline unsigned long long *
+ll_dec(const struct ekc_ll_args &a, uint32_t kind, uint32_t s)
+{
+	return (unsigned long long *)(ll_priv(a) + EKC_LL_PRIV_DEC) +
+	       kind * EKC_LL_MAXW + s;
 }
 
 // Wait `kind` of op seq decides source s: absent or present, once for
@@ -236,9 +251,7 @@ __device__ static inline uint64_t ll_mask_now(const struct ekc_ll_args &a)
 __device__ static bool ll_decide(const struct ekc_ll_args &a, uint32_t kind,
 				 uint32_t s, uint32_t seq, bool absent)
 {
-	unsigned long long *w =
-		(unsigned long long *)(ll_priv(a) + EKC_LL_PRIV_DEC) +
-		kind * EKC_LL_MAXW + s;
+	unsigned long long *w = ll_dec(a, kind, s);
 	const unsigned long long want = (unsigned long long)seq << 1 | absent;
 	unsigned long long old = *(volatile unsigned long long *)w;
 	for (;;) {
@@ -261,8 +274,8 @@ __device__ static inline bool ll_decided_absent(const struct ekc_ll_args &a,
 						uint32_t kind, uint32_t s,
 						uint32_t seq)
 {
-	const unsigned long long v = *((volatile unsigned long long *)(
-		ll_priv(a) + EKC_LL_PRIV_DEC) + kind * EKC_LL_MAXW + s);
+	const unsigned long long v =
+		*(volatile unsigned long long *)ll_dec(a, kind, s);
 	return v == ((unsigned long long)seq << 1 | 1);
 }
 
@@ -297,8 +310,7 @@ __device__ static bool ll_wait_one(const struct ekc_ll_args &a,
 				   const uint64_t *p, uint32_t s, uint32_t seq,
 				   uint64_t t0, uint32_t kind, bool *fatal)
 {
-	bool give_up =
-		*(volatile uint32_t *)(ll_priv(a) + EKC_LL_PRIV_MASK + s) != 0;
+	bool give_up = ll_masked(a, s);
 	for (uint32_t spins = 0;; spins++) {
 		const uint64_t v = ll_ld64(a, p + s);
 		const uint32_t hi = (uint32_t)(v >> 32);
