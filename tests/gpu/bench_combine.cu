@@ -834,6 +834,91 @@ ASYNCS(DEFA)
 BULKPS(DEFBP)
 #undef DEFBP
 
+// Diagnostics (names start "diag"; not checked bit for bit): ekc_combine's
+// loop with its adds replaced by one xor a vector (MODE 1, loads only: what
+// the memory gives this loop), or with its loads replaced by values made
+// from the column (MODE 2, adds only: what the SM's issue gives it).
+template <int MODE>
+__device__ static __forceinline__ void diag_token(const uint4 *const *rp,
+						  uint32_t n, uint32_t lane,
+						  uint32_t nvec, uint4 *out)
+{
+	const uint4 *p[8];
+#pragma unroll
+	for (uint32_t j = 0; j < 8; j++)
+		p[j] = j < n ? rp[j] : nullptr;
+	for (uint32_t v = lane; v < nvec; v += 32) {
+		float acc[8];
+#pragma unroll
+		for (int i = 0; i < 8; i++)
+			acc[i] = 0.0f;
+		uint32_t x = 0;
+		uint4 y[8];
+#pragma unroll
+		for (uint32_t j = 0; j < 8; j++)
+			if (j < n)
+				y[j] = MODE == 2 ? make_uint4(v * 0x9e3779b9u ^ j,
+							      v + j, v ^ (j << 20),
+							      v * j)
+						 : __ldg(p[j] + v);
+#pragma unroll
+		for (uint32_t j = 0; j < 8; j++)
+			if (j < n) {
+				if (MODE == 1)
+					x ^= y[j].x ^ y[j].y ^ y[j].z ^ y[j].w;
+				else
+					add_bf16x8(acc, y[j]);
+			}
+		out[v] = MODE == 1 ? make_uint4(x, x, x, x) : pack_bf16x8(acc);
+	}
+}
+
+template <int MODE>
+__device__ static __forceinline__ void combine_diag(const struct ekc_disp_args &a)
+{
+	__shared__ const uint4 *rows_of[256 / 32][EKC_MAX_LOCAL];
+	const uint32_t lane = threadIdx.x & 31;
+	combine_tokens(a, rows_of[threadIdx.x >> 5],
+		       [&](const uint4 *const *rp, uint32_t n, uint32_t nvec,
+			   const uint4 *, const uint4 *, uint4 *out) {
+			       diag_token<MODE>(rp, n < 8 ? n : 8, lane, nvec, out);
+		       });
+}
+
+extern "C" __global__ void __launch_bounds__(256) diag_loads(struct ekc_disp_args a)
+{
+	combine_diag<1>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(256) diag_adds(struct ekc_disp_args a)
+{
+	combine_diag<2>(a);
+}
+
+// EPD_BENCH_PROFILE=N: each of these on the SMs numbered below N, the
+// blocks placed elsewhere leaving at once (no blockers: a profiler
+// serialises kernels, and the blockers would never end under it).
+__device__ static inline bool prof_off(uint32_t nsm)
+{
+	uint32_t sm;
+	asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+	return sm >= nsm;
+}
+#define PROFS(X)                                                               \
+	X(combine, (combine_warps<EKC_COMBINE_COLS>(a)))                      \
+	X(combine_fetch, (combine_warps<EKC_COMBINE_COLS, EKC_COMBINE_FETCH>(a))) \
+	X(diag_loads, (combine_diag<1>(a))) X(diag_adds, (combine_diag<2>(a)))
+#define DEFPR(name_, body_)                                                    \
+	extern "C" __global__ void __launch_bounds__(256)                      \
+		prof_##name_(struct ekc_disp_args a, uint32_t nsm)            \
+	{                                                                      \
+		if (prof_off(nsm))                                             \
+			return;                                                \
+		body_;                                                         \
+	}
+PROFS(DEFPR)
+#undef DEFPR
+
 #define BULK_SMEM (200 * 1024)
 struct variant {
 	const char *name;
@@ -859,6 +944,8 @@ static std::vector<struct variant> variants = {
 #define ROWBP(cw_, p_, v_) {"bulkp " #cw_ "x" #p_ " v" #v_, bulkp_##cw_##_##p_##_##v_, (cw_ + 1) * p_ * 32, BULK_SMEM, 1},
 	BULKPS(ROWBP)
 #undef ROWBP
+	{"diag loads only", diag_loads, 256, 0, 0},
+	{"diag adds only", diag_adds, 256, 0, 0},
 };
 
 // Moderate random bf16 values (exponents -4..3, random signs), some -0.0,
@@ -1256,6 +1343,8 @@ int main(void)
 		reference();
 		int bad = 0;
 		for (const auto &v : variants) {
+			if (!strncmp(v.name, "diag", 4))
+				continue;
 			int grids[] = {1, 24, sms};
 			for (int n : grids) {
 				scrub();
@@ -1292,6 +1381,56 @@ int main(void)
 	}
 	a.bias_mask = a.bias2_mask = 0;
 	a.cw = 0;
+
+	if (const char *pe = getenv("EPD_BENCH_PROFILE")) {
+		// each prof_ kernel on the SMs numbered below N (no blockers);
+		// EPD_BENCH_PROFILE_REPS launches each (1 under a profiler)
+		const uint32_t nsm = (uint32_t)atoi(pe);
+		const int reps = getenv("EPD_BENCH_PROFILE_REPS")
+					 ? atoi(getenv("EPD_BENCH_PROFILE_REPS"))
+					 : 5;
+		const double pbytes = ((double)T * W + (double)rows) * rowb;
+		struct {
+			const char *name;
+			void (*fn)(struct ekc_disp_args, uint32_t);
+		} pk[] = {
+#define ROWPR(name_, body_) {#name_, prof_##name_},
+			PROFS(ROWPR)
+#undef ROWPR
+		};
+		cudaEvent_t p0, p1;
+		CK(cudaEventCreate(&p0));
+		CK(cudaEventCreate(&p1));
+		for (const auto &k : pk) {
+			int per = 0;
+			CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per, k.fn,
+									 256, 0));
+			std::vector<double> t;
+			uint32_t m[8] = {0};
+			for (int i = 0; i < reps; i++) {
+				CK(cudaMemset(dwork, 0xff, 4));
+				CK(cudaMemset(dsm, 0, 32));
+				CK(cudaDeviceSynchronize());
+				CK(cudaEventRecord(p0));
+				k.fn<<<sms * per, 256>>>(a, nsm);
+				CK(cudaEventRecord(p1));
+				CK(cudaEventSynchronize(p1));
+				CK(cudaGetLastError());
+				float ms;
+				CK(cudaEventElapsedTime(&ms, p0, p1));
+				t.push_back(ms);
+				CK(cudaMemcpy(m, dsm, 32, cudaMemcpyDeviceToHost));
+			}
+			int used = 0;
+			for (int i = 0; i < 8; i++)
+				used += __builtin_popcount(m[i]);
+			const double ms = median(t), gbs = pbytes / (ms / 1e3) / 1e9;
+			printf("perf: prof_%-14s on SMs < %u (%d used, %d blocks a "
+			       "SM): %.3f ms, %.0f GB/s, %.2f of D2D\n",
+			       k.name, nsm, used, per, ms, gbs, gbs / d2d);
+		}
+		return fails ? 1 : 0;
+	}
 
 	// timing, on exactly N SMs: the others held by blockers
 	const char *env = getenv("EPD_BENCH_GRIDS");
