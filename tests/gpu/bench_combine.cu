@@ -778,7 +778,9 @@ __global__ void __launch_bounds__(128, 1) read_bulk(const uint8_t *p, size_t n,
 VARIANTS(DEF)
 #undef DEF
 // Register pipelines: S column steps an item, D items in flight.
-#define PIPES(X) X(2, 2, 4, 0)
+#define PIPES(X)                                                               \
+	X(2, 2, 4, 0) X(1, 8, 4, 0) X(1, 12, 3, 0) X(2, 4, 3, 0) X(2, 5, 3, 0)     \
+	X(2, 6, 2, 0) X(4, 3, 2, 0) X(1, 16, 2, 0)
 #define DEFP(s_, d_, b_, l_)                                                   \
 	extern "C" __global__ void __launch_bounds__(256, b_)                  \
 		pipe_##s_##_##d_##_##b_##_##l_(struct ekc_disp_args a)         \
@@ -834,6 +836,173 @@ ASYNCS(DEFA)
 BULKPS(DEFBP)
 #undef DEFBP
 
+// ekc_combine with each lane's own prefetch into L2 (prefetch.global.L2,
+// one instruction a row and column step, no register or shared memory
+// held) P column steps ahead: bytes in flight that registers do not
+// bound, so that the loads wait for L2 rather than for the memory. EV 1:
+// the prefetch marks its lines evict_last.
+template <int P, int EV>
+__device__ static __forceinline__ void lpf_token(const uint4 *const *rp,
+						 uint32_t n, uint32_t lane,
+						 uint32_t nvec, const uint4 *bias,
+						 const uint4 *bias2, uint4 *out)
+{
+	const uint4 *p[8];
+#pragma unroll
+	for (uint32_t j = 0; j < 8; j++)
+		p[j] = j < n ? rp[j] : rp[0];
+	const uint32_t m = n < 8 ? n : 8;
+	auto pf = [&](const void *q) {
+		if (EV)
+			asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(q));
+		else
+			asm volatile("prefetch.global.L2 [%0];" ::"l"(q));
+	};
+	// the first P steps at the token's start
+	for (uint32_t k = 1; k < P; k++)
+		if (lane + 32 * k < nvec)
+#pragma unroll
+			for (uint32_t j = 0; j < 8; j++)
+				if (j < m)
+					pf(p[j] + lane + 32 * k);
+	for (uint32_t v = lane; v < nvec; v += 32) {
+		if (v + 32 * P < nvec)
+#pragma unroll
+			for (uint32_t j = 0; j < 8; j++)
+				if (j < m)
+					pf(p[j] + v + 32 * P);
+		float acc[8];
+#pragma unroll
+		for (int i = 0; i < 8; i++)
+			acc[i] = 0.0f;
+		if (bias)
+			set_bf16x8(acc, bias[v]);
+		if (bias2)
+			add_bf16x8(acc, bias2[v]);
+		uint4 y[8];
+#pragma unroll
+		for (uint32_t j = 0; j < 8; j++)
+			if (j < m)
+				y[j] = __ldg(p[j] + v);
+#pragma unroll
+		for (uint32_t j = 0; j < 8; j++)
+			if (j < m)
+				add_bf16x8(acc, y[j]);
+		for (uint32_t j = 8; j < n; j++) // more than 8 rows
+			add_bf16x8(acc, __ldg(rp[j] + v));
+		out[v] = pack_bf16x8(acc);
+	}
+}
+
+template <int P, int EV>
+__device__ static __forceinline__ void combine_lpf(const struct ekc_disp_args &a)
+{
+	__shared__ const uint4 *rows_of[256 / 32][EKC_MAX_LOCAL];
+	const uint32_t lane = threadIdx.x & 31;
+	combine_tokens(a, rows_of[threadIdx.x >> 5],
+		       [&](const uint4 *const *rp, uint32_t n, uint32_t nvec,
+			   const uint4 *bias, const uint4 *bias2, uint4 *out) {
+			       lpf_token<P, EV>(rp, n, lane, nvec, bias, bias2, out);
+		       });
+}
+#define LPFS(X) X(2, 0) X(4, 0) X(8, 0) X(4, 1) X(12, 0)
+#define DEFL(p_, e_)                                                           \
+	extern "C" __global__ void __launch_bounds__(256, 3)                   \
+		lpf_##p_##_##e_(struct ekc_disp_args a)                        \
+	{                                                                      \
+		combine_lpf<p_, e_>(a);                                        \
+	}
+LPFS(DEFL)
+#undef DEFL
+
+// ekc_combine with one column step of look-ahead: a lane's loads of step
+// s + 1 go out before its adds of step s (two register sets, ping-pong),
+// so that its loads are in flight while it adds; PF > 0: and each lane's
+// own L2 prefetch PF steps ahead.
+template <int PF>
+__device__ static __forceinline__ void la_token(const uint4 *const *rp,
+						uint32_t n, uint32_t lane,
+						uint32_t nvec, const uint4 *bias,
+						const uint4 *bias2, uint4 *out)
+{
+	const uint4 *p[8];
+#pragma unroll
+	for (uint32_t j = 0; j < 8; j++)
+		p[j] = j < n ? rp[j] : rp[0];
+	const uint32_t m = n < 8 ? n : 8;
+	uint4 ya[8], yb[8];
+	auto load = [&](uint4(&y)[8], uint32_t v) {
+		if (v < nvec) {
+#pragma unroll
+			for (uint32_t j = 0; j < 8; j++)
+				if (j < m)
+					y[j] = __ldg(p[j] + v);
+			if (PF && v + 32 * PF < nvec)
+#pragma unroll
+				for (uint32_t j = 0; j < 8; j++)
+					if (j < m)
+						asm volatile("prefetch.global.L2 [%0];" ::"l"(
+							p[j] + v + 32 * PF));
+		}
+	};
+	auto sum = [&](const uint4(&y)[8], uint32_t v) {
+		float acc[8];
+#pragma unroll
+		for (int i = 0; i < 8; i++)
+			acc[i] = 0.0f;
+		if (bias)
+			set_bf16x8(acc, bias[v]);
+		if (bias2)
+			add_bf16x8(acc, bias2[v]);
+#pragma unroll
+		for (uint32_t j = 0; j < 8; j++)
+			if (j < m)
+				add_bf16x8(acc, y[j]);
+		for (uint32_t j = 8; j < n; j++) // more than 8 rows
+			add_bf16x8(acc, __ldg(rp[j] + v));
+		out[v] = pack_bf16x8(acc);
+	};
+	if (PF)
+		for (uint32_t k = 1; k < PF; k++)
+			if (lane + 32 * k < nvec)
+#pragma unroll
+				for (uint32_t j = 0; j < 8; j++)
+					if (j < m)
+						asm volatile("prefetch.global.L2 [%0];" ::"l"(
+							p[j] + lane + 32 * k));
+	load(ya, lane);
+#pragma unroll 1
+	for (uint32_t v = lane; v < nvec; v += 64) {
+		load(yb, v + 32);
+		sum(ya, v);
+		if (v + 32 >= nvec)
+			break;
+		load(ya, v + 64);
+		sum(yb, v + 32);
+	}
+}
+
+template <int PF>
+__device__ static __forceinline__ void combine_la(const struct ekc_disp_args &a)
+{
+	__shared__ const uint4 *rows_of[256 / 32][EKC_MAX_LOCAL];
+	const uint32_t lane = threadIdx.x & 31;
+	combine_tokens(a, rows_of[threadIdx.x >> 5],
+		       [&](const uint4 *const *rp, uint32_t n, uint32_t nvec,
+			   const uint4 *bias, const uint4 *bias2, uint4 *out) {
+			       la_token<PF>(rp, n, lane, nvec, bias, bias2, out);
+		       });
+}
+#define LAS(X) X(0, 2) X(4, 2) X(0, 3)
+#define DEFLA(p_, b_)                                                          \
+	extern "C" __global__ void __launch_bounds__(256, b_)                  \
+		la_##p_##_##b_(struct ekc_disp_args a)                         \
+	{                                                                      \
+		combine_la<p_>(a);                                             \
+	}
+LAS(DEFLA)
+#undef DEFLA
+
 // Diagnostics (names start "diag"; not checked bit for bit): ekc_combine's
 // loop with its adds replaced by one xor a vector (MODE 1, loads only: what
 // the memory gives this loop), or with its loads replaced by values made
@@ -853,6 +1022,12 @@ __device__ static __forceinline__ void diag_token(const uint4 *const *rp,
 		for (int i = 0; i < 8; i++)
 			acc[i] = 0.0f;
 		uint32_t x = 0;
+		if (MODE == 3 && v + 128 < nvec)
+#pragma unroll
+			for (uint32_t j = 0; j < 8; j++)
+				if (j < n)
+					asm volatile("prefetch.global.L2 [%0];" ::"l"(
+						p[j] + v + 128));
 		uint4 y[8];
 #pragma unroll
 		for (uint32_t j = 0; j < 8; j++)
@@ -864,12 +1039,13 @@ __device__ static __forceinline__ void diag_token(const uint4 *const *rp,
 #pragma unroll
 		for (uint32_t j = 0; j < 8; j++)
 			if (j < n) {
-				if (MODE == 1)
+				if (MODE == 1 || MODE == 3)
 					x ^= y[j].x ^ y[j].y ^ y[j].z ^ y[j].w;
 				else
 					add_bf16x8(acc, y[j]);
 			}
-		out[v] = MODE == 1 ? make_uint4(x, x, x, x) : pack_bf16x8(acc);
+		out[v] = MODE == 1 || MODE == 3 ? make_uint4(x, x, x, x)
+						: pack_bf16x8(acc);
 	}
 }
 
@@ -895,6 +1071,11 @@ extern "C" __global__ void __launch_bounds__(256) diag_adds(struct ekc_disp_args
 	combine_diag<2>(a);
 }
 
+extern "C" __global__ void __launch_bounds__(256) diag_loads_pf(struct ekc_disp_args a)
+{
+	combine_diag<3>(a);
+}
+
 // EPD_BENCH_PROFILE=N: each of these on the SMs numbered below N, the
 // blocks placed elsewhere leaving at once (no blockers: a profiler
 // serialises kernels, and the blockers would never end under it).
@@ -907,9 +1088,10 @@ __device__ static inline bool prof_off(uint32_t nsm)
 #define PROFS(X)                                                               \
 	X(combine, (combine_warps<EKC_COMBINE_COLS>(a)))                      \
 	X(combine_fetch, (combine_warps<EKC_COMBINE_COLS, EKC_COMBINE_FETCH>(a))) \
-	X(diag_loads, (combine_diag<1>(a))) X(diag_adds, (combine_diag<2>(a)))
+	X(diag_loads, (combine_diag<1>(a))) X(diag_adds, (combine_diag<2>(a))) \
+	X(lpf4, (combine_lpf<4, 0>(a)))
 #define DEFPR(name_, body_)                                                    \
-	extern "C" __global__ void __launch_bounds__(256)                      \
+	extern "C" __global__ void __launch_bounds__(256, 3)                   \
 		prof_##name_(struct ekc_disp_args a, uint32_t nsm)            \
 	{                                                                      \
 		if (prof_off(nsm))                                             \
@@ -944,7 +1126,14 @@ static std::vector<struct variant> variants = {
 #define ROWBP(cw_, p_, v_) {"bulkp " #cw_ "x" #p_ " v" #v_, bulkp_##cw_##_##p_##_##v_, (cw_ + 1) * p_ * 32, BULK_SMEM, 1},
 	BULKPS(ROWBP)
 #undef ROWBP
+#define ROWL(p_, e_) {"lpf P" #p_ " ev" #e_, lpf_##p_##_##e_, 256, 0, 0},
+	LPFS(ROWL)
+#undef ROWL
+#define ROWLA(p_, b_) {"la pf" #p_ "/" #b_, la_##p_##_##b_, 256, 0, 0},
+	LAS(ROWLA)
+#undef ROWLA
 	{"diag loads only", diag_loads, 256, 0, 0},
+	{"diag loads only, L2 prefetch 4 ahead", diag_loads_pf, 256, 0, 0},
 	{"diag adds only", diag_adds, 256, 0, 0},
 };
 
