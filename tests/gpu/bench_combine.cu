@@ -1076,6 +1076,16 @@ extern "C" __global__ void __launch_bounds__(256) diag_loads_pf(struct ekc_disp_
 	combine_diag<3>(a);
 }
 
+extern "C" __global__ void __launch_bounds__(256, 4) diag_loads4(struct ekc_disp_args a)
+{
+	combine_diag<1>(a);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 4) diag_loads_pf4(struct ekc_disp_args a)
+{
+	combine_diag<3>(a);
+}
+
 // EPD_BENCH_PROFILE=N: each of these on the SMs numbered below N, the
 // blocks placed elsewhere leaving at once (no blockers: a profiler
 // serialises kernels, and the blockers would never end under it).
@@ -1134,6 +1144,8 @@ static std::vector<struct variant> variants = {
 #undef ROWLA
 	{"diag loads only", diag_loads, 256, 0, 0},
 	{"diag loads only, L2 prefetch 4 ahead", diag_loads_pf, 256, 0, 0},
+	{"diag loads only, 4 blocks", diag_loads4, 256, 0, 0},
+	{"diag loads only, L2 prefetch 4 ahead, 4 blocks", diag_loads_pf4, 256, 0, 0},
 	{"diag adds only", diag_adds, 256, 0, 0},
 };
 
