@@ -181,6 +181,8 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 		bool b;
 		if (!strcmp(v, "auto"))
 			c->cuda_combine_fetch = -1;
+		else if (!strcmp(v, "lean"))
+			c->cuda_combine_fetch = 2;
 		else if (parse_bool(v, &b))
 			return -2;
 		else

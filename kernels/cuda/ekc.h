@@ -137,6 +137,8 @@ int ekc_fail(const struct ekc_driver *d, CUresult r, const char *what,
 /* ekc_combine_fetch: the rows fetched into L2 this many column steps (of
  * 512 bytes a row) ahead, 4 steps a fetch */
 #define EKC_COMBINE_FETCH 4
+/* ekc_combine_lean: each lane's L2 prefetch this many column steps ahead */
+#define EKC_COMBINE_LPF 4
 struct ekc_barrier_args {
 	CUdeviceptr ctrl[EKC_MAX_LOCAL]; /* region base of local rank l */
 	uint64_t *completed;             /* host-mapped, [rpn] stride words */

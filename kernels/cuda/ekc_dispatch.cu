@@ -16,6 +16,7 @@
 //                   ekc_copy_tma: the same
 //                   through the bulk-copy engine
 //   ekc_combine     warp per home token, 16-byte vectors
+//   ekc_combine_fetch, ekc_combine_lean: the same for few SMs
 #include <stdint.h>
 
 #include "ekc.h"
@@ -1098,6 +1099,118 @@ __device__ static __forceinline__ void combine_warps(const struct ekc_disp_args 
 		       });
 }
 
+// The lean combine: a token's sum specialised on its number of rows N (1
+// to 8; none or more take combine_token's loop), four column steps an
+// iteration at fixed offsets from pointers advanced once an iteration (no
+// test a row, no address arithmetic a load), and with PF > 0 each lane's
+// own L2 prefetch (one instruction a row and step, no register or shared
+// memory held) PF steps ahead. combine_token's loop, held to 24 SMs,
+// waits on its loads (a loads-only copy of it is as fast) and issues ~40
+// instructions a 16-byte row vector, where the conversions and adds take
+// 16 (PERFORMANCE.md, thirtieth session). The order of the sums and the
+// rounding are combine_token's.
+template <int N, int PF>
+__device__ static __forceinline__ void lean_step(const uint4 *const (&p)[N],
+						 const uint4 *b1, const uint4 *b2,
+						 uint4 *o, int u, bool pf)
+{
+	if (PF && pf)
+#pragma unroll
+		for (int j = 0; j < N; j++)
+			asm volatile("prefetch.global.L2 [%0];" ::"l"(p[j] + 32 * (u + PF)));
+	uint4 y[N];
+#pragma unroll
+	for (int j = 0; j < N; j++)
+		y[j] = __ldg(p[j] + 32 * u);
+	float acc[8];
+	if (b1) {
+		set_bf16x8(acc, b1[32 * u]);
+	} else {
+#pragma unroll
+		for (int i = 0; i < 8; i++)
+			acc[i] = 0.0f;
+	}
+	if (b2)
+		add_bf16x8(acc, b2[32 * u]);
+#pragma unroll
+	for (int j = 0; j < N; j++)
+		add_bf16x8(acc, y[j]);
+	o[32 * u] = pack_bf16x8(acc);
+}
+
+template <int N, int PF>
+__device__ static __forceinline__ void lean_token(const uint4 *const *rp,
+						  uint32_t lane, uint32_t nvec,
+						  const uint4 *bias,
+						  const uint4 *bias2, uint4 *out)
+{
+	const uint4 *p[N];
+#pragma unroll
+	for (int j = 0; j < N; j++)
+		p[j] = rp[j] + lane;
+	const uint4 *b1 = bias ? bias + lane : nullptr;
+	const uint4 *b2 = bias2 ? bias2 + lane : nullptr;
+	uint4 *o = out + lane;
+	if (PF)
+		for (uint32_t k = 1; k < PF; k++)
+			if (lane + 32 * k < nvec)
+#pragma unroll
+				for (int j = 0; j < N; j++)
+					asm volatile("prefetch.global.L2 [%0];" ::"l"(
+						p[j] + 32 * k));
+	uint32_t v = lane;
+#pragma unroll 1
+	for (; v + 96 < nvec; v += 128) {
+		const bool pf = v + 32 * (3 + PF) < nvec;
+#pragma unroll
+		for (int u = 0; u < 4; u++)
+			lean_step<N, PF>(p, b1, b2, o, u, pf);
+#pragma unroll
+		for (int j = 0; j < N; j++)
+			p[j] += 128;
+		o += 128;
+		if (b1)
+			b1 += 128;
+		if (b2)
+			b2 += 128;
+	}
+#pragma unroll 1
+	for (; v < nvec; v += 32) {
+		lean_step<N, PF>(p, b1, b2, o, 0, false);
+#pragma unroll
+		for (int j = 0; j < N; j++)
+			p[j] += 32;
+		o += 32;
+		if (b1)
+			b1 += 32;
+		if (b2)
+			b2 += 32;
+	}
+}
+
+template <int PF>
+__device__ static __forceinline__ void combine_lean(const struct ekc_disp_args &a)
+{
+	__shared__ const uint4 *rows_of[256 / 32][EKC_MAX_LOCAL];
+	const uint32_t lane = threadIdx.x & 31;
+	combine_tokens(a, rows_of[threadIdx.x >> 5],
+		       [&](const uint4 *const *rp, uint32_t n, uint32_t nvec,
+			   const uint4 *bias, const uint4 *bias2, uint4 *out) {
+			       switch (n) {
+#define LEAN_CASE(k_)                                                          \
+	case k_:                                                               \
+		lean_token<k_, PF>(rp, lane, nvec, bias, bias2, out);          \
+		break;
+				       LEAN_CASE(1) LEAN_CASE(2) LEAN_CASE(3)
+				       LEAN_CASE(4) LEAN_CASE(5) LEAN_CASE(6)
+				       LEAN_CASE(7) LEAN_CASE(8)
+#undef LEAN_CASE
+			       default:
+				       combine_token<1>(rp, n, lane, nvec, bias,
+							bias2, out);
+			       }
+		       });
+}
 #ifndef EKC_COMBINE_COLS
 #define EKC_COMBINE_COLS 1
 #endif
@@ -1113,4 +1226,12 @@ extern "C" __global__ void __launch_bounds__(256)
 	ekc_combine_fetch(struct ekc_disp_args a)
 {
 	combine_warps<EKC_COMBINE_COLS, EKC_COMBINE_FETCH>(a);
+}
+
+// The lean combine with each lane's L2 prefetch EKC_COMBINE_LPF steps
+// ahead, three blocks a SM (cuda_combine_fetch=lean).
+extern "C" __global__ void __launch_bounds__(256, 3)
+	ekc_combine_lean(struct ekc_disp_args a)
+{
+	combine_lean<EKC_COMBINE_LPF>(a);
 }

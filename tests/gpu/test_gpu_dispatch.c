@@ -689,6 +689,18 @@ int main(void)
 	       "launches and the combine's L2 fetch (cuda_tma=no, "
 	       "cuda_fused_prep=no, cuda_combine_fetch=yes)\n");
 	th_daemon_stop(&gpu);
+	/* and with the lean combine (rows by count, each lane's prefetch) */
+	th_daemon_start(&gpu, "--backend", "cuda", "-o",
+			"cuda_combine_fetch=lean", NULL);
+	for (size_t i = 0; i < sizeof(fixed) / sizeof(fixed[0]); i++, n++) {
+		x->c = fixed[i];
+		x->c.seed = seed + 200 + (uint64_t)i;
+		x->index = n;
+		run_case(x);
+	}
+	printf("ok: the fixed cases with the lean combine "
+	       "(cuda_combine_fetch=lean)\n");
+	th_daemon_stop(&gpu);
 	th_daemon_start(&gpu, "--backend", "cuda", NULL);
 	x->bad_rank = -1;
 	x->big_rank = -1;

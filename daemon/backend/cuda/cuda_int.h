@@ -50,11 +50,11 @@ struct cudev {
 	CUcontext ctx; /* primary context, retained on first use */
 	CUmodule mod;
 	CUfunction barrier, fastbar, count, scan, slot, prep, copy, copy_tma,
-		combine, combine_fetch, gate;
+		combine, combine_fetch, combine_lean, gate;
 	int smem_optin; /* dynamic shared memory a block may opt into */
 	size_t gran;
-	int occ_copy, occ_combine, occ_combine_fetch, occ_prep; /* resident
-							       blocks per SM */
+	int occ_copy, occ_combine, occ_combine_fetch, occ_combine_lean,
+		occ_prep; /* resident blocks per SM */
 	int l2; /* bytes of L2 */
 	uint8_t uuid[16];
 	char name[96];

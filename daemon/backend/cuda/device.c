@@ -39,6 +39,7 @@ int cu_use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen)
 			   {&d->copy_tma, "ekc_copy_tma"},
 			   {&d->combine, "ekc_combine"},
 			   {&d->combine_fetch, "ekc_combine_fetch"},
+			   {&d->combine_lean, "ekc_combine_lean"},
 			   {&d->gate, "ekc_gate"}};
 		for (size_t f = 0; !r && f < sizeof(fns) / sizeof(fns[0]); f++)
 			r = cu_drv->cuModuleGetFunction(fns[f].f, d->mod,
@@ -93,6 +94,10 @@ int cu_use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen)
 			    &d->occ_combine_fetch, d->combine_fetch, 256, 0) ||
 		    d->occ_combine_fetch < 1)
 			d->occ_combine_fetch = 1;
+		if (cu_drv->cuOccupancyMaxActiveBlocksPerMultiprocessor(
+			    &d->occ_combine_lean, d->combine_lean, 256, 0) ||
+		    d->occ_combine_lean < 1)
+			d->occ_combine_lean = 1;
 		if (cu_drv->cuDeviceGetAttribute(&d->l2,
 					CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE,
 					d->dev))

@@ -104,6 +104,10 @@ static CUfunction combine_fn(const struct epd_group *g, const struct cudev *d,
 			     unsigned sms, unsigned *blocks)
 {
 	const int how = g->srv->cfg.cuda_combine_fetch;
+	if (how == 2) { /* lean: rows by count, each lane's own L2 prefetch */
+		*blocks = sms * (unsigned)d->occ_combine_lean;
+		return d->combine_lean;
+	}
 	uint64_t rows = g->shape.topk < g->shape.world_size ? g->shape.topk
 						       : g->shape.world_size;
 	if (rows > 8)
