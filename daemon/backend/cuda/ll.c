@@ -104,7 +104,10 @@ static int ll_make(struct epd_group *g, struct epd_cuda_group *c, char *err,
 			break;
 		}
 		/* the flags zeroed through a mapping of the daemon's, by a
-		 * copy (no kernel: group.c, drain), then unmapped */
+		 * copy (no kernel: group.c, drain) awaited before the unmap:
+		 * cuMemcpyHtoD from pageable memory returned before the
+		 * copy engine wrote, and the unmap under it faulted the
+		 * daemon's context (every MPS client with it) */
 		CUdeviceptr ptr = 0;
 		r = cu_drv->cuMemAddressReserve(&ptr, size, d->gran, 0, 0);
 		if (!r) {
@@ -116,8 +119,7 @@ static int ll_make(struct epd_group *g, struct epd_cuda_group *c, char *err,
 					.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
 				r = cu_drv->cuMemSetAccess(ptr, size, &a, 1);
 				if (!r)
-					r = cu_drv->cuMemcpyHtoD(ptr, zero,
-								 L.flags_end);
+					r = cu_upload(ptr, zero, L.flags_end);
 				cu_drv->cuMemUnmap(ptr, size);
 			}
 			cu_drv->cuMemAddressFree(ptr, size);
