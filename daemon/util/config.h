@@ -38,7 +38,8 @@ struct epd_config {
 	bool cuda_no_tma;          /* dispatch rows by SIMT copies only */
 	bool cuda_no_fused_prep;   /* count, scan, slot as three launches */
 	int cuda_combine_fetch;    /* rows fetched into L2 ahead: -1 auto,
-				      0 no, 1 yes, 2 lean (ekc_combine_lean) */
+				      0 no, 1 yes (ekc_combine_fetch), 2 lean
+				      (ekc_combine_lean) */
 	bool no_host_barrier;      /* GPU barriers without the host thread */
 	/* Cluster (empty peers: a single node). */
 	char node_name[64];

@@ -1229,8 +1229,9 @@ extern "C" __global__ void __launch_bounds__(256)
 }
 
 // The lean combine with each lane's L2 prefetch EKC_COMBINE_LPF steps
-// ahead, three blocks a SM (cuda_combine_fetch=lean).
-extern "C" __global__ void __launch_bounds__(256, 3)
+// ahead, two blocks a SM (no spill; at three, registers spill and it
+// falls to ekc_combine_fetch's speed): the daemon's choice for few SMs.
+extern "C" __global__ void __launch_bounds__(256, 2)
 	ekc_combine_lean(struct ekc_disp_args a)
 {
 	combine_lean<EKC_COMBINE_LPF>(a);

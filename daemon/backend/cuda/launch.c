@@ -92,31 +92,33 @@ static bool reg_at(struct epd_cuda_group *c, uint32_t l, uint32_t id,
 }
 
 /* The combine's kernel for sms SMs' worth of blocks (*blocks: its grid).
- * With few of them, ekc_combine_fetch: the bulk-copy engine fetches the
- * rows into L2 a few column steps ahead of the loads, which then wait for
- * L2 rather than for memory (H200, DeepSeek-V3 shape, held to 24 SMs: 0.49
- * of D2D against 0.43; 32: 0.64 against 0.55). With many, what the warps
- * fetch ahead no longer fits in L2 and evicts itself (66 SMs: 0.77 against
- * 0.88): ekc_combine. auto takes the fetch while that footprint (warps x
- * rows a token x the steps ahead and one fetch's x 512 bytes) is at most
- * half of L2. */
+ * With few of them, ekc_combine_lean: each token's sum specialised on its
+ * number of rows (about half the instructions of ekc_combine's loop) and
+ * each lane's own L2 prefetch a few column steps ahead, so that bytes are
+ * in flight beyond what the registers hold. Held to 24 SMs of an H200,
+ * DeepSeek-V3 shape: 0.54 of D2D, against 0.49 for ekc_combine_fetch (the
+ * bulk-copy engine's L2 fetch, cuda_combine_fetch=yes) and 0.42 for
+ * ekc_combine. With many, what the warps fetch ahead no longer fits in L2
+ * and evicts itself: ekc_combine (0.99 at 132 SMs). auto takes the lean
+ * kernel while that footprint (warps x rows a token x the steps ahead
+ * and one fetch's x 512 bytes) is at most half of L2. */
 static CUfunction combine_fn(const struct epd_group *g, const struct cudev *d,
 			     unsigned sms, unsigned *blocks)
 {
 	const int how = g->srv->cfg.cuda_combine_fetch;
-	if (how == 2) { /* lean: rows by count, each lane's own L2 prefetch */
-		*blocks = sms * (unsigned)d->occ_combine_lean;
-		return d->combine_lean;
+	if (how == 1) {
+		*blocks = sms * (unsigned)d->occ_combine_fetch;
+		return d->combine_fetch;
 	}
 	uint64_t rows = g->shape.topk < g->shape.world_size ? g->shape.topk
 						       : g->shape.world_size;
 	if (rows > 8)
-		rows = 8; /* the kernel fetches for up to 8 rows a token */
-	const uint64_t warps = (uint64_t)sms * (unsigned)d->occ_combine_fetch * 8;
-	const uint64_t bytes = warps * rows * (EKC_COMBINE_FETCH + 4) * 512;
-	if (how == 1 || (how < 0 && bytes <= (uint64_t)d->l2 / 2)) {
-		*blocks = sms * (unsigned)d->occ_combine_fetch;
-		return d->combine_fetch;
+		rows = 8; /* the kernels prefetch for up to 8 rows a token */
+	const uint64_t warps = (uint64_t)sms * (unsigned)d->occ_combine_lean * 8;
+	const uint64_t bytes = warps * rows * (EKC_COMBINE_LPF + 4) * 512;
+	if (how == 2 || (how < 0 && bytes <= (uint64_t)d->l2 / 2)) {
+		*blocks = sms * (unsigned)d->occ_combine_lean;
+		return d->combine_lean;
 	}
 	*blocks = sms * (unsigned)d->occ_combine;
 	return d->combine;
