@@ -1080,23 +1080,35 @@ __device__ static __forceinline__ void combine_tokens(const struct ekc_disp_args
 		tr_end(a, EKC_TR_COMBINE);
 }
 
-template <int C, int PF = 0, int CH = 4>
-__device__ static __forceinline__ void combine_warps(const struct ekc_disp_args &a)
+// The combine with tok(rp, n, lane, nvec, bias, bias2, out) summing each
+// token for its warp. Each warp's token: its rows' addresses in ascending
+// rank order, made once per token by the lanes (rank d's combine_y is its
+// registered memory below yrows[d], its region's field after) and passed
+// through shared memory: computed in the column loop from the kernel's
+// parameters with a rank known only at run time, the choice cost a
+// quarter of the combine's speed.
+template <typename Tok>
+__device__ static __forceinline__ void combine_with(const struct ekc_disp_args &a,
+						   Tok tok)
 {
-	// Each warp's token: its rows' addresses in ascending rank order,
-	// made once per token by the lanes (rank d's combine_y is its
-	// registered memory below yrows[d], its region's field after) and
-	// passed through shared memory: computed in the column loop from the
-	// kernel's parameters with a rank known only at run time, the choice
-	// cost a quarter of the combine's speed.
 	__shared__ const uint4 *rows_of[256 / 32][EKC_MAX_LOCAL];
 	const uint32_t lane = threadIdx.x & 31;
 	combine_tokens(a, rows_of[threadIdx.x >> 5],
 		       [&](const uint4 *const *rp, uint32_t n, uint32_t nvec,
 			   const uint4 *bias, const uint4 *bias2, uint4 *out) {
-			       combine_token<C, PF, CH>(rp, n, lane, nvec,
-							bias, bias2, out);
+			       tok(rp, n, lane, nvec, bias, bias2, out);
 		       });
+}
+
+template <int C, int PF = 0, int CH = 4>
+__device__ static __forceinline__ void combine_warps(const struct ekc_disp_args &a)
+{
+	combine_with(a, [](const uint4 *const *rp, uint32_t n,
+				   uint32_t lane, uint32_t nvec,
+				   const uint4 *bias, const uint4 *bias2,
+				   uint4 *out) {
+		combine_token<C, PF, CH>(rp, n, lane, nvec, bias, bias2, out);
+	});
 }
 
 // The lean combine: a token's sum specialised on its number of rows N (1
@@ -1109,6 +1121,23 @@ __device__ static __forceinline__ void combine_warps(const struct ekc_disp_args 
 // instructions a 16-byte row vector, where the conversions and adds take
 // 16 (PERFORMANCE.md, thirtieth session). The order of the sums and the
 // rounding are combine_token's.
+// acc = a sum's start at column v: the bias (exact), plus the second bias,
+// or +0.0 without them.
+__device__ static __forceinline__ void sum_start(float acc[8],
+						 const uint4 *bias,
+						 const uint4 *bias2, uint32_t v)
+{
+	if (bias) {
+		set_bf16x8(acc, bias[v]);
+	} else {
+#pragma unroll
+		for (int i = 0; i < 8; i++)
+			acc[i] = 0.0f;
+	}
+	if (bias2)
+		add_bf16x8(acc, bias2[v]);
+}
+
 template <int N, int PF>
 __device__ static __forceinline__ void lean_step(const uint4 *const (&p)[N],
 						 const uint4 *b1, const uint4 *b2,
@@ -1123,15 +1152,7 @@ __device__ static __forceinline__ void lean_step(const uint4 *const (&p)[N],
 	for (int j = 0; j < N; j++)
 		y[j] = __ldg(p[j] + 32 * u);
 	float acc[8];
-	if (b1) {
-		set_bf16x8(acc, b1[32 * u]);
-	} else {
-#pragma unroll
-		for (int i = 0; i < 8; i++)
-			acc[i] = 0.0f;
-	}
-	if (b2)
-		add_bf16x8(acc, b2[32 * u]);
+	sum_start(acc, b1, b2, 32 * u);
 #pragma unroll
 	for (int j = 0; j < N; j++)
 		add_bf16x8(acc, y[j]);
@@ -1189,28 +1210,35 @@ __device__ static __forceinline__ void lean_token(const uint4 *const *rp,
 }
 
 template <int PF>
-__device__ static __forceinline__ void combine_lean(const struct ekc_disp_args &a)
+__device__ static __forceinline__ void lean_any(const uint4 *const *rp,
+						uint32_t n, uint32_t lane,
+						uint32_t nvec, const uint4 *bias,
+						const uint4 *bias2, uint4 *out)
 {
-	__shared__ const uint4 *rows_of[256 / 32][EKC_MAX_LOCAL];
-	const uint32_t lane = threadIdx.x & 31;
-	combine_tokens(a, rows_of[threadIdx.x >> 5],
-		       [&](const uint4 *const *rp, uint32_t n, uint32_t nvec,
-			   const uint4 *bias, const uint4 *bias2, uint4 *out) {
-			       switch (n) {
+	switch (n) {
 #define LEAN_CASE(k_)                                                          \
 	case k_:                                                               \
 		lean_token<k_, PF>(rp, lane, nvec, bias, bias2, out);          \
 		break;
-				       LEAN_CASE(1) LEAN_CASE(2) LEAN_CASE(3)
-				       LEAN_CASE(4) LEAN_CASE(5) LEAN_CASE(6)
-				       LEAN_CASE(7) LEAN_CASE(8)
+		LEAN_CASE(1) LEAN_CASE(2) LEAN_CASE(3) LEAN_CASE(4)
+		LEAN_CASE(5) LEAN_CASE(6) LEAN_CASE(7) LEAN_CASE(8)
 #undef LEAN_CASE
-			       default:
-				       combine_token<1>(rp, n, lane, nvec, bias,
-							bias2, out);
-			       }
-		       });
+	default:
+		combine_token<1>(rp, n, lane, nvec, bias, bias2, out);
+	}
 }
+
+template <int PF>
+__device__ static __forceinline__ void combine_lean(const struct ekc_disp_args &a)
+{
+	combine_with(a, [](const uint4 *const *rp, uint32_t n,
+				   uint32_t lane, uint32_t nvec,
+				   const uint4 *bias, const uint4 *bias2,
+				   uint4 *out) {
+		lean_any<PF>(rp, n, lane, nvec, bias, bias2, out);
+	});
+}
+
 #ifndef EKC_COMBINE_COLS
 #define EKC_COMBINE_COLS 1
 #endif

@@ -836,6 +836,17 @@ ASYNCS(DEFA)
 BULKPS(DEFBP)
 #undef DEFBP
 
+// The token's first 8 rows' addresses (its first row's in place of those
+// it lacks, so that every load is valid) and how many of them it has.
+__device__ static inline uint32_t rows8(const uint4 *const *rp, uint32_t n,
+				       const uint4 *(&p)[8])
+{
+#pragma unroll
+	for (uint32_t j = 0; j < 8; j++)
+		p[j] = j < n ? rp[j] : rp[0];
+	return n < 8 ? n : 8;
+}
+
 // ekc_combine with each lane's own prefetch into L2 (prefetch.global.L2,
 // one instruction a row and column step, no register or shared memory
 // held) P column steps ahead: bytes in flight that registers do not
@@ -848,10 +859,7 @@ __device__ static __forceinline__ void lpf_token(const uint4 *const *rp,
 						 const uint4 *bias2, uint4 *out)
 {
 	const uint4 *p[8];
-#pragma unroll
-	for (uint32_t j = 0; j < 8; j++)
-		p[j] = j < n ? rp[j] : rp[0];
-	const uint32_t m = n < 8 ? n : 8;
+	const uint32_t m = rows8(rp, n, p);
 	auto pf = [&](const void *q) {
 		if (EV)
 			asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(q));
@@ -872,13 +880,7 @@ __device__ static __forceinline__ void lpf_token(const uint4 *const *rp,
 				if (j < m)
 					pf(p[j] + v + 32 * P);
 		float acc[8];
-#pragma unroll
-		for (int i = 0; i < 8; i++)
-			acc[i] = 0.0f;
-		if (bias)
-			set_bf16x8(acc, bias[v]);
-		if (bias2)
-			add_bf16x8(acc, bias2[v]);
+		sum_start(acc, bias, bias2, v);
 		uint4 y[8];
 #pragma unroll
 		for (uint32_t j = 0; j < 8; j++)
@@ -897,13 +899,12 @@ __device__ static __forceinline__ void lpf_token(const uint4 *const *rp,
 template <int P, int EV>
 __device__ static __forceinline__ void combine_lpf(const struct ekc_disp_args &a)
 {
-	__shared__ const uint4 *rows_of[256 / 32][EKC_MAX_LOCAL];
-	const uint32_t lane = threadIdx.x & 31;
-	combine_tokens(a, rows_of[threadIdx.x >> 5],
-		       [&](const uint4 *const *rp, uint32_t n, uint32_t nvec,
-			   const uint4 *bias, const uint4 *bias2, uint4 *out) {
-			       lpf_token<P, EV>(rp, n, lane, nvec, bias, bias2, out);
-		       });
+	combine_with(a, [](const uint4 *const *rp, uint32_t n,
+				   uint32_t lane, uint32_t nvec,
+				   const uint4 *bias, const uint4 *bias2,
+				   uint4 *out) {
+		lpf_token<P, EV>(rp, n, lane, nvec, bias, bias2, out);
+	});
 }
 #define LPFS(X) X(2, 0) X(4, 0) X(8, 0) X(4, 1) X(12, 0)
 #define DEFL(p_, e_)                                                           \
@@ -926,10 +927,7 @@ __device__ static __forceinline__ void la_token(const uint4 *const *rp,
 						const uint4 *bias2, uint4 *out)
 {
 	const uint4 *p[8];
-#pragma unroll
-	for (uint32_t j = 0; j < 8; j++)
-		p[j] = j < n ? rp[j] : rp[0];
-	const uint32_t m = n < 8 ? n : 8;
+	const uint32_t m = rows8(rp, n, p);
 	uint4 ya[8], yb[8];
 	auto load = [&](uint4(&y)[8], uint32_t v) {
 		if (v < nvec) {
@@ -947,13 +945,7 @@ __device__ static __forceinline__ void la_token(const uint4 *const *rp,
 	};
 	auto sum = [&](const uint4(&y)[8], uint32_t v) {
 		float acc[8];
-#pragma unroll
-		for (int i = 0; i < 8; i++)
-			acc[i] = 0.0f;
-		if (bias)
-			set_bf16x8(acc, bias[v]);
-		if (bias2)
-			add_bf16x8(acc, bias2[v]);
+		sum_start(acc, bias, bias2, v);
 #pragma unroll
 		for (uint32_t j = 0; j < 8; j++)
 			if (j < m)
@@ -985,13 +977,12 @@ __device__ static __forceinline__ void la_token(const uint4 *const *rp,
 template <int PF>
 __device__ static __forceinline__ void combine_la(const struct ekc_disp_args &a)
 {
-	__shared__ const uint4 *rows_of[256 / 32][EKC_MAX_LOCAL];
-	const uint32_t lane = threadIdx.x & 31;
-	combine_tokens(a, rows_of[threadIdx.x >> 5],
-		       [&](const uint4 *const *rp, uint32_t n, uint32_t nvec,
-			   const uint4 *bias, const uint4 *bias2, uint4 *out) {
-			       la_token<PF>(rp, n, lane, nvec, bias, bias2, out);
-		       });
+	combine_with(a, [](const uint4 *const *rp, uint32_t n,
+				   uint32_t lane, uint32_t nvec,
+				   const uint4 *bias, const uint4 *bias2,
+				   uint4 *out) {
+		la_token<PF>(rp, n, lane, nvec, bias, bias2, out);
+	});
 }
 #define LAS(X) X(0, 2) X(4, 2) X(0, 3)
 #define DEFLA(p_, b_)                                                          \
@@ -1062,13 +1053,11 @@ __device__ static __forceinline__ void diag_token(const uint4 *const *rp,
 template <int MODE>
 __device__ static __forceinline__ void combine_diag(const struct ekc_disp_args &a)
 {
-	__shared__ const uint4 *rows_of[256 / 32][EKC_MAX_LOCAL];
-	const uint32_t lane = threadIdx.x & 31;
-	combine_tokens(a, rows_of[threadIdx.x >> 5],
-		       [&](const uint4 *const *rp, uint32_t n, uint32_t nvec,
-			   const uint4 *, const uint4 *, uint4 *out) {
-			       diag_token<MODE>(rp, n < 8 ? n : 8, lane, nvec, out);
-		       });
+	combine_with(a, [](const uint4 *const *rp, uint32_t n, uint32_t lane,
+			   uint32_t nvec, const uint4 *, const uint4 *,
+			   uint4 *out) {
+		diag_token<MODE>(rp, n < 8 ? n : 8, lane, nvec, out);
+	});
 }
 
 extern "C" __global__ void __launch_bounds__(256) diag_loads(struct ekc_disp_args a)
