@@ -297,31 +297,6 @@ int ep__use_ctx(int dev)
 	return ensure_ctx(dev);
 }
 
-static CUresult dev_write(CUdeviceptr dst, const void *src, size_t n)
-{
-	CUstream s;
-	CUresult r = ep__drv.cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);
-	if (r)
-		return r;
-	r = src ? ep__drv.cuMemcpyHtoDAsync(dst, src, n, s)
-		: ep__drv.cuMemsetD32Async(dst, 0, n / 4, s);
-	const CUresult rs = ep__drv.cuStreamSynchronize(s);
-	if (!r)
-		r = rs;
-	ep__drv.cuStreamDestroy(s);
-	return r;
-}
-
-CUresult ep__dev_upload(CUdeviceptr dst, const void *src, size_t n)
-{
-	return dev_write(dst, src, n);
-}
-
-CUresult ep__dev_zero(CUdeviceptr dst, size_t n)
-{
-	return dev_write(dst, NULL, n);
-}
-
 /* How long the ring kernel spins before it leaves the wait to the stream
  * memory operation behind it: EP_RING_SPIN_US, default 2 ms (longer than
  * any op of a healthy group on one GPU; the bound on how long a killed

@@ -38,15 +38,6 @@ enum { EP__FN_RING, EP__FN_POST, EP__FN_LL_DISPATCH, EP__FN_LL_DISPATCH_RECV,
 CUfunction ep__fn(int which);
 /* Make device dev's primary context current. */
 int ep__use_ctx(int dev);
-/* n bytes to device memory from the host (ep__dev_upload) or zeroed (n a
- * multiple of 4, ep__dev_zero), landed when the call returns: a
- * synchronous cuMemcpyHtoD from pageable memory returns before the copy
- * engine writes, and cuMemsetD8 is asynchronous to the host, both on the
- * legacy stream, which a kernel on the rank's own non-blocking stream does
- * not wait for. Each uses a private non-blocking stream, so no other work
- * is waited for. */
-CUresult ep__dev_upload(CUdeviceptr dst, const void *src, size_t n);
-CUresult ep__dev_zero(CUdeviceptr dst, size_t n);
 /* libep_mreg.c: where len bytes at y lie in mr (EP_ESTALE if not inside
  * it, or not the allocations registered), and the registrations' end (at
  * unmap). */

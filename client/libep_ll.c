@@ -220,7 +220,7 @@ static int ll_setup(ep_group_t *g)
 	if (!rc) {
 		r = ep__drv.cuMemAlloc(&l->priv, l->L.priv_total);
 		if (!r)
-			r = ep__dev_zero(l->priv, l->L.priv_total);
+			r = ekc_write(&ep__drv, l->priv, NULL, l->L.priv_total);
 		if (!r)
 			r = ep__drv.cuMemAlloc(&l->outs, 2 * l->out_stride);
 		if (r)
@@ -538,7 +538,7 @@ static int llx_combine_buffer(ep_group_t *g, uint32_t b, void **rows)
 		const size_t n = (size_t)x->El * x->WN * x->H * 2;
 		CUresult r = ep__drv.cuMemAlloc(&x->cx[b], n);
 		if (!r)
-			r = ep__dev_zero(x->cx[b], n);
+			r = ekc_write(&ep__drv, x->cx[b], NULL, n);
 		if (r) {
 			if (x->cx[b])
 				ep__drv.cuMemFree(x->cx[b]);
@@ -838,7 +838,7 @@ int ep__llg_error(ep_group_t *g)
 	if (w[EKC_LL_PRIV_POISON])
 		return ll_die(l, rc, true);
 	static const uint32_t zero;
-	ep__dev_upload(l->priv + 4 * EKC_LL_PRIV_ERR, &zero, 4);
+	ekc_write(&ep__drv, l->priv + 4 * EKC_LL_PRIV_ERR, &zero, 4);
 	*l->herr = 0;
 	return rc;
 }

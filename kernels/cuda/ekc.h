@@ -119,6 +119,20 @@ int ekc_load(struct ekc_driver *d, char *err, size_t errlen);
 int ekc_fail(const struct ekc_driver *d, CUresult r, const char *what,
 	     char *err, size_t errlen);
 
+/* n bytes of device memory in the current context written from host
+ * memory src, or zeroed if src is NULL (n a multiple of 4), landed when
+ * the call returns. cuMemcpyHtoD from pageable memory returns once the
+ * bytes are staged, before the copy engine writes them, and cuMemsetD8 is
+ * asynchronous to the host, both on the legacy stream, which kernels on
+ * non-blocking streams do not wait for: memory unmapped or read by such a
+ * kernel right after would race the write (the daemon's unmap of a fresh
+ * low-latency region faulted its context, and every MPS client with it).
+ * A private non-blocking stream: no other work is waited for. Zeroing may
+ * run a kernel (the daemon, which must not wait for SMs other groups hold,
+ * copies zeros instead). */
+CUresult ekc_write(const struct ekc_driver *d, CUdeviceptr dst,
+		   const void *src, size_t n);
+
 #endif
 
 /* Layout of a rank's device region: control words, then the data fields of

@@ -1111,16 +1111,6 @@ __device__ static __forceinline__ void combine_warps(const struct ekc_disp_args 
 	});
 }
 
-// The lean combine: a token's sum specialised on its number of rows N (1
-// to 8; none or more take combine_token's loop), four column steps an
-// iteration at fixed offsets from pointers advanced once an iteration (no
-// test a row, no address arithmetic a load), and with PF > 0 each lane's
-// own L2 prefetch (one instruction a row and step, no register or shared
-// memory held) PF steps ahead. combine_token's loop, held to 24 SMs,
-// waits on its loads (a loads-only copy of it is as fast) and issues ~40
-// instructions a 16-byte row vector, where the conversions and adds take
-// 16 (PERFORMANCE.md, thirtieth session). The order of the sums and the
-// rounding are combine_token's.
 // acc = a sum's start at column v: the bias (exact), plus the second bias,
 // or +0.0 without them.
 __device__ static __forceinline__ void sum_start(float acc[8],
@@ -1138,6 +1128,16 @@ __device__ static __forceinline__ void sum_start(float acc[8],
 		add_bf16x8(acc, bias2[v]);
 }
 
+// The lean combine: a token's sum specialised on its number of rows N (1
+// to 8; none or more take combine_token's loop), four column steps an
+// iteration at fixed offsets from pointers advanced once an iteration (no
+// test a row, no address arithmetic a load), and with PF > 0 each lane's
+// own L2 prefetch (one instruction a row and step, no register or shared
+// memory held) PF steps ahead. combine_token's loop, held to 24 SMs,
+// waits on its loads (a loads-only copy of it is as fast) and issues ~40
+// instructions a 16-byte row vector, where the conversions and adds take
+// 16 (PERFORMANCE.md, thirtieth session). The order of the sums and the
+// rounding are combine_token's.
 template <int N, int PF>
 __device__ static __forceinline__ void lean_step(const uint4 *const (&p)[N],
 						 const uint4 *b1, const uint4 *b2,

@@ -69,6 +69,22 @@ err_close:
 	return -1;
 }
 
+CUresult ekc_write(const struct ekc_driver *d, CUdeviceptr dst,
+		   const void *src, size_t n)
+{
+	CUstream s;
+	CUresult r = d->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);
+	if (r)
+		return r;
+	r = src ? d->cuMemcpyHtoDAsync(dst, src, n, s)
+		: d->cuMemsetD32Async(dst, 0, n / 4, s);
+	const CUresult rs = d->cuStreamSynchronize(s);
+	if (!r)
+		r = rs;
+	d->cuStreamDestroy(s);
+	return r;
+}
+
 int ekc_fail(const struct ekc_driver *d, CUresult r, const char *what,
 	     char *err, size_t errlen)
 {

@@ -244,12 +244,6 @@ void cu_routes_free(struct epd_cuda_group *c);
  * and the loop thread must not: group.c, drain). Free with cuMemFree once
  * the group's streams drained. */
 CUresult cu_dev_alloc(struct epd_cuda_group *c, CUdeviceptr *p, size_t n);
-/* group.c: n bytes from host memory to the current device, returned only
- * once they have landed. cuMemcpyHtoD from pageable memory returns once
- * the bytes are staged, before the copy engine has written them: memory
- * unmapped (or read by a kernel on another stream) right after would race
- * the copy. A private non-blocking stream: no other work is waited for. */
-CUresult cu_upload(CUdeviceptr dst, const void *src, size_t n);
 uint32_t cu_routes_held(const struct epd_cuda_group *c);
 uint64_t cu_known_top(const struct epd_cuda_group *c);
 CUresult cu_launch(struct epd_cuda_group *c, CUfunction f, unsigned gx, unsigned gy, unsigned bx, void *args);

@@ -128,13 +128,13 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 	if (!r) { /* a copy, not a memset kernel (region.c says why) */
 		uint32_t ones[MAX_DEV];
 		memset(ones, 0xff, sizeof(ones));
-		r = cu_upload(c->work, ones, sizeof(ones));
+		r = ekc_write(cu_drv, c->work, ones, sizeof(ones));
 	}
 	if (!r)
 		r = cu_dev_alloc(c, &c->pe, (size_t)g->shape.num_experts * 4);
 	if (!r) {
 		static const uint32_t zeros[EPP_CTL_PE_MAX / 4];
-		r = cu_upload(c->pe, zeros, (size_t)g->shape.num_experts * 4);
+		r = ekc_write(cu_drv, c->pe, zeros, (size_t)g->shape.num_experts * 4);
 	}
 	if (!r && getenv("EPD_CUDA_TRACE")) {
 		r = cu_dev_alloc(c, &c->trace, EKC_TR_BYTES);
@@ -159,20 +159,6 @@ void cu_poll_arm(struct epd_cuda_group *c)
 		uv_timer_start(&c->poll, cu_poll_cb, POLL_MS, POLL_MS);
 		c->poll_slow = false;
 	}
-}
-
-CUresult cu_upload(CUdeviceptr dst, const void *src, size_t n)
-{
-	CUstream s;
-	CUresult r = cu_drv->cuStreamCreate(&s, CU_STREAM_NON_BLOCKING);
-	if (r)
-		return r;
-	r = cu_drv->cuMemcpyHtoDAsync(dst, src, n, s);
-	const CUresult rs = cu_drv->cuStreamSynchronize(s);
-	if (!r)
-		r = rs;
-	cu_drv->cuStreamDestroy(s);
-	return r;
 }
 
 CUresult cu_dev_alloc(struct epd_cuda_group *c, CUdeviceptr *p, size_t n)

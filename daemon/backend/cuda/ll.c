@@ -119,7 +119,8 @@ static int ll_make(struct epd_group *g, struct epd_cuda_group *c, char *err,
 					.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
 				r = cu_drv->cuMemSetAccess(ptr, size, &a, 1);
 				if (!r)
-					r = cu_upload(ptr, zero, L.flags_end);
+					r = ekc_write(cu_drv, ptr, zero,
+						      L.flags_end);
 				cu_drv->cuMemUnmap(ptr, size);
 			}
 			cu_drv->cuMemAddressFree(ptr, size);

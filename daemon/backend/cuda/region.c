@@ -108,7 +108,7 @@ int epd_cuda_add_rank(struct epd_group *g, struct epd_member *m,
 	 * thread must not wait for SMs that other groups' kernels may hold
 	 * (group.c, drain: the loop thread never waits on the GPU unbounded). */
 	static const uint8_t zero[EKC_CTRL_BYTES];
-	r = cu_upload(ptr, zero, sizeof(zero));
+	r = ekc_write(cu_drv, ptr, zero, sizeof(zero));
 	if (r) {
 		rc = ekc_fail(cu_drv, r, "zeroing the region's control bytes",
 			      err, errlen);
