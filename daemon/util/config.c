@@ -121,6 +121,7 @@ static bool *yes_no_flag(struct epd_config *c, const char *key)
 		{"cuda_tma", offsetof(struct epd_config, cuda_no_tma)},
 		{"cuda_fused_prep",
 		 offsetof(struct epd_config, cuda_no_fused_prep)},
+		{"cuda_pdl", offsetof(struct epd_config, cuda_no_pdl)},
 		{"cuda_resident_barrier",
 		 offsetof(struct epd_config, cuda_no_resident)},
 		{"host_barrier", offsetof(struct epd_config, no_host_barrier)}};

@@ -37,6 +37,7 @@ struct epd_config {
 	bool cuda_no_resident;     /* no resident barrier kernel under MPS */
 	bool cuda_no_tma;          /* dispatch rows by SIMT copies only */
 	bool cuda_no_fused_prep;   /* count, scan, slot as three launches */
+	bool cuda_no_pdl;          /* no programmatic dependent launch */
 	int cuda_combine_fetch;    /* rows fetched into L2 ahead: -1 auto,
 				      0 no, 1 yes (ekc_combine_fetch), 2 lean
 				      (ekc_combine_lean) */

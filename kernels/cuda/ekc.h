@@ -324,6 +324,10 @@ struct ekc_disp_args {
 	int32_t *slot;     /* [W][Tmax][W] the handle's routing */
 	unsigned long long *err; /* first bad (s, t, k), or ~0 */
 	uint32_t *gsync;   /* ekc_prep's grid barrier, from ~0 */
+	/* gate_reset: ekc_gate sets *err = err0 and *gsync = ~0 before its
+	 * waits (a dispatch under MPS; otherwise a memset does) */
+	unsigned long long err0;
+	uint32_t gate_reset;
 	/* [E] a fresh dispatch's received rows per expert, counted by the
 	 * count (a token once per distinct expert), published and cleared
 	 * by the scan: zero between dispatches */

@@ -45,6 +45,25 @@ __device__ static inline bool has_error(const struct ekc_disp_args &a)
 	return *(volatile unsigned long long *)a.err != ~0ull;
 }
 
+// Programmatic dependent launch (cuda_pdl): the daemon may launch a data
+// kernel so that its blocks become resident while the kernel ahead of it
+// on the stream is still running. Such a kernel waits here, before it
+// reads anything, for that kernel to finish and its stores to be seen;
+// launched without it, this is a no-op. (Hopper and later: the kernels
+// are built for sm_90.)
+__device__ static inline void prior_done(void)
+{
+	asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+// The kernel behind this one on the stream may be launched now (each
+// block's call, or its exit, counts): it still waits in prior_done for
+// this one to finish.
+__device__ static inline void let_next_launch(void)
+{
+	asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 // Tokens of the ranks in rank_mask (one GPU's ranks): how many, and the
 // g-th of them as (rank, token).
 __device__ static inline uint64_t masked_total(const struct ekc_disp_args &a)
@@ -161,9 +180,23 @@ __device__ static inline bool wait_doorbell(const struct ekc_disp_args &a,
 // ranks' 312 MB copies before a combine (8 ranks, DeepSeek-V3 shape) took
 // 4 ms more than alone. The wide kernels' own waits then pass at once; a
 // wait that fails here marks the op failed as theirs would.
+//
+// A dispatch's gate also starts its error word (a.err0: none, or a rank
+// that asked for too many tokens) and the prep's grid barrier, which a
+// memset did before it: one launch less on the stream (~4 us each under
+// MPS). Its own failed waits come after, so they are kept.
 extern "C" __global__ void __launch_bounds__(EKC_MAX_LOCAL)
 	ekc_gate(struct ekc_disp_args a)
 {
+	prior_done();
+	if (a.gate_reset) {
+		if (threadIdx.x == 0) {
+			*a.err = a.err0;
+			*a.gsync = ~0u;
+			__threadfence();
+		}
+		__syncthreads();
+	}
 	if (threadIdx.x < a.W)
 		wait_doorbell(a, threadIdx.x);
 }
@@ -261,6 +294,7 @@ __device__ static inline bool wait_doorbell_traced(
 extern "C" __global__ void __launch_bounds__(TPB)
 	ekc_count(struct ekc_disp_args a)
 {
+	prior_done();
 	const uint32_t s = blockIdx.y, b = blockIdx.x;
 	if (b >= (a.tokens[s] + TPB - 1) / TPB)
 		return; // uniform for the block
@@ -361,6 +395,7 @@ __device__ static void rank_prefix(const struct ekc_disp_args &a)
 // (and their counters cleared) by the whole block.
 extern "C" __global__ void __launch_bounds__(1024) ekc_scan(struct ekc_disp_args a)
 {
+	prior_done();
 	__shared__ uint32_t tot[EKC_MAX_LOCAL];
 	const uint32_t d = threadIdx.x, W = a.W;
 	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -461,6 +496,7 @@ __device__ static __forceinline__ void slot_block(const struct ekc_disp_args &a,
 extern "C" __global__ void __launch_bounds__(TPB)
 	ekc_slot(struct ekc_disp_args a)
 {
+	prior_done();
 	const uint32_t s = blockIdx.y, b = blockIdx.x;
 	if (b >= (a.tokens[s] + TPB - 1) / TPB)
 		return; // uniform for the block
@@ -519,6 +555,11 @@ __device__ static inline uint32_t col_sum(const struct ekc_disp_args &a,
 
 extern "C" __global__ void __launch_bounds__(TPB) ekc_prep(struct ekc_disp_args a)
 {
+	prior_done();
+	// the row copy may become resident meanwhile (cuda_pdl): it waits
+	// for this grid in prior_done, and this grid is resident already
+	// (a cooperative launch), so it takes no SM that the prep needs
+	let_next_launch();
 	__shared__ uint32_t base[EKC_MAX_LOCAL];
 	const uint32_t s = blockIdx.y, b = blockIdx.x, W = a.W;
 	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -623,6 +664,7 @@ __device__ static inline void copy_meta(const struct ekc_disp_args &a,
 extern "C" __global__ void __launch_bounds__(256, 4)
 	ekc_copy(struct ekc_disp_args a)
 {
+	prior_done();
 	if (has_error(a))
 		return; // a bad expert index: change nothing
 	const uint32_t lane = threadIdx.x & 31;
@@ -770,6 +812,7 @@ extern "C" __global__ void __launch_bounds__(TMA_WARPS * 32)
 {
 	extern __shared__ __align__(128) uint8_t rows[]; // [warp][2][row]
 	__shared__ __align__(8) uint64_t bars[TMA_WARPS][2];
+	prior_done();
 	if (has_error(a))
 		return; // a bad expert index: change nothing
 	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -894,6 +937,7 @@ __device__ static inline void set_bf16x8(float acc[8], uint4 q)
 // nothing is read or written.
 __device__ static inline bool combine_begin(const struct ekc_disp_args &a)
 {
+	prior_done();
 	if (threadIdx.x == 0)
 		tr_begin(a, EKC_TR_COMBINE);
 	mark_sm(a);
@@ -1172,7 +1216,7 @@ __device__ static __forceinline__ void lean_token(const uint4 *const *rp,
 	const uint4 *b1 = bias ? bias + lane : nullptr;
 	const uint4 *b2 = bias2 ? bias2 + lane : nullptr;
 	uint4 *o = out + lane;
-	if (PF)
+	if constexpr (PF > 0)
 		for (uint32_t k = 1; k < PF; k++)
 			if (lane + 32 * k < nvec)
 #pragma unroll

@@ -954,7 +954,7 @@ __device__ static __forceinline__ void la_token(const uint4 *const *rp,
 			add_bf16x8(acc, __ldg(rp[j] + v));
 		out[v] = pack_bf16x8(acc);
 	};
-	if (PF)
+	if constexpr (PF > 0)
 		for (uint32_t k = 1; k < PF; k++)
 			if (lane + 32 * k < nvec)
 #pragma unroll

@@ -269,10 +269,12 @@ static int rank_main(int r, void *arg)
 			s->sms_used[op] = q ? atoi(q + 6) : -1;
 		}
 		p = strstr(js, "\"row_copy_sms\":");
-		printf("perf: row copy %s on %d SMs, prep %s, barrier %s\n",
+		printf("perf: row copy %s on %d SMs, prep %s, pdl %s, "
+		       "barrier %s\n",
 		       strstr(js, "\"row_copy\":\"tma\"") ? "tma" : "simt",
 		       p ? atoi(p + 15) : -1,
 		       strstr(js, "\"dispatch_prep\":\"fused\"") ? "fused" : "split",
+		       strstr(js, "\"pdl\":true") ? "yes" : "no",
 		       strstr(js, "\"barrier\":\"kernel\"") ? "resident kernel"
 		       : strstr(js, "\"barrier\":\"host\"") ? "host thread"
 							     : "stream ops");

@@ -689,17 +689,20 @@ int main(void)
 	       "launches and the combine's L2 fetch (cuda_tma=no, "
 	       "cuda_fused_prep=no, cuda_combine_fetch=yes)\n");
 	th_daemon_stop(&gpu);
-	/* and with the lean combine (rows by count, each lane's prefetch) */
+	/* and with the lean combine (rows by count, each lane's prefetch),
+	 * the kernels launched one after the other (the other passes: with
+	 * programmatic dependent launch) */
 	th_daemon_start(&gpu, "--backend", "cuda", "-o",
-			"cuda_combine_fetch=lean", NULL);
+			"cuda_combine_fetch=lean", "-o", "cuda_pdl=no", NULL);
 	for (size_t i = 0; i < sizeof(fixed) / sizeof(fixed[0]); i++, n++) {
 		x->c = fixed[i];
 		x->c.seed = seed + 200 + (uint64_t)i;
 		x->index = n;
+		x->big_rank = i == 0 ? 2 : -1;
 		run_case(x);
 	}
-	printf("ok: the fixed cases with the lean combine "
-	       "(cuda_combine_fetch=lean)\n");
+	printf("ok: the fixed cases with the lean combine, no programmatic "
+	       "dependent launch (cuda_combine_fetch=lean, cuda_pdl=no)\n");
 	th_daemon_stop(&gpu);
 	th_daemon_start(&gpu, "--backend", "cuda", NULL);
 	x->bad_rank = -1;

@@ -61,6 +61,7 @@ struct cudev {
 	int sms;
 	bool mps;
 	bool pools; /* the stream-ordered allocator (cuMemAllocAsync) */
+	bool no_pdl; /* the driver refused programmatic dependent launch */
 	char code[96]; /* which image of the fatbin the driver loaded */
 };
 

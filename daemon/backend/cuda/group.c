@@ -398,7 +398,8 @@ void *epd_cuda_group_status(struct epd_group *g)
 		uint64_t b = __atomic_load_n(&c->fb->busy_ns, __ATOMIC_RELAXED);
 		eng_us = n ? (double)b / (double)n / 1e3 : 0;
 	}
-	json_t *o = json_pack("{s:i, s:i, s:b, s:b, s:s, s:f, s:s, s:i, s:s, s:I, s:I, s:I, s:I, s:f, s:f}",
+	const struct cudev *d0 = &cu_state(g->srv)->dev[c->dev0];
+	json_t *o = json_pack("{s:i, s:i, s:b, s:b, s:s, s:f, s:s, s:i, s:s, s:b, s:I, s:I, s:I, s:I, s:f, s:f}",
 			 "gpu", c->dev0, "gpus", c->ndevs, "staged", c->staged,
 			 "resident_barrier", c->fb && !c->hb, "barrier",
 			 c->hb	   ? "host"
@@ -407,8 +408,8 @@ void *epd_cuda_group_status(struct epd_group *g)
 			 "barrier_engine_us", eng_us, "row_copy", cu_use_tma(c, sms) ? "tma" : "simt",
 			 "row_copy_sms", (int)cu_copy_sms(c, sms),
 			 "dispatch_prep",
-			 cu_use_prep(g, &cu_state(g->srv)->dev[c->dev0]) ? "fused"
-								  : "split",
+			 cu_use_prep(g, d0) ? "fused" : "split",
+			 "pdl", !g->srv->cfg.cuda_no_pdl && !d0->no_pdl,
 			 "ops_enqueued", (json_int_t)c->enqueued,
 			 "ops_completed", (json_int_t)c->completed,
 			 "device_handles", (json_int_t)cu_routes_held(c),

@@ -19,6 +19,50 @@ CUresult cu_launch(struct epd_cuda_group *c, CUfunction f, unsigned gx,
 				 params, NULL);
 }
 
+_Static_assert(sizeof(struct ekc_disp_args) <= 4096,
+	       "a kernel's parameters fit in 4 KB");
+
+/* Programmatic dependent launch (cuda_pdl): the kernel f may become
+ * resident while the kernel ahead of it on the stream is still running;
+ * every data kernel first waits for that one (prior_done in
+ * ekc_dispatch.cu), so this hides the launch gap between two of the op's
+ * kernels (4-6 us each under MPS), not any ordering. Only where the work
+ * ahead on the stream is a kernel of the same op: pdl false otherwise.
+ * coop: a cooperative grid. A driver that refuses the attribute gets the
+ * plain launch from then on. */
+static CUresult launch_ex(const struct epd_group *g, struct cudev *d,
+			  CUfunction f, unsigned gx, unsigned gy, unsigned bx,
+			  unsigned smem, CUstream s, void *args, bool coop,
+			  bool pdl)
+{
+	void *params[] = {args};
+	CUlaunchAttribute at[2];
+	unsigned n = 0;
+	pdl = pdl && !g->srv->cfg.cuda_no_pdl && !d->no_pdl;
+	if (coop)
+		at[n++] = (CUlaunchAttribute){
+			.id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE,
+			.value.cooperative = 1};
+	if (pdl)
+		at[n++] = (CUlaunchAttribute){
+			.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+			.value.programmaticStreamSerializationAllowed = 1};
+	CUlaunchConfig cfg = {.gridDimX = gx, .gridDimY = gy ? gy : 1,
+			      .gridDimZ = 1, .blockDimX = bx, .blockDimY = 1,
+			      .blockDimZ = 1, .sharedMemBytes = smem,
+			      .hStream = s, .attrs = at, .numAttrs = n};
+	CUresult r = cu_drv->cuLaunchKernelEx(&cfg, f, params, NULL);
+	if (r && pdl && r != CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE) {
+		epd_warn("the driver refused programmatic dependent launch "
+			 "(%d): the data kernels launch without it",
+			 (int)r);
+		d->no_pdl = true;
+		cfg.numAttrs = n - 1; /* the attribute is the last */
+		r = cu_drv->cuLaunchKernelEx(&cfg, f, params, NULL);
+	}
+	return r;
+}
+
 /* SMs' worth of blocks for the data kernels: cuda_sms, or all. */
 unsigned cu_sms_cap(const struct epd_group *g, const struct cudev *d)
 {
@@ -64,18 +108,19 @@ unsigned cu_copy_sms(const struct epd_cuda_group *c, unsigned sms)
 	return sms;
 }
 
-/* The dispatch row copy of one GPU: bulk copies or SIMT. */
-static CUresult launch_copy(struct epd_cuda_group *c, const struct cudev *d,
-			    unsigned sms, CUstream s, void *args)
+/* The dispatch row copy of one GPU: bulk copies or SIMT (pdl: right
+ * behind the op's prep on s). */
+static CUresult launch_copy(struct epd_cuda_group *c, struct cudev *d,
+			    unsigned sms, CUstream s, void *args, bool pdl)
 {
-	void *params[] = {args};
 	sms = cu_copy_sms(c, sms);
 	if (cu_use_tma(c, sms))
-		return cu_drv->cuLaunchKernel(d->copy_tma, sms * (unsigned)c->occ_tma,
-					 1, 1, EKC_TMA_WARPS * 32, 1, 1,
-					 c->tma_smem, s, params, NULL);
-	return cu_drv->cuLaunchKernel(d->copy, sms * (unsigned)d->occ_copy, 1, 1,
-				 256, 1, 1, 0, s, params, NULL);
+		return launch_ex(c->g, d, d->copy_tma,
+				 sms * (unsigned)c->occ_tma, 1,
+				 EKC_TMA_WARPS * 32, c->tma_smem, s, args,
+				 false, pdl);
+	return launch_ex(c->g, d, d->copy, sms * (unsigned)d->occ_copy, 1, 256,
+			 0, s, args, false, pdl);
 }
 
 /* Byte off of local rank l's registration id as an offset from l's
@@ -151,7 +196,7 @@ static CUresult spread(struct epd_group *g, struct ekc_disp_args *a,
 			r = cu_drv->cuLaunchKernel(fn, blocks, 1, 1, 256, 1, 1, 0,
 					      c->dstream[i], params, NULL);
 		} else if (!r)
-			r = launch_copy(c, d, sms, c->dstream[i], &b);
+			r = launch_copy(c, d, sms, c->dstream[i], &b, false);
 		if (!r)
 			r = cu_drv->cuEventRecord(c->ev_out[i], c->dstream[i]);
 	}
@@ -313,8 +358,10 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 			r = spread(g, &a, sms, true);
 		unsigned blocks;
 		CUfunction fn = combine_fn(g, d, sms, &blocks);
+		/* right behind the gate on the stream: one GPU, MPS */
 		if (!r)
-			r = cu_launch(c, fn, blocks, 1, 256, &a);
+			r = launch_ex(g, d, fn, blocks, 1, 256, 0, c->stream,
+				      &a, false, a.wait && c->ndevs == 1);
 		if (!r)
 			r = join_devs(c);
 		if (!r)
@@ -322,28 +369,36 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 		return r ? r : trace_fetch(c, which);
 	}
 	*what = "dispatch";
-	r = cu_drv->cuMemsetD32Async(c->err, 0xffffffffu, 3, c->stream);
-	/* a rank that asked for too many tokens (it takes part with none):
-	 * the kernels change nothing and every rank gets EP_ETOOBIG */
-	for (uint32_t l = 0; !r && l < W; l++) {
-		if (!(ops[l]->flags & EPP_DISPATCH_TOOBIG))
-			continue;
-		uint64_t e = EKC_ERR_TOOBIG |
-			     (uint64_t)g->local[l]->rank << 32 | ops[l]->asked;
-		r = cu_drv->cuMemsetD32Async(c->err, (uint32_t)e, 1, c->stream);
-		if (!r)
-			r = cu_drv->cuMemsetD32Async(c->err + 4,
-						(uint32_t)(e >> 32), 1,
-						c->stream);
-		break;
-	}
-	if (!r && a.wait) /* after the error word's reset */
+	/* the error word starts as none, or (a rank that asked for too many
+	 * tokens, which takes part with none) that rank: the kernels then
+	 * change nothing and every rank gets EP_ETOOBIG */
+	a.err0 = ~0ull;
+	for (uint32_t l = 0; l < W; l++)
+		if (ops[l]->flags & EPP_DISPATCH_TOOBIG) {
+			a.err0 = EKC_ERR_TOOBIG |
+				 (uint64_t)g->local[l]->rank << 32 |
+				 ops[l]->asked;
+			break;
+		}
+	/* the error word and the grid barrier's count: set by the gate
+	 * (MPS), else by memsets */
+	a.gate_reset = a.wait;
+	if (a.wait) {
 		r = cu_launch(c, d->gate, 1, 1, EKC_MAX_LOCAL, &a);
+	} else {
+		r = cu_drv->cuMemsetD32Async(c->err, 0xffffffffu, 3, c->stream);
+		if (!r && a.err0 != ~0ull)
+			r = cu_drv->cuMemsetD32Async(c->err, (uint32_t)a.err0,
+						     1, c->stream);
+		if (!r && a.err0 != ~0ull)
+			r = cu_drv->cuMemsetD32Async(c->err + 4,
+						     (uint32_t)(a.err0 >> 32),
+						     1, c->stream);
+	}
 	bool split = true;
 	if (!r && fresh && cu_use_prep(g, d)) {
-		void *params[] = {&a};
-		r = cu_drv->cuLaunchCooperativeKernel(d->prep, c->nblk_max, W, 1, 256,
-						 1, 1, 0, c->stream, params);
+		r = launch_ex(g, d, d->prep, c->nblk_max, W, 256, 0, c->stream,
+			      &a, true, a.wait);
 		split = r == CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE;
 		if (split) {
 			/* fewer SMs than the device has (an MPS limit):
@@ -354,18 +409,24 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 			r = 0;
 		}
 	}
+	/* each right behind a kernel of the op but the first, which is
+	 * behind the gate only under MPS */
 	if (!r && split) {
 		if (fresh)
-			r = cu_launch(c, d->count, c->nblk_max, W, 256, &a);
+			r = launch_ex(g, d, d->count, c->nblk_max, W, 256, 0,
+				      c->stream, &a, false, a.wait);
 		if (!r)
-			r = cu_launch(c, d->scan, 1, 1, 1024, &a);
+			r = launch_ex(g, d, d->scan, 1, 1, 1024, 0, c->stream,
+				      &a, false, fresh || a.wait);
 		if (!r && fresh)
-			r = cu_launch(c, d->slot, c->nblk_max, W, 256, &a);
+			r = launch_ex(g, d, d->slot, c->nblk_max, W, 256, 0,
+				      c->stream, &a, false, true);
 	}
 	if (!r)
 		r = spread(g, &a, sms, false);
+	/* spread put an event record between (several GPUs) */
 	if (!r)
-		r = launch_copy(c, d, sms, c->stream, &a);
+		r = launch_copy(c, d, sms, c->stream, &a, c->ndevs == 1);
 	if (!r)
 		r = join_devs(c);
 	if (!r)
