@@ -178,6 +178,12 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 		else if (parse_u32(v, 0, 1024, 10, &u))
 			return -2;
 		c->cuda_copy_sms = u;
+	} else if (!strcmp(key, "cuda_copy_blocks_per_sm")) {
+		if (!strcmp(v, "auto"))
+			u = 0;
+		else if (parse_u32(v, 1, 32, 10, &u))
+			return -2;
+		c->cuda_copy_bps = u;
 	} else if (!strcmp(key, "cuda_combine_fetch")) {
 		bool b;
 		if (!strcmp(v, "auto"))

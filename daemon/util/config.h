@@ -34,6 +34,8 @@ struct epd_config {
 	unsigned cuda_sms;         /* SMs for dispatch/combine; 0: all */
 	unsigned cuda_copy_sms;    /* SMs for the bulk-copy row copy; 0: as
 				      cuda_sms; EPD_COPY_SMS_AUTO: by row */
+	unsigned cuda_copy_bps;    /* the bulk-copy row copy's blocks a SM;
+				      0: as many as fit */
 	bool cuda_no_resident;     /* no resident barrier kernel under MPS */
 	bool cuda_no_tma;          /* dispatch rows by SIMT copies only */
 	bool cuda_no_fused_prep;   /* count, scan, slot as three launches */

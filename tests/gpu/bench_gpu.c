@@ -269,10 +269,11 @@ static int rank_main(int r, void *arg)
 			s->sms_used[op] = q ? atoi(q + 6) : -1;
 		}
 		p = strstr(js, "\"row_copy_sms\":");
-		printf("perf: row copy %s on %d SMs, prep %s, pdl %s, "
-		       "barrier %s\n",
+		const char *q = strstr(js, "\"row_copy_blocks_per_sm\":");
+		printf("perf: row copy %s on %d SMs' worth, %d blocks a SM, "
+		       "prep %s, pdl %s, barrier %s\n",
 		       strstr(js, "\"row_copy\":\"tma\"") ? "tma" : "simt",
-		       p ? atoi(p + 15) : -1,
+		       p ? atoi(p + 15) : -1, q ? atoi(q + 25) : -1,
 		       strstr(js, "\"dispatch_prep\":\"fused\"") ? "fused" : "split",
 		       strstr(js, "\"pdl\":true") ? "yes" : "no",
 		       strstr(js, "\"barrier\":\"kernel\"") ? "resident kernel"

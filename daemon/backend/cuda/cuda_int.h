@@ -52,6 +52,7 @@ struct cudev {
 	CUfunction barrier, fastbar, count, scan, slot, prep, copy, copy_tma,
 		combine, combine_fetch, combine_lean, gate;
 	int smem_optin; /* dynamic shared memory a block may opt into */
+	int smem_sm;    /* shared memory of a SM */
 	size_t gran;
 	int occ_copy, occ_combine, occ_combine_fetch, occ_combine_lean,
 		occ_prep; /* resident blocks per SM */

@@ -116,6 +116,11 @@ int cu_use_dev(struct epd_cuda *cu, int i, char *err, size_t errlen)
 			    CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
 			    d->smem_optin))
 			d->smem_optin = 0; /* the SIMT copy only */
+		if (cu_drv->cuDeviceGetAttribute(
+			    &d->smem_sm,
+			    CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR,
+			    d->dev))
+			d->smem_sm = 0;
 	}
 	r = cu_drv->cuCtxSetCurrent(d->ctx);
 	return r ? cu_err(r, "cuCtxSetCurrent", err, errlen) : 0;

@@ -111,6 +111,27 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 		c->tma_smem = (unsigned)smem;
 	else
 		c->occ_tma = 0;
+	/* cuda_copy_blocks_per_sm: fewer blocks a SM than fit, by asking
+	 * each for more shared memory than it uses (no more than n fit), so
+	 * that the scheduler spreads the copy's grid over more SMs whatever
+	 * else is resident: a SM's bulk copies are a limit of their own */
+	unsigned bps = g->srv->cfg.cuda_copy_bps;
+	if (c->occ_tma > 0 && bps && bps < (unsigned)c->occ_tma &&
+	    d0->smem_sm > 0) {
+		size_t pad = (size_t)d0->smem_sm / (bps + 1) + 1;
+		int occ = 0;
+		if (pad > smem && pad <= (size_t)d0->smem_optin &&
+		    !cu_drv->cuOccupancyMaxActiveBlocksPerMultiprocessor(
+			    &occ, d0->copy_tma, EKC_TMA_WARPS * 32, pad) &&
+		    occ == (int)bps) {
+			c->tma_smem = (unsigned)pad;
+			c->occ_tma = occ;
+		} else {
+			epd_warn("group %s: cuda_copy_blocks_per_sm=%u cannot "
+				 "be had (%d fit); %d a SM",
+				 g->shape.name, bps, occ, c->occ_tma);
+		}
+	}
 	c->tmax = g->shape.max_tokens ? g->shape.max_tokens : 1;
 	c->nblk_max = (c->tmax + 255) / 256;
 	size_t W = rpn;
@@ -399,7 +420,7 @@ void *epd_cuda_group_status(struct epd_group *g)
 		eng_us = n ? (double)b / (double)n / 1e3 : 0;
 	}
 	const struct cudev *d0 = &cu_state(g->srv)->dev[c->dev0];
-	json_t *o = json_pack("{s:i, s:i, s:b, s:b, s:s, s:f, s:s, s:i, s:s, s:b, s:I, s:I, s:I, s:I, s:f, s:f}",
+	json_t *o = json_pack("{s:i, s:i, s:b, s:b, s:s, s:f, s:s, s:i, s:i, s:s, s:b, s:I, s:I, s:I, s:I, s:f, s:f}",
 			 "gpu", c->dev0, "gpus", c->ndevs, "staged", c->staged,
 			 "resident_barrier", c->fb && !c->hb, "barrier",
 			 c->hb	   ? "host"
@@ -407,6 +428,7 @@ void *epd_cuda_group_status(struct epd_group *g)
 				 : "stream",
 			 "barrier_engine_us", eng_us, "row_copy", cu_use_tma(c, sms) ? "tma" : "simt",
 			 "row_copy_sms", (int)cu_copy_sms(c, sms),
+			 "row_copy_blocks_per_sm", c->occ_tma,
 			 "dispatch_prep",
 			 cu_use_prep(g, d0) ? "fused" : "split",
 			 "pdl", !g->srv->cfg.cuda_no_pdl && !d0->no_pdl,
