@@ -328,6 +328,9 @@ struct ekc_disp_args {
 	 * waits (a dispatch under MPS; otherwise a memset does) */
 	unsigned long long err0;
 	uint32_t gate_reset;
+	/* ekc_prep lets the row copy be launched at its start (cuda_pdl;
+	 * the copy then waits for it on the GPU) */
+	uint32_t copy_early;
 	/* [E] a fresh dispatch's received rows per expert, counted by the
 	 * count (a token once per distinct expert), published and cleared
 	 * by the scan: zero between dispatches */

@@ -556,10 +556,12 @@ __device__ static inline uint32_t col_sum(const struct ekc_disp_args &a,
 extern "C" __global__ void __launch_bounds__(TPB) ekc_prep(struct ekc_disp_args a)
 {
 	prior_done();
-	// the row copy may become resident meanwhile (cuda_pdl): it waits
-	// for this grid in prior_done, and this grid is resident already
-	// (a cooperative launch), so it takes no SM that the prep needs
-	let_next_launch();
+	// the row copy may become resident meanwhile (cuda_pdl, a block a
+	// SM): it waits for this grid in prior_done, and this grid is
+	// resident already (a cooperative launch), so it takes no SM that
+	// the prep needs
+	if (a.copy_early)
+		let_next_launch();
 	__shared__ uint32_t base[EKC_MAX_LOCAL];
 	const uint32_t s = blockIdx.y, b = blockIdx.x, W = a.W;
 	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

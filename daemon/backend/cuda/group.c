@@ -115,8 +115,9 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 	 * each for more shared memory than it uses (no more than n fit), so
 	 * that the scheduler spreads the copy's grid over more SMs whatever
 	 * else is resident: a SM's bulk copies are a limit of their own */
-	unsigned bps = g->srv->cfg.cuda_copy_bps;
-	if (c->occ_tma > 0 && bps && bps < (unsigned)c->occ_tma &&
+	unsigned bps = g->srv->cfg.cuda_copy_bps ? g->srv->cfg.cuda_copy_bps
+						  : 1; /* auto: cu_copy_sms */
+	if (c->occ_tma > 0 && bps < (unsigned)c->occ_tma &&
 	    d0->smem_sm > 0) {
 		size_t pad = (size_t)d0->smem_sm / (bps + 1) + 1;
 		int occ = 0;
@@ -126,7 +127,7 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 		    occ == (int)bps) {
 			c->tma_smem = (unsigned)pad;
 			c->occ_tma = occ;
-		} else {
+		} else if (g->srv->cfg.cuda_copy_bps) {
 			epd_warn("group %s: cuda_copy_blocks_per_sm=%u cannot "
 				 "be had (%d fit); %d a SM",
 				 g->shape.name, bps, occ, c->occ_tma);

@@ -89,18 +89,23 @@ bool cu_use_tma(const struct epd_cuda_group *c, unsigned sms)
 	return c->tma_smem && sms >= 32;
 }
 
-/* The SMs of the row copy: the bulk copies of 14 KB rows saturate memory
- * from ~32 SMs on, and more of them contend (H200, DeepSeek-V3 shape, bf16:
- * 0.80-0.82 of D2D at 32 SMs, 0.76 at 132); shorter rows need more SMs
- * (fp8, 7 KB: 0.49 at 32, 0.68-0.72 at 64-80, 0.68 at 132). cuda_copy_sms
- * caps them (auto: 32 SMs per 14 KB of row), leaving the rest to the
- * ranks. */
+/* The SMs of the row copy. What it needs is about 64 blocks' worth of
+ * 14 KB rows staged at once (7 MB), a block a SM: a SM's bulk copies are
+ * a limit of their own, and more blocks contend for memory. H200,
+ * DeepSeek-V3 shape, 8 ranks under MPS (PERFORMANCE.md, thirty-first
+ * session), pipelined: bf16 0.80-0.81 of D2D with 64 blocks on 64 SMs
+ * (0.64-0.65 when the same 64 blocks sat two a SM on 32, 0.77-0.79 with
+ * 132-192 blocks); fp8 (7 KB rows) 0.74-0.76 with 132 blocks one a SM,
+ * 0.70-0.71 with 192 spread two or three a SM, 0.58 with 64. cuda_copy_sms
+ * caps them (auto: 64 blocks of 14 KB rows, in SMs at
+ * cuda_copy_blocks_per_sm), leaving the rest to the ranks. */
 unsigned cu_copy_sms(const struct epd_cuda_group *c, unsigned sms)
 {
 	unsigned cap = c->g->srv->cfg.cuda_copy_sms;
 	if (cap == EPD_COPY_SMS_AUTO) {
 		uint64_t rowb = (uint64_t)c->g->shape.hidden * c->g->layout.elt;
-		uint64_t n = rowb ? (32ull * 14336 + rowb - 1) / rowb : 32;
+		uint64_t per = rowb * (c->occ_tma > 0 ? (unsigned)c->occ_tma : 1);
+		uint64_t n = per ? (64ull * 14336 + per - 1) / per : 32;
 		cap = n < 32 ? 32 : n > 1024 ? 1024 : (unsigned)n;
 	}
 	if (cu_use_tma(c, sms) && cap && sms > cap && cu_use_tma(c, cap))
@@ -395,6 +400,12 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 						     (uint32_t)(a.err0 >> 32),
 						     1, c->stream);
 	}
+	/* the bulk row copy at one block a SM may become resident while the
+	 * prep runs (cuda_pdl): with more a SM, the scheduler would pack its
+	 * blocks onto the SMs that the prep leaves room on (measured: 64
+	 * blocks two a SM on 32 SMs, 0.64 of D2D against 0.81 spread) */
+	a.copy_early = c->ndevs == 1 && c->occ_tma == 1 &&
+		       cu_use_tma(c, cu_copy_sms(c, sms));
 	bool split = true;
 	if (!r && fresh && cu_use_prep(g, d)) {
 		r = launch_ex(g, d, d->prep, c->nblk_max, W, 256, 0, c->stream,
