@@ -94,9 +94,10 @@ bool cu_use_tma(const struct epd_cuda_group *c, unsigned sms)
  * a limit of their own, and more blocks contend for memory. H200,
  * DeepSeek-V3 shape, 8 ranks under MPS (PERFORMANCE.md, thirty-first
  * session), pipelined: bf16 0.80-0.81 of D2D with 64 blocks on 64 SMs
- * (0.64-0.65 when the same 64 blocks sat two a SM on 32, 0.77-0.79 with
- * 132-192 blocks); fp8 (7 KB rows) 0.74-0.76 with 132 blocks one a SM,
- * 0.70-0.71 with 192 spread two or three a SM, 0.58 with 64. cuda_copy_sms
+ * (0.77-0.79 with 132-192 blocks; on an H100 0.64-0.65 when the same 64
+ * blocks sat two a SM on 32 SMs, against 0.84-0.85 spread); fp8 (7 KB
+ * rows) 0.74-0.76 with 132 blocks one a SM, 0.70-0.71 with 192 spread
+ * two or three a SM, 0.58 with 64. cuda_copy_sms
  * caps them (auto: 64 blocks of 14 KB rows, in SMs at
  * cuda_copy_blocks_per_sm), leaving the rest to the ranks. */
 unsigned cu_copy_sms(const struct epd_cuda_group *c, unsigned sms)
@@ -402,8 +403,9 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 	}
 	/* the bulk row copy at one block a SM may become resident while the
 	 * prep runs (cuda_pdl): with more a SM, the scheduler would pack its
-	 * blocks onto the SMs that the prep leaves room on (measured: 64
-	 * blocks two a SM on 32 SMs, 0.64 of D2D against 0.81 spread) */
+	 * blocks onto the SMs that the prep leaves room on (measured on an
+	 * H100: 64 blocks two a SM on 32 SMs, 0.64 of D2D against 0.85
+	 * spread) */
 	a.copy_early = c->ndevs == 1 && c->occ_tma == 1 &&
 		       cu_use_tma(c, cu_copy_sms(c, sms));
 	bool split = true;
