@@ -114,6 +114,10 @@ struct epd_cuda_group {
 	 * resident blocks per SM (0: the SIMT copy) */
 	unsigned tma_smem;
 	int occ_tma;
+	/* the same when cu_copy_sms caps the copy below the SMs it may use:
+	 * cuda_copy_blocks_per_sm (more shared memory asked than used) */
+	unsigned tma_smem_cap;
+	int occ_tma_cap;
 	/* Several GPUs: each pushes its own ranks' tokens (dispatch) and pulls
 	 * its own ranks' tokens (combine); devs[0] is dev0, whose stream
 	 * orders everything. */
@@ -209,6 +213,14 @@ struct ekc_barrier_args cu_barrier_args(struct epd_group *g, uint64_t k, uint32_
 int cu_barrier_engine_start(struct epd_group *g, char *err, size_t errlen);
 volatile uint64_t *cu_completed_word(struct epd_group *g, uint32_t l);
 unsigned cu_copy_sms(const struct epd_cuda_group *c, unsigned sms);
+/* The dispatch row copy on sms SMs' worth of blocks: its SMs (as
+ * cu_copy_sms), blocks a SM, shared memory a block, bulk copies or SIMT. */
+struct cu_copy_form {
+	unsigned sms, per_sm, smem;
+	bool tma;
+};
+void cu_copy_form(const struct epd_cuda_group *c, const struct cudev *d,
+		  unsigned sms, struct cu_copy_form *f);
 int cu_err(CUresult r, const char *what, char *err, size_t errlen);
 CUresult cu_enqueue_data(struct epd_group *g, uint64_t k, struct epd_aop *const *ops, const char **what);
 void cu_enqueue_ready(struct epd_group *g);

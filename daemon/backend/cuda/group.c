@@ -116,7 +116,9 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 	 * that the scheduler spreads the copy's grid over more SMs whatever
 	 * else is resident: a SM's bulk copies are a limit of their own */
 	unsigned bps = g->srv->cfg.cuda_copy_bps ? g->srv->cfg.cuda_copy_bps
-						  : 1; /* auto: cu_copy_sms */
+						  : 1; /* auto */
+	c->tma_smem_cap = c->tma_smem;
+	c->occ_tma_cap = c->occ_tma;
 	if (c->occ_tma > 0 && bps < (unsigned)c->occ_tma &&
 	    d0->smem_sm > 0) {
 		size_t pad = (size_t)d0->smem_sm / (bps + 1) + 1;
@@ -125,8 +127,8 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 		    !cu_drv->cuOccupancyMaxActiveBlocksPerMultiprocessor(
 			    &occ, d0->copy_tma, EKC_TMA_WARPS * 32, pad) &&
 		    occ == (int)bps) {
-			c->tma_smem = (unsigned)pad;
-			c->occ_tma = occ;
+			c->tma_smem_cap = (unsigned)pad;
+			c->occ_tma_cap = occ;
 		} else if (g->srv->cfg.cuda_copy_bps) {
 			epd_warn("group %s: cuda_copy_blocks_per_sm=%u cannot "
 				 "be had (%d fit); %d a SM",
@@ -421,15 +423,17 @@ void *epd_cuda_group_status(struct epd_group *g)
 		eng_us = n ? (double)b / (double)n / 1e3 : 0;
 	}
 	const struct cudev *d0 = &cu_state(g->srv)->dev[c->dev0];
+	struct cu_copy_form cf;
+	cu_copy_form(c, d0, sms, &cf);
 	json_t *o = json_pack("{s:i, s:i, s:b, s:b, s:s, s:f, s:s, s:i, s:i, s:s, s:b, s:I, s:I, s:I, s:I, s:f, s:f}",
 			 "gpu", c->dev0, "gpus", c->ndevs, "staged", c->staged,
 			 "resident_barrier", c->fb && !c->hb, "barrier",
 			 c->hb	   ? "host"
 			 : c->fb ? "kernel"
 				 : "stream",
-			 "barrier_engine_us", eng_us, "row_copy", cu_use_tma(c, sms) ? "tma" : "simt",
-			 "row_copy_sms", (int)cu_copy_sms(c, sms),
-			 "row_copy_blocks_per_sm", c->occ_tma,
+			 "barrier_engine_us", eng_us, "row_copy", cf.tma ? "tma" : "simt",
+			 "row_copy_sms", (int)cf.sms,
+			 "row_copy_blocks_per_sm", (int)cf.per_sm,
 			 "dispatch_prep",
 			 cu_use_prep(g, d0) ? "fused" : "split",
 			 "pdl", !g->srv->cfg.cuda_no_pdl && !d0->no_pdl,

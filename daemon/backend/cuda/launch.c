@@ -105,7 +105,8 @@ unsigned cu_copy_sms(const struct epd_cuda_group *c, unsigned sms)
 	unsigned cap = c->g->srv->cfg.cuda_copy_sms;
 	if (cap == EPD_COPY_SMS_AUTO) {
 		uint64_t rowb = (uint64_t)c->g->shape.hidden * c->g->layout.elt;
-		uint64_t per = rowb * (c->occ_tma > 0 ? (unsigned)c->occ_tma : 1);
+		uint64_t per = rowb * (c->occ_tma_cap > 0
+					       ? (unsigned)c->occ_tma_cap : 1);
 		uint64_t n = per ? (64ull * 14336 + per - 1) / per : 32;
 		cap = n < 32 ? 32 : n > 1024 ? 1024 : (unsigned)n;
 	}
@@ -114,19 +115,41 @@ unsigned cu_copy_sms(const struct epd_cuda_group *c, unsigned sms)
 	return sms;
 }
 
+/* Capped below the SMs it may use, the bulk copy spreads its blocks
+ * (cuda_copy_blocks_per_sm); held to fewer SMs than it would take, it
+ * fills them with as many blocks as fit (measured at 16-66 SMs' worth:
+ * PERFORMANCE.md). */
+void cu_copy_form(const struct epd_cuda_group *c, const struct cudev *d,
+		  unsigned sms, struct cu_copy_form *f)
+{
+	const unsigned n = cu_copy_sms(c, sms);
+	f->sms = n;
+	f->tma = cu_use_tma(c, n);
+	if (!f->tma) {
+		f->per_sm = (unsigned)d->occ_copy;
+		f->smem = 0;
+	} else if (n < sms) {
+		f->per_sm = (unsigned)c->occ_tma_cap;
+		f->smem = c->tma_smem_cap;
+	} else {
+		f->per_sm = (unsigned)c->occ_tma;
+		f->smem = c->tma_smem;
+	}
+}
+
 /* The dispatch row copy of one GPU: bulk copies or SIMT (pdl: right
  * behind the op's prep on s). */
 static CUresult launch_copy(struct epd_cuda_group *c, struct cudev *d,
 			    unsigned sms, CUstream s, void *args, bool pdl)
 {
-	sms = cu_copy_sms(c, sms);
-	if (cu_use_tma(c, sms))
-		return launch_ex(c->g, d, d->copy_tma,
-				 sms * (unsigned)c->occ_tma, 1,
-				 EKC_TMA_WARPS * 32, c->tma_smem, s, args,
-				 false, pdl);
-	return launch_ex(c->g, d, d->copy, sms * (unsigned)d->occ_copy, 1, 256,
-			 0, s, args, false, pdl);
+	struct cu_copy_form f;
+	cu_copy_form(c, d, sms, &f);
+	if (f.tma)
+		return launch_ex(c->g, d, d->copy_tma, f.sms * f.per_sm, 1,
+				 EKC_TMA_WARPS * 32, f.smem, s, args, false,
+				 pdl);
+	return launch_ex(c->g, d, d->copy, f.sms * f.per_sm, 1, 256, 0, s,
+			 args, false, pdl);
 }
 
 /* Byte off of local rank l's registration id as an offset from l's
@@ -406,8 +429,9 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 	 * blocks onto the SMs that the prep leaves room on (measured on an
 	 * H100: 64 blocks two a SM on 32 SMs, 0.64 of D2D against 0.85
 	 * spread) */
-	a.copy_early = c->ndevs == 1 && c->occ_tma == 1 &&
-		       cu_use_tma(c, cu_copy_sms(c, sms));
+	struct cu_copy_form cf;
+	cu_copy_form(c, d, sms, &cf);
+	a.copy_early = c->ndevs == 1 && cf.tma && cf.per_sm == 1;
 	bool split = true;
 	if (!r && fresh && cu_use_prep(g, d)) {
 		r = launch_ex(g, d, d->prep, c->nblk_max, W, 256, 0, c->stream,
