@@ -553,6 +553,31 @@ __device__ static inline uint32_t col_sum(const struct ekc_disp_args &a,
 	return sum;
 }
 
+// A fresh dispatch's receive totals, rows per expert, rank prefix matrix
+// and receive counts, published once the block counts are final, by a
+// whole block: ekc_prep's block (0, 0), or (a.copy_publishes) the row
+// copy's block 0 at its start. There it is off the path to the copy: the
+// prep's other blocks are done in ~11 us, block (0, 0) with this in ~19
+// (its host-memory stores and their fences), and the copy waits for the
+// whole prep.
+__device__ static void publish_fresh(const struct ekc_disp_args &a)
+{
+	__shared__ uint32_t tot[EKC_MAX_LOCAL];
+	const uint32_t W = a.W, rows = W * a.nblk_max;
+	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+	for (uint32_t c = warp; c < W; c += blockDim.x >> 5) {
+		uint32_t v = col_sum(a, c, rows, lane);
+		if (lane == 0)
+			tot[c] = v;
+	}
+	publish_pe(a); // its barrier orders tot[] too
+	rank_prefix(a);
+	for (uint32_t d = threadIdx.x; d < W; d += blockDim.x) {
+		a.recv[d] = tot[d];
+		publish_recv(a, d, tot[d]);
+	}
+}
+
 extern "C" __global__ void __launch_bounds__(TPB) ekc_prep(struct ekc_disp_args a)
 {
 	prior_done();
@@ -589,21 +614,8 @@ extern "C" __global__ void __launch_bounds__(TPB) ekc_prep(struct ekc_disp_args 
 			if (lane == 0)
 				base[c] = v;
 		}
-	if (s == 0 && b == 0) {
-		__shared__ uint32_t tot[EKC_MAX_LOCAL];
-		const uint32_t rows = W * a.nblk_max;
-		for (uint32_t c = warp; c < W; c += TPB / 32) {
-			uint32_t v = col_sum(a, c, rows, lane);
-			if (lane == 0)
-				tot[c] = v;
-		}
-		publish_pe(a); // its barrier orders tot[] too
-		rank_prefix(a);
-		for (uint32_t d = threadIdx.x; d < W; d += blockDim.x) {
-			a.recv[d] = tot[d];
-			publish_recv(a, d, tot[d]);
-		}
-	}
+	if (s == 0 && b == 0 && !a.copy_publishes)
+		publish_fresh(a);
 	__syncthreads();
 	if (threadIdx.x == 0) {
 		tr_end(a, EKC_TR_SCAN);
@@ -667,6 +679,8 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 	ekc_copy(struct ekc_disp_args a)
 {
 	prior_done();
+	if (a.copy_publishes && blockIdx.x == 0)
+		publish_fresh(a);
 	if (has_error(a))
 		return; // a bad expert index: change nothing
 	const uint32_t lane = threadIdx.x & 31;
@@ -815,6 +829,8 @@ extern "C" __global__ void __launch_bounds__(TMA_WARPS * 32)
 	extern __shared__ __align__(128) uint8_t rows[]; // [warp][2][row]
 	__shared__ __align__(8) uint64_t bars[TMA_WARPS][2];
 	prior_done();
+	if (a.copy_publishes && blockIdx.x == 0)
+		publish_fresh(a);
 	if (has_error(a))
 		return; // a bad expert index: change nothing
 	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -214,6 +214,7 @@ static CUresult spread(struct epd_group *g, struct ekc_disp_args *a,
 		cu_drv->cuCtxSetCurrent(d->ctx);
 		struct ekc_disp_args b = *a;
 		b.rank_mask = c->dev_mask[i];
+		b.copy_publishes = 0; /* dev0's copy does */
 		b.work = (uint32_t *)(uintptr_t)c->work + i;
 		unsigned sms = sms_cap < (unsigned)d->sms ? sms_cap
 							  : (unsigned)d->sms;
@@ -433,6 +434,9 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 	cu_copy_form(c, d, sms, &cf);
 	a.copy_early = c->ndevs == 1 && cf.tma && cf.per_sm == 1;
 	bool split = true;
+	/* the fused prep leaves the counts' publication to the copy on
+	 * this GPU (ekc_dispatch.cu, publish_fresh) */
+	a.copy_publishes = fresh && cu_use_prep(g, d);
 	if (!r && fresh && cu_use_prep(g, d)) {
 		r = launch_ex(g, d, d->prep, c->nblk_max, W, 256, 0, c->stream,
 			      &a, true, a.wait);
@@ -449,6 +453,7 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 	/* each right behind a kernel of the op but the first, which is
 	 * behind the gate only under MPS */
 	if (!r && split) {
+		a.copy_publishes = 0; /* the scan publishes */
 		if (fresh)
 			r = launch_ex(g, d, d->count, c->nblk_max, W, 256, 0,
 				      c->stream, &a, false, a.wait);
