@@ -215,6 +215,29 @@ __device__ static inline uint64_t next_item(const struct ekc_disp_args &a,
 	return __shfl_sync(0xffffffffu, g, 0);
 }
 
+// Entry k of token (s, t) as read (e): judged (the lowest bad (rank,
+// token, k) wins: deterministic), then its destination into *mask and,
+// unless dup (an earlier entry of the token has the same value), a row
+// for its expert (a count: order-free).
+__device__ static __forceinline__ void count_entry(
+	const struct ekc_disp_args &a, uint32_t s, uint64_t t, uint32_t k,
+	int64_t e, bool dup, bool toobig, uint32_t per, uint64_t *mask,
+	uint32_t *pe)
+{
+	if (e < -1 || e >= (int64_t)a.E) {
+		unsigned long long p = ((unsigned long long)s << 48) |
+				       ((unsigned long long)t << 16) | k;
+		if (!toobig)
+			atomicMin(a.err, p);
+		return;
+	}
+	if (e < 0)
+		return;
+	*mask |= 1ull << (uint32_t)(e / per);
+	if (!dup)
+		atomicAdd(pe + e, 1u);
+}
+
 // Block b of source s: its tokens' destination masks and how many go to
 // each destination, and its rows per expert added to a.pe (through a
 // histogram in shared memory up to PE_SMEM experts: global atomics of
@@ -243,29 +266,38 @@ __device__ static __forceinline__ void count_block(const struct ekc_disp_args &a
 		const int64_t *ti = (const int64_t *)field(a, s, EKC_F_TOPK) +
 				    (uint64_t)t * K;
 		int64_t *mine = a.topk + ((uint64_t)s * a.Tmax + t) * K;
-		for (uint32_t k = 0; k < K; k++) {
-			/* read once: what is checked is what routes */
-			int64_t e = ti[k];
-			mine[k] = e;
-			if (e < -1 || e >= (int64_t)a.E) {
-				// the lowest (rank, token, k) wins: deterministic
-				unsigned long long p =
-					((unsigned long long)s << 48) |
-					((unsigned long long)t << 16) | k;
-				if (!toobig)
-					atomicMin(a.err, p);
-				continue;
+		/* read once: what is checked is what routes (the copy in
+		 * daemon memory, mine, is what the later kernels read) */
+		if (K <= 8) {
+			// in registers: the loads in flight together, the
+			// duplicates found without reading mine back (which
+			// put each entry behind the stores before it)
+			int64_t v[8];
+#pragma unroll
+			for (uint32_t k = 0; k < 8; k++)
+				v[k] = k < K ? ti[k] : 0;
+#pragma unroll
+			for (uint32_t k = 0; k < 8; k++) {
+				if (k >= K)
+					break;
+				mine[k] = v[k];
+				bool dup = false;
+#pragma unroll
+				for (uint32_t j = 0; j < k; j++)
+					dup |= v[j] == v[k];
+				count_entry(a, s, t, k, v[k], dup, toobig, per,
+					    &mask, pe);
 			}
-			if (e < 0)
-				continue;
-			mask |= 1ull << (uint32_t)(e / per);
-			// the rows per expert: a token once per distinct
-			// expert (a count: order-free), from the checked copy
-			bool dup = false;
-			for (uint32_t j = 0; j < k; j++)
-				dup |= mine[j] == e;
-			if (!dup)
-				atomicAdd(pe + e, 1u);
+		} else {
+			for (uint32_t k = 0; k < K; k++) {
+				const int64_t e = ti[k];
+				mine[k] = e;
+				bool dup = false;
+				for (uint32_t j = 0; j < k; j++)
+					dup |= mine[j] == e;
+				count_entry(a, s, t, k, e, dup, toobig, per,
+					    &mask, pe);
+			}
 		}
 		a.mask[(uint64_t)s * a.Tmax + t] = mask;
 	}

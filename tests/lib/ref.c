@@ -163,6 +163,11 @@ void ref_gen_inputs(const struct ref_case *c, uint32_t rank, uint64_t salt,
 				break;
 			case REF_ALL_NONE:
 				break;
+			case REF_DUPS:
+				e = k && rnext(&rt) % 3 == 0
+					    ? row[rnext(&rt) % k]
+					    : (int64_t)(rnext(&rt) % (E + 1)) - 1;
+				break;
 			}
 			row[k] = e;
 		}
@@ -410,7 +415,10 @@ void ref_random_case(struct ref_case *c, uint64_t *rs, uint64_t seed, int i,
 	c->weights = lcg(rs, 2);
 	c->bias = lcg(rs, 2);
 	uint32_t m = lcg(rs, 10);
-	c->mode = m < 7 ? REF_RANDOM : m < 8 ? REF_ONE_EXPERT : REF_SKIP_RANK;
+	c->mode = m < 6	   ? REF_RANDOM
+		  : m < 7  ? REF_DUPS
+		  : m < 8  ? REF_ONE_EXPERT
+			   : REF_SKIP_RANK;
 	c->special = c->mode == REF_ONE_EXPERT ? lcg(rs, c->experts)
 					       : lcg(rs, c->world);
 }

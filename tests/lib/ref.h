@@ -16,6 +16,8 @@ enum ref_mode {
 	REF_ONE_EXPERT, /* every token to one expert */
 	REF_SKIP_RANK,  /* no token to one rank */
 	REF_ALL_NONE,   /* every entry -1 */
+	REF_DUPS,       /* at random, a third of the entries after the first
+			   repeating one before them (a router may) */
 };
 
 struct ref_case {
