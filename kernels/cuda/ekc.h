@@ -331,8 +331,9 @@ struct ekc_disp_args {
 	/* ekc_prep lets the row copy be launched at its start (cuda_pdl;
 	 * the copy then waits for it on the GPU) */
 	uint32_t copy_early;
-	/* a fresh dispatch's counts are published by the row copy's block 0
-	 * (after ekc_prep), not by ekc_prep's block (0, 0) */
+	/* the op's counts are published by the row copy's block 0: a fresh
+	 * dispatch's after ekc_prep (not by its block (0, 0)), a cached
+	 * one's with no scan kernel */
 	uint32_t copy_publishes;
 	/* [E] a fresh dispatch's received rows per expert, counted by the
 	 * count (a token once per distinct expert), published and cleared

@@ -9,7 +9,9 @@
 //                   validation
 //   ekc_scan        block bases per (source, block, destination), receive
 //                   counts and rows per expert published (the rank's CPU
-//                   waits for these alone, not for the rows)
+//                   waits for these alone, not for the rows); with
+//                   ekc_prep, and for a cached dispatch, the copy's block
+//                   0 publishes them
 //   ekc_slot        slot[s][t][d]: the row of (s, t) on d, or -1
 //   ekc_prep        count, scan and slot in one cooperative launch
 //   ekc_copy        rows, scales, local top-k, weights, sources (warp/token);
@@ -421,10 +423,11 @@ __device__ static void rank_prefix(const struct ekc_disp_args &a)
 	}
 }
 
-// One block: warp w scans destination column w (and w + 32, ...) over the
-// (source, block) rows, 32 rows per step with warp shuffles; blocks past a
-// source's tokens count nothing. Then the rows per expert are published
-// (and their counters cleared) by the whole block.
+// A fresh dispatch's three-launch prep (cuda_fused_prep=no, or a grid that
+// does not fit), one block: warp w scans destination column w (and w + 32,
+// ...) over the (source, block) rows, 32 rows per step with warp shuffles;
+// blocks past a source's tokens count nothing. Then the rows per expert
+// are published (and their counters cleared) by the whole block.
 extern "C" __global__ void __launch_bounds__(1024) ekc_scan(struct ekc_disp_args a)
 {
 	prior_done();
@@ -444,42 +447,37 @@ extern "C" __global__ void __launch_bounds__(1024) ekc_scan(struct ekc_disp_args
 			wait_doorbell(a, d);
 		__syncthreads();
 	}
-	if (!a.cached) {
-		const uint32_t nb = a.nblk_max, rows = W * nb;
-		for (uint32_t c = warp; c < W; c += blockDim.x >> 5) {
-			uint32_t sum = 0;
-			for (uint32_t r0 = 0; r0 < rows; r0 += 32) {
-				const uint32_t r = r0 + lane;
-				bool valid = false;
-				uint32_t v = 0;
-				if (r < rows) {
-					const uint32_t s = r / nb, b = r % nb;
-					valid = b < (a.tokens[s] + TPB - 1) / TPB;
-					if (valid)
-						v = a.blk[(uint64_t)r * W + c];
-				}
-				uint32_t x = v; // inclusive scan over the lanes
-				for (uint32_t o = 1; o < 32; o <<= 1) {
-					uint32_t y = __shfl_up_sync(0xffffffffu,
-								    x, o);
-					if (lane >= o)
-						x += y;
-				}
+	const uint32_t nb = a.nblk_max, rows = W * nb;
+	for (uint32_t c = warp; c < W; c += blockDim.x >> 5) {
+		uint32_t sum = 0;
+		for (uint32_t r0 = 0; r0 < rows; r0 += 32) {
+			const uint32_t r = r0 + lane;
+			bool valid = false;
+			uint32_t v = 0;
+			if (r < rows) {
+				const uint32_t s = r / nb, b = r % nb;
+				valid = b < (a.tokens[s] + TPB - 1) / TPB;
 				if (valid)
-					a.base[(uint64_t)r * W + c] = sum + x - v;
-				sum += __shfl_sync(0xffffffffu, x, 31);
+					v = a.blk[(uint64_t)r * W + c];
 			}
-			if (lane == 0)
-				tot[c] = sum;
+			uint32_t x = v; // inclusive scan over the lanes
+			for (uint32_t o = 1; o < 32; o <<= 1) {
+				uint32_t y = __shfl_up_sync(0xffffffffu, x, o);
+				if (lane >= o)
+					x += y;
+			}
+			if (valid)
+				a.base[(uint64_t)r * W + c] = sum + x - v;
+			sum += __shfl_sync(0xffffffffu, x, 31);
 		}
-		__syncthreads();
-		publish_pe(a);
-		if (d < W) {
-			run = tot[d];
-			a.recv[d] = run;
-		}
-	} else if (d < W) {
-		run = a.recv[d];
+		if (lane == 0)
+			tot[c] = sum;
+	}
+	__syncthreads();
+	publish_pe(a);
+	if (d < W) {
+		run = tot[d];
+		a.recv[d] = run;
 	}
 	rank_prefix(a);
 	if (d >= W)
@@ -610,6 +608,20 @@ __device__ static void publish_fresh(const struct ekc_disp_args &a)
 	}
 }
 
+// The op's counts published by the row copy's block 0 (a.copy_publishes,
+// a whole block): a fresh dispatch's, or a cached one's receive counts
+// and its handle's rank prefix matrix again (no scan kernel then).
+__device__ static void copy_publish(const struct ekc_disp_args &a)
+{
+	if (!a.cached) {
+		publish_fresh(a);
+		return;
+	}
+	rank_prefix(a);
+	for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
+		publish_recv(a, d, a.recv[d]);
+}
+
 extern "C" __global__ void __launch_bounds__(TPB) ekc_prep(struct ekc_disp_args a)
 {
 	prior_done();
@@ -712,7 +724,7 @@ extern "C" __global__ void __launch_bounds__(256, 4)
 {
 	prior_done();
 	if (a.copy_publishes && blockIdx.x == 0)
-		publish_fresh(a);
+		copy_publish(a);
 	if (has_error(a))
 		return; // a bad expert index: change nothing
 	const uint32_t lane = threadIdx.x & 31;
@@ -862,7 +874,7 @@ extern "C" __global__ void __launch_bounds__(TMA_WARPS * 32)
 	__shared__ __align__(8) uint64_t bars[TMA_WARPS][2];
 	prior_done();
 	if (a.copy_publishes && blockIdx.x == 0)
-		publish_fresh(a);
+		copy_publish(a);
 	if (has_error(a))
 		return; // a bad expert index: change nothing
 	const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -435,8 +435,9 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 	a.copy_early = c->ndevs == 1 && cf.tma && cf.per_sm == 1;
 	bool split = true;
 	/* the fused prep leaves the counts' publication to the copy on
-	 * this GPU (ekc_dispatch.cu, publish_fresh) */
-	a.copy_publishes = fresh && cu_use_prep(g, d);
+	 * this GPU, and a cached dispatch is the copy alone
+	 * (ekc_dispatch.cu, copy_publish) */
+	a.copy_publishes = !fresh || cu_use_prep(g, d);
 	if (!r && fresh && cu_use_prep(g, d)) {
 		r = launch_ex(g, d, d->prep, c->nblk_max, W, 256, 0, c->stream,
 			      &a, true, a.wait);
@@ -452,15 +453,14 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 	}
 	/* each right behind a kernel of the op but the first, which is
 	 * behind the gate only under MPS */
-	if (!r && split) {
+	if (!r && split && fresh) {
 		a.copy_publishes = 0; /* the scan publishes */
-		if (fresh)
-			r = launch_ex(g, d, d->count, c->nblk_max, W, 256, 0,
-				      c->stream, &a, false, a.wait);
+		r = launch_ex(g, d, d->count, c->nblk_max, W, 256, 0,
+			      c->stream, &a, false, a.wait);
 		if (!r)
 			r = launch_ex(g, d, d->scan, 1, 1, 1024, 0, c->stream,
-				      &a, false, fresh || a.wait);
-		if (!r && fresh)
+				      &a, false, true);
+		if (!r)
 			r = launch_ex(g, d, d->slot, c->nblk_max, W, 256, 0,
 				      c->stream, &a, false, true);
 	}
