@@ -25,11 +25,12 @@ _Static_assert(sizeof(struct ekc_disp_args) <= 4096,
 /* Programmatic dependent launch (cuda_pdl): the kernel f may become
  * resident while the kernel ahead of it on the stream is still running;
  * every data kernel first waits for that one (prior_done in
- * ekc_dispatch.cu), so this hides the launch gap between two of the op's
- * kernels (4-6 us each under MPS), not any ordering. Only where the work
- * ahead on the stream is a kernel of the same op: pdl false otherwise.
- * coop: a cooperative grid. A driver that refuses the attribute gets the
- * plain launch from then on. */
+ * ekc_dispatch.cu), so this hides part of the launch gap between two of
+ * the op's kernels (the copy starts ~3 us sooner after the prep under
+ * MPS), not any ordering. Only where the work ahead on the stream is a
+ * kernel of the same op: pdl false otherwise. coop: a cooperative grid.
+ * Where the launch fails with the attribute and works without it, the
+ * driver refused it: plain launches from then on. */
 static CUresult launch_ex(const struct epd_group *g, struct cudev *d,
 			  CUfunction f, unsigned gx, unsigned gy, unsigned bx,
 			  unsigned smem, CUstream s, void *args, bool coop,
@@ -53,12 +54,16 @@ static CUresult launch_ex(const struct epd_group *g, struct cudev *d,
 			      .hStream = s, .attrs = at, .numAttrs = n};
 	CUresult r = cu_drv->cuLaunchKernelEx(&cfg, f, params, NULL);
 	if (r && pdl && r != CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE) {
-		epd_warn("the driver refused programmatic dependent launch "
-			 "(%d): the data kernels launch without it",
-			 (int)r);
-		d->no_pdl = true;
 		cfg.numAttrs = n - 1; /* the attribute is the last */
-		r = cu_drv->cuLaunchKernelEx(&cfg, f, params, NULL);
+		CUresult r2 = cu_drv->cuLaunchKernelEx(&cfg, f, params, NULL);
+		if (!r2) {
+			epd_warn("the driver refused programmatic dependent "
+				 "launch (%d): the data kernels launch without "
+				 "it",
+				 (int)r);
+			d->no_pdl = true;
+		}
+		r = r2;
 	}
 	return r;
 }
