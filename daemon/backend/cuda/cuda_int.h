@@ -223,6 +223,7 @@ void cu_copy_form(const struct epd_cuda_group *c, const struct cudev *d,
 		  unsigned sms, struct cu_copy_form *f);
 int cu_err(CUresult r, const char *what, char *err, size_t errlen);
 CUresult cu_enqueue_data(struct epd_group *g, uint64_t k, struct epd_aop *const *ops, const char **what);
+CUresult cu_dispatch_reset(struct epd_group *g, struct epd_aop *const *ops);
 void cu_enqueue_ready(struct epd_group *g);
 int epd_cuda_add_rank(struct epd_group *g, struct epd_member *m, const struct epp_join *j, char *err, size_t errlen);
 int epd_cuda_export(struct epd_group *g, uint32_t l, int *fd, uint64_t *size);

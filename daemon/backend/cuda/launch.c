@@ -279,8 +279,39 @@ void cu_trace_read(struct epd_cuda_group *c, int which)
 		c->sms_used[which] += __builtin_popcount(sm[i]);
 }
 
+/* A dispatch's error word at its start: none (~0), or the first rank that
+ * asked for too many tokens (it takes part with none): the kernels then
+ * change nothing and every rank gets EP_ETOOBIG. */
+static uint64_t dispatch_err0(const struct epd_group *g,
+			      struct epd_aop *const *ops)
+{
+	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++)
+		if (ops[l]->flags & EPP_DISPATCH_TOOBIG)
+			return EKC_ERR_TOOBIG |
+			       (uint64_t)g->local[l]->rank << 32 |
+			       ops[l]->asked;
+	return ~0ull;
+}
+
+/* Without MPS, before the stream's waits for the doorbells (so that they
+ * hide it): a dispatch's error word and the prep's grid barrier count, by
+ * memsets. Under MPS the gate kernel sets them (a launch less). */
+CUresult cu_dispatch_reset(struct epd_group *g, struct epd_aop *const *ops)
+{
+	struct epd_cuda_group *c = g->dev_group;
+	const uint64_t e = dispatch_err0(g, ops);
+	CUresult r = cu_drv->cuMemsetD32Async(c->err, 0xffffffffu, 3, c->stream);
+	if (!r && e != ~0ull)
+		r = cu_drv->cuMemsetD32Async(c->err, (uint32_t)e, 1, c->stream);
+	if (!r && e != ~0ull)
+		r = cu_drv->cuMemsetD32Async(c->err + 4, (uint32_t)(e >> 32), 1,
+					     c->stream);
+	return r;
+}
+
 /* Dispatch or combine k on the group's stream (the doorbells are waited
- * for already). Returns a driver error, or 0. */
+ * for already; without MPS a dispatch's error word is set:
+ * cu_dispatch_reset). Returns a driver error, or 0. */
 CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 			     struct epd_aop *const *ops, const char **what)
 {
@@ -404,32 +435,12 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 		return r ? r : trace_fetch(c, which);
 	}
 	*what = "dispatch";
-	/* the error word starts as none, or (a rank that asked for too many
-	 * tokens, which takes part with none) that rank: the kernels then
-	 * change nothing and every rank gets EP_ETOOBIG */
-	a.err0 = ~0ull;
-	for (uint32_t l = 0; l < W; l++)
-		if (ops[l]->flags & EPP_DISPATCH_TOOBIG) {
-			a.err0 = EKC_ERR_TOOBIG |
-				 (uint64_t)g->local[l]->rank << 32 |
-				 ops[l]->asked;
-			break;
-		}
-	/* the error word and the grid barrier's count: set by the gate
-	 * (MPS), else by memsets */
+	/* under MPS the gate sets the error word and the grid barrier's
+	 * count (else cu_dispatch_reset did, before the doorbell waits) */
+	a.err0 = dispatch_err0(g, ops);
 	a.gate_reset = a.wait;
-	if (a.wait) {
+	if (a.wait)
 		r = cu_launch(c, d->gate, 1, 1, EKC_MAX_LOCAL, &a);
-	} else {
-		r = cu_drv->cuMemsetD32Async(c->err, 0xffffffffu, 3, c->stream);
-		if (!r && a.err0 != ~0ull)
-			r = cu_drv->cuMemsetD32Async(c->err, (uint32_t)a.err0,
-						     1, c->stream);
-		if (!r && a.err0 != ~0ull)
-			r = cu_drv->cuMemsetD32Async(c->err + 4,
-						     (uint32_t)(a.err0 >> 32),
-						     1, c->stream);
-	}
 	/* the bulk row copy at one block a SM may become resident while the
 	 * prep runs (cuda_pdl): with more a SM, the scheduler would pack its
 	 * blocks onto the SMs that the prep leaves room on (measured on an

@@ -70,7 +70,11 @@ void cu_enqueue_ready(struct epd_group *g)
 		a.seq = (uint32_t)k;
 		if (!cu->dev[c->dev0].mps) {
 			/* Without MPS a spinning kernel would hold the GPU's
-			 * time slice from the ranks: wait in the front end. */
+			 * time slice from the ranks: wait in the front end
+			 * (a dispatch's error word set first, which needs no
+			 * rank) */
+			if (ops[0]->type == EPP_DISPATCH)
+				r = cu_dispatch_reset(g, ops);
 			for (uint32_t l = 0; l < rpn && !r; l++)
 				r = cu_drv->cuStreamWaitValue32(
 					c->stream, c->ptr[l] + EKC_DOORBELL,
