@@ -943,12 +943,10 @@ static int raw_peer(void)
 static void expect_dropped(int fd)
 {
 	char b[256];
-	/* the daemon sends its hello, then closes on what we sent: an end
-	 * of file, or a reset where it closed with our bytes unread (seen
-	 * under TSan in the VM, after the flood) */
+	/* the daemon sends its hello, then closes on what we sent */
 	for (int i = 0; i < 100; i++) {
 		ssize_t n = read(fd, b, sizeof(b));
-		if (n == 0 || (n < 0 && errno == ECONNRESET))
+		if (n == 0)
 			break;
 		TH_CHECK(n > 0, "read: %s", strerror(errno));
 	}
@@ -1037,10 +1035,25 @@ static void check_peer_flood(void)
 	uint64_t dt = th_now_ns() - t0;
 	int st;
 	TH_CHECK(waitpid(fl, &st, 0) == fl, "waitpid");
+	/* The flood's last connections are closed, but a slow daemon (TSan
+	 * in the VM) may not have seen them go, or not even accepted them:
+	 * until it has, a new connection is one too many from this host and
+	 * displaces one (seen twice: the hello below got a reset, or was
+	 * displaced instead of refused). Its descriptors back to before,
+	 * 200 ms running, and none kept. */
+	int n = 0, low = 0;
+	for (unsigned i = 0; low < 20 && i < 3000 * th_scale(); i++) {
+		n = th_fds(D[2].pid);
+		low = n <= fd0 + 1 ? low + 1 : 0;
+		th_sleep_ms(10);
+	}
+	TH_CHECK(low >= 20,
+		 "node 2 holds %d descriptors after the flood, %d before", n,
+		 fd0);
 	printf("ok: a flood of silent peer connections: node 2 held at most "
-	       "%d descriptors (%d before), served its ranks, and a restarted "
-	       "node 1 was up again in %llu ms\n",
-	       most, fd0, (unsigned long long)(dt / 1000000));
+	       "%d descriptors (%d before, %d after), served its ranks, and a "
+	       "restarted node 1 was up again in %llu ms\n",
+	       most, fd0, n, (unsigned long long)(dt / 1000000));
 
 	/* a hello header that announces the largest payload */
 	int fd = raw_peer_of(2);
