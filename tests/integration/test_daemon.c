@@ -331,6 +331,12 @@ static void check_bad_configs(const char *dir)
 		 "bad value 'often' for 'cuda_fused_prep'"},
 		{"[epd]\ncuda_combine_fetch = often\n", "-t",
 		 "bad value 'often' for 'cuda_combine_fetch'"},
+		{"[epd]\ncuda_pdl = often\n", "-t",
+		 "bad value 'often' for 'cuda_pdl'"},
+		{"[epd]\ncuda_copy_blocks_per_sm = 0\n", "-t",
+		 "bad value '0' for 'cuda_copy_blocks_per_sm'"},
+		{"[epd]\n", "-t -o cuda_copy_blocks_per_sm=33",
+		 "bad value '33' for 'cuda_copy_blocks_per_sm'"},
 		{"[epd]\nnode_name = a\npeers = a@127.0.0.1:1, b\n"
 		 "cluster_key_file = %s\n",
 		 "", "'b' is not name@host:port"},
@@ -387,6 +393,23 @@ static void check_bad_configs(const char *dir)
 			 strstr(out, "cannot open config"),
 		 "missing config: %s", out);
 	printf("ok: a missing config file -> refused\n");
+	/* and the values these keys take are accepted */
+	const char *good =
+		"[epd]\ncuda_pdl = no\ncuda_copy_blocks_per_sm = auto\n"
+		"cuda_copy_sms = auto\ncuda_combine_fetch = lean\n";
+	f = fopen(conf, "w");
+	TH_CHECK(f, "config file");
+	fputs(good, f);
+	fclose(f);
+	snprintf(cmd, sizeof(cmd),
+		 "%s -s %s -c %s -t -o cuda_copy_blocks_per_sm=2 -o "
+		 "cuda_pdl=yes 2>&1",
+		 epd, sock, conf);
+	TH_CHECK(run_cmd(cmd, out, sizeof(out)) == 0 &&
+			 strstr(out, "configuration ok"),
+		 "the GPU keys' values refused: %s", out);
+	printf("ok: cuda_pdl, cuda_copy_blocks_per_sm, cuda_copy_sms and "
+	       "cuda_combine_fetch take their values\n");
 }
 
 static void low_soft_nofile(void)
