@@ -63,12 +63,15 @@ int main(int argc, char **argv)
 	};
 	const char *config = NULL;
 	char *over[64];
-	int nover = 0, opt;
+	int nover = 0, opt, rc = 0;
 	bool check = false;
+	struct epd_config cfg;
+	uv_loop_t loop;
+	struct epd_server srv;
 
 	epd_log_init();
 	/* Command-line values override the file: collect them as key=value
-	 * and apply them after it. */
+	 * and apply them after it. Every way out frees them (out). */
 	while ((opt = getopt_long(argc, argv, "c:s:b:l:o:tVh", opts, NULL)) !=
 	       -1) {
 		char kv[300];
@@ -80,50 +83,63 @@ int main(int argc, char **argv)
 		case 'l': key = "log_level"; break;
 		case 'o': key = ""; break;
 		case 't': check = true; continue;
-		case 'V': printf("epd %s\n", PACKAGE_VERSION); return 0;
-		case 'h': usage(stdout); return 0;
-		default: usage(stderr); return 2;
+		case 'V': printf("epd %s\n", PACKAGE_VERSION); goto out;
+		case 'h': usage(stdout); goto out;
+		default: usage(stderr); rc = 2; goto out;
 		}
 		if (nover == 64) {
 			fprintf(stderr, "epd: too many overrides\n");
-			return 2;
+			rc = 2;
+			goto out;
 		}
 		if (*key)
 			snprintf(kv, sizeof(kv), "%s=%s", key, optarg);
 		else
 			snprintf(kv, sizeof(kv), "%s", optarg);
-		over[nover++] = strdup(kv);
+		if (!(over[nover] = strdup(kv))) {
+			fprintf(stderr, "epd: out of memory\n");
+			rc = 1;
+			goto out;
+		}
+		nover++;
 	}
 	if (optind < argc) {
 		usage(stderr);
-		return 2;
+		rc = 2;
+		goto out;
 	}
-	struct epd_config cfg;
 	epd_config_defaults(&cfg);
 	if (epd_config_load(&cfg, config ? config : EPD_DEFAULT_CONFIG,
-			    config != NULL))
-		return 1;
+			    config != NULL)) {
+		rc = 1;
+		goto out;
+	}
 	for (int i = 0; i < nover; i++)
-		if (epd_config_set(&cfg, over[i]))
-			return 2;
+		if (epd_config_set(&cfg, over[i])) {
+			rc = 2;
+			goto out;
+		}
 	epd_log_level = cfg.log_level;
 	if (check) {
 		printf("configuration ok\n");
-		return 0;
+		goto out;
 	}
 	raise_nofile(&cfg);
-	uv_loop_t loop;
 	uv_loop_init(&loop);
-	struct epd_server srv;
 	if (epd_server_init(&srv, &loop, &cfg,
-			    config ? config : EPD_DEFAULT_CONFIG))
-		return 1;
-	if (epd_server_overrides(&srv, over, nover))
-		return 1;
+			    config ? config : EPD_DEFAULT_CONFIG) ||
+	    epd_server_overrides(&srv, over, nover)) {
+		rc = 1;
+		goto out;
+	}
 	for (int i = 0; i < nover; i++)
 		free(over[i]);
+	nover = 0;
 	epd_server_run(&srv);
 	uv_loop_close(&loop);
 	epd_notice("stopped");
-	return 0;
+out:
+	for (int i = 0; i < nover; i++)
+		free(over[i]);
+	return rc;
 }
