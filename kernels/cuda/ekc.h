@@ -331,9 +331,9 @@ struct ekc_disp_args {
 	/* ekc_prep lets the row copy be launched at its start (cuda_pdl;
 	 * the copy then waits for it on the GPU) */
 	uint32_t copy_early;
-	/* the op's counts are published by the row copy's block 0: a fresh
-	 * dispatch's after ekc_prep (not by its block (0, 0)), a cached
-	 * one's with no scan kernel */
+	/* the op's counts are published by the row copy's block 0 (after
+	 * ekc_prep, and for a cached dispatch), not by ekc_scan (the
+	 * three-launch prep) */
 	uint32_t copy_publishes;
 	/* [E] a fresh dispatch's received rows per expert, counted by the
 	 * count (a token once per distinct expert), published and cleared

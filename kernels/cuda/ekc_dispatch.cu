@@ -585,11 +585,10 @@ __device__ static inline uint32_t col_sum(const struct ekc_disp_args &a,
 
 // A fresh dispatch's receive totals, rows per expert, rank prefix matrix
 // and receive counts, published once the block counts are final, by a
-// whole block: ekc_prep's block (0, 0), or (a.copy_publishes) the row
-// copy's block 0 at its start. There it is off the path to the copy: the
-// prep's other blocks are done in ~11 us, block (0, 0) with this in ~19
-// (its host-memory stores and their fences), and the copy waits for the
-// whole prep.
+// whole block: the row copy's block 0 at its start, after ekc_prep. Done
+// by the prep's block (0, 0), it held the whole prep (its host-memory
+// stores and their fences: ~19 us where the other blocks were done in
+// ~11), and the copy waits for the whole prep.
 __device__ static void publish_fresh(const struct ekc_disp_args &a)
 {
 	__shared__ uint32_t tot[EKC_MAX_LOCAL];
@@ -658,8 +657,6 @@ extern "C" __global__ void __launch_bounds__(TPB) ekc_prep(struct ekc_disp_args 
 			if (lane == 0)
 				base[c] = v;
 		}
-	if (s == 0 && b == 0 && !a.copy_publishes)
-		publish_fresh(a);
 	__syncthreads();
 	if (threadIdx.x == 0) {
 		tr_end(a, EKC_TR_SCAN);

@@ -142,18 +142,17 @@ void cu_copy_form(const struct epd_cuda_group *c, const struct cudev *d,
 	}
 }
 
-/* The dispatch row copy of one GPU: bulk copies or SIMT (pdl: right
- * behind the op's prep on s). */
+/* The dispatch row copy of one GPU in form f (cu_copy_form): bulk copies
+ * or SIMT (pdl: right behind the op's prep on s). */
 static CUresult launch_copy(struct epd_cuda_group *c, struct cudev *d,
-			    unsigned sms, CUstream s, void *args, bool pdl)
+			    const struct cu_copy_form *f, CUstream s,
+			    void *args, bool pdl)
 {
-	struct cu_copy_form f;
-	cu_copy_form(c, d, sms, &f);
-	if (f.tma)
-		return launch_ex(c->g, d, d->copy_tma, f.sms * f.per_sm, 1,
-				 EKC_TMA_WARPS * 32, f.smem, s, args, false,
+	if (f->tma)
+		return launch_ex(c->g, d, d->copy_tma, f->sms * f->per_sm, 1,
+				 EKC_TMA_WARPS * 32, f->smem, s, args, false,
 				 pdl);
-	return launch_ex(c->g, d, d->copy, f.sms * f.per_sm, 1, 256, 0, s,
+	return launch_ex(c->g, d, d->copy, f->sms * f->per_sm, 1, 256, 0, s,
 			 args, false, pdl);
 }
 
@@ -230,8 +229,11 @@ static CUresult spread(struct epd_group *g, struct ekc_disp_args *a,
 			CUfunction fn = combine_fn(g, d, sms, &blocks);
 			r = cu_drv->cuLaunchKernel(fn, blocks, 1, 1, 256, 1, 1, 0,
 					      c->dstream[i], params, NULL);
-		} else if (!r)
-			r = launch_copy(c, d, sms, c->dstream[i], &b, false);
+		} else if (!r) {
+			struct cu_copy_form f;
+			cu_copy_form(c, d, sms, &f);
+			r = launch_copy(c, d, &f, c->dstream[i], &b, false);
+		}
 		if (!r)
 			r = cu_drv->cuEventRecord(c->ev_out[i], c->dstream[i]);
 	}
@@ -449,28 +451,28 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 	struct cu_copy_form cf;
 	cu_copy_form(c, d, sms, &cf);
 	a.copy_early = c->ndevs == 1 && cf.tma && cf.per_sm == 1;
-	bool split = true;
-	/* the fused prep leaves the counts' publication to the copy on
-	 * this GPU, and a cached dispatch is the copy alone
-	 * (ekc_dispatch.cu, copy_publish) */
-	a.copy_publishes = !fresh || cu_use_prep(g, d);
-	if (!r && fresh && cu_use_prep(g, d)) {
+	/* the copy on this GPU publishes the counts (ekc_dispatch.cu,
+	 * copy_publish) after the fused prep, and a cached dispatch is the
+	 * copy alone; the three-launch prep's scan publishes them itself */
+	bool fused = fresh && cu_use_prep(g, d);
+	a.copy_publishes = 1;
+	if (!r && fused) {
 		r = launch_ex(g, d, d->prep, c->nblk_max, W, 256, 0, c->stream,
 			      &a, true, a.wait);
-		split = r == CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE;
-		if (split) {
+		if (r == CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE) {
 			/* fewer SMs than the device has (an MPS limit):
 			 * three launches from now on */
 			epd_warn("dispatch prep: the cooperative grid does not "
 				 "fit; using three launches");
 			d->occ_prep = 0;
+			fused = false;
 			r = 0;
 		}
 	}
 	/* each right behind a kernel of the op but the first, which is
 	 * behind the gate only under MPS */
-	if (!r && split && fresh) {
-		a.copy_publishes = 0; /* the scan publishes */
+	if (!r && fresh && !fused) {
+		a.copy_publishes = 0;
 		r = launch_ex(g, d, d->count, c->nblk_max, W, 256, 0,
 			      c->stream, &a, false, a.wait);
 		if (!r)
@@ -484,7 +486,7 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 		r = spread(g, &a, sms, false);
 	/* spread put an event record between (several GPUs) */
 	if (!r)
-		r = launch_copy(c, d, sms, c->stream, &a, c->ndevs == 1);
+		r = launch_copy(c, d, &cf, c->stream, &a, c->ndevs == 1);
 	if (!r)
 		r = join_devs(c);
 	if (!r)
