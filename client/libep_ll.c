@@ -126,14 +126,12 @@ static int ll_map_one(ep_group_t *g, struct ep_ll *l, uint32_t d)
  * ranks: 66, which took their 128-token ops from 37-75 us on 16 blocks
  * to 23-36 (PERFORMANCE.md, twenty-fourth session); one rank a GPU: all
  * of them. The grid is each rank's own (its counters are private), so
- * ranks may differ. */
+ * ranks may differ. An EP_LL_BLOCKS whose grids could not all be resident
+ * together (the combine kernels take one block a SM) is refused: the
+ * ranks' blocks would wait for blocks that cannot start, until the
+ * timeout ended the mode. */
 static int ll_grid(ep_group_t *g, struct ep_ll *l, uint32_t here)
 {
-	const char *e = getenv("EP_LL_BLOCKS");
-	if (e && atoi(e) > 0 && atoi(e) <= 1024) {
-		l->blocks = (uint32_t)atoi(e);
-		return 0;
-	}
 	CUdevice dev;
 	int sms = 0;
 	CUresult r = ep__drv.cuDeviceGet(&dev, g->cuda_device);
@@ -142,11 +140,40 @@ static int ll_grid(ep_group_t *g, struct ep_ll *l, uint32_t here)
 			&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev);
 	if (r)
 		return ep__cufail(r, "the GPU's SM count");
+	int occ = 1 << 20; /* the fewest blocks of an op kernel a SM holds */
+	for (int k = EP__FN_LL_DISPATCH; k <= EP__FN_LL_COMBINE_PULL; k++) {
+		int n = 0;
+		r = ep__drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+			&n, l->fn[k], 512, 0);
+		if (r)
+			return ep__cufail(r, "a low-latency kernel's occupancy");
+		if (n < occ)
+			occ = n;
+	}
+	const uint32_t cap = (uint32_t)occ * (uint32_t)sms / here;
+	const char *e = getenv("EP_LL_BLOCKS");
+	if (e && atoi(e) > 0 && atoi(e) <= 1024) {
+		l->blocks = (uint32_t)atoi(e);
+		if (l->blocks > cap)
+			return ep__fail(EP_EINVAL,
+					"EP_LL_BLOCKS=%u: at most %u blocks a "
+					"kernel fit for the %u ranks on this "
+					"GPU (%d SMs, %d a SM), whose blocks "
+					"must all run at once",
+					l->blocks, cap, here, sms, occ);
+		return 0;
+	}
 	l->blocks = (uint32_t)sms / here;
 	if (l->blocks < 1)
 		l->blocks = 1;
 	if (l->blocks > 1024)
 		l->blocks = 1024;
+	if (l->blocks > cap)
+		return ep__fail(EP_EUNSUPPORTED,
+				"the %u ranks on this GPU cannot all run "
+				"their low-latency kernels at once (%d SMs, "
+				"%d blocks a SM)",
+				here, sms, occ);
 	return 0;
 }
 

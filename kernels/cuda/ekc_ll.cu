@@ -482,18 +482,6 @@ __device__ static inline void ll_load(const uint8_t *src, uint32_t bytes,
 	}
 }
 
-// The same from memory peers write (L2, never a stale L1 line).
-__device__ static inline void ll_load_cg(const uint8_t *src, uint32_t bytes,
-					 uint32_t lane, uint4 v[LL_U])
-{
-#pragma unroll
-	for (int u = 0; u < LL_U; u++) {
-		uint32_t o = (u * 32 + lane) * 16;
-		if (o < bytes)
-			v[u] = __ldcg((const uint4 *)(src + o));
-	}
-}
-
 // A count word: seq << 32 | LL_OVER (the source had more tokens than N:
 // every rank raises ETOOBIG) | rows.
 #define LL_OVER 0x80000000u
@@ -965,11 +953,12 @@ ekc_ll_dispatch_recv(const struct ekc_ll_args a)
 }
 
 // acc += each bf16 of v times wk, in fp32, each product rounded (no fma).
-__device__ static inline void ll_acc(float acc[LL_U][8], const uint4 v[LL_U],
+template <int U>
+__device__ static inline void ll_acc(float acc[U][8], const uint4 v[U],
 				     float wk)
 {
 #pragma unroll
-	for (int u = 0; u < LL_U; u++) {
+	for (int u = 0; u < U; u++) {
 		const uint32_t q[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
 #pragma unroll
 		for (int c = 0; c < 8; c++) {
@@ -980,16 +969,19 @@ __device__ static inline void ll_acc(float acc[LL_U][8], const uint4 v[LL_U],
 	}
 }
 
+template <int U>
 __device__ static inline void ll_store_sum(const struct ekc_ll_args &a,
 					   uint32_t t, uint32_t o,
 					   uint32_t bytes, uint32_t lane,
-					   float acc[LL_U][8])
+					   float acc[U][8])
 {
-	uint4 r[LL_U];
+	uint8_t *dst = (uint8_t *)a.out + (uint64_t)t * a.H * 2 + o;
 #pragma unroll
-	for (int u = 0; u < LL_U; u++)
-		r[u] = pack_bf16x8(acc[u]);
-	ll_store((uint8_t *)a.out + (uint64_t)t * a.H * 2 + o, bytes, lane, r);
+	for (int u = 0; u < U; u++) {
+		const uint32_t x = (u * 32 + lane) * 16;
+		if (x < bytes)
+			*(uint4 *)(dst + x) = pack_bf16x8(acc[u]);
+	}
 }
 
 // The home's sum, by every warp of the grid: for each (token, slice)
@@ -997,11 +989,23 @@ __device__ static inline void ll_store_sum(const struct ekc_ll_args &a,
 // its place among this rank's rows there; NULL: skip it) in top-k order,
 // each times its weight, in fp32 from +0.0, rounded once to bf16 into
 // out. A (t, k) its dispatch skipped (e = -1) is left out.
+//
+// A warp loads LL_SUM_K rows of its item before it adds the first: their
+// latencies overlap, and it keeps LL_SUM_K slices in flight. The adds stay
+// in top-k order, so the sum is the same bit for bit. The two rows' 32
+// registers and the sums' 32 take the combine kernels to 128 registers a
+// thread, one block a SM (their __launch_bounds__): held to 64, the loop
+// spilled, and at 2 KB slices a narrower one (1 KB, or 512 bytes with 8
+// rows in flight) was as slow or slower (PERFORMANCE.md, thirty-second
+// session).
+#define LL_SUM_K 2
+#define LL_SUM_U 4 // 16-byte vectors a lane a row of an item
+#define LL_SUM_SLICE (32 * 16 * LL_SUM_U)
 template <typename Row>
 __device__ static void ll_sum(const struct ekc_ll_args &a, Row row)
 {
 	const uint32_t T = a.T > a.N ? 0 : a.T;
-	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
+	const uint32_t rowb = a.H * 2, S = (rowb + LL_SUM_SLICE - 1) / LL_SUM_SLICE;
 	const uint32_t lane = threadIdx.x & 31;
 	const int32_t *key = ll_key(a), *pos = ll_pos(a);
 	const float *w = (const float *)a.weights;
@@ -1009,11 +1013,11 @@ __device__ static void ll_sum(const struct ekc_ll_args &a, Row row)
 	for (uint64_t it = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
 	     it < (uint64_t)T * S; it += nw) {
 		const uint32_t t = (uint32_t)(it / S), sl = (uint32_t)(it % S);
-		const uint32_t o = sl * LL_SLICE;
-		const uint32_t bytes = rowb - o < LL_SLICE ? rowb - o : LL_SLICE;
-		float acc[LL_U][8];
+		const uint32_t o = sl * LL_SUM_SLICE;
+		const uint32_t bytes = rowb - o < LL_SUM_SLICE ? rowb - o : LL_SUM_SLICE;
+		float acc[LL_SUM_U][8];
 #pragma unroll
-		for (int u = 0; u < LL_U; u++)
+		for (int u = 0; u < LL_SUM_U; u++)
 #pragma unroll
 			for (int c = 0; c < 8; c++)
 				acc[u][c] = 0.0f;
@@ -1029,21 +1033,45 @@ __device__ static void ll_sum(const struct ekc_ll_args &a, Row row)
 				wk = w[i];
 			}
 			const uint32_t nk = min(32u, a.K - kb);
-			for (uint32_t k = 0; k < nk; k++) {
-				const int32_t e = __shfl_sync(0xffffffffu, ek, k);
-				const int32_t p = __shfl_sync(0xffffffffu, pk, k);
-				const float wt = __shfl_sync(0xffffffffu, wk, k);
-				if (e < 0)
-					continue;
-				const uint8_t *r = row(t * a.K + kb + k, e, p);
-				if (!r)
-					continue;
-				uint4 v[LL_U];
-				ll_load_cg(r + o, bytes, lane, v);
-				ll_acc(acc, v, wt);
+			for (uint32_t k0 = 0; k0 < nk; k0 += LL_SUM_K) {
+				uint4 v[LL_SUM_K][LL_SUM_U];
+				uint32_t got = 0; // the rows loaded, bit j
+#pragma unroll
+				for (int j = 0; j < LL_SUM_K; j++) {
+					if (k0 + j >= nk)
+						break; // (uniform)
+					const int32_t e = __shfl_sync(
+						0xffffffffu, ek, k0 + j);
+					const int32_t p = __shfl_sync(
+						0xffffffffu, pk, k0 + j);
+					const uint8_t *r =
+						e < 0 ? nullptr
+						      : row(t * a.K + kb + k0 + j,
+							    e, p);
+					if (!r)
+						continue;
+					got |= 1u << j;
+#pragma unroll
+					for (int u = 0; u < LL_SUM_U; u++) {
+						const uint32_t x =
+							(u * 32 + lane) * 16;
+						if (x < bytes)
+							v[j][u] = __ldcg(
+								(const uint4 *)(r + o +
+										x));
+					}
+				}
+#pragma unroll
+				for (int j = 0; j < LL_SUM_K; j++) {
+					if (!(got >> j & 1))
+						continue;
+					const float wt = __shfl_sync(
+						0xffffffffu, wk, k0 + j);
+					ll_acc<LL_SUM_U>(acc, v[j], wt);
+				}
 			}
 		}
-		ll_store_sum(a, t, o, bytes, lane, acc);
+		ll_store_sum<LL_SUM_U>(a, t, o, bytes, lane, acc);
 	}
 }
 
@@ -1088,7 +1116,7 @@ __device__ static void ll_combine_recv(const struct ekc_ll_args &a,
 	});
 }
 
-extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
+extern "C" __global__ void __launch_bounds__(LL_TPB, 1)
 ekc_ll_combine(const struct ekc_ll_args a, uint32_t with_recv)
 {
 	ll_prior();
@@ -1178,7 +1206,7 @@ ekc_ll_combine(const struct ekc_ll_args a, uint32_t with_recv)
 	ll_stamp_max(a, EKC_LL_TR_C_MAXEND);
 }
 
-extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
+extern "C" __global__ void __launch_bounds__(LL_TPB, 1)
 ekc_ll_combine_recv(const struct ekc_ll_args a)
 {
 	ll_prior();
@@ -1187,7 +1215,7 @@ ekc_ll_combine_recv(const struct ekc_ll_args a)
 	ll_stamp(a, EKC_LL_TR_C_END);
 }
 
-extern "C" __global__ void __launch_bounds__(LL_TPB, 2)
+extern "C" __global__ void __launch_bounds__(LL_TPB, 1)
 ekc_ll_combine_pull(const struct ekc_ll_args a)
 {
 	ll_prior();
