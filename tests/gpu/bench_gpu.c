@@ -39,6 +39,25 @@ static void print_trace(const char *js, const char *what)
 		       (int)(strchr(p, '}') - p - 22), p + 23);
 }
 
+/* The daemon's status once its completion poll (every ms) has seen the
+ * ops just synced. */
+static char *settled_status(ep_conn_t *c)
+{
+	char *js;
+	usleep(20000);
+	TH_OK(ep_daemon_status(c, &js));
+	return js;
+}
+
+/* A number of the status: the value after "key": (0 if absent). */
+static double status_num(const char *js, const char *key)
+{
+	char k[64];
+	snprintf(k, sizeof(k), "\"%s\":", key);
+	const char *p = strstr(js, k);
+	return p ? atof(p + strlen(k)) : 0;
+}
+
 struct shared {
 	const struct th_daemon *d;
 	int sms_cap; /* cuda_sms of this daemon (0: all) */
@@ -218,9 +237,7 @@ static int rank_main(int r, void *arg)
 		}
 	}
 	if (r == 0 && getenv("EPD_CUDA_TRACE")) {
-		char *js;
-		usleep(20000); /* the daemon polls completions every ms */
-		TH_OK(ep_daemon_status(c, &js));
+		char *js = settled_status(c);
 		print_trace(js, "one op");
 		free(js);
 	}
@@ -254,13 +271,9 @@ static int rank_main(int r, void *arg)
 	TH_OK(ep_group_sync(g));
 	TH_OK(ep_barrier(g));
 	if (r == 0) {
-		char *js, *p;
-		usleep(20000); /* the daemon polls completions every ms */
-		TH_OK(ep_daemon_status(c, &js));
-		if ((p = strstr(js, "\"last_dispatch_us\":")))
-			s->kdisp_us = atof(p + 19);
-		if ((p = strstr(js, "\"last_combine_us\":")))
-			s->kcomb_us = atof(p + 18);
+		char *js = settled_status(c), *p;
+		s->kdisp_us = status_num(js, "last_dispatch_us");
+		s->kcomb_us = status_num(js, "last_combine_us");
 		print_trace(js, "pipelined");
 		/* the SMs the row copy and the combine ran on (trace) */
 		for (int op = 0; op < 2; op++) {
@@ -308,11 +321,8 @@ static int rank_main(int r, void *arg)
 	TH_OK(ep_group_sync(g));
 	TH_OK(ep_barrier(g));
 	if (r == 0) {
-		char *js, *p;
-		usleep(20000); /* the daemon polls completions every ms */
-		TH_OK(ep_daemon_status(c, &js));
-		if ((p = strstr(js, "\"last_dispatch_us\":")))
-			s->kcdisp_us = atof(p + 19);
+		char *js = settled_status(c);
+		s->kcdisp_us = status_num(js, "last_dispatch_us");
 		free(js);
 	}
 	TH_OK(ep_barrier(g));
