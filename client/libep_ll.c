@@ -144,7 +144,7 @@ static int ll_grid(ep_group_t *g, struct ep_ll *l, uint32_t here)
 	for (int k = EP__FN_LL_DISPATCH; k <= EP__FN_LL_COMBINE_PULL; k++) {
 		int n = 0;
 		r = ep__drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-			&n, l->fn[k], 512, 0);
+			&n, l->fn[k], EKC_LL_TPB, 0);
 		if (r)
 			return ep__cufail(r, "a low-latency kernel's occupancy");
 		if (n < occ)
@@ -152,29 +152,24 @@ static int ll_grid(ep_group_t *g, struct ep_ll *l, uint32_t here)
 	}
 	const uint32_t cap = (uint32_t)occ * (uint32_t)sms / here;
 	const char *e = getenv("EP_LL_BLOCKS");
-	if (e && atoi(e) > 0 && atoi(e) <= 1024) {
-		l->blocks = (uint32_t)atoi(e);
-		if (l->blocks > cap)
-			return ep__fail(EP_EINVAL,
-					"EP_LL_BLOCKS=%u: at most %u blocks a "
-					"kernel fit for the %u ranks on this "
-					"GPU (%d SMs, %d a SM), whose blocks "
-					"must all run at once",
-					l->blocks, cap, here, sms, occ);
-		return 0;
-	}
-	l->blocks = (uint32_t)sms / here;
+	const bool asked = e && atoi(e) > 0 && atoi(e) <= 1024;
+	l->blocks = asked ? (uint32_t)atoi(e) : (uint32_t)sms / here;
 	if (l->blocks < 1)
 		l->blocks = 1;
 	if (l->blocks > 1024)
 		l->blocks = 1024;
-	if (l->blocks > cap)
-		return ep__fail(EP_EUNSUPPORTED,
-				"the %u ranks on this GPU cannot all run "
-				"their low-latency kernels at once (%d SMs, "
-				"%d blocks a SM)",
-				here, sms, occ);
-	return 0;
+	if (l->blocks <= cap)
+		return 0;
+	if (asked)
+		return ep__fail(EP_EINVAL,
+				"EP_LL_BLOCKS=%u: at most %u blocks a kernel "
+				"fit for the %u ranks on this GPU (%d SMs, %d "
+				"a SM), whose blocks must all run at once",
+				l->blocks, cap, here, sms, occ);
+	return ep__fail(EP_EUNSUPPORTED,
+			"the %u ranks on this GPU cannot all run their "
+			"low-latency kernels at once (%d SMs, %d blocks a SM)",
+			here, sms, occ);
 }
 
 static int ll_setup(ep_group_t *g)
@@ -337,15 +332,15 @@ static int ll_launch(ep_group_t *g, int fn, struct ekc_ll_args *a,
 			.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
 			.value.programmaticStreamSerializationAllowed = 1};
 		CUlaunchConfig cfg = {.gridDimX = blocks, .gridDimY = 1,
-				      .gridDimZ = 1, .blockDimX = 512,
+				      .gridDimZ = 1, .blockDimX = EKC_LL_TPB,
 				      .blockDimY = 1, .blockDimZ = 1,
 				      .hStream = (CUstream)stream,
 				      .attrs = &at, .numAttrs = 1};
 		r = ep__drv.cuLaunchKernelEx(&cfg, l->fn[fn], params, NULL);
 	} else {
-		r = ep__drv.cuLaunchKernel(l->fn[fn], blocks, 1, 1, 512, 1,
-					   1, 0, (CUstream)stream, params,
-					   NULL);
+		r = ep__drv.cuLaunchKernel(l->fn[fn], blocks, 1, 1,
+					   EKC_LL_TPB, 1, 1, 0,
+					   (CUstream)stream, params, NULL);
 	}
 	if (dead)
 		return ep__fail(dead, "%s", l->dead_msg);

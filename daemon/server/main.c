@@ -132,9 +132,6 @@ int main(int argc, char **argv)
 		rc = 1;
 		goto out;
 	}
-	for (int i = 0; i < nover; i++)
-		free(over[i]);
-	nover = 0;
 	epd_server_run(&srv);
 	uv_loop_close(&loop);
 	epd_notice("stopped");

@@ -422,6 +422,7 @@ extern const size_t ekc_fatbin_size;
  * at each expert) and rows[El][W] u32 (what each source sent here).
  */
 #define EKC_LL_MAXW 64
+#define EKC_LL_TPB 512 /* threads a block of every low-latency kernel */
 #define EKC_LL_MAXE 1024
 #define EKC_LL_MAXTK 65536 /* N * K: the plan counts in 16 bits per warp */
 #define EKC_LL_PRIV_DSEQ 0

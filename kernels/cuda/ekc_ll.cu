@@ -36,7 +36,7 @@
 // pack_bf16x8 (ekc_dispatch.cu): included after them in ekc_all.cu.
 #include "ekc.h"
 
-#define LL_TPB 512
+#define LL_TPB EKC_LL_TPB
 #define LL_U 4 // 16-byte vectors per lane per slice
 #define LL_SLICE (32 * 16 * LL_U) // bytes of a row per work item
 
@@ -479,6 +479,18 @@ __device__ static inline void ll_load(const uint8_t *src, uint32_t bytes,
 		uint32_t o = (u * 32 + lane) * 16;
 		if (o < bytes)
 			v[u] = *(const uint4 *)(src + o);
+	}
+}
+
+// The same from memory peers write (L2, never a stale L1 line).
+__device__ static inline void ll_load_cg(const uint8_t *src, uint32_t bytes,
+					 uint32_t lane, uint4 v[LL_U])
+{
+#pragma unroll
+	for (int u = 0; u < LL_U; u++) {
+		uint32_t o = (u * 32 + lane) * 16;
+		if (o < bytes)
+			v[u] = __ldcg((const uint4 *)(src + o));
 	}
 }
 
@@ -953,12 +965,11 @@ ekc_ll_dispatch_recv(const struct ekc_ll_args a)
 }
 
 // acc += each bf16 of v times wk, in fp32, each product rounded (no fma).
-template <int U>
-__device__ static inline void ll_acc(float acc[U][8], const uint4 v[U],
+__device__ static inline void ll_acc(float acc[LL_U][8], const uint4 v[LL_U],
 				     float wk)
 {
 #pragma unroll
-	for (int u = 0; u < U; u++) {
+	for (int u = 0; u < LL_U; u++) {
 		const uint32_t q[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
 #pragma unroll
 		for (int c = 0; c < 8; c++) {
@@ -969,19 +980,16 @@ __device__ static inline void ll_acc(float acc[U][8], const uint4 v[U],
 	}
 }
 
-template <int U>
 __device__ static inline void ll_store_sum(const struct ekc_ll_args &a,
 					   uint32_t t, uint32_t o,
 					   uint32_t bytes, uint32_t lane,
-					   float acc[U][8])
+					   float acc[LL_U][8])
 {
-	uint8_t *dst = (uint8_t *)a.out + (uint64_t)t * a.H * 2 + o;
+	uint4 r[LL_U];
 #pragma unroll
-	for (int u = 0; u < U; u++) {
-		const uint32_t x = (u * 32 + lane) * 16;
-		if (x < bytes)
-			*(uint4 *)(dst + x) = pack_bf16x8(acc[u]);
-	}
+	for (int u = 0; u < LL_U; u++)
+		r[u] = pack_bf16x8(acc[u]);
+	ll_store((uint8_t *)a.out + (uint64_t)t * a.H * 2 + o, bytes, lane, r);
 }
 
 // The home's sum, by every warp of the grid: for each (token, slice)
@@ -999,13 +1007,11 @@ __device__ static inline void ll_store_sum(const struct ekc_ll_args &a,
 // rows in flight) was as slow or slower (PERFORMANCE.md, thirty-second
 // session).
 #define LL_SUM_K 2
-#define LL_SUM_U 4 // 16-byte vectors a lane a row of an item
-#define LL_SUM_SLICE (32 * 16 * LL_SUM_U)
 template <typename Row>
 __device__ static void ll_sum(const struct ekc_ll_args &a, Row row)
 {
 	const uint32_t T = a.T > a.N ? 0 : a.T;
-	const uint32_t rowb = a.H * 2, S = (rowb + LL_SUM_SLICE - 1) / LL_SUM_SLICE;
+	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
 	const uint32_t lane = threadIdx.x & 31;
 	const int32_t *key = ll_key(a), *pos = ll_pos(a);
 	const float *w = (const float *)a.weights;
@@ -1013,11 +1019,11 @@ __device__ static void ll_sum(const struct ekc_ll_args &a, Row row)
 	for (uint64_t it = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
 	     it < (uint64_t)T * S; it += nw) {
 		const uint32_t t = (uint32_t)(it / S), sl = (uint32_t)(it % S);
-		const uint32_t o = sl * LL_SUM_SLICE;
-		const uint32_t bytes = rowb - o < LL_SUM_SLICE ? rowb - o : LL_SUM_SLICE;
-		float acc[LL_SUM_U][8];
+		const uint32_t o = sl * LL_SLICE;
+		const uint32_t bytes = rowb - o < LL_SLICE ? rowb - o : LL_SLICE;
+		float acc[LL_U][8];
 #pragma unroll
-		for (int u = 0; u < LL_SUM_U; u++)
+		for (int u = 0; u < LL_U; u++)
 #pragma unroll
 			for (int c = 0; c < 8; c++)
 				acc[u][c] = 0.0f;
@@ -1034,7 +1040,7 @@ __device__ static void ll_sum(const struct ekc_ll_args &a, Row row)
 			}
 			const uint32_t nk = min(32u, a.K - kb);
 			for (uint32_t k0 = 0; k0 < nk; k0 += LL_SUM_K) {
-				uint4 v[LL_SUM_K][LL_SUM_U];
+				uint4 v[LL_SUM_K][LL_U];
 				uint32_t got = 0; // the rows loaded, bit j
 #pragma unroll
 				for (int j = 0; j < LL_SUM_K; j++) {
@@ -1051,15 +1057,7 @@ __device__ static void ll_sum(const struct ekc_ll_args &a, Row row)
 					if (!r)
 						continue;
 					got |= 1u << j;
-#pragma unroll
-					for (int u = 0; u < LL_SUM_U; u++) {
-						const uint32_t x =
-							(u * 32 + lane) * 16;
-						if (x < bytes)
-							v[j][u] = __ldcg(
-								(const uint4 *)(r + o +
-										x));
-					}
+					ll_load_cg(r + o, bytes, lane, v[j]);
 				}
 #pragma unroll
 				for (int j = 0; j < LL_SUM_K; j++) {
@@ -1067,11 +1065,11 @@ __device__ static void ll_sum(const struct ekc_ll_args &a, Row row)
 						continue;
 					const float wt = __shfl_sync(
 						0xffffffffu, wk, k0 + j);
-					ll_acc<LL_SUM_U>(acc, v[j], wt);
+					ll_acc(acc, v[j], wt);
 				}
 			}
 		}
-		ll_store_sum<LL_SUM_U>(a, t, o, bytes, lane, acc);
+		ll_store_sum(a, t, o, bytes, lane, acc);
 	}
 }
 

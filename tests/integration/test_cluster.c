@@ -991,11 +991,6 @@ static void flood(int node, unsigned ms)
 			close(fd[i]);
 }
 
-/* A flood of connections to the cluster port that never authenticate:
- * the daemon holds a bounded number of them (peer_handshakes_per_host),
- * its local ranks are served, a node that restarts during the flood gets
- * in, and a frame longer than a handshake's before the proof is refused
- * without a buffer for it. */
 /* Connections node's peer port has not accepted yet (Linux, from
  * /proc/net/tcp and tcp6): its listening socket's accept queue (rx_queue)
  * and the handshakes still open on it (SYN_RECV: where the queue was
@@ -1012,10 +1007,10 @@ static int accept_queue(int node)
 		if (!f)
 			continue;
 		while (fgets(line, sizeof(line), f)) {
-			unsigned lp, st, tx, rx;
+			unsigned lp, st, rx;
 			if (sscanf(line, " %*d: %*[0-9A-Fa-f]:%x %*[0-9A-Fa-f]:%*x "
-					 "%x %x:%x",
-				   &lp, &st, &tx, &rx) != 4 ||
+					 "%x %*x:%x",
+				   &lp, &st, &rx) != 3 ||
 			    lp != port)
 				continue;
 			if (st == 0x0A) /* LISTEN */
@@ -1028,12 +1023,16 @@ static int accept_queue(int node)
 	return q < 0 ? q : q + half;
 }
 
+/* A flood of connections to the cluster port that never authenticate:
+ * the daemon holds a bounded number of them (peer_handshakes_per_host),
+ * its local ranks are served, a node that restarts during the flood gets
+ * in, and a frame longer than a handshake's before the proof is refused
+ * without a buffer for it. */
 static void check_peer_flood(void)
 {
-	int fd0 = th_fds(D[2].pid);
-	TH_CHECK(accept_queue(2) == 0,
-		 "node 2's idle peer port: accept queue %d (-1: not found)",
-		 accept_queue(2));
+	int fd0 = th_fds(D[2].pid), q = accept_queue(2);
+	TH_CHECK(q == 0,
+		 "node 2's idle peer port: accept queue %d (-1: not found)", q);
 	fflush(NULL);
 	pid_t fl = fork();
 	TH_CHECK(fl >= 0, "fork");
@@ -1079,7 +1078,7 @@ static void check_peer_flood(void)
 	 * refused; the descriptors alone were back while the accept queue
 	 * still held leftovers). So: the accept queue empty and the
 	 * descriptors back to before, together for 200 ms, and none kept. */
-	int n = 0, q = 0, low = 0;
+	int n = 0, low = 0;
 	for (unsigned i = 0; low < 20 && i < 3000 * th_scale(); i++) {
 		n = th_fds(D[2].pid);
 		q = accept_queue(2);
