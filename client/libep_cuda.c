@@ -243,7 +243,9 @@ uint32_t ep__features(const ep_group_t *g)
 static const char *const kernel_names[EP__FN_N] = {
 	"ekc_ring_wait",	"ekc_post_wait",       "ekc_ll_dispatch",
 	"ekc_ll_dispatch_recv", "ekc_ll_combine",      "ekc_ll_combine_recv",
-	"ekc_ll_combine_pull",	"ekc_ll_barrier",      "ekc_copies"};
+	"ekc_ll_combine_pull",	"ekc_ll_barrier",      "ekc_copies",
+	"ekc_llx_send",		"ekc_llx_recv_count",  "ekc_llx_recv_rows",
+	"ekc_llx_gather",	"ekc_llx_sum"};
 
 static CUfunction kernel_fn(int which)
 {

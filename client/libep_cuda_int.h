@@ -34,7 +34,9 @@ CUfunction ep__post_fn(void);
 /* A kernel of the module in the current context, or NULL. */
 enum { EP__FN_RING, EP__FN_POST, EP__FN_LL_DISPATCH, EP__FN_LL_DISPATCH_RECV,
        EP__FN_LL_COMBINE, EP__FN_LL_COMBINE_RECV, EP__FN_LL_COMBINE_PULL,
-       EP__FN_LL_BARRIER, EP__FN_COPIES, EP__FN_N };
+       EP__FN_LL_BARRIER, EP__FN_COPIES, EP__FN_LLX_SEND,
+       EP__FN_LLX_RECV_COUNT, EP__FN_LLX_RECV_ROWS, EP__FN_LLX_GATHER,
+       EP__FN_LLX_SUM, EP__FN_N };
 CUfunction ep__fn(int which);
 /* Make device dev's primary context current. */
 int ep__use_ctx(int dev);
@@ -46,6 +48,19 @@ int ep__mreg_place(const ep_group_t *g, const ep_mreg_t *mr, const void *y,
 void ep__mreg_fini(ep_group_t *g);
 /* libep_ll.c: the low-latency state's end (at unmap). */
 void ep__ll_fini(ep_group_t *g);
+/* libep_llx.c: the low-latency mode of GPU ranks across nodes (ep__llg_*
+ * go there for such a group), and its state's end. */
+int ep__llx_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
+		     uint32_t num_tokens, int fp8, void *stream,
+		     struct ep_ll_recv *out);
+int ep__llx_dispatch_hook(ep_group_t *g, uint32_t buffer, void *stream);
+int ep__llx_combine(ep_group_t *g, uint32_t buffer, const void *expert_out,
+		    const float *weights, void *out, unsigned flags,
+		    void *stream);
+int ep__llx_combine_hook(ep_group_t *g, uint32_t buffer, void *stream);
+int ep__llx_combine_buffer(ep_group_t *g, uint32_t buffer, void **rows);
+int ep__llx_error(ep_group_t *g);
+void ep__llx_fini(ep_group_t *g);
 /* For tests/gpu/bench_ll: the low-latency kernels stamp their stages
  * (EKC_LL_TR_*) into u64[EKC_LL_TR_N] at device address trace (0: off).
  * EP_EINVAL before the group's first low-latency call, else the blocks

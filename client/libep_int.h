@@ -185,6 +185,12 @@ int ep__llg_barrier(ep_group_t *g, void *stream);
 /* ep_leave: leave the pseudo group first; group free: free it all. */
 void ep__llh_leave(ep_group_t *g);
 void ep__llh_fini(ep_group_t *g);
+/* The same of a GPU rank's low-latency mode across nodes (libep_llx.c;
+ * nothing in a build without CUDA). */
+void ep__llx_leave(ep_group_t *g);
+/* The pseudo group's name: the group's (cut to fit) and a hash of all of
+ * it, so that every rank, on every node, names the same group. */
+void ep__llh_name(const char *name, char out[EP_GROUP_NAME_MAX + 1]);
 
 int ep__fail(int code, const char *fmt, ...)
 	__attribute__((format(printf, 2, 3)));

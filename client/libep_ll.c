@@ -53,7 +53,6 @@ struct ep_ll {
 
 static int ll_gate(ep_group_t *g, void *stream);
 static bool ll_gone_only(const ep_group_t *g);
-static void llx_free(struct ep_llx *x);
 
 /* ep_ll_dispatch's cast modes (ek.h) are the kernels' */
 _Static_assert(EK_LL_FP8 == EKC_LL_FP8 && EK_LL_FP8_ROUND == EKC_LL_FP8_ROUND &&
@@ -84,9 +83,7 @@ void ep__ll_fini(ep_group_t *g)
 	if (g->ll)
 		ll_free(g->ll);
 	g->ll = NULL;
-	if (g->llx)
-		llx_free(g->llx);
-	g->llx = NULL;
+	ep__llx_fini(g);
 }
 
 /* Local rank d's region, from the daemon, mapped for this rank's GPU. */
@@ -347,313 +344,10 @@ static int ll_launch(ep_group_t *g, int fn, struct ekc_ll_args *a,
 	return r ? ep__cufail(r, "launching a low-latency kernel") : 0;
 }
 
-/* ---- GPU ranks of a group across nodes: the host path (libep_llhost.c:
- * a pseudo group of (token, k) rows on the daemons' ops, which cross
- * nodes), staged through host memory by the caller's CPU. The same calls,
- * outputs and bits as the kernels, not their speed: each call waits for
- * the stream, copies its inputs to the host, runs the op, and queues the
- * outputs' copies to the device on the stream. Not capturable into a CUDA
- * graph (EP_EUNSUPPORTED while the stream captures). ---- */
-
-struct ep_llx {
-	uint32_t W, El, N, H, K;
-	uint64_t WN;
-	CUdeviceptr rx[2], sc[2], outs[2], cx[2];
-	uint64_t out_stride;
-	struct ep_ll_recv hr[2]; /* the host path's outputs of each buffer */
-	uint32_t T[2];
-	bool used[2];
-	CUdeviceptr hout[2]; /* a hooked combine's out (NaN if refused) */
-	void *hx;            /* staging: [N, H] bf16, [N, K] i64, [N, K] f32 */
-	int64_t *htk;
-	float *hw;
-	uint16_t *hout_rows; /* [N, H] */
-};
-
+/* GPU ranks of a group across nodes: libep_llx.c. */
 static bool ll_staged(const ep_group_t *g)
 {
 	return g->cfg.world_size != g->cfg.ranks_per_node;
-}
-
-static void llx_free(struct ep_llx *x)
-{
-	for (int b = 0; b < 2; b++) {
-		if (x->rx[b])
-			ep__drv.cuMemFree(x->rx[b]);
-		if (x->sc[b])
-			ep__drv.cuMemFree(x->sc[b]);
-		if (x->outs[b])
-			ep__drv.cuMemFree(x->outs[b]);
-		if (x->cx[b])
-			ep__drv.cuMemFree(x->cx[b]);
-	}
-	free(x->hx);
-	free(x->htk);
-	free(x->hw);
-	free(x->hout_rows);
-	free(x);
-}
-
-static int llx_setup(ep_group_t *g)
-{
-	int rc = ep__use_ctx(g->cuda_device);
-	if (rc || g->llx)
-		return rc;
-	const struct epp_join *c = &g->cfg;
-	struct ep_llx *x = calloc(1, sizeof(*x));
-	if (!x)
-		return ep__fail(EP_ENOMEM, "out of memory");
-	x->W = c->world_size;
-	x->El = c->num_experts / x->W;
-	x->N = c->max_tokens;
-	x->H = c->hidden;
-	x->K = c->topk;
-	x->WN = (uint64_t)x->W * x->N;
-	x->out_stride = (x->El * 4 + 7) / 8 * 8 + (uint64_t)x->El * x->W * 8 +
-			x->El * x->WN * 4;
-	x->hx = malloc((size_t)x->N * x->H * 2 + 1);
-	x->htk = malloc((size_t)x->N * x->K * 8 + 8);
-	x->hw = malloc((size_t)x->N * x->K * 4 + 4);
-	x->hout_rows = malloc((size_t)x->N * x->H * 2 + 2);
-	if (!x->hx || !x->htk || !x->hw || !x->hout_rows) {
-		llx_free(x);
-		return ep__fail(EP_ENOMEM, "out of memory");
-	}
-	g->llx = x;
-	return 0;
-}
-
-/* The stream's work done (the inputs are written in its order); refused
- * while it captures (a graph would replay none of the host's part). */
-static int llx_sync(void *stream, const char *what)
-{
-	CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
-	CUresult r = ep__drv.cuStreamIsCapturing((CUstream)stream, &cs);
-	if (!r && cs != CU_STREAM_CAPTURE_STATUS_NONE)
-		return ep__fail(EP_EUNSUPPORTED,
-				"the low-latency %s of a group across nodes "
-				"runs on the host, staged: it cannot be "
-				"captured into a CUDA graph",
-				what);
-	if (!r)
-		r = ep__drv.cuStreamSynchronize((CUstream)stream);
-	return r ? ep__cufail(r, "waiting for the stream") : 0;
-}
-
-static CUdeviceptr llx_count(const struct ep_llx *x, uint32_t b)
-{
-	return x->outs[b];
-}
-
-static CUdeviceptr llx_layout(const struct ep_llx *x, uint32_t b)
-{
-	return x->outs[b] + (x->El * 4 + 7) / 8 * 8;
-}
-
-static CUdeviceptr llx_src(const struct ep_llx *x, uint32_t b)
-{
-	return llx_layout(x, b) + (uint64_t)x->El * x->W * 8;
-}
-
-/* A refused or failed dispatch: no rows on the device either. */
-static void llx_no_rows(const struct ep_llx *x, uint32_t b, void *stream)
-{
-	if (x->outs[b])
-		(void)ep__drv.cuMemsetD32Async(
-			x->outs[b], 0,
-			((x->El * 4 + 7) / 8 * 8 + (uint64_t)x->El * x->W * 8) / 4,
-			(CUstream)stream);
-}
-
-static int llx_dispatch(ep_group_t *g, const void *xp, const int64_t *topk,
-			uint32_t T, int fp8, void *stream,
-			struct ep_ll_recv *out)
-{
-	int rc = llx_setup(g);
-	if (rc || (rc = llx_sync(stream, "dispatch")))
-		return rc;
-	struct ep_llx *x = g->llx;
-	const uint32_t n = T > x->N ? 0 : T;
-	CUresult r = CUDA_SUCCESS;
-	if (n)
-		r = ep__drv.cuMemcpyDtoH(x->hx, (CUdeviceptr)(uintptr_t)xp,
-					 (size_t)n * x->H * 2);
-	if (n && !r)
-		r = ep__drv.cuMemcpyDtoH(x->htk, (CUdeviceptr)(uintptr_t)topk,
-					 (size_t)n * x->K * 8);
-	if (r)
-		return ep__cufail(r, "copying the dispatch's inputs");
-	/* the device outputs of the buffer it takes, made at its first use */
-	const uint32_t b = ep__llh_next(g);
-	const uint64_t rows = (uint64_t)x->El * x->WN;
-	if (!x->outs[b]) {
-		r = ep__drv.cuMemAlloc(&x->rx[b], rows * x->H * 2);
-		if (!r)
-			r = ep__drv.cuMemAlloc(&x->sc[b], rows * (x->H / 128) * 4 + 4);
-		if (!r)
-			r = ep__drv.cuMemAlloc(&x->outs[b], x->out_stride);
-		if (r)
-			return ep__cufail(r, "allocating the low-latency outputs");
-	}
-	struct ep_ll_recv hr;
-	const int hrc = ep__llh_dispatch(g, x->hx, x->htk, T, fp8, &hr);
-	if (hrc && hrc != EP_ETOOBIG) {
-		llx_no_rows(x, b, stream);
-		return hrc;
-	}
-	char msg[EPP_ERRMSG_MAX];
-	snprintf(msg, sizeof(msg), "%s", hrc ? ep_errmsg() : "");
-	/* the outputs to the device, in the stream's order (from pageable
-	 * memory: each call returns once its bytes are staged) */
-	CUstream st = (CUstream)stream;
-	const size_t rowb = fp8 ? x->H : (size_t)x->H * 2;
-	r = ep__drv.cuMemcpyHtoDAsync(llx_count(x, b), hr.recv_count,
-				      x->El * 4, st);
-	if (!r)
-		r = ep__drv.cuMemcpyHtoDAsync(llx_layout(x, b), hr.layout_range,
-					      (size_t)x->El * x->W * 8, st);
-	if (!r)
-		r = ep__drv.cuMemcpyHtoDAsync(llx_src(x, b), hr.src_info,
-					      rows * 4, st);
-	for (uint32_t el = 0; el < x->El && !r; el++)
-		if (hr.recv_count[el])
-			r = ep__drv.cuMemcpyHtoDAsync(
-				x->rx[b] + el * x->WN * rowb,
-				(const uint8_t *)hr.recv_x + el * x->WN * rowb,
-				(size_t)hr.recv_count[el] * rowb, st);
-	if (!r && fp8)
-		r = ep__drv.cuMemcpyHtoDAsync(
-			x->sc[b], hr.recv_scales,
-			rows * (fp8 == EK_LL_FP8_UE8M0 ? x->H / 512
-						       : x->H / 128) * 4,
-			st);
-	if (r)
-		return ep__cufail(r, "copying the dispatch's outputs");
-	x->hr[b] = hr;
-	x->T[b] = n;
-	x->used[b] = true;
-	*out = hr;
-	out->recv_x = (void *)(uintptr_t)x->rx[b];
-	out->recv_scales = fp8 ? (void *)(uintptr_t)x->sc[b] : NULL;
-	out->recv_count = (int32_t *)(uintptr_t)llx_count(x, b);
-	out->layout_range = (int64_t *)(uintptr_t)llx_layout(x, b);
-	out->src_info = (int32_t *)(uintptr_t)llx_src(x, b);
-	return hrc ? ep__fail(hrc, "%s", msg) : 0;
-}
-
-static int llx_buffer(ep_group_t *g, uint32_t b)
-{
-	if (!g->llx || b > 1 || !g->llx->used[b])
-		return ep__fail(EP_EINVAL, "buffer %u has no low-latency "
-					   "dispatch",
-				b);
-	return ep__use_ctx(g->cuda_device);
-}
-
-static int llx_combine_buffer(ep_group_t *g, uint32_t b, void **rows)
-{
-	int rc = llx_setup(g);
-	if (rc)
-		return rc;
-	struct ep_llx *x = g->llx;
-	if (!x->cx[b]) {
-		const size_t n = (size_t)x->El * x->WN * x->H * 2;
-		CUresult r = ep__drv.cuMemAlloc(&x->cx[b], n);
-		if (!r)
-			r = ekc_write(&ep__drv, x->cx[b], NULL, n);
-		if (r) {
-			if (x->cx[b])
-				ep__drv.cuMemFree(x->cx[b]);
-			x->cx[b] = 0;
-			return ep__cufail(r, "allocating the combine buffer");
-		}
-	}
-	*rows = (void *)(uintptr_t)x->cx[b];
-	return 0;
-}
-
-/* A refused combine's out on the device: NaN, as the kernels write. */
-static void llx_out_nan(const struct ep_llx *x, CUdeviceptr out, uint32_t T,
-			void *stream)
-{
-	if (out && T)
-		(void)ep__drv.cuMemsetD32Async(out, 0x7fc07fc0u,
-					       (size_t)T * x->H / 2,
-					       (CUstream)stream);
-}
-
-static int llx_combine(ep_group_t *g, uint32_t b, const void *expert_out,
-		       const float *weights, void *out, unsigned flags,
-		       void *stream)
-{
-	int rc = llx_buffer(g, b);
-	if (rc)
-		return rc;
-	struct ep_llx *x = g->llx;
-	const uint32_t T = x->T[b];
-	if (T && (!weights || !out))
-		return ep__fail(EP_EINVAL, "weights and out are required");
-	if (!(flags & EP_LL_ZERO_COPY) && !expert_out)
-		return ep__fail(EP_EINVAL, "expert_out is required (or "
-					   "EP_LL_ZERO_COPY)");
-	void *dcx = NULL;
-	if ((flags & EP_LL_ZERO_COPY) && (rc = llx_combine_buffer(g, b, &dcx)))
-		return rc;
-	if ((rc = llx_sync(stream, "combine")))
-		return rc;
-	x->hout[b] = flags & EP_LL_HOOK ? (CUdeviceptr)(uintptr_t)out : 0;
-	/* the experts' rows (each local expert's received ones) into the
-	 * host path's combine buffer, its zero-copy combine from there */
-	void *hcx;
-	if ((rc = ep__llh_combine_buffer(g, b, &hcx)))
-		return rc;
-	const CUdeviceptr src = flags & EP_LL_ZERO_COPY
-					? (CUdeviceptr)(uintptr_t)dcx
-					: (CUdeviceptr)(uintptr_t)expert_out;
-	const size_t rowb = (size_t)x->H * 2;
-	CUresult r = CUDA_SUCCESS;
-	for (uint32_t el = 0; el < x->El && !r; el++) {
-		const int32_t c = x->hr[b].recv_count[el];
-		if (c > 0)
-			r = ep__drv.cuMemcpyDtoH(
-				(uint8_t *)hcx + el * x->WN * rowb,
-				src + el * x->WN * rowb, (size_t)c * rowb);
-	}
-	if (!r && T)
-		r = ep__drv.cuMemcpyDtoH(x->hw, (CUdeviceptr)(uintptr_t)weights,
-					 (size_t)T * x->K * 4);
-	if (r)
-		return ep__cufail(r, "copying the combine's inputs");
-	const int hrc = ep__llh_combine(g, b, NULL, x->hw, x->hout_rows,
-					EP_LL_ZERO_COPY);
-	/* out (its NaN too, where the op failed) to the device */
-	char msg[EPP_ERRMSG_MAX];
-	snprintf(msg, sizeof(msg), "%s", hrc ? ep_errmsg() : "");
-	if (T) {
-		r = ep__drv.cuMemcpyHtoDAsync((CUdeviceptr)(uintptr_t)out,
-					      x->hout_rows,
-					      (size_t)T * x->H * 2,
-					      (CUstream)stream);
-		if (r && !hrc)
-			return ep__cufail(r, "copying the combine's output");
-	}
-	return hrc ? ep__fail(hrc, "%s", msg) : 0;
-}
-
-static int llx_dispatch_hook(ep_group_t *g, uint32_t b, void *stream)
-{
-	int rc = llx_buffer(g, b);
-	if (!rc && (rc = ep__llh_dispatch_hook(g, b)))
-		llx_no_rows(g->llx, b, stream);
-	return rc;
-}
-
-static int llx_combine_hook(ep_group_t *g, uint32_t b, void *stream)
-{
-	int rc = llx_buffer(g, b);
-	if (!rc && (rc = ep__llh_combine_hook(g, b)))
-		llx_out_nan(g->llx, g->llx->hout[b], g->llx->T[b], stream);
-	return rc;
 }
 
 int ep__llg_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
@@ -661,8 +355,8 @@ int ep__llg_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 		     struct ep_ll_recv *out)
 {
 	if (ll_staged(g))
-		return llx_dispatch(g, x, topk_idx, num_tokens, fp8, stream,
-				    out);
+		return ep__llx_dispatch(g, x, topk_idx, num_tokens, fp8,
+					stream, out);
 	int rc = ll_setup(g);
 	if (rc)
 		return rc;
@@ -720,7 +414,7 @@ static int ll_buffer(ep_group_t *g, uint32_t b)
 int ep__llg_dispatch_hook(ep_group_t *g, uint32_t b, void *stream)
 {
 	if (ll_staged(g))
-		return llx_dispatch_hook(g, b, stream);
+		return ep__llx_dispatch_hook(g, b, stream);
 	int rc = ll_buffer(g, b);
 	if (rc)
 		return rc;
@@ -733,8 +427,8 @@ int ep__llg_combine(ep_group_t *g, uint32_t b, const void *expert_out,
 		    void *stream)
 {
 	if (ll_staged(g))
-		return llx_combine(g, b, expert_out, weights, out, flags,
-				   stream);
+		return ep__llx_combine(g, b, expert_out, weights, out, flags,
+				       stream);
 	int rc = ll_buffer(g, b);
 	if (rc)
 		return rc;
@@ -759,7 +453,7 @@ int ep__llg_combine(ep_group_t *g, uint32_t b, const void *expert_out,
 int ep__llg_combine_hook(ep_group_t *g, uint32_t b, void *stream)
 {
 	if (ll_staged(g))
-		return llx_combine_hook(g, b, stream);
+		return ep__llx_combine_hook(g, b, stream);
 	int rc = ll_buffer(g, b);
 	if (rc)
 		return rc;
@@ -774,7 +468,7 @@ int ep__llg_combine_hook(ep_group_t *g, uint32_t b, void *stream)
 int ep__llg_combine_buffer(ep_group_t *g, uint32_t b, void **rows)
 {
 	if (ll_staged(g))
-		return llx_combine_buffer(g, b, rows);
+		return ep__llx_combine_buffer(g, b, rows);
 	int rc = ll_setup(g);
 	if (rc)
 		return rc;
@@ -843,7 +537,7 @@ static int ll_die(struct ep_ll *l, int rc, bool poisoned)
 int ep__llg_error(ep_group_t *g)
 {
 	if (ll_staged(g))
-		return ep__llh_error(g);
+		return ep__llx_error(g);
 	struct ep_ll *l = g->ll;
 	if (!l)
 		return 0;

@@ -96,6 +96,7 @@ static void llh_free_bufs(struct ep_llh *l)
 
 void ep__llh_leave(ep_group_t *g)
 {
+	ep__llx_leave(g);
 	if (g->llh && g->llh->aux) {
 		(void)ep_leave(g->llh->aux);
 		g->llh->aux = NULL;
@@ -114,9 +115,7 @@ void ep__llh_fini(ep_group_t *g)
 	g->llh = NULL;
 }
 
-/* The pseudo group's name: the group's (cut to fit) and a hash of all of
- * it, so that every rank, on every node, names the same group. */
-static void llh_name(const char *name, char out[EP_GROUP_NAME_MAX + 1])
+void ep__llh_name(const char *name, char out[EP_GROUP_NAME_MAX + 1])
 {
 	uint64_t h = 0xcbf29ce484222325ull; /* FNV-1a */
 	for (const char *p = name; *p; p++)
@@ -167,7 +166,7 @@ static int llh_setup(ep_group_t *g)
 				(unsigned long long)rows, c->hidden);
 	}
 	char name[EP_GROUP_NAME_MAX + 1];
-	llh_name(c->name, name);
+	ep__llh_name(c->name, name);
 	const uint64_t aux_max = NK > l->W ? NK : l->W;
 	if (aux_max > UINT32_MAX) {
 		llh_free_bufs(l);

@@ -586,6 +586,48 @@ struct ekc_ll_args {
 	uint64_t trace; /* u64[EKC_LL_TR_N] globaltimer stamps, or 0 */
 };
 
+/* The low-latency mode of GPU ranks across nodes (ekc_llx.cu, libep_ll.c):
+ * each (token, k) is one pseudo token of a second GPU group of the same
+ * ranks (top-1, at most N*K tokens a rank), moved by the daemons' own
+ * stream-ordered dispatch and combine, which cross nodes. These kernels,
+ * on the rank's stream around those ops, do what the host path
+ * (libep_llhost.c) does on the CPU: expand the tokens into pseudo tokens,
+ * lay the received rows out per local expert (cast to fp8 on the way),
+ * gather the experts' rows back for the combine, and sum each token's
+ * rows at home. A pseudo token's weight word carries its place among its
+ * source's rows to that expert (the receiver's layout needs no scan), or
+ * EKC_LLX_MARK: its source had more than N tokens. */
+#define EKC_LLX_MARK 0x7fc0e7b1u
+#define EKC_LLX_MAXE 4096 /* experts (the protocol's maximum) */
+#define EKC_LLX_TPB 512
+enum { EKC_LLX_EEXPERT, EKC_LLX_ETOOBIG, EKC_LLX_NERR };
+struct ekc_llx_args {
+	uint64_t x, topk;   /* send: [T, H] bf16, [T, K] i64 */
+	uint64_t key;       /* [N*K] i32: each (t, k)'s expert, -1 skipped */
+	uint64_t sx, stk, sw; /* the pseudo group's send rows [n, H] bf16,
+				 top-1 index [n] i64, weight word [n] u32 */
+	uint64_t rx, rtk, rw, rsrc; /* its received rows [R, H], local expert
+				       [R] i64, weight word [R] u32, source
+				       (rank, pseudo token) [R][2] i32 */
+	uint64_t nrecv;     /* u32: its latest dispatch's rows (device) */
+	uint64_t nrec;      /* u32: this buffer's, kept for the combine */
+	uint64_t place;     /* [max_recv] i64: each received row's place
+			       (el * W*N + p), or -1 */
+	uint64_t out_rx, out_sc; /* [El, W*N, H] bf16 or e4m3; scales */
+	uint64_t recv_count, layout, src_info; /* [El] i32, [El, W] i64,
+						  [El, W*N] i32 */
+	uint64_t ex;        /* combine: the experts' rows [El, W*N, H] */
+	uint64_t cy;        /* the pseudo group's combine_y [R, H] */
+	uint64_t comb;      /* its combined rows [n, H] */
+	uint64_t weights;   /* [T, K] f32 */
+	uint64_t out;       /* [T, H] bf16 */
+	uint64_t err;       /* u32[EKC_LLX_NERR] host memory mapped for the
+			       GPU: 1 once that error was seen */
+	uint64_t failed[2]; /* u32 host words (the control page) nonzero once
+			       the pseudo group failed, or 0 */
+	uint32_t W, N, H, El, K, T, over, fp8, max_recv;
+};
+
 /* Stamps of the trace (ns of the GPU's global timer): block 0's passage
  * through each stage, the last block's flags, the latest block start and
  * end (atomicMax; the caller zeroes those two before the op). */

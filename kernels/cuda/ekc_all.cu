@@ -3,4 +3,5 @@
 #include "ekc_barrier.cu"
 #include "ekc_dispatch.cu"
 #include "ekc_ll.cu"
+#include "ekc_llx.cu"
 #include "ekc_copies.cu"

@@ -581,6 +581,32 @@ __device__ static inline uint32_t ll_quant(const uint4 v[LL_U],
 	return word;
 }
 
+// Slice o (bytes of its bf16 row) of a row, in place p of local expert el
+// (row el * WN + p of rx): its bf16 vectors v, or (fp8) its e4m3 bytes q
+// and the scale word sw of ll_quant, the scales column-major per local
+// expert ([el][g][WN], what DeepGEMM's TMA reads).
+__device__ static inline void ll_put_slice(uint8_t *rx, uint32_t *sc,
+					   uint32_t el, uint32_t p,
+					   uint32_t WN, uint32_t H, uint32_t o,
+					   uint32_t bytes, uint32_t lane,
+					   uint32_t fp8, const uint4 v[LL_U],
+					   const uint2 q[LL_U], uint32_t sw)
+{
+	const uint64_t row = (uint64_t)el * WN + p;
+	if (!fp8) {
+		ll_store(rx + row * H * 2 + o, bytes, lane, v);
+		return;
+	}
+	ll_store(rx + row * H + o / 2, bytes, lane, q);
+	const uint32_t G = H / 128, g0 = o / 256, ng = bytes / 256;
+	if (fp8 != EKC_LL_FP8_UE8M0) {
+		if (lane < ng)
+			sc[((uint64_t)el * G + g0 + lane) * WN + p] = sw;
+	} else if (lane < ng / 4) {
+		sc[((uint64_t)el * (G / 4) + g0 / 4 + lane) * WN + p] = sw;
+	}
+}
+
 // Block 0 of a dispatch: each (t, k)'s expert (key, -1 when skipped) and
 // its position among this rank's rows to that expert, in (t, k) order.
 // Each warp takes a contiguous chunk of the (t, k) and counts its experts
@@ -809,7 +835,7 @@ __device__ static void ll_dispatch_rows(const struct ekc_ll_args &a,
 	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
 	const uint32_t lane = threadIdx.x & 31;
 	// fp8 casts need whole groups (H % 128, UE8M0 H % 512: the caller's)
-	const uint32_t fp8 = a.fp8, G = a.H / 128;
+	const uint32_t fp8 = a.fp8;
 	const uint64_t nw = (uint64_t)gridDim.x * (blockDim.x / 32);
 	for (uint64_t it = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
 	     it < (uint64_t)T * S; it += nw) {
@@ -847,25 +873,10 @@ __device__ static void ll_dispatch_rows(const struct ekc_ll_args &a,
 				if (!(P >> d & 1))
 					continue; // masked (shrink)
 				const uint64_t row = (uint64_t)el * WN + gp;
-				uint8_t *rx = ll_pub(a, d, a.L.rx[b]);
-				if (!fp8) {
-					ll_store(rx + row * rowb + o, bytes, lane, v);
-				} else {
-					ll_store(rx + row * a.H + o / 2, bytes,
-						 lane, q);
-					// scales column-major: [el][g][row]
-					const uint32_t g0 = o / 256, ng = bytes / 256;
-					uint32_t *sc = (uint32_t *)ll_pub(
-						a, d, a.L.sc[b]);
-					if (fp8 != EKC_LL_FP8_UE8M0) {
-						if (lane < ng)
-							sc[((uint64_t)el * G + g0 + lane) *
-							   WN + gp] = sw;
-					} else if (lane < ng / 4) {
-						sc[((uint64_t)el * (G / 4) + g0 / 4 +
-						    lane) * WN + gp] = sw;
-					}
-				}
+				ll_put_slice(ll_pub(a, d, a.L.rx[b]),
+					     (uint32_t *)ll_pub(a, d, a.L.sc[b]),
+					     el, gp, WN, a.H, o, bytes, lane, fp8,
+					     v, q, sw);
 				if (sl == 0 && lane == 0)
 					((int32_t *)ll_pub(a, d, a.L.tk[b]))[row] =
 						(int32_t)(t * a.K + kb + k);

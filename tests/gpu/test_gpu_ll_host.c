@@ -4,13 +4,17 @@
  * a GPU group (the kernels on its stream; ranks sharing a GPU under MPS),
  * in a host group of another daemon (libep's host path over the daemon's
  * dispatch and combine), and in a GPU group across two more daemons (2
- * nodes of 2 ranks over tcp: the host path, staged through host memory),
- * run the same random inputs through all three: recv_count, layout_range, src_info, every received row and scale
+ * nodes of 2 ranks over tcp: the daemons' stream-ordered ops between
+ * libep's kernels, libep_llx.c), run the same random inputs through all
+ * three: recv_count, layout_range, src_info, every received row and scale
  * (bf16, and the three fp8 casts) and every combined token (plain, with
  * hooks, zero copy) bitwise equal. Rows with zeros, -0.0, tiny and large
  * values; experts repeated in a token, -1 slots. A rank with too many
  * tokens and an expert index out of range give the same error codes on
- * both (ep_ll_error, every rank).
+ * both (ep_ll_error, every rank). Then the two-node group's dispatch and
+ * combine captured into CUDA graphs (bf16 and a plain combine; fp8 with
+ * UE8M0 scales and a zero-copy combine), each replayed with fresh inputs
+ * and compared with the host path on the same inputs every time.
  *
  * Exit 77 without a GPU, or where ranks share a GPU without MPS.
  */
@@ -27,6 +31,7 @@
 #define El (E / W)
 #define WN (W * N)
 #define ROUNDS 10
+#define GRAPH_REPLAYS 500 /* per graph, two graphs */
 
 struct shared {
 	const struct th_daemon *gpu, *host, *node[2];
@@ -61,11 +66,14 @@ struct in {
 	float w[(N + 1) * K];
 };
 
+/* Inputs of a round: T tokens (fixT, or random when fixT < 0) */
 static void gen(uint64_t seed, int round, int r, bool too_many, bool bad,
-		struct in *in)
+		int fixT, struct in *in)
 {
 	uint64_t s = seed * 977 + (uint64_t)round * 131 + (uint64_t)r;
 	in->T = too_many ? N + 1 : (uint32_t)(mix(&s) % (N + 1));
+	if (fixT >= 0)
+		in->T = (uint32_t)fixT;
 	if (bad && !in->T)
 		in->T = 1; /* a token to carry the bad index */
 	for (uint32_t t = 0; t < in->T; t++) {
@@ -112,6 +120,127 @@ struct out {
 			 what, d_);                                            \
 	} while (0)
 
+/* A dispatch's outputs (rv: device addresses when dev) into ou. */
+static void take(const struct ep_ll_recv *rv, bool dev, bool fp8, size_t G,
+		 struct out *ou)
+{
+	const size_t rowb = fp8 ? H : H * 2;
+	const size_t nrx = (size_t)El * WN * rowb, nsc = (size_t)El * G * WN * 4;
+	if (!dev) {
+		memcpy(ou->count, rv->recv_count, sizeof(ou->count));
+		memcpy(ou->layout, rv->layout_range, sizeof(ou->layout));
+		memcpy(ou->src, rv->src_info, sizeof(ou->src));
+		memcpy(ou->rx, rv->recv_x, nrx);
+		if (fp8)
+			memcpy(ou->sc, rv->recv_scales, nsc);
+		return;
+	}
+	CU(tg_drv.cuMemcpyDtoH(ou->count, tg_dptr(rv->recv_count),
+			       sizeof(ou->count)));
+	CU(tg_drv.cuMemcpyDtoH(ou->layout, tg_dptr(rv->layout_range),
+			       sizeof(ou->layout)));
+	CU(tg_drv.cuMemcpyDtoH(ou->src, tg_dptr(rv->src_info),
+			       sizeof(ou->src)));
+	CU(tg_drv.cuMemcpyDtoH(ou->rx, tg_dptr(rv->recv_x), nrx));
+	if (fp8)
+		CU(tg_drv.cuMemcpyDtoH(ou->sc, tg_dptr(rv->recv_scales), nsc));
+}
+
+/* way's outputs against the host ranks' (hb), bit for bit: the layout,
+ * every received row and scale, the first T combined tokens. */
+static void same(int round, int r, const char *way, const struct out *a,
+		 const struct out *hb, bool fp8, size_t G, uint32_t T)
+{
+	char what[96];
+	const size_t rowb = fp8 ? H : H * 2;
+#define AS(x) (snprintf(what, sizeof(what), "%s (%s)", x, way), what)
+	SAME(a->count, hb->count, sizeof(a->count), AS("recv_count"));
+	SAME(a->layout, hb->layout, sizeof(a->layout), AS("layout_range"));
+	SAME(a->src, hb->src, sizeof(a->src), AS("src_info"));
+	for (int el = 0; el < El; el++) {
+		const size_t n = (size_t)a->count[el];
+		SAME(a->rx + (size_t)el * WN * rowb,
+		     hb->rx + (size_t)el * WN * rowb, n * rowb, AS("recv_x"));
+		for (size_t gi = 0; fp8 && gi < G; gi++)
+			SAME(a->sc + ((size_t)el * G + gi) * WN,
+			     hb->sc + ((size_t)el * G + gi) * WN, n * 4,
+			     AS("recv_scales"));
+	}
+	SAME(a->comb, hb->comb, (size_t)T * H * 2, AS("combined"));
+#undef AS
+}
+
+/* The host ranks' way on in and y: the reference of a graph's replay. */
+static void host_way(ep_group_t *h, const struct in *in, const uint16_t *y,
+		     unsigned dfl, bool fp8, size_t G, int round, int r,
+		     struct out *ou)
+{
+	struct ep_ll_recv rv;
+	ou->rc_d = ep_ll_dispatch(h, in->x, in->topk, in->T, dfl, NULL, &rv);
+	TH_CHECK(!ou->rc_d, "round %d rank %d host: %s: %s", round, r,
+		 ep_strerror(ou->rc_d), ep_errmsg());
+	take(&rv, false, fp8, G, ou);
+	TH_OK(ep_ll_combine(h, rv.buffer, y, in->w, ou->comb, 0, NULL));
+}
+
+/* Ops of the two-node group captured into a CUDA graph: dispatch (dfl)
+ * and combine (cfl) of T tokens, replayed `replays` times, each with fresh
+ * inputs (uploaded between replays), bitwise against the host ranks' way
+ * on the same inputs. */
+static void graph_phase(ep_group_t *xg, ep_group_t *h, CUstream st,
+			uint64_t seed, int r, uint32_t T, unsigned dfl,
+			unsigned cfl, int replays, CUdeviceptr dx,
+			CUdeviceptr dtk, CUdeviceptr dw, CUdeviceptr dy,
+			CUdeviceptr dout, struct in *in, uint16_t *y,
+			struct out *ox, struct out *oh)
+{
+	const bool fp8 = dfl & EP_LL_FP8;
+	const size_t G = (dfl & EP_LL_UE8M0) ? H / 512 : H / 128;
+	void *cx = NULL;
+	int round = 1000 + (int)dfl;
+	CUgraph graph;
+	CUgraphExec exec;
+	struct ep_ll_recv rv;
+	/* the combine buffers exist before the capture (made at their first
+	 * use: an allocation may not be captured) */
+	void *cxb[2];
+	TH_OK(ep_ll_combine_buffer(xg, 0, &cxb[0]));
+	TH_OK(ep_ll_combine_buffer(xg, 1, &cxb[1]));
+	CU(tg_drv.cuStreamBeginCapture(st, CU_STREAM_CAPTURE_MODE_GLOBAL));
+	int rc = ep_ll_dispatch(xg, (void *)(uintptr_t)dx,
+				(const int64_t *)(uintptr_t)dtk, T, dfl, st, &rv);
+	TH_CHECK(!rc, "rank %d: capturing the dispatch: %s: %s", r,
+		 ep_strerror(rc), ep_errmsg());
+	if (cfl & EP_LL_ZERO_COPY)
+		cx = cxb[rv.buffer];
+	rc = ep_ll_combine(xg, rv.buffer,
+			   cx ? NULL : (const void *)(uintptr_t)dy,
+			   (const float *)(uintptr_t)dw, (void *)(uintptr_t)dout,
+			   cfl, st);
+	TH_CHECK(!rc, "rank %d: capturing the combine: %s: %s", r,
+		 ep_strerror(rc), ep_errmsg());
+	CU(tg_drv.cuStreamEndCapture(st, &graph));
+	CU(tg_drv.cuGraphInstantiateWithFlags(&exec, graph, 0));
+	for (int it = 0; it < replays; it++) {
+		round = 1000 * (int)(dfl + 2) + it;
+		gen(seed, round, r, false, false, (int)T, in);
+		gen_y(seed, round, r, y);
+		tg_upload(dx, in->x, (size_t)T * H * 2);
+		tg_upload(dtk, in->topk, (size_t)T * K * 8);
+		tg_upload(dw, in->w, (size_t)T * K * 4);
+		tg_upload(cx ? tg_dptr(cx) : dy, y, (size_t)El * WN * H * 2);
+		CU(tg_drv.cuGraphLaunch(exec, st));
+		CU(tg_drv.cuStreamSynchronize(st));
+		take(&rv, true, fp8, G, ox);
+		CU(tg_drv.cuMemcpyDtoH(ox->comb, dout, (size_t)T * H * 2));
+		TH_OK(ep_ll_error(xg));
+		host_way(h, in, y, dfl, fp8, G, round, r, oh);
+		same(round, r, "two nodes, graph replay", ox, oh, fp8, G, T);
+	}
+	CU(tg_drv.cuGraphExecDestroy(exec));
+	CU(tg_drv.cuGraphDestroy(graph));
+}
+
 static int rank_main(int r, void *arg)
 {
 	struct shared *s = arg;
@@ -156,13 +285,14 @@ static int rank_main(int r, void *arg)
 		const bool too_many = round == ROUNDS && r == 1;
 		const bool bad = round == ROUNDS + 1 && r == 2;
 		const unsigned dfl = df[round % 6], cfl = cf[round % 3];
-		gen(seed, round, r, too_many, bad, in);
+		gen(seed, round, r, too_many, bad, -1, in);
 		gen_y(seed, round, r, y);
 		const bool fp8 = dfl & EP_LL_FP8;
-		const size_t rowb = fp8 ? H : H * 2;
 		const size_t G = (dfl & EP_LL_UE8M0) ? H / 512 : H / 128;
 		/* 0: the kernels, 1: host ranks, 2: GPU ranks on two nodes
-		 * (staged) */
+		 * (the daemons' stream-ordered ops between kernels). Way 2
+		 * runs dispatch, hook, combine and hook back to back on the
+		 * stream, the CPU never waiting in between. */
 		for (int way = 0; way < 3; way++) {
 			struct out *ou = o[way];
 			ep_group_t *gg = way == 1 ? h : way == 2 ? xg : g;
@@ -189,34 +319,11 @@ static int rank_main(int r, void *arg)
 				 way, ep_strerror(ou->rc_d), ep_errmsg());
 			if (dfl & EP_LL_HOOK)
 				TH_OK(ep_ll_dispatch_hook(gg, rv.buffer, stw));
-			const size_t nrx = (size_t)El * WN * rowb,
-				     nsc = (size_t)El * G * WN * 4;
-			if (dev) {
+			if (way == 0) {
 				CU(tg_drv.cuStreamSynchronize(st));
-				CU(tg_drv.cuMemcpyDtoH(ou->count,
-						       tg_dptr(rv.recv_count),
-						       sizeof(ou->count)));
-				CU(tg_drv.cuMemcpyDtoH(ou->layout,
-						       tg_dptr(rv.layout_range),
-						       sizeof(ou->layout)));
-				CU(tg_drv.cuMemcpyDtoH(ou->src,
-						       tg_dptr(rv.src_info),
-						       sizeof(ou->src)));
-				CU(tg_drv.cuMemcpyDtoH(ou->rx, tg_dptr(rv.recv_x),
-						       nrx));
-				if (fp8)
-					CU(tg_drv.cuMemcpyDtoH(
-						ou->sc, tg_dptr(rv.recv_scales),
-						nsc));
-			} else {
-				memcpy(ou->count, rv.recv_count,
-				       sizeof(ou->count));
-				memcpy(ou->layout, rv.layout_range,
-				       sizeof(ou->layout));
-				memcpy(ou->src, rv.src_info, sizeof(ou->src));
-				memcpy(ou->rx, rv.recv_x, nrx);
-				if (fp8)
-					memcpy(ou->sc, rv.recv_scales, nsc);
+				take(&rv, true, fp8, G, ou);
+			} else if (way == 1) {
+				take(&rv, false, fp8, G, ou);
 			}
 			/* the combine: y at the places the dispatch gave */
 			const void *ex = dev ? (const void *)(uintptr_t)dy
@@ -227,11 +334,13 @@ static int rank_main(int r, void *arg)
 				if (!dev)
 					memcpy(cx, y, (size_t)El * WN * H * 2);
 				else
-					tg_upload(tg_dptr(cx), y,
-						  (size_t)El * WN * H * 2);
+					CU(tg_drv.cuMemcpyHtoDAsync(
+						tg_dptr(cx), y,
+						(size_t)El * WN * H * 2, st));
 				ex = NULL;
 			} else if (dev) {
-				tg_upload(dy, y, (size_t)El * WN * H * 2);
+				CU(tg_drv.cuMemcpyHtoDAsync(
+					dy, y, (size_t)El * WN * H * 2, st));
 			}
 			const float *pw = dev ? (const float *)(uintptr_t)dw
 					      : in->w;
@@ -243,6 +352,8 @@ static int rank_main(int r, void *arg)
 				TH_OK(ep_ll_combine_hook(gg, rv.buffer, stw));
 			if (dev) {
 				CU(tg_drv.cuStreamSynchronize(st));
+				if (way == 2)
+					take(&rv, true, fp8, G, ou);
 				CU(tg_drv.cuMemcpyDtoH(ou->comb, dout,
 						       sizeof(ou->comb)));
 			}
@@ -261,29 +372,17 @@ static int rank_main(int r, void *arg)
 								 : 0),
 				 "round %d rank %d way %d: ep_ll_error %d", round,
 				 r, wv, a->rc_err);
-			SAME(a->count, hb->count, sizeof(a->count),
-			     wv ? "recv_count (two nodes)" : "recv_count");
-			SAME(a->layout, hb->layout, sizeof(a->layout),
-			     wv ? "layout_range (two nodes)" : "layout_range");
-			SAME(a->src, hb->src, sizeof(a->src),
-			     wv ? "src_info (two nodes)" : "src_info");
-			for (int el = 0; el < El; el++) {
-				const size_t n = (size_t)a->count[el];
-				SAME(a->rx + (size_t)el * WN * rowb,
-				     hb->rx + (size_t)el * WN * rowb, n * rowb,
-				     wv ? "recv_x (two nodes)" : "recv_x");
-				for (size_t gi = 0; fp8 && gi < G; gi++)
-					SAME(a->sc + ((size_t)el * G + gi) * WN,
-					     hb->sc + ((size_t)el * G + gi) * WN,
-					     n * 4,
-					     wv ? "recv_scales (two nodes)"
-						: "recv_scales");
-			}
-			const uint32_t T = in->T > N ? 0 : in->T;
-			SAME(a->comb, hb->comb, (size_t)T * H * 2,
-			     wv ? "combined (two nodes)" : "combined");
+			same(round, r, wv ? "two nodes" : "kernels", a, hb, fp8,
+			     G, in->T > N ? 0 : in->T);
 		}
 	}
+	/* CUDA graphs of the two-node group: bf16 with a plain combine, fp8
+	 * (UE8M0) with a zero-copy one */
+	graph_phase(xg, h, st, seed, r, N - 3, 0, 0, GRAPH_REPLAYS, dx, dtk,
+		    dw, dy, dout, in, y, o[2], o[1]);
+	graph_phase(xg, h, st, seed, r, 5, EP_LL_FP8 | EP_LL_UE8M0,
+		    EP_LL_ZERO_COPY, GRAPH_REPLAYS, dx, dtk, dw, dy, dout, in,
+		    y, o[2], o[1]);
 	TH_OK(ep_leave(g));
 	TH_OK(ep_leave(h));
 	TH_OK(ep_leave(xg));
@@ -352,10 +451,12 @@ int main(void)
 		return TH_SKIP;
 	}
 	printf("ok: %d rounds and two error rounds, 4 ranks: the kernels, "
-	       "the host path and GPU ranks on two nodes (staged) bitwise "
-	       "equal (counts, layout, src_info, rows and scales of bf16 and "
-	       "three fp8 casts, combined tokens plain, hooked and zero copy; "
-	       "the same error codes)\n",
-	       ROUNDS);
+	       "the host path and GPU ranks on two nodes (stream-ordered) "
+	       "bitwise equal (counts, layout, src_info, rows and scales of "
+	       "bf16 and three fp8 casts, combined tokens plain, hooked and "
+	       "zero copy; the same error codes); two nodes' ops captured "
+	       "into CUDA graphs, %d replays with fresh inputs bitwise equal "
+	       "to the host path\n",
+	       ROUNDS, 2 * GRAPH_REPLAYS);
 	return 0;
 }
