@@ -318,6 +318,20 @@ static int llx_gate(ep_group_t *g)
 	return 0;
 }
 
+/* A direct call while graphs hold the pseudo group's ops: refused as the
+ * pseudo group's own stream op would be (EP_EBUSY), before anything is
+ * enqueued or changed (the mode goes on). */
+static int llx_direct_ok(const struct ep_llx *x, void *stream)
+{
+	CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
+	CUresult r = ep__drv.cuStreamIsCapturing((CUstream)stream, &cs);
+	if (r)
+		return ep__cufail(r, "asking whether the stream is captured");
+	return cs == CU_STREAM_CAPTURE_STATUS_NONE
+		       ? ep__graph_direct_ok(x->aux)
+		       : 0;
+}
+
 /* A refused dispatch reports no rows (as a poisoned kernel does). */
 static void llx_no_rows(const struct ep_llx *x, uint32_t b, void *stream)
 {
@@ -351,6 +365,8 @@ int ep__llx_dispatch(ep_group_t *g, const void *xp, const int64_t *topk,
 		llx_no_rows(x, b, stream);
 		return rc;
 	}
+	if ((rc = llx_direct_ok(x, stream)))
+		return rc;
 	/* the routing two dispatches back on this buffer is done with (a
 	 * captured one's is the graph's) */
 	if (B->held) {
@@ -463,6 +479,8 @@ int ep__llx_combine(ep_group_t *g, uint32_t b, const void *expert_out,
 		llx_out_nan(x, (CUdeviceptr)(uintptr_t)out, B->T, stream);
 		return rc;
 	}
+	if ((rc = llx_direct_ok(x, stream)))
+		return rc;
 	struct ekc_llx_args a = llx_args(x, b);
 	a.ex = (uint64_t)(uintptr_t)(cx ? cx : expert_out);
 	a.weights = (uint64_t)(uintptr_t)weights;

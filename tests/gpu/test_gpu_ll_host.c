@@ -221,6 +221,14 @@ static void graph_phase(ep_group_t *xg, ep_group_t *h, CUstream st,
 		 ep_strerror(rc), ep_errmsg());
 	CU(tg_drv.cuStreamEndCapture(st, &graph));
 	CU(tg_drv.cuGraphInstantiateWithFlags(&exec, graph, 0));
+	/* while the graph holds the ops, a direct call is refused and
+	 * changes nothing (the replays below still match) */
+	struct ep_ll_recv rv2;
+	rc = ep_ll_dispatch(xg, (void *)(uintptr_t)dx,
+			    (const int64_t *)(uintptr_t)dtk, T, dfl, st, &rv2);
+	TH_CHECK(rc == EP_EBUSY, "rank %d: a direct dispatch beside a graph: "
+				 "%s, not EP_EBUSY",
+		 r, ep_strerror(rc));
 	for (int it = 0; it < replays; it++) {
 		round = 1000 * (int)(dfl + 2) + it;
 		gen(seed, round, r, false, false, (int)T, in);

@@ -390,11 +390,15 @@ uint64_t ep_group_device_region(const ep_group_t *group, size_t *size);
  * second group of the same ranks (the group's name with ":ll-" and a
  * hash), joined at the first low-latency call and left with the group. A
  * failed op (a rank died or left, a timeout: the daemon's error) ends the
- * mode as below. GPU ranks of a group across nodes take that host path,
- * staged: each call waits for the stream, copies its inputs to the host
- * and queues its outputs' copies (libep's device memory) on the stream;
- * the same bits, not the kernels' speed, and not capturable (a capturing
- * stream gets EP_EUNSUPPORTED).
+ * mode as below. GPU ranks of a group across nodes take that way too,
+ * on the device: the second group is a GPU group whose stream-ordered
+ * dispatch and combine (the daemons', which cross nodes) run on the
+ * caller's stream between small kernels of libep's; the outputs are
+ * libep's device memory. The same bits as the kernels, the daemons'
+ * speed (a message pair through each daemon an op), no CPU wait, and
+ * CUDA-graph capturable. The group's low-latency ops must then run in one
+ * order on the device (one stream, or streams ordered by events); shrink
+ * mode and a narrower top-k are the one-node kernels' only.
  *
  * ep_ll_dispatch sends this rank's num_tokens (<= max_tokens) rows of x
  * [T, hidden] to the ranks of its top-k experts (topk_idx [T, topk] i64,
