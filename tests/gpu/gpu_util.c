@@ -38,13 +38,15 @@ CUstream tg_rank_init(int rank, int *gpu, void *p, size_t len,
 }
 
 ep_group_t *tg_ll_join(const char *sock, const char *name, uint32_t world,
-		       uint32_t r, uint32_t experts, uint32_t hidden,
-		       uint32_t topk, uint32_t timeout_ms, CUstream *st,
-		       ep_conn_t **conn)
+		       uint32_t rpn, uint32_t r, uint32_t experts,
+		       uint32_t hidden, uint32_t topk, uint32_t timeout_ms,
+		       CUstream *st, ep_conn_t **conn)
 {
 	int gpu;
 	*st = tg_rank_init((int)r, &gpu, NULL, 0, NULL);
 	struct ep_group_config cfg = th_group(name, world, r, timeout_ms);
+	if (rpn)
+		cfg.ranks_per_node = rpn;
 	cfg.num_experts = experts;
 	cfg.hidden = hidden;
 	cfg.topk = topk;
@@ -122,4 +124,40 @@ int tg_barrier_after_graphs(ep_group_t *g, CUstream st)
 			th_sleep_ms(2);
 	}
 	return rc;
+}
+
+void tg_cluster2(struct th_daemon d[2], const char *tag)
+{
+	int port = th_ports(2);
+	char peers[160], key[256], kv[2][5][300];
+	snprintf(peers, sizeof(peers), "n0@127.0.0.1:%d, n1@127.0.0.1:%d",
+		 port, port + 1);
+	snprintf(key, sizeof(key), "%s/cluster.key", th_tmpdir(tag));
+	FILE *f = fopen(key, "w");
+	TH_CHECK(f, "key file");
+	fprintf(f, "%s-test-secret-%d\n", tag, getpid());
+	fclose(f);
+	for (int i = 0; i < 2; i++) {
+		snprintf(kv[i][0], 300, "node_name=n%d", i);
+		snprintf(kv[i][1], 300, "peers=%s", peers);
+		snprintf(kv[i][2], 300, "cluster_key_file=%s", key);
+		snprintf(kv[i][3], 300, "heartbeat_ms=100");
+		snprintf(kv[i][4], 300, "heartbeat_miss=20");
+		th_daemon_start(&d[i], "-b", "cuda", "-o", kv[i][0], "-o",
+				kv[i][1], "-o", kv[i][2], "-o", kv[i][3], "-o",
+				kv[i][4], "-o", "transport=tcp", NULL);
+	}
+	for (int t = 0;; t++) {
+		ep_conn_t *c;
+		char *js = NULL;
+		TH_OK(ep_connect(d[0].sock, &c));
+		TH_OK(ep_daemon_status(c, &js));
+		ep_close(c);
+		bool up = strstr(js, "\"SU\"") && strstr(js, "\"US\"");
+		free(js);
+		if (up)
+			break;
+		TH_CHECK(t < 300, "the two nodes never saw each other");
+		th_sleep_ms(20);
+	}
 }

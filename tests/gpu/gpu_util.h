@@ -72,11 +72,17 @@ static inline uint16_t tg_bf16(float f)
 
 /* A low-latency test's rank: its context and stream (tg_rank_init, in
  * *st), connected to the daemon at sock and joined to group `name` of
- * world ranks as rank r, with the shape given, on its GPU. */
+ * world ranks as rank r, rpn ranks a node (0: all on one), with the shape
+ * given, on its GPU. */
 ep_group_t *tg_ll_join(const char *sock, const char *name, uint32_t world,
-		       uint32_t r, uint32_t experts, uint32_t hidden,
-		       uint32_t topk, uint32_t timeout_ms, CUstream *st,
-		       ep_conn_t **conn);
+		       uint32_t rpn, uint32_t r, uint32_t experts,
+		       uint32_t hidden, uint32_t topk, uint32_t timeout_ms,
+		       CUstream *st, ep_conn_t **conn);
+
+/* Two daemons on the cuda backend, nodes n0 and n1 of a cluster over tcp
+ * on this host (a shared key in a fresh directory named after tag),
+ * started and up in each other's view when it returns. */
+void tg_cluster2(struct th_daemon d[2], const char *tag);
 
 /* A device address that ep_get_buffers() returned as a pointer. */
 static inline CUdeviceptr tg_dptr(const void *p)

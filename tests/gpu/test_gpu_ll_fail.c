@@ -23,6 +23,12 @@
  *  after   the daemon serves on: a new group of four runs op pairs, each
  *          way twice, with results bitwise equal to the reference.
  *
+ * Then killed and after again with the group across two daemons (2 nodes
+ * of 2 ranks over tcp: libep's way across nodes, the pseudo group's
+ * stream-ordered ops between its kernels): the survivors' op ends when the
+ * daemons fail the group, not at its timeout, with NaN outputs, later
+ * calls fail at once, and both daemons serve a new group bitwise.
+ *
  * Every failed op's combine output is NaN in every channel (not the last
  * op's rows).
  *
@@ -46,6 +52,8 @@
 
 struct shared {
 	const struct th_daemon *d;
+	const struct th_daemon *node[2];
+	int two; /* the group across the two daemons of node[] */
 	uint32_t arrive, gen; /* tg_line_up */
 	volatile int unsupported;
 	volatile uint64_t took_ms[W], again_us[W];
@@ -85,7 +93,9 @@ static void inputs(struct rank *R)
 static void join(struct rank *R, struct shared *s, const char *name,
 		 uint32_t timeout_ms, ep_conn_t **c)
 {
-	R->g = tg_ll_join(s->d->sock, name, W, (uint32_t)R->r, E, H, K,
+	/* two nodes: ranks 0-1 on node 0's daemon, 2-3 on node 1's */
+	R->g = tg_ll_join(s->two ? s->node[R->r / 2]->sock : s->d->sock, name,
+			  W, s->two ? 2 : 0, (uint32_t)R->r, E, H, K,
 			  timeout_ms, &R->st, c);
 	CU(tg_drv.cuMemAlloc(&R->x, T * H * 2));
 	CU(tg_drv.cuMemAlloc(&R->topk, T * K * 8));
@@ -364,6 +374,32 @@ int main(void)
 	TH_CHECK(th_wait_all(p, W, 60) == 0, "the group after the failures");
 	TH_CHECK(th_daemon_alive(&d), "the daemon died");
 	th_daemon_stop(&d);
+
+	/* the same across two nodes */
+	struct th_daemon dn[2];
+	tg_cluster2(dn, "epdllfail");
+	s->node[0] = &dn[0];
+	s->node[1] = &dn[1];
+	s->two = 1;
+	memset((void *)s->took_ms, 0, sizeof(s->took_ms));
+	memset((void *)s->again_us, 0, sizeof(s->again_us));
+	th_spawn(p, W, killed_rank, s);
+	th_reap(p[W - 1], 60);
+	TH_CHECK(th_wait_all(p, W - 1, 60) == 0, "a survivor failed (two "
+						  "nodes)");
+	uint64_t kill2_ms = most(s->took_ms, W - 1);
+	TH_CHECK(kill2_ms >= 250 && kill2_ms < 5000,
+		 "two nodes: the survivors' op took %llu ms: they waited for "
+		 "the group's timeout (20 s), not for the daemons' failure",
+		 (unsigned long long)kill2_ms);
+	uint64_t kill2_again = most(s->again_us, W - 1);
+	th_spawn(p, W, after_rank, s);
+	TH_CHECK(th_wait_all(p, W, 60) == 0, "the two-node group after the "
+					     "kill");
+	TH_CHECK(th_daemon_alive(&dn[0]) && th_daemon_alive(&dn[1]),
+		 "a daemon died");
+	th_daemon_stop(&dn[0]);
+	th_daemon_stop(&dn[1]);
 	printf("ok: killed rank: survivors' op ended in %llu ms with "
 	       "EP_EPEERLOST (timeout 20 s), later calls in %llu us; hung "
 	       "rank: the others' op ended in %llu ms with EP_ETIMEDOUT "
@@ -371,10 +407,13 @@ int main(void)
 	       "%llu ms with EP_EFAILED; every failed combine's output NaN; "
 	       "ep_leave with its kernel waiting took %llu ms, context "
 	       "healthy; a new group ran 7 op pairs bitwise (plain, hooks, "
-	       "zero copy)\n",
+	       "zero copy); across two nodes: a killed rank's survivors' op "
+	       "ended in %llu ms with EP_EPEERLOST, later calls in %llu us, "
+	       "NaN outputs, a new group 7 op pairs bitwise\n",
 	       (unsigned long long)kill_ms, (unsigned long long)kill_again,
 	       (unsigned long long)hang_ms,
 	       (unsigned long long)most(s->again_us, W),
-	       (unsigned long long)late_ms, (unsigned long long)leave_ms);
+	       (unsigned long long)late_ms, (unsigned long long)leave_ms,
+	       (unsigned long long)kill2_ms, (unsigned long long)kill2_again);
 	return 0;
 }

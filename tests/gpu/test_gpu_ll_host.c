@@ -409,38 +409,7 @@ int main(void)
 	th_daemon_start(&dg, "-b", "cuda", NULL);
 	th_daemon_start(&dh, NULL);
 	/* two more, a cluster over tcp: the GPU ranks' group across nodes */
-	int port = th_ports(2);
-	char peers[160], key[128], kv[2][5][200];
-	snprintf(peers, sizeof(peers), "n0@127.0.0.1:%d, n1@127.0.0.1:%d",
-		 port, port + 1);
-	snprintf(key, sizeof(key), "%s/cluster.key", th_tmpdir("epdllx"));
-	FILE *f = fopen(key, "w");
-	TH_CHECK(f, "key file");
-	fprintf(f, "gpu-ll-host-test-secret-%d\n", getpid());
-	fclose(f);
-	for (int i = 0; i < 2; i++) {
-		snprintf(kv[i][0], 200, "node_name=n%d", i);
-		snprintf(kv[i][1], 200, "peers=%s", peers);
-		snprintf(kv[i][2], 200, "cluster_key_file=%s", key);
-		snprintf(kv[i][3], 200, "heartbeat_ms=100");
-		snprintf(kv[i][4], 200, "heartbeat_miss=20");
-		th_daemon_start(&dn[i], "-b", "cuda", "-o", kv[i][0], "-o",
-				kv[i][1], "-o", kv[i][2], "-o", kv[i][3], "-o",
-				kv[i][4], "-o", "transport=tcp", NULL);
-	}
-	for (int t = 0;; t++) {
-		ep_conn_t *c;
-		char *js = NULL;
-		TH_OK(ep_connect(dn[0].sock, &c));
-		TH_OK(ep_daemon_status(c, &js));
-		ep_close(c);
-		bool up = strstr(js, "\"SU\"") && strstr(js, "\"US\"");
-		free(js);
-		if (up)
-			break;
-		TH_CHECK(t < 300, "the two nodes never saw each other");
-		th_sleep_ms(20);
-	}
+	tg_cluster2(dn, "epdllx");
 	struct shared *s = th_shared(sizeof(*s));
 	s->gpu = &dg;
 	s->host = &dh;

@@ -121,7 +121,7 @@ static void inputs(struct rank *R)
 static void join(struct rank *R, struct shared *s, const char *name,
 		 uint32_t timeout_ms)
 {
-	R->g = tg_ll_join(s->d->sock, name, W, (uint32_t)R->r, E, H, K,
+	R->g = tg_ll_join(s->d->sock, name, W, 0, (uint32_t)R->r, E, H, K,
 			  timeout_ms, &R->st, &R->c);
 	CU(tg_drv.cuMemAlloc(&R->x, T * H * 2));
 	CU(tg_drv.cuMemAlloc(&R->topk, T * K * 8));
