@@ -739,19 +739,23 @@ def main():
                   "alive and released when dropped")
     finally:
         ok = stop_epd(p, d, show_log=not ok) and ok
-    if ok and not CUDA:
+    if ok:
         # the same checks with the group over two nodes: the same
-        # reference, so bitwise equal to one node
-        ok = on_two_nodes(two_nodes)
+        # reference, so bitwise equal to one node (GPU ranks: the
+        # low-latency ops through libep's way across nodes)
+        ok = on_two_nodes(two_nodes, "cuda" if CUDA else "host")
     return 0 if ok else 1
 
 
 def two_nodes(socks):
     t0 = time.time()
-    ok = run_ranks(rank_main, 4, socks, False) is not None
-    print(f"{'ok' if ok else 'FAIL'}: deep_ep 2 nodes x 2 ranks (host, "
-          f"tcp, seed {SEED}, {time.time() - t0:.1f} s): the same checks, "
-          "bitwise equal to the same reference")
+    if CUDA and os.environ.get("EPD_DEEP_EP_LL_KERNELS") != "0":
+        os.environ["EPD_TEST_LL_PATH"] = "kernels"
+    ok = run_ranks(rank_main, 4, socks, CUDA) is not None
+    print(f"{'ok' if ok else 'FAIL'}: deep_ep 2 nodes x 2 ranks "
+          f"({'cuda' if CUDA else 'host'}, tcp, seed {SEED}, "
+          f"{time.time() - t0:.1f} s): the same checks, bitwise equal to "
+          "the same reference")
     return ok
 
 

@@ -101,13 +101,13 @@ def start_cluster(nodes, backend):
     return ps, socks, d
 
 
-def on_two_nodes(body):
-    """body(socks) over two clustered host daemons, socks[r] being rank r's
-    of four (two a node), unless EPD_TEST_NODES=0; its truth, and the
-    daemons' clean exit."""
+def on_two_nodes(body, backend="host"):
+    """body(socks) over two clustered daemons of backend, socks[r] being
+    rank r's of four (two a node), unless EPD_TEST_NODES=0; its truth, and
+    the daemons' clean exit."""
     if os.environ.get("EPD_TEST_NODES", "2") == "0":
         return True
-    ps, socks, d = start_cluster(2, "host")
+    ps, socks, d = start_cluster(2, backend)
     ok = False
     try:
         ok = body([socks[r // 2] for r in range(4)])

@@ -32,11 +32,12 @@ none).
 
 Low-latency mode has DeepEP's semantics (the per-local-expert layout,
 src_info, layout_range, counts, fp8 with per-128 scales, the weighted
-combine, the receive hook, zero copy). GPU ranks of one node run it on
-epd's kernels, one kernel on the rank's stream per op (or two with the
-hook), capturable in CUDA graphs (_ll_kernels). Elsewhere (host ranks,
-ranks on several nodes, ranks sharing a GPU without MPS, or
-EPD_DEEP_EP_LL_KERNELS=0) it goes over the daemon's normal path: each
+combine, the receive hook, zero copy). GPU ranks run it through libep's
+ep_ll_* (_ll_kernels): on one node epd's kernels, one kernel on the
+rank's stream per op (or two with the hook); across nodes libep's
+kernels around the daemons' stream-ordered ops; both capturable in CUDA
+graphs. Elsewhere (host ranks, ranks of one node sharing a GPU without
+MPS, or EPD_DEEP_EP_LL_KERNELS=0) it goes over the daemon's normal path: each
 (token, k) is a pseudo token of one expert in a group of its own shape,
 and the weighted sum is made at home; the same bits, not the kernels'
 speed, and the hook has nothing left to do there.
@@ -1458,20 +1459,22 @@ class Buffer:
     # this rank's stream, no daemon in the op's path ----
 
     def _ll_kernels(self, H, use_fp8, use_ue8m0):
-        """True: the low-latency ops run on epd's kernels (libep ep_ll_*,
-        each op a kernel on this rank's stream that writes into the
-        peers' regions), the default wherever they apply: GPU ranks of one
-        node, hidden a multiple of 128 (of 512 with UE8M0 scales), and
-        ranks that share a GPU under MPS (libep refuses without it, on
-        every rank alike before any rank wrote a peer, and this Buffer
-        goes on on the daemon's path: _ll_path says which and why).
+        """True: the low-latency ops run through libep's ep_ll_* (on one
+        node epd's kernels, each op a kernel on this rank's stream that
+        writes into the peers' regions; across nodes libep's kernels
+        around the daemons' stream-ordered ops), the default wherever
+        they apply: GPU ranks, hidden a multiple of 128 (of 512 with UE8M0
+        scales), and on one node ranks that share a GPU under MPS (libep
+        refuses without it, on every rank alike before any rank wrote a
+        peer, and this Buffer goes on on the daemon's path: _ll_path says
+        which and why).
         EPD_DEEP_EP_LL_KERNELS=0: the daemon's path always. What differs
         between the two: a rank with more than num_max tokens raises at
         once on both; on the kernels the other ranks learn it from their
         kernels' error word (epd.Group.ll_error), not by a raise in the
         same call."""
-        return (self._device is not None and self._rpn == self.group_size
-                and H % (512 if use_fp8 and use_ue8m0 else 128) == 0 and
+        return (self._device is not None and
+                H % (512 if use_fp8 and use_ue8m0 else 128) == 0 and
                 self._ll_off is None)
 
     def _ll_path(self):
@@ -1480,8 +1483,8 @@ class Buffer:
         (_ll_kernels)."""
         if self._ll_off is not None:
             return "daemon", self._ll_off
-        if self._device is None or self._rpn != self.group_size:
-            return "daemon", "host ranks or ranks on several nodes"
+        if self._device is None:
+            return "daemon", "host ranks"
         return "kernels", None
 
     def _ll_kernel_dispatch(self, x, topk_idx, N, E, stats, async_finish,
