@@ -46,6 +46,11 @@ int ep__use_ctx(int dev);
 int ep__mreg_place(const ep_group_t *g, const ep_mreg_t *mr, const void *y,
 		   size_t len, uint32_t *id, uint64_t *off);
 void ep__mreg_fini(ep_group_t *g);
+/* libep_ll.c: n u32 words of pinned host memory, zeroed, mapped for the
+ * GPU (*dev): the low-latency kernels' error words the host reads without
+ * a copy. EP_EBACKEND naming what. */
+int ep__host_words(size_t n, volatile uint32_t **host, CUdeviceptr *dev,
+		   const char *what);
 /* libep_ll.c: the low-latency state's end (at unmap). */
 void ep__ll_fini(ep_group_t *g);
 /* libep_llx.c: the low-latency mode of GPU ranks across nodes (ep__llg_*

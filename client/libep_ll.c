@@ -52,6 +52,25 @@ struct ep_ll {
 };
 
 static int ll_gate(ep_group_t *g, void *stream);
+
+int ep__host_words(size_t n, volatile uint32_t **host, CUdeviceptr *dev,
+		   const char *what)
+{
+	CUresult r = ep__drv.cuMemHostAlloc((void **)host, n * sizeof(**host),
+					    CU_MEMHOSTALLOC_DEVICEMAP |
+						    CU_MEMHOSTALLOC_PORTABLE);
+	if (r) {
+		*host = NULL;
+		return ep__cufail(r, what);
+	}
+	if ((r = ep__drv.cuMemHostGetDevicePointer(dev, (void *)*host, 0))) {
+		ep__drv.cuMemFreeHost((void *)*host);
+		*host = NULL;
+		return ep__cufail(r, what);
+	}
+	memset((void *)*host, 0, n * sizeof(**host));
+	return 0;
+}
 static bool ll_gone_only(const ep_group_t *g);
 
 /* ep_ll_dispatch's cast modes (ek.h) are the kernels' */
@@ -246,21 +265,9 @@ static int ll_setup(ep_group_t *g)
 			rc = ep__cufail(r, "allocating the low-latency outputs");
 	}
 	CUdeviceptr herr = 0;
-	if (!rc) {
-		r = ep__drv.cuMemHostAlloc((void **)&l->herr, sizeof(*l->herr),
-					   CU_MEMHOSTALLOC_DEVICEMAP |
-						   CU_MEMHOSTALLOC_PORTABLE);
-		if (r)
-			l->herr = NULL;
-		else
-			r = ep__drv.cuMemHostGetDevicePointer(
-				&herr, (void *)l->herr, 0);
-		if (r)
-			rc = ep__cufail(r, "mapping the low-latency error word "
-					   "for the GPU");
-		else
-			*l->herr = 0;
-	}
+	if (!rc)
+		rc = ep__host_words(1, &l->herr, &herr,
+				    "the low-latency error word");
 	if (rc) {
 		ll_free(l);
 		return rc;

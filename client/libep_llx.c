@@ -200,23 +200,9 @@ static int llx_setup(ep_group_t *g)
 	if (!rc)
 		rc = llx_alloc(x, ab.max_recv);
 	CUdeviceptr herr = 0;
-	if (!rc) {
-		r = ep__drv.cuMemHostAlloc((void **)&x->herr,
-					   EKC_LLX_NERR * sizeof(*x->herr),
-					   CU_MEMHOSTALLOC_DEVICEMAP |
-						   CU_MEMHOSTALLOC_PORTABLE);
-		if (r)
-			x->herr = NULL;
-		else
-			r = ep__drv.cuMemHostGetDevicePointer(
-				&herr, (void *)x->herr, 0);
-		if (r)
-			rc = ep__cufail(r, "mapping the low-latency error words "
-					   "for the GPU");
-		else
-			memset((void *)x->herr, 0,
-			       EKC_LLX_NERR * sizeof(*x->herr));
-	}
+	if (!rc)
+		rc = ep__host_words(EKC_LLX_NERR, &x->herr, &herr,
+				    "the low-latency error words");
 	if (rc) {
 		char msg[EPP_ERRMSG_MAX];
 		snprintf(msg, sizeof(msg), "%s", ep_errmsg());

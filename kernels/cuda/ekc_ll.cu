@@ -991,7 +991,16 @@ __device__ static inline void ll_acc(float acc[LL_U][8], const uint4 v[LL_U],
 	}
 }
 
-__device__ static inline void ll_store_sum(const struct ekc_ll_args &a,
+// What a home's sum reads and writes: each (t, k)'s expert and place
+// (key, pos [T*K] i32), weights [T, K] f32, out [T, H] bf16.
+struct ll_sum_io {
+	const int32_t *key, *pos;
+	const float *w;
+	uint8_t *out;
+	uint32_t T, K, H;
+};
+
+__device__ static inline void ll_store_sum(const struct ll_sum_io &s,
 					   uint32_t t, uint32_t o,
 					   uint32_t bytes, uint32_t lane,
 					   float acc[LL_U][8])
@@ -1000,7 +1009,7 @@ __device__ static inline void ll_store_sum(const struct ekc_ll_args &a,
 #pragma unroll
 	for (int u = 0; u < LL_U; u++)
 		r[u] = pack_bf16x8(acc[u]);
-	ll_store((uint8_t *)a.out + (uint64_t)t * a.H * 2 + o, bytes, lane, r);
+	ll_store(s.out + (uint64_t)t * s.H * 2 + o, bytes, lane, r);
 }
 
 // The home's sum, by every warp of the grid: for each (token, slice)
@@ -1019,13 +1028,13 @@ __device__ static inline void ll_store_sum(const struct ekc_ll_args &a,
 // session).
 #define LL_SUM_K 2
 template <typename Row>
-__device__ static void ll_sum(const struct ekc_ll_args &a, Row row)
+__device__ static void ll_sum_rows(const struct ll_sum_io &s, Row row)
 {
-	const uint32_t T = a.T > a.N ? 0 : a.T;
-	const uint32_t rowb = a.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
+	const uint32_t T = s.T, K = s.K;
+	const uint32_t rowb = s.H * 2, S = (rowb + LL_SLICE - 1) / LL_SLICE;
 	const uint32_t lane = threadIdx.x & 31;
-	const int32_t *key = ll_key(a), *pos = ll_pos(a);
-	const float *w = (const float *)a.weights;
+	const int32_t *key = s.key, *pos = s.pos;
+	const float *w = s.w;
 	const uint64_t nw = (uint64_t)gridDim.x * (blockDim.x / 32);
 	for (uint64_t it = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
 	     it < (uint64_t)T * S; it += nw) {
@@ -1038,18 +1047,18 @@ __device__ static void ll_sum(const struct ekc_ll_args &a, Row row)
 #pragma unroll
 			for (int c = 0; c < 8; c++)
 				acc[u][c] = 0.0f;
-		for (uint32_t kb = 0; kb < a.K; kb += 32) {
+		for (uint32_t kb = 0; kb < K; kb += 32) {
 			// one load of the (t, k)'s expert, place and weight for
 			// the warp, then broadcast
 			int32_t ek = -1, pk = 0;
 			float wk = 0.0f;
-			if (kb + lane < a.K) {
-				const uint32_t i = t * a.K + kb + lane;
+			if (kb + lane < K) {
+				const uint32_t i = t * K + kb + lane;
 				ek = __ldcg(key + i);
 				pk = __ldcg(pos + i);
 				wk = w[i];
 			}
-			const uint32_t nk = min(32u, a.K - kb);
+			const uint32_t nk = min(32u, K - kb);
 			for (uint32_t k0 = 0; k0 < nk; k0 += LL_SUM_K) {
 				uint4 v[LL_SUM_K][LL_U];
 				uint32_t got = 0; // the rows loaded, bit j
@@ -1063,7 +1072,7 @@ __device__ static void ll_sum(const struct ekc_ll_args &a, Row row)
 						0xffffffffu, pk, k0 + j);
 					const uint8_t *r =
 						e < 0 ? nullptr
-						      : row(t * a.K + kb + k0 + j,
+						      : row(t * K + kb + k0 + j,
 							    e, p);
 					if (!r)
 						continue;
@@ -1080,8 +1089,18 @@ __device__ static void ll_sum(const struct ekc_ll_args &a, Row row)
 				}
 			}
 		}
-		ll_store_sum(a, t, o, bytes, lane, acc);
+		ll_store_sum(s, t, o, bytes, lane, acc);
 	}
+}
+
+// The sum of a low-latency combine (ll_sum_rows over its args).
+template <typename Row>
+__device__ static inline void ll_sum(const struct ekc_ll_args &a, Row row)
+{
+	const struct ll_sum_io s = {ll_key(a), ll_pos(a),
+				    (const float *)a.weights, (uint8_t *)a.out,
+				    a.T > a.N ? 0 : a.T, a.K, a.H};
+	ll_sum_rows(s, row);
 }
 
 // A failed combine's output: NaN in every channel (each block writes all

@@ -28,8 +28,8 @@
 // writes NaN in every channel, so a graph replayed in a loop never takes
 // stale rows for a result.
 //
-// Needs ll_load, ll_load_cg, ll_store, ll_quant, ll_put_slice, ll_acc
-// (ekc_ll.cu) and pack_bf16x8 (ekc_dispatch.cu): included after them.
+// Needs ll_load, ll_store, ll_quant, ll_put_slice and ll_sum_rows
+// (ekc_ll.cu): included after it.
 #include "ekc.h"
 
 __device__ static inline void llx_err(const struct ekc_llx_args &a, int which)
@@ -51,9 +51,20 @@ __device__ static inline bool llx_failed(const struct ekc_llx_args &a)
 	return __syncthreads_or(v != 0);
 }
 
-__device__ static inline uint32_t llx_slices(const struct ekc_llx_args &a)
+// Every warp of the grid: f(row, o, bytes, lane) for each (row, slice)
+// item of n rows of rowb bytes (slice o of bytes bytes).
+template <typename F>
+__device__ static inline void llx_items(uint64_t n, uint32_t rowb, F f)
 {
-	return (a.H * 2 + LL_SLICE - 1) / LL_SLICE;
+	const uint32_t S = (rowb + LL_SLICE - 1) / LL_SLICE;
+	const uint32_t lane = threadIdx.x & 31;
+	const uint64_t nw = (uint64_t)gridDim.x * (blockDim.x / 32);
+	for (uint64_t it = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+	     it < n * S; it += nw) {
+		const uint32_t o = (uint32_t)(it % S) * LL_SLICE;
+		f((uint32_t)(it / S), o,
+		  rowb - o < LL_SLICE ? rowb - o : LL_SLICE, lane);
+	}
 }
 
 // A (t, k)'s expert as the dispatch takes it: -1 for a skipped one or one
@@ -119,14 +130,9 @@ ekc_llx_send(const struct ekc_llx_args a)
 	}
 	// every warp of the grid: the rows, each (t, slice) loaded once and
 	// stored for each of its K pseudo tokens that goes somewhere
-	const uint32_t rowb = a.H * 2, S = llx_slices(a);
-	const uint32_t lane = threadIdx.x & 31;
-	const uint64_t nw = (uint64_t)gridDim.x * (blockDim.x / 32);
-	for (uint64_t it = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-	     it < (uint64_t)T * S; it += nw) {
-		const uint32_t t = (uint32_t)(it / S), sl = (uint32_t)(it % S);
-		const uint32_t o = sl * LL_SLICE;
-		const uint32_t bytes = rowb - o < LL_SLICE ? rowb - o : LL_SLICE;
+	const uint32_t rowb = a.H * 2;
+	llx_items(T, rowb, [&](uint32_t t, uint32_t o, uint32_t bytes,
+			       uint32_t lane) {
 		uint4 v[LL_U];
 		ll_load((const uint8_t *)a.x + (uint64_t)t * rowb + o, bytes,
 			lane, v);
@@ -136,7 +142,7 @@ ekc_llx_send(const struct ekc_llx_args a)
 				ll_store((uint8_t *)a.sx + n * rowb + o, bytes,
 					 lane, v);
 		}
-	}
+	});
 }
 
 // One block: the received rows counted per (local expert, source), the
@@ -196,15 +202,12 @@ ekc_llx_recv_rows(const struct ekc_llx_args a)
 {
 	const uint32_t R = *(const uint32_t *)a.nrec;
 	const uint32_t W = a.W, El = a.El, WN = a.W * a.N;
-	const uint32_t rowb = a.H * 2, S = llx_slices(a);
-	const uint32_t lane = threadIdx.x & 31, fp8 = a.fp8;
+	const uint32_t rowb = a.H * 2, fp8 = a.fp8;
 	const int64_t *rtk = (const int64_t *)a.rtk;
 	const uint32_t *rw = (const uint32_t *)a.rw;
 	const int32_t *rsrc = (const int32_t *)a.rsrc;
-	const uint64_t nw = (uint64_t)gridDim.x * (blockDim.x / 32);
-	for (uint64_t it = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-	     it < (uint64_t)R * S; it += nw) {
-		const uint32_t i = (uint32_t)(it / S), sl = (uint32_t)(it % S);
+	llx_items(R, rowb, [&](uint32_t i, uint32_t o, uint32_t bytes,
+			       uint32_t lane) {
 		const int64_t el = rtk[i];
 		const int32_t s = rsrc[2 * i];
 		const uint32_t p = rw[i];
@@ -216,13 +219,13 @@ ekc_llx_recv_rows(const struct ekc_llx_args a)
 							       a.layout)[el * W + s];
 			if (p >= (uint32_t)lr) { // outside its source's rows
 				ok = false;
-				if (sl == 0 && lane == 0)
+				if (o == 0 && lane == 0)
 					llx_err(a, EKC_LLX_ETOOBIG);
 			}
 			gp = (lr >> 32) + p;
 			ok = ok && gp < WN; // past W*N: counted as ETOOBIG
 		}
-		if (sl == 0 && lane == 0) {
+		if (o == 0 && lane == 0) {
 			((int64_t *)a.place)[i] =
 				ok ? (int64_t)((uint64_t)el * WN + gp) : -1;
 			if (ok)
@@ -230,9 +233,7 @@ ekc_llx_recv_rows(const struct ekc_llx_args a)
 					rsrc[2 * i + 1] / (int32_t)a.K;
 		}
 		if (!ok)
-			continue;
-		const uint32_t o = sl * LL_SLICE;
-		const uint32_t bytes = rowb - o < LL_SLICE ? rowb - o : LL_SLICE;
+			return;
 		uint4 v[LL_U];
 		ll_load((const uint8_t *)a.rx + (uint64_t)i * rowb + o, bytes,
 			lane, v);
@@ -243,7 +244,7 @@ ekc_llx_recv_rows(const struct ekc_llx_args a)
 		ll_put_slice((uint8_t *)a.out_rx, (uint32_t *)a.out_sc,
 			     (uint32_t)el, (uint32_t)gp, WN, a.H, o, bytes, lane,
 			     fp8, v, q, sw);
-	}
+	});
 }
 
 // The combine's rows: received row i's expert output (at its place; zeros
@@ -252,14 +253,9 @@ extern "C" __global__ void __launch_bounds__(EKC_LLX_TPB)
 ekc_llx_gather(const struct ekc_llx_args a)
 {
 	const uint32_t R = *(const uint32_t *)a.nrec;
-	const uint32_t rowb = a.H * 2, S = llx_slices(a);
-	const uint32_t lane = threadIdx.x & 31;
-	const uint64_t nw = (uint64_t)gridDim.x * (blockDim.x / 32);
-	for (uint64_t it = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-	     it < (uint64_t)R * S; it += nw) {
-		const uint32_t i = (uint32_t)(it / S), sl = (uint32_t)(it % S);
-		const uint32_t o = sl * LL_SLICE;
-		const uint32_t bytes = rowb - o < LL_SLICE ? rowb - o : LL_SLICE;
+	const uint32_t rowb = a.H * 2;
+	llx_items(R, rowb, [&](uint32_t i, uint32_t o, uint32_t bytes,
+			       uint32_t lane) {
 		const int64_t p = ((const int64_t *)a.place)[i];
 		uint4 v[LL_U];
 		if (p >= 0) {
@@ -272,7 +268,7 @@ ekc_llx_gather(const struct ekc_llx_args a)
 		}
 		ll_store((uint8_t *)a.cy + (uint64_t)i * rowb + o, bytes, lane,
 			 v);
-	}
+	});
 }
 
 // At home: out[t] = the sum over k in top-k order of weight(t, k) times
@@ -291,36 +287,15 @@ ekc_llx_sum(const struct ekc_llx_args a)
 			o[j] = 0x7fc07fc0u;
 		return;
 	}
-	const uint32_t rowb = a.H * 2, S = llx_slices(a);
-	const uint32_t lane = threadIdx.x & 31;
-	const int32_t *key = (const int32_t *)a.key;
-	const float *w = (const float *)a.weights;
-	const uint64_t nw = (uint64_t)gridDim.x * (blockDim.x / 32);
-	for (uint64_t it = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-	     it < (uint64_t)T * S; it += nw) {
-		const uint32_t t = (uint32_t)(it / S), sl = (uint32_t)(it % S);
-		const uint32_t o = sl * LL_SLICE;
-		const uint32_t bytes = rowb - o < LL_SLICE ? rowb - o : LL_SLICE;
-		float acc[LL_U][8];
-#pragma unroll
-		for (int u = 0; u < LL_U; u++)
-#pragma unroll
-			for (int c = 0; c < 8; c++)
-				acc[u][c] = 0.0f;
-		for (uint32_t k = 0; k < K; k++) {
-			const uint64_t n = (uint64_t)t * K + k;
-			if (key[n] < 0)
-				continue;
-			uint4 v[LL_U];
-			ll_load_cg((const uint8_t *)a.comb + n * rowb + o, bytes,
-				   lane, v);
-			ll_acc(acc, v, w[n]);
-		}
-		uint4 r[LL_U];
-#pragma unroll
-		for (int u = 0; u < LL_U; u++)
-			r[u] = pack_bf16x8(acc[u]);
-		ll_store((uint8_t *)a.out + (uint64_t)t * rowb + o, bytes, lane,
-			 r);
-	}
+	// ll_sum_rows (ekc_ll.cu): pseudo token t * K + k's row came back
+	// alone to row t * K + k of combined; a skipped one has key -1
+	const struct ll_sum_io io = {(const int32_t *)a.key,
+				     (const int32_t *)a.key,
+				     (const float *)a.weights, (uint8_t *)a.out,
+				     T, K, a.H};
+	const uint8_t *comb = (const uint8_t *)a.comb;
+	const uint64_t rowb = (uint64_t)a.H * 2;
+	ll_sum_rows(io, [&](uint32_t i, int32_t, int32_t) -> const uint8_t * {
+		return comb + i * rowb;
+	});
 }
