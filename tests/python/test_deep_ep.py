@@ -232,6 +232,11 @@ def ll_checks(torch, buf, ins, r, W, D):
     del recv, handle
 
 
+def one_node_gpu(buf, W):
+    """GPU ranks of one node (receive areas, registered memory)."""
+    return CUDA and buf._rpn == W
+
+
 def rank_main(torch, dist, group, r, W):
     sock = os.environ["EPD_SOCKET"]  # this rank's node
     import epd.deep_ep as deep_ep
@@ -425,11 +430,12 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
 
     # Outputs are fresh tensors. GPU ranks of one node get the received
     # rows in a receive area handed out as recv_x (no copy) until the tensor
-    # is freed (areas 1 and 2 of 3); outputs past that are copies. Each
-    # keeps its bytes through the later dispatches, a freed area is used
-    # again, and a tensor outlives the Buffer (rank_main's end).
+    # is freed (areas 1 and 2 of 3); outputs past that are copies (and all
+    # of them on host ranks and across nodes, where a group has one area).
+    # Each keeps its bytes through the later dispatches, a freed area is
+    # used again, and a tensor outlives the Buffer (rank_main's end).
     sub = buf._subs[(H, False, K, E)]
-    areas = 3 if CUDA else 1
+    areas = 3 if one_node_gpu(buf, W) else 1
     assert sub.g.recv_areas == areas, (sub.g.recv_areas, areas)
     global KEPT
     gc.collect()
@@ -525,12 +531,13 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
     global KEPT_OUT
     KEPT_OUT = (out, want)
     from epd.deep_ep.buffers import legacy as _legacy
-    if CUDA and _legacy.expandable_segments():
+    if one_node_gpu(buf, W) and _legacy.expandable_segments():
         # expandable segments (the caller's setting, or the one the
         # Buffer made unless $EPD_DEEP_EP_EXPANDABLE=0): the combines
         # above read the rows where torch put them
-        # (registered memory), not through a copy: checked bit for bit
-        # against the reference all the same
+        # (registered memory, which groups across nodes do not take), not
+        # through a copy: checked bit for bit against the reference all
+        # the same
         placed = [s_.in_place for s_ in buf._subs.values()
                   if hasattr(s_, "in_place")]
         assert any(p_["rows"] for p_ in placed), \
@@ -539,7 +546,7 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
             "expandable segments: no combine wrote its output in place"
         print(f"ok: rank {r}: combines read torch's rows and wrote their "
               "outputs in place (registered memory)", flush=True)
-    elif CUDA:
+    elif CUDA and not _legacy.expandable_segments():
         # torch's default allocator ($EPD_DEEP_EP_EXPANDABLE=0): not
         # memory the daemon can import; the first try said so
         # (EP_EUNSUPPORTED) and the rows are copied
