@@ -49,6 +49,15 @@ int ep__op_error(ep_group_t *g)
 		return 0; /* this rank's own, told at once */
 	int code = *(const int32_t *)(sl + EPP_CTL_OP_ERR_CODE);
 	uint64_t pos = *(const uint64_t *)(sl + EPP_CTL_OP_ERR_POS);
+	if (code == EP_ETOOBIG && pos != UINT64_MAX &&
+	    (uint32_t)pos == UINT32_MAX) /* staged: asked on another node */
+		return ep__fail(code,
+				"op %llu changed nothing: rank %llu dispatched "
+				"more tokens than the group's maximum of %u per "
+				"rank",
+				(unsigned long long)seq,
+				(unsigned long long)((pos >> 32) & 0x7fffffffull),
+				g->cfg.max_tokens);
 	if (code == EP_ETOOBIG && pos != UINT64_MAX)
 		return ep__fail(code,
 				"op %llu changed nothing: rank %llu dispatched "

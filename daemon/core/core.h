@@ -227,6 +227,10 @@ struct epd_group {
 	bool coll_cw; /* a combine that sums top-k weights */
 	/* the current dispatch's rank that asked for too many tokens */
 	uint32_t toobig_rank, toobig_tokens;
+	/* the rank epd_ops_toobig named last, for a GPU group's staged op:
+	 * rank << 32 | its tokens (UINT32_MAX: asked on another node), as
+	 * the control page's EPP_CTL_OP_ERR_POS carries it; UINT64_MAX none */
+	uint64_t toobig_pos;
 	bool busy;         /* a job runs on the data-path threads */
 	bool free_pending; /* destroyed while busy: the job frees it */
 	bool destroyed;    /* off the server's list, its timer closing */

@@ -488,6 +488,7 @@ static struct epd_group *group_create(struct epd_server *srv, uid_t owner,
 	g->timeout_ms = j->timeout_ms ? j->timeout_ms : srv->cfg.timeout_ms;
 	g->state = EPD_G_FORMING;
 	g->shape.link = 0; /* a joiner's, not the group's */
+	g->toobig_pos = UINT64_MAX;
 	LIST_INIT(&g->linked);
 	LIST_INIT(&g->link_node);
 	g->created_ns = epd_now_ns();

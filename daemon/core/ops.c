@@ -313,7 +313,10 @@ bool epd_ops_toobig(struct epd_group *g, const uint32_t *flags, uint32_t W,
 	for (uint32_t s = 0; s < W; s++) {
 		if (!(flags[s] & EPP_DISPATCH_TOOBIG))
 			continue;
-		if (s == g->toobig_rank && g->toobig_tokens)
+		const bool here = s == g->toobig_rank && g->toobig_tokens;
+		g->toobig_pos = (uint64_t)s << 32 |
+				(here ? g->toobig_tokens : UINT32_MAX);
+		if (here)
 			snprintf(err, errlen,
 				 "rank %u dispatched %u tokens, above the "
 				 "group's maximum of %u per rank",

@@ -156,15 +156,19 @@ static void stage_finish(struct epd_group *g)
 	}
 	CUresult r = 0;
 	if (c->stage_rc == EP_EEXPERT || c->stage_rc == EP_ETOOBIG) {
-		/* that op alone fails, changing nothing (the position, or
-		 * the rank with too many tokens, is in this daemon's log) */
+		/* that op alone fails, changing nothing (the position of a
+		 * bad expert is in this daemon's log; the rank with too many
+		 * tokens is named to every rank, as on one node) */
 		epd_warn("group %s: op %llu: %s", g->shape.name,
 			 (unsigned long long)k, c->stage_err);
+		const uint64_t pos =
+			c->stage_rc == EP_ETOOBIG ? g->toobig_pos : UINT64_MAX;
+		g->toobig_pos = UINT64_MAX;
 		for (uint32_t l = 0; l < rpn; l++) {
 			uint8_t *s = cu_slot(g, l);
 			memset(cu_ctl_pe(g, l), 0, cu_ctl_pe_bytes(g));
 			__atomic_store_n((uint64_t *)(s + EPP_CTL_OP_ERR_POS),
-					 UINT64_MAX, __ATOMIC_RELAXED);
+					 pos, __ATOMIC_RELAXED);
 			__atomic_store_n((int32_t *)(s + EPP_CTL_OP_ERR_CODE),
 					 c->stage_rc, __ATOMIC_RELAXED);
 			__atomic_store_n((uint64_t *)(s + EPP_CTL_RECV), 0,
