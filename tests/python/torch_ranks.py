@@ -27,14 +27,19 @@ def start_epd(backend):
     return p, sock, d
 
 
-def held_handles(sock):
+def held_handles(sock, ll=False):
     """Handles the daemon at sock holds for epd.deep_ep's groups: host
-    routings, and a GPU group's device routings."""
+    routings, and a GPU group's device routings. ll: those of libep's
+    low-latency pseudo groups instead (named ":ll-"; each keeps the
+    routings of its two buffers' last dispatches, for their combines, until
+    the buffer's next dispatch) and how many such groups."""
     import epd
     st = epd.status(sock)
-    return sum(g.get("handles", {}).get("held", 0) +
-               g.get("cuda", {}).get("device_handles", 0)
-               for g in st.get("groups", []) if g["name"].startswith("dep-"))
+    gs = [g for g in st.get("groups", []) if g["name"].startswith("dep-")
+          and (":ll-" in g["name"]) == ll]
+    held = sum(g.get("handles", {}).get("held", 0) +
+               g.get("cuda", {}).get("device_handles", 0) for g in gs)
+    return (held, len(gs)) if ll else held
 
 
 def free_ports(n):
