@@ -643,9 +643,10 @@ class Group:
     def sync(self):
         _check(_lib.ep_group_sync(self._g))
 
-    # ---- low-latency mode (ep.h, ep_ll_*): GPU ranks of one node with
-    # torch tensors on the rank's stream; host ranks (one node or several)
-    # with numpy arrays (or CPU tensors), each call complete on return ----
+    # ---- low-latency mode (ep.h, ep_ll_*): GPU ranks (one node or
+    # several) with torch tensors on the rank's stream; host ranks (one
+    # node or several) with numpy arrays (or CPU tensors), each call
+    # complete on return ----
 
     def _ll_view(self, ptr, shape, typestr):
         if not self._per_gpu:
