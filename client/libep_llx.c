@@ -48,7 +48,9 @@ struct llx_buf {
 	CUdeviceptr key;       /* [N * K] i32 */
 	CUdeviceptr place;     /* [max_recv] i64 */
 	CUdeviceptr nrec;      /* u32 */
-	CUdeviceptr cx;        /* a zero-copy combine's rows [El, WN, H] */
+	CUdeviceptr cx;        /* a zero-copy combine's rows [El, WN, H]
+				  (made with the rest: a first use inside a
+				  graph capture could not allocate) */
 	ep_handle_t h;         /* the pseudo group's dispatch */
 	bool held;             /* h is a direct op's, to release */
 	bool used;
@@ -76,9 +78,6 @@ static void llx_free(struct ep_llx *x)
 		ep__group_free(x->aux);
 	if (x->mem)
 		ep__drv.cuMemFree(x->mem);
-	for (int b = 0; b < 2; b++)
-		if (x->b[b].cx)
-			ep__drv.cuMemFree(x->b[b].cx);
 	if (x->herr)
 		ep__drv.cuMemFreeHost((void *)x->herr);
 	free(x);
@@ -104,19 +103,23 @@ static uint64_t up(uint64_t n)
 	return (n + 255) / 256 * 256;
 }
 
-/* The device memory of both buffers, in one allocation. */
+/* The device memory of both buffers, in one allocation, zeroed. */
 static int llx_alloc(struct ep_llx *x, uint64_t max_recv)
 {
 	const uint64_t rows = (uint64_t)x->El * x->WN;
 	const uint64_t sz[] = {rows * x->H * 2, rows * (x->H / 128) * 4 + 4,
 			       (uint64_t)x->El * 4, (uint64_t)x->El * x->W * 8,
 			       rows * 4, (uint64_t)x->N * x->K * 4 + 4,
-			       max_recv * 8 + 8, 4};
+			       max_recv * 8 + 8, 4, rows * x->H * 2};
 	uint64_t per = 0;
 	for (size_t i = 0; i < sizeof(sz) / sizeof(sz[0]); i++)
 		per += up(sz[i]);
 	CUresult r = ep__drv.cuMemAlloc(&x->mem, 2 * per);
+	if (!r)
+		r = ep__drv.cuMemsetD8(x->mem, 0, 2 * per);
 	if (r) {
+		if (x->mem)
+			ep__drv.cuMemFree(x->mem);
 		x->mem = 0;
 		return ep__cufail(r, "allocating the low-latency outputs");
 	}
@@ -125,7 +128,8 @@ static int llx_alloc(struct ep_llx *x, uint64_t max_recv)
 		CUdeviceptr *f[] = {&x->b[b].rx,     &x->b[b].sc,
 				    &x->b[b].count,  &x->b[b].layout,
 				    &x->b[b].src,    &x->b[b].key,
-				    &x->b[b].place,  &x->b[b].nrec};
+				    &x->b[b].place,  &x->b[b].nrec,
+				    &x->b[b].cx};
 		for (size_t i = 0; i < sizeof(sz) / sizeof(sz[0]); i++) {
 			*f[i] = p;
 			p += up(sz[i]);
@@ -304,18 +308,23 @@ static int llx_gate(ep_group_t *g)
 	return 0;
 }
 
-/* A direct call while graphs hold the pseudo group's ops: refused as the
- * pseudo group's own stream op would be (EP_EBUSY), before anything is
- * enqueued or changed (the mode goes on). */
-static int llx_direct_ok(const struct ep_llx *x, void *stream)
+/* 1 if stream is being captured, 0 if not, else the error. */
+static int llx_captured(void *stream)
 {
 	CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
 	CUresult r = ep__drv.cuStreamIsCapturing((CUstream)stream, &cs);
 	if (r)
 		return ep__cufail(r, "asking whether the stream is captured");
-	return cs == CU_STREAM_CAPTURE_STATUS_NONE
-		       ? ep__graph_direct_ok(x->aux)
-		       : 0;
+	return cs != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+/* A direct call while graphs hold the pseudo group's ops: refused as the
+ * pseudo group's own stream op would be (EP_EBUSY), before anything is
+ * enqueued or changed (the mode goes on). */
+static int llx_direct_ok(const struct ep_llx *x, void *stream)
+{
+	const int cap = llx_captured(stream);
+	return cap == 0 ? ep__graph_direct_ok(x->aux) : cap == 1 ? 0 : cap;
 }
 
 /* A refused dispatch reports no rows (as a poisoned kernel does). */
@@ -425,20 +434,7 @@ int ep__llx_combine_buffer(ep_group_t *g, uint32_t b, void **rows)
 	int rc = llx_setup(g);
 	if (rc)
 		return rc;
-	struct llx_buf *B = &g->llx->b[b];
-	if (!B->cx) {
-		const size_t n = (size_t)g->llx->El * g->llx->WN * g->llx->H * 2;
-		CUresult r = ep__drv.cuMemAlloc(&B->cx, n);
-		if (!r)
-			r = ekc_write(&ep__drv, B->cx, NULL, n);
-		if (r) {
-			if (B->cx)
-				ep__drv.cuMemFree(B->cx);
-			B->cx = 0;
-			return ep__cufail(r, "allocating the combine buffer");
-		}
-	}
-	*rows = (void *)(uintptr_t)B->cx;
+	*rows = (void *)(uintptr_t)g->llx->b[b].cx;
 	return 0;
 }
 
@@ -467,6 +463,12 @@ int ep__llx_combine(ep_group_t *g, uint32_t b, const void *expert_out,
 	}
 	if ((rc = llx_direct_ok(x, stream)))
 		return rc;
+	if ((B->h.seq & EP__GSEQ) && (rc = llx_captured(stream)) != 1)
+		return rc ? rc
+			  : ep__fail(EP_EINVAL,
+				     "buffer %u's dispatch was captured into a "
+				     "CUDA graph: its combine is captured too",
+				     b);
 	struct ekc_llx_args a = llx_args(x, b);
 	a.ex = (uint64_t)(uintptr_t)(cx ? cx : expert_out);
 	a.weights = (uint64_t)(uintptr_t)weights;

@@ -14,7 +14,9 @@
  * both (ep_ll_error, every rank). Then the two-node group's dispatch and
  * combine captured into CUDA graphs (bf16 and a plain combine; fp8 with
  * UE8M0 scales and a zero-copy combine), each replayed with fresh inputs
- * and compared with the host path on the same inputs every time.
+ * and compared with the host path on the same inputs every time; once
+ * the graph is gone, a direct combine of its captured dispatch is refused
+ * and a direct op pair runs bitwise.
  *
  * Exit 77 without a GPU, or where ranks share a GPU without MPS.
  */
@@ -264,6 +266,44 @@ static void graph_phase(ep_group_t *xg, ep_group_t *h, CUstream st,
 	free(th);
 	CU(tg_drv.cuGraphExecDestroy(exec));
 	CU(tg_drv.cuGraphDestroy(graph));
+	/* The graph gone (CUDA lets its records go shortly after): a direct
+	 * combine of the buffer whose dispatch was captured is refused
+	 * (EP_EINVAL) and ends nothing; a direct op pair then runs bitwise. */
+	rc = EP_EBUSY;
+	for (int tries = 0; rc == EP_EBUSY && tries < 1000; tries++) {
+		rc = ep_ll_combine(xg, rv.buffer,
+				   cx ? NULL : (const void *)(uintptr_t)dy,
+				   (const float *)(uintptr_t)dw,
+				   (void *)(uintptr_t)dout, cfl, st);
+		if (rc == EP_EBUSY)
+			th_sleep_ms(2);
+	}
+	TH_CHECK(rc == EP_EINVAL, "rank %d: a direct combine of a captured "
+				  "dispatch: %s (%s), not EP_EINVAL",
+		 r, ep_strerror(rc), ep_errmsg());
+	round = 1000 * (int)(dfl + 2) + replays;
+	gen(seed, round, r, false, false, (int)T, in);
+	gen_y(seed, round, r, y);
+	tg_upload(dx, in->x, (size_t)T * H * 2);
+	tg_upload(dtk, in->topk, (size_t)T * K * 8);
+	tg_upload(dw, in->w, (size_t)T * K * 4);
+	rc = ep_ll_dispatch(xg, (void *)(uintptr_t)dx,
+			    (const int64_t *)(uintptr_t)dtk, T, dfl, st, &rv);
+	TH_CHECK(!rc, "rank %d: a direct dispatch after the graph: %s (%s)", r,
+		 ep_strerror(rc), ep_errmsg());
+	if (cx)
+		TH_OK(ep_ll_combine_buffer(xg, rv.buffer, &cx));
+	tg_upload(cx ? tg_dptr(cx) : dy, y, (size_t)El * WN * H * 2);
+	TH_OK(ep_ll_combine(xg, rv.buffer,
+			    cx ? NULL : (const void *)(uintptr_t)dy,
+			    (const float *)(uintptr_t)dw,
+			    (void *)(uintptr_t)dout, cfl, st));
+	CU(tg_drv.cuStreamSynchronize(st));
+	take(&rv, true, fp8, G, ox);
+	CU(tg_drv.cuMemcpyDtoH(ox->comb, dout, (size_t)T * H * 2));
+	TH_OK(ep_ll_error(xg));
+	host_way(h, in, y, dfl, fp8, G, round, r, oh);
+	same(round, r, "two nodes, direct after a graph", ox, oh, fp8, G, T);
 }
 
 static int rank_main(int r, void *arg)
