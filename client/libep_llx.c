@@ -115,8 +115,8 @@ static int llx_alloc(struct ep_llx *x, uint64_t max_recv)
 	for (size_t i = 0; i < sizeof(sz) / sizeof(sz[0]); i++)
 		per += up(sz[i]);
 	CUresult r = ep__drv.cuMemAlloc(&x->mem, 2 * per);
-	if (!r)
-		r = ep__drv.cuMemsetD8(x->mem, 0, 2 * per);
+	if (!r) /* landed before any stream's work (ekc_write waits) */
+		r = ekc_write(&ep__drv, x->mem, NULL, 2 * per);
 	if (r) {
 		if (x->mem)
 			ep__drv.cuMemFree(x->mem);
