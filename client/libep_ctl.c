@@ -49,24 +49,20 @@ int ep__op_error(ep_group_t *g)
 		return 0; /* this rank's own, told at once */
 	int code = *(const int32_t *)(sl + EPP_CTL_OP_ERR_CODE);
 	uint64_t pos = *(const uint64_t *)(sl + EPP_CTL_OP_ERR_POS);
-	if (code == EP_ETOOBIG && pos != UINT64_MAX &&
-	    (uint32_t)pos == UINT32_MAX) /* staged: asked on another node */
+	if (code == EP_ETOOBIG && pos != UINT64_MAX) {
+		/* rank << 32 | its tokens, UINT32_MAX where a staged op's
+		 * rank asked on another node */
+		char n[48] = "more tokens than";
+		if ((uint32_t)pos != UINT32_MAX)
+			snprintf(n, sizeof(n), "%u tokens, above",
+				 (uint32_t)pos);
 		return ep__fail(code,
 				"op %llu changed nothing: rank %llu dispatched "
-				"more tokens than the group's maximum of %u per "
-				"rank",
+				"%s the group's maximum of %u per rank",
 				(unsigned long long)seq,
 				(unsigned long long)((pos >> 32) & 0x7fffffffull),
-				g->cfg.max_tokens);
-	if (code == EP_ETOOBIG && pos != UINT64_MAX)
-		return ep__fail(code,
-				"op %llu changed nothing: rank %llu dispatched "
-				"%llu tokens, above the group's maximum of %u "
-				"per rank",
-				(unsigned long long)seq,
-				(unsigned long long)((pos >> 32) & 0x7fffffffull),
-				(unsigned long long)(pos & 0xffffffffull),
-				g->cfg.max_tokens);
+				n, g->cfg.max_tokens);
+	}
 	if (code == EP_ETOOBIG) /* staged: the daemon's log names the rank */
 		return ep__fail(code,
 				"op %llu changed nothing: a rank dispatched "

@@ -299,6 +299,45 @@ int ep__use_ctx(int dev)
 	return ensure_ctx(dev);
 }
 
+int ep__sm_count(int dev, int *sms)
+{
+	CUdevice d;
+	CUresult r = ep__drv.cuDeviceGet(&d, dev);
+	if (!r)
+		r = ep__drv.cuDeviceGetAttribute(
+			sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, d);
+	return r ? ep__cufail(r, "the GPU's SM count") : 0;
+}
+
+int ep__stream_capturing(void *stream, bool *yes)
+{
+	CUstreamCaptureStatus cap = CU_STREAM_CAPTURE_STATUS_NONE;
+	CUresult cr = ep__drv.cuStreamIsCapturing((CUstream)stream, &cap);
+	if (cr)
+		return ep__cufail(cr, "asking whether the stream is captured");
+	*yes = cap != CU_STREAM_CAPTURE_STATUS_NONE;
+	return 0;
+}
+
+int ep__host_words(size_t n, volatile uint32_t **host, CUdeviceptr *dev,
+		   const char *what)
+{
+	CUresult r = ep__drv.cuMemHostAlloc((void **)host, n * sizeof(**host),
+					    CU_MEMHOSTALLOC_DEVICEMAP |
+						    CU_MEMHOSTALLOC_PORTABLE);
+	if (r) {
+		*host = NULL;
+		return ep__cufail(r, what);
+	}
+	if ((r = ep__drv.cuMemHostGetDevicePointer(dev, (void *)*host, 0))) {
+		ep__drv.cuMemFreeHost((void *)*host);
+		*host = NULL;
+		return ep__cufail(r, what);
+	}
+	memset((void *)*host, 0, n * sizeof(**host));
+	return 0;
+}
+
 /* How long the ring kernel spins before it leaves the wait to the stream
  * memory operation behind it: EP_RING_SPIN_US, default 2 ms (longer than
  * any op of a healthy group on one GPU; the bound on how long a killed
@@ -421,14 +460,7 @@ static int capturing(ep_group_t *g, void *stream, bool *yes)
 		return ep__fail(EP_EUNSUPPORTED,
 				"not a GPU rank (join with EP_JOIN_CUDA)");
 	int rc = ep__ctl_error(g) ? ep_group_error(g) : 0;
-	if (rc)
-		return rc;
-	CUstreamCaptureStatus cap = CU_STREAM_CAPTURE_STATUS_NONE;
-	CUresult cr = ep__drv.cuStreamIsCapturing((CUstream)stream, &cap);
-	if (cr)
-		return ep__cufail(cr, "asking whether the stream is captured");
-	*yes = cap != CU_STREAM_CAPTURE_STATUS_NONE;
-	return 0;
+	return rc ? rc : ep__stream_capturing(stream, yes);
 }
 
 static int graph_handle_direct(const ep_handle_t *h)

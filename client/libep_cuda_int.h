@@ -40,17 +40,21 @@ enum { EP__FN_RING, EP__FN_POST, EP__FN_LL_DISPATCH, EP__FN_LL_DISPATCH_RECV,
 CUfunction ep__fn(int which);
 /* Make device dev's primary context current. */
 int ep__use_ctx(int dev);
+/* Device dev's SM count (*sms). */
+int ep__sm_count(int dev, int *sms);
+/* Whether stream is being captured into a CUDA graph (*yes). */
+int ep__stream_capturing(void *stream, bool *yes);
+/* n u32 words of pinned host memory, zeroed, mapped for the GPU (*dev):
+ * the low-latency kernels' error words the host reads without a copy.
+ * EP_EBACKEND naming what. */
+int ep__host_words(size_t n, volatile uint32_t **host, CUdeviceptr *dev,
+		   const char *what);
 /* libep_mreg.c: where len bytes at y lie in mr (EP_ESTALE if not inside
  * it, or not the allocations registered), and the registrations' end (at
  * unmap). */
 int ep__mreg_place(const ep_group_t *g, const ep_mreg_t *mr, const void *y,
 		   size_t len, uint32_t *id, uint64_t *off);
 void ep__mreg_fini(ep_group_t *g);
-/* libep_ll.c: n u32 words of pinned host memory, zeroed, mapped for the
- * GPU (*dev): the low-latency kernels' error words the host reads without
- * a copy. EP_EBACKEND naming what. */
-int ep__host_words(size_t n, volatile uint32_t **host, CUdeviceptr *dev,
-		   const char *what);
 /* libep_ll.c: the low-latency state's end (at unmap). */
 void ep__ll_fini(ep_group_t *g);
 /* libep_llx.c: the low-latency mode of GPU ranks across nodes (ep__llg_*

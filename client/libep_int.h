@@ -185,6 +185,17 @@ int ep__llg_barrier(ep_group_t *g, void *stream);
 /* ep_leave: leave the pseudo group first; group free: free it all. */
 void ep__llh_leave(ep_group_t *g);
 void ep__llh_fini(ep_group_t *g);
+/* The end of a rank's low-latency mode on the daemon's path (host ranks,
+ * GPU ranks across nodes): a failed op, kept; every later call returns
+ * it. ep__ll_die ends it with rc (the message: the last error's) and
+ * returns rc; ep__ll_gate returns the kept end, or ends it when group g
+ * (NULL: none) failed, else 0. */
+struct ep__ll_end {
+	int rc;
+	char msg[EPP_ERRMSG_MAX + 96];
+};
+int ep__ll_die(struct ep__ll_end *e, int rc);
+int ep__ll_gate(struct ep__ll_end *e, const ep_group_t *g);
 /* The same of a GPU rank's low-latency mode across nodes (libep_llx.c;
  * nothing in a build without CUDA). */
 void ep__llx_leave(ep_group_t *g);

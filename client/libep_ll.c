@@ -53,24 +53,6 @@ struct ep_ll {
 
 static int ll_gate(ep_group_t *g, void *stream);
 
-int ep__host_words(size_t n, volatile uint32_t **host, CUdeviceptr *dev,
-		   const char *what)
-{
-	CUresult r = ep__drv.cuMemHostAlloc((void **)host, n * sizeof(**host),
-					    CU_MEMHOSTALLOC_DEVICEMAP |
-						    CU_MEMHOSTALLOC_PORTABLE);
-	if (r) {
-		*host = NULL;
-		return ep__cufail(r, what);
-	}
-	if ((r = ep__drv.cuMemHostGetDevicePointer(dev, (void *)*host, 0))) {
-		ep__drv.cuMemFreeHost((void *)*host);
-		*host = NULL;
-		return ep__cufail(r, what);
-	}
-	memset((void *)*host, 0, n * sizeof(**host));
-	return 0;
-}
 static bool ll_gone_only(const ep_group_t *g);
 
 /* ep_ll_dispatch's cast modes (ek.h) are the kernels' */
@@ -148,14 +130,11 @@ static int ll_map_one(ep_group_t *g, struct ep_ll *l, uint32_t d)
  * timeout ended the mode. */
 static int ll_grid(ep_group_t *g, struct ep_ll *l, uint32_t here)
 {
-	CUdevice dev;
 	int sms = 0;
-	CUresult r = ep__drv.cuDeviceGet(&dev, g->cuda_device);
-	if (!r)
-		r = ep__drv.cuDeviceGetAttribute(
-			&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev);
-	if (r)
-		return ep__cufail(r, "the GPU's SM count");
+	int rc = ep__sm_count(g->cuda_device, &sms);
+	if (rc)
+		return rc;
+	CUresult r;
 	int occ = 1 << 20; /* the fewest blocks of an op kernel a SM holds */
 	for (int k = EP__FN_LL_DISPATCH; k <= EP__FN_LL_COMBINE_PULL; k++) {
 		int n = 0;

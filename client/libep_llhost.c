@@ -68,8 +68,7 @@ struct ep_llh {
 	struct llh_buf b[2];
 	uint32_t next;   /* the buffer of the next dispatch */
 	unsigned pend;   /* LLH_E*: reported once by ep_ll_error */
-	int dead_rc;     /* a failed op: every call returns it */
-	char dead_msg[EPP_ERRMSG_MAX + 96];
+	struct ep__ll_end end; /* a failed op: every call returns it */
 };
 
 bool ep__llh_is(const ep_group_t *g)
@@ -220,32 +219,38 @@ static void llh_out_nan(struct ep_llh *l, uint16_t *out, uint32_t T)
 		out[i] = 0x7fc0u;
 }
 
-/* A failed op ends the mode: kept, and returned by every later call. */
-static int llh_die(struct ep_llh *l, int rc)
+int ep__ll_die(struct ep__ll_end *e, int rc)
 {
-	snprintf(l->dead_msg, sizeof(l->dead_msg),
+	snprintf(e->msg, sizeof(e->msg),
 		 "a low-latency op failed: %s; this group's low-latency mode "
 		 "is over: join a new group",
 		 ep_errmsg());
-	l->dead_rc = rc;
-	return ep__fail(rc, "%s", l->dead_msg);
+	e->rc = rc;
+	return ep__fail(rc, "%s", e->msg);
+}
+
+int ep__ll_gate(struct ep__ll_end *e, const ep_group_t *g)
+{
+	if (e->rc)
+		return ep__fail(e->rc, "%s", e->msg);
+	const int c = g && g->buf ? ep__ctl_error(g) : 0;
+	if (!c)
+		return 0;
+	(void)ep__fail(c, "the group failed (%.*s)", (int)EPP_CTL_MSG_MAX,
+		       (const char *)ep__ctl_slot(g) + EPP_CTL_ERR_MSG);
+	return ep__ll_die(e, c);
+}
+
+static int llh_die(struct ep_llh *l, int rc)
+{
+	return ep__ll_die(&l->end, rc);
 }
 
 /* Before an op: the mode's end (kept), or the group's failure (which
  * ends it). */
 static int llh_gate(ep_group_t *g)
 {
-	struct ep_llh *l = g->llh;
-	if (l->dead_rc)
-		return ep__fail(l->dead_rc, "%s", l->dead_msg);
-	const int e = g->buf ? ep__ctl_error(g) : 0;
-	if (e) {
-		(void)ep__fail(e, "the group failed (%.*s)",
-			       (int)EPP_CTL_MSG_MAX,
-			       (const char *)ep__ctl_slot(g) + EPP_CTL_ERR_MSG);
-		return llh_die(l, e);
-	}
-	return 0;
+	return ep__ll_gate(&g->llh->end, g);
 }
 
 /* Rows received by the pseudo group's dispatch into buffer B: counted per
@@ -517,8 +522,9 @@ int ep__llh_error(ep_group_t *g)
 	struct ep_llh *l = g->llh;
 	if (!l)
 		return 0;
-	if (l->dead_rc)
-		return ep__fail(l->dead_rc, "%s", l->dead_msg);
+	int rc = ep__ll_gate(&l->end, NULL);
+	if (rc)
+		return rc;
 	const unsigned p = l->pend;
 	l->pend = 0;
 	return ep__ll_soft_error(p & LLH_EEXPERT, p & LLH_ETOOBIG);

@@ -68,8 +68,7 @@ struct ep_llx {
 	CUfunction fn[EP__FN_LLX_SUM - EP__FN_LLX_SEND + 1];
 	volatile uint32_t *herr; /* [EKC_LLX_NERR], mapped for the GPU */
 	struct ekc_llx_args base;
-	int dead_rc; /* a failed op: every call returns it */
-	char dead_msg[EPP_ERRMSG_MAX + 96];
+	struct ep__ll_end end; /* a failed op: every call returns it */
 };
 
 static void llx_free(struct ep_llx *x)
@@ -171,15 +170,10 @@ static int llx_setup(ep_group_t *g)
 					"the low-latency kernels are not in "
 					"this GPU's module");
 		}
-	CUdevice dev;
 	int sms = 0;
-	CUresult r = ep__drv.cuDeviceGet(&dev, g->cuda_device);
-	if (!r)
-		r = ep__drv.cuDeviceGetAttribute(
-			&sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev);
-	if (r) {
+	if ((rc = ep__sm_count(g->cuda_device, &sms))) {
 		free(x);
-		return ep__cufail(r, "the GPU's SM count");
+		return rc;
 	}
 	x->blocks = sms > 0 ? (uint32_t)sms : 1;
 	char name[EP_GROUP_NAME_MAX + 1];
@@ -274,15 +268,9 @@ static int llx_launch(const struct ep_llx *x, int fn, uint32_t blocks,
 	return r ? ep__cufail(r, "launching a low-latency kernel") : 0;
 }
 
-/* A failed op ends the mode: kept, and returned by every later call. */
 static int llx_die(struct ep_llx *x, int rc)
 {
-	snprintf(x->dead_msg, sizeof(x->dead_msg),
-		 "a low-latency op failed: %s; this group's low-latency mode "
-		 "is over: join a new group",
-		 ep_errmsg());
-	x->dead_rc = rc;
-	return ep__fail(rc, "%s", x->dead_msg);
+	return ep__ll_die(&x->end, rc);
 }
 
 /* Before an op: the mode's end (kept), or the group's or the pseudo
@@ -290,41 +278,21 @@ static int llx_die(struct ep_llx *x, int rc)
 static int llx_gate(ep_group_t *g)
 {
 	struct ep_llx *x = g->llx;
-	if (x->dead_rc)
-		return ep__fail(x->dead_rc, "%s", x->dead_msg);
-	const ep_group_t *f = g->buf && ep__ctl_error(g) ? g
-			      : x->aux && x->aux->buf && ep__ctl_error(x->aux)
-				      ? x->aux
-				      : NULL;
-	if (!x->aux)
-		return llx_die(x, ep__fail(EP_ENOGROUP, "the pseudo group "
-							"was left"));
-	if (f) {
-		(void)ep__fail(ep__ctl_error(f), "the group failed (%.*s)",
-			       (int)EPP_CTL_MSG_MAX,
-			       (const char *)ep__ctl_slot(f) + EPP_CTL_ERR_MSG);
-		return llx_die(x, ep__ctl_error(f));
-	}
-	return 0;
+	int rc = ep__ll_gate(&x->end, g);
+	if (!rc && !x->aux)
+		rc = llx_die(x, ep__fail(EP_ENOGROUP, "the pseudo group was "
+						      "left"));
+	return rc ? rc : ep__ll_gate(&x->end, x->aux);
 }
 
-/* 1 if stream is being captured, 0 if not, else the error. */
-static int llx_captured(void *stream)
+/* Whether stream captures (*cap); a direct call while graphs hold the
+ * pseudo group's ops is refused as the pseudo group's own stream op would
+ * be (EP_EBUSY), before anything is enqueued or changed (the mode goes
+ * on). */
+static int llx_direct_ok(const struct ep_llx *x, void *stream, bool *cap)
 {
-	CUstreamCaptureStatus cs = CU_STREAM_CAPTURE_STATUS_NONE;
-	CUresult r = ep__drv.cuStreamIsCapturing((CUstream)stream, &cs);
-	if (r)
-		return ep__cufail(r, "asking whether the stream is captured");
-	return cs != CU_STREAM_CAPTURE_STATUS_NONE;
-}
-
-/* A direct call while graphs hold the pseudo group's ops: refused as the
- * pseudo group's own stream op would be (EP_EBUSY), before anything is
- * enqueued or changed (the mode goes on). */
-static int llx_direct_ok(const struct ep_llx *x, void *stream)
-{
-	const int cap = llx_captured(stream);
-	return cap == 0 ? ep__graph_direct_ok(x->aux) : cap == 1 ? 0 : cap;
+	int rc = ep__stream_capturing(stream, cap);
+	return rc || *cap ? rc : ep__graph_direct_ok(x->aux);
 }
 
 /* A refused dispatch reports no rows (as a poisoned kernel does). */
@@ -360,7 +328,8 @@ int ep__llx_dispatch(ep_group_t *g, const void *xp, const int64_t *topk,
 		llx_no_rows(x, b, stream);
 		return rc;
 	}
-	if ((rc = llx_direct_ok(x, stream)))
+	bool cap;
+	if ((rc = llx_direct_ok(x, stream, &cap)))
 		return rc;
 	/* the routing two dispatches back on this buffer is done with (a
 	 * captured one's is the graph's) */
@@ -461,14 +430,14 @@ int ep__llx_combine(ep_group_t *g, uint32_t b, const void *expert_out,
 		llx_out_nan(x, (CUdeviceptr)(uintptr_t)out, B->T, stream);
 		return rc;
 	}
-	if ((rc = llx_direct_ok(x, stream)))
+	bool cap;
+	if ((rc = llx_direct_ok(x, stream, &cap)))
 		return rc;
-	if ((B->h.seq & EP__GSEQ) && (rc = llx_captured(stream)) != 1)
-		return rc ? rc
-			  : ep__fail(EP_EINVAL,
-				     "buffer %u's dispatch was captured into a "
-				     "CUDA graph: its combine is captured too",
-				     b);
+	if (!cap && (B->h.seq & EP__GSEQ))
+		return ep__fail(EP_EINVAL,
+				"buffer %u's dispatch was captured into a CUDA "
+				"graph: its combine is captured too",
+				b);
 	struct ekc_llx_args a = llx_args(x, b);
 	a.ex = (uint64_t)(uintptr_t)(cx ? cx : expert_out);
 	a.weights = (uint64_t)(uintptr_t)weights;

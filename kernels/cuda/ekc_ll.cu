@@ -1107,13 +1107,17 @@ __device__ static inline void ll_sum(const struct ekc_ll_args &a, Row row)
 // of it, so rows no block summed are NaN whatever the others did). A
 // caller that never reads the error word (a graph replayed in a loop)
 // must not take stale rows for a result.
-__device__ static void ll_out_nan(const struct ekc_ll_args &a)
+__device__ static void ll_nan(void *out, uint32_t T, uint32_t H)
 {
-	const uint32_t T = a.T > a.N ? 0 : a.T;
-	const uint64_t n = (uint64_t)T * a.H / 2; // bf16 pairs (H % 8 == 0)
-	uint32_t *o = (uint32_t *)a.out;
+	const uint64_t n = (uint64_t)T * H / 2; // bf16 pairs (H % 8 == 0)
+	uint32_t *o = (uint32_t *)out;
 	for (uint64_t j = threadIdx.x; o && j < n; j += blockDim.x)
 		o[j] = 0x7fc07fc0u;
+}
+
+__device__ static void ll_out_nan(const struct ekc_ll_args &a)
+{
+	ll_nan((void *)a.out, a.T > a.N ? 0 : a.T, a.H);
 }
 
 // The sum at home of combine seq (buffer a.buf): wait for every source,

@@ -28,7 +28,7 @@
 // writes NaN in every channel, so a graph replayed in a loop never takes
 // stale rows for a result.
 //
-// Needs ll_load, ll_store, ll_quant, ll_put_slice and ll_sum_rows
+// Needs ll_load, ll_store, ll_quant, ll_put_slice, ll_sum_rows and ll_nan
 // (ekc_ll.cu): included after it.
 #include "ekc.h"
 
@@ -280,11 +280,7 @@ ekc_llx_sum(const struct ekc_llx_args a)
 {
 	const uint32_t T = a.over ? 0 : a.T, K = a.K;
 	if (llx_failed(a)) {
-		const uint64_t n = (uint64_t)T * a.H / 2; // bf16 pairs
-		uint32_t *o = (uint32_t *)a.out;
-		for (uint64_t j = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-		     j < n; j += (uint64_t)gridDim.x * blockDim.x)
-			o[j] = 0x7fc07fc0u;
+		ll_nan((void *)a.out, T, a.H);
 		return;
 	}
 	// ll_sum_rows (ekc_ll.cu): pseudo token t * K + k's row came back

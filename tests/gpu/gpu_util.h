@@ -79,10 +79,12 @@ ep_group_t *tg_ll_join(const char *sock, const char *name, uint32_t world,
 		       uint32_t hidden, uint32_t topk, uint32_t timeout_ms,
 		       CUstream *st, ep_conn_t **conn);
 
-/* Two daemons on the cuda backend, nodes n0 and n1 of a cluster over tcp
- * on this host (a shared key in a fresh directory named after tag),
- * started and up in each other's view when it returns. */
-void tg_cluster2(struct th_daemon d[2], const char *tag);
+/* Two daemons on the cuda backend, nodes n0 and n1 of a cluster on this
+ * host over $EPD_TEST_TRANSPORT (tcp by default; rdma where a device
+ * exists), a peer lost after `miss` heartbeats of 100 ms, a shared key in
+ * a fresh directory named after tag: started and up in each other's view
+ * when it returns. The transport's name. */
+const char *tg_cluster2(struct th_daemon d[2], const char *tag, int miss);
 
 /* A device address that ep_get_buffers() returned as a pointer. */
 static inline CUdeviceptr tg_dptr(const void *p)

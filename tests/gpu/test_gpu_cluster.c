@@ -287,43 +287,9 @@ int main(void)
 		return TH_SKIP;
 	uint64_t seed = th_seed();
 	struct ctx *x = th_shared(sizeof(*x));
-	int port = th_ports(NODES);
-	char peers[160], key[128], kv[NODES][6][200];
 	/* EPD_TEST_TRANSPORT=rdma where a device exists; tcp by default */
-	const char *tr = getenv("EPD_TEST_TRANSPORT") ? getenv("EPD_TEST_TRANSPORT")
-						      : "tcp";
-	snprintf(peers, sizeof(peers), "n0@127.0.0.1:%d, n1@127.0.0.1:%d",
-		 port, port + 1);
-	snprintf(key, sizeof(key), "/tmp/epd-gpu-cluster-%d.key", getpid());
-	FILE *f = fopen(key, "w");
-	TH_CHECK(f, "key file");
-	fprintf(f, "gpu-cluster-test-secret-%d\n", getpid());
-	fclose(f);
-	for (int i = 0; i < NODES; i++) {
-		snprintf(kv[i][0], 200, "node_name=n%d", i);
-		snprintf(kv[i][1], 200, "peers=%s", peers);
-		snprintf(kv[i][2], 200, "cluster_key_file=%s", key);
-		snprintf(kv[i][3], 200, "heartbeat_ms=100");
-		snprintf(kv[i][4], 200, "heartbeat_miss=10");
-		snprintf(kv[i][5], 200, "transport=%s", tr);
-		th_daemon_start(&x->d[i], "--backend", "cuda", "-o", kv[i][0],
-				"-o", kv[i][1], "-o", kv[i][2], "-o", kv[i][3],
-				"-o", kv[i][4], "-o", kv[i][5], NULL);
-	}
-	/* both up in each other's view */
-	for (int t = 0;; t++) {
-		ep_conn_t *c;
-		char *js = NULL;
-		TH_OK(ep_connect(x->d[0].sock, &c));
-		TH_OK(ep_daemon_status(c, &js));
-		ep_close(c);
-		bool ok = strstr(js, "\"SU\"") && strstr(js, "\"US\"");
-		free(js);
-		if (ok)
-			break;
-		TH_CHECK(t < 300, "the nodes never saw each other");
-		th_sleep_ms(20);
-	}
+	_Static_assert(NODES == 2, "tg_cluster2 starts two nodes");
+	const char *tr = tg_cluster2(x->d, "epdgpucluster", 10);
 	struct ref_case cases[] = {
 		{.world = 4, .experts = 32, .hidden = 384, .topk = 6,
 		 .max_tokens = 256, .tokens = {200, 0, 77, 256},
@@ -375,6 +341,5 @@ int main(void)
 	printf("ok: node 1's daemon killed: node 0's GPU ranks got "
 	       "EP_EPEERLOST on their streams\n");
 	th_daemon_stop(&x->d[0]);
-	unlink(key);
 	return 0;
 }

@@ -377,7 +377,7 @@ int main(void)
 
 	/* the same across two nodes */
 	struct th_daemon dn[2];
-	tg_cluster2(dn, "epdllfail");
+	tg_cluster2(dn, "epdllfail", 20);
 	s->node[0] = &dn[0];
 	s->node[1] = &dn[1];
 	s->two = 1;

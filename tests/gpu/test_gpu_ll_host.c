@@ -172,6 +172,28 @@ static void same(int round, int r, const char *way, const struct out *a,
 #undef AS
 }
 
+/* in's T tokens (x, topk_idx, weights) to the device. */
+static void upload_in(const struct in *in, CUdeviceptr dx, CUdeviceptr dtk,
+		      CUdeviceptr dw)
+{
+	if (!in->T)
+		return;
+	tg_upload(dx, in->x, (size_t)in->T * H * 2);
+	tg_upload(dtk, in->topk, (size_t)in->T * K * 8);
+	tg_upload(dw, in->w, (size_t)in->T * K * 4);
+}
+
+/* A graph phase's fresh inputs of T tokens and expert rows (y), the
+ * tokens on the device. */
+static void fresh_in(uint64_t seed, int round, int r, uint32_t T,
+		     struct in *in, uint16_t *y, CUdeviceptr dx,
+		     CUdeviceptr dtk, CUdeviceptr dw)
+{
+	gen(seed, round, r, false, false, (int)T, in);
+	gen_y(seed, round, r, y);
+	upload_in(in, dx, dtk, dw);
+}
+
 /* The host ranks' way on in and y: the reference of a graph's replay. */
 static void host_way(ep_group_t *h, const struct in *in, const uint16_t *y,
 		     unsigned dfl, bool fp8, size_t G, int round, int r,
@@ -236,11 +258,7 @@ static void graph_phase(ep_group_t *xg, ep_group_t *h, CUstream st,
 	TH_CHECK(tg && th, "out of memory");
 	for (int it = 0; it < replays; it++) {
 		round = 1000 * (int)(dfl + 2) + it;
-		gen(seed, round, r, false, false, (int)T, in);
-		gen_y(seed, round, r, y);
-		tg_upload(dx, in->x, (size_t)T * H * 2);
-		tg_upload(dtk, in->topk, (size_t)T * K * 8);
-		tg_upload(dw, in->w, (size_t)T * K * 4);
+		fresh_in(seed, round, r, T, in, y, dx, dtk, dw);
 		tg_upload(cx ? tg_dptr(cx) : dy, y, (size_t)El * WN * H * 2);
 		uint64_t t0 = th_now_ns();
 		CU(tg_drv.cuGraphLaunch(exec, st));
@@ -282,11 +300,7 @@ static void graph_phase(ep_group_t *xg, ep_group_t *h, CUstream st,
 				  "dispatch: %s (%s), not EP_EINVAL",
 		 r, ep_strerror(rc), ep_errmsg());
 	round = 1000 * (int)(dfl + 2) + replays;
-	gen(seed, round, r, false, false, (int)T, in);
-	gen_y(seed, round, r, y);
-	tg_upload(dx, in->x, (size_t)T * H * 2);
-	tg_upload(dtk, in->topk, (size_t)T * K * 8);
-	tg_upload(dw, in->w, (size_t)T * K * 4);
+	fresh_in(seed, round, r, T, in, y, dx, dtk, dw);
 	rc = ep_ll_dispatch(xg, (void *)(uintptr_t)dx,
 			    (const int64_t *)(uintptr_t)dtk, T, dfl, st, &rv);
 	TH_CHECK(!rc, "rank %d: a direct dispatch after the graph: %s (%s)", r,
@@ -367,9 +381,7 @@ static int rank_main(int r, void *arg)
 			const void *px = in->x;
 			const int64_t *pt = in->topk;
 			if (dev) {
-				tg_upload(dx, in->x, sizeof(in->x));
-				tg_upload(dtk, in->topk, sizeof(in->topk));
-				tg_upload(dw, in->w, sizeof(in->w));
+				upload_in(in, dx, dtk, dw);
 				px = (void *)(uintptr_t)dx;
 				pt = (const int64_t *)(uintptr_t)dtk;
 			}
@@ -466,7 +478,7 @@ int main(void)
 	th_daemon_start(&dg, "-b", "cuda", NULL);
 	th_daemon_start(&dh, NULL);
 	/* two more, a cluster over tcp: the GPU ranks' group across nodes */
-	tg_cluster2(dn, "epdllx");
+	tg_cluster2(dn, "epdllx", 20);
 	struct shared *s = th_shared(sizeof(*s));
 	s->gpu = &dg;
 	s->host = &dh;
