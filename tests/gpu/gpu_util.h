@@ -86,6 +86,13 @@ ep_group_t *tg_ll_join(const char *sock, const char *name, uint32_t world,
  * when it returns. The transport's name. */
 const char *tg_cluster2(struct th_daemon d[2], const char *tag, int miss);
 
+/* splitmix64's step: the next value of the stream *s. */
+uint64_t tg_mix(uint64_t *s);
+/* A random bf16 (bits) for tests that compare bits: mostly normal values
+ * of 2^(scale_exp - 2) .. 2^(scale_exp + 2) of either sign, with +0.0,
+ * -0.0 and tiny values among them. */
+uint16_t tg_bf16_rand(uint64_t *s, int scale_exp);
+
 /* A device address that ep_get_buffers() returned as a pointer. */
 static inline CUdeviceptr tg_dptr(const void *p)
 {

@@ -40,27 +40,6 @@ struct shared {
 	volatile int unsupported;
 };
 
-static uint64_t mix(uint64_t *s)
-{
-	uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-	return z ^ (z >> 31);
-}
-
-static uint16_t bfv(uint64_t *s, int scale_exp)
-{
-	uint64_t v = mix(s);
-	uint16_t e = (uint16_t)(127 + scale_exp + (int)(v % 5) - 2);
-	switch (v % 64) {
-	case 0: return 0x0000;
-	case 1: return 0x8000;
-	case 2: return (uint16_t)(((e > 20 ? e - 20 : 1) << 7) | (v >> 9 & 0x7f));
-	default:
-		return (uint16_t)((v >> 8 & 1) << 15 | e << 7 | (v >> 9 & 0x7f));
-	}
-}
-
 struct in {
 	uint32_t T;
 	uint16_t x[(N + 1) * H];
@@ -73,22 +52,22 @@ static void gen(uint64_t seed, int round, int r, bool too_many, bool bad,
 		int fixT, struct in *in)
 {
 	uint64_t s = seed * 977 + (uint64_t)round * 131 + (uint64_t)r;
-	in->T = too_many ? N + 1 : (uint32_t)(mix(&s) % (N + 1));
+	in->T = too_many ? N + 1 : (uint32_t)(tg_mix(&s) % (N + 1));
 	if (fixT >= 0)
 		in->T = (uint32_t)fixT;
 	if (bad && !in->T)
 		in->T = 1; /* a token to carry the bad index */
 	for (uint32_t t = 0; t < in->T; t++) {
-		int sc = (int)(mix(&s) % 30) - 15;
+		int sc = (int)(tg_mix(&s) % 30) - 15;
 		for (int c = 0; c < H; c++)
-			in->x[t * H + c] = bfv(&s, sc);
+			in->x[t * H + c] = tg_bf16_rand(&s, sc);
 		for (int k = 0; k < K; k++) {
-			uint64_t v = mix(&s);
+			uint64_t v = tg_mix(&s);
 			in->topk[t * K + k] = v % 9 == 0 ? -1 : (int64_t)(v % E);
 			in->w[t * K + k] =
 				(float)((int)(v >> 20 & 2047) - 1024) / 1021.0f;
 		}
-		if (mix(&s) % 8 == 0)
+		if (tg_mix(&s) % 8 == 0)
 			in->topk[t * K + K - 1] = in->topk[t * K];
 	}
 	if (bad && in->T)
@@ -101,7 +80,7 @@ static void gen_y(uint64_t seed, int round, int r, uint16_t *y)
 {
 	uint64_t s = seed * 31 + (uint64_t)round * 7 + (uint64_t)r + 99;
 	for (uint64_t i = 0; i < (uint64_t)El * WN * H; i++)
-		y[i] = bfv(&s, -1);
+		y[i] = tg_bf16_rand(&s, -1);
 }
 
 struct out {
