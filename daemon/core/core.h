@@ -123,6 +123,8 @@ struct epd_aop {
 	bool fast;     /* a barrier run by the resident kernel (no frame) */
 	bool released; /* a fresh dispatch whose handle the rank released
 			  before the daemon enqueued it (the backend's) */
+	uint64_t released_last; /* then: the rank's last op sent, which
+				   (and every op before it) may name it */
 };
 
 /* Does op read its main input (a dispatch's x, a combine's rows) from the

@@ -16,7 +16,8 @@
  * UE8M0 scales and a zero-copy combine), each replayed with fresh inputs
  * and compared with the host path on the same inputs every time; once
  * the graph is gone, a direct combine of its captured dispatch is refused
- * and a direct op pair runs bitwise.
+ * and a direct op pair runs bitwise. Before the graphs, ranks run ahead
+ * (ahead_phase) on one node and on two.
  *
  * Exit 77 without a GPU, or where ranks share a GPU without MPS.
  */
@@ -299,6 +300,73 @@ static void graph_phase(ep_group_t *xg, ep_group_t *h, CUstream st,
 	same(round, r, "two nodes, direct after a graph", ox, oh, fp8, G, T);
 }
 
+/* Ranks running ahead: every rank enqueues AHEAD op pairs on its stream,
+ * the CPU never waiting (fresh inputs and expert rows each, each pair its
+ * own output; bf16 and fp8 dispatches in turn): ranks 0-2 back to back,
+ * rank 3 after a 200 ms sleep and then 200 us apart, so the others' later
+ * dispatches, and libep's release of each buffer's routing two dispatches
+ * back, reach the daemons before their ops run, and rank 3's releases
+ * keep arriving while the daemons work through the backlog. Then each
+ * pair's combined tokens bitwise against the host path's on the same
+ * inputs. */
+#define AHEAD 24
+static void ahead_phase(ep_group_t *gg, ep_group_t *h, CUstream st,
+			uint64_t seed, int r, int salt, const char *way,
+			struct out *ox, struct out *oh)
+{
+	struct in *in = malloc(sizeof(*in) * AHEAD);
+	uint16_t *y = malloc((size_t)El * WN * H * 2 * AHEAD);
+	TH_CHECK(in && y, "out of memory");
+	CUdeviceptr dx[AHEAD], dtk[AHEAD], dw[AHEAD], dy[AHEAD], dout[AHEAD];
+	const size_t ysz = (size_t)El * WN * H * 2;
+	for (int i = 0; i < AHEAD; i++) {
+		CU(tg_drv.cuMemAlloc(&dx[i], sizeof(in->x)));
+		CU(tg_drv.cuMemAlloc(&dtk[i], sizeof(in->topk)));
+		CU(tg_drv.cuMemAlloc(&dw[i], sizeof(in->w)));
+		CU(tg_drv.cuMemAlloc(&dy[i], ysz));
+		CU(tg_drv.cuMemAlloc(&dout[i], N * H * 2));
+		gen(seed, salt + i, r, false, false, -1, &in[i]);
+		gen_y(seed, salt + i, r, y + (size_t)i * El * WN * H);
+		upload_in(&in[i], dx[i], dtk[i], dw[i]);
+		tg_upload(dy[i], y + (size_t)i * El * WN * H, ysz);
+	}
+	if (r == W - 1)
+		th_sleep_ms(200);
+	for (int i = 0; i < AHEAD; i++) {
+		struct ep_ll_recv rv;
+		const unsigned dfl = i % 2 ? EP_LL_FP8 : 0;
+		if (r == W - 1 && i)
+			usleep(200);
+		int rc = ep_ll_dispatch(gg, (void *)(uintptr_t)dx[i],
+					(const int64_t *)(uintptr_t)dtk[i],
+					in[i].T, dfl, st, &rv);
+		TH_CHECK(!rc, "rank %d (%s): dispatch %d ahead: %s (%s)", r, way,
+			 i, ep_strerror(rc), ep_errmsg());
+		rc = ep_ll_combine(gg, rv.buffer, (const void *)(uintptr_t)dy[i],
+				   (const float *)(uintptr_t)dw[i],
+				   (void *)(uintptr_t)dout[i], 0, st);
+		TH_CHECK(!rc, "rank %d (%s): combine %d ahead: %s (%s)", r, way,
+			 i, ep_strerror(rc), ep_errmsg());
+	}
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_OK(ep_ll_error(gg));
+	for (int i = 0; i < AHEAD; i++) {
+		const int round = salt + i;
+		const bool fp8 = i % 2;
+		CU(tg_drv.cuMemcpyDtoH(ox->comb, dout[i], (size_t)in[i].T * H * 2));
+		host_way(h, &in[i], y + (size_t)i * El * WN * H,
+			 fp8 ? EP_LL_FP8 : 0, fp8, H / 128, round, r, oh);
+		SAME(ox->comb, oh->comb, (size_t)in[i].T * H * 2, way);
+		CU(tg_drv.cuMemFree(dx[i]));
+		CU(tg_drv.cuMemFree(dtk[i]));
+		CU(tg_drv.cuMemFree(dw[i]));
+		CU(tg_drv.cuMemFree(dy[i]));
+		CU(tg_drv.cuMemFree(dout[i]));
+	}
+	free(in);
+	free(y);
+}
+
 static int rank_main(int r, void *arg)
 {
 	struct shared *s = arg;
@@ -432,6 +500,10 @@ static int rank_main(int r, void *arg)
 			     G, in->T > N ? 0 : in->T);
 		}
 	}
+	/* ranks running ahead: the kernels of one node, and two nodes */
+	ahead_phase(g, h, st, seed, r, 3000, "one node, ranks ahead", o[0], o[1]);
+	ahead_phase(xg, h, st, seed, r, 4000, "two nodes, ranks ahead", o[2],
+		    o[1]);
 	/* CUDA graphs of the two-node group: bf16 with a plain combine, fp8
 	 * (UE8M0) with a zero-copy one */
 	graph_phase(xg, h, st, seed, r, N - 3, 0, 0, GRAPH_REPLAYS, dx, dtk,
@@ -481,7 +553,8 @@ int main(void)
 	       "bf16 and three fp8 casts, combined tokens plain, hooked and "
 	       "zero copy; the same error codes); two nodes' ops captured "
 	       "into CUDA graphs, %d replays with fresh inputs bitwise equal "
-	       "to the host path\n",
-	       ROUNDS, 2 * GRAPH_REPLAYS);
+	       "to the host path; ranks %d op pairs ahead on one node and on "
+	       "two, bitwise\n",
+	       ROUNDS, 2 * GRAPH_REPLAYS, AHEAD);
 	return 0;
 }

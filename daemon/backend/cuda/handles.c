@@ -131,10 +131,14 @@ bool cu_route_make(struct epd_group *g, uint64_t k,
 	rt->last_use = k;
 	for (uint32_t l = 0; l < W; l++) {
 		rt->tokens[l] = ops ? ops[l]->tokens : 0;
-		/* a rank may have released it before it was made */
+		/* a rank may have released it before it was made (ranks run
+		 * ahead of a staged group's one op at a time): the ops it had
+		 * sent by then may still name it, as below */
 		struct epd_aop *a = &g->local[l]->aq[k % MAX_INFLIGHT];
 		if (!(a->seq == k && a->released))
 			rt->held |= 1ull << l;
+		else if (a->released_last > rt->last_use)
+			rt->last_use = a->released_last;
 	}
 	if (!rt->held)
 		rt->dead = true;
@@ -175,6 +179,7 @@ int epd_cuda_release(struct epd_group *g, struct epd_member *m, uint64_t h,
 	}
 	if (!rt && cu_route_usable(g, m, h)) {
 		m->aq[h % MAX_INFLIGHT].released = true;
+		m->aq[h % MAX_INFLIGHT].released_last = m->async_seq;
 		return 0;
 	}
 	snprintf(err, errlen,
