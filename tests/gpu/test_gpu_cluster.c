@@ -11,7 +11,9 @@
  * a bad expert index on one node fails that op on every rank of both nodes
  * and changes nothing, and the group goes on; stream-ordered barriers
  * across the nodes; a node's daemon killed: the other node's ranks get
- * EP_EPEERLOST on their streams.
+ * EP_EPEERLOST on their streams. A routing released before the daemon
+ * made it (node 0's rank running ahead) is kept for the combine that
+ * names it, whatever the daemon reclaims meanwhile (ahead_rank).
  *
  * EPD_TEST_SEED repeats a run. Exit 77 without a GPU.
  */
@@ -33,6 +35,7 @@ struct ctx {
 	int rpn;
 	int index;
 	volatile int entered, killed;
+	volatile uint32_t gate; /* ahead_rank: node 0's stream waits on it */
 	char name[32];
 	double bar_us; /* rank 0: a stream barrier across the nodes */
 };
@@ -245,6 +248,76 @@ static int xrank(int r, void *arg)
 	return 0;
 }
 
+/* A routing released before the daemon made it. One rank a node: node
+ * 1's sleeps, so node 0's runs ahead and sends a barrier, a dispatch, its
+ * combine and the dispatch's release while its daemon still waits for
+ * node 1 on the barrier (a staged group runs one op at a time): the
+ * routing is made released already. Node 0's stream is held (a wait on
+ * host memory) before the combine's doorbell while the daemons stage that
+ * combine; node 0's rank then releases an older handle, which lets its
+ * daemon reclaim every routing no op still needs, and opens the gate. The
+ * combine must still find its routing: the group goes on. */
+static int ahead_rank(int r, void *arg)
+{
+	struct ctx *x = arg;
+	int gpu;
+	CUdeviceptr dgate;
+	CUstream st = tg_rank_init(r, &gpu, (void *)&x->gate, sizeof(x->gate),
+				   &dgate);
+	struct ep_group_config cfg = th_group("xahead", 2, (uint32_t)r, 20000);
+	cfg.ranks_per_node = 1;
+	cfg.cuda_device = gpu;
+	const uint32_t T = 8, H = cfg.hidden, K = cfg.topk,
+		       E = cfg.num_experts;
+	ep_conn_t *conn;
+	ep_group_t *g;
+	TH_OK(ep_connect(x->d[r].sock, &conn));
+	TH_OK(ep_join(conn, &cfg, EP_JOIN_CUDA, &g));
+	struct ep_buffers b;
+	TH_OK(ep_get_buffers(g, &b));
+	uint16_t *xs = malloc((size_t)T * H * 2);
+	int64_t tk[8 * 8];
+	TH_CHECK(xs && K <= 8, "setup");
+	for (uint32_t t = 0; t < T; t++) {
+		for (uint32_t c = 0; c < H; c++)
+			xs[t * H + c] = tg_bf16((float)((t + c + (uint32_t)r) % 7));
+		for (uint32_t k = 0; k < K; k++)
+			tk[t * K + k] = (int64_t)((t * K + k + (uint32_t)r) % E);
+	}
+	up(b.x, xs, (size_t)T * H * 2);
+	up(b.topk_idx, tk, (size_t)T * K * 8);
+	free(xs);
+	ep_handle_t h0, h1;
+	TH_OK(ep_dispatch_stream(g, T, 0, NULL, st, &h0));
+	TH_OK(ep_combine_stream(g, &h0, 0, st));
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_OK(ep_group_sync(g));
+	if (r == 1)
+		th_sleep_ms(300);
+	TH_OK(ep_barrier_stream(g, st));
+	TH_OK(ep_dispatch_stream(g, T, 0, NULL, st, &h1));
+	if (r == 0)
+		CU(tg_drv.cuStreamWaitValue32(st, dgate, 1,
+					      CU_STREAM_WAIT_VALUE_GEQ));
+	TH_OK(ep_combine_stream(g, &h1, 0, st));
+	TH_OK(ep_handle_release_async(g, &h1));
+	if (r == 0) {
+		/* node 1 woke 600 ms ago: the dispatch ran, the combine is
+		 * being staged, waiting for this stream */
+		th_sleep_ms(900);
+		TH_OK(ep_handle_release(g, &h0));
+		__atomic_store_n(&x->gate, 1u, __ATOMIC_SEQ_CST);
+	}
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_OK(ep_group_sync(g));
+	if (r == 1)
+		TH_OK(ep_handle_release(g, &h0));
+	TH_OK(ep_barrier(g));
+	TH_OK(ep_leave(g));
+	ep_close(conn);
+	return 0;
+}
+
 /* Node 1's daemon dies while node 0's ranks wait on their streams. */
 static int lost_rank(int r, void *arg)
 {
@@ -324,8 +397,19 @@ int main(void)
 		       "barrier across the nodes (20 back-to-back, CPU clock)\n",
 		       NODES, x->rpn, tr, x->bar_us);
 	}
-	/* A node's daemon dies: the other node's streams get peer lost. */
+	/* A routing released before it was made, reclaims meanwhile. */
 	pid_t pids[4];
+	x->gate = 0;
+	th_spawn(pids, 2, ahead_rank, x);
+	TH_CHECK(th_wait_all(pids, 2, 60) == 0, "a routing released before "
+						"the daemon made it");
+	TH_CHECK(th_daemon_alive(&x->d[0]) && th_daemon_alive(&x->d[1]),
+		 "a daemon died");
+	printf("ok: node 0's rank ran ahead and released a dispatch's handle "
+	       "before its daemon made the routing; with its combine staged "
+	       "and the daemon reclaiming, the combine ran and the group went "
+	       "on\n");
+	/* A node's daemon dies: the other node's streams get peer lost. */
 	x->entered = 0;
 	x->killed = 0;
 	th_spawn(pids, 4, lost_rank, x);
