@@ -329,6 +329,24 @@ struct dev {
 	CUdeviceptr x, tk, w, y, out;
 };
 
+static void dev_alloc(struct dev *d)
+{
+	CU(tg_drv.cuMemAlloc(&d->x, N * H * 2));
+	CU(tg_drv.cuMemAlloc(&d->tk, N * K * 8));
+	CU(tg_drv.cuMemAlloc(&d->w, N * K * 4));
+	CU(tg_drv.cuMemAlloc(&d->y, (size_t)El * WN * H * 2));
+	CU(tg_drv.cuMemAlloc(&d->out, N * H * 2));
+}
+
+static void dev_free(const struct dev *d)
+{
+	CU(tg_drv.cuMemFree(d->x));
+	CU(tg_drv.cuMemFree(d->tk));
+	CU(tg_drv.cuMemFree(d->w));
+	CU(tg_drv.cuMemFree(d->y));
+	CU(tg_drv.cuMemFree(d->out));
+}
+
 /* One op pair of the GPU way (xg) on in and y; outputs into o (combined
  * tokens after the combine); the buffer the dispatch used in *b. */
 static void gpu_pair(ep_group_t *xg, CUstream st, const struct dev *d,
@@ -365,11 +383,7 @@ static void honest(int r, struct shared *s, CUstream st, ep_group_t *xg,
 		   ep_group_t *h)
 {
 	struct dev d;
-	CU(tg_drv.cuMemAlloc(&d.x, N * H * 2));
-	CU(tg_drv.cuMemAlloc(&d.tk, N * K * 8));
-	CU(tg_drv.cuMemAlloc(&d.w, N * K * 4));
-	CU(tg_drv.cuMemAlloc(&d.y, (size_t)El * WN * H * 2));
-	CU(tg_drv.cuMemAlloc(&d.out, N * H * 2));
+	dev_alloc(&d);
 	struct in *in = malloc(sizeof(*in));
 	uint16_t *y = malloc((size_t)El * WN * H * 2);
 	struct out *og = malloc(sizeof(*og)), *oh = malloc(sizeof(*oh));
@@ -436,11 +450,7 @@ static void honest(int r, struct shared *s, CUstream st, ep_group_t *xg,
 		host_pair(h, in, y, oh);
 		check(ph, kind, r, og, oh, f, in->T, ph >= 2);
 	}
-	CU(tg_drv.cuMemFree(d.x));
-	CU(tg_drv.cuMemFree(d.tk));
-	CU(tg_drv.cuMemFree(d.w));
-	CU(tg_drv.cuMemFree(d.y));
-	CU(tg_drv.cuMemFree(d.out));
+	dev_free(&d);
 	free(in);
 	free(y);
 	free(og);
@@ -540,11 +550,7 @@ static int rank_main(int r, void *arg)
 	cfg.name = "llxq";
 	TH_OK(ep_join(xc, &cfg, EP_JOIN_CUDA, &xg));
 	struct dev d;
-	CU(tg_drv.cuMemAlloc(&d.x, N * H * 2));
-	CU(tg_drv.cuMemAlloc(&d.tk, N * K * 8));
-	CU(tg_drv.cuMemAlloc(&d.w, N * K * 4));
-	CU(tg_drv.cuMemAlloc(&d.y, (size_t)El * WN * H * 2));
-	CU(tg_drv.cuMemAlloc(&d.out, N * H * 2));
+	dev_alloc(&d);
 	struct in *in = malloc(sizeof(*in));
 	uint16_t *y = malloc((size_t)El * WN * H * 2);
 	struct out *og = malloc(sizeof(*og)), *oh = malloc(sizeof(*oh));
@@ -569,6 +575,11 @@ static int rank_main(int r, void *arg)
 		     (size_t)oh->count[el] * H * 2, "rows (new group)");
 	SAME(og->comb, oh->comb, (size_t)in->T * H * 2,
 	     "combined tokens (new group)");
+	dev_free(&d);
+	free(in);
+	free(y);
+	free(og);
+	free(oh);
 	TH_OK(ep_leave(xg));
 	TH_OK(ep_leave(h));
 	ep_close(xc);
