@@ -289,7 +289,8 @@ static int llx_gate(ep_group_t *g)
 						      "left"));
 	if (rc)
 		return rc;
-	if (x->aux->buf && ep__ctl_error(x->aux) && (rc = ep__op_error(x->aux))) {
+	if (x->aux->buf && ep__ctl_error(x->aux) &&
+	    (rc = ep__op_error(x->aux))) {
 		char msg[EPP_ERRMSG_MAX];
 		snprintf(msg, sizeof(msg), "%s", ep_errmsg());
 		return llx_die(x, ep__fail(rc, "a peer's pseudo tokens, not "
