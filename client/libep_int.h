@@ -189,13 +189,16 @@ void ep__llh_fini(ep_group_t *g);
  * GPU ranks across nodes): a failed op, kept; every later call returns
  * it. ep__ll_die ends it with rc (the message: the last error's) and
  * returns rc; ep__ll_gate returns the kept end, or ends it when group g
- * (NULL: none) failed, else 0. */
+ * (NULL: none) failed, else 0. Where an op of g failed alone before g
+ * did (a stream-ordered combine of a dispatch that failed fails the
+ * group: its handle has no routing), that op's error is the cause it
+ * ends with. */
 struct ep__ll_end {
 	int rc;
 	char msg[EPP_ERRMSG_MAX + 96];
 };
 int ep__ll_die(struct ep__ll_end *e, int rc);
-int ep__ll_gate(struct ep__ll_end *e, const ep_group_t *g);
+int ep__ll_gate(struct ep__ll_end *e, ep_group_t *g);
 /* The same of a GPU rank's low-latency mode across nodes (libep_llx.c;
  * nothing in a build without CUDA). */
 void ep__llx_leave(ep_group_t *g);

@@ -229,16 +229,19 @@ int ep__ll_die(struct ep__ll_end *e, int rc)
 	return ep__fail(rc, "%s", e->msg);
 }
 
-int ep__ll_gate(struct ep__ll_end *e, const ep_group_t *g)
+int ep__ll_gate(struct ep__ll_end *e, ep_group_t *g)
 {
 	if (e->rc)
 		return ep__fail(e->rc, "%s", e->msg);
 	const int c = g && g->buf ? ep__ctl_error(g) : 0;
 	if (!c)
 		return 0;
-	(void)ep__fail(c, "the group failed (%.*s)", (int)EPP_CTL_MSG_MAX,
-		       (const char *)ep__ctl_slot(g) + EPP_CTL_ERR_MSG);
-	return ep__ll_die(e, c);
+	const int op = ep__op_error(g);
+	if (!op)
+		(void)ep__fail(c, "the group failed (%.*s)",
+			       (int)EPP_CTL_MSG_MAX,
+			       (const char *)ep__ctl_slot(g) + EPP_CTL_ERR_MSG);
+	return ep__ll_die(e, op ? op : c);
 }
 
 static int llh_die(struct ep_llh *l, int rc)

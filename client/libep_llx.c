@@ -274,12 +274,10 @@ static int llx_die(struct ep_llx *x, int rc)
 }
 
 /* Before an op: the mode's end (kept), or the group's or the pseudo
- * group's failure (which ends it). An op of the pseudo group that failed
- * alone is the cause where one did: libep's kernels never send what fails
- * one (an expert index out of range is skipped, too many tokens is a
- * mark), so a peer that wrote its pseudo tokens itself did, and the
- * combine after that op then failed the pseudo group (its handle has no
- * routing). */
+ * group's failure (which ends it). libep's kernels never send a pseudo
+ * op that fails alone (an expert index out of range is skipped, too many
+ * tokens is a mark): where one did, a peer wrote its pseudo tokens
+ * itself, and ep__ll_gate names that op, not the combine after it. */
 static int llx_gate(ep_group_t *g)
 {
 	struct ep_llx *x = g->llx;
@@ -287,18 +285,7 @@ static int llx_gate(ep_group_t *g)
 	if (!rc && !x->aux)
 		rc = llx_die(x, ep__fail(EP_ENOGROUP, "the pseudo group was "
 						      "left"));
-	if (rc)
-		return rc;
-	if (x->aux->buf && ep__ctl_error(x->aux) &&
-	    (rc = ep__op_error(x->aux))) {
-		char msg[EPP_ERRMSG_MAX];
-		snprintf(msg, sizeof(msg), "%s", ep_errmsg());
-		return llx_die(x, ep__fail(rc, "a peer's pseudo tokens, not "
-					       "libep's, failed an op of the "
-					       "low-latency mode: %s",
-					   msg));
-	}
-	return ep__ll_gate(&x->end, x->aux);
+	return rc ? rc : ep__ll_gate(&x->end, x->aux);
 }
 
 /* Whether stream captures (*cap); a direct call while graphs hold the

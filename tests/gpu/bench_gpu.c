@@ -73,14 +73,6 @@ struct shared {
 	double kdisp_us, kcomb_us; /* the daemon's kernels alone */
 };
 
-static uint64_t rng(uint64_t *s)
-{
-	uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-	return z ^ (z >> 31);
-}
-
 /* Median device time (ms) of 9 runs: a copy of n bytes a -> b, or (b = 0)
  * a fill of a. */
 static double ceiling_ms(CUdeviceptr a, CUdeviceptr b, size_t n)
@@ -159,7 +151,7 @@ static int rank_main(int r, void *arg)
 	size_t nx = (size_t)T * H;
 	uint8_t *x = malloc(nx * elt);
 	for (size_t i = 0; i < nx; i++) {
-		uint64_t v = rng(&seed);
+		uint64_t v = ref_mix(&seed);
 		if (s->fp8)
 			x[i] = (uint8_t)v;
 		else
@@ -172,7 +164,7 @@ static int rank_main(int r, void *arg)
 			int64_t e;
 			bool dup;
 			do {
-				e = (int64_t)(rng(&seed) % E);
+				e = (int64_t)(ref_mix(&seed) % E);
 				dup = false;
 				for (uint32_t j = 0; j < k; j++)
 					dup |= idx[(size_t)t * K + j] == e;
@@ -181,7 +173,7 @@ static int rank_main(int r, void *arg)
 			w[(size_t)t * K + k] = 1.0f / (float)K;
 		}
 	for (size_t i = 0; i < (size_t)T * ns; i++)
-		sc[i] = 1.0f + (float)(rng(&seed) % 100);
+		sc[i] = 1.0f + (float)(ref_mix(&seed) % 100);
 	tg_upload((CUdeviceptr)(uintptr_t)b.x, x, nx * elt);
 	tg_upload((CUdeviceptr)(uintptr_t)b.topk_idx, idx,
 			       (size_t)T * K * 8);
@@ -194,7 +186,7 @@ static int rank_main(int r, void *arg)
 	uint64_t maxr = (uint64_t)W * T;
 	uint16_t *y = malloc(maxr * H * 2);
 	for (size_t i = 0; i < maxr * H; i++)
-		y[i] = (uint16_t)(0x3c00 + rng(&seed) % 0x800);
+		y[i] = (uint16_t)(0x3c00 + ref_mix(&seed) % 0x800);
 	tg_upload((CUdeviceptr)(uintptr_t)b.combine_y, y,
 			       maxr * H * 2);
 	free(y);

@@ -57,17 +57,9 @@ ep_group_t *tg_ll_join(const char *sock, const char *name, uint32_t world,
 	return g;
 }
 
-uint64_t tg_mix(uint64_t *s)
-{
-	uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-	return z ^ (z >> 31);
-}
-
 uint16_t tg_bf16_rand(uint64_t *s, int scale_exp)
 {
-	uint64_t v = tg_mix(s);
+	uint64_t v = ref_mix(s);
 	uint16_t e = (uint16_t)(127 + scale_exp + (int)(v % 5) - 2);
 	switch (v % 64) {
 	case 0: return 0x0000;

@@ -6,6 +6,7 @@
 
 #include "ekc.h"
 #include "harness.h"
+#include "ref.h"
 
 #include <string.h>
 
@@ -86,8 +87,6 @@ ep_group_t *tg_ll_join(const char *sock, const char *name, uint32_t world,
  * when it returns. The transport's name. */
 const char *tg_cluster2(struct th_daemon d[2], const char *tag, int miss);
 
-/* splitmix64's step: the next value of the stream *s. */
-uint64_t tg_mix(uint64_t *s);
 /* A random bf16 (bits) for tests that compare bits: mostly normal values
  * of 2^(scale_exp - 2) .. 2^(scale_exp + 2) of either sign, with +0.0,
  * -0.0 and tiny values among them. */

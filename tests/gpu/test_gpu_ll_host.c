@@ -53,22 +53,22 @@ static void gen(uint64_t seed, int round, int r, bool too_many, bool bad,
 		int fixT, struct in *in)
 {
 	uint64_t s = seed * 977 + (uint64_t)round * 131 + (uint64_t)r;
-	in->T = too_many ? N + 1 : (uint32_t)(tg_mix(&s) % (N + 1));
+	in->T = too_many ? N + 1 : (uint32_t)(ref_mix(&s) % (N + 1));
 	if (fixT >= 0)
 		in->T = (uint32_t)fixT;
 	if (bad && !in->T)
 		in->T = 1; /* a token to carry the bad index */
 	for (uint32_t t = 0; t < in->T; t++) {
-		int sc = (int)(tg_mix(&s) % 30) - 15;
+		int sc = (int)(ref_mix(&s) % 30) - 15;
 		for (int c = 0; c < H; c++)
 			in->x[t * H + c] = tg_bf16_rand(&s, sc);
 		for (int k = 0; k < K; k++) {
-			uint64_t v = tg_mix(&s);
+			uint64_t v = ref_mix(&s);
 			in->topk[t * K + k] = v % 9 == 0 ? -1 : (int64_t)(v % E);
 			in->w[t * K + k] =
 				(float)((int)(v >> 20 & 2047) - 1024) / 1021.0f;
 		}
-		if (tg_mix(&s) % 8 == 0)
+		if (ref_mix(&s) % 8 == 0)
 			in->topk[t * K + K - 1] = in->topk[t * K];
 	}
 	if (bad && in->T)

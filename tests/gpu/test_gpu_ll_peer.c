@@ -86,21 +86,21 @@ static void gen(uint64_t seed, int ph, int r, bool all, struct in *in)
 {
 	uint64_t s = seed * 1009 + (uint64_t)ph * 37 + (uint64_t)r;
 	const uint32_t ne = all ? E : E - El;
-	in->T = (uint32_t)(tg_mix(&s) % (N + 1));
+	in->T = (uint32_t)(ref_mix(&s) % (N + 1));
 	for (uint32_t t = 0; t < in->T; t++) {
-		int sc = (int)(tg_mix(&s) % 20) - 10;
+		int sc = (int)(ref_mix(&s) % 20) - 10;
 		for (int c = 0; c < H; c++)
 			in->x[t * H + c] = tg_bf16_rand(&s, sc);
 		for (int k = 0; k < K; k++) {
 			int64_t e;
 			bool dup;
 			do {
-				e = (int64_t)(tg_mix(&s) % ne);
+				e = (int64_t)(ref_mix(&s) % ne);
 				dup = false;
 				for (int j = 0; j < k; j++)
 					dup |= in->topk[t * K + j] == e;
 			} while (dup);
-			const uint64_t v = tg_mix(&s);
+			const uint64_t v = ref_mix(&s);
 			in->topk[t * K + k] = v % 7 == 0 ? -1 : e;
 			in->w[t * K + k] =
 				(float)((int)(v >> 20 & 2047) - 1024) / 1021.0f;
@@ -477,7 +477,8 @@ static void hostile(struct shared *s, ep_conn_t *xc, CUstream st, int gpu,
 	struct forged *f = malloc(sizeof(*f));
 	struct in *none = calloc(1, sizeof(*none));
 	uint16_t *y = calloc((size_t)El * WN * H, 2);
-	TH_CHECK(f && none && y, "out of memory");
+	struct out *o = malloc(sizeof(*o));
+	TH_CHECK(f && none && y && o, "out of memory");
 	for (int ph = 0; ph < NPH; ph++) {
 		const int kind = phases[ph];
 		forge(s->seed, ph, kind, f);
@@ -504,24 +505,24 @@ static void hostile(struct shared *s, ep_conn_t *xc, CUstream st, int gpu,
 			TH_CHECK(rc == EP_EEXPERT || rc == EP_ESTALE,
 				 "rank 3: its bad pseudo expert: %s (%s)",
 				 ep_strerror(rc), ep_errmsg());
-			host_pair(h, none, y, &(struct out){0});
-			break;
+		} else {
+			TH_CHECK(!rc, "phase %d: rank 3's forged dispatch: %s "
+				      "(%s)",
+				 ph, ep_strerror(rc), ep_errmsg());
+			TH_OK(ep_combine_stream(aux, &hd, 0, st));
+			CU(tg_drv.cuStreamSynchronize(st));
+			TH_OK(ep_group_error(aux));
+			TH_OK(ep_handle_release(aux, &hd));
 		}
-		TH_CHECK(!rc, "phase %d: rank 3's forged dispatch: %s (%s)", ph,
-			 ep_strerror(rc), ep_errmsg());
-		TH_OK(ep_combine_stream(aux, &hd, 0, st));
-		CU(tg_drv.cuStreamSynchronize(st));
-		TH_OK(ep_group_error(aux));
-		TH_OK(ep_handle_release(aux, &hd));
-		struct out *o = malloc(sizeof(*o));
-		TH_CHECK(o, "out of memory");
-		host_pair(h, none, y, o);
-		free(o);
+		host_pair(h, none, y, o); /* in step with the host group */
+		if (kind == P_EXPERT)
+			break; /* as the honest ranks: the mode is over */
 	}
 	TH_OK(ep_leave(aux));
 	free(f);
 	free(none);
 	free(y);
+	free(o);
 }
 
 static int rank_main(int r, void *arg)

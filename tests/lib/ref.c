@@ -12,12 +12,17 @@ struct rng {
 	uint64_t s;
 };
 
-static uint64_t rnext(struct rng *r)
+uint64_t ref_mix(uint64_t *s)
 {
-	uint64_t z = (r->s += 0x9e3779b97f4a7c15ull);
+	uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
 	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
 	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
 	return z ^ (z >> 31);
+}
+
+static uint64_t rnext(struct rng *r)
+{
+	return ref_mix(&r->s);
 }
 
 static struct rng rstream(uint64_t seed, uint64_t a, uint64_t b, uint64_t c)

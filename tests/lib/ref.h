@@ -110,6 +110,9 @@ uint16_t *ref_gen_y(const struct ref_case *c, uint32_t d, uint32_t R,
  * ties to the even code, saturated at +-448; the sign kept (-0.0 ->
  * 0x80). */
 uint8_t ref_e4m3(float f);
+/* splitmix64's step: the next value of the stream *s (the generator
+ * behind every ref_gen_*; tests draw their own inputs with it too). */
+uint64_t ref_mix(uint64_t *s);
 /* A float's bits, and the float of bits. */
 uint32_t ref_bits(float f);
 float ref_float(uint32_t u);
