@@ -89,14 +89,32 @@ int ep__op_error(ep_group_t *g)
 			(unsigned long long)(pos & 0xffff));
 }
 
+/* The group's failure, 0 if it goes on. An op of it that failed alone
+ * and is not reported yet comes first, once, as the cause: a dispatch
+ * refused for a bad expert index, then a combine naming its handle, which
+ * fails the group with EP_ESTALE. Later calls give the group's error. */
+int ep__group_failed(ep_group_t *g)
+{
+	const int c = g->buf ? ep__ctl_error(g) : 0;
+	if (!c)
+		return 0;
+	const char *gm = (const char *)ep__ctl_slot(g) + EPP_CTL_ERR_MSG;
+	const int op = ep__op_error(g);
+	if (!op)
+		return ep__fail(c, "%.*s", (int)EPP_CTL_MSG_MAX, gm);
+	char om[256];
+	snprintf(om, sizeof(om), "%s", ep_errmsg());
+	return ep__fail(op, "%s; the group then failed (%s): %.*s", om,
+			ep_strerror(c), (int)EPP_CTL_MSG_MAX, gm);
+}
+
 int ep_group_error(ep_group_t *g)
 {
 	if (!g)
 		return ep__fail(EP_EINVAL, "NULL group");
-	int e = g->buf ? ep__ctl_error(g) : 0;
+	int e = ep__group_failed(g);
 	if (e)
-		return ep__fail(e, "%.*s", (int)EPP_CTL_MSG_MAX,
-				(const char *)ep__ctl_slot(g) + EPP_CTL_ERR_MSG);
+		return e;
 	if (g->conn->async_err)
 		return g->conn->async_err;
 	int ge = ep__graph_error(g);
@@ -205,6 +223,8 @@ int ep_group_sync(ep_group_t *g)
 	if (g->cuda_device < 0)
 		return 0;
 	int rc = ep__wait_completed(g, 0);
+	if (rc && ep__ctl_error(g))
+		return ep__group_failed(g); /* its cause first */
 	return rc ? rc : ep__op_error(g);
 }
 

@@ -233,15 +233,8 @@ int ep__ll_gate(struct ep__ll_end *e, ep_group_t *g)
 {
 	if (e->rc)
 		return ep__fail(e->rc, "%s", e->msg);
-	const int c = g && g->buf ? ep__ctl_error(g) : 0;
-	if (!c)
-		return 0;
-	const int op = ep__op_error(g);
-	if (!op)
-		(void)ep__fail(c, "the group failed (%.*s)",
-			       (int)EPP_CTL_MSG_MAX,
-			       (const char *)ep__ctl_slot(g) + EPP_CTL_ERR_MSG);
-	return ep__ll_die(e, op ? op : c);
+	const int c = g ? ep__group_failed(g) : 0;
+	return c ? ep__ll_die(e, c) : 0;
 }
 
 static int llh_die(struct ep_llh *l, int rc)

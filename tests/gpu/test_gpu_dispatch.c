@@ -526,7 +526,34 @@ static int case_rank(int r, void *arg)
 		 "combined written past the tokens");
 
 	TH_OK(ep_group_sync(g));
-	TH_OK(ep_barrier(g)); /* nobody leaves while others work */
+	if (x->bad_rank >= 0) {
+		/* A pipeline that goes on past a bad expert index: the
+		 * combine names the refused dispatch's handle, which fails
+		 * the group (EP_ESTALE). The refusal is the cause, and comes
+		 * first; then the group's error. */
+		int64_t *bad = malloc((size_t)me->T * K * 8 + 8);
+		memcpy(bad, me->topk, (size_t)me->T * K * 8);
+		if (r == x->bad_rank && me->T)
+			bad[0] = -2;
+		tg_upload(tg_dptr(b.topk_idx), bad, (size_t)me->T * K * 8);
+		free(bad);
+		ep_handle_t hx;
+		TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &hx));
+		TH_OK(ep_combine_stream(g, &hx, 0, st));
+		CU(tg_drv.cuStreamSynchronize(st));
+		TH_EXPECT_RC(ep_group_sync(g), EP_EEXPERT);
+		char want[64];
+		snprintf(want, sizeof(want), "at rank %d, token 0, k 0",
+			 x->bad_rank);
+		TH_CHECK(strstr(ep_errmsg(), want) &&
+				 strstr(ep_errmsg(), "the group then failed"),
+			 "rank %d: the cause first: %s", r, ep_errmsg());
+		TH_EXPECT_RC(ep_group_error(g), EP_ESTALE);
+		TH_EXPECT_RC(ep_group_sync(g), EP_ESTALE);
+		TH_OK(ep_barrier(hg)); /* g has failed */
+	} else {
+		TH_OK(ep_barrier(g)); /* nobody leaves while others work */
+	}
 	TH_OK(ep_leave(g));
 	TH_OK(ep_leave(hg));
 	ep_close(gc);
