@@ -33,6 +33,46 @@ uint64_t ep__ctl_completed(const ep_group_t *g)
 			       __ATOMIC_ACQUIRE);
 }
 
+/* Why op error (code, pos) happened, into errmsg: after "op N changed
+ * nothing: ". */
+static int op_cause(ep_group_t *g, int code, uint64_t pos)
+{
+	if (code == EP_ETOOBIG && pos != UINT64_MAX) {
+		/* rank << 32 | its tokens, UINT32_MAX where a staged op's
+		 * rank asked on another node */
+		char n[48] = "more tokens than";
+		if ((uint32_t)pos != UINT32_MAX)
+			snprintf(n, sizeof(n), "%u tokens, above",
+				 (uint32_t)pos);
+		return ep__fail(code,
+				"rank %llu dispatched %s the group's maximum "
+				"of %u per rank",
+				(unsigned long long)((pos >> 32) & 0x7fffffffull),
+				n, g->cfg.max_tokens);
+	}
+	if (code == EP_ETOOBIG) /* staged: the daemon's log names the rank */
+		return ep__fail(code,
+				"a rank dispatched more tokens than the group's "
+				"maximum of %u per rank (the daemons' logs name "
+				"it)",
+				g->cfg.max_tokens);
+	if (code == EP_ETIMEDOUT) /* the group fails with it as well */
+		return ep__fail(code,
+				"the daemon's kernel waited the group's timeout "
+				"for local rank %llu's stream to reach it",
+				(unsigned long long)(pos & 0xffffffffull));
+	if (pos == UINT64_MAX) /* found on another node: in its log */
+		return ep__fail(code,
+				"an expert index out of range (the daemons' "
+				"logs name it)");
+	return ep__fail(code,
+			"expert index out of range at rank %llu, token %llu, "
+			"k %llu",
+			(unsigned long long)(pos >> 48),
+			(unsigned long long)((pos >> 16) & 0xffffffffull),
+			(unsigned long long)(pos & 0xffff));
+}
+
 /* An op that failed alone (the group goes on), reported once. */
 int ep__op_error(ep_group_t *g)
 {
@@ -47,46 +87,28 @@ int ep__op_error(ep_group_t *g)
 	g->op_err_seen = seq;
 	if (seq == g->toobig_seq)
 		return 0; /* this rank's own, told at once */
-	int code = *(const int32_t *)(sl + EPP_CTL_OP_ERR_CODE);
-	uint64_t pos = *(const uint64_t *)(sl + EPP_CTL_OP_ERR_POS);
-	if (code == EP_ETOOBIG && pos != UINT64_MAX) {
-		/* rank << 32 | its tokens, UINT32_MAX where a staged op's
-		 * rank asked on another node */
-		char n[48] = "more tokens than";
-		if ((uint32_t)pos != UINT32_MAX)
-			snprintf(n, sizeof(n), "%u tokens, above",
-				 (uint32_t)pos);
+	const int code = *(const int32_t *)(sl + EPP_CTL_OP_ERR_CODE);
+	const uint64_t pos = *(const uint64_t *)(sl + EPP_CTL_OP_ERR_POS);
+	char why[200];
+	if (code == EP_ESTALE && pos != UINT64_MAX &&
+	    (pos & EPP_OP_ERR_HANDLE)) {
+		/* a combine or cached dispatch: the word is its handle's
+		 * dispatch's, with that dispatch's flags */
+		const uint64_t dw = pos & ~EPP_OP_ERR_HANDLE;
+		const int dc = dw & EPP_OP_ERR_TOOBIG ? EP_ETOOBIG
+			       : dw & EPP_OP_ERR_WAIT ? EP_ETIMEDOUT
+						      : EP_EEXPERT;
+		(void)op_cause(g, dc, dw);
+		snprintf(why, sizeof(why), "%s", ep_errmsg());
 		return ep__fail(code,
-				"op %llu changed nothing: rank %llu dispatched "
-				"%s the group's maximum of %u per rank",
-				(unsigned long long)seq,
-				(unsigned long long)((pos >> 32) & 0x7fffffffull),
-				n, g->cfg.max_tokens);
+				"op %llu changed nothing: the dispatch that "
+				"made its handle failed (%s: %s)",
+				(unsigned long long)seq, ep_strerror(dc), why);
 	}
-	if (code == EP_ETOOBIG) /* staged: the daemon's log names the rank */
-		return ep__fail(code,
-				"op %llu changed nothing: a rank dispatched "
-				"more tokens than the group's maximum of %u per "
-				"rank (the daemons' logs name it)",
-				(unsigned long long)seq, g->cfg.max_tokens);
-	if (code == EP_ETIMEDOUT) /* the group fails with it as well */
-		return ep__fail(code,
-				"op %llu changed nothing: the daemon's kernel "
-				"waited the group's timeout for local rank "
-				"%llu's stream to reach it",
-				(unsigned long long)seq,
-				(unsigned long long)(pos & 0xffffffffull));
-	if (pos == UINT64_MAX) /* found on another node: in its log */
-		return ep__fail(code,
-				"op %llu changed nothing: an expert index out "
-				"of range (the daemons' logs name it)",
-				(unsigned long long)seq);
-	return ep__fail(code,
-			"op %llu changed nothing: expert index out of range "
-			"at rank %llu, token %llu, k %llu",
-			(unsigned long long)seq, (unsigned long long)(pos >> 48),
-			(unsigned long long)((pos >> 16) & 0xffffffffull),
-			(unsigned long long)(pos & 0xffff));
+	(void)op_cause(g, code, pos);
+	snprintf(why, sizeof(why), "%s", ep_errmsg());
+	return ep__fail(code, "op %llu changed nothing: %s",
+			(unsigned long long)seq, why);
 }
 
 /* The group's failure, 0 if it goes on. An op of it that failed alone

@@ -100,6 +100,12 @@
  *   1.17 A GPU group's control page names the ranks that left it
  *        (EPP_CTL_GONE), written before the group is released: the
  *        low-latency kernels of shrink mode mask them and go on.
+ *   1.18 A stream-ordered combine or cached dispatch whose handle's
+ *        dispatch failed (a bad expert index, too many tokens) fails
+ *        alone and changes nothing, as that dispatch did: its op error is
+ *        EP_ESTALE, EPP_CTL_OP_ERR_POS holding that dispatch's error
+ *        word with EPP_OP_ERR_HANDLE set. (Before, it ran on the tables
+ *        the failed dispatch had left.)
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -118,7 +124,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 17
+#define EPP_VERSION_MINOR 18
 /* Stream-ordered ops a GPU rank may have in flight (libep waits before
  * more; the daemon's rings are this deep). */
 #define EPP_MAX_INFLIGHT 1024
@@ -229,6 +235,13 @@ struct epp_join_ok {
 #define EPP_CTL_RECV 24u       /* u64: rows received by a dispatch */
 #define EPP_CTL_RECV_SEQ 32u   /* u64: that dispatch */
 #define EPP_CTL_OP_ERR_POS 40u /* u64: (rank << 48 | token << 16 | k) */
+/* In EPP_CTL_OP_ERR_POS (1.18): the op named a handle whose dispatch
+ * failed; the rest of the word is that dispatch's, whose flags say its
+ * error: too many tokens ((rank << 32) | tokens), a wait past the group's
+ * timeout (local rank), else a bad expert index at the position above */
+#define EPP_OP_ERR_HANDLE (1ull << 61)
+#define EPP_OP_ERR_TOOBIG (1ull << 63)
+#define EPP_OP_ERR_WAIT (1ull << 62)
 #define EPP_CTL_ERR_MSG 48u    /* NUL-terminated message of the group */
 #define EPP_CTL_MSG_MAX (EPP_CTL_SLOT - EPP_CTL_ERR_MSG)
 /* The last slot is the group's: the device kernels' error word (i32 at 0),

@@ -286,6 +286,11 @@ enum {
  * ran past the group's timeout, (l); the op changes nothing more and the
  * kernel raised the group's error word (the daemon fails the group). */
 #define EKC_ERR_WAIT (1ull << 62)
+/* In a combine's or cached dispatch's published op error (EKC_ESTALE):
+ * the rest is the error word of the dispatch that made its handle, which
+ * failed (EPP_OP_ERR_HANDLE) */
+#define EKC_ERR_HANDLE (1ull << 61)
+#define EKC_ESTALE (-1009) /* EP_ESTALE */
 
 /* Dispatch and combine arguments. Pointers are device addresses; off[]
  * are offsets from a region's base. */
@@ -323,6 +328,11 @@ struct ekc_disp_args {
 			      over sources), copied to every rank's field */
 	int32_t *slot;     /* [W][Tmax][W] the handle's routing */
 	unsigned long long *err; /* first bad (s, t, k), or ~0 */
+	/* the handle's: its dispatch's final error word (~0: none), in its
+	 * tables, written by that (fresh) dispatch as it publishes its
+	 * counts; a combine or cached dispatch that finds it set changes
+	 * nothing and fails alone. NULL: none kept. */
+	unsigned long long *rerr;
 	uint32_t *gsync;   /* ekc_prep's grid barrier, from ~0 */
 	/* gate_reset: ekc_gate sets *err = err0 and *gsync = ~0 before its
 	 * waits (a dispatch under MPS; otherwise a memset does) */

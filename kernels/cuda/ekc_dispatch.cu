@@ -42,9 +42,21 @@ __device__ static inline const uint8_t *x_row(const struct ekc_disp_args &a,
 	return (const uint8_t *)(a.region[s] + o + t * a.H * a.elt);
 }
 
+// The error of this op: its own word, or for a combine or cached dispatch
+// whose handle's dispatch failed, that dispatch's (flagged: the op fails
+// alone and changes nothing, as that dispatch did). ~0: none.
+__device__ static inline unsigned long long op_error(const struct ekc_disp_args &a)
+{
+	const unsigned long long e = *(volatile unsigned long long *)a.err;
+	if (e != ~0ull || !a.cached || !a.rerr)
+		return e;
+	const unsigned long long h = *(volatile unsigned long long *)a.rerr;
+	return h == ~0ull ? h : h | EKC_ERR_HANDLE;
+}
+
 __device__ static inline bool has_error(const struct ekc_disp_args &a)
 {
-	return *(volatile unsigned long long *)a.err != ~0ull;
+	return op_error(a) != ~0ull;
 }
 
 // Programmatic dependent launch (cuda_pdl): the daemon may launch a data
@@ -366,6 +378,22 @@ __device__ static void publish_pe(const struct ekc_disp_args &a)
 	__syncthreads();
 }
 
+// Op error err for local rank d's CPU (its control page slot): the code
+// from the word's flags, the word as the position, then the op's number.
+__device__ static void publish_op_error(const struct ekc_disp_args &a,
+					uint32_t d, unsigned long long err)
+{
+	uint8_t *h = (uint8_t *)a.host_ctl + (uint64_t)d * EKC_CTL_SLOT;
+	*(volatile uint64_t *)(h + EKC_CTL_OP_ERR_POS) = err;
+	*(volatile int32_t *)(h + EKC_CTL_OP_ERR_CODE) =
+		err & EKC_ERR_HANDLE  ? EKC_ESTALE
+		: err & EKC_ERR_TOOBIG ? EKC_ETOOBIG
+		: err & EKC_ERR_WAIT   ? EKC_ETIMEDOUT
+				       : EKC_EEXPERT;
+	__threadfence_system();
+	*(volatile uint64_t *)(h + EKC_CTL_OP_ERR_SEQ) = a.seq;
+}
+
 // Rank d's receive count (run) or the op's error, for its CPU (control
 // page) and its stream (region); the finishing kernel publishes completion
 // after these, in stream order.
@@ -373,20 +401,17 @@ __device__ static __forceinline__ void publish_recv(const struct ekc_disp_args &
 				    uint32_t d, uint32_t run)
 {
 	uint8_t *h = (uint8_t *)a.host_ctl + (uint64_t)d * EKC_CTL_SLOT;
-	unsigned long long err = *(volatile unsigned long long *)a.err;
+	const unsigned long long err = op_error(a);
+	// a fresh dispatch's outcome, kept with its handle's tables for the
+	// ops that will name it
+	if (!a.cached && d == 0 && a.rerr)
+		*(volatile unsigned long long *)a.rerr = err;
 	*(volatile uint64_t *)(h + EKC_CTL_RECV) = err != ~0ull ? 0 : run;
 	if (err == ~0ull)
 		*(volatile uint32_t *)((uint8_t *)a.region[d] +
 				       EKC_RECV_COUNT) = run;
-	if (err != ~0ull) {
-		*(volatile uint64_t *)(h + EKC_CTL_OP_ERR_POS) = err;
-		*(volatile int32_t *)(h + EKC_CTL_OP_ERR_CODE) =
-			err & EKC_ERR_TOOBIG  ? EKC_ETOOBIG
-			: err & EKC_ERR_WAIT ? EKC_ETIMEDOUT
-					     : EKC_EEXPERT;
-		__threadfence_system();
-		*(volatile uint64_t *)(h + EKC_CTL_OP_ERR_SEQ) = a.seq;
-	}
+	if (err != ~0ull)
+		publish_op_error(a, d, err);
 	__threadfence_system();
 	*(volatile uint64_t *)(h + EKC_CTL_RECV_SEQ) = a.seq;
 }
@@ -990,6 +1015,24 @@ __device__ static inline void set_bf16x8(float acc[8], uint4 q)
 	}
 }
 
+// Did the dispatch that made the combine's handle succeed? If not, the
+// combine changes nothing and fails alone (block 0 tells the homes this
+// launch handles), as the dispatch did: its tables are not a routing.
+// (Not op_error: a combine has no error word of its own; a.err is the last
+// dispatch's.)
+__device__ static inline bool combine_handle_ok(const struct ekc_disp_args &a)
+{
+	const unsigned long long h =
+		a.rerr ? *(volatile unsigned long long *)a.rerr : ~0ull;
+	if (h == ~0ull)
+		return true;
+	if (blockIdx.x == 0)
+		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
+			if ((a.rank_mask >> d) & 1)
+				publish_op_error(a, d, h | EKC_ERR_HANDLE);
+	return false;
+}
+
 // A combine's start, by the whole block: trace marks, then (under MPS)
 // every rank's doorbell. False: a rank never rang (wait_failed raised the
 // group's error, or the group was released): its rows may be in use, so
@@ -1001,7 +1044,7 @@ __device__ static inline bool combine_begin(const struct ekc_disp_args &a)
 		tr_begin(a, EKC_TR_COMBINE);
 	mark_sm(a);
 	if (!a.wait)
-		return true;
+		return combine_handle_ok(a);
 	bool bad = false;
 	for (uint32_t d = threadIdx.x; d < a.W && !bad; d += blockDim.x)
 		bad = !wait_doorbell(a, d);
@@ -1009,7 +1052,7 @@ __device__ static inline bool combine_begin(const struct ekc_disp_args &a)
 		return false;
 	if (threadIdx.x == 0)
 		tr_end(a, EKC_TR_DOORBELL);
-	return true;
+	return combine_handle_ok(a);
 }
 
 // The bulk-copy engine fetches [p, p + bytes) into L2 (no registers, no

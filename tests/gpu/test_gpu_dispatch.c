@@ -527,33 +527,61 @@ static int case_rank(int r, void *arg)
 
 	TH_OK(ep_group_sync(g));
 	if (x->bad_rank >= 0) {
-		/* A pipeline that goes on past a bad expert index: the
-		 * combine names the refused dispatch's handle, which fails
-		 * the group (EP_ESTALE). The refusal is the cause, and comes
-		 * first; then the group's error. */
+		/* A pipeline that goes on past a bad expert index: a cached
+		 * dispatch and a combine that name the refused dispatch's
+		 * handle each fail alone (EP_ESTALE, saying why), and change
+		 * nothing; its tables are not a routing. The group goes on. */
 		int64_t *bad = malloc((size_t)me->T * K * 8 + 8);
 		memcpy(bad, me->topk, (size_t)me->T * K * 8);
 		if (r == x->bad_rank && me->T)
 			bad[0] = -2;
 		tg_upload(tg_dptr(b.topk_idx), bad, (size_t)me->T * K * 8);
 		free(bad);
-		ep_handle_t hx;
-		TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &hx));
-		TH_OK(ep_combine_stream(g, &hx, 0, st));
-		CU(tg_drv.cuStreamSynchronize(st));
-		TH_EXPECT_RC(ep_group_sync(g), EP_EEXPERT);
 		char want[64];
 		snprintf(want, sizeof(want), "at rank %d, token 0, k 0",
 			 x->bad_rank);
-		TH_CHECK(strstr(ep_errmsg(), want) &&
-				 strstr(ep_errmsg(), "the group then failed"),
-			 "rank %d: the cause first: %s", r, ep_errmsg());
-		TH_EXPECT_RC(ep_group_error(g), EP_ESTALE);
+		ep_handle_t hx, hy;
+		TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &hx));
+		CU(tg_drv.cuMemsetD32Async(tg_dptr(b.recv_x),
+					   0x01010101u * POISON,
+					   cap * H * elt / 4, st));
+		CU(tg_drv.cuMemsetD32Async(ep_dispatch_recv_count_device(g),
+					   0x5a5a5a5au, 1, st));
+		TH_OK(ep_dispatch_stream(g, me->T, 0, &hx, st, &hy));
+		CU(tg_drv.cuStreamSynchronize(st));
 		TH_EXPECT_RC(ep_group_sync(g), EP_ESTALE);
-		TH_OK(ep_barrier(hg)); /* g has failed */
-	} else {
-		TH_OK(ep_barrier(g)); /* nobody leaves while others work */
+		TH_CHECK(strstr(ep_errmsg(), want) &&
+				 strstr(ep_errmsg(), "made its handle failed"),
+			 "rank %d: a cached dispatch of a failed one: %s", r,
+			 ep_errmsg());
+		unchanged(g, &b, cap * H * elt);
+		CU(tg_drv.cuMemsetD32Async(tg_dptr(b.combined),
+					   0x01010101u * POISON,
+					   (size_t)c->max_tokens * H / 2, st));
+		TH_OK(ep_combine_stream(g, &hx, 0, st));
+		CU(tg_drv.cuStreamSynchronize(st));
+		TH_EXPECT_RC(ep_group_sync(g), EP_ESTALE);
+		TH_CHECK(strstr(ep_errmsg(), want) &&
+				 strstr(ep_errmsg(), "made its handle failed"),
+			 "rank %d: a combine of a failed dispatch: %s", r,
+			 ep_errmsg());
+		TH_CHECK(dev_poisoned(b.combined,
+				      (size_t)c->max_tokens * H * 2),
+			 "rank %d: a combine of a failed dispatch wrote its "
+			 "output", r);
+		TH_OK(ep_group_error(g)); /* each told once; the group goes on */
+		TH_OK(ep_handle_release(g, &hx));
+		tg_upload(tg_dptr(b.topk_idx), me->topk, (size_t)me->T * K * 8);
+		ep_handle_t hz;
+		TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &hz));
+		uint8_t *gx4 = POISONED(cap * H * elt);
+		pin(gx4, cap * H * elt);
+		recv_x_after(g, st, &b, gx4, R * H * elt);
+		SAME(gx4, exp2[r].x, R * H * elt,
+		     "recv_x of a dispatch after the refusals");
+		TH_OK(ep_handle_release(g, &hz));
 	}
+	TH_OK(ep_barrier(g)); /* nobody leaves while others work */
 	TH_OK(ep_leave(g));
 	TH_OK(ep_leave(hg));
 	ep_close(gc);

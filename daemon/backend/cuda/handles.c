@@ -49,11 +49,16 @@ static void reclaim(struct epd_group *g)
 	}
 }
 
+/* A routing's small tables: rows received [W] u32, the rank prefix
+ * matrix [W][W] u32, then its dispatch's error word (u64; W + W * W is
+ * even, so it is aligned): ekc_disp_args' recv, rp and rerr. */
+#define ROUTE_RECV_BYTES(W) ((W) * 4 + (W) * (W) * 4 + 8)
+
 static uint64_t table_bytes(const struct epd_group *g)
 {
 	const struct epd_cuda_group *c = g->dev_group;
 	uint64_t W = g->shape.ranks_per_node;
-	return W * c->tmax * W * 4 + W * 4 + W * W * 4;
+	return W * c->tmax * W * 4 + ROUTE_RECV_BYTES(W);
 }
 
 /* A free entry (with device tables unless staged), or NULL with the group
@@ -100,7 +105,7 @@ static struct route *route_take(struct epd_group *g, uint64_t k)
 		uint64_t W = g->shape.ranks_per_node;
 		CUresult r = cu_dev_alloc(c, &rt->slot, W * c->tmax * W * 4);
 		if (!r)
-			r = cu_dev_alloc(c, &rt->recv, W * 4 + W * W * 4);
+			r = cu_dev_alloc(c, &rt->recv, ROUTE_RECV_BYTES(W));
 		if (r) {
 			if (rt->slot)
 				cu_drv->cuMemFree(rt->slot);

@@ -8,8 +8,13 @@
 _Static_assert((int)EKC_F_N == (int)EPP_BUF_NFIELDS,
 	       "the kernels' fields follow enum epp_buf_field");
 _Static_assert(EKC_EEXPERT == EP_EEXPERT && EKC_ETOOBIG == EP_ETOOBIG &&
+		       EKC_ESTALE == EP_ESTALE &&
 		       EKC_ETIMEDOUT == EP_ETIMEDOUT,
 	       "the kernels' op error codes are libep's");
+_Static_assert(EKC_ERR_HANDLE == EPP_OP_ERR_HANDLE &&
+		       EKC_ERR_TOOBIG == EPP_OP_ERR_TOOBIG &&
+		       EKC_ERR_WAIT == EPP_OP_ERR_WAIT,
+	       "the flags of the kernels' error words");
 
 CUresult cu_launch(struct epd_cuda_group *c, CUfunction f, unsigned gx,
 		       unsigned gy, unsigned bx, void *args)
@@ -393,6 +398,8 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 	a.slot = (int32_t *)(uintptr_t)rt->slot;
 	a.recv = (uint32_t *)(uintptr_t)rt->recv;
 	a.rp = a.recv + W; /* the same allocation (cu_route_make) */
+	/* then its dispatch's outcome (W + W * W is even: 8-byte aligned) */
+	a.rerr = rt->recv ? (unsigned long long *)(a.rp + W * W) : NULL;
 	a.cached = !fresh;
 	a.wait = d->mps; /* the kernels wait for the doorbells themselves */
 	unsigned sms = cu_sms_cap(g, d);
