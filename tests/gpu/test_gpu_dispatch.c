@@ -681,14 +681,18 @@ static void run_case(struct ctx *x)
 	TH_CHECK(th_wait_all(pids, (int)x->c.world, 120) == 0,
 		 "case %d failed (seed %llu)", x->index,
 		 (unsigned long long)x->c.seed);
-	printf("ok: case %d: world %u E %u H %u K %u T_max %u %s mode %d%s%s%s "
+	printf("ok: case %d: world %u E %u H %u K %u T_max %u %s mode %d%s%s%s%s "
 	       "-- GPU == host backend == reference\n",
 	       x->index, x->c.world, x->c.experts, x->c.hidden, x->c.topk,
 	       x->c.max_tokens, x->c.dtype == EP_DTYPE_FP8 ? "fp8" : "bf16",
 	       x->c.mode, x->c.weights ? " weights" : "",
 	       x->c.bias ? " bias" : "",
 	       x->big_rank >= 0 ? " (after a rank asked for too many tokens: "
-				  "EP_ETOOBIG on every rank)" : "");
+				  "EP_ETOOBIG on every rank)" : "",
+	       x->bad_rank >= 0 ? " (a bad expert index: EP_EEXPERT; then a "
+				  "cached dispatch and a combine of its "
+				  "handle: EP_ESTALE each, nothing written)"
+				: "");
 }
 
 int main(void)
