@@ -112,9 +112,10 @@ int ep__op_error(ep_group_t *g)
 }
 
 /* The group's failure, 0 if it goes on. An op of it that failed alone
- * and is not reported yet comes first, once, as the cause: a dispatch
- * refused for a bad expert index, then a combine naming its handle, which
- * fails the group with EP_ESTALE. Later calls give the group's error. */
+ * and is not reported yet comes first, once, as the cause: in a group
+ * across nodes, a dispatch refused for a bad expert index, then a combine
+ * naming its handle, which fails the group with EP_ESTALE (on one node
+ * that combine fails alone too). Later calls give the group's error. */
 int ep__group_failed(ep_group_t *g)
 {
 	const int c = g->buf ? ep__ctl_error(g) : 0;
