@@ -70,6 +70,20 @@ static void unchanged(ep_group_t *g, const struct ep_buffers *b, size_t n)
 	TH_CHECK(dev_poisoned(b->recv_x, n), "a failed dispatch wrote recv_x");
 }
 
+/* The op just enqueued on st named the handle of a dispatch refused for
+ * a bad expert index: it failed alone (EP_ESTALE), naming that index
+ * (want). */
+static void refused_for(ep_group_t *g, CUstream st, const char *want,
+			const char *what)
+{
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_EXPECT_RC(ep_group_sync(g), EP_ESTALE);
+	TH_CHECK(strstr(ep_errmsg(), want) &&
+			 strstr(ep_errmsg(), "made its handle failed"),
+		 "rank %u: %s of a refused dispatch's handle: %s",
+		 ep_group_rank(g), what, ep_errmsg());
+}
+
 /* The first n bytes of device memory src (recv_x or another receive area)
  * once what is queued on st has run, into pinned dst; the group's ops
  * succeeded. */
@@ -548,23 +562,13 @@ static int case_rank(int r, void *arg)
 		CU(tg_drv.cuMemsetD32Async(ep_dispatch_recv_count_device(g),
 					   0x5a5a5a5au, 1, st));
 		TH_OK(ep_dispatch_stream(g, me->T, 0, &hx, st, &hy));
-		CU(tg_drv.cuStreamSynchronize(st));
-		TH_EXPECT_RC(ep_group_sync(g), EP_ESTALE);
-		TH_CHECK(strstr(ep_errmsg(), want) &&
-				 strstr(ep_errmsg(), "made its handle failed"),
-			 "rank %d: a cached dispatch of a failed one: %s", r,
-			 ep_errmsg());
+		refused_for(g, st, want, "a cached dispatch");
 		unchanged(g, &b, cap * H * elt);
 		CU(tg_drv.cuMemsetD32Async(tg_dptr(b.combined),
 					   0x01010101u * POISON,
 					   (size_t)c->max_tokens * H / 2, st));
 		TH_OK(ep_combine_stream(g, &hx, 0, st));
-		CU(tg_drv.cuStreamSynchronize(st));
-		TH_EXPECT_RC(ep_group_sync(g), EP_ESTALE);
-		TH_CHECK(strstr(ep_errmsg(), want) &&
-				 strstr(ep_errmsg(), "made its handle failed"),
-			 "rank %d: a combine of a failed dispatch: %s", r,
-			 ep_errmsg());
+		refused_for(g, st, want, "a combine");
 		TH_CHECK(dev_poisoned(b.combined,
 				      (size_t)c->max_tokens * H * 2),
 			 "rank %d: a combine of a failed dispatch wrote its "
