@@ -190,10 +190,8 @@ void ep__llh_fini(ep_group_t *g);
  * GPU ranks across nodes): a failed op, kept; every later call returns
  * it. ep__ll_die ends it with rc (the message: the last error's) and
  * returns rc; ep__ll_gate returns the kept end, or ends it when group g
- * (NULL: none) failed, else 0. Where an op of g failed alone before g
- * did (a stream-ordered combine of a dispatch that failed fails the
- * group: its handle has no routing), that op's error is the cause it
- * ends with. */
+ * (NULL: none) failed, else 0; the cause it ends with is
+ * ep__group_failed's (an op of g that failed alone before g did). */
 struct ep__ll_end {
 	int rc;
 	char msg[EPP_ERRMSG_MAX + 96];

@@ -70,6 +70,20 @@ static void unchanged(ep_group_t *g, const struct ep_buffers *b, size_t n)
 	TH_CHECK(dev_poisoned(b->recv_x, n), "a failed dispatch wrote recv_x");
 }
 
+/* n expert indices into the group's topk_idx, entry at (if there is one:
+ * < n) replaced by v. */
+static void upload_topk(const struct ep_buffers *b, const int64_t *topk,
+			uint64_t n, uint64_t at, int64_t v)
+{
+	int64_t *t = malloc(n * 8 + 8);
+	TH_CHECK(t, "out of memory");
+	memcpy(t, topk, n * 8);
+	if (at < n)
+		t[at] = v;
+	tg_upload(tg_dptr(b->topk_idx), t, n * 8);
+	free(t);
+}
+
 /* The op just enqueued on st named the handle of a dispatch refused for
  * a bad expert index: it failed alone (EP_ESTALE), naming that index
  * (want). */
@@ -233,19 +247,14 @@ static int case_rank(int r, void *arg)
 	if (x->bad_rank >= 0) {
 		/* one bad expert index anywhere: every rank's op fails and
 		 * nothing changes */
-		int64_t *bad = malloc((size_t)me->T * K * 8 + 8);
-		memcpy(bad, me->topk, (size_t)me->T * K * 8);
-		if (r == x->bad_rank && me->T)
-			bad[K - 1] = E;
-		tg_upload(tg_dptr(b.topk_idx), bad,
-				       (size_t)me->T * K * 8);
+		upload_topk(&b, me->topk, (uint64_t)me->T * K,
+			    r == x->bad_rank ? K - 1 : UINT64_MAX, E);
 		ep_handle_t hb;
 		CU(tg_drv.cuMemsetD32(ep_dispatch_recv_count_device(g),
 				      0x5a5a5a5au, 1));
 		TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &hb));
 		CU(tg_drv.cuStreamSynchronize(st));
 		TH_EXPECT_RC(ep_group_sync(g), EP_EEXPERT);
-		free(bad);
 		unchanged(g, &b, cap * H * elt);
 	}
 	if (x->big_rank >= 0) {
@@ -545,12 +554,8 @@ static int case_rank(int r, void *arg)
 		 * dispatch and a combine that name the refused dispatch's
 		 * handle each fail alone (EP_ESTALE, saying why), and change
 		 * nothing; its tables are not a routing. The group goes on. */
-		int64_t *bad = malloc((size_t)me->T * K * 8 + 8);
-		memcpy(bad, me->topk, (size_t)me->T * K * 8);
-		if (r == x->bad_rank && me->T)
-			bad[0] = -2;
-		tg_upload(tg_dptr(b.topk_idx), bad, (size_t)me->T * K * 8);
-		free(bad);
+		upload_topk(&b, me->topk, (uint64_t)me->T * K,
+			    r == x->bad_rank ? 0 : UINT64_MAX, -2);
 		char want[64];
 		snprintf(want, sizeof(want), "at rank %d, token 0, k 0",
 			 x->bad_rank);

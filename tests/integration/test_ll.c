@@ -50,14 +50,6 @@ static uint64_t seed;
 
 /* ---- inputs: a splitmix64 stream per (round, rank, purpose) ---- */
 
-static uint64_t mix(uint64_t *s)
-{
-	uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-	z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-	return z ^ (z >> 31);
-}
-
 static uint64_t stream(int round, int r, int what)
 {
 	return seed * 1000003u + (uint64_t)round * 7919u + (uint64_t)r * 131u +
@@ -68,7 +60,7 @@ static uint64_t stream(int round, int r, int what)
  * each row with its own scale (so the fp8 scales differ). */
 static uint16_t gen_val(uint64_t *s, float scale)
 {
-	uint64_t v = mix(s);
+	uint64_t v = ref_mix(s);
 	switch (v % 64) {
 	case 0: return 0x0000;
 	case 1: return 0x8000;
@@ -92,25 +84,25 @@ static void gen_in(int round, int r, bool too_many, bool bad,
 		   struct rin *in)
 {
 	uint64_t s = stream(round, r, 1);
-	in->T = too_many ? N + 1 : (uint32_t)(mix(&s) % (N + 1));
-	if (!too_many && mix(&s) % 4 == 0)
+	in->T = too_many ? N + 1 : (uint32_t)(ref_mix(&s) % (N + 1));
+	if (!too_many && ref_mix(&s) % 4 == 0)
 		in->T = N;
 	if (bad && !in->T)
 		in->T = 1; /* a token to carry the bad index */
 	for (uint32_t t = 0; t < in->T; t++) {
 		float scale = ref_float(0x3f800000u +
-				  (uint32_t)((int)(mix(&s) % 40) - 20)
+				  (uint32_t)((int)(ref_mix(&s) % 40) - 20)
 					  * 0x00800000u);
 		for (int c = 0; c < H; c++)
 			in->x[t][c] = gen_val(&s, scale);
 		for (int k = 0; k < K; k++) {
-			uint64_t v = mix(&s);
+			uint64_t v = ref_mix(&s);
 			in->topk[t][k] = v % 9 == 0 ? -1
 				       : (int64_t)((v >> 8) % E);
 			in->w[t][k] = (float)((int)((v >> 20) % 2001) - 1000) /
 				      997.0f;
 		}
-		if (mix(&s) % 8 == 0) /* an expert repeated */
+		if (ref_mix(&s) % 8 == 0) /* an expert repeated */
 			in->topk[t][K - 1] = in->topk[t][0];
 	}
 	if (bad && in->T)
@@ -655,7 +647,7 @@ static void args_checks(void)
 	mine->T = 3;
 	for (uint32_t t = 0; t < 3; t++)
 		for (int k = 0; k < K; k++) {
-			mine->topk[t][k] = (int64_t)(mix(&s) % E);
+			mine->topk[t][k] = (int64_t)(ref_mix(&s) % E);
 			mine->w[t][k] = 1.0f;
 		}
 	TH_OK(ep_ll_dispatch(g, mine->x, &mine->topk[0][0], 3, EP_LL_FP8, NULL,
