@@ -42,16 +42,23 @@ __device__ static inline const uint8_t *x_row(const struct ekc_disp_args &a,
 	return (const uint8_t *)(a.region[s] + o + t * a.H * a.elt);
 }
 
-// The error of this op: its own word, or for a combine or cached dispatch
-// whose handle's dispatch failed, that dispatch's (flagged: the op fails
-// alone and changes nothing, as that dispatch did). ~0: none.
+// A combine's or cached dispatch's: the error word of the dispatch that
+// made its handle, flagged (the op fails alone and changes nothing, as
+// that dispatch did), or ~0 where it succeeded.
+__device__ static inline unsigned long long handle_error(const struct ekc_disp_args &a)
+{
+	if (!a.cached || !a.rerr)
+		return ~0ull;
+	const unsigned long long h = *(volatile unsigned long long *)a.rerr;
+	return h == ~0ull ? h : h | EKC_ERR_HANDLE;
+}
+
+// The error of a dispatch, fresh or cached: its own word, else its
+// handle's (not a combine's: a.err is then the last dispatch's). ~0: none.
 __device__ static inline unsigned long long op_error(const struct ekc_disp_args &a)
 {
 	const unsigned long long e = *(volatile unsigned long long *)a.err;
-	if (e != ~0ull || !a.cached || !a.rerr)
-		return e;
-	const unsigned long long h = *(volatile unsigned long long *)a.rerr;
-	return h == ~0ull ? h : h | EKC_ERR_HANDLE;
+	return e != ~0ull ? e : handle_error(a);
 }
 
 __device__ static inline bool has_error(const struct ekc_disp_args &a)
@@ -1018,18 +1025,15 @@ __device__ static inline void set_bf16x8(float acc[8], uint4 q)
 // Did the dispatch that made the combine's handle succeed? If not, the
 // combine changes nothing and fails alone (block 0 tells the homes this
 // launch handles), as the dispatch did: its tables are not a routing.
-// (Not op_error: a combine has no error word of its own; a.err is the last
-// dispatch's.)
 __device__ static inline bool combine_handle_ok(const struct ekc_disp_args &a)
 {
-	const unsigned long long h =
-		a.rerr ? *(volatile unsigned long long *)a.rerr : ~0ull;
+	const unsigned long long h = handle_error(a);
 	if (h == ~0ull)
 		return true;
 	if (blockIdx.x == 0)
 		for (uint32_t d = threadIdx.x; d < a.W; d += blockDim.x)
 			if ((a.rank_mask >> d) & 1)
-				publish_op_error(a, d, h | EKC_ERR_HANDLE);
+				publish_op_error(a, d, h);
 	return false;
 }
 
