@@ -73,8 +73,10 @@ static int op_cause(ep_group_t *g, int code, uint64_t pos)
 			(unsigned long long)(pos & 0xffff));
 }
 
-/* An op that failed alone (the group goes on), reported once. */
-int ep__op_error(ep_group_t *g)
+/* An op that failed alone (the group goes on), reported once; where it
+ * named a failed dispatch's handle, with EP_ESTALE, or (cause) with that
+ * dispatch's error. */
+static int op_error(ep_group_t *g, bool cause)
 {
 	if (!g->buf || g->cuda_device < 0)
 		return 0;
@@ -98,9 +100,10 @@ int ep__op_error(ep_group_t *g)
 		const int dc = dw & EPP_OP_ERR_TOOBIG ? EP_ETOOBIG
 			       : dw & EPP_OP_ERR_WAIT ? EP_ETIMEDOUT
 						      : EP_EEXPERT;
-		(void)op_cause(g, dc, dw);
+		/* a staged dispatch's bad index, found on another node */
+		(void)op_cause(g, dc, dw == EPP_OP_ERR_NOPOS ? UINT64_MAX : dw);
 		snprintf(why, sizeof(why), "%s", ep_errmsg());
-		return ep__fail(code,
+		return ep__fail(cause ? dc : code,
 				"op %llu changed nothing: the dispatch that "
 				"made its handle failed (%s: %s)",
 				(unsigned long long)seq, ep_strerror(dc), why);
@@ -111,11 +114,21 @@ int ep__op_error(ep_group_t *g)
 			(unsigned long long)seq, why);
 }
 
+int ep__op_error(ep_group_t *g)
+{
+	return op_error(g, false);
+}
+
+int ep__op_error_cause(ep_group_t *g)
+{
+	return op_error(g, true);
+}
+
 /* The group's failure, 0 if it goes on. An op of it that failed alone
- * and is not reported yet comes first, once, as the cause: in a group
- * across nodes, a dispatch refused for a bad expert index, then a combine
- * naming its handle, which fails the group with EP_ESTALE (on one node
- * that combine fails alone too). Later calls give the group's error. */
+ * and is not reported yet comes first, once, as the cause (a dispatch
+ * refused for a bad expert index, then a peer lost before the rank looked):
+ * the error a pipeline's first failure gave. Later calls give the group's
+ * error. */
 int ep__group_failed(ep_group_t *g)
 {
 	const int c = g->buf ? ep__ctl_error(g) : 0;

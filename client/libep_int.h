@@ -103,6 +103,9 @@ int ep__wait_until(ep_group_t *g, uint64_t behind);
  * group failed. */
 int ep__wait_count(ep_group_t *g, uint64_t k);
 int ep__op_error(ep_group_t *g);
+/* The same, but an op that named a failed dispatch's handle gives that
+ * dispatch's error (its cause), not EP_ESTALE. */
+int ep__op_error_cause(ep_group_t *g);
 int ep__group_failed(ep_group_t *g);
 int ep__check_handle(const ep_group_t *g, const ep_handle_t *h);
 /* This rank's COMBINE / DISPATCH request, checked as the daemon will,

@@ -225,12 +225,18 @@ static int llx_setup(ep_group_t *g)
 	a->nrecv = ep_dispatch_recv_count_device(x->aux);
 	a->err = herr;
 	/* the pseudo group's error word in this rank's slot, and the
-	 * group's: raised by the daemon when either failed */
+	 * group's: raised by the daemon when either failed; and the pseudo
+	 * group's op error, raised when an op of it failed alone (never set
+	 * back: the mode is over, llx_gate) */
 	const uint64_t slot =
-		(uint64_t)(c->rank % c->ranks_per_node) * EPP_CTL_SLOT +
-		EPP_CTL_ERR_CODE;
-	a->failed[0] = x->aux->ctl_dev ? x->aux->ctl_dev + slot : 0;
-	a->failed[1] = g->ctl_dev ? g->ctl_dev + slot : 0;
+		(uint64_t)(c->rank % c->ranks_per_node) * EPP_CTL_SLOT;
+	a->failed[0] = x->aux->ctl_dev
+			       ? x->aux->ctl_dev + slot + EPP_CTL_ERR_CODE
+			       : 0;
+	a->failed[1] = g->ctl_dev ? g->ctl_dev + slot + EPP_CTL_ERR_CODE : 0;
+	a->failed[2] = x->aux->ctl_dev
+			       ? x->aux->ctl_dev + slot + EPP_CTL_OP_ERR_CODE
+			       : 0;
 	a->W = x->W;
 	a->N = x->N;
 	a->H = x->H;
@@ -274,10 +280,13 @@ static int llx_die(struct ep_llx *x, int rc)
 }
 
 /* Before an op: the mode's end (kept), or the group's or the pseudo
- * group's failure (which ends it). libep's kernels never send a pseudo
- * op that fails alone (an expert index out of range is skipped, too many
- * tokens is a mark): where one did, a peer wrote its pseudo tokens
- * itself, and ep__ll_gate names that op, not the combine after it. */
+ * group's failure, or an op of the pseudo group that failed alone (each
+ * ends it). libep's kernels never send a pseudo op that fails alone (an
+ * expert index out of range is skipped, too many tokens is a mark): where
+ * one did, a peer wrote its pseudo tokens itself. Its combine then fails
+ * alone too (EP_ESTALE, the daemons' word for a combine of a failed
+ * dispatch): the mode ends with the dispatch's error, its cause. The
+ * kernels saw the same (failed[2]): no rows counted, NaN sums. */
 static int llx_gate(ep_group_t *g)
 {
 	struct ep_llx *x = g->llx;
@@ -285,7 +294,11 @@ static int llx_gate(ep_group_t *g)
 	if (!rc && !x->aux)
 		rc = llx_die(x, ep__fail(EP_ENOGROUP, "the pseudo group was "
 						      "left"));
-	return rc ? rc : ep__ll_gate(&x->end, x->aux);
+	if (!rc)
+		rc = ep__ll_gate(&x->end, x->aux);
+	if (!rc && (rc = ep__op_error_cause(x->aux)))
+		rc = llx_die(x, rc);
+	return rc;
 }
 
 /* Whether stream captures (*cap); a direct call while graphs hold the
@@ -472,8 +485,7 @@ int ep__llx_error(ep_group_t *g)
 	int rc = llx_gate(g);
 	if (rc)
 		return rc;
-	/* an op of the pseudo group that failed alone (the group goes on:
-	 * not one these kernels send) */
+	/* the pseudo group's own asynchronous or graph errors */
 	if ((rc = ep_group_error(x->aux)))
 		return llx_die(x, rc);
 	const bool expert = x->herr[EKC_LLX_EEXPERT],

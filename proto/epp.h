@@ -106,6 +106,12 @@
  *        EP_ESTALE, EPP_CTL_OP_ERR_POS holding that dispatch's error
  *        word with EPP_OP_ERR_HANDLE set. (Before, it ran on the tables
  *        the failed dispatch had left.)
+ *   1.19 The same across nodes: a stream-ordered combine or cached
+ *        dispatch naming the handle of a staged dispatch that failed
+ *        alone fails alone on every node (each daemon learnt the same
+ *        verdict; none runs it with the others), instead of failing the
+ *        group. A bad expert index found on another node has no position
+ *        here: its word is EPP_OP_ERR_NOPOS.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -124,7 +130,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 18
+#define EPP_VERSION_MINOR 19
 /* Stream-ordered ops a GPU rank may have in flight (libep waits before
  * more; the daemon's rings are this deep). */
 #define EPP_MAX_INFLIGHT 1024
@@ -242,6 +248,9 @@ struct epp_join_ok {
 #define EPP_OP_ERR_HANDLE (1ull << 61)
 #define EPP_OP_ERR_TOOBIG (1ull << 63)
 #define EPP_OP_ERR_WAIT (1ull << 62)
+/* (1.19) A bad expert index whose position this daemon does not know (a
+ * staged op: another node found it, and its log names it). */
+#define EPP_OP_ERR_NOPOS (EPP_OP_ERR_HANDLE - 1)
 #define EPP_CTL_ERR_MSG 48u    /* NUL-terminated message of the group */
 #define EPP_CTL_MSG_MAX (EPP_CTL_SLOT - EPP_CTL_ERR_MSG)
 /* The last slot is the group's: the device kernels' error word (i32 at 0),

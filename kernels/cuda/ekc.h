@@ -633,8 +633,9 @@ struct ekc_llx_args {
 	uint64_t out;       /* [T, H] bf16 */
 	uint64_t err;       /* u32[EKC_LLX_NERR] host memory mapped for the
 			       GPU: 1 once that error was seen */
-	uint64_t failed[2]; /* u32 host words (the control page) nonzero once
-			       the pseudo group failed, or 0 */
+	uint64_t failed[3]; /* u32 host words (the control page) nonzero once
+			       the pseudo group or the group failed, or an
+			       op of the pseudo group failed alone; or 0 */
 	uint32_t W, N, H, El, K, T, over, fp8, max_recv;
 };
 

@@ -40,12 +40,13 @@ __device__ static inline void llx_err(const struct ekc_llx_args &a, int which)
 			     "r"(1u) : "memory");
 }
 
-// Has the pseudo group failed? The same answer in every thread of the
-// block (a barrier).
+// Has the pseudo group failed, or an op of it failed alone (which libep's
+// kernels never cause: a peer's forged pseudo tokens, the mode's end)?
+// The same answer in every thread of the block (a barrier).
 __device__ static inline bool llx_failed(const struct ekc_llx_args &a)
 {
 	uint32_t v = 0;
-	if (threadIdx.x < 2 && a.failed[threadIdx.x])
+	if (threadIdx.x < 3 && a.failed[threadIdx.x])
 		asm volatile("ld.relaxed.sys.global.u32 %0, [%1];"
 			     : "=r"(v) : "l"(a.failed[threadIdx.x]));
 	return __syncthreads_or(v != 0);

@@ -9,7 +9,9 @@
  * inputs: dispatch (exact receive counts, every output, rows past the
  * count still poisoned), cached dispatch of new data, combine with a bias;
  * a bad expert index on one node fails that op on every rank of both nodes
- * and changes nothing, and the group goes on; stream-ordered barriers
+ * and changes nothing, and the group goes on, also where a cached dispatch
+ * and a combine already name its handle (each fails alone, EP_ESTALE, as
+ * on one node); stream-ordered barriers
  * across the nodes; a node's daemon killed: the other node's ranks get
  * EP_EPEERLOST on their streams. A routing released before the daemon
  * made it (node 0's rank running ahead) is kept for the combine that
@@ -118,6 +120,50 @@ static int xrank(int r, void *arg)
 	down(chk, b.recv_x, cap * H * elt);
 	TH_CHECK(ALL_POISON(chk, cap * H * elt),
 		 "%s rank %d: a failed dispatch wrote recv_x", x->name, r);
+
+	/* A pipeline that goes on past the refusal, as a training step's
+	 * does: a cached dispatch enqueued behind it, then a combine, name
+	 * its handle. Each fails alone on every rank of both nodes
+	 * (EP_ESTALE, naming the cause), at once, changing nothing, and the
+	 * group goes on: as on one node (test_gpu_dispatch). The topk with
+	 * the bad index is still uploaded. */
+	t0 = th_now_ns();
+	ep_handle_t hx, hy;
+	TH_OK(ep_dispatch_stream(g, me->T, 0, NULL, st, &hx));
+	CU(tg_drv.cuMemsetD32Async(ep_dispatch_recv_count_device(g),
+				   0x5a5a5a5au, 1, st));
+	TH_OK(ep_dispatch_stream(g, me->T, 0, &hx, st, &hy));
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_EXPECT_RC(ep_group_sync(g), EP_ESTALE);
+	TH_CHECK(strstr(ep_errmsg(), "made its handle failed") &&
+			 strstr(ep_errmsg(), "expert index out of range"),
+		 "%s rank %d: a cached dispatch of a refused dispatch's "
+		 "handle: %s",
+		 x->name, r, ep_errmsg());
+	uint32_t cnt0 = 0;
+	CU(tg_drv.cuMemcpyDtoH(&cnt0, ep_dispatch_recv_count_device(g), 4));
+	TH_CHECK(cnt0 == 0x5a5a5a5au,
+		 "%s rank %d: the refused cached dispatch set the count %u",
+		 x->name, r, cnt0);
+	down(chk, b.recv_x, cap * H * elt);
+	TH_CHECK(ALL_POISON(chk, cap * H * elt),
+		 "%s rank %d: a refused cached dispatch wrote recv_x", x->name,
+		 r);
+	TH_OK(ep_combine_stream(g, &hx, 0, st));
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_EXPECT_RC(ep_group_sync(g), EP_ESTALE);
+	TH_CHECK(strstr(ep_errmsg(), "made its handle failed"),
+		 "%s rank %d: a combine of a refused dispatch's handle: %s",
+		 x->name, r, ep_errmsg());
+	down(chk, b.combined, (size_t)c->max_tokens * H * 2);
+	TH_CHECK(ALL_POISON(chk, (size_t)c->max_tokens * H * 2),
+		 "%s rank %d: a combine of a refused dispatch wrote its output",
+		 x->name, r);
+	TH_OK(ep_group_error(g)); /* each told once; the group goes on */
+	TH_OK(ep_handle_release(g, &hx));
+	TH_CHECK(th_now_ns() - t0 < 5000000000ull,
+		 "%s rank %d: the refusals took %llu ms", x->name, r,
+		 (unsigned long long)((th_now_ns() - t0) / 1000000));
 
 	/* Node 0's last rank asks for too many tokens: it gets EP_ETOOBIG at
 	 * once, every rank of both nodes from its count (not after the

@@ -31,9 +31,10 @@
  *           places 0..63: rows b3 + p < W*N in place, recv_count clamped
  *           to W*N, ETOOBIG where b3 > 0
  *   expert  an expert index out of range in the pseudo group's top-k: the
- *           daemons fail that op on every rank; the honest ranks' mode
- *           ends with a clear error (ep_ll_error, every later call), the
- *           combine's output NaN, no wait past the timeout
+ *           daemons fail that op alone on every rank, and its combine
+ *           (EP_ESTALE); the honest ranks' mode ends with the cause
+ *           (EP_EEXPERT: ep_ll_error, every later call), recv_count 0,
+ *           the combine's output NaN, no wait past the timeout
  *
  * In every phase before the last, every honest rank's rows from honest
  * sources, their src_info, and its combined tokens are bitwise equal to the
@@ -406,8 +407,20 @@ static void honest(int r, struct shared *s, CUstream st, ep_group_t *xg,
 		gpu_pair(xg, st, &d, in, y, &drc, &crc, &rv);
 		const double ms = (double)(th_now_ns() - t0) / 1e6;
 		if (kind == P_EXPERT) {
-			/* the pseudo op failed on every rank: the mode ends
-			 * with the daemons' error; the output is NaN */
+			/* the pseudo dispatch failed alone on every rank, and
+			 * its combine with it: the mode ends with the
+			 * daemons' error; nothing was counted (no rows of an
+			 * earlier op taken for this one's); the output is
+			 * NaN */
+			if (!drc) {
+				take_dev(&rv, og);
+				for (uint32_t el = 0; el < El; el++)
+					TH_CHECK(og->count[el] == 0,
+						 "rank %d: the failed pseudo "
+						 "dispatch counted %d rows at "
+						 "expert %u",
+						 r, og->count[el], el);
+			}
 			CU(tg_drv.cuMemcpyDtoH(og->comb, d.out, sizeof(og->comb)));
 			const int e = ep_ll_error(xg);
 			TH_CHECK(e == EP_EEXPERT,

@@ -184,6 +184,9 @@ struct route {
 	uint32_t tokens[EKC_MAX_LOCAL];
 	CUdeviceptr slot, recv; /* device tables (none for a staged group) */
 	uint64_t host; /* staged: the host path's handle */
+	/* staged: its dispatch's error word (EPP_CTL_OP_ERR_POS, without
+	 * EPP_OP_ERR_HANDLE) where it failed alone, else UINT64_MAX */
+	uint64_t fail;
 	uint64_t held; /* local ranks that have not released it */
 	/* Released by all: once the ops up to last_use are on the stream
 	 * (and out of the staged path), the entry is free. */
@@ -280,6 +283,8 @@ size_t cu_ctl_pe_bytes(const struct epd_group *g);
 unsigned cu_sms_cap(const struct epd_group *g, const struct cudev *d);
 void cu_stage_begin(struct epd_group *g, uint64_t k, struct epd_aop *const *ops);
 void cu_stage_host(struct epd_group *g);
+bool cu_stage_refuse(struct epd_group *g, uint64_t k,
+		     struct epd_aop *const *ops, uint64_t fail);
 void CUDA_CB cu_stage_wake(void *p);
 void cu_trace_read(struct epd_cuda_group *c, int which);
 /* mreg.c */

@@ -131,6 +131,7 @@ bool cu_route_make(struct epd_group *g, uint64_t k,
 		return false;
 	rt->seq = k;
 	rt->host = host;
+	rt->fail = UINT64_MAX;
 	rt->held = 0;
 	rt->dead = false;
 	rt->last_use = k;

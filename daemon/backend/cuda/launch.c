@@ -502,6 +502,14 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 }
 
 /* Do the ranks' ops k agree? Fails the group if not. */
+/* A staged group's handle: its dispatch made a host routing, or failed
+ * alone (cu_stage_refuse then takes the op naming it out). */
+static bool staged_route_ok(struct epd_cuda_group *c, uint64_t h)
+{
+	const struct route *rt = cu_route_find(c, h);
+	return rt && (rt->host || rt->fail != UINT64_MAX);
+}
+
 bool cu_ops_agree(struct epd_group *g, uint64_t k,
 		      struct epd_aop *const *ops)
 {
@@ -538,7 +546,7 @@ bool cu_ops_agree(struct epd_group *g, uint64_t k,
 	    (ops[0]->type == EPP_COMBINE ||
 	     (ops[0]->flags & EPP_DISPATCH_CACHED)) &&
 	    !(cu_group(g)->staged
-		      ? cu_route_host(g->dev_group, ops[0]->handle) != 0
+		      ? staged_route_ok(g->dev_group, ops[0]->handle)
 		      : cu_route_find(g->dev_group, ops[0]->handle) != NULL)) {
 		epd_group_fail(g, EP_ESTALE,
 			       "op %llu: handle %llu is unknown, released, or "

@@ -25,18 +25,34 @@ void cu_enqueue_ready(struct epd_group *g)
 		return;
 	}
 	if (c->staged) {
-		/* one op at a time through the host path */
-		if (c->stage_phase || g->state != EPD_G_READY)
-			return;
-		uint64_t k = c->enqueued + 1;
-		struct epd_aop *ops[EKC_MAX_LOCAL];
-		for (uint32_t l = 0; l < rpn; l++)
-			ops[l] = &g->local[l]->aq[k % MAX_INFLIGHT];
-		if (cu_ops_agree(g, k, ops) &&
-		    (ops[0]->type != EPP_DISPATCH ||
-		     (ops[0]->flags & EPP_DISPATCH_CACHED) ||
-		     cu_route_make(g, k, ops, 0)))
-			cu_stage_begin(g, k, ops);
+		/* one op at a time through the host path; an op that names
+		 * a failed dispatch's handle is taken out here, and the next
+		 * one looked at */
+		for (uint64_t k = c->enqueued + 1;
+		     k <= upto && !c->stage_phase && g->state == EPD_G_READY;
+		     k++) {
+			struct epd_aop *ops[EKC_MAX_LOCAL];
+			for (uint32_t l = 0; l < rpn; l++)
+				ops[l] = &g->local[l]->aq[k % MAX_INFLIGHT];
+			if (!cu_ops_agree(g, k, ops))
+				break;
+			const bool named =
+				ops[0]->type == EPP_COMBINE ||
+				(ops[0]->type == EPP_DISPATCH &&
+				 (ops[0]->flags & EPP_DISPATCH_CACHED));
+			const struct route *rt =
+				named ? cu_route_find(c, ops[0]->handle)
+				      : NULL;
+			if (rt && rt->fail != UINT64_MAX) {
+				if (!cu_stage_refuse(g, k, ops, rt->fail))
+					break;
+				continue;
+			}
+			if (ops[0]->type != EPP_DISPATCH || named ||
+			    cu_route_make(g, k, ops, 0))
+				cu_stage_begin(g, k, ops);
+			break;
+		}
 		cu_request_wait(g);
 		return;
 	}

@@ -110,6 +110,65 @@ void cu_stage_begin(struct epd_group *g, uint64_t k,
 static void staged_reply(struct epd_member *m, int code, const char *msg,
 			 const void *p, uint32_t len);
 
+/* Op k, a combine or cached dispatch, names the handle of a dispatch that
+ * failed alone (a bad expert index, too many tokens; fail: that
+ * dispatch's error word). It fails alone too and changes nothing, as on
+ * one node, without the host path: every node's daemon learnt the same
+ * verdict of that dispatch (the host path's), so every node takes this
+ * op out alike and the nodes' op numbers stay in step. The ranks' streams
+ * are released once each reached it. False: the group failed. */
+bool cu_stage_refuse(struct epd_group *g, uint64_t k,
+		     struct epd_aop *const *ops, uint64_t fail)
+{
+	struct epd_cuda_group *c = g->dev_group;
+	const uint32_t rpn = g->shape.ranks_per_node;
+	const bool dispatch = ops[0]->type == EPP_DISPATCH;
+	epd_warn("group %s: op %llu (%s) names handle %llu, whose dispatch "
+		 "failed: it fails alone",
+		 g->shape.name, (unsigned long long)k,
+		 epp_type_name(ops[0]->type),
+		 (unsigned long long)ops[0]->handle);
+	for (uint32_t l = 0; l < rpn; l++) {
+		uint8_t *s = cu_slot(g, l);
+		__atomic_store_n((uint64_t *)(s + EPP_CTL_OP_ERR_POS),
+				 fail | EPP_OP_ERR_HANDLE, __ATOMIC_RELAXED);
+		__atomic_store_n((int32_t *)(s + EPP_CTL_OP_ERR_CODE),
+				 EP_ESTALE, __ATOMIC_RELAXED);
+		if (dispatch) { /* no rows: the count libep may wait for */
+			__atomic_store_n((uint64_t *)(s + EPP_CTL_RECV), 0,
+					 __ATOMIC_RELAXED);
+			__atomic_store_n((uint64_t *)(s + EPP_CTL_RECV_SEQ), k,
+					 __ATOMIC_RELEASE);
+		}
+		__atomic_store_n((uint64_t *)(s + EPP_CTL_OP_ERR_SEQ), k,
+				 __ATOMIC_RELEASE);
+	}
+	CUresult r = 0;
+	for (uint32_t l = 0; !r && l < rpn; l++)
+		r = cu_drv->cuStreamWaitValue32(c->stream,
+						c->ptr[l] + EKC_DOORBELL,
+						(cuuint32_t)k,
+						CU_STREAM_WAIT_VALUE_GEQ);
+	struct ekc_barrier_args a = cu_barrier_args(g, k, 2);
+	if (!r)
+		r = cu_launch(c, cu_state(g->srv)->dev[c->dev0].barrier, 1, 1,
+			      (rpn + 31) / 32 * 32, &a);
+	if (r) {
+		char err[200];
+		ekc_fail(cu_drv, r, "releasing a refused op", err, sizeof(err));
+		epd_group_fail(g, EP_EBACKEND, "op %llu: %s",
+			       (unsigned long long)k, err);
+		return false;
+	}
+	c->enq_fast[k % MAX_INFLIGHT] = false;
+	c->enq_ns[k % MAX_INFLIGHT] = epd_now_ns();
+	if (c->enqueued <= c->completed)
+		c->oldest_ns = c->enq_ns[k % MAX_INFLIGHT];
+	c->enqueued = k;
+	cu_poll_arm(c);
+	return true;
+}
+
 /* Step 2: the inputs are in host memory: the host path with the other
  * nodes; each rank's result comes back to staged_reply. */
 void cu_stage_host(struct epd_group *g)
@@ -164,6 +223,17 @@ static void stage_finish(struct epd_group *g)
 		const uint64_t pos =
 			c->stage_rc == EP_ETOOBIG ? g->toobig_pos : UINT64_MAX;
 		g->toobig_pos = UINT64_MAX;
+		/* kept with its handle for the ops that will name it: each
+		 * node's daemon has the same verdict (cu_stage_refuse) */
+		struct route *hr = c->stage_type == EPP_DISPATCH &&
+						   !c->stage_cached
+					   ? cu_route_find(c, k)
+					   : NULL;
+		if (hr)
+			hr->fail = c->stage_rc == EP_ETOOBIG
+					   ? EPP_OP_ERR_TOOBIG | pos
+				   : pos == UINT64_MAX ? EPP_OP_ERR_NOPOS
+						       : pos;
 		for (uint32_t l = 0; l < rpn; l++) {
 			uint8_t *s = cu_slot(g, l);
 			memset(cu_ctl_pe(g, l), 0, cu_ctl_pe_bytes(g));
