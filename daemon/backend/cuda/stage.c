@@ -110,6 +110,28 @@ void cu_stage_begin(struct epd_group *g, uint64_t k,
 static void staged_reply(struct epd_member *m, int code, const char *msg,
 			 const void *p, uint32_t len);
 
+/* Op k failed alone (code, pos: EPP_CTL_OP_ERR_*), for every local rank's
+ * CPU; with its dispatch count (none) where count. */
+static void op_failed(struct epd_group *g, uint64_t k, int code, uint64_t pos,
+		      bool count)
+{
+	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
+		uint8_t *s = cu_slot(g, l);
+		__atomic_store_n((uint64_t *)(s + EPP_CTL_OP_ERR_POS), pos,
+				 __ATOMIC_RELAXED);
+		__atomic_store_n((int32_t *)(s + EPP_CTL_OP_ERR_CODE), code,
+				 __ATOMIC_RELAXED);
+		if (count) {
+			__atomic_store_n((uint64_t *)(s + EPP_CTL_RECV), 0,
+					 __ATOMIC_RELAXED);
+			__atomic_store_n((uint64_t *)(s + EPP_CTL_RECV_SEQ), k,
+					 __ATOMIC_RELEASE);
+		}
+		__atomic_store_n((uint64_t *)(s + EPP_CTL_OP_ERR_SEQ), k,
+				 __ATOMIC_RELEASE);
+	}
+}
+
 /* Op k, a combine or cached dispatch, names the handle of a dispatch that
  * failed alone (a bad expert index, too many tokens; fail: that
  * dispatch's error word). It fails alone too and changes nothing, as on
@@ -128,21 +150,9 @@ bool cu_stage_refuse(struct epd_group *g, uint64_t k,
 		 g->shape.name, (unsigned long long)k,
 		 epp_type_name(ops[0]->type),
 		 (unsigned long long)ops[0]->handle);
-	for (uint32_t l = 0; l < rpn; l++) {
-		uint8_t *s = cu_slot(g, l);
-		__atomic_store_n((uint64_t *)(s + EPP_CTL_OP_ERR_POS),
-				 fail | EPP_OP_ERR_HANDLE, __ATOMIC_RELAXED);
-		__atomic_store_n((int32_t *)(s + EPP_CTL_OP_ERR_CODE),
-				 EP_ESTALE, __ATOMIC_RELAXED);
-		if (dispatch) { /* no rows: the count libep may wait for */
-			__atomic_store_n((uint64_t *)(s + EPP_CTL_RECV), 0,
-					 __ATOMIC_RELAXED);
-			__atomic_store_n((uint64_t *)(s + EPP_CTL_RECV_SEQ), k,
-					 __ATOMIC_RELEASE);
-		}
-		__atomic_store_n((uint64_t *)(s + EPP_CTL_OP_ERR_SEQ), k,
-				 __ATOMIC_RELEASE);
-	}
+	/* a cached dispatch publishes its count (none), which libep may
+	 * wait for */
+	op_failed(g, k, EP_ESTALE, fail | EPP_OP_ERR_HANDLE, dispatch);
 	CUresult r = 0;
 	for (uint32_t l = 0; !r && l < rpn; l++)
 		r = cu_drv->cuStreamWaitValue32(c->stream,
@@ -234,20 +244,9 @@ static void stage_finish(struct epd_group *g)
 					   ? EPP_OP_ERR_TOOBIG | pos
 				   : pos == UINT64_MAX ? EPP_OP_ERR_NOPOS
 						       : pos;
-		for (uint32_t l = 0; l < rpn; l++) {
-			uint8_t *s = cu_slot(g, l);
+		for (uint32_t l = 0; l < rpn; l++)
 			memset(cu_ctl_pe(g, l), 0, cu_ctl_pe_bytes(g));
-			__atomic_store_n((uint64_t *)(s + EPP_CTL_OP_ERR_POS),
-					 pos, __ATOMIC_RELAXED);
-			__atomic_store_n((int32_t *)(s + EPP_CTL_OP_ERR_CODE),
-					 c->stage_rc, __ATOMIC_RELAXED);
-			__atomic_store_n((uint64_t *)(s + EPP_CTL_RECV), 0,
-					 __ATOMIC_RELAXED);
-			__atomic_store_n((uint64_t *)(s + EPP_CTL_RECV_SEQ), k,
-					 __ATOMIC_RELEASE);
-			__atomic_store_n((uint64_t *)(s + EPP_CTL_OP_ERR_SEQ), k,
-					 __ATOMIC_RELEASE);
-		}
+		op_failed(g, k, c->stage_rc, pos, true);
 	} else if (c->stage_rc) {
 		epd_group_fail(g, c->stage_rc, "%s", c->stage_err);
 		return;
