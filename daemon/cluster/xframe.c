@@ -239,6 +239,17 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 			       (unsigned long long)id);
 		return;
 	}
+	/* Every node's op names the same handle: the nodes number their
+	 * handles alike (a dispatch succeeds or fails on all of them), so
+	 * rows along another mean the nodes' ranks named different handles
+	 * or ran different ops (a fresh dispatch's is 0 everywhere). */
+	const uint64_t mine = x->started ? x->handle : x->claimed;
+	if (mine && handle != mine) {
+		epd_xop_handle_mismatch(g, x, from, handle, mine);
+		return;
+	}
+	if (!x->started)
+		x->claimed = handle;
 	/* Every expected row has come (stage 2 of a combine runs on them),
 	 * or, once the job counted them, more rows than expected. */
 	if (x->stage2 ||

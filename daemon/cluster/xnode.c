@@ -583,6 +583,19 @@ void xop_submit(struct epd_xop *x)
 	}
 }
 
+void epd_xop_handle_mismatch(struct epd_group *g, const struct epd_xop *x,
+			     uint32_t from, uint64_t theirs, uint64_t mine)
+{
+	char who[32] = "another node";
+	if (from != UINT32_MAX)
+		snprintf(who, sizeof(who), "node %u", from);
+	epd_group_fail(g, EP_EMISMATCH,
+		       "%s %llu: %s's ranks named handle %llu, this node's "
+		       "%llu (every node's ranks must name the same handle)",
+		       epp_type_name(x->type), (unsigned long long)x->id, who,
+		       (unsigned long long)theirs, (unsigned long long)mine);
+}
+
 /* Every local rank of g entered a dispatch or combine. */
 void epd_xop_start(struct epd_group *g)
 {
@@ -601,6 +614,11 @@ void epd_xop_start(struct epd_group *g)
 	x->cached = g->coll_cached;
 	x->cw = x->type == EPP_COMBINE && g->coll_cw;
 	x->handle = g->coll_seq;
+	if (x->claimed && x->claimed != x->handle) {
+		epd_xop_handle_mismatch(g, x, UINT32_MAX, x->claimed,
+					x->handle);
+		return;
+	}
 	if (x->type == EPP_COMBINE || x->cached) {
 		struct ek_route *r = epd_route_find(g, x->handle);
 		x->route = r; /* the ring's: not owned */

@@ -87,6 +87,9 @@ struct epd_xop {
 	uint16_t type;
 	bool cached, started, job_running, job_done, stage2;
 	uint64_t handle;
+	/* before it started here: the handle other nodes' combine rows named
+	 * (0: none came), checked against this node's at the start */
+	uint64_t claimed;
 	uint32_t W;
 	uint32_t *tokens, *flags;
 	uint8_t *have; /* [W]: the routing (or arrival) of that rank came */
@@ -173,6 +176,10 @@ void xbuf_put(struct epd_server *srv, uint8_t *p, size_t cap);
 void xop_check(struct epd_group *g);
 struct epd_xop *xop_get(struct epd_group *g, uint64_t id, uint16_t type);
 void xop_submit(struct epd_xop *x);
+/* The group fails: node `from` (UINT32_MAX: some node) ran op x along
+ * handle theirs, this node along mine. */
+void epd_xop_handle_mismatch(struct epd_group *g, const struct epd_xop *x,
+			     uint32_t from, uint64_t theirs, uint64_t mine);
 void xwin_frame(struct epd_group *g, uint32_t from, const struct epp_peer_op *op);
 void xwin_setup(struct epd_group *g);
 

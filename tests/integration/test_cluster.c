@@ -694,6 +694,53 @@ static void check_weights_mismatch(void)
 	       s->msgs[0]);
 }
 
+/* Two dispatches with different routings; then node 0's ranks combine
+ * along the first handle, node 1's along the second. The daemons number
+ * handles alike, so each node sees the other's rows name another handle:
+ * every rank gets EP_EMISMATCH naming both, at once (before, the rows were
+ * taken along this node's routing: a wrong count, or with equal counts
+ * wrong sums). */
+static int hmis_rank(int rank, void *arg)
+{
+	struct late *s = arg;
+	ep_conn_t *c;
+	struct ep_buffers b;
+	ep_group_t *g = join_2x2(s, rank, &c, &b);
+	const uint32_t T = 8, K = 4;
+	ep_handle_t h[2];
+	for (int i = 0; i < 2; i++) {
+		/* to every rank (experts 4k+1), then token t to rank
+		 * t % 4 only (its four experts there) */
+		for (uint32_t t = 0; t < T; t++)
+			for (uint32_t k = 0; k < K; k++)
+				b.topk_idx[t * K + k] =
+					i ? (int64_t)(4 * (t & 3) + k)
+					  : (int64_t)(4 * k + 1);
+		TH_OK(ep_dispatch_inplace(g, T, 0, NULL, &h[i]));
+	}
+	const ep_handle_t *mine = &h[rank < 2 ? 0 : 1];
+	memset(b.combine_y, 0x3c, (size_t)mine->num_recv * 256 * 2);
+	int rc = ep_combine_inplace(g, mine, 0);
+	s->codes[rank] = rc;
+	snprintf(s->msgs[rank], sizeof(s->msgs[rank]), "%s", ep_errmsg());
+	ep_leave(g);
+	ep_close(c);
+	return 0;
+}
+
+static void check_handle_mismatch(void)
+{
+	uint64_t t0 = th_now_ns();
+	struct late *s = every_rank_gets("hmis", hmis_rank, 60, EP_EMISMATCH,
+					 "named handle");
+	uint64_t ms = (th_now_ns() - t0) / 1000000;
+	TH_CHECK(ms < 15000 * th_scale(), "took %llu ms",
+		 (unsigned long long)ms);
+	printf("ok: nodes whose ranks combine along different handles: every "
+	       "rank gets mismatch: %s\n",
+	       s->msgs[0]);
+}
+
 /* Rank 3 (node 1) dispatches more tokens than the group's maximum while
  * rank 0 (node 0) gives a bad expert index: every rank on both nodes gets
  * EP_ETOOBIG naming rank 3 at once (too many tokens wins, as on one node
@@ -2196,6 +2243,7 @@ int main(void)
 	check_remote_stall_one();
 	check_shape_mismatch();
 	check_weights_mismatch();
+	check_handle_mismatch();
 	check_xtoobig();
 	check_remote_rank_loss();
 	check_early_remote_loss();
