@@ -242,9 +242,10 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 	/* Every node's op names the same handle: the nodes number their
 	 * handles alike (a dispatch succeeds or fails on all of them), so
 	 * rows along another mean the nodes' ranks named different handles
-	 * or ran different ops (a fresh dispatch's is 0 everywhere). */
+	 * or ran different ops (a fresh dispatch's is 0 everywhere; rows
+	 * before the op started here are a combine's, never 0). */
 	const uint64_t mine = x->started ? x->handle : x->claimed;
-	if (mine && handle != mine) {
+	if ((x->started || mine) && handle != mine) {
 		epd_xop_handle_mismatch(g, x, from, handle, mine);
 		return;
 	}
