@@ -434,7 +434,9 @@ int main(void)
 			 (unsigned long long)x->c.seed);
 		printf("ok: %d nodes x %d GPU ranks (%s), %s: a bad expert and a "
 		       "rank with too many tokens each failed one op "
-		       "everywhere and changed nothing; dispatch, cached "
+		       "everywhere and changed nothing (a cached dispatch "
+		       "and a combine of the refused dispatch's handle "
+		       "EP_ESTALE alone); dispatch, cached "
 		       "dispatch, combine bitwise equal to the reference; "
 		       "barriers across the nodes\n",
 		       NODES, x->rpn, tr,
