@@ -15,7 +15,9 @@
  * routing (test_gpu_cluster's ahead_rank shows it on a GPU).
  *
  * Also: a routing not released is held; a released one may not be named
- * again; an unknown one is EP_ESTALE.
+ * again; an unknown one is EP_ESTALE; one whose dispatch failed alone
+ * (protocol 1.19) passes the ranks' agreement, for the queue to refuse the
+ * op naming it alone.
  */
 #include "backend/cuda/cuda_int.h"
 #include "harness.h"
@@ -110,6 +112,18 @@ int main(void)
 		 "%u entries: routing 5 took a new one, not a freed one",
 		 c->nroutes);
 
+	/* dispatch 5 fails alone on the host path (a bad expert index found
+	 * on another node: stage_finish keeps the word with the routing); a
+	 * combine naming it is then an op the queue takes out alone
+	 * (cu_stage_refuse), not a handle unknown to the group */
+	struct route *r5 = cu_route_find(c, 5);
+	TH_CHECK(r5 && r5->fail == UINT64_MAX && !r5->host,
+		 "a new routing: no outcome yet");
+	r5->fail = EPP_OP_ERR_NOPOS;
+	struct epd_aop *c6 = op(m, 6, EPP_COMBINE, 5);
+	TH_CHECK(cu_ops_agree(g, 6, &c6) && g->state == EPD_G_READY,
+		 "a combine of a dispatch that failed alone failed the group");
+
 	/* a handle never made: EP_ESTALE, saying so */
 	err[0] = 0;
 	TH_CHECK(epd_cuda_release(g, m, 77, err, sizeof(err)) == EP_ESTALE &&
@@ -124,6 +138,8 @@ int main(void)
 	free(srv);
 	printf("ok: a staged group's routing released before it was made is "
 	       "kept for the ops sent before the release, through a reclaim, "
-	       "then freed; a released or unknown handle is refused\n");
+	       "then freed; a released or unknown handle is refused; a "
+	       "combine of a dispatch that failed alone is served (to fail "
+	       "alone)\n");
 	return 0;
 }

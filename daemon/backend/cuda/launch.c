@@ -501,7 +501,6 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 	return r ? r : trace_fetch(c, which);
 }
 
-/* Do the ranks' ops k agree? Fails the group if not. */
 /* A staged group's handle: its dispatch made a host routing, or failed
  * alone (cu_stage_refuse then takes the op naming it out). */
 static bool staged_route_ok(struct epd_cuda_group *c, uint64_t h)
@@ -510,6 +509,7 @@ static bool staged_route_ok(struct epd_cuda_group *c, uint64_t h)
 	return rt && (rt->host || rt->fail != UINT64_MAX);
 }
 
+/* Do the ranks' ops k agree? Fails the group if not. */
 bool cu_ops_agree(struct epd_group *g, uint64_t k,
 		      struct epd_aop *const *ops)
 {
