@@ -153,6 +153,7 @@ bool cu_stage_refuse(struct epd_group *g, uint64_t k,
 	/* a cached dispatch publishes its count (none), which libep may
 	 * wait for */
 	op_failed(g, k, EP_ESTALE, fail | EPP_OP_ERR_HANDLE, dispatch);
+	g->n_errors++; /* as the host path counts the dispatch's */
 	CUresult r = 0;
 	for (uint32_t l = 0; !r && l < rpn; l++)
 		r = cu_drv->cuStreamWaitValue32(c->stream,
