@@ -197,6 +197,16 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 				       from, (unsigned long long)id);
 			return;
 		}
+		/* every node runs the same kind of dispatch: a fresh one
+		 * routes from every rank's top-k, a cached one from its
+		 * handle (whose rows name it: checked with them) */
+		const uint8_t kind = cached ? 2 : 1;
+		if (x->started ? x->cached != cached
+			       : x->meta_kind && x->meta_kind != kind) {
+			epd_xop_kind_mismatch(g, x, from, cached);
+			return;
+		}
+		x->meta_kind = kind;
 		x->have[s] = 1;
 		if (cached) { /* the arrival of a cached dispatch */
 			if (++x->meta_have == x->meta_need && x->started)

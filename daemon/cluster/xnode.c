@@ -596,6 +596,23 @@ void epd_xop_handle_mismatch(struct epd_group *g, const struct epd_xop *x,
 		       (unsigned long long)theirs, (unsigned long long)mine);
 }
 
+void epd_xop_kind_mismatch(struct epd_group *g, const struct epd_xop *x,
+			   uint32_t from, bool theirs_cached)
+{
+	char who[32] = "another node";
+	if (from != UINT32_MAX)
+		snprintf(who, sizeof(who), "node %u", from);
+	/* before this node's ranks started it, the other side is a node
+	 * whose routing came earlier */
+	epd_group_fail(g, EP_EMISMATCH,
+		       "dispatch %llu: %s's ranks ran a %s dispatch, %s a %s "
+		       "one (every node's ranks must run the same)",
+		       (unsigned long long)x->id, who,
+		       theirs_cached ? "cached" : "fresh",
+		       x->started ? "this node's" : "another node's",
+		       theirs_cached ? "fresh" : "cached");
+}
+
 /* Every local rank of g entered a dispatch or combine. */
 void epd_xop_start(struct epd_group *g)
 {
@@ -617,6 +634,10 @@ void epd_xop_start(struct epd_group *g)
 	if (x->claimed && x->claimed != x->handle) {
 		epd_xop_handle_mismatch(g, x, UINT32_MAX, x->claimed,
 					x->handle);
+		return;
+	}
+	if (x->meta_kind && (x->meta_kind == 2) != x->cached) {
+		epd_xop_kind_mismatch(g, x, UINT32_MAX, x->meta_kind == 2);
 		return;
 	}
 	if (x->type == EPP_COMBINE || x->cached) {

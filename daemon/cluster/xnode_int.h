@@ -90,6 +90,9 @@ struct epd_xop {
 	/* before it started here: the handle other nodes' combine rows named
 	 * (0: none came), checked against this node's at the start */
 	uint64_t claimed;
+	/* the kind of dispatch other nodes' routings said (1 fresh, 2
+	 * cached; 0: none came), checked against this node's */
+	uint8_t meta_kind;
 	uint32_t W;
 	uint32_t *tokens, *flags;
 	uint8_t *have; /* [W]: the routing (or arrival) of that rank came */
@@ -180,6 +183,10 @@ void xop_submit(struct epd_xop *x);
  * handle theirs, this node along mine. */
 void epd_xop_handle_mismatch(struct epd_group *g, const struct epd_xop *x,
 			     uint32_t from, uint64_t theirs, uint64_t mine);
+/* The same for a dispatch that node `from` ran cached (theirs_cached) or
+ * fresh, and this node the other way. */
+void epd_xop_kind_mismatch(struct epd_group *g, const struct epd_xop *x,
+			   uint32_t from, bool theirs_cached);
 void xwin_frame(struct epd_group *g, uint32_t from, const struct epp_peer_op *op);
 void xwin_setup(struct epd_group *g);
 

@@ -741,6 +741,43 @@ static void check_handle_mismatch(void)
 	       s->msgs[0]);
 }
 
+/* A dispatch; then node 0's ranks dispatch afresh while node 1's run a
+ * cached dispatch of the first handle: every rank gets EP_EMISMATCH
+ * saying so, at once (before, the fresh side routed the cached side's
+ * ranks as sending nothing and failed on their rows, or waited). */
+static int kmis_rank(int rank, void *arg)
+{
+	struct late *s = arg;
+	ep_conn_t *c;
+	struct ep_buffers b;
+	ep_group_t *g = join_2x2(s, rank, &c, &b);
+	const uint32_t T = 8, K = 4;
+	for (uint32_t t = 0; t < T; t++)
+		for (uint32_t k = 0; k < K; k++)
+			b.topk_idx[t * K + k] = (int64_t)(4 * k + 1);
+	ep_handle_t h, h2;
+	TH_OK(ep_dispatch_inplace(g, T, 0, NULL, &h));
+	int rc = ep_dispatch_inplace(g, T, 0, rank < 2 ? NULL : &h, &h2);
+	s->codes[rank] = rc;
+	snprintf(s->msgs[rank], sizeof(s->msgs[rank]), "%s", ep_errmsg());
+	ep_leave(g);
+	ep_close(c);
+	return 0;
+}
+
+static void check_kind_mismatch(void)
+{
+	uint64_t t0 = th_now_ns();
+	struct late *s = every_rank_gets("kmis", kmis_rank, 60, EP_EMISMATCH,
+					 "must run the same");
+	uint64_t ms = (th_now_ns() - t0) / 1000000;
+	TH_CHECK(ms < 15000 * th_scale(), "took %llu ms",
+		 (unsigned long long)ms);
+	printf("ok: nodes whose ranks run a fresh and a cached dispatch: "
+	       "every rank gets mismatch: %s\n",
+	       s->msgs[0]);
+}
+
 /* Rank 3 (node 1) dispatches more tokens than the group's maximum while
  * rank 0 (node 0) gives a bad expert index: every rank on both nodes gets
  * EP_ETOOBIG naming rank 3 at once (too many tokens wins, as on one node
@@ -2244,6 +2281,7 @@ int main(void)
 	check_shape_mismatch();
 	check_weights_mismatch();
 	check_handle_mismatch();
+	check_kind_mismatch();
 	check_xtoobig();
 	check_remote_rank_loss();
 	check_early_remote_loss();
