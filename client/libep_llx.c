@@ -230,13 +230,11 @@ static int llx_setup(ep_group_t *g)
 	 * back: the mode is over, llx_gate) */
 	const uint64_t slot =
 		(uint64_t)(c->rank % c->ranks_per_node) * EPP_CTL_SLOT;
-	a->failed[0] = x->aux->ctl_dev
-			       ? x->aux->ctl_dev + slot + EPP_CTL_ERR_CODE
-			       : 0;
-	a->failed[1] = g->ctl_dev ? g->ctl_dev + slot + EPP_CTL_ERR_CODE : 0;
-	a->failed[2] = x->aux->ctl_dev
-			       ? x->aux->ctl_dev + slot + EPP_CTL_OP_ERR_CODE
-			       : 0;
+	const uint64_t aux = x->aux->ctl_dev ? x->aux->ctl_dev + slot : 0,
+		       own = g->ctl_dev ? g->ctl_dev + slot : 0;
+	a->failed[0] = aux ? aux + EPP_CTL_ERR_CODE : 0;
+	a->failed[1] = own ? own + EPP_CTL_ERR_CODE : 0;
+	a->failed[2] = aux ? aux + EPP_CTL_OP_ERR_CODE : 0;
 	a->W = x->W;
 	a->N = x->N;
 	a->H = x->H;

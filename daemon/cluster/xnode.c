@@ -583,31 +583,37 @@ void xop_submit(struct epd_xop *x)
 	}
 }
 
+/* "node N", or "another node" where from is UINT32_MAX. */
+static const char *node_name(uint32_t from, char who[32])
+{
+	if (from == UINT32_MAX)
+		return "another node";
+	snprintf(who, 32, "node %u", from);
+	return who;
+}
+
 void epd_xop_handle_mismatch(struct epd_group *g, const struct epd_xop *x,
 			     uint32_t from, uint64_t theirs, uint64_t mine)
 {
-	char who[32] = "another node";
-	if (from != UINT32_MAX)
-		snprintf(who, sizeof(who), "node %u", from);
+	char who[32];
 	epd_group_fail(g, EP_EMISMATCH,
 		       "%s %llu: %s's ranks named handle %llu, this node's "
 		       "%llu (every node's ranks must name the same handle)",
-		       epp_type_name(x->type), (unsigned long long)x->id, who,
-		       (unsigned long long)theirs, (unsigned long long)mine);
+		       epp_type_name(x->type), (unsigned long long)x->id,
+		       node_name(from, who), (unsigned long long)theirs,
+		       (unsigned long long)mine);
 }
 
 void epd_xop_kind_mismatch(struct epd_group *g, const struct epd_xop *x,
 			   uint32_t from, bool theirs_cached)
 {
-	char who[32] = "another node";
-	if (from != UINT32_MAX)
-		snprintf(who, sizeof(who), "node %u", from);
+	char who[32];
 	/* before this node's ranks started it, the other side is a node
 	 * whose routing came earlier */
 	epd_group_fail(g, EP_EMISMATCH,
 		       "dispatch %llu: %s's ranks ran a %s dispatch, %s a %s "
 		       "one (every node's ranks must run the same)",
-		       (unsigned long long)x->id, who,
+		       (unsigned long long)x->id, node_name(from, who),
 		       theirs_cached ? "cached" : "fresh",
 		       x->started ? "this node's" : "another node's",
 		       theirs_cached ? "fresh" : "cached");

@@ -655,6 +655,27 @@ static ep_group_t *join_2x2(struct late *s, int rank, ep_conn_t **c,
 	return g;
 }
 
+/* T tokens of top-K to every rank of the 2 x 2 group: token t's k-th
+ * expert is 4k + 1, on rank k. */
+static void to_every_rank(struct ep_buffers *b, uint32_t T, uint32_t K)
+{
+	for (uint32_t t = 0; t < T; t++)
+		for (uint32_t k = 0; k < K; k++)
+			b->topk_idx[t * K + k] = (int64_t)(4 * k + 1);
+}
+
+/* A mismatch case's rank is done: its code and message into s, then it
+ * leaves. */
+static int rank_done(struct late *s, int rank, int rc, ep_group_t *g,
+		     ep_conn_t *c)
+{
+	s->codes[rank] = rc;
+	snprintf(s->msgs[rank], sizeof(s->msgs[rank]), "%s", ep_errmsg());
+	ep_leave(g);
+	ep_close(c);
+	return 0;
+}
+
 /* Node 0's ranks combine with top-k weights, node 1's without: rows cross
  * both ways, each node finds rows that disagree with its own ranks' ask,
  * and every rank gets EP_EMISMATCH; no one waits for a timeout. */
@@ -665,33 +686,35 @@ static int wmis_rank(int rank, void *arg)
 	struct ep_buffers b;
 	ep_group_t *g = join_2x2(s, rank, &c, &b);
 	const uint32_t T = 8, K = 4;
-	for (uint32_t t = 0; t < T; t++) /* to every rank: experts 4d+1 */
-		for (uint32_t k = 0; k < K; k++)
-			b.topk_idx[t * K + k] = (int64_t)(4 * k + 1);
+	to_every_rank(&b, T, K);
 	ep_handle_t h;
 	TH_OK(ep_dispatch_inplace(g, T, 0, NULL, &h));
 	memset(b.combine_y, 0x3c, (size_t)h.num_recv * 256 * 2);
 	for (uint64_t i = 0; i < (uint64_t)h.num_recv * K; i++)
 		b.combine_topk_weights[i] = 0.5f;
 	int rc = ep_combine_inplace(g, &h, rank < 2 ? EP_COMBINE_WEIGHTS : 0);
-	s->codes[rank] = rc;
-	snprintf(s->msgs[rank], sizeof(s->msgs[rank]), "%s", ep_errmsg());
-	ep_leave(g);
-	ep_close(c);
-	return 0;
+	return rank_done(s, rank, rc, g, c);
+}
+
+/* Every rank of the 2 x 2 group `name` running fn gets EP_EMISMATCH
+ * with frag in its message, within 15 s (no one waits out a timeout);
+ * `what` names the case in the line printed. */
+static void check_mismatch(const char *name, th_child_fn fn, const char *frag,
+			   const char *what)
+{
+	uint64_t t0 = th_now_ns();
+	struct late *s = every_rank_gets(name, fn, 60, EP_EMISMATCH, frag);
+	uint64_t ms = (th_now_ns() - t0) / 1000000;
+	TH_CHECK(ms < 15000 * th_scale(), "%s took %llu ms", name,
+		 (unsigned long long)ms);
+	printf("ok: nodes whose ranks %s: every rank gets mismatch: %s\n",
+	       what, s->msgs[0]);
 }
 
 static void check_weights_mismatch(void)
 {
-	uint64_t t0 = th_now_ns();
-	struct late *s = every_rank_gets("wmis", wmis_rank, 60, EP_EMISMATCH,
-					 "top-k weights");
-	uint64_t ms = (th_now_ns() - t0) / 1000000;
-	TH_CHECK(ms < 15000 * th_scale(), "took %llu ms",
-		 (unsigned long long)ms);
-	printf("ok: nodes whose ranks disagree on the combine's top-k "
-	       "weights: every rank gets mismatch: %s\n",
-	       s->msgs[0]);
+	check_mismatch("wmis", wmis_rank, "top-k weights",
+		       "disagree on the combine's top-k weights");
 }
 
 /* Two dispatches with different routings; then node 0's ranks combine
@@ -708,37 +731,24 @@ static int hmis_rank(int rank, void *arg)
 	ep_group_t *g = join_2x2(s, rank, &c, &b);
 	const uint32_t T = 8, K = 4;
 	ep_handle_t h[2];
-	for (int i = 0; i < 2; i++) {
-		/* to every rank (experts 4k+1), then token t to rank
-		 * t % 4 only (its four experts there) */
-		for (uint32_t t = 0; t < T; t++)
-			for (uint32_t k = 0; k < K; k++)
-				b.topk_idx[t * K + k] =
-					i ? (int64_t)(4 * (t & 3) + k)
-					  : (int64_t)(4 * k + 1);
-		TH_OK(ep_dispatch_inplace(g, T, 0, NULL, &h[i]));
-	}
+	/* to every rank, then token t to rank t % 4 only (its four
+	 * experts there) */
+	to_every_rank(&b, T, K);
+	TH_OK(ep_dispatch_inplace(g, T, 0, NULL, &h[0]));
+	for (uint32_t t = 0; t < T; t++)
+		for (uint32_t k = 0; k < K; k++)
+			b.topk_idx[t * K + k] = (int64_t)(4 * (t & 3) + k);
+	TH_OK(ep_dispatch_inplace(g, T, 0, NULL, &h[1]));
 	const ep_handle_t *mine = &h[rank < 2 ? 0 : 1];
 	memset(b.combine_y, 0x3c, (size_t)mine->num_recv * 256 * 2);
 	int rc = ep_combine_inplace(g, mine, 0);
-	s->codes[rank] = rc;
-	snprintf(s->msgs[rank], sizeof(s->msgs[rank]), "%s", ep_errmsg());
-	ep_leave(g);
-	ep_close(c);
-	return 0;
+	return rank_done(s, rank, rc, g, c);
 }
 
 static void check_handle_mismatch(void)
 {
-	uint64_t t0 = th_now_ns();
-	struct late *s = every_rank_gets("hmis", hmis_rank, 60, EP_EMISMATCH,
-					 "named handle");
-	uint64_t ms = (th_now_ns() - t0) / 1000000;
-	TH_CHECK(ms < 15000 * th_scale(), "took %llu ms",
-		 (unsigned long long)ms);
-	printf("ok: nodes whose ranks combine along different handles: every "
-	       "rank gets mismatch: %s\n",
-	       s->msgs[0]);
+	check_mismatch("hmis", hmis_rank, "named handle",
+		       "combine along different handles");
 }
 
 /* A dispatch; then node 0's ranks dispatch afresh while node 1's run a
@@ -752,30 +762,17 @@ static int kmis_rank(int rank, void *arg)
 	struct ep_buffers b;
 	ep_group_t *g = join_2x2(s, rank, &c, &b);
 	const uint32_t T = 8, K = 4;
-	for (uint32_t t = 0; t < T; t++)
-		for (uint32_t k = 0; k < K; k++)
-			b.topk_idx[t * K + k] = (int64_t)(4 * k + 1);
+	to_every_rank(&b, T, K);
 	ep_handle_t h, h2;
 	TH_OK(ep_dispatch_inplace(g, T, 0, NULL, &h));
 	int rc = ep_dispatch_inplace(g, T, 0, rank < 2 ? NULL : &h, &h2);
-	s->codes[rank] = rc;
-	snprintf(s->msgs[rank], sizeof(s->msgs[rank]), "%s", ep_errmsg());
-	ep_leave(g);
-	ep_close(c);
-	return 0;
+	return rank_done(s, rank, rc, g, c);
 }
 
 static void check_kind_mismatch(void)
 {
-	uint64_t t0 = th_now_ns();
-	struct late *s = every_rank_gets("kmis", kmis_rank, 60, EP_EMISMATCH,
-					 "must run the same");
-	uint64_t ms = (th_now_ns() - t0) / 1000000;
-	TH_CHECK(ms < 15000 * th_scale(), "took %llu ms",
-		 (unsigned long long)ms);
-	printf("ok: nodes whose ranks run a fresh and a cached dispatch: "
-	       "every rank gets mismatch: %s\n",
-	       s->msgs[0]);
+	check_mismatch("kmis", kmis_rank, "must run the same",
+		       "run a fresh and a cached dispatch");
 }
 
 /* Rank 3 (node 1) dispatches more tokens than the group's maximum while

@@ -208,6 +208,26 @@ static inline struct epd_cuda_group *cu_group(const struct epd_group *g)
 	return g->dev_group;
 }
 
+/* Does op o name a handle (a combine, or a cached dispatch)? */
+static inline bool cu_op_named(const struct epd_aop *o)
+{
+	return o->type == EPP_COMBINE ||
+	       (o->type == EPP_DISPATCH && (o->flags & EPP_DISPATCH_CACHED));
+}
+
+/* Op k is on the stream (fast: the resident kernel runs it): the poll
+ * times it from now, the oldest op's clock starting here if none was
+ * outstanding. */
+static inline void cu_enqueued(struct epd_cuda_group *c, uint64_t k,
+			       bool fast)
+{
+	c->enq_fast[k % MAX_INFLIGHT] = fast;
+	c->enq_ns[k % MAX_INFLIGHT] = epd_now_ns();
+	if (c->enqueued <= c->completed)
+		c->oldest_ns = c->enq_ns[k % MAX_INFLIGHT];
+	c->enqueued = k;
+}
+
 /* The driver API, loaded at run time (device.c). */
 extern struct ekc_driver *cu_drv;
 

@@ -542,9 +542,7 @@ bool cu_ops_agree(struct epd_group *g, uint64_t k,
 			return false;
 		}
 	}
-	if (ops[0]->type != EPP_BARRIER &&
-	    (ops[0]->type == EPP_COMBINE ||
-	     (ops[0]->flags & EPP_DISPATCH_CACHED)) &&
+	if (cu_op_named(ops[0]) &&
 	    !(cu_group(g)->staged
 		      ? staged_route_ok(g->dev_group, ops[0]->handle)
 		      : cu_route_find(g->dev_group, ops[0]->handle) != NULL)) {

@@ -36,10 +36,7 @@ void cu_enqueue_ready(struct epd_group *g)
 				ops[l] = &g->local[l]->aq[k % MAX_INFLIGHT];
 			if (!cu_ops_agree(g, k, ops))
 				break;
-			const bool named =
-				ops[0]->type == EPP_COMBINE ||
-				(ops[0]->type == EPP_DISPATCH &&
-				 (ops[0]->flags & EPP_DISPATCH_CACHED));
+			const bool named = cu_op_named(ops[0]);
 			const struct route *rt =
 				named ? cu_route_find(c, ops[0]->handle)
 				      : NULL;
@@ -69,13 +66,9 @@ void cu_enqueue_ready(struct epd_group *g)
 		}
 		if (!cu_ops_agree(g, k, ops))
 			return;
-		c->enq_fast[k % MAX_INFLIGHT] = ops[0]->fast;
 		if (ops[0]->fast) {
 			/* the resident kernel runs it (and counts it) */
-			c->enq_ns[k % MAX_INFLIGHT] = epd_now_ns();
-			if (c->enqueued <= c->completed)
-				c->oldest_ns = c->enq_ns[k % MAX_INFLIGHT];
-			c->enqueued = k;
+			cu_enqueued(c, k, true);
 			continue;
 		}
 		CUresult r = 0;
@@ -119,10 +112,7 @@ void cu_enqueue_ready(struct epd_group *g)
 				       (unsigned long long)k, err);
 			return;
 		}
-		c->enq_ns[k % MAX_INFLIGHT] = epd_now_ns();
-		if (c->enqueued <= c->completed)
-			c->oldest_ns = c->enq_ns[k % MAX_INFLIGHT];
-		c->enqueued = k;
+		cu_enqueued(c, k, false);
 		if (data && c->msg_seq[k % MAX_INFLIGHT] == k) {
 			double *cpu = c->cpu_us[ops[0]->type == EPP_COMBINE];
 			uint64_t f = c->msg_first_ns[k % MAX_INFLIGHT],
@@ -223,9 +213,7 @@ void epd_cuda_op(struct epd_member *m, const struct epd_aop *op)
 			       m->rank, MAX_INFLIGHT);
 		return;
 	}
-	if ((op->type == EPP_COMBINE ||
-	     (op->type == EPP_DISPATCH && (op->flags & EPP_DISPATCH_CACHED))) &&
-	    !cu_route_usable(g, m, op->handle)) {
+	if (cu_op_named(op) && !cu_route_usable(g, m, op->handle)) {
 		epd_group_fail(g, EP_ESTALE,
 			       "rank %u's stream-ordered %s %llu names handle "
 			       "%llu, which it does not hold (never made, or "

@@ -99,16 +99,23 @@ void cu_stage_begin(struct epd_group *g, uint64_t k,
 	}
 	c->stage_phase = 1;
 	c->stage_k = k;
-	c->enq_fast[k % MAX_INFLIGHT] = false;
-	c->enq_ns[k % MAX_INFLIGHT] = epd_now_ns();
-	if (c->enqueued <= c->completed)
-		c->oldest_ns = c->enq_ns[k % MAX_INFLIGHT];
-	c->enqueued = k;
+	cu_enqueued(c, k, false);
 	cu_poll_arm(c);
 }
 
 static void staged_reply(struct epd_member *m, int code, const char *msg,
 			 const void *p, uint32_t len);
+
+/* The end of staged op k on the stream: the barrier kernel publishes its
+ * completion and releases the ranks' streams (the stream already waited
+ * for every doorbell). */
+static CUresult stage_release(struct epd_group *g, uint64_t k)
+{
+	struct epd_cuda_group *c = g->dev_group;
+	struct ekc_barrier_args a = cu_barrier_args(g, k, 2);
+	return cu_launch(c, cu_state(g->srv)->dev[c->dev0].barrier, 1, 1,
+			 (g->shape.ranks_per_node + 31) / 32 * 32, &a);
+}
 
 /* Op k failed alone (code, pos: EPP_CTL_OP_ERR_*), for every local rank's
  * CPU; with its dispatch count (none) where count. */
@@ -160,10 +167,8 @@ bool cu_stage_refuse(struct epd_group *g, uint64_t k,
 						c->ptr[l] + EKC_DOORBELL,
 						(cuuint32_t)k,
 						CU_STREAM_WAIT_VALUE_GEQ);
-	struct ekc_barrier_args a = cu_barrier_args(g, k, 2);
 	if (!r)
-		r = cu_launch(c, cu_state(g->srv)->dev[c->dev0].barrier, 1, 1,
-			      (rpn + 31) / 32 * 32, &a);
+		r = stage_release(g, k);
 	if (r) {
 		char err[200];
 		ekc_fail(cu_drv, r, "releasing a refused op", err, sizeof(err));
@@ -171,11 +176,7 @@ bool cu_stage_refuse(struct epd_group *g, uint64_t k,
 			       (unsigned long long)k, err);
 		return false;
 	}
-	c->enq_fast[k % MAX_INFLIGHT] = false;
-	c->enq_ns[k % MAX_INFLIGHT] = epd_now_ns();
-	if (c->enqueued <= c->completed)
-		c->oldest_ns = c->enq_ns[k % MAX_INFLIGHT];
-	c->enqueued = k;
+	cu_enqueued(c, k, false);
 	cu_poll_arm(c);
 	return true;
 }
@@ -310,10 +311,8 @@ static void stage_finish(struct epd_group *g)
 			r = stage_copy(g, EKC_F_CW_OUT, c->stage_tokens,
 				       (size_t)K * 4, false);
 	}
-	struct ekc_barrier_args a = cu_barrier_args(g, k, 2);
 	if (!r)
-		r = cu_launch(c, cu_state(g->srv)->dev[c->dev0].barrier, 1, 1,
-			   (rpn + 31) / 32 * 32, &a);
+		r = stage_release(g, k);
 	if (r) {
 		ekc_fail(cu_drv, r, "staging op results", err, sizeof(err));
 		epd_group_fail(g, EP_EBACKEND, "op %llu: %s",
