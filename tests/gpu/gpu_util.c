@@ -141,40 +141,10 @@ int tg_barrier_after_graphs(ep_group_t *g, CUstream st)
 
 const char *tg_cluster2(struct th_daemon d[2], const char *tag, int miss)
 {
-	const char *tr = getenv("EPD_TEST_TRANSPORT") ? getenv("EPD_TEST_TRANSPORT")
-						      : "tcp";
-	int port = th_ports(2);
-	char peers[160], key[256], kv[2][6][300];
-	snprintf(peers, sizeof(peers), "n0@127.0.0.1:%d, n1@127.0.0.1:%d",
-		 port, port + 1);
-	snprintf(key, sizeof(key), "%s/cluster.key", th_tmpdir(tag));
-	FILE *f = fopen(key, "w");
-	TH_CHECK(f, "key file");
-	fprintf(f, "%s-test-secret-%d\n", tag, getpid());
-	fclose(f);
-	for (int i = 0; i < 2; i++) {
-		snprintf(kv[i][0], 300, "node_name=n%d", i);
-		snprintf(kv[i][1], 300, "peers=%s", peers);
-		snprintf(kv[i][2], 300, "cluster_key_file=%s", key);
-		snprintf(kv[i][3], 300, "heartbeat_ms=100");
-		snprintf(kv[i][4], 300, "heartbeat_miss=%d", miss);
-		snprintf(kv[i][5], 300, "transport=%s", tr);
-		th_daemon_start(&d[i], "-b", "cuda", "-o", kv[i][0], "-o",
-				kv[i][1], "-o", kv[i][2], "-o", kv[i][3], "-o",
-				kv[i][4], "-o", kv[i][5], NULL);
-	}
-	for (int t = 0;; t++) {
-		ep_conn_t *c;
-		char *js = NULL;
-		TH_OK(ep_connect(d[0].sock, &c));
-		TH_OK(ep_daemon_status(c, &js));
-		ep_close(c);
-		bool up = strstr(js, "\"SU\"") && strstr(js, "\"US\"");
-		free(js);
-		if (up)
-			break;
-		TH_CHECK(t < 300, "the two nodes never saw each other");
-		th_sleep_ms(20);
-	}
-	return tr;
+	char m[40];
+	snprintf(m, sizeof(m), "heartbeat_miss=%d", miss);
+	const char *extra[] = {"-b", "cuda", "-o", m, NULL};
+	th_cluster_start(d, 2, tag, extra);
+	const char *tr = getenv("EPD_TEST_TRANSPORT");
+	return tr && *tr ? tr : "tcp";
 }

@@ -735,49 +735,12 @@ int main(void)
 	th_daemon_stop(&D1);
 
 	/* two daemons, two ranks each */
-	const char *kdir = th_tmpdir("epdllkey");
-	char keyfile[160], peers[128], o[2][5][200];
-	snprintf(keyfile, sizeof(keyfile), "%s/cluster.key", kdir);
-	FILE *kf = fopen(keyfile, "w");
-	TH_CHECK(kf, "key file");
-	fprintf(kf, "ll-cluster-key-%d-0123456789abcdef\n", getpid());
-	fclose(kf);
-	int port = th_ports(2);
-	snprintf(peers, sizeof(peers), "n0@127.0.0.1:%d, n1@127.0.0.1:%d",
-		 port, port + 1);
-	for (int i = 0; i < 2; i++) {
-		snprintf(o[i][0], sizeof(o[i][0]), "node_name=n%d", i);
-		snprintf(o[i][1], sizeof(o[i][1]), "peers=%s", peers);
-		snprintf(o[i][2], sizeof(o[i][2]), "cluster_key_file=%s",
-			 keyfile);
-		snprintf(o[i][3], sizeof(o[i][3]), "heartbeat_ms=100");
-		snprintf(o[i][4], sizeof(o[i][4]), "heartbeat_miss=%d",
-			 getenv("EPD_TEST_SLOW") ? 40 : 20);
-		th_daemon_start(&DN[i], "-o", o[i][0], "-o", o[i][1], "-o",
-				o[i][2], "-o", o[i][3], "-o", o[i][4], "-o",
-				"transport=tcp", NULL);
-	}
-	for (int i = 0; i < 2; i++)
-		for (int t = 0;; t++) {
-			ep_conn_t *c;
-			char *js;
-			TH_OK(ep_connect(DN[i].sock, &c));
-			TH_OK(ep_daemon_status(c, &js));
-			ep_close(c);
-			const char *row = strstr(js, "\"row\":\"");
-			bool up = row && !memchr(row + 7, 'D', 2);
-			free(js);
-			if (up)
-				break;
-			TH_CHECK(t < 1000, "node %d never saw the cluster up", i);
-			th_sleep_ms(10);
-		}
+	th_cluster_start(DN, 2, "epdll", NULL);
 	struct run two = {.W = 4, .rpn = 2, .name = "ll-two", .rounds = 6,
 			  .d = {&DN[0], &DN[0], &DN[1], &DN[1]}};
 	run_all(&two, "two nodes, 2 ranks each");
 	th_daemon_stop(&DN[0]);
 	th_daemon_stop(&DN[1]);
-	unlink(keyfile);
 	printf("ok\n");
 	return 0;
 }

@@ -36,8 +36,6 @@
 #define TMAX 24
 
 static struct th_daemon D[MAXN], SOLO;
-static char peers[512], keyfile[160];
-static char optv[MAXN][5][560];
 
 enum {
 	OP_BARRIER,
@@ -303,43 +301,6 @@ static void soak(int nodes, uint64_t seed, int nops)
 	       (unsigned long long)seed);
 }
 
-static void start_cluster(int nodes, int base_port)
-{
-	size_t off = 0;
-	for (int i = 0; i < nodes; i++)
-		off += (size_t)snprintf(peers + off, sizeof(peers) - off,
-					"%sn%d@127.0.0.1:%d", i ? ", " : "", i,
-					base_port + i);
-	for (int i = 0; i < nodes; i++) {
-		snprintf(optv[i][0], sizeof(optv[i][0]), "node_name=n%d", i);
-		snprintf(optv[i][1], sizeof(optv[i][1]), "peers=%s", peers);
-		snprintf(optv[i][2], sizeof(optv[i][2]), "cluster_key_file=%s",
-			 keyfile);
-		snprintf(optv[i][3], sizeof(optv[i][3]), "heartbeat_ms=100");
-		snprintf(optv[i][4], sizeof(optv[i][4]), "heartbeat_miss=%d",
-			 getenv("EPD_TEST_SLOW") ? 40 : 20);
-		th_daemon_start(&D[i], "-o", optv[i][0], "-o", optv[i][1], "-o",
-				optv[i][2], "-o", optv[i][3], "-o", optv[i][4],
-				"-o", "transport=tcp", NULL);
-	}
-	/* every node sees every other up */
-	for (int i = 0; i < nodes; i++)
-		for (int t = 0;; t++) {
-			ep_conn_t *c;
-			char *js;
-			TH_OK(ep_connect(D[i].sock, &c));
-			TH_OK(ep_daemon_status(c, &js));
-			ep_close(c);
-			const char *row = strstr(js, "\"row\":\"");
-			bool ok = row && !memchr(row + 7, 'D', (size_t)nodes);
-			free(js);
-			if (ok)
-				break;
-			TH_CHECK(t < 1000, "node %d never saw the cluster up", i);
-			th_sleep_ms(10);
-		}
-}
-
 int main(void)
 {
 	th_init("test_xsoak", 600);
@@ -347,23 +308,15 @@ int main(void)
 	const char *e = getenv("EPD_XSOAK_OPS");
 	if (e && atoi(e) > 0 && atoi(e) <= MAXOPS - FORWARD - 2 * MAXLIVE)
 		nops = atoi(e);
-	const char *kdir = th_tmpdir("epdkeys");
-	snprintf(keyfile, sizeof(keyfile), "%s/cluster.key", kdir);
-	FILE *f = fopen(keyfile, "w");
-	fprintf(f, "soak-cluster-key-%d-0123456789\n", getpid());
-	fclose(f);
 	uint64_t seed = (uint64_t)time(NULL) ^ (uint64_t)getpid();
 	th_daemon_start(&SOLO, NULL);
 	for (int nodes = 3; nodes <= 4; nodes++) {
-		int base = th_ports(nodes);
-		start_cluster(nodes, base);
+		th_cluster_start(D, nodes, "epdxsoak", NULL);
 		soak(nodes, seed + (uint64_t)nodes, nops);
 		for (int i = 0; i < nodes; i++)
 			th_daemon_stop(&D[i]);
 	}
 	th_daemon_stop(&SOLO);
-	unlink(keyfile);
-	rmdir(kdir);
 	printf("ok\n");
 	return 0;
 }

@@ -255,16 +255,10 @@ void th_daemon_start_in(struct th_daemon *d, const char *const *args)
 	TH_CHECK(0, "epd did not come up on %s", d->sock);
 }
 
-void th_daemon_start(struct th_daemon *d, ...)
+/* A new daemon directory with an empty configuration, and epd started
+ * in it with args. */
+static void daemon_new(struct th_daemon *d, const char *const *args)
 {
-	const char *args[40];
-	int n = 0;
-	va_list ap;
-	va_start(ap, d);
-	for (const char *a; (a = va_arg(ap, const char *)) && n < 39;)
-		args[n++] = a;
-	va_end(ap);
-	args[n] = NULL;
 	memset(d, 0, sizeof(*d));
 	snprintf(d->dir, sizeof(d->dir), "%s", th_tmpdir("epdtest"));
 	snprintf(d->sock, sizeof(d->sock), "%s/epd.sock", d->dir);
@@ -275,6 +269,74 @@ void th_daemon_start(struct th_daemon *d, ...)
 	fprintf(f, "[epd]\n");
 	fclose(f);
 	th_daemon_start_in(d, args);
+}
+
+void th_daemon_start(struct th_daemon *d, ...)
+{
+	const char *args[40];
+	int n = 0;
+	va_list ap;
+	va_start(ap, d);
+	for (const char *a; (a = va_arg(ap, const char *)) && n < 39;)
+		args[n++] = a;
+	va_end(ap);
+	args[n] = NULL;
+	daemon_new(d, args);
+}
+
+void th_cluster_start(struct th_daemon *d, int n, const char *tag,
+		      const char *const *extra)
+{
+	TH_CHECK(n >= 2 && n <= 8, "a cluster of %d nodes", n);
+	const char *tr = env_or("EPD_TEST_TRANSPORT", "");
+	int port = th_ports(n);
+	char peers[256], key[192], kv[6][320];
+	size_t off = 0;
+	for (int i = 0; i < n; i++)
+		off += (size_t)snprintf(peers + off, sizeof(peers) - off,
+					"%sn%d@127.0.0.1:%d", i ? ", " : "", i,
+					port + i);
+	snprintf(key, sizeof(key), "%s/cluster.key", th_tmpdir(tag));
+	FILE *f = fopen(key, "w");
+	TH_CHECK(f, "cannot write %s", key);
+	fprintf(f, "%s-cluster-key-%d-0123456789abcdef\n", tag, getpid());
+	fclose(f);
+	for (int i = 0; i < n; i++) {
+		snprintf(kv[0], sizeof(kv[0]), "node_name=n%d", i);
+		snprintf(kv[1], sizeof(kv[1]), "peers=%s", peers);
+		snprintf(kv[2], sizeof(kv[2]), "cluster_key_file=%s", key);
+		snprintf(kv[3], sizeof(kv[3]), "heartbeat_ms=100");
+		snprintf(kv[4], sizeof(kv[4]), "heartbeat_miss=%d",
+			 getenv("EPD_TEST_SLOW") ? 40 : 20);
+		snprintf(kv[5], sizeof(kv[5]), "transport=%s", *tr ? tr : "tcp");
+		const char *args[40];
+		int a = 0;
+		for (int k = 0; k < 6; k++) {
+			args[a++] = "-o";
+			args[a++] = kv[k];
+		}
+		for (int k = 0; extra && extra[k] && a < 39; k++)
+			args[a++] = extra[k];
+		args[a] = NULL;
+		daemon_new(&d[i], args);
+	}
+	/* every node sees every other up: its row of the status has no D */
+	for (int i = 0; i < n; i++)
+		for (int t = 0;; t++) {
+			ep_conn_t *c;
+			char *js = NULL;
+			TH_OK(ep_connect(d[i].sock, &c));
+			TH_OK(ep_daemon_status(c, &js));
+			ep_close(c);
+			const char *row = strstr(js, "\"row\":\"");
+			bool up = row && strlen(row + 7) > (size_t)n &&
+				  !memchr(row + 7, 'D', (size_t)n);
+			free(js);
+			if (up)
+				break;
+			TH_CHECK(t < 1000, "node %d never saw the cluster up", i);
+			th_sleep_ms(10);
+		}
 }
 
 bool th_daemon_alive(struct th_daemon *d)

@@ -75,6 +75,14 @@ void th_daemon_start_in(struct th_daemon *d, const char *const *args);
 /* SIGTERM and wait; checks a clean exit. */
 void th_daemon_stop(struct th_daemon *d);
 bool th_daemon_alive(struct th_daemon *d);
+/* A cluster of n daemons on loopback ports (th_ports), nodes n0 .. n(n-1),
+ * over $EPD_TEST_TRANSPORT (tcp by default), one cluster key written under
+ * a new temporary directory named by tag, heartbeats every 100 ms (misses
+ * allowed: 20, 40 with EPD_TEST_SLOW); extra (NULL-terminated, may be
+ * NULL) follows the cluster's arguments, so its -o settings win. Returns
+ * once every node sees every other up. */
+void th_cluster_start(struct th_daemon *d, int n, const char *tag,
+		      const char *const *extra);
 void th_daemon_dump_log(const struct th_daemon *d);
 const char *th_epctl_bin(void);
 
