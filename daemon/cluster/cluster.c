@@ -127,6 +127,7 @@ void cl_node_down(struct epd_cluster *cl, int n, const char *why)
 	epd_warn("node %s (index %d) down: %s; view epoch %llu", nd->name, n,
 		 why, (unsigned long long)cl->epoch);
 	fail_groups(cl, n, why);
+	epd_xop_node_down(cl->srv, (uint32_t)n);
 }
 
 void cl_node_up(struct pconn *c)
@@ -548,22 +549,34 @@ void *epd_cluster_status(struct epd_server *srv)
 }
 
 /* Tell the other nodes of group `key` (nnodes of them) that it failed
- * here, having completed `round` barriers and `xops` data ops. */
+ * here, having completed `round` barriers and `xops` data ops. A group
+ * that never sent its shape (it failed forming, or never formed here: j
+ * its join's, with timeout_ms) sends it first: the other nodes take a
+ * failure only from a group whose shape they had (an earlier or later
+ * group of the key is not theirs). */
 static void gfail_send(struct epd_cluster *cl, const char *key,
 		       uint32_t nnodes, int code, const char *msg,
-		       uint64_t round, uint64_t xops)
+		       uint64_t round, uint64_t xops, const struct epp_join *j,
+		       uint32_t timeout_ms)
 {
-	uint8_t buf[EPP_ERRMSG_MAX + 128];
+	uint8_t buf[EPP_ERRMSG_MAX + 128], shape[192];
 	if (!cl)
 		return;
+	size_t sl = j ? epd_xop_shape_encode(key, j, timeout_ms, shape,
+					     sizeof(shape))
+		      : 0;
 	struct epp_peer_gfail m = {.code = code, .round = round, .xops = xops};
 	snprintf(m.group, sizeof(m.group), "%s", key);
 	snprintf(m.msg, sizeof(m.msg), "%s", msg);
 	size_t gn = epp_peer_gfail_encode(&m, buf, sizeof(buf));
 	for (uint32_t n = 0; n < nnodes && (int)n < cl->n; n++)
-		if ((int)n != cl->self && cl->node[n].state == NODE_UP)
+		if ((int)n != cl->self && cl->node[n].state == NODE_UP) {
+			if (sl)
+				cl_conn_send(cl->node[n].conn, EPP_PEER_GSHAPE,
+					     shape, (uint32_t)sl);
 			cl_conn_send(cl->node[n].conn, EPP_PEER_GFAIL, buf,
-				  (uint32_t)gn);
+				     (uint32_t)gn);
+		}
 }
 
 void epd_cluster_tell_failed(struct epd_group *g, uint32_t n)
@@ -589,15 +602,17 @@ void epd_cluster_tell_failed(struct epd_group *g, uint32_t n)
 static void group_failed(struct epd_group *g, int code, const char *msg)
 {
 	gfail_send(g->srv->cluster, g->key, g->nnodes, code, msg, g->round,
-		   g->xop_next);
+		   g->xop_next, g->announced ? NULL : &g->shape, g->timeout_ms);
 }
 
 /* A group this node refused to form (it is linked to a group that
  * failed): the nodes where it formed fail it at its first op. */
 static void span_failed_key(struct epd_server *srv, const char *key,
-			    uint32_t nnodes, int code, const char *msg)
+			    const struct epp_join *j, uint32_t nnodes,
+			    int code, const char *msg)
 {
-	gfail_send(srv->cluster, key, nnodes, code, msg, 0, 0);
+	gfail_send(srv->cluster, key, nnodes, code, msg, 0, 0, j,
+		   j->timeout_ms ? j->timeout_ms : srv->cfg.timeout_ms);
 }
 
 void epd_cluster_send(struct epd_group *g, uint32_t n, uint16_t type,

@@ -82,6 +82,20 @@ void epd_xop_written(struct epd_server *srv, uint32_t to, uint64_t cookie);
 void epd_xwin_free(struct epd_group *g);
 void epd_xwin_flush(struct epd_server *srv);
 void epd_xop_stash_free(struct epd_server *srv);
+/* A group's shape (GSHAPE payload) for group key: join j's, with its
+ * timeout; into buf, the length returned (0: it does not fit). */
+struct epp_join;
+size_t epd_xop_shape_encode(const char *key, const struct epp_join *j,
+			    uint32_t timeout_ms, uint8_t *buf, size_t cap);
+/* Node `from` went down: what it sent for groups not ready here goes. */
+void epd_xop_node_down(struct epd_server *srv, uint32_t from);
+/* Node `from` (named node) says its group m->group failed (GFAIL): what it
+ * sent for a group not ready here goes (a later group there sends its
+ * shape afresh), and the group here fails if it is that group's partner.
+ */
+struct epp_peer_gfail;
+void epd_xop_failure(struct epd_server *srv, uint32_t from,
+		     const struct epp_peer_gfail *m, const char *node);
 void epd_xbufs_free(struct epd_server *srv);
 /* Free the kept buffers once no group spans nodes. */
 void epd_xbufs_trim(struct epd_server *srv);

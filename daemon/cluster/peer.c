@@ -172,11 +172,8 @@ static void conn_frame(struct pconn *c, const struct epp_hdr *h,
 		if (epp_peer_gfail_decode(p, h->length, &m))
 			return cl_reject(c, "malformed group failure");
 		epp_printable(m.msg); /* for the log, the status, the ranks */
-		struct epd_group *g = epd_group_find(c->cl->srv, m.group);
-		if (g && (uint32_t)c->peer < g->nnodes)
-			epd_group_remote_failure(g, c->cl->node[c->peer].name,
-						 m.code, m.msg, m.round,
-						 m.xops);
+		epd_xop_failure(c->cl->srv, (uint32_t)c->peer, &m,
+				c->cl->node[c->peer].name);
 		return;
 	}
 	case EPP_PEER_XMETA:

@@ -6,10 +6,43 @@
  */
 #include "xnode_int.h"
 
+static void stash_drop(struct epd_server *srv, struct stashed *e)
+{
+	list_del(&e->node);
+	srv->xnode->xstash_bytes -= e->len;
+	free(e);
+}
+
+/* A frame from node `from` for a group of this key that is not ready
+ * here. Its shape (GSHAPE) opens a group there: whatever that node sent
+ * for this key before it was an earlier group's, dropped now. Anything
+ * else is kept only after that shape; without one it is an earlier
+ * group's too (sent before that group learned it had failed), and would
+ * count for the next group of this key here: a barrier arrival that lets
+ * it leave early, a routing taken for its first dispatch. */
 static void stash_frame(struct epd_server *srv, const char *name,
 			uint16_t type, uint32_t from, const uint8_t *p,
 			uint32_t len)
 {
+	struct list_node *it, *tmp;
+	bool opened = false;
+	LIST_FOREACH(it, tmp, &srv->xnode->xstash)
+	{
+		struct stashed *e = LIST_ENTRY(it, struct stashed, node);
+		if (e->from != from || strcmp(e->name, name))
+			continue;
+		if (type == EPP_PEER_GSHAPE)
+			stash_drop(srv, e);
+		else if (e->type == EPP_PEER_GSHAPE)
+			opened = true;
+	}
+	if (type != EPP_PEER_GSHAPE && !opened) {
+		epd_info("cross-node %s for group %s from node %u dropped: it "
+			 "is an earlier group's of that name (no group of it "
+			 "there since)",
+			 epp_type_name(type), name, from);
+		return;
+	}
 	struct stashed *e = malloc(sizeof(*e) + len);
 	if (!e || srv->xnode->xstash_bytes + len > STASH_MAX) {
 		free(e);
@@ -28,6 +61,73 @@ static void stash_frame(struct epd_server *srv, const char *name,
 	list_add_tail(&srv->xnode->xstash, &e->node);
 }
 
+/* Is a frame (of type, p and len) from node `from` for group g this
+ * group's? Not before that node's shape came (an earlier group's there:
+ * dropped, said in the log), nor after its group failed (a later group's:
+ * kept for the next group of this key here). */
+static bool admit(struct epd_group *g, uint32_t from, uint16_t type,
+		  const uint8_t *p, uint32_t len)
+{
+	if (from >= g->nnodes)
+		return false;
+	if (g->peer[from] == EPD_PEER_OPEN)
+		return true;
+	if (g->peer[from] == EPD_PEER_OVER)
+		stash_frame(g->srv, g->key, type, from, p, len);
+	else
+		epd_info("cross-node %s for group %s from node %u dropped: "
+			 "it is an earlier group's of that name (this "
+			 "group's shape has not come from there)",
+			 epp_type_name(type), g->key, from);
+	return false;
+}
+
+static bool stash_forget(struct epd_server *srv, uint32_t from,
+			 const char *key)
+{
+	bool shape = false;
+	if (!srv->xnode)
+		return false;
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &srv->xnode->xstash)
+	{
+		struct stashed *e = LIST_ENTRY(it, struct stashed, node);
+		if (e->from == from && (!key || !strcmp(e->name, key))) {
+			shape |= e->type == EPP_PEER_GSHAPE;
+			stash_drop(srv, e);
+		}
+	}
+	return shape;
+}
+
+void epd_xop_node_down(struct epd_server *srv, uint32_t from)
+{
+	stash_forget(srv, from, NULL);
+}
+
+void epd_xop_failure(struct epd_server *srv, uint32_t from,
+		     const struct epp_peer_gfail *m, const char *node)
+{
+	/* what that node's group sent for a group not ready here: over */
+	bool announced = stash_forget(srv, from, m->group);
+	struct epd_group *g = epd_group_find(srv, m->group);
+	if (!g || from >= g->nnodes)
+		return;
+	/* Only the failure of the group this one met: one whose shape came
+	 * (kept, for a group still forming). Any other is an earlier
+	 * group's there, sent before it learned of its partner's end, or a
+	 * later one's. */
+	if (g->state == EPD_G_FORMING ? !announced
+				      : g->peer[from] != EPD_PEER_OPEN) {
+		epd_info("group %s: node %s's failure (%s) is not of the group "
+			 "this one met there: ignored",
+			 g->key, node, m->msg);
+		return;
+	}
+	g->peer[from] = EPD_PEER_OVER;
+	epd_group_remote_failure(g, node, m->code, m->msg, m->round, m->xops);
+}
+
 void epd_xop_stash_free(struct epd_server *srv)
 {
 	if (!srv->xnode)
@@ -43,8 +143,12 @@ void epd_xop_stash_free(struct epd_server *srv)
 
 void epd_xop_replay(struct epd_group *g)
 {
-	struct list_node *it, *tmp;
+	struct list_node *it, *tmp, mine;
 	struct epd_server *srv = g->srv;
+	/* taken out first: a frame handled here may stash again (one that
+	 * came after its node's group failed), which drops what that node
+	 * sent before */
+	LIST_INIT(&mine);
 	LIST_FOREACH(it, tmp, &srv->xnode->xstash)
 	{
 		struct stashed *e = LIST_ENTRY(it, struct stashed, node);
@@ -52,50 +156,67 @@ void epd_xop_replay(struct epd_group *g)
 			continue;
 		list_del(&e->node);
 		srv->xnode->xstash_bytes -= e->len;
+		list_add_tail(&mine, &e->node);
+	}
+	LIST_FOREACH(it, tmp, &mine)
+	{
+		struct stashed *e = LIST_ENTRY(it, struct stashed, node);
+		list_del(&e->node);
 		struct epp_peer_barrier m;
 		if (e->type == EPP_PEER_BARRIER &&
-		    !epp_peer_barrier_decode(e->data, e->len, &m))
-			epd_group_remote_arrival(g, e->from, m.local, m.seq);
-		else if (g->state == EPD_G_READY)
+		    !epp_peer_barrier_decode(e->data, e->len, &m)) {
+			if (admit(g, e->from, e->type, e->data, e->len))
+				epd_group_remote_arrival(g, e->from, m.local,
+							 m.seq);
+		} else if (g->state == EPD_G_READY) {
 			epd_xop_frame(g->srv, e->type, e->from, e->data,
 				      e->len);
+		}
 		free(e);
 	}
 }
 
-static void put_shape(struct epp_wr *w, const struct epd_group *g)
+size_t epd_xop_shape_encode(const char *key, const struct epp_join *j,
+			    uint32_t timeout_ms, uint8_t *buf, size_t cap)
 {
-	const struct epp_join *j = &g->shape;
-	uint32_t v[] = {j->world_size, j->ranks_per_node, j->num_experts,
-			j->hidden, j->max_tokens, j->topk, j->dtype,
-			g->timeout_ms};
+	struct epp_wr w;
+	epp_wr_init(&w, buf, cap);
+	epp_peer_put_op(&w, key, 0);
+	const uint32_t v[] = {j->world_size, j->ranks_per_node,
+			      j->num_experts, j->hidden,
+			      j->max_tokens, j->topk,
+			      j->dtype, timeout_ms};
 	for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++)
-		epp_put_u32(w, v[i]);
+		epp_put_u32(&w, v[i]);
+	return w.err ? 0 : w.off;
+}
+
+/* The group's shape to node n. */
+static void shape_to(struct epd_group *g, uint32_t n)
+{
+	uint8_t buf[192];
+	size_t len = epd_xop_shape_encode(g->key, &g->shape, g->timeout_ms,
+					  buf, sizeof(buf));
+	epd_cluster_send(g, n, EPP_PEER_GSHAPE, buf, len, NULL, 0, NULL);
 }
 
 /* The group became ready here: its shape to the group's other nodes, which
  * compare it with theirs. */
 void epd_xop_announce(struct epd_group *g)
 {
-	uint8_t buf[192];
-	struct epp_wr w;
-	epp_wr_init(&w, buf, sizeof(buf));
-	epp_peer_put_op(&w, g->key, 0);
-	put_shape(&w, g);
+	g->announced = true;
 	for (uint32_t n = 0; n < g->nnodes; n++)
 		if (n != g->node_index)
-			epd_cluster_send(g, n, EPP_PEER_GSHAPE, buf, w.off,
-					 NULL, 0, NULL);
+			shape_to(g, n);
 	xwin_setup(g);
 }
 
 static void check_shape(struct epd_group *g, uint32_t from,
 			const struct epp_peer_op *op)
 {
-	uint8_t mine[64];
-	struct epp_wr w;
-	epp_wr_init(&w, mine, sizeof(mine));
-	put_shape(&w, g);
+	uint8_t mine[192];
+	size_t mlen = epd_xop_shape_encode(g->key, &g->shape, g->timeout_ms,
+					   mine, sizeof(mine));
 	static const char *const names[EPP_PEER_SHAPE_N] = {
 		"world_size", "ranks_per_node", "num_experts", "hidden",
 		"max_tokens", "topk", "dtype", "timeout_ms"};
@@ -106,8 +227,12 @@ static void check_shape(struct epd_group *g, uint32_t from,
 		return;
 	}
 	uint32_t ours[EPP_PEER_SHAPE_N];
-	struct epp_peer_op mo = {.body = mine, .body_len = w.off};
-	epp_peer_shape_decode(&mo, ours);
+	struct epp_peer_op mo;
+	if (epp_peer_op_decode(mine, mlen, &mo) ||
+	    epp_peer_shape_decode(&mo, ours)) {
+		epd_group_fail(g, EP_ENOMEM, "cannot encode the group's shape");
+		return;
+	}
 	for (int i = 0; i < EPP_PEER_SHAPE_N; i++) {
 		uint32_t a = ours[i], b = theirs[i];
 		if (a != b) {
@@ -128,9 +253,9 @@ void epd_xop_arrival(struct epd_server *srv, uint32_t from,
 		     uint32_t len)
 {
 	struct epd_group *g = epd_group_find(srv, m->group);
-	if (!g)
+	if (!g || g->state == EPD_G_FORMING)
 		stash_frame(srv, m->group, EPP_PEER_BARRIER, from, p, len);
-	else
+	else if (admit(g, from, EPP_PEER_BARRIER, p, len))
 		epd_group_remote_arrival(g, from, m->local, m->seq);
 }
 
@@ -143,7 +268,9 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 	const char *name = bad ? "?" : op.group;
 	uint64_t id = bad ? 0 : op.op;
 	struct epd_group *g = bad ? NULL : epd_group_find(srv, name);
-	if (!bad && (!g || g->state == EPD_G_FORMING)) {
+	if (!bad && (!g || g->state == EPD_G_FORMING ||
+		     (from < g->nnodes && g->peer[from] == EPD_PEER_OVER))) {
+		/* for the next group of this key here */
 		stash_frame(srv, name, type, from, p, len);
 		return;
 	}
@@ -152,6 +279,9 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 	 * timeout for ranks that are gone. */
 	if (!bad && type == EPP_PEER_GSHAPE && g->state == EPD_G_FAILED &&
 	    from < g->nnodes) {
+		/* this group's shape first: that node's group takes the
+		 * failure as its partner's (see epd_xop_failure) */
+		shape_to(g, from);
 		epd_cluster_tell_failed(g, from);
 		return;
 	}
@@ -173,9 +303,28 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 		return;
 	}
 	if (type == EPP_PEER_GSHAPE) {
+		if (g->peer[from] == EPD_PEER_OPEN) {
+			/* a second shape: that node's group ended and a new
+			 * one formed there, its failure lost on the way.
+			 * This one cannot go on with that node (told to
+			 * none: the new one there is not its partner); the
+			 * shape waits for the next group here. */
+			g->peer[from] = EPD_PEER_OVER;
+			stash_frame(srv, name, type, from, p, len);
+			g->failing_remote = true;
+			epd_group_fail(g, EP_EPEERLOST,
+				       "node %s's group %s ended (a new one "
+				       "formed there)",
+				       epd_cluster_node_name(srv, from),
+				       g->shape.name);
+			return;
+		}
+		g->peer[from] = EPD_PEER_OPEN;
 		check_shape(g, from, &op);
 		return;
 	}
+	if (!admit(g, from, type, p, len))
+		return;
 	if (type == EPP_PEER_XWIN) {
 		xwin_frame(g, from, &op);
 		return;
@@ -185,16 +334,30 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 		int mbad = epp_peer_xmeta_decode(&op, &m);
 		uint32_t s = m.rank, T = m.tokens, fl = m.flags;
 		struct epd_xop *x = mbad ? NULL : xop_get(g, id, EPP_DISPATCH);
+		if (x && x->type != EPP_DISPATCH) {
+			/* a routing names a dispatch: this op is a combine
+			 * here (taken as a dispatch's, it would be run
+			 * twice) */
+			epd_xop_type_mismatch(g, x, from, EPP_DISPATCH);
+			return;
+		}
 		bool cached = fl & EPP_DISPATCH_CACHED;
 		size_t nt = cached ? 0 : (size_t)T * K;
 		bool wts = !cached && (fl & EPP_DISPATCH_WEIGHTS);
-		if (!x || s >= g->shape.world_size || s / rpn != from ||
-		    T > g->shape.max_tokens || x->have[s] ||
-		    m.data_len != nt * (wts ? 12 : 8)) {
+		const char *why =
+			mbad ? "malformed"
+			: !x ? "for an op this node is past or cannot hold"
+			: s >= g->shape.world_size || s / rpn != from
+				? "of a rank not on that node"
+			: T > g->shape.max_tokens ? "of too many tokens"
+			: x->have[s] ? "of a rank whose routing came already"
+			: m.data_len != nt * (wts ? 12 : 8) ? "of a wrong length"
+							    : NULL;
+		if (why) {
 			epd_group_fail(g, EP_EPROTO,
-				       "node %u sent a malformed or unexpected "
-				       "routing for op %llu",
-				       from, (unsigned long long)id);
+				       "node %u sent a routing %s (op %llu, "
+				       "rank %u)",
+				       from, why, (unsigned long long)id, s);
 			return;
 		}
 		/* every node runs the same kind of dispatch: a fresh one
@@ -241,9 +404,14 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 	otype &= ~EPP_XROWS_WEIGHTS;
 	uint64_t handle = xr.handle;
 	uint32_t k = xr.count;
+	if (otype != EPP_DISPATCH && otype != EPP_COMBINE)
+		rbad = 1; /* no other op has rows */
 	struct epd_xop *x = rbad ? NULL : xop_get(g, id, otype);
-	if (!x || x->type != otype ||
-	    (otype == EPP_DISPATCH && !x->started)) {
+	if (x && x->type != otype) {
+		epd_xop_type_mismatch(g, x, from, otype);
+		return;
+	}
+	if (!x || (otype == EPP_DISPATCH && !x->started)) {
 		epd_group_fail(g, EP_EPROTO,
 			       "node %u sent unexpected rows for op %llu", from,
 			       (unsigned long long)id);

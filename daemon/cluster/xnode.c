@@ -619,17 +619,39 @@ void epd_xop_kind_mismatch(struct epd_group *g, const struct epd_xop *x,
 		       theirs_cached ? "fresh" : "cached");
 }
 
+void epd_xop_type_mismatch(struct epd_group *g, const struct epd_xop *x,
+			   uint32_t from, uint16_t theirs)
+{
+	char who[32];
+	if (from == UINT32_MAX) /* x is another node's, theirs this one's */
+		epd_group_fail(g, EP_EMISMATCH,
+			       "op %llu: this node's ranks ran a %s, another "
+			       "node's a %s (every node's ranks must run the "
+			       "same operations in the same order)",
+			       (unsigned long long)x->id, epp_type_name(theirs),
+			       epp_type_name(x->type));
+	else
+		epd_group_fail(g, EP_EMISMATCH,
+			       "op %llu: %s's ranks ran a %s, %s a %s (every "
+			       "node's ranks must run the same operations in "
+			       "the same order)",
+			       (unsigned long long)x->id, node_name(from, who),
+			       epp_type_name(theirs),
+			       x->started ? "this node's" : "another node's",
+			       epp_type_name(x->type));
+}
+
 /* Every local rank of g entered a dispatch or combine. */
 void epd_xop_start(struct epd_group *g)
 {
 	/* the group's timer keeps running: the other nodes must answer */
 	struct epd_xop *x = xop_get(g, g->xop_next, g->coll_type);
-	if (!x || x->type != g->coll_type) {
-		epd_group_fail(g, EP_EMISMATCH,
-			       "%s %llu: the other nodes run another "
-			       "operation",
-			       epp_type_name(g->coll_type),
-			       (unsigned long long)g->xop_next);
+	if (!x) {
+		epd_group_fail(g, EP_ENOMEM, "out of memory");
+		return;
+	}
+	if (x->type != g->coll_type) {
+		epd_xop_type_mismatch(g, x, UINT32_MAX, g->coll_type);
 		return;
 	}
 	const uint32_t rpn = g->shape.ranks_per_node;

@@ -187,6 +187,11 @@ void epd_xop_handle_mismatch(struct epd_group *g, const struct epd_xop *x,
  * fresh, and this node the other way. */
 void epd_xop_kind_mismatch(struct epd_group *g, const struct epd_xop *x,
 			   uint32_t from, bool theirs_cached);
+/* Node `from` (UINT32_MAX: this node's ranks, starting it) runs op x as
+ * `theirs` (a dispatch or a combine) where x is the other: EP_EMISMATCH
+ * naming both, for every rank at once. */
+void epd_xop_type_mismatch(struct epd_group *g, const struct epd_xop *x,
+			   uint32_t from, uint16_t theirs);
 void xwin_frame(struct epd_group *g, uint32_t from, const struct epp_peer_op *op);
 void xwin_setup(struct epd_group *g);
 

@@ -93,10 +93,11 @@ struct epd_span_ops {
 	 * be told to the others. */
 	void (*failed)(struct epd_group *g, int code, const char *msg,
 		       bool tell);
-	/* A group of key (spanning nnodes) that this node refused to form:
-	 * the others fail it at its first op. */
+	/* A group of key (spanning nnodes, the shape of join j) that this
+	 * node refused to form: the others fail it at its first op. */
 	void (*failed_key)(struct epd_server *srv, const char *key,
-			   uint32_t nnodes, int code, const char *msg);
+			   const struct epp_join *j, uint32_t nnodes, int code,
+			   const char *msg);
 	/* The group is being freed. */
 	void (*freed)(struct epd_group *g);
 	/* Its nodes' names, for messages. */
@@ -189,6 +190,12 @@ enum epd_group_state {
 	EPD_G_FAILED, /* a rank left or died, or a collective timed out */
 };
 
+enum epd_peer {
+	EPD_PEER_NONE, /* nothing of its group yet */
+	EPD_PEER_OPEN, /* its shape came: its frames are this group's */
+	EPD_PEER_OVER, /* its group failed: what it sends is a later one's */
+};
+
 struct epd_group {
 	struct list_node node; /* in server->groups */
 	struct epd_server *srv;
@@ -199,6 +206,15 @@ struct epd_group {
 	bool shared;                 /* open to every admitted uid */
 	char key[EPP_GKEY_MAX + 1];  /* see EPP_GKEY_MAX */
 	uint32_t node_index, nnodes;
+	/* [nnodes], across nodes: where node n's group of this key stands
+	 * for this one (enum epd_peer). A node sends its group's shape first
+	 * (GSHAPE), then the group's frames, and its failure (GFAIL) last,
+	 * on one ordered connection. So frames from n before its shape are
+	 * an earlier group's there (a job restarted under the same name):
+	 * dropped; frames after its failure are a later group's: kept for
+	 * the next group of this key here. */
+	uint8_t *peer;
+	bool announced; /* its shape went to the other nodes */
 	uint32_t timeout_ms;
 	enum epd_group_state state;
 	int fail_code;

@@ -108,6 +108,7 @@ void epd_group_free(struct epd_group *g)
 	free(g->local);
 	free(g->rail_done);
 	free(g->rail_remote);
+	free(g->peer);
 	free(g);
 }
 
@@ -497,7 +498,8 @@ static struct epd_group *group_create(struct epd_server *srv, uid_t owner,
 	g->rail_done = calloc(j->ranks_per_node, sizeof(*g->rail_done));
 	g->rail_remote = calloc((size_t)j->ranks_per_node * g->nnodes,
 				sizeof(*g->rail_remote));
-	if (!g->local || !g->rail_done || !g->rail_remote)
+	g->peer = calloc(g->nnodes, 1);
+	if (!g->local || !g->rail_done || !g->rail_remote || !g->peer)
 		goto err_free;
 	*code = epd_buf_create(g);
 	if (*code) {
@@ -510,12 +512,13 @@ static struct epd_group *group_create(struct epd_server *srv, uid_t owner,
 	uv_timer_init(srv->loop, &g->timer);
 	g->timer.data = g;
 	list_add_tail(&srv->groups, &g->node);
-	epd_info("group %s (id %lu) created: world %u, %u per node, node %u, "
-		 "%u experts, hidden %u, %u tokens, top-%u, timeout %u ms, "
-		 "%u receive area%s",
-		 g->shape.name, (unsigned long)g->id, j->world_size,
-		 j->ranks_per_node, g->node_index, j->num_experts, j->hidden,
-		 j->max_tokens, j->topk, g->timeout_ms, g->layout.recv_areas,
+	epd_info("group %s (id %lu, uid %u) created: world %u, %u per node, "
+		 "node %u, %u experts, hidden %u, %u tokens, top-%u, timeout "
+		 "%u ms, %u receive area%s",
+		 g->shape.name, (unsigned long)g->id, (unsigned)g->owner,
+		 j->world_size, j->ranks_per_node, g->node_index,
+		 j->num_experts, j->hidden, j->max_tokens, j->topk,
+		 g->timeout_ms, g->layout.recv_areas,
 		 g->layout.recv_areas == 1 ? "" : "s");
 	return g;
 
@@ -527,6 +530,7 @@ err_free_nocode:
 		free(g->local);
 		free(g->rail_done);
 		free(g->rail_remote);
+		free(g->peer);
 		free(g);
 	}
 	return NULL;
@@ -680,7 +684,8 @@ int epd_group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 					  failed ? parent->last_error
 						 : parent->rfail_msg);
 			else if (!o && nnodes > 1 && srv->span->failed_key)
-				srv->span->failed_key(srv, key, nnodes, code,
+				srv->span->failed_key(srv, key, j, nnodes,
+						      code,
 						      "a rank's linked group "
 						      "failed here");
 			return code;

@@ -51,7 +51,12 @@
 #define MAXPEND 16 /* joins awaiting their reply */
 
 struct shared {
-	const struct th_daemon *d;
+	/* the daemons chaos clients connect to: one, or the two nodes of a
+	 * cluster (groups then span both) */
+	const struct th_daemon *node[2];
+	int nodes;
+	const struct th_daemon *by_d[2]; /* each bystander rank's daemon */
+	uint32_t by_rpn;
 	volatile int stop, by_stop;
 	volatile int stopping; /* the daemon is being stopped under chaos */
 	volatile uint64_t by_rounds;
@@ -99,12 +104,13 @@ static int bystander(int r, void *arg)
 	ref_combine(&c, in, exp, ys, (uint32_t)r, want);
 
 	struct ep_group_config cfg = {
-		.name = "bystander", .world_size = W, .ranks_per_node = W,
-		.rank = (uint32_t)r, .num_experts = c.experts, .hidden = H,
+		.name = "bystander", .world_size = W,
+		.ranks_per_node = S->by_rpn, .rank = (uint32_t)r,
+		.num_experts = c.experts, .hidden = H,
 		.max_tokens_per_rank = c.max_tokens, .topk = K,
 		.dtype = EP_DTYPE_BF16, .timeout_ms = 60000};
 	ep_conn_t *conn;
-	ep_group_t *g = th_join(S->d, &cfg, &conn);
+	ep_group_t *g = th_join(S->by_d[r], &cfg, &conn);
 	const uint64_t cap = (uint64_t)W * c.max_tokens;
 	uint8_t *rx = malloc(cap * H * 2);
 	int64_t *ri = malloc(cap * K * 8);
@@ -181,19 +187,34 @@ struct cconn {
 	uint16_t type[256]; /* of request req, at req % 256 */
 	uint64_t *rs;
 	int me;
+	int node; /* of the daemon it is connected to */
 	bool dead; /* the daemon closed it (after a fatal frame) */
 };
 
-/* The shape of chaos group name i: worlds 1 (every op runs), 2 and 3. */
-static void shape_of(int i, uint64_t *rs, struct epp_join *j)
+/* The shape of chaos group name i. On one node: worlds 1 (every op
+ * runs), 2 and 3. On two: worlds 2 and 4 across both nodes, a rank of the
+ * connection's node mostly (one of the other node's sometimes). */
+static void shape_of(int i, const struct cconn *c, struct epp_join *j)
 {
 	static const uint32_t world[NNAMES] = {1, 2, 2, 3};
+	static const uint32_t xworld[NNAMES] = {2, 4, 2, 4};
+	uint64_t *rs = c->rs;
 	memset(j, 0, sizeof(*j));
-	snprintf(j->name, sizeof(j->name), "chaos%d", i);
-	j->world_size = world[i];
-	j->ranks_per_node = world[i];
-	j->rank = (uint32_t)(rnd(rs) % world[i]);
-	j->num_experts = 4 * world[i];
+	if (S->nodes > 1) {
+		snprintf(j->name, sizeof(j->name), "xchaos%d", i);
+		j->world_size = xworld[i];
+		j->ranks_per_node = xworld[i] / 2;
+		uint32_t node = ONE_IN(rs, 8) ? 1 - (uint32_t)c->node
+					      : (uint32_t)c->node;
+		j->rank = node * j->ranks_per_node +
+			  (uint32_t)(rnd(rs) % j->ranks_per_node);
+	} else {
+		snprintf(j->name, sizeof(j->name), "chaos%d", i);
+		j->world_size = world[i];
+		j->ranks_per_node = world[i];
+		j->rank = (uint32_t)(rnd(rs) % world[i]);
+	}
+	j->num_experts = 4 * j->world_size;
 	j->hidden = 256;
 	j->max_tokens = 8;
 	j->topk = 2;
@@ -238,6 +259,16 @@ static void conn_close(struct cconn *c)
 	memset(c->pend, 0, sizeof(c->pend));
 }
 
+/* The daemon's messages for a peer daemon's frame that breaks the
+ * protocol (EP_EPROTO). */
+static const char *const Peer_blame[] = {
+	"sent a malformed", "sent a routing", "sent unexpected rows",
+	"sent more rows",
+	"sent more early combine rows", "sent a row out of range",
+	"rows from other nodes", "sent malformed windows",
+	"sent its windows twice", "offered a window of",
+	"signalled written rows"};
+
 /* Every reply must be well-formed: OK, ERROR or NOTICE, an error's code
  * one of the library's, with a message. (Its request id may be any: a
  * mutated frame's id is echoed.) */
@@ -256,6 +287,14 @@ static void on_reply(struct cconn *c, const struct epp_hdr *h,
 			 "chaos %d: error code %d (%s)", c->me, code, msg);
 		TH_CHECK(msg[0], "chaos %d: error %d without a message", c->me,
 			 code);
+		/* Whatever ranks do, one daemon never finds another's frames
+		 * wrong: the daemons are honest, so that would be two
+		 * daemons that disagree on a group's state. */
+		for (size_t i = 0; i < sizeof(Peer_blame) / sizeof(*Peer_blame);
+		     i++)
+			TH_CHECK(!strstr(msg, Peer_blame[i]),
+				 "chaos %d: the daemons disagree: %s (%s)",
+				 c->me, ep_strerror(code), msg);
 		if (getenv("EPD_CHAOS_TRACE"))
 			fprintf(stderr, "TRACE %s %d %s\n",
 				epp_type_name(c->type[h->req_id % 256]), code,
@@ -463,14 +502,18 @@ static void do_join(struct cconn *c)
 	int name = (int)(rnd(rs) % (NNAMES + 1));
 	if (name == NNAMES) {
 		/* the bystander's name: same uid, a taken rank */
-		shape_of(1, rs, &j);
+		shape_of(1, c, &j);
 		snprintf(j.name, sizeof(j.name), "bystander");
+		j.world_size = By.world;
+		j.ranks_per_node = S->by_rpn;
+		j.rank = S->nodes > 1 ? (uint32_t)c->node
+				      : (uint32_t)(rnd(rs) % By.world);
 		j.num_experts = By.experts;
 		j.max_tokens = By.max_tokens;
 		j.topk = By.topk;
 		j.recv_areas = 1;
 	} else {
-		shape_of(name, rs, &j);
+		shape_of(name, c, &j);
 	}
 	if (ONE_IN(rs, Hostile ? 3 : 30)) {
 		switch (rnd(rs) % 7) {
@@ -696,10 +739,12 @@ static void do_garbage(struct cconn *c)
 		   NULL, 0);
 }
 
-static int chaos_connect(void)
+static int chaos_connect(struct cconn *c)
 {
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
-	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s", S->d->sock);
+	c->node = (int)(rnd(c->rs) % (uint64_t)S->nodes);
+	snprintf(sa.sun_path, sizeof(sa.sun_path), "%s",
+		 S->node[c->node]->sock);
 	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	TH_CHECK(fd >= 0, "socket");
 	if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0)
@@ -722,7 +767,7 @@ static int chaos(int me, void *arg)
 		if (c.fd < 0 || c.dead) {
 			conn_close(&c);
 			c.dead = false;
-			c.fd = chaos_connect();
+			c.fd = chaos_connect(&c);
 			if (c.fd < 0) {
 				th_sleep_ms(5);
 				continue;
@@ -763,24 +808,40 @@ static int chaos(int me, void *arg)
 	return 0;
 }
 
-int main(void)
-{
-	th_init("test_chaos", 600);
-	Seed = th_seed();
-	const char *e = getenv("EPD_CHAOS_SECONDS");
-	int seconds = e ? atoi(e) : 15;
-	S = th_shared(sizeof(*S));
-	struct th_daemon d;
-	th_daemon_start(&d, "-o", "socket_mode=0666", NULL);
-	TH_CHECK(chmod(d.dir, 0755) == 0, "chmod %s", d.dir);
-	S->d = &d;
+static const uint16_t Must[] = {EPP_JOIN, EPP_BARRIER, EPP_DISPATCH,
+				EPP_COMBINE, EPP_RELEASE};
 
+/* One phase of chaos on the n daemons dv: the bystander (one rank a node
+ * on two nodes) runs throughout; the operator reloads every daemon's
+ * configuration each second. Checks that every daemon lives, that the
+ * chaos reached the operations (on two nodes: operations of groups across
+ * both), that the bystander went on, and that afterwards every daemon's
+ * descriptors and shared mappings are back to what they were. */
+static void phase(struct th_daemon *const *dv, int n, int seconds,
+		  const char *what)
+{
+	S->nodes = n;
+	for (int i = 0; i < n; i++)
+		S->node[i] = dv[i];
+	S->by_rpn = n > 1 ? 1 : By.world;
+	for (uint32_t r = 0; r < By.world; r++)
+		S->by_d[r] = dv[n > 1 ? r : 0];
+	S->stop = S->by_stop = 0;
+	S->by_rounds = 0;
+	for (int i = 0; i < NCHAOS; i++) {
+		S->replies[i] = S->frames[i] = S->ops_ok[i] = 0;
+		for (int k = 0; k < 16; k++)
+			S->ok_of[i][k] = 0;
+	}
 	pid_t by[2];
-	th_spawn(by, 2, bystander, NULL);
+	th_spawn(by, (int)By.world, bystander, NULL);
 	while (S->by_rounds < 3)
 		th_sleep_ms(5);
-	int fd0 = th_fds(d.pid);
-	int map0 = th_maps(d.pid, "memfd:");
+	int fd0[2], map0[2];
+	for (int i = 0; i < n; i++) {
+		fd0[i] = th_fds(dv[i]->pid);
+		map0[i] = th_maps(dv[i]->pid, "memfd:");
+	}
 	uint64_t r0 = S->by_rounds;
 
 	pid_t ch[NCHAOS];
@@ -788,66 +849,109 @@ int main(void)
 	uint64_t end = th_now_ns() + (uint64_t)seconds * 1000000000ull;
 	for (int t = 1; th_now_ns() < end; t++) {
 		th_sleep_ms(100);
-		TH_CHECK(th_daemon_alive(&d), "the daemon died");
-		if (t % 10 == 0) /* the operator reloads the configuration */
-			kill(d.pid, SIGHUP);
+		for (int i = 0; i < n; i++) {
+			TH_CHECK(th_daemon_alive(dv[i]), "%s: daemon %d died",
+				 what, i);
+			if (t % 10 == 0) /* the operator reloads */
+				kill(dv[i]->pid, SIGHUP);
+		}
 	}
 	S->stop = 1;
-	TH_CHECK(th_wait_all(ch, NCHAOS, 60) == 0, "a chaos client failed");
+	TH_CHECK(th_wait_all(ch, NCHAOS, 60) == 0, "%s: a chaos client failed",
+		 what);
 	uint64_t frames = 0, replies = 0, ok = 0;
 	for (int i = 0; i < NCHAOS; i++) {
 		frames += S->frames[i];
 		replies += S->replies[i];
 		ok += S->ops_ok[i];
 	}
-	printf("%d s: %lu chaos frames, %lu replies (%lu OK); bystander %lu "
-	       "rounds during the chaos\n",
-	       seconds, (unsigned long)frames, (unsigned long)replies,
+	printf("%s, %d s: %lu chaos frames, %lu replies (%lu OK); bystander "
+	       "%lu rounds during the chaos\n",
+	       what, seconds, (unsigned long)frames, (unsigned long)replies,
 	       (unsigned long)ok, (unsigned long)(S->by_rounds - r0));
 	/* the chaos must reach the operations, not only the decoders:
 	 * joins, barriers, dispatches and combines that ran (on scribbled
 	 * buffers) */
-	static const uint16_t must[] = {EPP_JOIN, EPP_BARRIER, EPP_DISPATCH,
-					EPP_COMBINE, EPP_RELEASE};
-	for (size_t k = 0; k < sizeof(must) / sizeof(must[0]); k++) {
-		uint64_t n = 0;
+	for (size_t k = 0; k < sizeof(Must) / sizeof(Must[0]); k++) {
+		uint64_t m = 0;
 		for (int i = 0; i < NCHAOS; i++)
-			n += S->ok_of[i][must[k]];
-		printf("  %s: %lu OK\n", epp_type_name(must[k]),
-		       (unsigned long)n);
-		TH_CHECK(n > 0, "no chaos %s ever succeeded",
-			 epp_type_name(must[k]));
+			m += S->ok_of[i][Must[k]];
+		printf("  %s: %lu OK\n", epp_type_name(Must[k]),
+		       (unsigned long)m);
+		TH_CHECK(m > 0, "%s: no chaos %s ever succeeded", what,
+			 epp_type_name(Must[k]));
 	}
-	TH_CHECK(S->by_rounds > r0, "the bystander made no progress");
+	TH_CHECK(S->by_rounds > r0, "%s: the bystander made no progress",
+		 what);
 
 	/* Back to rest: every chaos connection, group and mapping gone. */
-	int fd1 = -1, map1 = -1;
-	for (int i = 0; i < 200; i++) {
-		fd1 = th_fds(d.pid);
-		map1 = th_maps(d.pid, "memfd:");
-		if (fd1 == fd0 && map1 == map0)
-			break;
-		th_sleep_ms(50);
+	for (int i = 0; i < n; i++) {
+		int fd1 = -1, map1 = -1;
+		for (int t = 0; t < 200; t++) {
+			fd1 = th_fds(dv[i]->pid);
+			map1 = th_maps(dv[i]->pid, "memfd:");
+			if (fd1 == fd0[i] && map1 == map0[i])
+				break;
+			th_sleep_ms(50);
+		}
+		TH_CHECK(fd1 == fd0[i], "%s: daemon %d has %d descriptors, %d "
+			 "before", what, i, fd1, fd0[i]);
+		TH_CHECK(map1 == map0[i], "%s: daemon %d maps %d memfd regions, "
+			 "%d before", what, i, map1, map0[i]);
 	}
-	TH_CHECK(fd1 == fd0, "the daemon has %d descriptors, %d before", fd1,
-		 fd0);
-	TH_CHECK(map1 == map0, "the daemon maps %d memfd regions, %d before",
-		 map1, map0);
 	S->by_stop = 1;
-	TH_CHECK(th_wait_all(by, 2, 60) == 0, "the bystander failed");
+	TH_CHECK(th_wait_all(by, (int)By.world, 60) == 0,
+		 "%s: the bystander failed", what);
+}
 
-	/* The operator stops the daemon in the middle of the chaos: it exits
-	 * with status 0 and removes its socket (th_daemon_stop; a sanitizer's
-	 * report would change the status). */
+/* The operator stops the daemons, one after the other, in the middle of
+ * the chaos: each exits with status 0 and removes its socket
+ * (th_daemon_stop; a sanitizer's report would change the status). */
+static void stop_under_chaos(struct th_daemon *const *dv, int n)
+{
 	S->stop = 0;
 	S->stopping = 1;
+	pid_t ch[NCHAOS];
 	th_spawn(ch, NCHAOS, chaos, NULL);
-	th_sleep_ms(1500);
-	th_daemon_stop(&d);
+	for (int i = 0; i < n; i++) {
+		th_sleep_ms(1500);
+		th_daemon_stop(dv[i]);
+	}
 	S->stop = 1;
 	TH_CHECK(th_wait_all(ch, NCHAOS, 60) == 0,
-		 "a chaos client failed while the daemon stopped");
-	printf("ok: SIGHUP every second under the chaos, and SIGTERM in the "
-	       "middle of it: exit status 0\n");
+		 "a chaos client failed while the daemons stopped");
+	S->stopping = 0;
+}
+
+int main(void)
+{
+	th_init("test_chaos", 600);
+	Seed = th_seed();
+	const char *e = getenv("EPD_CHAOS_SECONDS");
+	int seconds = e ? atoi(e) : 15;
+	S = th_shared(sizeof(*S));
+
+	struct th_daemon d;
+	th_daemon_start(&d, "-o", "socket_mode=0666", NULL);
+	TH_CHECK(chmod(d.dir, 0755) == 0, "chmod %s", d.dir);
+	struct th_daemon *one[] = {&d};
+	phase(one, 1, seconds, "one node");
+	stop_under_chaos(one, 1);
+	printf("ok: one node: SIGHUP every second under the chaos, and "
+	       "SIGTERM in the middle of it: exit status 0\n");
+
+	/* Two daemons in a cluster: chaos groups span both nodes (a node's
+	 * daemon then also carries what its ranks' chaos does to the other
+	 * node), and the bystander has a rank on each. */
+	struct th_daemon dn[2];
+	const char *extra[] = {"-o", "socket_mode=0666", NULL};
+	th_cluster_start(dn, 2, "epdchaos", extra);
+	for (int i = 0; i < 2; i++)
+		TH_CHECK(chmod(dn[i].dir, 0755) == 0, "chmod %s", dn[i].dir);
+	struct th_daemon *two[] = {&dn[0], &dn[1]};
+	phase(two, 2, seconds, "two nodes");
+	stop_under_chaos(two, 2);
+	printf("ok: two nodes: SIGHUP every second under the chaos, and "
+	       "SIGTERM to each node in the middle of it: exit status 0\n");
 	return 0;
 }

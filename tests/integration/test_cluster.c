@@ -775,6 +775,137 @@ static void check_kind_mismatch(void)
 		       "run a fresh and a cached dispatch");
 }
 
+/* A dispatch; then node 0's ranks combine its handle while node 1's
+ * dispatch afresh: every rank gets EP_EMISMATCH naming both operations,
+ * at once. Before, node 0 took node 1's routing into its combine and
+ * queued the combine's job a second time: the daemon crashed. */
+static int omis_rank(int rank, void *arg)
+{
+	struct late *s = arg;
+	ep_conn_t *c;
+	struct ep_buffers b;
+	ep_group_t *g = join_2x2(s, rank, &c, &b);
+	const uint32_t T = 8, K = 4;
+	to_every_rank(&b, T, K);
+	ep_handle_t h, h2;
+	TH_OK(ep_dispatch_inplace(g, T, 0, NULL, &h));
+	int rc;
+	if (rank >= 2) {
+		rc = ep_dispatch_inplace(g, T, 0, NULL, &h2);
+	} else {
+		memset(b.combine_y, 0x3c, (size_t)h.num_recv * 256 * 2);
+		rc = ep_combine_inplace(g, &h, 0);
+	}
+	return rank_done(s, rank, rc, g, c);
+}
+
+static void check_op_mismatch(void)
+{
+	check_mismatch("omis", omis_rank, "the same operations",
+		       "run a combine and a dispatch");
+}
+
+/* A job restarted at once under the same group name (world 2, a rank on
+ * each of nodes 0 and 1). The test stops node 0's daemon for a moment;
+ * meanwhile the old job's rank 0 dies, its rank 1 enters a barrier (node
+ * 1 sends the arrival to node 0) and the new job's rank 0 joins. Node 0
+ * then ends the old group, keeps the arrival (no group of that name) and
+ * forms the new group: that arrival is the old group's and must not count
+ * for the new one. Before, the new rank's first barrier returned at once
+ * with no rank of the new job on node 1 (an early exit). Returns whether
+ * node 0 saw the stale arrival this time (the order in which it reads its
+ * sockets after the stop decides). */
+struct restart {
+	volatile int phase, through;
+	int rc;
+	char msg[256];
+};
+
+static int restart_rank(int who, void *arg)
+{
+	struct restart *s = arg;
+	/* who: 0 the old rank 0, 1 the old rank 1, 2 the new rank 0 */
+	struct ep_group_config cfg = th_group("restart", 2,
+					      who == 1 ? 1 : 0, 5000);
+	cfg.ranks_per_node = 1;
+	ep_conn_t *c;
+	ep_group_t *g;
+	TH_OK(ep_connect(D[who == 1].sock, &c));
+	TH_OK(ep_join(c, &cfg, 0, &g));
+	if (who == 2) {
+		s->rc = ep_barrier(g);
+		snprintf(s->msg, sizeof(s->msg), "%s", ep_errmsg());
+		ep_leave(g);
+		ep_close(c);
+		return 0;
+	}
+	for (int i = 0; i < 3; i++)
+		TH_OK(ep_barrier(g));
+	__atomic_fetch_add(&s->through, 1, __ATOMIC_SEQ_CST);
+	if (who == 0) {
+		for (;;)
+			pause(); /* killed */
+	}
+	while (s->phase < 1)
+		th_sleep_ms(1);
+	ep_barrier(g); /* fails: rank 0 is gone */
+	ep_leave(g);
+	ep_close(c);
+	return 0;
+}
+
+static int restart_new(int i, void *arg)
+{
+	(void)i;
+	return restart_rank(2, arg);
+}
+
+static bool restart_once(void)
+{
+	struct restart *s = th_shared(sizeof(*s));
+	pid_t old[2], nw;
+	th_spawn(old, 2, restart_rank, s);
+	/* both old ranks through their barriers */
+	for (int t = 0; s->through < 2; t++) {
+		TH_CHECK(t < 6000, "the old job never completed 3 barriers");
+		th_sleep_ms(5);
+	}
+	kill(D[0].pid, SIGSTOP);
+	kill(old[0], SIGKILL);
+	th_reap(old[0], 10);
+	s->phase = 1; /* old rank 1 enters a barrier: node 1 sends it */
+	th_sleep_ms(100);
+	th_spawn(&nw, 1, restart_new, s);
+	th_sleep_ms(100);
+	kill(D[0].pid, SIGCONT);
+	TH_CHECK(th_wait_all(&nw, 1, 60) == 0, "the new rank failed");
+	TH_CHECK(th_wait_all(&old[1], 1, 60) == 0, "the old rank 1 failed");
+	TH_CHECK(s->rc != 0, "the new job's rank 0 left its first barrier "
+		 "with no rank of the new job on node 1 (the old group's "
+		 "arrival counted)");
+	FILE *f = fopen(D[0].log, "r");
+	TH_CHECK(f, "%s", D[0].log);
+	char line[1024];
+	bool saw = false;
+	while (fgets(line, sizeof(line), f))
+		saw |= strstr(line, "restart") &&
+		       strstr(line, "an earlier group's of that name");
+	fclose(f);
+	printf("  restart: the new rank's barrier: %s (%s)\n",
+	       ep_strerror(s->rc), s->msg);
+	return saw;
+}
+
+static void check_restart(void)
+{
+	int tries = 0;
+	while (!restart_once())
+		TH_CHECK(++tries < 5, "node 0 never read the old group's "
+			 "arrival after its end in 5 tries");
+	printf("ok: a job restarted under the same name: the old group's "
+	       "barrier arrival does not count for the new one\n");
+}
+
 /* Rank 3 (node 1) dispatches more tokens than the group's maximum while
  * rank 0 (node 0) gives a bad expert index: every rank on both nodes gets
  * EP_ETOOBIG naming rank 3 at once (too many tokens wins, as on one node
@@ -1652,6 +1783,24 @@ static void pc_drain(int fd)
 
 /* One random frame of an authenticated n2 about group key gk, into b;
  * returns its type. */
+/* A group's shape (GSHAPE) as node key's daemon sends it when its group
+ * of config c became ready, before any other frame of the group: its
+ * payload into b, the length returned. */
+static size_t shape_frame(uint8_t *b, size_t cap, const char *key,
+			  const struct ep_group_config *c)
+{
+	struct epp_wr w;
+	epp_wr_init(&w, b, cap);
+	epp_peer_put_op(&w, key, 0);
+	const uint32_t v[EPP_PEER_SHAPE_N] = {
+		c->world_size, c->ranks_per_node, c->num_experts, c->hidden,
+		c->max_tokens_per_rank, c->topk, c->dtype, c->timeout_ms};
+	for (int i = 0; i < EPP_PEER_SHAPE_N; i++)
+		epp_put_u32(&w, v[i]);
+	TH_CHECK(!w.err, "shape frame");
+	return w.off;
+}
+
 static uint16_t pc_frame(const char *gk, unsigned *seed, uint8_t *b,
 			 size_t cap, size_t *len)
 {
@@ -1815,6 +1964,12 @@ static void check_peer_chaos(void)
 	uint8_t fb[16384];
 	const uint32_t H = pc_cfg.hidden, n = 30;
 	const size_t rec = 8 + (size_t)H * 2;
+	{ /* first its shape, as a node's group sends before its frames */
+		struct ep_group_config pd = pc_cfg;
+		pd.timeout_ms = 20000;
+		size_t sl = shape_frame(fb, sizeof(fb), "pdefer", &pd);
+		send_peer_k(fd[0], ktx[0], &ntx[0], EPP_PEER_GSHAPE, fb, sl);
+	}
 	for (int i = 0; i < 300; i++) {
 		struct epp_wr w;
 		epp_wr_init(&w, fb, sizeof(fb));
@@ -1874,7 +2029,7 @@ static void check_bad_member(void)
 		       "dropped\n");
 	}
 	const char *what[] = {"malformed barrier", "group failure with code 0",
-			      "rows for a group not here (kept, bounded)",
+			      "rows for a group not here (dropped: no shape of it came)",
 			      "unexpected frame"};
 	for (int i = 0; i < 4; i++) {
 		int fd = fake_n2();
@@ -1906,7 +2061,7 @@ static void check_bad_member(void)
 			expect_dropped(fd);
 			wait_row(0, "SUD");
 		} else {
-			/* kept for a group that may come: the peer stays */
+			/* dropped (no shape of that group came): the peer stays */
 			close(fd);
 			wait_row(0, "SUD");
 		}
@@ -1949,6 +2104,9 @@ static void check_bad_windows(void)
 		th_sleep_ms(2);
 	}
 	uint8_t b[128];
+	struct ep_group_config xc = th_group("xwin", 6, 0, 20000);
+	xc.ranks_per_node = 2;
+	send_peer(fd, EPP_PEER_GSHAPE, b, shape_frame(b, sizeof(b), "xwin", &xc));
 	struct epp_wr w;
 	epp_wr_init(&w, b, sizeof(b));
 	epp_put_str(&w, "xwin");
@@ -2279,6 +2437,8 @@ int main(void)
 	check_weights_mismatch();
 	check_handle_mismatch();
 	check_kind_mismatch();
+	check_op_mismatch();
+	check_restart();
 	check_xtoobig();
 	check_remote_rank_loss();
 	check_early_remote_loss();
