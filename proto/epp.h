@@ -112,6 +112,16 @@
  *        verdict; none runs it with the others), instead of failing the
  *        group. A bad expert index found on another node has no position
  *        here: its word is EPP_OP_ERR_NOPOS.
+ *   1.20 Between daemons: a group's frames to a node go in the order
+ *        GSHAPE, its other frames, GFAIL; a group that fails before it
+ *        sent its GSHAPE (while forming, or one a node refused to form)
+ *        sends it just before the GFAIL, and a failed group answers a
+ *        GSHAPE with its own GSHAPE and GFAIL. A daemon takes a group's
+ *        frames from a node only between that node's GSHAPE and GFAIL,
+ *        keeps those after its GFAIL for its next group of the key, and
+ *        takes a GFAIL only from the group whose GSHAPE it had (doc/
+ *        design.md, section 5). A 1.19 peer's failure of a group that
+ *        never sent its shape is ignored: the ops wait out the timeout.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -130,7 +140,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 19
+#define EPP_VERSION_MINOR 20
 /* Stream-ordered ops a GPU rank may have in flight (libep waits before
  * more; the daemon's rings are this deep). */
 #define EPP_MAX_INFLIGHT 1024
