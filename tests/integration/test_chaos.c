@@ -15,14 +15,20 @@
  *
  * The operator reloads the configuration (SIGHUP) every second of it,
  * and at the end stops the daemon (SIGTERM) in the middle of more chaos.
+ * Then the same on two daemons in a cluster: the chaos clients connect to
+ * either, their groups span both nodes (a rank of the connection's node
+ * mostly), the bystander has a rank on each, and the daemons are stopped
+ * one after the other under chaos.
  *
- * Asserts: the daemon never dies and never stops answering; a bystander
- * job of two ranks runs barriers, dispatches and combines throughout and
- * every result is bitwise equal to the independent reference
- * (tests/lib/ref.c), with no error; every reply to a chaos client is a
- * well-formed frame for its request; afterwards the daemon's descriptors
- * and shared mappings are back to what they were, and stopped under chaos
- * it exits cleanly (so that a sanitizer's report fails the test).
+ * Asserts: no daemon dies or stops answering; a bystander job of two
+ * ranks runs barriers, dispatches and combines throughout and every
+ * result is bitwise equal to the independent reference (tests/lib/ref.c),
+ * with no error; every reply to a chaos client is a well-formed frame for
+ * its request, and none says a daemon found its peer's frames wrong
+ * (whatever ranks do, honest daemons agree); afterwards every daemon's
+ * descriptors and shared mappings are back to what they were, and stopped
+ * under chaos each exits cleanly (so that a sanitizer's report fails the
+ * test).
  *
  * EPD_CHAOS_SECONDS sets the length (default 15 s); EPD_TEST_SEED repeats
  * a run.
@@ -871,14 +877,19 @@ static void phase(struct th_daemon *const *dv, int n, int seconds,
 	       (unsigned long)ok, (unsigned long)(S->by_rounds - r0));
 	/* the chaos must reach the operations, not only the decoders:
 	 * joins, barriers, dispatches and combines that ran (on scribbled
-	 * buffers) */
+	 * buffers). Across nodes two chaos clients must meet in a group and
+	 * agree on a handle for a combine: a few a run, so the combine and
+	 * the release are counted there, not required. */
 	for (size_t k = 0; k < sizeof(Must) / sizeof(Must[0]); k++) {
 		uint64_t m = 0;
 		for (int i = 0; i < NCHAOS; i++)
 			m += S->ok_of[i][Must[k]];
 		printf("  %s: %lu OK\n", epp_type_name(Must[k]),
 		       (unsigned long)m);
-		TH_CHECK(m > 0, "%s: no chaos %s ever succeeded", what,
+		TH_CHECK(m > 0 || (n > 1 && Must[k] != EPP_JOIN &&
+				   Must[k] != EPP_BARRIER &&
+				   Must[k] != EPP_DISPATCH),
+			 "%s: no chaos %s ever succeeded", what,
 			 epp_type_name(Must[k]));
 	}
 	TH_CHECK(S->by_rounds > r0, "%s: the bystander made no progress",
