@@ -601,8 +601,10 @@ void epd_cluster_tell_failed(struct epd_group *g, uint32_t n)
  * entered the next round. */
 static void group_failed(struct epd_group *g, int code, const char *msg)
 {
+	uint64_t xops = g->xop_next < g->xop_disagree ? g->xop_next
+						      : g->xop_disagree;
 	gfail_send(g->srv->cluster, g->key, g->nnodes, code, msg, g->round,
-		   g->xop_next, g->announced ? NULL : &g->shape, g->timeout_ms);
+		   xops, g->announced ? NULL : &g->shape, g->timeout_ms);
 }
 
 /* A group this node refused to form (it is linked to a group that

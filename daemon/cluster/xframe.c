@@ -306,12 +306,11 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 		if (g->peer[from] == EPD_PEER_OPEN) {
 			/* a second shape: that node's group ended and a new
 			 * one formed there, its failure lost on the way.
-			 * This one cannot go on with that node (told to
-			 * none: the new one there is not its partner); the
+			 * This one cannot go on with that node (the new one
+			 * there, not its partner, ignores this failure); the
 			 * shape waits for the next group here. */
 			g->peer[from] = EPD_PEER_OVER;
 			stash_frame(srv, name, type, from, p, len);
-			g->failing_remote = true;
 			epd_group_fail(g, EP_EPEERLOST,
 				       "node %s's group %s ended (a new one "
 				       "formed there)",
@@ -333,6 +332,12 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 		struct epp_peer_xmeta m;
 		int mbad = epp_peer_xmeta_decode(&op, &m);
 		uint32_t s = m.rank, T = m.tokens, fl = m.flags;
+		if (!mbad && id < g->xop_next) {
+			/* every node's dispatch waits for every routing:
+			 * this node ran something else there */
+			epd_xop_past(g, id, from, EPP_DISPATCH);
+			return;
+		}
 		struct epd_xop *x = mbad ? NULL : xop_get(g, id, EPP_DISPATCH);
 		if (x && x->type != EPP_DISPATCH) {
 			/* a routing names a dispatch: this op is a combine
@@ -346,7 +351,7 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 		bool wts = !cached && (fl & EPP_DISPATCH_WEIGHTS);
 		const char *why =
 			mbad ? "malformed"
-			: !x ? "for an op this node is past or cannot hold"
+			: !x ? "this node cannot hold"
 			: s >= g->shape.world_size || s / rpn != from
 				? "of a rank not on that node"
 			: T > g->shape.max_tokens ? "of too many tokens"
@@ -406,6 +411,11 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 	uint32_t k = xr.count;
 	if (otype != EPP_DISPATCH && otype != EPP_COMBINE)
 		rbad = 1; /* no other op has rows */
+	if (!rbad && id < g->xop_next) {
+		/* an op ends here only once every row it expects came */
+		epd_xop_past(g, id, from, otype);
+		return;
+	}
 	struct epd_xop *x = rbad ? NULL : xop_get(g, id, otype);
 	if (x && x->type != otype) {
 		epd_xop_type_mismatch(g, x, from, otype);

@@ -596,6 +596,7 @@ void epd_xop_handle_mismatch(struct epd_group *g, const struct epd_xop *x,
 			     uint32_t from, uint64_t theirs, uint64_t mine)
 {
 	char who[32];
+	g->xop_disagree = x->id;
 	epd_group_fail(g, EP_EMISMATCH,
 		       "%s %llu: %s's ranks named handle %llu, this node's "
 		       "%llu (every node's ranks must name the same handle)",
@@ -608,6 +609,7 @@ void epd_xop_kind_mismatch(struct epd_group *g, const struct epd_xop *x,
 			   uint32_t from, bool theirs_cached)
 {
 	char who[32];
+	g->xop_disagree = x->id;
 	/* before this node's ranks started it, the other side is a node
 	 * whose routing came earlier */
 	epd_group_fail(g, EP_EMISMATCH,
@@ -623,6 +625,7 @@ void epd_xop_type_mismatch(struct epd_group *g, const struct epd_xop *x,
 			   uint32_t from, uint16_t theirs)
 {
 	char who[32];
+	g->xop_disagree = x->id;
 	if (from == UINT32_MAX) /* x is another node's, theirs this one's */
 		epd_group_fail(g, EP_EMISMATCH,
 			       "op %llu: this node's ranks ran a %s, another "
@@ -639,6 +642,19 @@ void epd_xop_type_mismatch(struct epd_group *g, const struct epd_xop *x,
 			       epp_type_name(theirs),
 			       x->started ? "this node's" : "another node's",
 			       epp_type_name(x->type));
+}
+
+void epd_xop_past(struct epd_group *g, uint64_t id, uint32_t from,
+		  uint16_t theirs)
+{
+	char who[32];
+	g->xop_disagree = id; /* the others' op id cannot finish either */
+	epd_group_fail(g, EP_EMISMATCH,
+		       "op %llu: %s's ranks ran a %s, and this node's had "
+		       "finished that op without it (every node's ranks must "
+		       "run the same operations in the same order)",
+		       (unsigned long long)id, node_name(from, who),
+		       epp_type_name(theirs));
 }
 
 /* Every local rank of g entered a dispatch or combine. */

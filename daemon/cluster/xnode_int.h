@@ -192,6 +192,11 @@ void epd_xop_kind_mismatch(struct epd_group *g, const struct epd_xop *x,
  * naming both, for every rank at once. */
 void epd_xop_type_mismatch(struct epd_group *g, const struct epd_xop *x,
 			   uint32_t from, uint16_t theirs);
+/* Node `from` sent a frame of its op id (a `theirs`: dispatch or combine)
+ * that this node finished without it (a combine that needed nothing from
+ * that node): the nodes' ranks ran different ops there. EP_EMISMATCH. */
+void epd_xop_past(struct epd_group *g, uint64_t id, uint32_t from,
+		  uint16_t theirs);
 void xwin_frame(struct epd_group *g, uint32_t from, const struct epp_peer_op *op);
 void xwin_setup(struct epd_group *g);
 

@@ -242,7 +242,6 @@ bool epd_group_remote_check(struct epd_group *g)
 		past = true;
 	if (!past)
 		return false;
-	g->failing_remote = true;
 	epd_group_fail(g, g->rfail_code, "%s", g->rfail_msg);
 	return true;
 }
@@ -251,8 +250,18 @@ void epd_group_remote_failure(struct epd_group *g, const char *node,
 			      int code, const char *msg, uint64_t round,
 			      uint64_t xops)
 {
-	if (g->state == EPD_G_FAILED || g->rfail_code)
+	if (g->state == EPD_G_FAILED)
 		return;
+	if (g->rfail_code) {
+		/* another node's failure too: what may still finish here is
+		 * what every failed node completed */
+		if (round < g->rfail_round)
+			g->rfail_round = round;
+		if (xops < g->rfail_xop)
+			g->rfail_xop = xops;
+		epd_group_remote_check(g);
+		return;
+	}
 	g->rfail_code = code;
 	g->rfail_round = round;
 	g->rfail_xop = xops;

@@ -286,7 +286,10 @@ struct epd_group {
 	uint32_t xcap;
 	uint64_t xop_next;
 	size_t xout_hint; /* bytes packed for one node by the last op */
-	bool failing_remote; /* the failure being recorded came from a peer */
+	/* Failing because the nodes ran different ops at this number: the
+	 * others may finish the ops before it, not this one (UINT64_MAX:
+	 * none). */
+	uint64_t xop_disagree;
 	/* The group failed on another node, after its ranks entered barrier
 	 * round_limit and it completed xop_limit data ops: work up to there
 	 * can still finish here; anything beyond fails with rfail_code. */

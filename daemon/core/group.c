@@ -241,9 +241,7 @@ void epd_group_links_fail(struct epd_group *g, int code, const char *why)
 void epd_group_fail(struct epd_group *g, int code, const char *fmt, ...)
 {
 	va_list ap;
-	bool remote = g->failing_remote;
 	bool was_failed = g->state == EPD_G_FAILED;
-	g->failing_remote = false;
 	va_start(ap, fmt);
 	vsnprintf(g->last_error, sizeof(g->last_error), fmt, ap);
 	va_end(ap);
@@ -261,12 +259,14 @@ void epd_group_fail(struct epd_group *g, int code, const char *fmt, ...)
 		uv_timer_stop(&g->timer);
 	if (g->dev)
 		g->dev->group_failed(g);
-	/* The group's other nodes learn it at once, not at their timeout
-	 * (a failure that came from another node is not sent back); a
-	 * running cross-node job is dropped when it ends. */
+	/* The group's other nodes learn it at once, not at their timeout;
+	 * a running cross-node job is dropped when it ends. A failure that
+	 * came from another node is told too, back to that node as well:
+	 * a node's failure of a group is the last frame of that group from
+	 * it, after which its frames are a later group's (doc/design.md
+	 * section 5); that node's group, failed already, ignores it. */
 	if (g->nnodes > 1 && g->srv->span)
-		g->srv->span->failed(g, code, g->last_error,
-				     !remote && !was_failed);
+		g->srv->span->failed(g, code, g->last_error, !was_failed);
 	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
 		struct epd_member *m = g->local[l];
 		if (m && m->pending_req) {
@@ -490,6 +490,7 @@ static struct epd_group *group_create(struct epd_server *srv, uid_t owner,
 	g->state = EPD_G_FORMING;
 	g->shape.link = 0; /* a joiner's, not the group's */
 	g->toobig_pos = UINT64_MAX;
+	g->xop_disagree = UINT64_MAX;
 	LIST_INIT(&g->linked);
 	LIST_INIT(&g->link_node);
 	g->created_ns = epd_now_ns();

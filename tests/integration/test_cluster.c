@@ -781,6 +781,38 @@ static int second_op_rank(int rank, void *arg)
 	return rank_done(s, rank, rc, g, c);
 }
 
+/* A dispatch routed within each node (no row crosses); then node 1's
+ * ranks combine it, which needs nothing from node 0 and may end at once,
+ * while node 0's ranks dispatch afresh. If node 1's combine ended before
+ * node 0's routing came, node 1 gets a routing for an op it finished:
+ * node 0's ranks get EP_EMISMATCH for that dispatch, node 1's for their
+ * next op. (Before, that was a protocol error, "node 0 sent a malformed
+ * or unexpected routing", and node 0's ranks waited out the timeout: the
+ * failure let them finish that op number.) Else the combine meets the
+ * routing and every rank gets EP_EMISMATCH for the second op. */
+static int past_op_rank(int rank, void *arg)
+{
+	struct late *s = arg;
+	ep_conn_t *c;
+	struct ep_buffers b;
+	ep_group_t *g = join_2x2(s, rank, &c, &b);
+	const uint32_t T = 8, K = 4, node = (uint32_t)rank / 2;
+	for (uint32_t i = 0; i < T * K; i++) /* experts of rank 2 * node */
+		b.topk_idx[i] = (int64_t)(8 * node + i % K);
+	ep_handle_t h, h2;
+	TH_OK(ep_dispatch_inplace(g, T, 0, NULL, &h));
+	int rc;
+	if (node == 0) {
+		rc = ep_dispatch_inplace(g, T, 0, NULL, &h2);
+	} else {
+		memset(b.combine_y, 0x3c, (size_t)h.num_recv * 256 * 2);
+		rc = ep_combine_inplace(g, &h, 0);
+		if (rc == 0)
+			rc = ep_barrier(g);
+	}
+	return rank_done(s, rank, rc, g, c);
+}
+
 static void check_kind_mismatch(void)
 {
 	check_mismatch("kmis", second_op_rank, "must run the same",
@@ -791,6 +823,8 @@ static void check_op_mismatch(void)
 {
 	check_mismatch("omis", second_op_rank, "the same operations",
 		       "run a combine and a dispatch");
+	check_mismatch("pmis", past_op_rank, "in the same order",
+		       "run a dispatch and a combine that needs no other node");
 }
 
 /* A job restarted at once under the same group name (world 2, a rank on
