@@ -579,6 +579,13 @@ static void gfail_send(struct epd_cluster *cl, const char *key,
 		}
 }
 
+/* The data ops the other nodes may still finish after this node's
+ * failure: those it completed, up to one the nodes disagreed on. */
+static uint64_t xops_done(const struct epd_group *g)
+{
+	return g->xop_next < g->xop_disagree ? g->xop_next : g->xop_disagree;
+}
+
 void epd_cluster_tell_failed(struct epd_group *g, uint32_t n)
 {
 	struct epd_cluster *cl = g->srv->cluster;
@@ -587,7 +594,7 @@ void epd_cluster_tell_failed(struct epd_group *g, uint32_t n)
 	    cl->node[n].state != NODE_UP)
 		return;
 	struct epp_peer_gfail m = {.code = g->fail_code, .round = g->round,
-				   .xops = g->xop_next};
+				   .xops = xops_done(g)};
 	snprintf(m.group, sizeof(m.group), "%s", g->key);
 	snprintf(m.msg, sizeof(m.msg), "%s", g->last_error);
 	size_t gn = epp_peer_gfail_encode(&m, buf, sizeof(buf));
@@ -601,10 +608,9 @@ void epd_cluster_tell_failed(struct epd_group *g, uint32_t n)
  * entered the next round. */
 static void group_failed(struct epd_group *g, int code, const char *msg)
 {
-	uint64_t xops = g->xop_next < g->xop_disagree ? g->xop_next
-						      : g->xop_disagree;
 	gfail_send(g->srv->cluster, g->key, g->nnodes, code, msg, g->round,
-		   xops, g->announced ? NULL : &g->shape, g->timeout_ms);
+		   xops_done(g), g->announced ? NULL : &g->shape,
+		   g->timeout_ms);
 }
 
 /* A group this node refused to form (it is linked to a group that
