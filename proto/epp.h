@@ -113,9 +113,12 @@
  *        group. A bad expert index found on another node has no position
  *        here: its word is EPP_OP_ERR_NOPOS.
  *   1.20 Between daemons: a group's frames to a node go in the order
- *        GSHAPE, its other frames, GFAIL; a group that fails before it
- *        sent its GSHAPE (while forming, or one a node refused to form)
- *        sends it just before the GFAIL, and a failed group answers a
+ *        GSHAPE, its other frames, GFAIL (sent also where the failure
+ *        came from another node, to that node too); a group that fails
+ *        on ranks that ran different ops at op N says N data ops done
+ *        at most; a group that fails before it sent its GSHAPE
+ *        (while forming, or one a node refused to form) sends it just
+ *        before the GFAIL, and a failed group answers a
  *        GSHAPE with its own GSHAPE and GFAIL. A daemon takes a group's
  *        frames from a node only between that node's GSHAPE and GFAIL,
  *        keeps those after its GFAIL for its next group of the key, and
