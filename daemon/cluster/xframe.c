@@ -421,9 +421,23 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 		epd_xop_type_mismatch(g, x, from, otype);
 		return;
 	}
-	if (!x || (otype == EPP_DISPATCH && !x->started)) {
+	if (!x) {
 		epd_group_fail(g, EP_EPROTO,
 			       "node %u sent unexpected rows for op %llu", from,
+			       (unsigned long long)id);
+		return;
+	}
+	if (otype == EPP_DISPATCH && !x->started) {
+		/* A dispatch's rows follow every node's routing, this one's
+		 * too, which it sends as the op starts here: that node's
+		 * group took an earlier group's of this key here as its
+		 * partner (both made again within the time a failure takes
+		 * to cross). Neither can go on together. */
+		epd_group_fail(g, EP_EPEERLOST,
+			       "node %s's group %s ran dispatch %llu with an "
+			       "earlier group of that name here (both were "
+			       "made again at once); join again",
+			       epd_cluster_node_name(srv, from), g->shape.name,
 			       (unsigned long long)id);
 		return;
 	}
