@@ -751,64 +751,46 @@ static void check_handle_mismatch(void)
 		       "combine along different handles");
 }
 
-/* A dispatch; then the nodes' ranks disagree on the second op. kmis:
- * node 0's ranks dispatch afresh while node 1's run a cached dispatch of
- * the first handle (before, the fresh side routed the cached side's ranks
- * as sending nothing and failed on their rows, or waited). omis: node 0's
- * ranks combine the first handle while node 1's dispatch afresh (before,
- * node 0 took node 1's routing into its combine and queued the combine's
- * job a second time: the daemon crashed). Every rank gets EP_EMISMATCH
- * saying so, at once. */
+/* A dispatch; then the nodes' ranks disagree on the second op. Every rank
+ * gets EP_EMISMATCH saying so, at once.
+ * - kmis: node 0's ranks dispatch afresh while node 1's run a cached
+ *   dispatch of the first handle (before, the fresh side routed the cached
+ *   side's ranks as sending nothing and failed on their rows, or waited).
+ * - omis: node 0's ranks combine the first handle while node 1's dispatch
+ *   afresh (before, node 0 took node 1's routing into its combine and
+ *   queued the combine's job a second time: the daemon crashed).
+ * - pmis: the first dispatch is routed within each node (no row crosses);
+ *   node 1's ranks combine it, which needs nothing from node 0 and may end
+ *   at once, while node 0's dispatch afresh. If node 1's combine ended
+ *   before node 0's routing came, node 1 gets a routing for an op it
+ *   finished: node 0's ranks get EP_EMISMATCH for that dispatch, node 1's
+ *   for their next op. (Before, that was a protocol error and node 0's
+ *   ranks waited out the timeout.) Else the combine meets the routing. */
 static int second_op_rank(int rank, void *arg)
 {
 	struct late *s = arg;
 	ep_conn_t *c;
 	struct ep_buffers b;
 	ep_group_t *g = join_2x2(s, rank, &c, &b);
-	const uint32_t T = 8, K = 4;
-	to_every_rank(&b, T, K);
+	const uint32_t T = 8, K = 4, node = (uint32_t)rank / 2;
+	const bool past = !strcmp(s->name, "pmis");
+	if (past) /* the experts of rank 2 * node */
+		for (uint32_t i = 0; i < T * K; i++)
+			b.topk_idx[i] = (int64_t)(8 * node + i % K);
+	else
+		to_every_rank(&b, T, K);
 	ep_handle_t h, h2;
 	TH_OK(ep_dispatch_inplace(g, T, 0, NULL, &h));
 	int rc;
 	if (!strcmp(s->name, "kmis")) {
-		rc = ep_dispatch_inplace(g, T, 0, rank < 2 ? NULL : &h, &h2);
-	} else if (rank >= 2) {
-		rc = ep_dispatch_inplace(g, T, 0, NULL, &h2);
-	} else {
+		rc = ep_dispatch_inplace(g, T, 0, node ? &h : NULL, &h2);
+	} else if ((node == 1) == past) {
 		memset(b.combine_y, 0x3c, (size_t)h.num_recv * 256 * 2);
 		rc = ep_combine_inplace(g, &h, 0);
-	}
-	return rank_done(s, rank, rc, g, c);
-}
-
-/* A dispatch routed within each node (no row crosses); then node 1's
- * ranks combine it, which needs nothing from node 0 and may end at once,
- * while node 0's ranks dispatch afresh. If node 1's combine ended before
- * node 0's routing came, node 1 gets a routing for an op it finished:
- * node 0's ranks get EP_EMISMATCH for that dispatch, node 1's for their
- * next op. (Before, that was a protocol error, "node 0 sent a malformed
- * or unexpected routing", and node 0's ranks waited out the timeout: the
- * failure let them finish that op number.) Else the combine meets the
- * routing and every rank gets EP_EMISMATCH for the second op. */
-static int past_op_rank(int rank, void *arg)
-{
-	struct late *s = arg;
-	ep_conn_t *c;
-	struct ep_buffers b;
-	ep_group_t *g = join_2x2(s, rank, &c, &b);
-	const uint32_t T = 8, K = 4, node = (uint32_t)rank / 2;
-	for (uint32_t i = 0; i < T * K; i++) /* experts of rank 2 * node */
-		b.topk_idx[i] = (int64_t)(8 * node + i % K);
-	ep_handle_t h, h2;
-	TH_OK(ep_dispatch_inplace(g, T, 0, NULL, &h));
-	int rc;
-	if (node == 0) {
-		rc = ep_dispatch_inplace(g, T, 0, NULL, &h2);
-	} else {
-		memset(b.combine_y, 0x3c, (size_t)h.num_recv * 256 * 2);
-		rc = ep_combine_inplace(g, &h, 0);
-		if (rc == 0)
+		if (rc == 0 && past)
 			rc = ep_barrier(g);
+	} else {
+		rc = ep_dispatch_inplace(g, T, 0, NULL, &h2);
 	}
 	return rank_done(s, rank, rc, g, c);
 }
@@ -823,7 +805,7 @@ static void check_op_mismatch(void)
 {
 	check_mismatch("omis", second_op_rank, "the same operations",
 		       "run a combine and a dispatch");
-	check_mismatch("pmis", past_op_rank, "in the same order",
+	check_mismatch("pmis", second_op_rank, "in the same order",
 		       "run a dispatch and a combine that needs no other node");
 }
 
