@@ -118,6 +118,13 @@ void epp_put_u64(struct epp_wr *w, uint64_t v)
 	epp_put_u32(w, (uint32_t)(v >> 32));
 }
 
+void epp_put_bytes(struct epp_wr *w, const void *p, size_t n)
+{
+	uint8_t *q = wr_take(w, n);
+	if (q && n)
+		memcpy(q, p, n);
+}
+
 void epp_put_str(struct epp_wr *w, const char *s)
 {
 	size_t n = strnlen(s, 0xffff);
@@ -250,10 +257,47 @@ bool epp_group_name_valid(const char *name)
 	return true;
 }
 
+bool epp_node_name_valid(const char *name)
+{
+	size_t n = strlen(name);
+	if (n == 0 || n > EPP_NODE_NAME_MAX)
+		return false;
+	for (size_t i = 0; i < n; i++) {
+		char ch = name[i];
+		if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+		      (ch >= '0' && ch <= '9') || ch == '_' || ch == '.' ||
+		      ch == '-'))
+			return false;
+	}
+	return true;
+}
+
+const char *epp_join_node(const struct epp_join *j, uint32_t i)
+{
+	const char *s = j->nodes;
+	while (i--)
+		s += strlen(s) + 1;
+	return s;
+}
+
+uint16_t epp_join_flags(const struct epp_join *j)
+{
+	return (j->link ? EPP_F_JOIN_LINK : 0) |
+	       (j->num_nodes ? EPP_F_JOIN_NODES : 0);
+}
+
 size_t epp_join_encode(const struct epp_join *j, uint8_t *out, size_t cap)
 {
 	struct epp_wr w;
 	epp_wr_init(&w, out, cap);
+	/* 1.21: the node list first, with EPP_F_JOIN_NODES */
+	if (j->num_nodes) {
+		const char *end = epp_join_node(j, j->num_nodes);
+		size_t nb = (size_t)(end - j->nodes);
+		epp_put_u32(&w, j->num_nodes);
+		epp_put_u32(&w, (uint32_t)nb);
+		epp_put_bytes(&w, j->nodes, nb);
+	}
 	epp_put_str(&w, j->name);
 	epp_put_u32(&w, j->world_size);
 	epp_put_u32(&w, j->ranks_per_node);
@@ -320,6 +364,8 @@ int epp_join_decode(const uint8_t *p, size_t len, struct epp_join *j,
 	j->rank_flags = 0;
 	j->recv_areas = 1;
 	j->link = 0;
+	j->num_nodes = 0;
+	j->nodes = NULL;
 	size_t tail = r.len >= r.off ? r.len - r.off : 0;
 	if (tail == 20 || tail == 24) {
 		for (int i = 0; i < 16; i++)
@@ -401,8 +447,71 @@ int epp_join_decode(const uint8_t *p, size_t len, struct epp_join *j,
 	return 0;
 }
 
+/* The node list heading a JOIN with EPP_F_JOIN_NODES: u32 n, u32 bytes,
+ * then n NUL-terminated names filling those bytes exactly. Returns the
+ * list's length in the payload, or 0 (err says why); j->nodes points into
+ * p. */
+static size_t join_nodes_decode(const uint8_t *p, size_t len,
+				struct epp_join *j, char *err, size_t errlen)
+{
+	struct epp_rd r;
+	epp_rd_init(&r, p, len);
+	const uint32_t n = epp_get_u32(&r), nb = epp_get_u32(&r);
+	if (r.err || n == 0 || n > EPP_MAX_WORLD || nb > len - r.off ||
+	    nb < 2 * (size_t)n || p[r.off + nb - 1]) {
+		ERRF("malformed join payload: a node list of %u names in %u "
+		     "bytes (1..%u names)",
+		     n, nb, EPP_MAX_WORLD);
+		return 0;
+	}
+	const char *s = (const char *)p + r.off, *end = s + nb;
+	for (uint32_t i = 0; i < n; i++) {
+		const char *z = memchr(s, 0, (size_t)(end - s));
+		if (!z || !epp_node_name_valid(s)) {
+			ERRF("node %u of the group's list is not a node name "
+			     "(1..%d of [A-Za-z0-9_.-])",
+			     i, EPP_NODE_NAME_MAX);
+			return 0;
+		}
+		s = z + 1;
+	}
+	if (s != end) {
+		ERRF("malformed join payload: bytes after the node list's %u "
+		     "names", n);
+		return 0;
+	}
+	j->num_nodes = n;
+	j->nodes = (const char *)p + r.off;
+	return r.off + nb;
+}
+
+static int join_decode_link(const uint8_t *p, size_t len, uint16_t flags,
+			    struct epp_join *j, char *err, size_t errlen);
+
 int epp_join_decode_flags(const uint8_t *p, size_t len, uint16_t flags,
 			  struct epp_join *j, char *err, size_t errlen)
+{
+	uint32_t num_nodes = 0;
+	const char *nodes = NULL;
+	if (flags & EPP_F_JOIN_NODES) {
+		size_t off = join_nodes_decode(p, len, j, err, errlen);
+		if (!off)
+			return EP_EPROTO;
+		num_nodes = j->num_nodes;
+		nodes = j->nodes;
+		p += off;
+		len -= off;
+	}
+	int rc = join_decode_link(p, len, flags, j, err, errlen);
+	if (!rc) {
+		j->num_nodes = num_nodes;
+		j->nodes = nodes;
+	}
+	return rc;
+}
+
+static int join_decode_link(const uint8_t *p, size_t len, uint16_t flags,
+			    struct epp_join *j, char *err, size_t errlen)
 {
 	if (!(flags & EPP_F_JOIN_LINK))
 		return epp_join_decode(p, len, j, err, errlen);
@@ -461,6 +570,8 @@ size_t epp_hello_ok_encode(const struct epp_hello_ok *h, uint8_t *out,
 	epp_put_u64(&w, h->client_id);
 	epp_put_str(&w, h->daemon_version);
 	epp_put_str(&w, h->backend);
+	if (h->node[0]) /* 1.21, to a client of 1.21 or later */
+		epp_put_str(&w, h->node);
 	return w.err ? 0 : w.off;
 }
 
@@ -473,6 +584,9 @@ int epp_hello_ok_decode(const uint8_t *p, size_t len, struct epp_hello_ok *h)
 	h->client_id = epp_get_u64(&r);
 	epp_get_str(&r, h->daemon_version, sizeof(h->daemon_version));
 	epp_get_str(&r, h->backend, sizeof(h->backend));
+	h->node[0] = 0;
+	if (!r.err && r.off < r.len)
+		epp_get_str(&r, h->node, sizeof(h->node));
 	return epp_rd_end(&r);
 }
 

@@ -125,6 +125,17 @@
  *        takes a GFAIL only from the group whose GSHAPE it had (doc/
  *        design.md, section 5). A 1.19 peer's failure of a group that
  *        never sent its shape is ignored: the ops wait out the timeout.
+ *   1.21 A group names its nodes: a JOIN with EPP_F_JOIN_NODES starts
+ *        with u32 n and n node names (str each, EPP_NODE_NAME_MAX bytes
+ *        at most, distinct), the daemons of the group's node indices 0..
+ *        n-1 (n = world_size / ranks_per_node); the rest follows as
+ *        before. Every rank of the group names the same list. Without
+ *        it, node i is the i-th entry of every daemon's `peers`. The OK
+ *        to a HELLO of minor 21 or later ends with str node: the
+ *        daemon's node name, what a job's rendezvous gathers. A GSHAPE
+ *        of a group that names its nodes ends with u64: a hash of the
+ *        names in order (nodes that were told different lists fail the
+ *        group with EP_EMISMATCH).
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -143,7 +154,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 20
+#define EPP_VERSION_MINOR 21
 /* Stream-ordered ops a GPU rank may have in flight (libep waits before
  * more; the daemon's rings are this deep). */
 #define EPP_MAX_INFLIGHT 1024
@@ -201,7 +212,8 @@ enum epp_flags {
 				    no reply on success. RELEASE: no reply
 				    on success */
 	EPP_F_JOIN_LINK = 0x4,   /* JOIN: linked to another group (1.16) */
-	EPP_F_ALL = 0x7,
+	EPP_F_JOIN_NODES = 0x8,  /* JOIN: the group's node list first (1.21) */
+	EPP_F_ALL = 0xf,
 };
 
 struct epp_hdr {
@@ -226,7 +238,19 @@ struct epp_join {
 	uint32_t recv_areas;  /* 1.12: areas of received rows, 1 or more */
 	uint64_t link;        /* 1.16: with EPP_F_JOIN_LINK, the group it is
 				 linked to (encoded last when not 0) */
+	/* 1.21: with EPP_F_JOIN_NODES (num_nodes > 0), the group's node
+	 * names in node-index order: num_nodes NUL-terminated strings one
+	 * after the other in nodes (not owned: the frame's, or the
+	 * caller's for encode). */
+	uint32_t num_nodes;
+	const char *nodes;
 };
+
+/* A node's name: [A-Za-z0-9_.-], 1..EPP_NODE_NAME_MAX characters. */
+#define EPP_NODE_NAME_MAX 63
+bool epp_node_name_valid(const char *name);
+/* Name i of a join's node list (i < num_nodes). */
+const char *epp_join_node(const struct epp_join *j, uint32_t i);
 
 #define EPP_RANK_MPS 0x1 /* the rank's CUDA context runs under MPS */
 
@@ -308,6 +332,7 @@ struct epp_hello_ok {
 	uint64_t client_id;
 	char daemon_version[32];
 	char backend[16];
+	char node[EPP_NODE_NAME_MAX + 1]; /* 1.21; "" from an older daemon */
 };
 
 /* DISPATCH: the rank's inputs are in its send region of the group buffer. */
@@ -557,6 +582,7 @@ void epp_put_u16(struct epp_wr *w, uint16_t v);
 void epp_put_u32(struct epp_wr *w, uint32_t v);
 void epp_put_u64(struct epp_wr *w, uint64_t v);
 void epp_put_str(struct epp_wr *w, const char *s);
+void epp_put_bytes(struct epp_wr *w, const void *p, size_t n);
 
 /* Header. encode writes EPP_HDR_SIZE bytes. decode checks magic, major
  * version, flags, nfds and length; on failure it returns a negative code and
@@ -569,7 +595,10 @@ const char *epp_type_name(uint16_t type);
 
 /* Payload codecs. decode returns 0 or EP_EPROTO/EP_EINVAL with a message. */
 size_t epp_join_encode(const struct epp_join *j, uint8_t *out, size_t cap);
-/* JOIN's payload as the header's flags say: with EPP_F_JOIN_LINK the last
+/* The flags a join's payload needs (EPP_F_JOIN_LINK, EPP_F_JOIN_NODES). */
+uint16_t epp_join_flags(const struct epp_join *j);
+/* JOIN's payload as the header's flags say: with EPP_F_JOIN_NODES the
+ * node list first (j->nodes points into p), with EPP_F_JOIN_LINK the last
  * 8 bytes are j->link (not 0), the rest as epp_join_decode. */
 int epp_join_decode_flags(const uint8_t *p, size_t len, uint16_t flags,
 			  struct epp_join *j, char *err, size_t errlen);

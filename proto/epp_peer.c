@@ -181,12 +181,18 @@ int epp_peer_xrows_decode(const struct epp_peer_op *op, size_t rec,
 }
 
 int epp_peer_shape_decode(const struct epp_peer_op *op,
-			  uint32_t v[EPP_PEER_SHAPE_N])
+			  uint32_t v[EPP_PEER_SHAPE_N], uint64_t *nodes_hash)
 {
 	struct epp_rd r;
 	epp_rd_init(&r, op->body, op->body_len);
 	for (int i = 0; i < EPP_PEER_SHAPE_N; i++)
 		v[i] = epp_get_u32(&r);
+	*nodes_hash = 0;
+	if (!r.err && r.len - r.off == 8) { /* 1.21: a named node list */
+		*nodes_hash = epp_get_u64(&r);
+		if (!*nodes_hash)
+			return EP_EPROTO; /* no list is sent as none */
+	}
 	return done(&r);
 }
 

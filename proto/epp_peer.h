@@ -102,10 +102,12 @@ int epp_peer_xrows_type(const struct epp_peer_op *op, uint16_t *type);
 int epp_peer_xrows_decode(const struct epp_peer_op *op, size_t rec,
 			  struct epp_peer_xrows *m);
 
-/* GSHAPE body: the group's shape, EPP_PEER_SHAPE_N u32 fields. */
+/* GSHAPE body: the group's shape, EPP_PEER_SHAPE_N u32 fields, then
+ * (1.21) a u64 hash of its node list where the job named its nodes (0
+ * here where it did not). */
 #define EPP_PEER_SHAPE_N 8
 int epp_peer_shape_decode(const struct epp_peer_op *op,
-			  uint32_t v[EPP_PEER_SHAPE_N]);
+			  uint32_t v[EPP_PEER_SHAPE_N], uint64_t *nodes_hash);
 
 /* XWIN body: window id and n receive windows of (addr, rkey, len). */
 struct epp_peer_xwin {

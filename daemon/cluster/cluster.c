@@ -108,11 +108,13 @@ static void fail_groups(struct epd_cluster *cl, int n, const char *why)
 	LIST_FOREACH(it, tmp, &cl->srv->groups)
 	{
 		struct epd_group *g = LIST_ENTRY(it, struct epd_group, node);
-		if (g->nnodes > 1 && (uint32_t)n < g->nnodes &&
-		    g->state != EPD_G_FAILED)
+		if (g->nnodes > 1 && g->state != EPD_G_FAILED &&
+		    epd_group_node_of(g, (uint32_t)n) != UINT32_MAX)
 			epd_group_fail(g, EP_EPEERLOST,
-				       "node %s (index %d) is down: %s",
-				       cl->node[n].name, n, why);
+				       "node %s (the group's node %u) is down: "
+				       "%s",
+				       cl->node[n].name,
+				       epd_group_node_of(g, (uint32_t)n), why);
 	}
 }
 
@@ -437,6 +439,15 @@ static int span_size(const struct epd_server *srv)
 	return srv->cluster ? srv->cluster->n : 1;
 }
 
+static int span_resolve(const struct epd_server *srv, const char *name)
+{
+	const struct epd_cluster *cl = srv->cluster;
+	for (int n = 0; cl && n < cl->n; n++)
+		if (!strcmp(cl->node[n].name, name))
+			return n;
+	return -1;
+}
+
 static int span_arrival(struct epd_group *g, uint32_t l, uint64_t seq)
 {
 	struct epd_cluster *cl = g->srv->cluster;
@@ -445,12 +456,13 @@ static int span_arrival(struct epd_group *g, uint32_t l, uint64_t seq)
 	snprintf(m.group, sizeof(m.group), "%s", g->key);
 	size_t bn = epp_peer_barrier_encode(&m, buf, sizeof(buf));
 	for (uint32_t n = 0; n < g->nnodes; n++) {
-		if ((int)n == cl->self)
+		if (n == g->node_index)
 			continue;
-		struct cnode *nd = &cl->node[n];
+		struct cnode *nd = &cl->node[g->node_map[n]];
 		if (nd->state != NODE_UP) {
 			epd_group_fail(g, EP_EPEERLOST,
-				       "node %s (index %u) is down%s%s",
+				       "node %s (the group's node %u) is "
+				       "down%s%s",
 				       nd->name, n, nd->why[0] ? ": " : "",
 				       nd->why);
 			return EP_EPEERLOST;
@@ -458,6 +470,20 @@ static int span_arrival(struct epd_group *g, uint32_t l, uint64_t seq)
 		cl_conn_send(nd->conn, EPP_PEER_BARRIER, buf, (uint32_t)bn);
 	}
 	return 0;
+}
+
+/* Node cn's connection if rows can be written to it (see
+ * epd_cluster_wconn). */
+static struct epd_tconn *wconn(const struct epd_cluster *cl, int cn)
+{
+	if (!cl || !cl->tops->write || !cl->tr || cn >= cl->n ||
+	    cl->node[cn].state != NODE_UP)
+		return NULL;
+	struct pconn *c = cl->node[cn].conn;
+	return c && c->authed && c->tc && c->minor >= 6 &&
+			       cl->tops->can_write(c->tc)
+		       ? c->tc
+		       : NULL;
 }
 
 void *epd_cluster_status(struct epd_server *srv)
@@ -516,7 +542,7 @@ void *epd_cluster_status(struct epd_server *srv)
 				   * device), else as frames */
 				  "rows",
 				  n == cl->self ? "-"
-				  : epd_cluster_wconn(cl->srv, (uint32_t)n)
+				  : wconn(cl, n)
 					  ? "rdma-write"
 					  : "frames"));
 	}
@@ -548,35 +574,41 @@ void *epd_cluster_status(struct epd_server *srv)
 	return o;
 }
 
-/* Tell the other nodes of group `key` (nnodes of them) that it failed
+/* Tell the other nodes of group `key` (nnodes of them, at the cluster's
+ * indices node_map, the names' hash nodes_hash) that it failed
  * here, having completed `round` barriers and `xops` data ops. A group
  * that never sent its shape (it failed forming, or never formed here: j
  * its join's, with timeout_ms) sends it first: the other nodes take a
  * failure only from a group whose shape they had (an earlier or later
  * group of the key is not theirs). */
 static void gfail_send(struct epd_cluster *cl, const char *key,
-		       uint32_t nnodes, int code, const char *msg,
+		       uint32_t nnodes, const uint32_t *node_map,
+		       uint64_t nodes_hash, int code, const char *msg,
 		       uint64_t round, uint64_t xops, const struct epp_join *j,
 		       uint32_t timeout_ms)
 {
 	uint8_t buf[EPP_ERRMSG_MAX + 128], shape[192];
 	if (!cl)
 		return;
-	size_t sl = j ? epd_xop_shape_encode(key, j, timeout_ms, shape,
-					     sizeof(shape))
+	size_t sl = j ? epd_xop_shape_encode(key, j, timeout_ms, nodes_hash,
+					     shape, sizeof(shape))
 		      : 0;
 	struct epp_peer_gfail m = {.code = code, .round = round, .xops = xops};
 	snprintf(m.group, sizeof(m.group), "%s", key);
 	snprintf(m.msg, sizeof(m.msg), "%s", msg);
 	size_t gn = epp_peer_gfail_encode(&m, buf, sizeof(buf));
-	for (uint32_t n = 0; n < nnodes && (int)n < cl->n; n++)
-		if ((int)n != cl->self && cl->node[n].state == NODE_UP) {
+	for (uint32_t n = 0; n < nnodes; n++) {
+		const int cn = (int)node_map[n];
+		if (cn < cl->n && cn != cl->self &&
+		    cl->node[cn].state == NODE_UP) {
 			if (sl)
-				cl_conn_send(cl->node[n].conn, EPP_PEER_GSHAPE,
-					     shape, (uint32_t)sl);
-			cl_conn_send(cl->node[n].conn, EPP_PEER_GFAIL, buf,
+				cl_conn_send(cl->node[cn].conn,
+					     EPP_PEER_GSHAPE, shape,
+					     (uint32_t)sl);
+			cl_conn_send(cl->node[cn].conn, EPP_PEER_GFAIL, buf,
 				     (uint32_t)gn);
 		}
+	}
 }
 
 /* The data ops the other nodes may still finish after this node's
@@ -590,15 +622,16 @@ void epd_cluster_tell_failed(struct epd_group *g, uint32_t n)
 {
 	struct epd_cluster *cl = g->srv->cluster;
 	uint8_t buf[EPP_ERRMSG_MAX + 128];
-	if (!cl || (int)n >= cl->n || (int)n == cl->self ||
-	    cl->node[n].state != NODE_UP)
+	if (!cl || n >= g->nnodes || n == g->node_index ||
+	    cl->node[g->node_map[n]].state != NODE_UP)
 		return;
 	struct epp_peer_gfail m = {.code = g->fail_code, .round = g->round,
 				   .xops = xops_done(g)};
 	snprintf(m.group, sizeof(m.group), "%s", g->key);
 	snprintf(m.msg, sizeof(m.msg), "%s", g->last_error);
 	size_t gn = epp_peer_gfail_encode(&m, buf, sizeof(buf));
-	cl_conn_send(cl->node[n].conn, EPP_PEER_GFAIL, buf, (uint32_t)gn);
+	cl_conn_send(cl->node[g->node_map[n]].conn, EPP_PEER_GFAIL, buf,
+		     (uint32_t)gn);
 }
 
 /* Tell the group's other nodes it failed here. How far this node got:
@@ -608,18 +641,20 @@ void epd_cluster_tell_failed(struct epd_group *g, uint32_t n)
  * entered the next round. */
 static void group_failed(struct epd_group *g, int code, const char *msg)
 {
-	gfail_send(g->srv->cluster, g->key, g->nnodes, code, msg, g->round,
-		   xops_done(g), g->announced ? NULL : &g->shape,
-		   g->timeout_ms);
+	gfail_send(g->srv->cluster, g->key, g->nnodes, g->node_map,
+		   g->nodes_hash, code, msg, g->round, xops_done(g),
+		   g->announced ? NULL : &g->shape, g->timeout_ms);
 }
 
 /* A group this node refused to form (it is linked to a group that
  * failed): the nodes where it formed fail it at its first op. */
 static void span_failed_key(struct epd_server *srv, const char *key,
 			    const struct epp_join *j, uint32_t nnodes,
+			    const uint32_t *node_map, uint64_t nodes_hash,
 			    int code, const char *msg)
 {
-	gfail_send(srv->cluster, key, nnodes, code, msg, 0, 0, j,
+	gfail_send(srv->cluster, key, nnodes, node_map, nodes_hash, code, msg,
+		   0, 0, j,
 		   j->timeout_ms ? j->timeout_ms : srv->cfg.timeout_ms);
 }
 
@@ -628,9 +663,12 @@ void epd_cluster_send(struct epd_group *g, uint32_t n, uint16_t type,
 		      struct epd_sref *ref)
 {
 	struct epd_cluster *cl = g->srv->cluster;
-	if (!cl || (int)n >= cl->n || cl->node[n].state != NODE_UP)
+	if (!cl || n >= g->nnodes)
 		return;
-	cl_conn_write(cl->node[n].conn, type, a, na, b, nb, ref);
+	struct cnode *nd = &cl->node[g->node_map[n]];
+	if (nd->state != NODE_UP)
+		return;
+	cl_conn_write(nd->conn, type, a, na, b, nb, ref);
 }
 
 struct epd_transport *epd_cluster_transport(const struct epd_server *srv)
@@ -639,23 +677,24 @@ struct epd_transport *epd_cluster_transport(const struct epd_server *srv)
 	return cl && cl->tops->write ? cl->tr : NULL;
 }
 
-struct epd_tconn *epd_cluster_wconn(const struct epd_server *srv, uint32_t n)
+struct epd_tconn *epd_cluster_wconn(const struct epd_group *g, uint32_t n)
 {
-	struct epd_cluster *cl = srv->cluster;
-	if (!cl || !cl->tops->write || !cl->tr || (int)n >= cl->n ||
-	    cl->node[n].state != NODE_UP)
-		return NULL;
-	struct pconn *c = cl->node[n].conn;
-	return c && c->authed && c->tc && c->minor >= 6 &&
-			       cl->tops->can_write(c->tc)
-		       ? c->tc
-		       : NULL;
+	return n < g->nnodes ? wconn(g->srv->cluster, (int)g->node_map[n])
+			     : NULL;
 }
 
-const char *epd_cluster_node_name(const struct epd_server *srv, uint32_t n)
+const char *epd_cluster_name_at(const struct epd_server *srv, uint32_t cn)
 {
-	struct epd_cluster *cl = srv->cluster;
-	return cl && (int)n < cl->n ? cl->node[n].name : "local";
+	const struct epd_cluster *cl = srv->cluster;
+	return cl && (int)cn < cl->n ? cl->node[cn].name : "?";
+}
+
+const char *epd_cluster_node_name(const struct epd_group *g, uint32_t n)
+{
+	struct epd_cluster *cl = g->srv->cluster;
+	return cl && n < g->nnodes && (int)g->node_map[n] < cl->n
+		       ? cl->node[g->node_map[n]].name
+		       : "local";
 }
 
 static void span_failed(struct epd_group *g, int code, const char *msg,
@@ -682,6 +721,7 @@ static void span_freed(struct epd_group *g)
 static const struct epd_span_ops span_ops = {
 	.self = span_self,
 	.size = span_size,
+	.resolve = span_resolve,
 	.arrival = span_arrival,
 	.op_start = epd_xop_start,
 	.missing = epd_xop_missing,

@@ -28,10 +28,12 @@ void epd_cluster_free(struct epd_server *srv);
 /* The transport if it has one-sided writes (rdma), else NULL (tcp, or no
  * cluster). */
 struct epd_transport *epd_cluster_transport(const struct epd_server *srv);
-/* Node n's connection if rows can be written to it (a transport with
- * writes, protocol 1.6, up, in the domain of the regions), else NULL. */
-struct epd_tconn *epd_cluster_wconn(const struct epd_server *srv, uint32_t n);
-/* A frame to node n of g's cluster (dropped if n is not up: the group
+/* Group g's node n's connection if rows can be written to it (a
+ * transport with writes, protocol 1.6, up, in the domain of the regions),
+ * else NULL. Every n below is the group's node index (g->node_map gives
+ * the cluster's). */
+struct epd_tconn *epd_cluster_wconn(const struct epd_group *g, uint32_t n);
+/* A frame to g's node n (dropped if n is not up: the group
  * fails through the membership): a copied, b copied too, or with ref sent
  * in place and held until written. */
 void epd_cluster_send(struct epd_group *g, uint32_t n, uint16_t type,
@@ -41,7 +43,10 @@ void epd_cluster_send(struct epd_group *g, uint32_t n, uint16_t type,
  * node got): a node whose group formed after the failure was told. */
 void epd_cluster_tell_failed(struct epd_group *g, uint32_t n);
 void *epd_cluster_status(struct epd_server *srv);
-const char *epd_cluster_node_name(const struct epd_server *srv, uint32_t n);
+/* The name of the cluster's node cn. */
+const char *epd_cluster_name_at(const struct epd_server *srv, uint32_t cn);
+/* The name of g's node n. */
+const char *epd_cluster_node_name(const struct epd_group *g, uint32_t n);
 
 /* xnode.c: dispatch and combine across nodes. Its state: */
 struct epd_xnode {
@@ -86,7 +91,8 @@ void epd_xop_stash_free(struct epd_server *srv);
  * timeout; into buf, the length returned (0: it does not fit). */
 struct epp_join;
 size_t epd_xop_shape_encode(const char *key, const struct epp_join *j,
-			    uint32_t timeout_ms, uint8_t *buf, size_t cap);
+			    uint32_t timeout_ms, uint64_t nodes_hash,
+			    uint8_t *buf, size_t cap);
 /* Node `from` went down: what it sent for groups not ready here goes. */
 void epd_xop_node_down(struct epd_server *srv, uint32_t from);
 /* Node `from` (named node) says its group m->group failed (GFAIL): what it

@@ -61,24 +61,26 @@ static void stash_frame(struct epd_server *srv, const char *name,
 	list_add_tail(&srv->xnode->xstash, &e->node);
 }
 
-/* Is a frame (of type, p and len) from node `from` for group g this
- * group's? Not before that node's shape came (an earlier group's there:
- * dropped, said in the log), nor after its group failed (a later group's:
- * kept for the next group of this key here). */
-static bool admit(struct epd_group *g, uint32_t from, uint16_t type,
-		  const uint8_t *p, uint32_t len)
+/* Is a frame (of type, p and len) from the group's node `from` (the
+ * cluster's node cfrom) for group g this group's? Not before that node's
+ * shape came (an earlier group's there: dropped, said in the log), nor
+ * after its group failed (a later group's: kept for the next group of
+ * this key here). */
+static bool admit(struct epd_group *g, uint32_t from, uint32_t cfrom,
+		  uint16_t type, const uint8_t *p, uint32_t len)
 {
 	if (from >= g->nnodes)
 		return false;
 	if (g->peer[from] == EPD_PEER_OPEN)
 		return true;
 	if (g->peer[from] == EPD_PEER_OVER)
-		stash_frame(g->srv, g->key, type, from, p, len);
+		stash_frame(g->srv, g->key, type, cfrom, p, len);
 	else
-		epd_info("cross-node %s for group %s from node %u dropped: "
+		epd_info("cross-node %s for group %s from node %s dropped: "
 			 "it is an earlier group's of that name (this "
 			 "group's shape has not come from there)",
-			 epp_type_name(type), g->key, from);
+			 epp_type_name(type), g->key,
+			 epd_cluster_node_name(g, from));
 	return false;
 }
 
@@ -105,13 +107,14 @@ void epd_xop_node_down(struct epd_server *srv, uint32_t from)
 	stash_forget(srv, from, NULL);
 }
 
-void epd_xop_failure(struct epd_server *srv, uint32_t from,
+void epd_xop_failure(struct epd_server *srv, uint32_t cfrom,
 		     const struct epp_peer_gfail *m, const char *node)
 {
 	/* what that node's group sent for a group not ready here: over */
-	bool announced = stash_forget(srv, from, m->group);
+	bool announced = stash_forget(srv, cfrom, m->group);
 	struct epd_group *g = epd_group_find(srv, m->group);
-	if (!g || from >= g->nnodes)
+	const uint32_t from = g ? epd_group_node_of(g, cfrom) : UINT32_MAX;
+	if (from == UINT32_MAX)
 		return;
 	/* Only the failure of the group this one met: one whose shape came
 	 * (kept, for a group still forming). Any other is an earlier
@@ -163,10 +166,11 @@ void epd_xop_replay(struct epd_group *g)
 		struct stashed *e = LIST_ENTRY(it, struct stashed, node);
 		list_del(&e->node);
 		struct epp_peer_barrier m;
+		const uint32_t from = epd_group_node_of(g, e->from);
 		if (e->type == EPP_PEER_BARRIER &&
 		    !epp_peer_barrier_decode(e->data, e->len, &m)) {
-			if (admit(g, e->from, e->type, e->data, e->len))
-				epd_group_remote_arrival(g, e->from, m.local,
+			if (admit(g, from, e->from, e->type, e->data, e->len))
+				epd_group_remote_arrival(g, from, m.local,
 							 m.seq);
 		} else if (g->state == EPD_G_READY) {
 			epd_xop_frame(g->srv, e->type, e->from, e->data,
@@ -177,7 +181,8 @@ void epd_xop_replay(struct epd_group *g)
 }
 
 size_t epd_xop_shape_encode(const char *key, const struct epp_join *j,
-			    uint32_t timeout_ms, uint8_t *buf, size_t cap)
+			    uint32_t timeout_ms, uint64_t nodes_hash,
+			    uint8_t *buf, size_t cap)
 {
 	struct epp_wr w;
 	epp_wr_init(&w, buf, cap);
@@ -188,6 +193,8 @@ size_t epd_xop_shape_encode(const char *key, const struct epp_join *j,
 			      j->dtype, timeout_ms};
 	for (size_t i = 0; i < sizeof(v) / sizeof(v[0]); i++)
 		epp_put_u32(&w, v[i]);
+	if (nodes_hash) /* 1.21 */
+		epp_put_u64(&w, nodes_hash);
 	return w.err ? 0 : w.off;
 }
 
@@ -196,7 +203,7 @@ static void shape_to(struct epd_group *g, uint32_t n)
 {
 	uint8_t buf[192];
 	size_t len = epd_xop_shape_encode(g->key, &g->shape, g->timeout_ms,
-					  buf, sizeof(buf));
+					  g->nodes_hash, buf, sizeof(buf));
 	epd_cluster_send(g, n, EPP_PEER_GSHAPE, buf, len, NULL, 0, NULL);
 }
 
@@ -216,20 +223,21 @@ static void check_shape(struct epd_group *g, uint32_t from,
 {
 	uint8_t mine[192];
 	size_t mlen = epd_xop_shape_encode(g->key, &g->shape, g->timeout_ms,
-					   mine, sizeof(mine));
+					   g->nodes_hash, mine, sizeof(mine));
 	static const char *const names[EPP_PEER_SHAPE_N] = {
 		"world_size", "ranks_per_node", "num_experts", "hidden",
 		"max_tokens", "topk", "dtype", "timeout_ms"};
 	uint32_t theirs[EPP_PEER_SHAPE_N];
-	if (epp_peer_shape_decode(op, theirs)) {
-		epd_group_fail(g, EP_EPROTO, "node %u sent a malformed shape",
-			       from);
+	uint64_t their_nodes, our_nodes;
+	if (epp_peer_shape_decode(op, theirs, &their_nodes)) {
+		epd_group_fail(g, EP_EPROTO, "node %s sent a malformed shape",
+			       epd_cluster_node_name(g, from));
 		return;
 	}
 	uint32_t ours[EPP_PEER_SHAPE_N];
 	struct epp_peer_op mo;
 	if (epp_peer_op_decode(mine, mlen, &mo) ||
-	    epp_peer_shape_decode(&mo, ours)) {
+	    epp_peer_shape_decode(&mo, ours, &our_nodes)) {
 		epd_group_fail(g, EP_ENOMEM, "cannot encode the group's shape");
 		return;
 	}
@@ -239,28 +247,51 @@ static void check_shape(struct epd_group *g, uint32_t from,
 			epd_group_fail(g, EP_EMISMATCH,
 				       "node %s joined group %s with %s %u; "
 				       "this node has %u",
-				       epd_cluster_node_name(g->srv, from),
+				       epd_cluster_node_name(g, from),
 				       g->shape.name, names[i], b, a);
 			return;
 		}
 	}
+	if (their_nodes != our_nodes)
+		epd_group_fail(g, EP_EMISMATCH,
+			       "node %s joined group %s %s; this node's ranks "
+			       "%s (every rank names the same nodes, in the "
+			       "same order)",
+			       epd_cluster_node_name(g, from), g->shape.name,
+			       their_nodes ? "naming its nodes"
+					   : "naming no nodes",
+			       our_nodes ? (their_nodes ? "named others"
+							: "named them")
+					 : "named none");
 }
 
 /* A rail peer's barrier arrival (m decoded from p): to its group, or kept
  * until the group exists here. */
-void epd_xop_arrival(struct epd_server *srv, uint32_t from,
+/* Node cfrom (the cluster's index) is none of group g's nodes: its
+ * frames are an earlier group's of the key, on other nodes. */
+static void foreign(struct epd_group *g, uint16_t type, uint32_t cfrom)
+{
+	epd_info("cross-node %s for group %s from node %s dropped: that node "
+		 "is none of the group's",
+		 epp_type_name(type), g->key, epd_cluster_name_at(g->srv, cfrom));
+}
+
+void epd_xop_arrival(struct epd_server *srv, uint32_t cfrom,
 		     const struct epp_peer_barrier *m, const uint8_t *p,
 		     uint32_t len)
 {
 	struct epd_group *g = epd_group_find(srv, m->group);
-	if (!g || g->state == EPD_G_FORMING)
-		stash_frame(srv, m->group, EPP_PEER_BARRIER, from, p, len);
-	else if (admit(g, from, EPP_PEER_BARRIER, p, len))
+	const uint32_t from = g ? epd_group_node_of(g, cfrom) : UINT32_MAX;
+	if (g && from == UINT32_MAX)
+		foreign(g, EPP_PEER_BARRIER, cfrom);
+	else if (!g || g->state == EPD_G_FORMING)
+		stash_frame(srv, m->group, EPP_PEER_BARRIER, cfrom, p, len);
+	else if (admit(g, from, cfrom, EPP_PEER_BARRIER, p, len))
 		epd_group_remote_arrival(g, from, m->local, m->seq);
 }
 
-/* A frame of a cross-node op from node `from`. */
-void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
+/* A frame of a cross-node op from the cluster's node cfrom. */
+void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t cfrom,
 		   const uint8_t *p, uint32_t len)
 {
 	struct epp_peer_op op;
@@ -268,28 +299,33 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 	const char *name = bad ? "?" : op.group;
 	uint64_t id = bad ? 0 : op.op;
 	struct epd_group *g = bad ? NULL : epd_group_find(srv, name);
+	/* the sender's index among the group's nodes */
+	const uint32_t from = g ? epd_group_node_of(g, cfrom) : UINT32_MAX;
+	if (g && from == UINT32_MAX) {
+		foreign(g, type, cfrom);
+		return;
+	}
 	if (!bad && (!g || g->state == EPD_G_FORMING ||
-		     (from < g->nnodes && g->peer[from] == EPD_PEER_OVER))) {
+		     g->peer[from] == EPD_PEER_OVER)) {
 		/* for the next group of this key here */
-		stash_frame(srv, name, type, from, p, len);
+		stash_frame(srv, name, type, cfrom, p, len);
 		return;
 	}
 	/* A node that formed the group after it failed here (its GFAIL
 	 * found no group there): told now, or its ops would wait out their
 	 * timeout for ranks that are gone. */
-	if (!bad && type == EPP_PEER_GSHAPE && g->state == EPD_G_FAILED &&
-	    from < g->nnodes) {
+	if (!bad && type == EPP_PEER_GSHAPE && g->state == EPD_G_FAILED) {
 		/* this group's shape first: that node's group takes the
 		 * failure as its partner's (see epd_xop_failure) */
 		shape_to(g, from);
 		epd_cluster_tell_failed(g, from);
 		return;
 	}
-	if (bad || g->state != EPD_G_READY || from >= g->nnodes) {
+	if (bad || g->state != EPD_G_READY) {
 		epd_warn("cross-node %s for group %s (op %llu) from node %u "
 			 "dropped: the group failed or the frame is malformed",
 			 epp_type_name(type), name, (unsigned long long)id,
-			 from);
+			 cfrom);
 		return;
 	}
 	const uint32_t rpn = g->shape.ranks_per_node, K = g->shape.topk;
@@ -310,11 +346,11 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 			 * there, not its partner, ignores this failure); the
 			 * shape waits for the next group here. */
 			g->peer[from] = EPD_PEER_OVER;
-			stash_frame(srv, name, type, from, p, len);
+			stash_frame(srv, name, type, cfrom, p, len);
 			epd_group_fail(g, EP_EPEERLOST,
 				       "node %s's group %s ended (a new one "
 				       "formed there)",
-				       epd_cluster_node_name(srv, from),
+				       epd_cluster_node_name(g, from),
 				       g->shape.name);
 			return;
 		}
@@ -322,7 +358,7 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 		check_shape(g, from, &op);
 		return;
 	}
-	if (!admit(g, from, type, p, len))
+	if (!admit(g, from, cfrom, type, p, len))
 		return;
 	if (type == EPP_PEER_XWIN) {
 		xwin_frame(g, from, &op);
@@ -437,7 +473,7 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 			       "node %s's group %s ran dispatch %llu with an "
 			       "earlier group of that name here (both were "
 			       "made again at once); join again",
-			       epd_cluster_node_name(srv, from), g->shape.name,
+			       epd_cluster_node_name(g, from), g->shape.name,
 			       (unsigned long long)id);
 		return;
 	}
@@ -493,7 +529,7 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t from,
 			return;
 		}
 		df->next = NULL;
-		df->from = from;
+		df->from = cfrom; /* handled again as it came */
 		df->len = len;
 		memcpy(df->data, p, len);
 		struct xdefer **tail = &x->deferred;

@@ -551,7 +551,7 @@ void xop_submit(struct epd_xop *x)
 	for (uint32_t n = 0; g->xw && x->type == EPP_DISPATCH && !x->stage2 &&
 			     n < g->nnodes;
 	     n++) {
-		struct epd_tconn *tc = epd_cluster_wconn(g->srv, n);
+		struct epd_tconn *tc = epd_cluster_wconn(g, n);
 		if (n == g->node_index || x->wrc[n] || !tc ||
 		    !g->xw->peer[n].have)
 			continue;
@@ -583,39 +583,40 @@ void xop_submit(struct epd_xop *x)
 	}
 }
 
-/* "node N", or "another node" where from is UINT32_MAX. */
-static const char *node_name(uint32_t from, char who[32])
+/* "node NAME", or "another node" where from is UINT32_MAX. */
+static const char *node_name(const struct epd_group *g, uint32_t from,
+			     char who[80])
 {
 	if (from == UINT32_MAX)
 		return "another node";
-	snprintf(who, 32, "node %u", from);
+	snprintf(who, 80, "node %s", epd_cluster_node_name(g, from));
 	return who;
 }
 
 void epd_xop_handle_mismatch(struct epd_group *g, const struct epd_xop *x,
 			     uint32_t from, uint64_t theirs, uint64_t mine)
 {
-	char who[32];
+	char who[80];
 	g->xop_disagree = x->id;
 	epd_group_fail(g, EP_EMISMATCH,
 		       "%s %llu: %s's ranks named handle %llu, this node's "
 		       "%llu (every node's ranks must name the same handle)",
 		       epp_type_name(x->type), (unsigned long long)x->id,
-		       node_name(from, who), (unsigned long long)theirs,
+		       node_name(g, from, who), (unsigned long long)theirs,
 		       (unsigned long long)mine);
 }
 
 void epd_xop_kind_mismatch(struct epd_group *g, const struct epd_xop *x,
 			   uint32_t from, bool theirs_cached)
 {
-	char who[32];
+	char who[80];
 	g->xop_disagree = x->id;
 	/* before this node's ranks started it, the other side is a node
 	 * whose routing came earlier */
 	epd_group_fail(g, EP_EMISMATCH,
 		       "dispatch %llu: %s's ranks ran a %s dispatch, %s a %s "
 		       "one (every node's ranks must run the same)",
-		       (unsigned long long)x->id, node_name(from, who),
+		       (unsigned long long)x->id, node_name(g, from, who),
 		       theirs_cached ? "cached" : "fresh",
 		       x->started ? "this node's" : "another node's",
 		       theirs_cached ? "fresh" : "cached");
@@ -624,7 +625,7 @@ void epd_xop_kind_mismatch(struct epd_group *g, const struct epd_xop *x,
 void epd_xop_type_mismatch(struct epd_group *g, const struct epd_xop *x,
 			   uint32_t from, uint16_t theirs)
 {
-	char who[32];
+	char who[80];
 	g->xop_disagree = x->id;
 	if (from == UINT32_MAX) /* x is another node's, theirs this one's */
 		epd_group_fail(g, EP_EMISMATCH,
@@ -638,7 +639,7 @@ void epd_xop_type_mismatch(struct epd_group *g, const struct epd_xop *x,
 			       "op %llu: %s's ranks ran a %s, %s a %s (every "
 			       "node's ranks must run the same operations in "
 			       "the same order)",
-			       (unsigned long long)x->id, node_name(from, who),
+			       (unsigned long long)x->id, node_name(g, from, who),
 			       epp_type_name(theirs),
 			       x->started ? "this node's" : "another node's",
 			       epp_type_name(x->type));
@@ -647,13 +648,13 @@ void epd_xop_type_mismatch(struct epd_group *g, const struct epd_xop *x,
 void epd_xop_past(struct epd_group *g, uint64_t id, uint32_t from,
 		  uint16_t theirs)
 {
-	char who[32];
+	char who[80];
 	g->xop_disagree = id; /* the others' op id cannot finish either */
 	epd_group_fail(g, EP_EMISMATCH,
 		       "op %llu: %s's ranks ran a %s, and this node's had "
 		       "finished that op without it (every node's ranks must "
 		       "run the same operations in the same order)",
-		       (unsigned long long)id, node_name(from, who),
+		       (unsigned long long)id, node_name(g, from, who),
 		       epp_type_name(theirs));
 }
 

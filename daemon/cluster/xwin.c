@@ -136,7 +136,7 @@ void xwin_setup(struct epd_group *g)
 		epp_peer_put_window(&w, &e);
 	}
 	for (uint32_t n = 0; n < g->nnodes; n++)
-		if (n != g->node_index && epd_cluster_wconn(srv, n))
+		if (n != g->node_index && epd_cluster_wconn(g, n))
 			epd_cluster_send(g, n, EPP_PEER_XWIN, buf, w.off, NULL,
 					 0, NULL);
 	free(buf);
@@ -258,10 +258,11 @@ static struct epd_xop *xop_by_low(struct epd_group *g, uint16_t low)
 	return NULL;
 }
 
-void epd_xop_imm(struct epd_server *srv, uint32_t from, uint32_t imm)
+void epd_xop_imm(struct epd_server *srv, uint32_t cfrom, uint32_t imm)
 {
 	struct epd_group *g = group_by_wid(srv, (uint16_t)(imm >> 16));
-	if (!g || g->state != EPD_G_READY || from >= g->nnodes)
+	const uint32_t from = g ? epd_group_node_of(g, cfrom) : UINT32_MAX;
+	if (!g || g->state != EPD_G_READY || from == UINT32_MAX)
 		return; /* failed or gone here: its ops are over */
 	struct epd_xop *x = xop_by_low(g, (uint16_t)imm);
 	if (!x || x->type != EPP_DISPATCH || !x->started || x->wdone[from]) {
@@ -275,10 +276,11 @@ void epd_xop_imm(struct epd_server *srv, uint32_t from, uint32_t imm)
 	xop_check(g);
 }
 
-void epd_xop_written(struct epd_server *srv, uint32_t to, uint64_t cookie)
+void epd_xop_written(struct epd_server *srv, uint32_t cto, uint64_t cookie)
 {
 	struct epd_group *g = group_by_wid(srv, (uint16_t)(cookie >> 16));
-	if (!g || g->state != EPD_G_READY || to >= g->nnodes)
+	const uint32_t to = g ? epd_group_node_of(g, cto) : UINT32_MAX;
+	if (!g || g->state != EPD_G_READY || to == UINT32_MAX)
 		return; /* failed here: its ops are dropped */
 	struct epd_xop *x = xop_by_low(g, (uint16_t)cookie);
 	if (!x || !x->wrc[to])

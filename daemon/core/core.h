@@ -79,6 +79,8 @@ struct epd_span_ops {
 	/* This node's index and the cluster's size. */
 	int (*self)(const struct epd_server *srv);
 	int (*size)(const struct epd_server *srv);
+	/* The cluster's index of the node of that name, or -1. */
+	int (*resolve)(const struct epd_server *srv, const char *name);
 	/* Local index l entered barrier seq: to its rail peers; a down node
 	 * fails the group (then EP_EPEERLOST is returned). */
 	int (*arrival)(struct epd_group *g, uint32_t l, uint64_t seq);
@@ -93,15 +95,17 @@ struct epd_span_ops {
 	 * be told to the others. */
 	void (*failed)(struct epd_group *g, int code, const char *msg,
 		       bool tell);
-	/* A group of key (spanning nnodes, the shape of join j) that this
-	 * node refused to form: the others fail it at its first op. */
+	/* A group of key (spanning nnodes, the cluster's indices of its
+	 * nodes in node_map, hashed as nodes_hash; the shape of join j) that
+	 * this node refused to form: the others fail it at its first op. */
 	void (*failed_key)(struct epd_server *srv, const char *key,
-			   const struct epp_join *j, uint32_t nnodes, int code,
-			   const char *msg);
+			   const struct epp_join *j, uint32_t nnodes,
+			   const uint32_t *node_map, uint64_t nodes_hash,
+			   int code, const char *msg);
 	/* The group is being freed. */
 	void (*freed)(struct epd_group *g);
-	/* Its nodes' names, for messages. */
-	const char *(*node_name)(const struct epd_server *srv, uint32_t n);
+	/* The name of the group's node n, for messages. */
+	const char *(*node_name)(const struct epd_group *g, uint32_t n);
 };
 
 /* A stream-ordered op a GPU rank asked for. */
@@ -206,6 +210,13 @@ struct epd_group {
 	bool shared;                 /* open to every admitted uid */
 	char key[EPP_GKEY_MAX + 1];  /* see EPP_GKEY_MAX */
 	uint32_t node_index, nnodes;
+	/* [nnodes]: the cluster's index (struct epd_span_ops) of the group's
+	 * node n. The job names its nodes at join (EPP_F_JOIN_NODES, any
+	 * nodes in any order; nodes_hash is then an FNV-1a hash of the
+	 * names, which every node checks alike); without a list, node n is
+	 * the cluster's n (nodes_hash 0). */
+	uint32_t *node_map;
+	uint64_t nodes_hash;
 	/* [nnodes], across nodes: where node n's group of this key stands
 	 * for this one (enum epd_peer). A node sends its group's shape first
 	 * (GSHAPE), then the group's frames, and its failure (GFAIL) last,
@@ -370,6 +381,9 @@ int epd_group_async(struct epd_session *c, uint64_t req_id, uint64_t gid,
 /* By key (what other nodes send); a client's name becomes a key with
  * epd_group_key. */
 struct epd_group *epd_group_find(struct epd_server *srv, const char *key);
+/* The group's node index of the cluster's node cn, or UINT32_MAX where cn
+ * is none of the group's nodes. */
+uint32_t epd_group_node_of(const struct epd_group *g, uint32_t cn);
 bool epd_group_key(const struct epd_config *cfg, uid_t uid, const char *name,
 		   char *key, size_t cap);
 /* May a client of uid see this group's details (status)? */

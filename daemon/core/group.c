@@ -109,7 +109,16 @@ void epd_group_free(struct epd_group *g)
 	free(g->rail_done);
 	free(g->rail_remote);
 	free(g->peer);
+	free(g->node_map);
 	free(g);
+}
+
+uint32_t epd_group_node_of(const struct epd_group *g, uint32_t cn)
+{
+	for (uint32_t n = 0; n < g->nnodes; n++)
+		if (g->node_map[n] == cn)
+			return n;
+	return UINT32_MAX;
 }
 
 static void group_timer_closed(uv_handle_t *h)
@@ -458,9 +467,17 @@ static int group_quota(struct epd_server *srv, uid_t uid, uint64_t bytes,
 	return 0;
 }
 
+/* The nodes a join names: the cluster's index of each of the group's
+ * nodes, and their names' hash (0 without a list). */
+struct join_nodes {
+	uint32_t *map; /* [nnodes], malloc'd */
+	uint64_t hash;
+};
+
 static struct epd_group *group_create(struct epd_server *srv, uid_t owner,
 				      const char *key, bool shared,
-				      const struct epp_join *j, char *err,
+				      const struct epp_join *j,
+				      struct join_nodes *jn, char *err,
 				      size_t errlen, int *code)
 {
 	struct epp_buf lay;
@@ -486,6 +503,11 @@ static struct epd_group *group_create(struct epd_server *srv, uid_t owner,
 	g->epoch = srv->epoch;
 	g->nnodes = j->world_size / j->ranks_per_node;
 	g->node_index = j->rank / j->ranks_per_node;
+	g->shape.num_nodes = 0; /* the list is the join frame's */
+	g->shape.nodes = NULL;
+	g->node_map = jn->map; /* the group's from here on */
+	jn->map = NULL;
+	g->nodes_hash = jn->hash;
 	g->timeout_ms = j->timeout_ms ? j->timeout_ms : srv->cfg.timeout_ms;
 	g->state = EPD_G_FORMING;
 	g->shape.link = 0; /* a joiner's, not the group's */
@@ -532,6 +554,7 @@ err_free_nocode:
 		free(g->rail_done);
 		free(g->rail_remote);
 		free(g->peer);
+		free(g->node_map);
 		free(g);
 	}
 	return NULL;
@@ -543,7 +566,7 @@ err_nomem:
 
 /* Does j describe the same group as g? */
 static int shape_check(const struct epd_group *g, const struct epp_join *j,
-		       char *err, size_t errlen)
+		       uint64_t nodes_hash, char *err, size_t errlen)
 {
 	const struct epp_join *s = &g->shape;
 #define CHECK(f)                                                               \
@@ -567,6 +590,16 @@ static int shape_check(const struct epd_group *g, const struct epp_join *j,
 		snprintf(err, errlen, "group %s has timeout_ms %u, this join "
 				      "says %u",
 			 s->name, g->timeout_ms, t);
+		return EP_EMISMATCH;
+	}
+	if (nodes_hash != g->nodes_hash) {
+		snprintf(err, errlen,
+			 "group %s %s; this join %s",
+			 s->name,
+			 g->nodes_hash ? "names its nodes"
+				       : "was joined without a node list",
+			 nodes_hash ? "names other nodes"
+				    : "names none");
 		return EP_EMISMATCH;
 	}
 	if (j->rank / j->ranks_per_node != g->node_index) {
@@ -607,38 +640,136 @@ static void group_became_ready(struct epd_group *g)
 	}
 }
 
+/* FNV-1a, 64 bits, over the names and their NULs. */
+static uint64_t names_hash(const struct epp_join *j)
+{
+	const char *end = epp_join_node(j, j->num_nodes);
+	uint64_t h = 0xcbf29ce484222325ull;
+	for (const char *p = j->nodes; p < end; p++)
+		h = (h ^ (uint8_t)*p) * 0x100000001b3ull;
+	return h ? h : 1; /* 0 is "no list" */
+}
+
+/* The cluster's index of each node a join names (or, without a list, of
+ * node n = the cluster's n), checked: this daemon is the joining rank's
+ * node, every name is known here and named once. */
+static int join_nodes(struct epd_server *srv, const struct epp_join *j,
+		      struct join_nodes *jn, char *err, size_t errlen)
+{
+	const uint32_t nnodes = j->world_size / j->ranks_per_node,
+		       mine = j->rank / j->ranks_per_node;
+	const char *self = srv->cfg.node_name;
+	if (nnodes > 1 && !srv->span) {
+		snprintf(err, errlen,
+			 "group %s spans %u nodes, but this daemon has no "
+			 "cluster configured",
+			 j->name, nnodes);
+		return EP_EUNSUPPORTED;
+	}
+	if (j->num_nodes && j->num_nodes != nnodes) {
+		snprintf(err, errlen,
+			 "group %s names %u nodes; world_size %u at %u ranks "
+			 "per node is %u",
+			 j->name, j->num_nodes, j->world_size,
+			 j->ranks_per_node, nnodes);
+		return EP_EINVAL;
+	}
+	const int me = srv->span ? srv->span->self(srv) : 0;
+	if (!j->num_nodes && nnodes > 1 &&
+	    nnodes > (uint32_t)srv->span->size(srv)) {
+		snprintf(err, errlen,
+			 "group %s spans %u nodes; the cluster has %d (the "
+			 "group names no nodes: node i is the i-th of peers)",
+			 j->name, nnodes, srv->span->size(srv));
+		return EP_EINVAL;
+	}
+	if (!j->num_nodes && nnodes > 1 && (int)mine != me) {
+		snprintf(err, errlen,
+			 "rank %u lives on node %u; this daemon is node %d "
+			 "(the group names no nodes: node i is the i-th of "
+			 "peers)",
+			 j->rank, mine, me);
+		return EP_EMISMATCH;
+	}
+	jn->map = malloc(nnodes * sizeof(*jn->map));
+	if (!jn->map) {
+		snprintf(err, errlen, "out of memory");
+		return EP_ENOMEM;
+	}
+	if (!j->num_nodes) {
+		for (uint32_t n = 0; n < nnodes; n++)
+			jn->map[n] = nnodes > 1 ? n : (uint32_t)me;
+		jn->hash = 0;
+		return 0;
+	}
+	const char *name = j->nodes;
+	for (uint32_t n = 0; n < nnodes; n++, name += strlen(name) + 1) {
+		const bool is_self = !strcmp(name, self);
+		if (is_self && n != mine) {
+			snprintf(err, errlen,
+				 "group %s names this node (%s) as node %u, "
+				 "but rank %u is on node %u",
+				 j->name, self, n, j->rank, mine);
+			return EP_EMISMATCH;
+		}
+		if (!is_self && n == mine) {
+			snprintf(err, errlen,
+				 "group %s names %s as node %u, where rank %u "
+				 "lives; this daemon is %s",
+				 j->name, name, n, j->rank, self);
+			return EP_EMISMATCH;
+		}
+		int cn = is_self ? me
+			 : srv->span ? srv->span->resolve(srv, name)
+				     : -1;
+		if (cn < 0) {
+			snprintf(err, errlen,
+				 "group %s names node %s, which this daemon "
+				 "does not know (not in its peers)",
+				 j->name, name);
+			return EP_EINVAL;
+		}
+		for (uint32_t o = 0; o < n; o++)
+			if (jn->map[o] == (uint32_t)cn) {
+				snprintf(err, errlen,
+					 "group %s names node %s twice (node "
+					 "%u and %u)",
+					 j->name, name, o, n);
+				return EP_EINVAL;
+			}
+		jn->map[n] = (uint32_t)cn;
+	}
+	jn->hash = names_hash(j);
+	return 0;
+}
+
+static int group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
+		      const struct epp_join *j, struct join_nodes *jn);
+
 int epd_group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 		   const struct epp_join *j)
 {
 	struct epd_server *srv = c->srv;
 	char err[512];
 	int code;
-	uint32_t nnodes = j->world_size / j->ranks_per_node;
-	if (nnodes > 1) {
-		if (!srv->span) {
-			epd_session_error(c, req_id, EP_EUNSUPPORTED,
-					 "group %s spans %u nodes, but this "
-					 "daemon has no cluster configured",
-					 j->name, nnodes);
-			return EP_EUNSUPPORTED;
-		}
-		const int self = srv->span->self(srv);
-		if ((int)nnodes > srv->span->size(srv)) {
-			epd_session_error(c, req_id, EP_EINVAL,
-					 "group %s spans %u nodes; the cluster "
-					 "has %d",
-					 j->name, nnodes, srv->span->size(srv));
-			return EP_EINVAL;
-		}
-		if ((int)(j->rank / j->ranks_per_node) != self) {
-			epd_session_error(c, req_id, EP_EMISMATCH,
-					 "rank %u lives on node %u; this daemon "
-					 "is node %d",
-					 j->rank, j->rank / j->ranks_per_node,
-					 self);
-			return EP_EMISMATCH;
-		}
+	struct join_nodes jn = {0};
+	code = join_nodes(srv, j, &jn, err, sizeof(err));
+	if (code) {
+		epd_session_error(c, req_id, code, "%s", err);
+		return code;
 	}
+	code = group_join(c, req_id, flags, j, &jn);
+	free(jn.map); /* NULL where the new group took it */
+	return code;
+}
+
+static int group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
+		      const struct epp_join *j, struct join_nodes *jn)
+{
+	struct epd_server *srv = c->srv;
+	char err[512];
+	int code;
+	uint32_t nnodes = j->world_size / j->ranks_per_node;
 	char key[EPP_GKEY_MAX + 1];
 	bool shared = epd_group_key(&srv->cfg, c->uid, j->name, key,
 				    sizeof(key));
@@ -686,7 +817,7 @@ int epd_group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 						 : parent->rfail_msg);
 			else if (!o && nnodes > 1 && srv->span->failed_key)
 				srv->span->failed_key(srv, key, j, nnodes,
-						      code,
+						      jn->map, jn->hash, code,
 						      "a rank's linked group "
 						      "failed here");
 			return code;
@@ -701,14 +832,14 @@ int epd_group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 					 g->shape.name, g->last_error);
 			return EP_EFAILED;
 		}
-		code = shape_check(g, j, err, sizeof(err));
+		code = shape_check(g, j, jn->hash, err, sizeof(err));
 		if (code) {
 			epd_session_error(c, req_id, code, "%s", err);
 			return code;
 		}
 	} else {
-		g = group_create(srv, c->uid, key, shared, j, err, sizeof(err),
-				 &code);
+		g = group_create(srv, c->uid, key, shared, j, jn, err,
+				 sizeof(err), &code);
 		if (!g) {
 			if (code == EP_ELIMIT)
 				srv->n_limited++;

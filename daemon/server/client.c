@@ -247,7 +247,7 @@ static void handle_hello(struct epd_client *c, const struct epp_hdr *h,
 	struct epp_rd r;
 	epp_rd_init(&r, p, h->length);
 	uint16_t major = epp_get_u16(&r);
-	(void)epp_get_u16(&r);
+	const uint16_t minor = epp_get_u16(&r);
 	epp_get_str(&r, c->name, sizeof(c->name));
 	epp_printable(c->name);
 	if (epp_rd_end(&r)) {
@@ -268,7 +268,12 @@ static void handle_hello(struct epd_client *c, const struct epp_hdr *h,
 	snprintf(ok.daemon_version, sizeof(ok.daemon_version), "%s",
 		 PACKAGE_VERSION);
 	snprintf(ok.backend, sizeof(ok.backend), "%s", c->s.srv->backend);
-	uint8_t buf[128];
+	/* 1.21: this node's name, which a job's rendezvous gathers into a
+	 * group's node list (an older client's decoder reads no more) */
+	if (minor >= 21)
+		snprintf(ok.node, sizeof(ok.node), "%s",
+			 c->s.srv->cfg.node_name);
+	uint8_t buf[192];
 	size_t n = epp_hello_ok_encode(&ok, buf, sizeof(buf));
 	epd_client_send(c, EPP_OK, 0, h->req_id, buf, (uint32_t)n, NULL, 0);
 }
@@ -406,7 +411,8 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 				 "daemon is shutting down");
 		return;
 	}
-	if ((h->flags & ~(EPP_F_JOIN_NOWAIT | EPP_F_JOIN_LINK)) &&
+	if ((h->flags &
+	     ~(EPP_F_JOIN_NOWAIT | EPP_F_JOIN_LINK | EPP_F_JOIN_NODES)) &&
 	    h->type == EPP_JOIN) {
 		epd_session_error(&c->s, h->req_id, EP_EPROTO,
 				 "flags 0x%x not valid for join", h->flags);

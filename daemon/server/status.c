@@ -79,7 +79,7 @@ static json_t *group_json(struct epd_group *g)
 	json_t *spans = json_array();
 	for (uint32_t n = 0; n < g->nnodes; n++)
 		json_array_append_new(
-			spans, json_string(epd_cluster_node_name(g->srv, n)));
+			spans, json_string(epd_cluster_node_name(g, n)));
 	if (o)
 		json_object_set_new(o, "spans", spans);
 	else
