@@ -253,6 +253,7 @@ int ep_connect(const char *path, ep_conn_t **out)
 	c->client_id = ok.client_id;
 	c->minor = ok.minor;
 	snprintf(c->backend, sizeof(c->backend), "%s", ok.backend);
+	snprintf(c->node, sizeof(c->node), "%s", ok.node);
 	*out = c;
 	return 0;
 }
@@ -264,6 +265,7 @@ void ep__group_free(ep_group_t *g)
 	if (g->buf && g->buf != MAP_FAILED)
 		munmap(g->buf, g->buf_size);
 	list_del(&g->node);
+	free((char *)g->cfg.nodes);
 	free(g);
 }
 
@@ -286,11 +288,71 @@ void ep_close(ep_conn_t *c)
 int ep_join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 	    ep_group_t **out)
 {
-	return ep__join(c, cfg, flags, 0, out);
+	return ep__join(c, cfg, flags, 0, NULL, out);
+}
+
+const char *ep_conn_node(const ep_conn_t *c)
+{
+	return c ? c->node : "";
+}
+
+/* The node list packed as the protocol carries it (names one after the
+ * other, each ended by a NUL), checked; into *packed (malloc'd). */
+static int pack_nodes(const struct ep_group_config *cfg,
+		      const char *const *nodes, char **packed, uint32_t *count)
+{
+	if (!cfg->ranks_per_node || cfg->world_size % cfg->ranks_per_node)
+		return ep__fail(EP_EINVAL,
+				"ranks_per_node %u does not divide world_size "
+				"%u",
+				cfg->ranks_per_node, cfg->world_size);
+	const uint32_t n = cfg->world_size / cfg->ranks_per_node;
+	size_t bytes = 0;
+	for (uint32_t i = 0; i < n; i++) {
+		if (!nodes[i] || !epp_node_name_valid(nodes[i]))
+			return ep__fail(EP_EINVAL,
+					"nodes[%u] is not a node name (1..%d "
+					"of [A-Za-z0-9_.-])",
+					i, EP_NODE_NAME_MAX);
+		bytes += strlen(nodes[i]) + 1;
+	}
+	char *p = malloc(bytes);
+	if (!p)
+		return ep__fail(EP_ENOMEM, "out of memory");
+	*packed = p;
+	for (uint32_t i = 0; i < n; i++) {
+		size_t l = strlen(nodes[i]) + 1;
+		memcpy(p, nodes[i], l);
+		p += l;
+	}
+	*count = n;
+	return 0;
+}
+
+int ep_join_nodes(ep_conn_t *c, const struct ep_group_config *cfg,
+		  const char *const *nodes, unsigned flags, ep_group_t **out)
+{
+	if (!nodes)
+		return ep_join(c, cfg, flags, out);
+	if (!c || !cfg || !out)
+		return ep__fail(EP_EINVAL, "NULL argument");
+	if (c->minor < 21)
+		return ep__fail(EP_EUNSUPPORTED,
+				"the daemon speaks protocol 1.%u; a group "
+				"naming its nodes needs 1.21",
+				c->minor);
+	struct ep_group tmp = {0};
+	int rc = pack_nodes(cfg, nodes, (char **)&tmp.cfg.nodes,
+			    &tmp.cfg.num_nodes);
+	if (rc)
+		return rc;
+	rc = ep__join(c, cfg, flags, 0, &tmp, out);
+	free((char *)tmp.cfg.nodes);
+	return rc;
 }
 
 int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
-	     uint64_t link, ep_group_t **out)
+	     uint64_t link, const ep_group_t *ng, ep_group_t **out)
 {
 	if (!c || !cfg || !out || !cfg->name)
 		return ep__fail(EP_EINVAL, "NULL argument");
@@ -328,11 +390,28 @@ int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 		if (rc)
 			return rc;
 	}
-	uint8_t buf[256];
-	size_t n = epp_join_encode(&j, buf, sizeof(buf));
-	ep_group_t *g = calloc(1, sizeof(*g));
-	if (!g)
+	/* 1.21: the group's node list, a copy the group keeps (its
+	 * low-latency pseudo group names the same nodes) */
+	char *nodes = NULL;
+	size_t nb = 0;
+	if (ng && ng->cfg.num_nodes) {
+		nb = (size_t)(epp_join_node(&ng->cfg, ng->cfg.num_nodes) -
+			      ng->cfg.nodes);
+		nodes = malloc(nb);
+		if (!nodes)
+			return ep__fail(EP_ENOMEM, "out of memory");
+		memcpy(nodes, ng->cfg.nodes, nb);
+		j.nodes = nodes;
+		j.num_nodes = ng->cfg.num_nodes;
+	}
+	uint8_t *buf = malloc(256 + 8 + nb);
+	size_t n = buf ? epp_join_encode(&j, buf, 256 + 8 + nb) : 0;
+	ep_group_t *g = n ? calloc(1, sizeof(*g)) : NULL;
+	if (!g) {
+		free(buf);
+		free(nodes);
 		return ep__fail(EP_ENOMEM, "out of memory");
+	}
 	g->cuda_device = -1;
 	/* The daemon bounds the wait for readiness by the group timeout; its
 	 * default is not known here, so allow the protocol maximum. */
@@ -344,11 +423,13 @@ int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 	pthread_mutex_lock(&c->mu);
 	int rc = ep__rpc(c, EPP_JOIN,
 			 (flags & EP_JOIN_NOWAIT ? EPP_F_JOIN_NOWAIT : 0) |
-				 (j.link ? EPP_F_JOIN_LINK : 0),
+				 epp_join_flags(&j),
 			 buf, (uint32_t)n, &rep, &rlen, fds, 2, wait);
 	int fd = fds[0];
 	pthread_mutex_unlock(&c->mu);
+	free(buf);
 	if (rc) {
+		free(nodes);
 		free(g);
 		return rc;
 	}
@@ -361,6 +442,7 @@ int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 			close(fd);
 		if (fds[1] >= 0)
 			close(fds[1]);
+		free(nodes);
 		free(g);
 		return ep__fail(EP_EPROTO, "malformed join reply");
 	}

@@ -23,6 +23,7 @@ struct ep_conn {
 	int async_err; /* an error reply to a stream-ordered request */
 	bool shutdown; /* the daemon announced its shutdown */
 	char backend[16];
+	char node[EP_NODE_NAME_MAX + 1]; /* the daemon's node name (1.21) */
 	struct list_node groups;
 };
 
@@ -46,7 +47,7 @@ struct ep_group {
 	uint64_t id;
 	uint32_t epoch, node_index;
 	uint32_t timeout_ms;
-	struct epp_join cfg;
+	struct epp_join cfg; /* cfg.nodes: the node list (owned), or NULL */
 	void *buf;
 	size_t buf_size;
 	struct epp_buf layout;
@@ -148,9 +149,10 @@ int ep__copies_check(const struct ep_copy *c, unsigned n, unsigned *todo);
 uint64_t ep__ctl_completed(const ep_group_t *g);
 
 /* ep_join linked to group id link (0: none; 1.16): the new group fails
- * whenever that one does, also while it forms. */
+ * whenever that one does, also while it forms; naming the nodes of
+ * `nodes` (NULL: none), the list a group of theirs joined with (1.21). */
 int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
-	     uint64_t link, ep_group_t **out);
+	     uint64_t link, const ep_group_t *nodes, ep_group_t **out);
 /* Unmap and free a group's handle (no message to the daemon). */
 void ep__group_free(ep_group_t *g);
 /* The low-latency mode: libep_llhost.c has the ep_ll_* calls, which

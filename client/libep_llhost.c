@@ -181,7 +181,7 @@ static int llh_setup(ep_group_t *g)
 		.dtype = EP_DTYPE_BF16, .timeout_ms = g->timeout_ms};
 	/* linked: a rank the group lost fails this join at once, not at
 	 * the pseudo group's timeout */
-	int rc = ep__join(g->conn, &ac, 0, g->id, &l->aux);
+	int rc = ep__join(g->conn, &ac, 0, g->id, g, &l->aux);
 	if (!rc) {
 		/* the group owns it: freed with it, never on its own by
 		 * ep_close */

@@ -186,7 +186,7 @@ static int llx_setup(ep_group_t *g)
 		.topk = 1, .dtype = EP_DTYPE_BF16, .timeout_ms = g->timeout_ms,
 		.cuda_device = g->cuda_device};
 	struct ep_buffers ab;
-	rc = ep__join(g->conn, &ac, EP_JOIN_CUDA, g->id, &x->aux);
+	rc = ep__join(g->conn, &ac, EP_JOIN_CUDA, g->id, g, &x->aux);
 	if (!rc) {
 		/* the group owns it: freed with it, never on its own by
 		 * ep_close */

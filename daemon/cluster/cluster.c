@@ -6,45 +6,83 @@
  */
 #include "cluster_int.h"
 
+/* One entry of peers, name@host:port, into nd; -1 (err says why). */
+static int parse_peer(char *t, struct cnode *nd, char *err, size_t errlen)
+{
+	char *at = strchr(t, '@'), *colon = strrchr(t, ':');
+	if (!at || !colon || colon < at) {
+		snprintf(err, errlen, "peers: '%s' is not name@host:port", t);
+		return -1;
+	}
+	*at = *colon = 0;
+	const char *host = at + 1, *port = colon + 1;
+	if (!epp_node_name_valid(t)) {
+		snprintf(err, errlen,
+			 "peers: node name '%s' is not 1..%d of "
+			 "[A-Za-z0-9_.-]",
+			 t, EPP_NODE_NAME_MAX);
+		return -1;
+	}
+	if (!*host || strlen(host) >= sizeof(nd->host)) {
+		snprintf(err, errlen,
+			 "peers: host of %s is empty or longer than %zu bytes",
+			 t, sizeof(nd->host) - 1);
+		return -1;
+	}
+	char *end;
+	long pn = strtol(port, &end, 10);
+	if (end == port || *end || pn <= 0 || pn > 65535) {
+		snprintf(err, errlen, "peers: bad port '%s' for %s", port, t);
+		return -1;
+	}
+	snprintf(nd->name, sizeof(nd->name), "%s", t);
+	snprintf(nd->host, sizeof(nd->host), "%s", host);
+	nd->port = (int)pn;
+	return 0;
+}
+
+/* The cluster's nodes from `peers`, of any length; names must be
+ * distinct, and this node's among them. */
 static int parse_peers(struct epd_cluster *cl, const char *spec,
 		       const char *self, char *err, size_t errlen)
 {
-	char buf[2048];
-	snprintf(buf, sizeof(buf), "%s", spec);
+	char *buf = strdup(spec);
+	size_t cap = 1;
+	for (const char *p = spec; *p; p++)
+		cap += *p == ',' || *p == ' ';
+	cl->node = calloc(cap, sizeof(*cl->node));
+	if (!buf || !cl->node) {
+		free(buf);
+		snprintf(err, errlen, "out of memory");
+		return -1;
+	}
 	cl->n = 0;
 	cl->self = -1;
-	for (char *save, *t = strtok_r(buf, ", ", &save); t;
-	     t = strtok_r(NULL, ", ", &save)) {
-		char *at = strchr(t, '@'), *colon = strrchr(t, ':');
-		if (!at || !colon || colon < at || cl->n == MAX_NODES) {
-			snprintf(err, errlen, "peers: '%s' is not name@host:port",
-				 t);
-			return -1;
-		}
+	int rc = 0;
+	for (char *save, *t = strtok_r(buf, ", \t", &save); t && !rc;
+	     t = strtok_r(NULL, ", \t", &save)) {
 		struct cnode *nd = &cl->node[cl->n];
-		*at = *colon = 0;
-		snprintf(nd->name, sizeof(nd->name), "%s", t);
-		snprintf(nd->host, sizeof(nd->host), "%s", at + 1);
-		nd->port = atoi(colon + 1);
-		if (nd->port <= 0 || nd->port > 65535) {
-			snprintf(err, errlen, "peers: bad port for %s", t);
-			return -1;
-		}
-		for (int i = 0; i < cl->n; i++)
+		if ((rc = parse_peer(t, nd, err, errlen)))
+			break;
+		/* distinct names: checked against the others by a hash
+		 * table's worth of work only at start (n^2 string compares
+		 * for a few thousand nodes is milliseconds) */
+		for (int i = 0; i < cl->n && !rc; i++)
 			if (!strcmp(cl->node[i].name, nd->name)) {
 				snprintf(err, errlen, "peers: %s listed twice",
 					 nd->name);
-				return -1;
+				rc = -1;
 			}
-		if (!strcmp(nd->name, self))
+		if (!rc && !strcmp(nd->name, self))
 			cl->self = cl->n;
 		cl->n++;
 	}
-	if (cl->self < 0) {
+	free(buf);
+	if (!rc && cl->self < 0) {
 		snprintf(err, errlen, "node_name '%s' is not in peers", self);
-		return -1;
+		rc = -1;
 	}
-	return 0;
+	return rc;
 }
 
 static int load_key(struct epd_cluster *cl, const char *path, char *err,
@@ -163,6 +201,10 @@ void cl_note_rejection(struct epd_cluster *cl, const char *who,
 /* This node's row of the matrix: S self, U up, D down. */
 static void my_row(const struct epd_cluster *cl, char *row)
 {
+	if (cl->n > MATRIX_MAX) {
+		row[0] = 0;
+		return;
+	}
 	for (int n = 0; n < cl->n; n++)
 		row[n] = cl->node[n].state == NODE_SELF ? 'S'
 			 : cl->node[n].state == NODE_UP ? 'U'
@@ -177,7 +219,7 @@ static void on_tick(uv_timer_t *t)
 	uint64_t now = epd_now_ns();
 	uint64_t silent = (uint64_t)cfg->heartbeat_ms * cfg->heartbeat_miss *
 			  1000000ull;
-	uint8_t buf[8 + 2 + MAX_NODES];
+	uint8_t buf[8 + 2 + MATRIX_MAX + 8];
 	struct epp_peer_heartbeat hb = {.epoch = cl->epoch};
 	my_row(cl, hb.row);
 	size_t hbn = epp_peer_heartbeat_encode(&hb, buf, sizeof(buf));
@@ -253,10 +295,13 @@ static bool transport_usable(const struct epd_cluster *cl,
 		return false;
 	int lo = t->no_loopback ? loopback_node(cl) : -1;
 	if (lo >= 0) {
-		snprintf(why, wl,
-			 "node %s is on a loopback address (%s), which the "
-			 "%s transport cannot route (ENODEV)",
-			 cl->node[lo].name, cl->node[lo].host, t->name);
+		/* cut to wl if need be: a reason, not a value */
+		if (snprintf(why, wl,
+			     "node %s is on a loopback address (%s), which "
+			     "the %s transport cannot route (ENODEV)",
+			     cl->node[lo].name, cl->node[lo].host,
+			     t->name) < 0)
+			why[0] = 0;
 		return false;
 	}
 	return true;
@@ -322,7 +367,7 @@ int epd_cluster_init(struct epd_server *srv,
 		     char *err, size_t errlen)
 {
 	const struct epd_config *cfg = &srv->cfg;
-	if (!cfg->peers[0])
+	if (!cfg->peers || !cfg->peers[0])
 		return 0;
 	if (sodium_init() < 0) {
 		snprintf(err, errlen, "libsodium failed to initialize");
@@ -393,6 +438,7 @@ int epd_cluster_init(struct epd_server *srv,
 		   cl->transport_why);
 	return 0;
 err:
+	free(cl->node);
 	free(cl);
 	free(xn);
 	return -1;
@@ -422,6 +468,8 @@ void epd_cluster_stop(struct epd_server *srv)
 
 void epd_cluster_free(struct epd_server *srv)
 {
+	if (srv->cluster)
+		free(srv->cluster->node);
 	free(srv->cluster);
 	free(srv->xnode);
 	srv->cluster = NULL;
@@ -492,12 +540,14 @@ void *epd_cluster_status(struct epd_server *srv)
 	if (!cl)
 		return NULL;
 	json_t *peers = json_array(), *matrix = json_array();
-	char row[MAX_NODES + 1];
+	char *row = malloc((size_t)cl->n + 1);
+	if (!row)
+		return NULL;
 	uint64_t now = epd_now_ns();
 	/* one row per node: ours now, the others' from their last beat
-	 * ('?' where none came) */
-	for (int n = 0; n < cl->n; n++) {
-		char r[MAX_NODES + 1];
+	 * ('?' where none came); only for a cluster small enough to show */
+	for (int n = 0; n < cl->n && cl->n <= MATRIX_MAX; n++) {
+		char r[MATRIX_MAX + 1];
 		if (n == cl->self)
 			my_row(cl, r);
 		else if (cl->node[n].state == NODE_UP && cl->node[n].row[0])
@@ -553,6 +603,7 @@ void *epd_cluster_status(struct epd_server *srv)
 			      "transport", cl->tops->name, "row", row,
 			      "rejected", (json_int_t)cl->rejected, "peers",
 			      peers, "matrix", matrix);
+	free(row);
 	if (o)
 		json_object_set_new(o, "transport_reason",
 				    json_string(cl->transport_why));

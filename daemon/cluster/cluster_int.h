@@ -50,7 +50,10 @@
 #include <string.h>
 #include <unistd.h>
 
-#define MAX_NODES 64
+/* The connectivity matrix (every node's row of U/D, in heartbeats and the
+ * status) is kept for clusters up to this size; a larger one beats with
+ * an empty row (its status lists peers, not a matrix). */
+#define MATRIX_MAX EPP_MAX_NODES
 #define NONCE 32
 
 enum { NODE_DOWN, NODE_UP, NODE_SELF };
@@ -72,7 +75,7 @@ struct pconn {
 	uint8_t ktx[32], krx[32];
 	uint64_t ntx, nrx;
 	bool tx_tag, rx_tag;
-	char addr[64];
+	char addr[96]; /* "rdma host:port", host up to 63 bytes */
 	char host[48]; /* inbound: the source address, without the port */
 };
 
@@ -94,7 +97,7 @@ struct cnode {
 	uint64_t downs;
 	uint64_t next_dial_ns, backoff_ns; /* redial a failing node slower */
 	bool resolving; /* its host name is being looked up */
-	char row[MAX_NODES + 1]; /* its view of the cluster (heartbeats) */
+	char row[MATRIX_MAX + 1]; /* its view of the cluster (heartbeats) */
 	uint64_t epoch;          /* and its view epoch */
 	char why[128];
 };
@@ -102,7 +105,7 @@ struct cnode {
 struct epd_cluster {
 	struct epd_server *srv;
 	int self, n;
-	struct cnode node[MAX_NODES];
+	struct cnode *node; /* [n], in the order of `peers` */
 	uint8_t key[32];
 	const struct epd_transport_ops *tops;
 	struct epd_transport *tr;

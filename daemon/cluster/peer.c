@@ -143,8 +143,12 @@ static void on_heartbeat(struct pconn *c, const uint8_t *p, uint32_t len)
 {
 	struct cnode *nd = &c->cl->node[c->peer];
 	struct epp_peer_heartbeat m;
-	if (epp_peer_heartbeat_decode(p, len, &m) ||
-	    strlen(m.row) != (size_t)c->cl->n)
+	/* a row of every node, or none from a cluster too large for the
+	 * matrix */
+	const size_t rl = epp_peer_heartbeat_decode(p, len, &m)
+				  ? SIZE_MAX
+				  : strlen(m.row);
+	if (rl != (c->cl->n > MATRIX_MAX ? 0 : (size_t)c->cl->n))
 		return cl_reject(c, "malformed heartbeat");
 	nd->epoch = m.epoch;
 	memcpy(nd->row, m.row, sizeof(nd->row));

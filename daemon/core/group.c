@@ -705,20 +705,6 @@ static int join_nodes(struct epd_server *srv, const struct epp_join *j,
 	const char *name = j->nodes;
 	for (uint32_t n = 0; n < nnodes; n++, name += strlen(name) + 1) {
 		const bool is_self = !strcmp(name, self);
-		if (is_self && n != mine) {
-			snprintf(err, errlen,
-				 "group %s names this node (%s) as node %u, "
-				 "but rank %u is on node %u",
-				 j->name, self, n, j->rank, mine);
-			return EP_EMISMATCH;
-		}
-		if (!is_self && n == mine) {
-			snprintf(err, errlen,
-				 "group %s names %s as node %u, where rank %u "
-				 "lives; this daemon is %s",
-				 j->name, name, n, j->rank, self);
-			return EP_EMISMATCH;
-		}
 		int cn = is_self ? me
 			 : srv->span ? srv->span->resolve(srv, name)
 				     : -1;
@@ -737,6 +723,20 @@ static int join_nodes(struct epd_server *srv, const struct epp_join *j,
 					 j->name, name, o, n);
 				return EP_EINVAL;
 			}
+		if (is_self && n != mine) {
+			snprintf(err, errlen,
+				 "group %s names this node (%s) as node %u, "
+				 "but rank %u is on node %u",
+				 j->name, self, n, j->rank, mine);
+			return EP_EMISMATCH;
+		}
+		if (!is_self && n == mine) {
+			snprintf(err, errlen,
+				 "group %s names %s as node %u, where rank %u "
+				 "lives; this daemon is %s",
+				 j->name, name, n, j->rank, self);
+			return EP_EMISMATCH;
+		}
 		jn->map[n] = (uint32_t)cn;
 	}
 	jn->hash = names_hash(j);

@@ -65,7 +65,7 @@ int main(int argc, char **argv)
 	char *over[64];
 	int nover = 0, opt, rc = 0;
 	bool check = false;
-	struct epd_config cfg;
+	struct epd_config cfg = {0};
 	uv_loop_t loop;
 	struct epd_server srv;
 
@@ -74,7 +74,6 @@ int main(int argc, char **argv)
 	 * and apply them after it. Every way out frees them (out). */
 	while ((opt = getopt_long(argc, argv, "c:s:b:l:o:tVh", opts, NULL)) !=
 	       -1) {
-		char kv[300];
 		const char *key = NULL;
 		switch (opt) {
 		case 'c': config = optarg; continue;
@@ -92,11 +91,12 @@ int main(int argc, char **argv)
 			rc = 2;
 			goto out;
 		}
-		if (*key)
-			snprintf(kv, sizeof(kv), "%s=%s", key, optarg);
-		else
-			snprintf(kv, sizeof(kv), "%s", optarg);
-		if (!(over[nover] = strdup(kv))) {
+		/* any length: a value is never cut here */
+		const size_t kl = strlen(key), vl = strlen(optarg);
+		if ((over[nover] = malloc(kl + vl + 2)))
+			snprintf(over[nover], kl + vl + 2, "%s%s%s", key,
+				 *key ? "=" : "", optarg);
+		if (!over[nover]) {
 			fprintf(stderr, "epd: out of memory\n");
 			rc = 1;
 			goto out;
@@ -138,5 +138,6 @@ int main(int argc, char **argv)
 out:
 	for (int i = 0; i < nover; i++)
 		free(over[i]);
+	epd_config_free(&cfg);
 	return rc;
 }

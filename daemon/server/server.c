@@ -254,6 +254,7 @@ static void on_hup(uv_signal_t *h, int sig)
 			   srv->cfg.timeout_ms);
 		close_disallowed(srv);
 	}
+	epd_config_free(&c);
 	epd_sd_notify("READY=1");
 	notify_status(srv);
 }

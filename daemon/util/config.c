@@ -45,6 +45,28 @@ void epd_config_defaults(struct epd_config *c)
 					.handshakes_per_host = 8};
 }
 
+void epd_config_free(struct epd_config *c)
+{
+	free(c->peers);
+	c->peers = NULL;
+}
+
+/* peers: the list (append: after what is there, as a continuation). */
+static int set_peers(struct epd_config *c, const char *v, bool append)
+{
+	const size_t old = append && c->peers ? strlen(c->peers) : 0,
+		     n = strlen(v);
+	char *p = malloc(old + n + 3);
+	if (!p)
+		return -3;
+	if (old)
+		memcpy(p, c->peers, old);
+	snprintf(p + old, n + 3, "%s%s", old && n ? ", " : "", v);
+	free(c->peers);
+	c->peers = p;
+	return 0;
+}
+
 static int parse_u64(const char *v, uint64_t *out)
 {
 	char *end;
@@ -204,9 +226,7 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 			return -2;
 		snprintf(c->node_name, sizeof(c->node_name), "%s", v);
 	} else if (!strcmp(key, "peers")) {
-		if (strlen(v) >= sizeof(c->peers))
-			return -2;
-		snprintf(c->peers, sizeof(c->peers), "%s", v);
+		return set_peers(c, v, false);
 	} else if (!strcmp(key, "cluster_key_file")) {
 		if (strlen(v) >= sizeof(c->cluster_key_file))
 			return -2;
@@ -270,7 +290,27 @@ struct load_ctx {
 	struct epd_config *c;
 	const char *path;
 	int bad;
+	FILE *f;
+	int line;     /* lines read */
+	int too_long; /* the first line over the limit, or 0 */
 };
+
+/* inih's reader, fgets with a check: a line that does not fit the
+ * parser's buffer (num bytes) ends the parse, never split into a second
+ * line that would be taken as a key of its own. */
+static char *read_line(char *str, int num, void *arg)
+{
+	struct load_ctx *l = arg;
+	if (!fgets(str, num, l->f))
+		return NULL;
+	l->line++;
+	size_t n = strlen(str);
+	if (n == (size_t)num - 1 && str[n - 1] != '\n' && !feof(l->f)) {
+		l->too_long = l->line;
+		return NULL;
+	}
+	return str;
+}
 
 static int ini_cb(void *user, const char *section, const char *name,
 		  const char *value)
@@ -287,8 +327,13 @@ static int ini_cb(void *user, const char *section, const char *name,
 		l->bad = 1;
 		return 1;
 	}
-	int rc = set_key(l->c, name, value);
-	if (rc == -1)
+	/* peers on several lines (a continuation, or the key again): one
+	 * list */
+	int rc = !strcmp(name, "peers") ? set_peers(l->c, value, true)
+					: set_key(l->c, name, value);
+	if (rc == -3)
+		epd_err("%s: out of memory", l->path);
+	else if (rc == -1)
 		epd_err("%s: unknown key '%s'", l->path, name);
 	else if (rc == -2)
 		epd_err("%s: bad value '%s' for '%s'", l->path, value, name);
@@ -306,9 +351,16 @@ int epd_config_load(struct epd_config *c, const char *path, bool required)
 		epd_err("cannot open config %s: %m", path);
 		return -1;
 	}
-	struct load_ctx l = {.c = c, .path = path};
-	int rc = ini_parse_file(f, ini_cb, &l);
+	struct load_ctx l = {.c = c, .path = path, .f = f};
+	int rc = ini_parse_stream(read_line, &l, ini_cb, &l);
 	fclose(f);
+	if (l.too_long) {
+		epd_err("%s:%d: line longer than %d bytes (the INI parser's "
+			"limit); give a long peers list on several lines, each "
+			"continuation indented",
+			path, l.too_long, EPD_CONFIG_LINE_MAX);
+		return -1;
+	}
 	if (rc > 0) {
 		epd_err("%s:%d: syntax error", path, rc);
 		return -1;
@@ -327,7 +379,9 @@ int epd_config_set(struct epd_config *c, const char *kv)
 	memcpy(key, kv, (size_t)(eq - kv));
 	key[eq - kv] = 0;
 	int rc = set_key(c, key, eq + 1);
-	if (rc == -1)
+	if (rc == -3)
+		epd_err("out of memory");
+	else if (rc == -1)
 		epd_err("unknown key '%s'", key);
 	else if (rc == -2)
 		epd_err("bad value '%s' for '%s'", eq + 1, key);

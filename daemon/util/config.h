@@ -46,7 +46,8 @@ struct epd_config {
 	bool no_host_barrier;      /* GPU barriers without the host thread */
 	/* Cluster (empty peers: a single node). */
 	char node_name[64];
-	char peers[2048];          /* "name@host:port, ..." all nodes, ordered */
+	char *peers;               /* "name@host:port, ..." the nodes this
+				      one may reach (malloc'd; NULL: none) */
 	char cluster_key_file[256];
 	char transport[8];         /* auto|tcp|rdma */
 	uint32_t heartbeat_ms, heartbeat_miss;
@@ -74,10 +75,17 @@ struct epd_config {
 };
 
 void epd_config_defaults(struct epd_config *c);
+/* What a configuration holds on the heap (its peers). */
+void epd_config_free(struct epd_config *c);
 /* Load a file (missing file is fine unless required). Returns 0 or -1 with a
- * message logged. */
+ * message logged. A line longer than the INI parser's limit
+ * (EPD_CONFIG_LINE_MAX bytes) is refused, naming it; `peers` given on
+ * several lines (the key again, or indented continuation lines) joins
+ * them. */
+#define EPD_CONFIG_LINE_MAX 199
 int epd_config_load(struct epd_config *c, const char *path, bool required);
-/* Apply one key=value override (section "epd"). */
+/* Apply one key=value override (section "epd"), of any length: it
+ * replaces what the file said. */
 int epd_config_set(struct epd_config *c, const char *kv);
 
 #endif

@@ -26,7 +26,9 @@ static pid_t main_pid;
 /* Temporary directories of this test, removed when it ends by returning
  * from main or exit() (a pass or a skip); a failure (th_fail_exit, the
  * alarm, a signal) keeps them, logs included, for a look. */
-static char tmpdirs[16][64];
+/* a cluster's daemons one each, and the test's own */
+#define TH_MAX_TMPDIRS (TH_MAX_NODES + 16)
+static char tmpdirs[TH_MAX_TMPDIRS][64];
 static int ntmpdirs;
 
 static int rm_entry(const char *path, const struct stat *sb, int flag,
@@ -49,7 +51,7 @@ static void rm_tmpdirs(void)
 
 const char *th_tmpdir(const char *prefix)
 {
-	TH_CHECK(ntmpdirs < 16, "too many temporary directories");
+	TH_CHECK(ntmpdirs < TH_MAX_TMPDIRS, "too many temporary directories");
 	char *d = tmpdirs[ntmpdirs];
 	snprintf(d, sizeof(tmpdirs[0]), "%s/%s.XXXXXX",
 		 getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp", prefix);
@@ -287,13 +289,17 @@ void th_daemon_start(struct th_daemon *d, ...)
 void th_cluster_start(struct th_daemon *d, int n, const char *tag,
 		      const char *const *extra)
 {
-	TH_CHECK(n >= 2 && n <= 8, "a cluster of %d nodes", n);
+	TH_CHECK(n >= 2 && n <= TH_MAX_NODES, "a cluster of %d nodes", n);
 	const char *tr = env_or("EPD_TEST_TRANSPORT", "");
 	int port = th_ports(n);
-	char peers[256], key[192], kv[6][320];
-	size_t off = 0;
+	/* every node on 127.0.0.1, each its own port: the list has no
+	 * length limit (a daemon takes -o values of any length) */
+	const size_t cap = (size_t)n * 40 + 16;
+	char *peers = malloc(cap), key[192], kv[6][320];
+	TH_CHECK(peers, "out of memory");
+	size_t off = (size_t)snprintf(peers, cap, "peers=");
 	for (int i = 0; i < n; i++)
-		off += (size_t)snprintf(peers + off, sizeof(peers) - off,
+		off += (size_t)snprintf(peers + off, cap - off,
 					"%sn%d@127.0.0.1:%d", i ? ", " : "", i,
 					port + i);
 	snprintf(key, sizeof(key), "%s/cluster.key", th_tmpdir(tag));
@@ -303,7 +309,6 @@ void th_cluster_start(struct th_daemon *d, int n, const char *tag,
 	fclose(f);
 	for (int i = 0; i < n; i++) {
 		snprintf(kv[0], sizeof(kv[0]), "node_name=n%d", i);
-		snprintf(kv[1], sizeof(kv[1]), "peers=%s", peers);
 		snprintf(kv[2], sizeof(kv[2]), "cluster_key_file=%s", key);
 		snprintf(kv[3], sizeof(kv[3]), "heartbeat_ms=100");
 		snprintf(kv[4], sizeof(kv[4]), "heartbeat_miss=%d",
@@ -313,13 +318,14 @@ void th_cluster_start(struct th_daemon *d, int n, const char *tag,
 		int a = 0;
 		for (int k = 0; k < 6; k++) {
 			args[a++] = "-o";
-			args[a++] = kv[k];
+			args[a++] = k == 1 ? peers : kv[k];
 		}
 		for (int k = 0; extra && extra[k] && a < 39; k++)
 			args[a++] = extra[k];
 		args[a] = NULL;
 		daemon_new(&d[i], args);
 	}
+	free(peers);
 	/* every node sees every other up: its row of the status has no D */
 	for (int i = 0; i < n; i++)
 		for (int t = 0;; t++) {

@@ -81,6 +81,7 @@ bool th_daemon_alive(struct th_daemon *d);
  * allowed: 20, 40 with EPD_TEST_SLOW); extra (NULL-terminated, may be
  * NULL) follows the cluster's arguments, so its -o settings win. Returns
  * once every node sees every other up. */
+#define TH_MAX_NODES 256
 void th_cluster_start(struct th_daemon *d, int n, const char *tag,
 		      const char *const *extra);
 void th_daemon_dump_log(const struct th_daemon *d);

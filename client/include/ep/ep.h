@@ -80,6 +80,13 @@ int ep_connect(const char *path, ep_conn_t **out);
 /* Close the connection: leaves every group still joined on it. */
 void ep_close(ep_conn_t *conn);
 
+/* The name of the node whose daemon this connection reaches (its
+ * `node_name`); "" from a daemon older than protocol 1.21. A job's
+ * rendezvous gathers these to name its groups' nodes (ep_join_nodes). */
+const char *ep_conn_node(const ep_conn_t *conn);
+
+#define EP_NODE_NAME_MAX 63
+
 #define EP_GROUP_NAME_MAX 63
 
 struct ep_group_config {
@@ -112,6 +119,17 @@ struct ep_group_config {
  * (or the timeout passed) unless flags has EP_JOIN_NOWAIT. */
 int ep_join(ep_conn_t *conn, const struct ep_group_config *cfg,
 	    unsigned flags, ep_group_t **out);
+
+/* Join a group that names its nodes: nodes[i] is the name of the daemon
+ * (ep_conn_node) that serves the ranks i*ranks_per_node ..
+ * (i+1)*ranks_per_node-1, for world_size / ranks_per_node nodes. The job
+ * chooses: any nodes of the cluster, in any order, and every rank of the
+ * group passes the same list (else EP_EMISMATCH). nodes NULL is ep_join:
+ * node i is then the i-th entry of every daemon's `peers`. A name the
+ * daemon does not know is EP_EINVAL; this rank's node other than this
+ * daemon, EP_EMISMATCH. */
+int ep_join_nodes(ep_conn_t *conn, const struct ep_group_config *cfg,
+		  const char *const *nodes, unsigned flags, ep_group_t **out);
 
 /* Leave the group and free the handle. The other ranks' pending and later
  * operations on the group fail with EP_EPEERLOST. */

@@ -1,0 +1,478 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Jobs on any nodes of a cluster. EPD_TEST_NODES daemons (32 by default)
+ * on loopback; a group names its nodes at join (ep_join_nodes), each rank
+ * learning its daemon's name from its connection (ep_conn_node), as a
+ * job's rendezvous would gather them.
+ *
+ * 1. Four jobs at once, each on a random subset of 2-4 nodes in random
+ *    order (subsets may overlap), run barriers, dispatches, cached
+ *    dispatches and combines: every output bitwise equal to the same job
+ *    on one daemon.
+ * 2. Two jobs on disjoint nodes: killing a node that is in neither leaves
+ *    both untouched; killing a node of one fails that one alone, with
+ *    EP_EPEERLOST naming the node, while the other runs on.
+ * 3. Joins that name their nodes wrongly get a precise error: an unknown
+ *    node, a node twice, this daemon at another node's place, ranks whose
+ *    lists differ.
+ */
+#include "harness.h"
+
+#include <signal.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define RPN 2
+#define MAXJN 4 /* nodes of a job */
+#define MAXW (MAXJN * RPN)
+#define NJOBS 4
+#define H 256
+#define K 4
+#define TMAX 16
+#define ROUNDS 6
+#define NOPS (ROUNDS * 4)
+
+static struct th_daemon *D, SOLO;
+static int N;
+
+struct job {
+	char name[32];
+	int nnodes;
+	int node[MAXJN]; /* the daemons of node index 0.., in order */
+	uint64_t seed;
+	bool solo;
+	uint64_t hash[2][MAXW][NOPS];
+};
+
+struct shared {
+	struct job job[NJOBS];
+	/* phase 2 */
+	volatile int joined, done, stage;
+	int victim; /* the daemon killed at stage 2 */
+};
+
+static struct shared *S;
+
+static uint64_t fnv(uint64_t h, const void *p, size_t n)
+{
+	const uint8_t *b = p;
+	for (size_t i = 0; i < n; i++)
+		h = (h ^ b[i]) * 0x100000001b3ull;
+	return h;
+}
+
+static uint32_t rnd(uint64_t *s)
+{
+	*s = *s * 6364136223846793005ull + 1442695040888963407ull;
+	return (uint32_t)(*s >> 33);
+}
+
+/* Connect rank r of job j to its daemon and join, naming the job's nodes
+ * by the names their connections report. */
+static ep_group_t *job_join(struct job *j, int r, ep_conn_t **c)
+{
+	const uint32_t W = (uint32_t)(j->nnodes * RPN);
+	struct ep_group_config cfg = {
+		.name = j->name, .world_size = W,
+		.ranks_per_node = j->solo ? W : RPN, .rank = (uint32_t)r,
+		.num_experts = W * 4, .hidden = H, .max_tokens_per_rank = TMAX,
+		.topk = K, .dtype = EP_DTYPE_BF16, .timeout_ms = 20000};
+	const struct th_daemon *d = j->solo ? &SOLO : &D[j->node[r / RPN]];
+	TH_OK(ep_connect(d->sock, c));
+	ep_group_t *g;
+	if (j->solo) {
+		TH_OK(ep_join(*c, &cfg, 0, &g));
+		return g;
+	}
+	/* the rendezvous: rank r's daemon says its name; the job's list
+	 * holds the names of node 0, 1, ... */
+	char want[16];
+	snprintf(want, sizeof(want), "n%d", j->node[r / RPN]);
+	TH_CHECK(!strcmp(ep_conn_node(*c), want),
+		 "the daemon of rank %d says it is '%s', not %s", r,
+		 ep_conn_node(*c), want);
+	char names[MAXJN][16];
+	const char *list[MAXJN];
+	for (int n = 0; n < j->nnodes; n++) {
+		snprintf(names[n], sizeof(names[n]), "n%d", j->node[n]);
+		list[n] = names[n];
+	}
+	TH_OK(ep_join_nodes(*c, &cfg, list, 0, &g));
+	return g;
+}
+
+/* One round: barrier, dispatch, cached dispatch, combine (with weights
+ * every other round); each output hashed into hash[op]. */
+static void job_round(struct job *j, ep_group_t *g, int r, int round,
+		      uint64_t *hash)
+{
+	const uint32_t W = (uint32_t)(j->nnodes * RPN), E = W * 4;
+	const uint64_t cap = (uint64_t)W * TMAX;
+	static uint16_t x[TMAX * H], out[TMAX * H];
+	static int64_t topk[TMAX * K];
+	static float wts[TMAX * K], cwout[TMAX * K];
+	uint16_t *y = malloc(cap * H * 2);
+	float *cwin = malloc(cap * K * 4);
+	struct ep_dispatch_out dout = {
+		.capacity = cap, .recv_x = malloc(cap * H * 2),
+		.recv_topk_idx = malloc(cap * K * 8),
+		.recv_topk_weights = malloc(cap * K * 4),
+		.num_recv_tokens_per_expert = malloc(4 * 4)};
+	TH_CHECK(y && cwin && dout.recv_x && dout.recv_topk_idx &&
+			 dout.recv_topk_weights &&
+			 dout.num_recv_tokens_per_expert,
+		 "out of memory");
+	uint64_t gen = j->seed ^ ((uint64_t)round << 24) ^ (uint64_t)r;
+	TH_OK(ep_barrier(g));
+	hash[0] = 1;
+	const uint32_t T = rnd(&gen) % (TMAX + 1);
+	ep_handle_t h;
+	for (int pass = 0; pass < 2; pass++) {
+		for (uint32_t t = 0; t < T * H; t++)
+			x[t] = (uint16_t)(0x3c00 + rnd(&gen) % 0x800);
+		for (uint32_t t = 0; pass == 0 && t < T * K; t++) {
+			topk[t] = (int64_t)(rnd(&gen) % (E + 1)) - 1;
+			wts[t] = (float)(rnd(&gen) % 1000) / 1000.0f;
+		}
+		struct ep_dispatch_in din = {
+			.num_tokens = T, .hidden = H, .dtype = EP_DTYPE_BF16,
+			.topk = K, .x = x, .topk_idx = topk,
+			.topk_weights = wts};
+		ep_handle_t nh;
+		TH_OK(ep_dispatch(g, &din, pass ? &h : NULL, &dout, &nh));
+		if (!pass)
+			h = nh;
+		uint64_t hs = 0xcbf29ce484222325ull;
+		const uint32_t R = dout.num_recv;
+		hs = fnv(hs, &R, 4);
+		hs = fnv(hs, dout.recv_x, (size_t)R * H * 2);
+		if (!pass) {
+			hs = fnv(hs, dout.recv_topk_idx, (size_t)R * K * 8);
+			hs = fnv(hs, dout.recv_topk_weights,
+				 (size_t)R * K * 4);
+			hs = fnv(hs, dout.num_recv_tokens_per_expert, 16);
+		}
+		hash[1 + pass] = hs;
+	}
+	for (uint64_t t = 0; t < (uint64_t)h.num_recv * H; t++)
+		y[t] = (uint16_t)(0x3c00 + rnd(&gen) % 0x800);
+	const bool w = round % 2;
+	for (uint64_t t = 0; w && t < (uint64_t)h.num_recv * K; t++)
+		cwin[t] = (float)((int)(rnd(&gen) % 2001) - 1000) / 7.0f;
+	struct ep_combine_in cin = {.y = y, .num_rows = h.num_recv,
+				    .hidden = H,
+				    .topk_weights = w ? cwin : NULL};
+	struct ep_combine_out co = {.out = out,
+				    .combined_topk_weights = w ? cwout : NULL};
+	TH_OK(ep_combine_ex(g, &h, &cin, &co));
+	uint64_t hs = fnv(0xcbf29ce484222325ull, out, (size_t)T * H * 2);
+	if (w)
+		hs = fnv(hs, cwout, (size_t)T * K * 4);
+	hash[3] = hs;
+	TH_OK(ep_handle_release(g, &h));
+	free(y);
+	free(cwin);
+	free(dout.recv_x);
+	free(dout.recv_topk_idx);
+	free(dout.recv_topk_weights);
+	free(dout.num_recv_tokens_per_expert);
+}
+
+/* Phase 1: rank i of all jobs' ranks together. */
+static int place_rank(int i, void *arg)
+{
+	(void)arg;
+	int jn = 0;
+	while (i >= S->job[jn].nnodes * RPN)
+		i -= S->job[jn++].nnodes * RPN;
+	struct job *j = &S->job[jn];
+	ep_conn_t *c;
+	ep_group_t *g = job_join(j, i, &c);
+	for (int k = 0; k < ROUNDS; k++)
+		job_round(j, g, i, k, &j->hash[j->solo][i][k * 4]);
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	return 0;
+}
+
+static int world_of(bool solo)
+{
+	int w = 0;
+	for (int k = 0; k < NJOBS; k++) {
+		S->job[k].solo = solo;
+		w += S->job[k].nnodes * RPN;
+	}
+	return w;
+}
+
+static void phase_jobs(uint64_t seed)
+{
+	uint64_t s = seed;
+	char where[512];
+	size_t off = 0;
+	for (int k = 0; k < NJOBS; k++) {
+		struct job *j = &S->job[k];
+		snprintf(j->name, sizeof(j->name), "place%d", k);
+		j->seed = seed * 977 + (uint64_t)k;
+		j->nnodes = 2 + (int)(rnd(&s) % (MAXJN - 1));
+		/* distinct nodes in random order; the last job takes the
+		 * cluster's last nodes, backwards (never the first entries
+		 * of peers in order) */
+		for (int n = 0; n < j->nnodes; n++) {
+			bool again;
+			do {
+				j->node[n] = k == NJOBS - 1
+						     ? N - 1 - n
+						     : (int)(rnd(&s) % (uint32_t)N);
+				again = false;
+				for (int o = 0; o < n; o++)
+					again |= j->node[o] == j->node[n];
+			} while (again);
+		}
+		off += (size_t)snprintf(where + off, sizeof(where) - off,
+					"%s%s on", k ? "; " : "", j->name);
+		for (int n = 0; n < j->nnodes; n++)
+			off += (size_t)snprintf(where + off,
+						sizeof(where) - off, " n%d",
+						j->node[n]);
+	}
+	for (int solo = 1; solo >= 0; solo--) {
+		const int w = world_of(solo);
+		pid_t *pids = calloc((size_t)w, sizeof(*pids));
+		TH_CHECK(pids, "out of memory");
+		th_spawn(pids, w, place_rank, NULL);
+		TH_CHECK(th_wait_all(pids, w, 300) == 0,
+			 "%s run failed (seed %llu; %s)",
+			 solo ? "one-node" : "cluster",
+			 (unsigned long long)seed, where);
+		free(pids);
+	}
+	for (int k = 0; k < NJOBS; k++) {
+		struct job *j = &S->job[k];
+		for (int r = 0; r < j->nnodes * RPN; r++)
+			for (int op = 0; op < NOPS; op++)
+				TH_CHECK(j->hash[0][r][op] == j->hash[1][r][op],
+					 "%s rank %d op %d differs from one "
+					 "node (seed %llu; %s)",
+					 j->name, r, op,
+					 (unsigned long long)seed, where);
+	}
+	printf("ok: %d jobs at once on %d daemons (%s): barrier, dispatch, "
+	       "cached dispatch, combine bitwise equal to one node (seed "
+	       "%llu)\n",
+	       NJOBS, N, where, (unsigned long long)seed);
+}
+
+/* Phase 2: job 0 (A) and job 1 (B) on disjoint nodes. */
+static int kill_rank(int i, void *arg)
+{
+	(void)arg;
+	const int jn = i >= S->job[0].nnodes * RPN;
+	if (jn)
+		i -= S->job[0].nnodes * RPN;
+	struct job *j = &S->job[jn];
+	ep_conn_t *c;
+	ep_group_t *g = job_join(j, i, &c);
+	uint64_t hash[4];
+	job_round(j, g, i, 0, hash);
+	__sync_fetch_and_add(&S->joined, 1);
+	while (S->stage < 1)
+		th_sleep_ms(5);
+	/* a node in no job was killed: nothing changes */
+	job_round(j, g, i, 1, hash);
+	__sync_fetch_and_add(&S->done, 1);
+	while (S->stage < 2)
+		th_sleep_ms(5);
+	char victim[16];
+	snprintf(victim, sizeof(victim), "n%d", S->victim);
+	if (jn == 1) { /* B: untouched */
+		for (int k = 2; k < 4; k++)
+			job_round(j, g, i, k, hash);
+		TH_OK(ep_leave(g));
+		ep_close(c);
+		return 0;
+	}
+	if (j->node[i / RPN] == S->victim)
+		return 0; /* its daemon is gone */
+	int rc = ep_barrier(g);
+	TH_EXPECT_RC(rc, EP_EPEERLOST);
+	TH_CHECK(strstr(ep_errmsg(), victim), "the error does not name %s: %s",
+		 victim, ep_errmsg());
+	ep_leave(g);
+	ep_close(c);
+	return 0;
+}
+
+static void kill_daemon(int n)
+{
+	kill(D[n].pid, SIGKILL);
+	th_reap(D[n].pid, 10);
+	D[n].pid = 0;
+}
+
+static void phase_kill(uint64_t seed)
+{
+	/* A on nodes 1,3,5..., B on 2,4,...; node 0 in neither */
+	uint64_t s = seed ^ 0x5eed;
+	memset(S, 0, sizeof(*S));
+	for (int k = 0; k < 2; k++) {
+		struct job *j = &S->job[k];
+		snprintf(j->name, sizeof(j->name), "kill%c", 'A' + k);
+		j->seed = seed + (uint64_t)k;
+		j->nnodes = 2 + (int)(rnd(&s) % (MAXJN - 1));
+		for (int n = 0; n < j->nnodes; n++)
+			j->node[n] = 1 + k + 2 * n;
+		/* reversed order for one of them */
+		for (int n = 0; k && n < j->nnodes / 2; n++) {
+			int t = j->node[n];
+			j->node[n] = j->node[j->nnodes - 1 - n];
+			j->node[j->nnodes - 1 - n] = t;
+		}
+	}
+	const int w = (S->job[0].nnodes + S->job[1].nnodes) * RPN;
+	pid_t pids[2 * MAXW];
+	th_spawn(pids, w, kill_rank, NULL);
+	for (int t = 0; S->joined < w; t++) {
+		TH_CHECK(t < 6000, "the ranks never joined");
+		th_sleep_ms(5);
+	}
+	kill_daemon(0);
+	S->stage = 1;
+	for (int t = 0; S->done < w; t++) {
+		TH_CHECK(t < 6000, "a job stopped when a node in no job died");
+		th_sleep_ms(5);
+	}
+	S->victim = S->job[0].node[1];
+	kill_daemon(S->victim);
+	S->stage = 2;
+	TH_CHECK(th_wait_all(pids, w, 120) == 0, "the kill phase failed");
+	printf("ok: node n0 (in no job) killed: jobs %s and %s untouched; "
+	       "node n%d of %s killed: %s failed with EP_EPEERLOST naming "
+	       "it, %s ran on\n",
+	       S->job[0].name, S->job[1].name, S->victim, S->job[0].name,
+	       S->job[0].name, S->job[1].name);
+}
+
+/* Joins that name their nodes wrongly. */
+static void expect_join(int daemon, const char *name, uint32_t world,
+			uint32_t rank, const char *const *list, int want,
+			const char *msg)
+{
+	ep_conn_t *c;
+	ep_group_t *g;
+	TH_OK(ep_connect(D[daemon].sock, &c));
+	struct ep_group_config cfg = {
+		.name = name, .world_size = world, .ranks_per_node = 1,
+		.rank = rank, .num_experts = world * 4, .hidden = H,
+		.max_tokens_per_rank = TMAX, .topk = K,
+		.dtype = EP_DTYPE_BF16, .timeout_ms = 3000};
+	TH_EXPECT_RC(ep_join_nodes(c, &cfg, list, EP_JOIN_NOWAIT, &g), want);
+	TH_CHECK(strstr(ep_errmsg(), msg), "want '%s' in: %s", msg,
+		 ep_errmsg());
+	ep_close(c);
+}
+
+static void phase_bad(void)
+{
+	const char *unknown[] = {"n1", "nowhere"};
+	expect_join(1, "bad1", 2, 0, unknown, EP_EINVAL,
+		    "names node nowhere, which this daemon does not know");
+	const char *twice[] = {"n1", "n1"};
+	expect_join(1, "bad2", 2, 1, twice, EP_EMISMATCH,
+		    "names this node (n1) as node 0, but rank 1 is on node 1");
+	const char *twice2[] = {"n1", "n2", "n1"};
+	expect_join(1, "bad3", 3, 0, twice2, EP_EINVAL, "names node n1 twice");
+	const char *other[] = {"n2", "n1"};
+	expect_join(1, "bad4", 2, 0, other, EP_EMISMATCH,
+		    "names n2 as node 0, where rank 0 lives; this daemon is "
+		    "n1");
+	/* two ranks of one node, lists that differ */
+	ep_conn_t *c;
+	ep_group_t *g;
+	TH_OK(ep_connect(D[1].sock, &c));
+	struct ep_group_config cfg = {
+		.name = "bad6", .world_size = 4, .ranks_per_node = 2,
+		.rank = 0, .num_experts = 16, .hidden = H,
+		.max_tokens_per_rank = TMAX, .topk = K,
+		.dtype = EP_DTYPE_BF16, .timeout_ms = 3000};
+	const char *l1[] = {"n1", "n2"}, *l2[] = {"n1", "n3"};
+	TH_OK(ep_join_nodes(c, &cfg, l1, EP_JOIN_NOWAIT, &g));
+	cfg.rank = 1;
+	ep_conn_t *c2;
+	ep_group_t *g2;
+	TH_OK(ep_connect(D[1].sock, &c2));
+	TH_EXPECT_RC(ep_join_nodes(c2, &cfg, l2, EP_JOIN_NOWAIT, &g2),
+		     EP_EMISMATCH);
+	TH_CHECK(strstr(ep_errmsg(), "names other nodes"), "%s", ep_errmsg());
+	ep_close(c2);
+	ep_close(c);
+	/* ranks of different nodes told different lists: each node accepts
+	 * its own, and the nodes find out from each other's shape */
+	const char *la[] = {"n1", "n2", "n3"}, *lb[] = {"n1", "n2", "n4"};
+	const char *const *lists[] = {la, lb, la};
+	ep_conn_t *cs[3];
+	ep_group_t *gs[3];
+	for (uint32_t r = 0; r < 3; r++) {
+		struct ep_group_config c3 = {
+			.name = "bad7", .world_size = 3, .ranks_per_node = 1,
+			.rank = r, .num_experts = 12, .hidden = H,
+			.max_tokens_per_rank = TMAX, .topk = K,
+			.dtype = EP_DTYPE_BF16, .timeout_ms = 20000};
+		TH_OK(ep_connect(D[1 + r].sock, &cs[r]));
+		/* a join after the others found out fails at once */
+		int rc = ep_join_nodes(cs[r], &c3, lists[r], EP_JOIN_NOWAIT,
+				       &gs[r]);
+		TH_CHECK(rc == 0 || rc == EP_EMISMATCH, "rank %u: %s", r,
+			 ep_errmsg());
+		if (rc)
+			gs[r] = NULL;
+	}
+	const uint64_t t0 = th_now_ns();
+	for (int r = 0; r < 3; r++) {
+		if (!gs[r])
+			continue;
+		TH_EXPECT_RC(ep_barrier(gs[r]), EP_EMISMATCH);
+		TH_CHECK(strstr(ep_errmsg(), "named others") ||
+				 strstr(ep_errmsg(), "naming its nodes"),
+			 "rank %d: %s", r, ep_errmsg());
+	}
+	TH_CHECK(th_now_ns() - t0 < 10000000000ull,
+		 "the mismatch took the timeout");
+	for (int r = 0; r < 3; r++)
+		ep_close(cs[r]);
+	printf("ok: a join naming an unknown node, a node twice, another "
+	       "node in this one's place, another list than its node's, or than another node's: "
+	       "each refused with what is wrong\n");
+}
+
+int main(void)
+{
+	th_init("test_placement", 900);
+	N = 32;
+	const char *e = getenv("EPD_TEST_NODES");
+	if (e && atoi(e) >= 10 && atoi(e) <= TH_MAX_NODES)
+		N = atoi(e);
+	D = calloc((size_t)N, sizeof(*D));
+	S = th_shared(sizeof(*S));
+	TH_CHECK(D && S, "out of memory");
+	uint64_t seed = (uint64_t)time(NULL) ^ (uint64_t)getpid();
+	const char *se = getenv("EPD_TEST_SEED");
+	if (se)
+		seed = strtoull(se, NULL, 10);
+	/* heartbeats every 250 ms: N*(N-1) beats a period on two cores */
+	const char *extra[] = {"-o", "heartbeat_ms=250", NULL};
+	th_daemon_start(&SOLO, NULL);
+	th_cluster_start(D, N, "epdplace", extra);
+	printf("ok: %d daemons on loopback see each other\n", N);
+	phase_jobs(seed);
+	phase_bad();
+	phase_kill(seed);
+	for (int i = 0; i < N; i++)
+		if (D[i].pid)
+			th_daemon_stop(&D[i]);
+	th_daemon_stop(&SOLO);
+	printf("ok\n");
+	return 0;
+}
