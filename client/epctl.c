@@ -280,6 +280,14 @@ static int check(json_t *root, bool quiet)
 		}
 	}
 	json_t *d = json_object_get(root, "daemon");
+	json_t *rl = json_object_get(d, "reload");
+	if (json_is_true(json_object_get(rl, "failed")) && off < sizeof(why)) {
+		int n = snprintf(why + off, sizeof(why) - off,
+				 "%sthe last reload failed (the running "
+				 "configuration is the one before): %s",
+				 off ? "; " : "", jstr(rl, "error"));
+		off += n > 0 ? (size_t)n : 0;
+	}
 	if (!quiet) {
 		if (off)
 			printf("degraded: %s\n", why);

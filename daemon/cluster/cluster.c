@@ -95,6 +95,11 @@ static int load_key(struct epd_cluster *cl, const char *path, char *err,
 			 strerror(errno));
 		return -1;
 	}
+	struct stat st;
+	if (!fstat(fd, &st) && (st.st_mode & 077))
+		epd_warn("cluster key %s can be read by others (mode %04o): "
+			 "whoever reads it can join the cluster; chmod 600 it",
+			 path, (unsigned)(st.st_mode & 07777));
 	ssize_t n = read(fd, buf, sizeof(buf));
 	close(fd);
 	if (n < 16) {
@@ -362,6 +367,61 @@ static int pick_transport(struct epd_cluster *cl,
 
 static const struct epd_span_ops span_ops;
 
+/* What start needs of the configuration before any socket: the peers
+ * (this node among them), the key, and this node's address to listen on
+ * (into sa). */
+static int cluster_prepare(struct epd_cluster *cl,
+			   const struct epd_config *cfg,
+			   struct sockaddr_storage *sa, char *err,
+			   size_t errlen)
+{
+	if (parse_peers(cl, cfg->peers, cfg->node_name, err, errlen))
+		return -1;
+	if (!cfg->cluster_key_file[0]) {
+		snprintf(err, errlen, "peers given but no cluster_key_file");
+		return -1;
+	}
+	if (load_key(cl, cfg->cluster_key_file, err, errlen))
+		return -1;
+	const struct cnode *me = &cl->node[cl->self];
+	if (!cl_resolve(me->host, me->port, sa))
+		return 0;
+	/* a name: resolved once, here, to the address to listen on */
+	struct addrinfo *res = NULL;
+	int rc = getaddrinfo(me->host, NULL, &resolve_hints, &res);
+	if (rc || cl_first_addr(res, me->port, sa)) {
+		snprintf(err, errlen,
+			 "host '%s' of this node does not resolve: %s",
+			 me->host, rc ? gai_strerror(rc) : "no IPv4/IPv6 address");
+		if (res)
+			freeaddrinfo(res);
+		return -1;
+	}
+	freeaddrinfo(res);
+	return 0;
+}
+
+int epd_cluster_check(const struct epd_config *cfg, char *err, size_t errlen)
+{
+	if (!cfg->peers || !cfg->peers[0])
+		return 0;
+	if (sodium_init() < 0) {
+		snprintf(err, errlen, "libsodium failed to initialize");
+		return -1;
+	}
+	struct epd_cluster *cl = calloc(1, sizeof(*cl));
+	if (!cl) {
+		snprintf(err, errlen, "out of memory");
+		return -1;
+	}
+	struct sockaddr_storage sa;
+	int rc = cluster_prepare(cl, cfg, &sa, err, errlen);
+	sodium_memzero(cl->key, sizeof(cl->key));
+	free(cl->node);
+	free(cl);
+	return rc;
+}
+
 int epd_cluster_init(struct epd_server *srv,
 		     const struct epd_transport_ops *const *transports,
 		     char *err, size_t errlen)
@@ -385,35 +445,13 @@ int epd_cluster_init(struct epd_server *srv,
 	LIST_INIT(&xn->xzombies);
 	cl->srv = srv;
 	LIST_INIT(&cl->conns);
-	if (parse_peers(cl, cfg->peers, cfg->node_name, err, errlen))
-		goto err;
-	if (pick_transport(cl, transports, cfg->transport, err, errlen))
-		goto err;
-	if (!cfg->cluster_key_file[0]) {
-		snprintf(err, errlen, "peers given but no cluster_key_file");
-		goto err;
-	}
-	if (load_key(cl, cfg->cluster_key_file, err, errlen))
+	struct sockaddr_storage sa;
+	if (cluster_prepare(cl, cfg, &sa, err, errlen) ||
+	    pick_transport(cl, transports, cfg->transport, err, errlen))
 		goto err;
 	epd_cluster_id(cl->key, cl->cluster_id);
 	cl->node[cl->self].state = NODE_SELF;
-	struct sockaddr_storage sa;
 	struct cnode *me = &cl->node[cl->self];
-	if (cl_resolve(me->host, me->port, &sa)) {
-		/* a name: resolved once, here, to the address to listen on */
-		struct addrinfo *res = NULL;
-		int rc = getaddrinfo(me->host, NULL, &resolve_hints, &res);
-		if (rc || cl_first_addr(res, me->port, &sa)) {
-			snprintf(err, errlen,
-				 "host '%s' of this node does not resolve: %s",
-				 me->host,
-				 rc ? gai_strerror(rc) : "no IPv4/IPv6 address");
-			if (res)
-				freeaddrinfo(res);
-			goto err;
-		}
-		freeaddrinfo(res);
-	}
 	cl->tr = cl->tops->open(srv->loop, &cl_tr_cb, cl, err, errlen);
 	if (!cl->tr)
 		goto err;

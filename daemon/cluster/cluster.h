@@ -23,6 +23,9 @@ struct epd_transport_ops;
 int epd_cluster_init(struct epd_server *srv,
 		     const struct epd_transport_ops *const *transports,
 		     char *err, size_t errlen);
+/* The checks epd_cluster_init makes of cfg, without starting anything
+ * (epd -t): 0, or -1 with err saying why. */
+int epd_cluster_check(const struct epd_config *cfg, char *err, size_t errlen);
 void epd_cluster_stop(struct epd_server *srv);
 void epd_cluster_free(struct epd_server *srv);
 /* The transport if it has one-sided writes (rdma), else NULL (tcp, or no

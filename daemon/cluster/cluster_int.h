@@ -38,6 +38,7 @@
 #include "transport/transport.h"
 #include "epp_rbuf.h"
 
+#include <sys/stat.h>
 #include <sys/uio.h>
 
 #include <errno.h>

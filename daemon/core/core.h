@@ -329,6 +329,10 @@ struct epd_server {
 	struct epd_config cfg;
 	char config_path[256];
 	bool config_existed; /* then a reload needs it */
+	/* reloads (SIGHUP), and the last one's result: failed, why, when */
+	uint64_t reloads, reload_failures, reload_ns;
+	bool reload_failed;
+	char reload_error[256];
 	char **overrides;    /* -o key=value, for reloads */
 	int noverrides;
 	uv_poll_t listen_poll;

@@ -1,6 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /* epd: the expert-parallel communication daemon. */
 #include "server.h"
+#include "cluster/cluster.h"
 
 #include <getopt.h>
 #include <sys/resource.h>
@@ -121,6 +122,14 @@ int main(int argc, char **argv)
 		}
 	epd_log_level = cfg.log_level;
 	if (check) {
+		/* every check start makes of the configuration, short of
+		 * opening sockets and devices */
+		char err[512];
+		if (epd_cluster_check(&cfg, err, sizeof(err))) {
+			fprintf(stderr, "epd: %s\n", err);
+			rc = 1;
+			goto out;
+		}
 		printf("configuration ok\n");
 		goto out;
 	}

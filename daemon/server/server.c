@@ -222,11 +222,21 @@ static void on_hup(uv_signal_t *h, int sig)
 	epd_sd_notify("RELOADING=1\nMONOTONIC_USEC=%lu",
 		   (unsigned long)(epd_now_ns() / 1000));
 	struct epd_config c;
-	if (reload_config(srv, &c)) {
+	srv->reloads++;
+	srv->reload_ns = epd_now_ns();
+	epd_log_capture(srv->reload_error, sizeof(srv->reload_error));
+	const int failed = reload_config(srv, &c);
+	epd_log_capture(NULL, 0);
+	srv->reload_failed = failed;
+	if (failed) {
+		/* seen in the status and by epctl check (degraded) until a
+		 * reload succeeds */
+		srv->reload_failures++;
 		epd_err("reload of %s failed; keeping the running "
 			"configuration",
 			srv->config_path);
 	} else {
+		srv->reload_error[0] = 0;
 		if (strcmp(c.socket_path, srv->cfg.socket_path))
 			epd_warn("socket path changes need a restart; still "
 				 "on %s",

@@ -177,6 +177,17 @@ char *epd_status_json(struct epd_server *srv, uid_t viewer)
 				      "bytes", (json_int_t)srv->cfg.limits.bytes));
 	json_object_set_new(json_object_get(root, "daemon"), "limit_refusals",
 			    json_integer((json_int_t)srv->n_limited));
+	/* SIGHUP reloads: a failed one keeps the running configuration, and
+	 * says so here until one succeeds */
+	json_object_set_new(
+		json_object_get(root, "daemon"), "reload",
+		json_pack("{s:I, s:I, s:b, s:s, s:f}", "count",
+			  (json_int_t)srv->reloads, "failures",
+			  (json_int_t)srv->reload_failures, "failed",
+			  srv->reload_failed, "error", srv->reload_error,
+			  "age_s",
+			  srv->reload_ns ? (double)(now - srv->reload_ns) / 1e9
+					 : 0.0));
 	/* how often the event loop stood still (util/stall.h) */
 	uint64_t stalls, longest;
 	epd_stall_stats(&stalls, &longest);

@@ -16,6 +16,16 @@
 
 int epd_log_level = EPD_LOG_INFO;
 static bool journal;
+static _Thread_local char *capture;
+static _Thread_local size_t capture_cap;
+
+void epd_log_capture(char *buf, size_t cap)
+{
+	capture = buf;
+	capture_cap = cap;
+	if (buf && cap)
+		buf[0] = 0;
+}
 
 static const char *const names[] = {
 	[EPD_LOG_ERR] = "error", [EPD_LOG_WARN] = "warning",
@@ -140,6 +150,8 @@ void epd_log(int level, const char *fmt, ...)
 	for (char *q = line; *q; q++)
 		if ((unsigned char)*q < 0x20 || *q == 0x7f)
 			*q = '?';
+	if (level <= EPD_LOG_ERR && capture && capture_cap && !capture[0])
+		snprintf(capture, capture_cap, "%s", line);
 	if (journal) {
 #ifdef HAVE_LIBSYSTEMD
 		if (journal_send(level, line) == 0)

@@ -3,6 +3,8 @@
 #ifndef EPD_LOG_H
 #define EPD_LOG_H
 
+#include <stddef.h>
+
 enum epd_log_level {
 	EPD_LOG_ERR = 3,
 	EPD_LOG_WARN = 4,
@@ -28,6 +30,10 @@ struct epd_log_fields {
 void epd_log_fields(const char *line, struct epd_log_fields *f);
 void epd_log(int level, const char *fmt, ...)
 	__attribute__((format(printf, 2, 3)));
+/* From here on, this thread's first error message is also kept in buf
+ * (cap bytes; "" until one comes); NULL stops. The error of a reload
+ * that failed, for the status. */
+void epd_log_capture(char *buf, size_t cap);
 
 #include <stdint.h>
 

@@ -161,14 +161,27 @@ static void check_reload(struct th_daemon *d)
 	TH_CHECK(!hup(d, 2), "a bad file was applied");
 	TH_CHECK(new_group_timeout(d, "\"timeout_ms\":1234"),
 		 "a bad file changed the timeout");
+	/* the failure shows: epctl check says degraded, and why */
+	char cmd[512], out[2048];
+	snprintf(cmd, sizeof(cmd), "%s -s %s check 2>&1", th_epctl_bin(),
+		 d->sock);
+	int rc = run_cmd(cmd, out, sizeof(out));
+	TH_CHECK(rc == 1 && strstr(out, "the last reload failed") &&
+			 strstr(out, "bad value 'lots' for 'timeout_ms'"),
+		 "epctl check after a failed reload (exit %d): %s", rc, out);
 	unlink(d->conf);
 	TH_CHECK(!hup(d, 3), "a deleted file was applied");
 	TH_CHECK(new_group_timeout(d, "\"timeout_ms\":1234"),
 		 "a deleted file reset the timeout");
 	f = fopen(d->conf, "w");
 	fclose(f);
+	TH_CHECK(hup(d, 4), "a good file refused");
+	rc = run_cmd(cmd, out, sizeof(out));
+	TH_CHECK(rc == 0, "epctl check after a good reload (exit %d): %s", rc,
+		 out);
 	printf("ok: a bad or deleted file on reload keeps the running "
-	       "configuration\n");
+	       "configuration, and epctl check says degraded naming the "
+	       "error until a reload succeeds\n");
 }
 
 static void check_shutdown(struct th_daemon *d)
@@ -304,6 +317,23 @@ static void check_bad_configs(const char *dir)
 	TH_CHECK(f, "key file");
 	fputs("a-test-cluster-key\n", f);
 	fclose(f);
+	TH_CHECK(!chmod(key, 0600), "chmod");
+	char shortkey[512];
+	snprintf(shortkey, sizeof(shortkey), "%s/k5", dir);
+	f = fopen(shortkey, "w");
+	TH_CHECK(f, "key file");
+	fputs("12345", f);
+	fclose(f);
+	/* a line past the INI parser's limit, which it would split */
+	char longline[600];
+	size_t lo = (size_t)snprintf(longline, sizeof(longline),
+				     "[epd]\nnode_name = a\npeers = ");
+	for (int i = 0; i < 12; i++)
+		lo += (size_t)snprintf(longline + lo, sizeof(longline) - lo,
+				       "%sgpu-node-%02d@127.0.0.1:71%02d",
+				       i ? ", " : "", i, i);
+	snprintf(longline + lo, sizeof(longline) - lo,
+		 "\ncluster_key_file = %%s\n");
 	struct {
 		const char *text, *args, *frag;
 	} cases[] = {
@@ -346,6 +376,23 @@ static void check_bad_configs(const char *dir)
 		{"[epd]\nnode_name = a\npeers = a@127.0.0.1:1, "
 		 "b@127.0.0.1:2\n",
 		 "", "no cluster_key_file"},
+		/* epd -t makes the checks start makes */
+		{"[epd]\nnode_name = a\npeers = a@127.0.0.1:1, "
+		 "b@127.0.0.1:2\n",
+		 "-t", "no cluster_key_file"},
+		{"[epd]\nnode_name = c\npeers = a@127.0.0.1:1, "
+		 "b@127.0.0.1:2\ncluster_key_file = %s\n",
+		 "-t", "node_name 'c' is not in peers"},
+		{"[epd]\nnode_name = a\npeers = a@127.0.0.1:1, "
+		 "b@127.0.0.1:2\ncluster_key_file = %s5\n",
+		 "-t", "need at least 16 bytes"},
+		{"[epd]\nnode_name = a\npeers = a@127.0.0.1:1, "
+		 "b@127.0.0.1:2x\ncluster_key_file = %s\n",
+		 "-t", "bad port '2x' for b"},
+		{"[epd]\nnode_name = a\npeers = a@127.0.0.1:1, "
+		 "a@127.0.0.1:2\ncluster_key_file = %s\n",
+		 "-t", "a listed twice"},
+		{longline, "-t", "line longer than 199 bytes"},
 		{"[epd]\nnode_name = a\npeers = a@127.0.0.1:1, "
 		 "b@127.0.0.1:2\ncluster_key_file = %s\ntransport = rdma\n",
 		 "", "transport rdma: "},
@@ -412,6 +459,67 @@ static void check_bad_configs(const char *dir)
 	       "cuda_combine_fetch take their values\n");
 }
 
+/* Configurations of any size: 128 nodes of realistic names, the file's
+ * peers over many lines (each under the parser's limit), and the same
+ * list as one -o value of about 4 KB. epd -t takes both whole: the last
+ * node is this one, so a list cut short would fail. No daemon starts, so
+ * nothing dials the (loopback) addresses. */
+static void check_large_configs(const char *dir)
+{
+	const char *epd = getenv("EPD_BIN") ? getenv("EPD_BIN") : "./epd";
+	enum { NODES = 128 };
+	char key[512], conf[512], sock[512], out[4096];
+	snprintf(key, sizeof(key), "%s/k", dir);
+	snprintf(conf, sizeof(conf), "%s/large.conf", dir);
+	snprintf(sock, sizeof(sock), "%s/large.sock", dir);
+	char *one = malloc(NODES * 48), *cmd = malloc(NODES * 48 + 1024);
+	TH_CHECK(one && cmd, "out of memory");
+	FILE *f = fopen(conf, "w");
+	TH_CHECK(f, "config file");
+	fprintf(f, "[epd]\nnode_name = gpu-node-%03d.rack%02d\n", NODES - 1,
+		(NODES - 1) / 16);
+	fprintf(f, "cluster_key_file = %s\npeers =", key);
+	size_t off = 0;
+	for (int i = 0; i < NODES; i++) {
+		char ent[64];
+		snprintf(ent, sizeof(ent),
+			 "gpu-node-%03d.rack%02d@127.0.%d.%d:7101", i, i / 16,
+			 i / 200, 1 + i % 200);
+		/* four a line, the continuation indented */
+		fprintf(f, "%s%s%s", i % 4 ? ", " : (i ? ",\n  " : " "), ent,
+			"");
+		off += (size_t)snprintf(one + off, (size_t)NODES * 48 - off,
+					"%s%s", i ? "," : "", ent);
+	}
+	fprintf(f, "\n");
+	fclose(f);
+	snprintf(cmd, (size_t)NODES * 48 + 1024, "%s -s %s -c %s -t 2>&1",
+		 epd, sock, conf);
+	TH_CHECK(run_cmd(cmd, out, sizeof(out)) == 0 &&
+			 strstr(out, "configuration ok"),
+		 "a 128-node peers list over several lines: %s", out);
+	/* the file's list replaced by -o, this node the last entry */
+	snprintf(cmd, (size_t)NODES * 48 + 1024,
+		 "%s -s %s -c %s -t -o peers=%s 2>&1", epd, sock, conf, one);
+	TH_CHECK(run_cmd(cmd, out, sizeof(out)) == 0 &&
+			 strstr(out, "configuration ok"),
+		 "a 128-node peers list of %zu bytes in -o: %s", off, out);
+	/* and a list cut before this node is refused: not silently taken */
+	char *cut = strstr(one, "gpu-node-127");
+	TH_CHECK(cut, "the list");
+	cut[-1] = 0;
+	snprintf(cmd, (size_t)NODES * 48 + 1024,
+		 "%s -s %s -c %s -t -o peers=%s 2>&1", epd, sock, conf, one);
+	TH_CHECK(run_cmd(cmd, out, sizeof(out)) != 0 &&
+			 strstr(out, "is not in peers"),
+		 "a list without this node: %s", out);
+	free(one);
+	free(cmd);
+	printf("ok: 128 nodes of realistic names, in the file over several "
+	       "lines and as one -o value of %zu bytes: taken whole\n",
+	       off);
+}
+
 static void low_soft_nofile(void)
 {
 	struct rlimit rl = {256, 4096};
@@ -476,6 +584,7 @@ int main(void)
 
 	check_shutdown(&d);
 	check_bad_configs(d.dir);
+	check_large_configs(d.dir);
 
 	/* A stale socket file (its daemon died) is replaced at start. */
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
