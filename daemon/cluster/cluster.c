@@ -161,14 +161,37 @@ static void fail_groups(struct epd_cluster *cl, int n, const char *why)
 	}
 }
 
+bool cl_dials(const struct epd_cluster *cl, int n)
+{
+	return cl->srv->cfg.peer_connect_all
+		       ? n > cl->self
+		       : strcmp(cl->node[cl->self].name, cl->node[n].name) < 0;
+}
+
+/* Is node n wanted: connected to, and watched? */
+static bool wanted(const struct epd_cluster *cl, int n)
+{
+	return cl->srv->cfg.peer_connect_all || cl->node[n].groups > 0;
+}
+
 void cl_node_down(struct epd_cluster *cl, int n, const char *why)
 {
 	struct cnode *nd = &cl->node[n];
+	nd->since_ns = epd_now_ns();
+	cl->epoch++;
+	if (nd->idle_close || !wanted(cl, n)) {
+		/* closed for lack of use (here or there): no failure */
+		nd->idle_close = false;
+		nd->state = NODE_IDLE;
+		epd_info("node %s (index %d): connection closed (%s), no group "
+			 "here spans it; view epoch %llu",
+			 nd->name, n, why, (unsigned long long)cl->epoch);
+		epd_xop_node_down(cl->srv, (uint32_t)n);
+		return;
+	}
 	nd->state = NODE_DOWN;
 	nd->downs++;
-	nd->since_ns = epd_now_ns();
 	snprintf(nd->why, sizeof(nd->why), "%s", why);
-	cl->epoch++;
 	epd_warn("node %s (index %d) down: %s; view epoch %llu", nd->name, n,
 		 why, (unsigned long long)cl->epoch);
 	fail_groups(cl, n, why);
@@ -189,6 +212,16 @@ void cl_node_up(struct pconn *c)
 	cl->epoch++;
 	epd_notice("node %s (index %d) up at %s; view epoch %llu", nd->name,
 		   c->peer, c->addr, (unsigned long long)cl->epoch);
+	/* groups that waited for it, and now have every node */
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &cl->srv->groups)
+	{
+		struct epd_group *g = LIST_ENTRY(it, struct epd_group, node);
+		if (g->await_nodes &&
+		    epd_group_node_of(g, (uint32_t)c->peer) != UINT32_MAX &&
+		    cl->srv->span->nodes_up(g))
+			epd_group_nodes_up(g);
+	}
 }
 
 /* A handshake refused, by us or by the peer: counted, kept for the status
@@ -203,7 +236,16 @@ void cl_note_rejection(struct epd_cluster *cl, const char *who,
 	epd_log_limited(&cl->srv->log_rl, "peer connection %s rejected: %s", who, why);
 }
 
-/* This node's row of the matrix: S self, U up, D down. */
+/* S self, U up, D down, I idle (on demand: no group here spans it). */
+static char state_letter(int state)
+{
+	return state == NODE_SELF ? 'S'
+	       : state == NODE_UP ? 'U'
+	       : state == NODE_IDLE ? 'I'
+				    : 'D';
+}
+
+/* This node's row of the matrix (state_letter). */
 static void my_row(const struct epd_cluster *cl, char *row)
 {
 	if (cl->n > MATRIX_MAX) {
@@ -211,9 +253,7 @@ static void my_row(const struct epd_cluster *cl, char *row)
 		return;
 	}
 	for (int n = 0; n < cl->n; n++)
-		row[n] = cl->node[n].state == NODE_SELF ? 'S'
-			 : cl->node[n].state == NODE_UP ? 'U'
-							: 'D';
+		row[n] = state_letter(cl->node[n].state);
 	row[cl->n] = 0;
 }
 
@@ -223,7 +263,8 @@ static void on_tick(uv_timer_t *t)
 	const struct epd_config *cfg = &cl->srv->cfg;
 	uint64_t now = epd_now_ns();
 	uint64_t silent = (uint64_t)cfg->heartbeat_ms * cfg->heartbeat_miss *
-			  1000000ull;
+			  1000000ull,
+		 linger = (uint64_t)cfg->peer_linger_ms * 1000000ull;
 	uint8_t buf[8 + 2 + MATRIX_MAX + 8];
 	struct epp_peer_heartbeat hb = {.epoch = cl->epoch};
 	my_row(cl, hb.row);
@@ -248,10 +289,19 @@ static void on_tick(uv_timer_t *t)
 			cl_conn_close(nd->conn, why);
 			continue;
 		}
+		if (nd->state == NODE_UP && !wanted(cl, n) && cl_dials(cl, n) &&
+		    now - nd->unused_ns >= linger) {
+			/* on demand: unused past the linger; the dialler
+			 * closes (the other side sees an idle node too) */
+			nd->idle_close = true;
+			cl_conn_close(nd->conn, "unused");
+			continue;
+		}
 		if (nd->state == NODE_UP)
 			cl_conn_send(nd->conn, EPP_PEER_HEARTBEAT, buf,
 				  (uint32_t)hbn);
-		else if (n > cl->self && !nd->conn && now >= nd->next_dial_ns)
+		else if (wanted(cl, n) && cl_dials(cl, n) && !nd->conn &&
+			 now >= nd->next_dial_ns)
 			cl_dial(cl, n);
 	}
 }
@@ -450,6 +500,8 @@ int epd_cluster_init(struct epd_server *srv,
 	    pick_transport(cl, transports, cfg->transport, err, errlen))
 		goto err;
 	epd_cluster_id(cl->key, cl->cluster_id);
+	for (int n = 0; n < cl->n; n++)
+		cl->node[n].state = cfg->peer_connect_all ? NODE_DOWN : NODE_IDLE;
 	cl->node[cl->self].state = NODE_SELF;
 	struct cnode *me = &cl->node[cl->self];
 	cl->tr = cl->tops->open(srv->loop, &cl_tr_cb, cl, err, errlen);
@@ -600,10 +652,9 @@ void *epd_cluster_status(struct epd_server *srv)
 		struct cnode *nd = &cl->node[n];
 		const char *st = nd->state == NODE_SELF ? "self"
 				 : nd->state == NODE_UP ? "up"
+				 : nd->state == NODE_IDLE ? "idle"
 							: "down";
-		row[n] = nd->state == NODE_SELF ? 'S'
-			 : nd->state == NODE_UP ? 'U'
-						: 'D';
+		row[n] = state_letter(nd->state);
 		char addr[80];
 		snprintf(addr, sizeof(addr), "%s:%d", nd->host, nd->port);
 		json_array_append_new(
@@ -794,6 +845,69 @@ static void span_failed(struct epd_group *g, int code, const char *msg,
 	epd_xop_drop(g); /* a running job is dropped when it ends */
 }
 
+static void span_formed(struct epd_group *g)
+{
+	struct epd_cluster *cl = g->srv->cluster;
+	for (uint32_t n = 0; n < g->nnodes; n++) {
+		const int cn = (int)g->node_map[n];
+		struct cnode *nd = &cl->node[cn];
+		if (n == g->node_index || nd->groups++)
+			continue;
+		if (nd->state == NODE_IDLE)
+			nd->state = NODE_DOWN; /* wanted now */
+		/* dial at once, not at the next tick */
+		if (nd->state != NODE_UP && !nd->conn && cl_dials(cl, cn)) {
+			nd->backoff_ns = 0;
+			nd->next_dial_ns = 0;
+			cl_dial(cl, cn);
+		}
+	}
+}
+
+/* The group no longer spans its nodes here: each that no other group
+ * spans lingers (peer_linger_ms), then its connection closes. */
+static void nodes_release(struct epd_group *g)
+{
+	struct epd_cluster *cl = g->srv->cluster;
+	for (uint32_t n = 0; cl && n < g->nnodes; n++) {
+		struct cnode *nd = &cl->node[g->node_map[n]];
+		if (n == g->node_index || !nd->groups || --nd->groups)
+			continue;
+		nd->unused_ns = epd_now_ns();
+		if (nd->state == NODE_DOWN && !cl->srv->cfg.peer_connect_all)
+			nd->state = NODE_IDLE; /* no longer wanted */
+	}
+}
+
+static bool span_nodes_up(struct epd_group *g)
+{
+	struct epd_cluster *cl = g->srv->cluster;
+	for (uint32_t n = 0; n < g->nnodes; n++)
+		if (n != g->node_index &&
+		    cl->node[g->node_map[n]].state != NODE_UP)
+			return false;
+	return true;
+}
+
+static void span_nodes_missing(struct epd_group *g, char *out, size_t cap)
+{
+	struct epd_cluster *cl = g->srv->cluster;
+	size_t off = 0;
+	out[0] = 0;
+	for (uint32_t n = 0; n < g->nnodes && off + 1 < cap; n++) {
+		const struct cnode *nd = &cl->node[g->node_map[n]];
+		if (n == g->node_index || nd->state == NODE_UP)
+			continue;
+		int w = snprintf(out + off, cap - off, "%s%s%s%s%s",
+				 off ? ", " : "", nd->name,
+				 nd->why[0] ? " (" : "", nd->why,
+				 nd->why[0] ? ")" : "");
+		off += w > 0 ? (size_t)w : 0;
+	}
+	if (off >= cap && cap > 4)
+		snprintf(out + cap - 4, 4, "...");
+}
+
 static void span_ready(struct epd_group *g)
 {
 	epd_xop_announce(g); /* its shape to the others, who compare */
@@ -802,6 +916,7 @@ static void span_ready(struct epd_group *g)
 
 static void span_freed(struct epd_group *g)
 {
+	nodes_release(g);
 	epd_xop_drop(g);
 	epd_xbufs_trim(g->srv);
 	epd_xwin_free(g);
@@ -811,6 +926,9 @@ static const struct epd_span_ops span_ops = {
 	.self = span_self,
 	.size = span_size,
 	.resolve = span_resolve,
+	.formed = span_formed,
+	.nodes_up = span_nodes_up,
+	.nodes_missing = span_nodes_missing,
 	.arrival = span_arrival,
 	.op_start = epd_xop_start,
 	.missing = epd_xop_missing,

@@ -57,7 +57,9 @@
 #define MATRIX_MAX EPP_MAX_NODES
 #define NONCE 32
 
-enum { NODE_DOWN, NODE_UP, NODE_SELF };
+/* DOWN: wanted (a group here spans it, or peer_connect = all) and not
+ * connected; IDLE: neither wanted nor connected (on-demand). */
+enum { NODE_DOWN, NODE_UP, NODE_SELF, NODE_IDLE };
 
 struct pconn {
 	struct epd_tconn *tc; /* the transport's; NULL once it is gone */
@@ -98,6 +100,9 @@ struct cnode {
 	uint64_t downs;
 	uint64_t next_dial_ns, backoff_ns; /* redial a failing node slower */
 	bool resolving; /* its host name is being looked up */
+	uint32_t groups;  /* groups here that span it (on-demand: wanted) */
+	uint64_t unused_ns; /* when the last of them went (linger from) */
+	bool idle_close;  /* our connection closes for lack of use */
 	char row[MATRIX_MAX + 1]; /* its view of the cluster (heartbeats) */
 	uint64_t epoch;          /* and its view epoch */
 	char why[128];
@@ -128,6 +133,9 @@ void cl_conn_close(struct pconn *c, const char *why);
 void cl_conn_send(struct pconn *c, uint16_t type, const void *p, uint32_t len);
 void cl_conn_write(struct pconn *c, uint16_t type, const void *a, size_t na, const void *b, size_t nb, struct epd_sref *ref);
 void cl_dial(struct epd_cluster *cl, int n);
+/* Does this node dial node n (when it wants it)? With peer_connect =
+ * all, the lower index dials; on demand, the lower name. */
+bool cl_dials(const struct epd_cluster *cl, int n);
 int cl_first_addr(const struct addrinfo *ai, int port, struct sockaddr_storage *sa);
 void cl_node_down(struct epd_cluster *cl, int n, const char *why);
 void cl_node_up(struct pconn *c);

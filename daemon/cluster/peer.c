@@ -96,7 +96,8 @@ static void on_hello(struct pconn *c, const uint8_t *p, uint32_t len)
 	    strcmp(cl->node[idx].name, name))
 		return cl_reject(c, "node '%s' (index %u) is not in peers", name,
 			      idx);
-	if (c->target >= 0 ? (int)idx != c->target : (int)idx > cl->self)
+	/* one connection a pair: the node that dials (cl_dials) */
+	if (c->target >= 0 ? (int)idx != c->target : cl_dials(cl, (int)idx))
 		return cl_reject(c, "node %s dialled the wrong way", name);
 	c->peer = (int)idx;
 	c->minor = minor;

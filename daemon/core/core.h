@@ -81,6 +81,14 @@ struct epd_span_ops {
 	int (*size)(const struct epd_server *srv);
 	/* The cluster's index of the node of that name, or -1. */
 	int (*resolve)(const struct epd_server *srv, const char *name);
+	/* A group spanning nodes was made here (its node_map set): the
+	 * cluster connects to its nodes (freed undoes it). */
+	void (*formed)(struct epd_group *g);
+	/* Is every other node of g connected? If not, the group waits
+	 * (forming) and the cluster calls epd_group_nodes_up(g) once they
+	 * are; nodes_missing names those it waits for ("n3 (why), n7"). */
+	bool (*nodes_up)(struct epd_group *g);
+	void (*nodes_missing)(struct epd_group *g, char *out, size_t cap);
 	/* Local index l entered barrier seq: to its rail peers; a down node
 	 * fails the group (then EP_EPEERLOST is returned). */
 	int (*arrival)(struct epd_group *g, uint32_t l, uint64_t seq);
@@ -217,6 +225,7 @@ struct epd_group {
 	 * the cluster's n (nodes_hash 0). */
 	uint32_t *node_map;
 	uint64_t nodes_hash;
+	bool await_nodes; /* every local rank joined; waits for its nodes */
 	/* [nnodes], across nodes: where node n's group of this key stands
 	 * for this one (enum epd_peer). A node sends its group's shape first
 	 * (GSHAPE), then the group's frames, and its failure (GFAIL) last,
@@ -385,6 +394,8 @@ int epd_group_async(struct epd_session *c, uint64_t req_id, uint64_t gid,
 /* By key (what other nodes send); a client's name becomes a key with
  * epd_group_key. */
 struct epd_group *epd_group_find(struct epd_server *srv, const char *key);
+/* Every node of g (waiting for them) is connected now. */
+void epd_group_nodes_up(struct epd_group *g);
 /* The group's node index of the cluster's node cn, or UINT32_MAX where cn
  * is none of the group's nodes. */
 uint32_t epd_group_node_of(const struct epd_group *g, uint32_t cn);

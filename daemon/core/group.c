@@ -113,6 +113,14 @@ void epd_group_free(struct epd_group *g)
 	free(g);
 }
 
+static void group_became_ready(struct epd_group *g);
+
+void epd_group_nodes_up(struct epd_group *g)
+{
+	if (g->state == EPD_G_FORMING && g->await_nodes)
+		group_became_ready(g);
+}
+
 uint32_t epd_group_node_of(const struct epd_group *g, uint32_t cn)
 {
 	for (uint32_t n = 0; n < g->nnodes; n++)
@@ -343,12 +351,22 @@ void epd_group_timeout(uv_timer_t *t)
 	char miss[512];
 	if (g->state == EPD_G_FORMING) {
 		/* Joiners waiting for readiness give up and are removed. */
-		epd_list_ranks(miss, sizeof(miss), g, epd_not_joined, NULL);
-		char msg[700];
-		snprintf(msg, sizeof(msg),
-			 "group %s not ready after %u ms; ranks never joined: "
-			 "%s",
-			 g->shape.name, g->timeout_ms, miss);
+		char msg[1200];
+		if (g->await_nodes) {
+			g->srv->span->nodes_missing(g, miss, sizeof(miss));
+			snprintf(msg, sizeof(msg),
+				 "group %s not ready after %u ms: every rank "
+				 "of this node joined, but these nodes of the "
+				 "group never connected: %s",
+				 g->shape.name, g->timeout_ms, miss);
+		} else {
+			epd_list_ranks(miss, sizeof(miss), g, epd_not_joined,
+				       NULL);
+			snprintf(msg, sizeof(msg),
+				 "group %s not ready after %u ms; ranks never "
+				 "joined: %s",
+				 g->shape.name, g->timeout_ms, miss);
+		}
 		epd_warn("%s", msg);
 		for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
 			struct epd_member *m = g->local[l];
@@ -535,6 +553,8 @@ static struct epd_group *group_create(struct epd_server *srv, uid_t owner,
 	uv_timer_init(srv->loop, &g->timer);
 	g->timer.data = g;
 	list_add_tail(&srv->groups, &g->node);
+	if (g->nnodes > 1)
+		srv->span->formed(g); /* connects to its nodes */
 	epd_info("group %s (id %lu, uid %u) created: world %u, %u per node, "
 		 "node %u, %u experts, hidden %u, %u tokens, top-%u, timeout "
 		 "%u ms, %u receive area%s",
@@ -615,6 +635,20 @@ static int shape_check(const struct epd_group *g, const struct epp_join *j,
 
 static void group_became_ready(struct epd_group *g)
 {
+	/* across nodes, once every node of the group is connected */
+	if (g->nnodes > 1 && !g->srv->span->nodes_up(g)) {
+		if (!g->await_nodes)
+			epd_info("group %s: every local rank joined; waiting "
+				 "for its nodes' connections",
+				 g->shape.name);
+		g->await_nodes = true;
+		if (!g->timer_closing &&
+		    !uv_is_active((uv_handle_t *)&g->timer))
+			uv_timer_start(&g->timer, epd_group_timeout,
+				       g->timeout_ms, 0);
+		return;
+	}
+	g->await_nodes = false;
 	g->state = EPD_G_READY;
 	uv_timer_stop(&g->timer);
 	if (g->dev) {
@@ -936,6 +970,10 @@ static int group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 		 g->njoined, g->shape.ranks_per_node);
 	if (g->njoined == g->shape.ranks_per_node) {
 		group_became_ready(g);
+		/* waiting for its nodes: a joiner that does not wait hears
+		 * now */
+		if (g->state == EPD_G_FORMING && (flags & EPP_F_JOIN_NOWAIT))
+			join_reply(m);
 	} else {
 		if (flags & EPP_F_JOIN_NOWAIT)
 			join_reply(m);

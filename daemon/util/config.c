@@ -33,6 +33,7 @@ void epd_config_defaults(struct epd_config *c)
 	snprintf(c->transport, sizeof(c->transport), "auto");
 	c->heartbeat_ms = 500;
 	c->heartbeat_miss = 4;
+	c->peer_linger_ms = 30000;
 	c->limits = (struct epd_limits){.conns_per_uid = 256,
 					.groups_per_uid = 64,
 					.bytes_per_uid = 1ull << 40,
@@ -240,6 +241,13 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 		if (parse_u32(v, 10, 60000, 10, &u))
 			return -2;
 		c->heartbeat_ms = u;
+	} else if (!strcmp(key, "peer_connect")) {
+		if (strcmp(v, "all") && strcmp(v, "on-demand"))
+			return -2;
+		c->peer_connect_all = !strcmp(v, "all");
+	} else if (!strcmp(key, "peer_linger_ms")) {
+		if (parse_u32(v, 0, 86400000, 10, &c->peer_linger_ms))
+			return -2;
 	} else if (!strcmp(key, "heartbeat_miss")) {
 		if (parse_u32(v, 2, 100, 10, &u))
 			return -2;

@@ -51,6 +51,11 @@ struct epd_config {
 	char cluster_key_file[256];
 	char transport[8];         /* auto|tcp|rdma */
 	uint32_t heartbeat_ms, heartbeat_miss;
+	/* peer_connect: false (on-demand, the default) connects to the
+	 * nodes this node's groups span, while they do and peer_linger_ms
+	 * after; true (all) to every node of peers */
+	bool peer_connect_all;
+	uint32_t peer_linger_ms;
 	/* Limits (0: none): per uid and for the whole daemon; root (uid 0)
 	 * is held to the daemon-wide ones only. Bytes are group buffers
 	 * (shared memory or GPU memory) charged to the group's owner. */

@@ -13,6 +13,8 @@
  * guest's software CPU) and the order between them would be lost.
  */
 #include "harness.h"
+
+#include <sys/stat.h>
 #include "epp.h"
 #include "epp_peer.h"
 #include "ref.h"
@@ -64,13 +66,17 @@ static void start_node(int i, const char *key, bool fresh)
 	snprintf(optv[i][3], 300, "heartbeat_ms=%d", BEAT_MS);
 	snprintf(optv[i][4], 300, "heartbeat_miss=%d", miss);
 	snprintf(optv[i][5], 300, "transport=%s", transport);
+	/* the membership matrix of every node: the whole mesh connected
+	 * (test_placement covers connections on demand) */
 	const char *args[] = {"-o", optv[i][0], "-o", optv[i][1], "-o",
 			      optv[i][2], "-o", optv[i][3], "-o",
-			      optv[i][4], "-o", optv[i][5], NULL};
+			      optv[i][4], "-o", optv[i][5], "-o",
+			      "peer_connect=all", NULL};
 	if (fresh)
 		th_daemon_start(&D[i], "-o", optv[i][0], "-o", optv[i][1], "-o",
 				optv[i][2], "-o", optv[i][3], "-o", optv[i][4],
-				"-o", optv[i][5], NULL);
+				"-o", optv[i][5], "-o", "peer_connect=all",
+				NULL);
 	else
 		th_daemon_start_in(&D[i], args);
 }
@@ -2318,6 +2324,7 @@ int main(void)
 	f = fopen(badkey, "w");
 	fprintf(f, "some-other-secret-that-is-not-the-key-%d\n", getpid());
 	fclose(f);
+	TH_CHECK(!chmod(keyfile, 0600) && !chmod(badkey, 0600), "chmod");
 	for (int i = 0; i < NODES; i++)
 		start_node(i, keyfile, true);
 	wait_all_up();

@@ -355,6 +355,55 @@ static void phase_kill(uint64_t seed)
 	       S->job[0].name, S->job[1].name);
 }
 
+/* Peers up in daemon d's status. */
+static int peers_up(int d)
+{
+	ep_conn_t *c;
+	char *js;
+	TH_OK(ep_connect(D[d].sock, &c));
+	TH_OK(ep_daemon_status(c, &js));
+	ep_close(c);
+	int up = 0;
+	for (const char *p = js; (p = strstr(p, "\"state\":\"up\"")); p++)
+		up++;
+	free(js);
+	return up;
+}
+
+/* Connections on demand: a daemon holds connections to the nodes its
+ * groups span, and none once they are gone (after the linger): its
+ * descriptors do not grow with the cluster. */
+static void phase_idle(const int *fds0)
+{
+	for (int t = 0;; t++) {
+		int up = 0;
+		for (int i = 0; i < N; i++)
+			up += peers_up(i);
+		if (!up)
+			break;
+		TH_CHECK(t < 500, "%d connections still up after the linger",
+			 up);
+		th_sleep_ms(20);
+	}
+	for (int i = 0; i < N; i++)
+		for (int t = 0;; t++) {
+			/* a closed connection's descriptor goes on the
+			 * loop's next turn */
+			int f = th_fds(D[i].pid);
+			if (f == fds0[i])
+				break;
+			TH_CHECK(t < 200,
+				 "daemon n%d holds %d descriptors idle, %d "
+				 "before the jobs",
+				 i, f, fds0[i]);
+			th_sleep_ms(10);
+		}
+	printf("ok: connections on demand: no daemon of %d holds a peer "
+	       "connection once its jobs are gone (linger 300 ms); each "
+	       "holds %d descriptors idle, as before any job\n",
+	       N, fds0[0]);
+}
+
 /* Joins that name their nodes wrongly. */
 static void expect_join(int daemon, const char *name, uint32_t world,
 			uint32_t rank, const char *const *list, int want,
@@ -410,7 +459,7 @@ static void phase_bad(void)
 	ep_close(c);
 	/* ranks of different nodes told different lists: each node accepts
 	 * its own, and the nodes find out from each other's shape */
-	const char *la[] = {"n1", "n2", "n3"}, *lb[] = {"n1", "n2", "n4"};
+	const char *la[] = {"n1", "n2", "n3"}, *lb[] = {"n3", "n2", "n1"};
 	const char *const *lists[] = {la, lb, la};
 	ep_conn_t *cs[3];
 	ep_group_t *gs[3];
@@ -433,7 +482,12 @@ static void phase_bad(void)
 	for (int r = 0; r < 3; r++) {
 		if (!gs[r])
 			continue;
-		TH_EXPECT_RC(ep_barrier(gs[r]), EP_EMISMATCH);
+		int rc;
+		/* joined without waiting: ready once its nodes connected */
+		while ((rc = ep_barrier(gs[r])) == EP_ENOTREADY &&
+		       th_now_ns() - t0 < 10000000000ull)
+			th_sleep_ms(10);
+		TH_EXPECT_RC(rc, EP_EMISMATCH);
 		TH_CHECK(strstr(ep_errmsg(), "named others") ||
 				 strstr(ep_errmsg(), "naming its nodes"),
 			 "rank %d: %s", r, ep_errmsg());
@@ -462,11 +516,24 @@ int main(void)
 	if (se)
 		seed = strtoull(se, NULL, 10);
 	/* heartbeats every 250 ms: N*(N-1) beats a period on two cores */
-	const char *extra[] = {"-o", "heartbeat_ms=250", NULL};
+	const char *extra[] = {"-o", "heartbeat_ms=250", "-o",
+			       "peer_linger_ms=300", NULL};
 	th_daemon_start(&SOLO, NULL);
 	th_cluster_start(D, N, "epdplace", extra);
-	printf("ok: %d daemons on loopback see each other\n", N);
+	int *fds0 = calloc((size_t)N, sizeof(int));
+	TH_CHECK(fds0, "out of memory");
+	for (int i = 0; i < N; i++) {
+		fds0[i] = th_fds(D[i].pid);
+		TH_CHECK(fds0[i] == fds0[0] && !peers_up(i),
+			 "daemon n%d starts with %d descriptors and %d peers "
+			 "up (n0: %d)",
+			 i, fds0[i], peers_up(i), fds0[0]);
+	}
+	printf("ok: %d daemons on loopback, none connected before a job "
+	       "(%d descriptors each)\n",
+	       N, fds0[0]);
 	phase_jobs(seed);
+	phase_idle(fds0);
 	phase_bad();
 	phase_kill(seed);
 	for (int i = 0; i < N; i++)

@@ -307,6 +307,7 @@ void th_cluster_start(struct th_daemon *d, int n, const char *tag,
 	TH_CHECK(f, "cannot write %s", key);
 	fprintf(f, "%s-cluster-key-%d-0123456789abcdef\n", tag, getpid());
 	fclose(f);
+	TH_CHECK(!chmod(key, 0600), "chmod %s", key);
 	for (int i = 0; i < n; i++) {
 		snprintf(kv[0], sizeof(kv[0]), "node_name=n%d", i);
 		snprintf(kv[2], sizeof(kv[2]), "cluster_key_file=%s", key);
@@ -326,8 +327,13 @@ void th_cluster_start(struct th_daemon *d, int n, const char *tag,
 		daemon_new(&d[i], args);
 	}
 	free(peers);
-	/* every node sees every other up: its row of the status has no D */
-	for (int i = 0; i < n; i++)
+	/* connected on demand (the default): nothing to wait for; with
+	 * peer_connect=all every node sees every other up: its row of the
+	 * status has no D */
+	bool all = false;
+	for (int k = 0; extra && extra[k]; k++)
+		all |= !strcmp(extra[k], "peer_connect=all");
+	for (int i = 0; all && i < n; i++)
 		for (int t = 0;; t++) {
 			ep_conn_t *c;
 			char *js = NULL;

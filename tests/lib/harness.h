@@ -79,8 +79,9 @@ bool th_daemon_alive(struct th_daemon *d);
  * over $EPD_TEST_TRANSPORT (tcp by default), one cluster key written under
  * a new temporary directory named by tag, heartbeats every 100 ms (misses
  * allowed: 20, 40 with EPD_TEST_SLOW); extra (NULL-terminated, may be
- * NULL) follows the cluster's arguments, so its -o settings win. Returns
- * once every node sees every other up. */
+ * NULL) follows the cluster's arguments, so its -o settings win. The
+ * daemons connect on demand (their default); with "peer_connect=all" in
+ * extra, returns once every node sees every other up. */
 #define TH_MAX_NODES 256
 void th_cluster_start(struct th_daemon *d, int n, const char *tag,
 		      const char *const *extra);
