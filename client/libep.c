@@ -329,30 +329,52 @@ static int pack_nodes(const struct ep_group_config *cfg,
 	return 0;
 }
 
-int ep_join_nodes(ep_conn_t *c, const struct ep_group_config *cfg,
-		  const char *const *nodes, unsigned flags, ep_group_t **out)
+int ep_join_ex(ep_conn_t *c, const struct ep_group_config *cfg,
+	       const struct ep_join_opts *opts, unsigned flags,
+	       ep_group_t **out)
 {
-	if (!nodes)
+	/* the caller's struct, as far as its size covers ours */
+	struct ep_join_opts o = {0};
+	if (opts) {
+		if (opts->size < sizeof(size_t))
+			return ep__fail(EP_EINVAL,
+					"ep_join_opts.size %zu: set it to "
+					"sizeof(struct ep_join_opts)",
+					opts->size);
+		memcpy(&o, opts, opts->size < sizeof(o) ? opts->size
+							: sizeof(o));
+	}
+	if (!o.nodes && !o.recv_rows)
 		return ep_join(c, cfg, flags, out);
 	if (!c || !cfg || !out)
 		return ep__fail(EP_EINVAL, "NULL argument");
 	if (c->minor < 21)
 		return ep__fail(EP_EUNSUPPORTED,
-				"the daemon speaks protocol 1.%u; a group "
-				"naming its nodes needs 1.21",
+				"the daemon speaks protocol 1.%u; node lists "
+				"and recv_rows need 1.21",
 				c->minor);
-	struct ep_group tmp = {0};
-	int rc = pack_nodes(cfg, nodes, (char **)&tmp.cfg.nodes,
-			    &tmp.cfg.num_nodes);
-	if (rc)
-		return rc;
-	rc = ep__join(c, cfg, flags, 0, &tmp, out);
-	free((char *)tmp.cfg.nodes);
+	struct epp_join ext = {.recv_rows = o.recv_rows};
+	char *packed = NULL;
+	if (o.nodes) {
+		int rc = pack_nodes(cfg, o.nodes, &packed, &ext.num_nodes);
+		if (rc)
+			return rc;
+		ext.nodes = packed;
+	}
+	int rc = ep__join(c, cfg, flags, 0, &ext, out);
+	free(packed);
 	return rc;
 }
 
+int ep_join_nodes(ep_conn_t *c, const struct ep_group_config *cfg,
+		  const char *const *nodes, unsigned flags, ep_group_t **out)
+{
+	const struct ep_join_opts o = {.size = sizeof(o), .nodes = nodes};
+	return ep_join_ex(c, cfg, &o, flags, out);
+}
+
 int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
-	     uint64_t link, const ep_group_t *ng, ep_group_t **out)
+	     uint64_t link, const struct epp_join *ext, ep_group_t **out)
 {
 	if (!c || !cfg || !out || !cfg->name)
 		return ep__fail(EP_EINVAL, "NULL argument");
@@ -394,18 +416,19 @@ int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 	 * low-latency pseudo group names the same nodes) */
 	char *nodes = NULL;
 	size_t nb = 0;
-	if (ng && ng->cfg.num_nodes) {
-		nb = (size_t)(epp_join_node(&ng->cfg, ng->cfg.num_nodes) -
-			      ng->cfg.nodes);
+	if (ext && ext->num_nodes) {
+		nb = (size_t)(epp_join_node(ext, ext->num_nodes) - ext->nodes);
 		nodes = malloc(nb);
 		if (!nodes)
 			return ep__fail(EP_ENOMEM, "out of memory");
-		memcpy(nodes, ng->cfg.nodes, nb);
+		memcpy(nodes, ext->nodes, nb);
 		j.nodes = nodes;
-		j.num_nodes = ng->cfg.num_nodes;
+		j.num_nodes = ext->num_nodes;
 	}
-	uint8_t *buf = malloc(256 + 8 + nb);
-	size_t n = buf ? epp_join_encode(&j, buf, 256 + 8 + nb) : 0;
+	if (ext)
+		j.recv_rows = ext->recv_rows;
+	uint8_t *buf = malloc(256 + 16 + nb);
+	size_t n = buf ? epp_join_encode(&j, buf, 256 + 16 + nb) : 0;
 	ep_group_t *g = n ? calloc(1, sizeof(*g)) : NULL;
 	if (!g) {
 		free(buf);

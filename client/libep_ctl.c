@@ -37,6 +37,19 @@ uint64_t ep__ctl_completed(const ep_group_t *g)
  * nothing: ". */
 static int op_cause(ep_group_t *g, int code, uint64_t pos)
 {
+	if (code == EP_ETOOBIG && pos != UINT64_MAX &&
+	    (pos & EPP_OP_ERR_RECV)) {
+		/* (flags |) rank << 32 | rows it would receive */
+		struct epp_buf lay;
+		(void)epp_buf_layout(&g->cfg, &lay);
+		return ep__fail(code,
+				"rank %llu would receive %u rows, above the "
+				"group's receive capacity of %llu rows a rank "
+				"(recv_rows at join)",
+				(unsigned long long)((pos >> 32) & 0xfffffffull),
+				(uint32_t)pos,
+				(unsigned long long)lay.max_recv);
+	}
 	if (code == EP_ETOOBIG && pos != UINT64_MAX) {
 		/* rank << 32 | its tokens, UINT32_MAX where a staged op's
 		 * rank asked on another node */

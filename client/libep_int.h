@@ -149,10 +149,10 @@ int ep__copies_check(const struct ep_copy *c, unsigned n, unsigned *todo);
 uint64_t ep__ctl_completed(const ep_group_t *g);
 
 /* ep_join linked to group id link (0: none; 1.16): the new group fails
- * whenever that one does, also while it forms; naming the nodes of
- * `nodes` (NULL: none), the list a group of theirs joined with (1.21). */
+ * whenever that one does, also while it forms; with ext (NULL: none)'s
+ * num_nodes/nodes and recv_rows (1.21). */
 int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
-	     uint64_t link, const ep_group_t *nodes, ep_group_t **out);
+	     uint64_t link, const struct epp_join *ext, ep_group_t **out);
 /* Unmap and free a group's handle (no message to the daemon). */
 void ep__group_free(ep_group_t *g);
 /* The low-latency mode: libep_llhost.c has the ep_ll_* calls, which

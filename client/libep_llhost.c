@@ -181,7 +181,10 @@ static int llh_setup(ep_group_t *g)
 		.dtype = EP_DTYPE_BF16, .timeout_ms = g->timeout_ms};
 	/* linked: a rank the group lost fails this join at once, not at
 	 * the pseudo group's timeout */
-	int rc = ep__join(g->conn, &ac, 0, g->id, g, &l->aux);
+	/* the pseudo group spans the group's nodes, as it names them */
+	const struct epp_join nodes = {.num_nodes = g->cfg.num_nodes,
+				       .nodes = g->cfg.nodes};
+	int rc = ep__join(g->conn, &ac, 0, g->id, &nodes, &l->aux);
 	if (!rc) {
 		/* the group owns it: freed with it, never on its own by
 		 * ep_close */

@@ -186,7 +186,10 @@ static int llx_setup(ep_group_t *g)
 		.topk = 1, .dtype = EP_DTYPE_BF16, .timeout_ms = g->timeout_ms,
 		.cuda_device = g->cuda_device};
 	struct ep_buffers ab;
-	rc = ep__join(g->conn, &ac, EP_JOIN_CUDA, g->id, g, &x->aux);
+	/* the pseudo group spans the group's nodes, as it names them */
+	const struct epp_join nodes = {.num_nodes = g->cfg.num_nodes,
+				       .nodes = g->cfg.nodes};
+	rc = ep__join(g->conn, &ac, EP_JOIN_CUDA, g->id, &nodes, &x->aux);
 	if (!rc) {
 		/* the group owns it: freed with it, never on its own by
 		 * ep_close */

@@ -283,14 +283,17 @@ const char *epp_join_node(const struct epp_join *j, uint32_t i)
 uint16_t epp_join_flags(const struct epp_join *j)
 {
 	return (j->link ? EPP_F_JOIN_LINK : 0) |
-	       (j->num_nodes ? EPP_F_JOIN_NODES : 0);
+	       (j->num_nodes ? EPP_F_JOIN_NODES : 0) |
+	       (j->recv_rows ? EPP_F_JOIN_RECV : 0);
 }
 
 size_t epp_join_encode(const struct epp_join *j, uint8_t *out, size_t cap)
 {
 	struct epp_wr w;
 	epp_wr_init(&w, out, cap);
-	/* 1.21: the node list first, with EPP_F_JOIN_NODES */
+	/* 1.21: recv_rows, then the node list, with their flags */
+	if (j->recv_rows)
+		epp_put_u32(&w, j->recv_rows);
 	if (j->num_nodes) {
 		const char *end = epp_join_node(j, j->num_nodes);
 		size_t nb = (size_t)(end - j->nodes);
@@ -366,6 +369,7 @@ int epp_join_decode(const uint8_t *p, size_t len, struct epp_join *j,
 	j->link = 0;
 	j->num_nodes = 0;
 	j->nodes = NULL;
+	j->recv_rows = 0;
 	size_t tail = r.len >= r.off ? r.len - r.off : 0;
 	if (tail == 20 || tail == 24) {
 		for (int i = 0; i < 16; i++)
@@ -491,8 +495,20 @@ static int join_decode_link(const uint8_t *p, size_t len, uint16_t flags,
 int epp_join_decode_flags(const uint8_t *p, size_t len, uint16_t flags,
 			  struct epp_join *j, char *err, size_t errlen)
 {
-	uint32_t num_nodes = 0;
+	uint32_t num_nodes = 0, recv_rows = 0;
 	const char *nodes = NULL;
+	if (flags & EPP_F_JOIN_RECV) {
+		struct epp_rd r;
+		epp_rd_init(&r, p, len);
+		recv_rows = epp_get_u32(&r);
+		if (r.err || !recv_rows) {
+			ERRF("malformed join payload: recv_rows %u (1 or more)",
+			     recv_rows);
+			return EP_EPROTO;
+		}
+		p += 4;
+		len -= 4;
+	}
 	if (flags & EPP_F_JOIN_NODES) {
 		size_t off = join_nodes_decode(p, len, j, err, errlen);
 		if (!off)
@@ -503,11 +519,19 @@ int epp_join_decode_flags(const uint8_t *p, size_t len, uint16_t flags,
 		len -= off;
 	}
 	int rc = join_decode_link(p, len, flags, j, err, errlen);
-	if (!rc) {
-		j->num_nodes = num_nodes;
-		j->nodes = nodes;
+	if (rc)
+		return rc;
+	j->num_nodes = num_nodes;
+	j->nodes = nodes;
+	j->recv_rows = recv_rows;
+	const uint64_t most = (uint64_t)j->world_size * j->max_tokens;
+	if (recv_rows > most) {
+		ERRF("recv_rows %u is above world_size x max_tokens_per_rank = "
+		     "%llu, the most a rank can receive",
+		     recv_rows, (unsigned long long)most);
+		return EP_EINVAL;
 	}
-	return rc;
+	return 0;
 }
 
 static int join_decode_link(const uint8_t *p, size_t len, uint16_t flags,
@@ -868,7 +892,10 @@ static uint64_t align_up(uint64_t v, uint64_t a)
 int epp_buf_layout(const struct epp_join *s, struct epp_buf *b)
 {
 	const uint64_t T = s->max_tokens, H = s->hidden, K = s->topk;
-	const uint64_t R = (uint64_t)s->world_size * T;
+	/* the rows a rank may receive: the job's recv_rows, else the worst
+	 * case (every token of every rank to this one) */
+	const uint64_t R = s->recv_rows ? s->recv_rows
+					: (uint64_t)s->world_size * T;
 	uint64_t sizes[EPP_BUF_NFIELDS];
 	if (s->ranks_per_node >= EPP_BUF_HEADER / EPP_CTL_SLOT)
 		return EP_ETOOBIG;

@@ -135,7 +135,14 @@
  *        daemon's node name, what a job's rendezvous gathers. A GSHAPE
  *        of a group that names its nodes ends with u64: a hash of the
  *        names in order (nodes that were told different lists fail the
- *        group with EP_EMISMATCH).
+ *        group with EP_EMISMATCH). A JOIN with EPP_F_JOIN_RECV starts
+ *        with u32 recv_rows (before the node list): the rows a rank of
+ *        the group may receive (1..world_size x max_tokens; without it,
+ *        that product), which sizes the receive fields; a dispatch that
+ *        would give a rank more fails alone on every rank (EP_ETOOBIG,
+ *        on the control page EPP_OP_ERR_TOOBIG | EPP_OP_ERR_RECV with
+ *        (rank << 32) | rows). A GSHAPE of such a group ends with u32
+ *        recv_rows (after the nodes' hash, if any).
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -213,7 +220,8 @@ enum epp_flags {
 				    on success */
 	EPP_F_JOIN_LINK = 0x4,   /* JOIN: linked to another group (1.16) */
 	EPP_F_JOIN_NODES = 0x8,  /* JOIN: the group's node list first (1.21) */
-	EPP_F_ALL = 0xf,
+	EPP_F_JOIN_RECV = 0x10,  /* JOIN: u32 recv_rows first (1.21) */
+	EPP_F_ALL = 0x1f,
 };
 
 struct epp_hdr {
@@ -244,6 +252,9 @@ struct epp_join {
 	 * caller's for encode). */
 	uint32_t num_nodes;
 	const char *nodes;
+	/* 1.21: with EPP_F_JOIN_RECV (not 0), the rows a rank may receive;
+	 * 0: world_size x max_tokens */
+	uint32_t recv_rows;
 };
 
 /* A node's name: [A-Za-z0-9_.-], 1..EPP_NODE_NAME_MAX characters. */
@@ -285,6 +296,9 @@ struct epp_join_ok {
 #define EPP_OP_ERR_HANDLE (1ull << 61)
 #define EPP_OP_ERR_TOOBIG (1ull << 63)
 #define EPP_OP_ERR_WAIT (1ull << 62)
+/* (1.21) With EPP_OP_ERR_TOOBIG: local or global rank (bits 32..59)
+ * would receive rows (bits 0..31), above the group's recv_rows. */
+#define EPP_OP_ERR_RECV (1ull << 60)
 /* (1.19) A bad expert index whose position this daemon does not know (a
  * staged op: another node found it, and its log names it). */
 #define EPP_OP_ERR_NOPOS (EPP_OP_ERR_HANDLE - 1)
@@ -595,11 +609,13 @@ const char *epp_type_name(uint16_t type);
 
 /* Payload codecs. decode returns 0 or EP_EPROTO/EP_EINVAL with a message. */
 size_t epp_join_encode(const struct epp_join *j, uint8_t *out, size_t cap);
-/* The flags a join's payload needs (EPP_F_JOIN_LINK, EPP_F_JOIN_NODES). */
+/* The flags a join's payload needs (EPP_F_JOIN_LINK, EPP_F_JOIN_NODES,
+ * EPP_F_JOIN_RECV). */
 uint16_t epp_join_flags(const struct epp_join *j);
-/* JOIN's payload as the header's flags say: with EPP_F_JOIN_NODES the
- * node list first (j->nodes points into p), with EPP_F_JOIN_LINK the last
- * 8 bytes are j->link (not 0), the rest as epp_join_decode. */
+/* JOIN's payload as the header's flags say: with EPP_F_JOIN_RECV u32
+ * recv_rows first, then with EPP_F_JOIN_NODES the node list (j->nodes
+ * points into p), with EPP_F_JOIN_LINK the last 8 bytes are j->link (not
+ * 0), the rest as epp_join_decode. */
 int epp_join_decode_flags(const uint8_t *p, size_t len, uint16_t flags,
 			  struct epp_join *j, char *err, size_t errlen);
 int epp_join_decode(const uint8_t *p, size_t len, struct epp_join *j,

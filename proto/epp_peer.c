@@ -181,17 +181,27 @@ int epp_peer_xrows_decode(const struct epp_peer_op *op, size_t rec,
 }
 
 int epp_peer_shape_decode(const struct epp_peer_op *op,
-			  uint32_t v[EPP_PEER_SHAPE_N], uint64_t *nodes_hash)
+			  uint32_t v[EPP_PEER_SHAPE_N], uint64_t *nodes_hash,
+			  uint32_t *recv_rows)
 {
 	struct epp_rd r;
 	epp_rd_init(&r, op->body, op->body_len);
 	for (int i = 0; i < EPP_PEER_SHAPE_N; i++)
 		v[i] = epp_get_u32(&r);
 	*nodes_hash = 0;
-	if (!r.err && r.len - r.off == 8) { /* 1.21: a named node list */
+	*recv_rows = 0;
+	/* 1.21: a named node list's hash (8 bytes), then recv_rows (4),
+	 * each only where set: the tail's length says which */
+	const size_t tail = r.err ? 0 : r.len - r.off;
+	if (tail == 8 || tail == 12) {
 		*nodes_hash = epp_get_u64(&r);
 		if (!*nodes_hash)
 			return EP_EPROTO; /* no list is sent as none */
+	}
+	if (tail == 4 || tail == 12) {
+		*recv_rows = epp_get_u32(&r);
+		if (!*recv_rows)
+			return EP_EPROTO;
 	}
 	return done(&r);
 }

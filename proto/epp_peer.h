@@ -103,11 +103,12 @@ int epp_peer_xrows_decode(const struct epp_peer_op *op, size_t rec,
 			  struct epp_peer_xrows *m);
 
 /* GSHAPE body: the group's shape, EPP_PEER_SHAPE_N u32 fields, then
- * (1.21) a u64 hash of its node list where the job named its nodes (0
- * here where it did not). */
+ * (1.21) a u64 hash of its node list where the job named its nodes, and
+ * u32 recv_rows where it set them (0 here where not). */
 #define EPP_PEER_SHAPE_N 8
 int epp_peer_shape_decode(const struct epp_peer_op *op,
-			  uint32_t v[EPP_PEER_SHAPE_N], uint64_t *nodes_hash);
+			  uint32_t v[EPP_PEER_SHAPE_N], uint64_t *nodes_hash,
+			  uint32_t *recv_rows);
 
 /* XWIN body: window id and n receive windows of (addr, rkey, len). */
 struct epp_peer_xwin {

@@ -195,6 +195,8 @@ size_t epd_xop_shape_encode(const char *key, const struct epp_join *j,
 		epp_put_u32(&w, v[i]);
 	if (nodes_hash) /* 1.21 */
 		epp_put_u64(&w, nodes_hash);
+	if (j->recv_rows)
+		epp_put_u32(&w, j->recv_rows);
 	return w.err ? 0 : w.off;
 }
 
@@ -229,7 +231,8 @@ static void check_shape(struct epd_group *g, uint32_t from,
 		"max_tokens", "topk", "dtype", "timeout_ms"};
 	uint32_t theirs[EPP_PEER_SHAPE_N];
 	uint64_t their_nodes, our_nodes;
-	if (epp_peer_shape_decode(op, theirs, &their_nodes)) {
+	uint32_t their_recv, our_recv;
+	if (epp_peer_shape_decode(op, theirs, &their_nodes, &their_recv)) {
 		epd_group_fail(g, EP_EPROTO, "node %s sent a malformed shape",
 			       epd_cluster_node_name(g, from));
 		return;
@@ -237,7 +240,7 @@ static void check_shape(struct epd_group *g, uint32_t from,
 	uint32_t ours[EPP_PEER_SHAPE_N];
 	struct epp_peer_op mo;
 	if (epp_peer_op_decode(mine, mlen, &mo) ||
-	    epp_peer_shape_decode(&mo, ours, &our_nodes)) {
+	    epp_peer_shape_decode(&mo, ours, &our_nodes, &our_recv)) {
 		epd_group_fail(g, EP_ENOMEM, "cannot encode the group's shape");
 		return;
 	}
@@ -251,6 +254,15 @@ static void check_shape(struct epd_group *g, uint32_t from,
 				       g->shape.name, names[i], b, a);
 			return;
 		}
+	}
+	if (their_recv != our_recv) {
+		epd_group_fail(g, EP_EMISMATCH,
+			       "node %s joined group %s with recv_rows %u; "
+			       "this node has %u (0: world_size x "
+			       "max_tokens)",
+			       epd_cluster_node_name(g, from), g->shape.name,
+			       their_recv, our_recv);
+		return;
 	}
 	if (their_nodes != our_nodes)
 		epd_group_fail(g, EP_EMISMATCH,

@@ -346,6 +346,13 @@ static void xjob_run(uv_work_t *req)
 		for (uint32_t s = 0; s < W; s++)
 			ek_route_source(&sh, x->route, s, io[s].topk_idx);
 		ek_route_finish(x->route);
+		/* every node routes alike: all refuse it, nothing is sent */
+		if (epd_recv_over(g, x->route, x->err, sizeof(x->err),
+				  &x->recv_pos)) {
+			x->rc = EP_ETOOBIG;
+			free(io);
+			return;
+		}
 	}
 	const struct ek_route *r = x->route;
 	if (x->type == EPP_DISPATCH) {
@@ -528,6 +535,8 @@ static void xjob_done(uv_work_t *req, int status)
 	}
 	if (x->rc == EP_EEXPERT)
 		toobig_wins(g, x);
+	if (x->rc == EP_ETOOBIG && x->recv_pos)
+		g->toobig_pos = x->recv_pos; /* a staged op's word */
 	if (x->rc) {
 		/* every node reaches the same verdict: nothing was sent */
 		xop_retire(g, x);

@@ -81,6 +81,7 @@ struct xdefer {
 
 struct epd_xop {
 	struct epd_group *g;
+	uint64_t recv_pos; /* past the receive capacity: its word */
 	struct xdefer *deferred; /* combine rows before the routing */
 	size_t deferred_bytes;
 	uint64_t id;

@@ -482,6 +482,13 @@ int epd_op_release(struct epd_session *c, uint64_t req_id,
 		   const struct epp_release *rl, bool quiet);
 
 /* ops.c, shared with the cross-node engine (cluster/xnode.c) */
+/* A fresh dispatch's routing r gives a rank more rows than the group's
+ * receive capacity (recv_rows): the op fails alone on every rank alike
+ * (EP_ETOOBIG, the lowest such rank named in err); *pos its control-page
+ * word (EPP_OP_ERR_RECV | rank << 32 | rows). Any thread. */
+struct ek_route;
+bool epd_recv_over(const struct epd_group *g, const struct ek_route *r,
+		   char *err, size_t errlen, uint64_t *pos);
 /* Did a rank of the dispatch (flags by rank, W of them) ask for more
  * tokens than the maximum? Then why, naming it. */
 bool epd_ops_toobig(struct epd_group *g, const uint32_t *flags, uint32_t W,

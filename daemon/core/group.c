@@ -604,6 +604,7 @@ static int shape_check(const struct epd_group *g, const struct epp_join *j,
 	CHECK(topk)
 	CHECK(dtype)
 	CHECK(recv_areas)
+	CHECK(recv_rows)
 #undef CHECK
 	uint32_t t = j->timeout_ms ? j->timeout_ms : g->srv->cfg.timeout_ms;
 	if (t != g->timeout_ms) {

@@ -43,6 +43,7 @@ struct job {
 	int rc;
 	char err[EPP_ERRMSG_MAX];
 	uint64_t bytes;
+	uint64_t recv_pos; /* rows past the receive capacity: its word */
 };
 
 /* Is the handle usable with this group? Replies the error itself. */
@@ -194,6 +195,11 @@ static void job_run(uv_work_t *req)
 		j->own_route = true;
 		epd_pool_run(pool, W, do_route, j);
 		ek_route_finish(j->route);
+		if (epd_recv_over(j->g, j->route, j->err, sizeof(j->err),
+				  &j->recv_pos)) {
+			j->rc = EP_ETOOBIG;
+			return;
+		}
 	}
 	if (make_items(j, W)) {
 		j->rc = EP_ENOMEM;
@@ -297,11 +303,31 @@ static void job_done(uv_work_t *req, int status)
 			 uv_strerror(status));
 	}
 	struct ek_route *r = j->route;
+	if (j->recv_pos)
+		g->toobig_pos = j->recv_pos; /* a staged op's word */
 	epd_ops_finish(g, j->type, j->cached, j->seq, &r, j->rc, j->err,
 		       j->bytes);
 	if (j->own_route && !r)
 		j->own_route = false; /* the ring has it now */
 	job_free(j);
+}
+
+bool epd_recv_over(const struct epd_group *g, const struct ek_route *r,
+		   char *err, size_t errlen, uint64_t *pos)
+{
+	const uint64_t cap = g->layout.max_recv;
+	for (uint32_t d = 0; d < r->world; d++) {
+		if (r->num_recv[d] <= cap)
+			continue;
+		snprintf(err, errlen,
+			 "rank %u would receive %u rows, above the group's "
+			 "receive capacity of %llu rows a rank (recv_rows at "
+			 "join); the dispatch changed nothing",
+			 d, r->num_recv[d], (unsigned long long)cap);
+		*pos = EPP_OP_ERR_RECV | (uint64_t)d << 32 | r->num_recv[d];
+		return true;
+	}
+	return false;
 }
 
 /* A dispatch one of whose ranks asked for too many tokens: every rank gets

@@ -412,7 +412,8 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 		return;
 	}
 	if ((h->flags &
-	     ~(EPP_F_JOIN_NOWAIT | EPP_F_JOIN_LINK | EPP_F_JOIN_NODES)) &&
+	     ~(EPP_F_JOIN_NOWAIT | EPP_F_JOIN_LINK | EPP_F_JOIN_NODES |
+	       EPP_F_JOIN_RECV)) &&
 	    h->type == EPP_JOIN) {
 		epd_session_error(&c->s, h->req_id, EP_EPROTO,
 				 "flags 0x%x not valid for join", h->flags);

@@ -290,6 +290,9 @@ enum {
  * the rest is the error word of the dispatch that made its handle, which
  * failed (EPP_OP_ERR_HANDLE) */
 #define EKC_ERR_HANDLE (1ull << 61)
+/* With EKC_ERR_TOOBIG: local rank d would receive rows above the group's
+ * receive capacity (max_recv): (d << 32) | rows (EP_ETOOBIG). */
+#define EKC_ERR_RECV (1ull << 60)
 #define EKC_ESTALE (-1009) /* EP_ESTALE */
 
 /* Dispatch and combine arguments. Pointers are device addresses; off[]
@@ -352,6 +355,7 @@ struct ekc_disp_args {
 	uint32_t *work;    /* next item of copy/combine (this GPU's), from ~0 */
 	void *host_ctl;    /* control page (device view), slots of 256 B */
 	uint32_t W, H, K, E, elt, nscales, Tmax, nblk_max;
+	uint32_t max_recv; /* rows a rank may receive (the group's recv_rows) */
 	uint32_t seq;
 	uint32_t cached;
 	uint32_t wait; /* kernels wait for the doorbells themselves (MPS) */

@@ -455,6 +455,16 @@ __device__ static void rank_prefix(const struct ekc_disp_args &a)
 	}
 }
 
+// Rank d would receive rows; past the group's receive capacity the op
+// fails (its error word; the lowest word of all wins, as for every error).
+__device__ static inline void recv_cap_check(const struct ekc_disp_args &a,
+					     uint32_t d, uint32_t rows)
+{
+	if (rows > a.max_recv)
+		atomicMin(a.err, EKC_ERR_TOOBIG | EKC_ERR_RECV |
+					 (unsigned long long)d << 32 | rows);
+}
+
 // A fresh dispatch's three-launch prep (cuda_fused_prep=no, or a grid that
 // does not fit), one block: warp w scans destination column w (and w + 32,
 // ...) over the (source, block) rows, 32 rows per step with warp shuffles;
@@ -505,6 +515,9 @@ extern "C" __global__ void __launch_bounds__(1024) ekc_scan(struct ekc_disp_args
 		if (lane == 0)
 			tot[c] = sum;
 	}
+	// a rank past its receive capacity: the op changes nothing
+	if (d < W)
+		recv_cap_check(a, d, tot[d]);
 	__syncthreads();
 	publish_pe(a);
 	if (d < W) {
@@ -682,6 +695,14 @@ extern "C" __global__ void __launch_bounds__(TPB) ekc_prep(struct ekc_disp_args 
 	grid_sync(a);
 	if (threadIdx.x == 0)
 		tr_begin(a, EKC_TR_SCAN);
+	// the receive totals against the capacity, once (block (0, 0)):
+	// the row copy waits for this grid, so it sees the verdict
+	if (s == 0 && b == 0)
+		for (uint32_t c = warp; c < W; c += TPB / 32) {
+			const uint32_t v = col_sum(a, c, W * a.nblk_max, lane);
+			if (lane == 0)
+				recv_cap_check(a, c, v);
+		}
 	const uint32_t row = s * a.nblk_max + b;
 	if (mine)
 		for (uint32_t c = warp; c < W; c += TPB / 32) {

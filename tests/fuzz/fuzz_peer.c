@@ -89,8 +89,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		}
 		uint32_t sh[EPP_PEER_SHAPE_N];
 		uint64_t nh;
-		if (epp_peer_shape_decode(&op, sh, &nh) == 0)
-			must(op.body_len == 4 * EPP_PEER_SHAPE_N + (nh ? 8 : 0),
+		uint32_t rr;
+		if (epp_peer_shape_decode(&op, sh, &nh, &rr) == 0)
+			must(op.body_len == 4 * EPP_PEER_SHAPE_N + (nh ? 8 : 0) +
+						   (rr ? 4 : 0),
 			     "shape");
 		struct epp_peer_xwin xw;
 		if (epp_peer_xwin_decode(&op, &xw) == 0) {

@@ -90,6 +90,80 @@ static int toobig_rank(int r, void *arg)
 	return 0;
 }
 
+/* A group that receives at most RECV rows a rank (recv_rows): its
+ * receive fields hold RECV rows; a dispatch that would give a rank more
+ * fails on every rank at once with EP_ETOOBIG naming the rank and the
+ * rows, changes nothing, and the group goes on; one within it gives what
+ * the same dispatch gives in a group of the worst-case capacity. */
+#define RECV 40
+static int recvcap_rank(int r, void *arg)
+{
+	struct shared *s = arg;
+	ep_conn_t *c;
+	ep_group_t *g, *gw;
+	struct ep_group_config cfg = cfg_of("recvcap", r), cw = cfg;
+	cw.name = "recvworst";
+	TH_OK(ep_connect(s->d->sock, &c));
+	const struct ep_join_opts o = {.size = sizeof(o), .recv_rows = RECV};
+	TH_OK(ep_join_ex(c, &cfg, &o, 0, &g));
+	TH_OK(ep_join(c, &cw, 0, &gw));
+	struct ep_buffers b, bw;
+	TH_OK(ep_get_buffers(g, &b));
+	TH_OK(ep_get_buffers(gw, &bw));
+	TH_CHECK(b.max_recv == RECV && bw.max_recv == (uint64_t)W * TMAX,
+		 "max_recv %llu and %llu",
+		 (unsigned long long)b.max_recv,
+		 (unsigned long long)bw.max_recv);
+	/* every token of every rank to expert 0 (rank 0): W x 16 rows */
+	const uint32_t T = 16;
+	fill(g, r, T);
+	for (uint32_t i = 0; i < T * K; i++)
+		b.topk_idx[i] = i % K ? -1 : 0;
+	memset((void *)b.recv_x, 0x5a, (size_t)RECV * H * 2);
+	ep_handle_t h;
+	uint64_t t0 = th_now_ns();
+	TH_EXPECT_RC(ep_dispatch_inplace(g, T, 0, NULL, &h), EP_ETOOBIG);
+	char want[128];
+	snprintf(want, sizeof(want),
+		 "rank 0 would receive %u rows, above the group's receive "
+		 "capacity of %u rows",
+		 W * T, RECV);
+	TH_CHECK(strstr(ep_errmsg(), want), "message: %s", ep_errmsg());
+	TH_CHECK(th_now_ns() - t0 < 2000000000ull * th_scale(),
+		 "it took the timeout");
+	TH_CHECK(th_all_is(b.recv_x, (size_t)RECV * H * 2, 0x5a),
+		 "the refused dispatch wrote rows");
+	/* within the capacity (8 tokens a rank: at most W x 8 = 32 rows
+	 * for any rank): as in the worst-case group, bitwise */
+	const uint32_t T2 = 8;
+	fill(g, r, T2);
+	fill(gw, r, T2);
+	TH_OK(ep_dispatch_inplace(g, T2, 0, NULL, &h));
+	ep_handle_t hw;
+	TH_OK(ep_dispatch_inplace(gw, T2, 0, NULL, &hw));
+	TH_CHECK(h.num_recv == hw.num_recv && h.num_recv <= RECV,
+		 "%u rows, %u in the worst-case group", h.num_recv,
+		 hw.num_recv);
+	TH_CHECK(!memcmp(b.recv_x, bw.recv_x, (size_t)h.num_recv * H * 2),
+		 "rows differ from the worst-case group's");
+	/* the experts return their rows, scaled by the rank */
+	for (size_t i = 0; i < (size_t)h.num_recv * H; i++)
+		b.combine_y[i] = bw.combine_y[i] =
+			(uint16_t)(((const uint16_t *)b.recv_x)[i] + r);
+	TH_OK(ep_combine_inplace(g, &h, 0));
+	TH_OK(ep_combine_inplace(gw, &hw, 0));
+	TH_CHECK(!th_all_is(b.combined, (size_t)T2 * H * 2, 0),
+		 "nothing combined");
+	TH_CHECK(!memcmp(b.combined, bw.combined, (size_t)T2 * H * 2),
+		 "combined rows differ from the worst-case group's");
+	if (r == 0)
+		snprintf(s->msg[0], sizeof(s->msg[0]), "%s", want);
+	TH_OK(ep_leave(g));
+	TH_OK(ep_leave(gw));
+	ep_close(c);
+	return 0;
+}
+
 /* Everyone dispatches; rank 2 names an expert out of range. */
 static int bad_expert_rank(int r, void *arg)
 {
@@ -622,6 +696,12 @@ int main(void)
 	TH_CHECK(th_wait_all(pids, W, 60) == 0, "argument case");
 	th_spawn(pids, W, areas_rank, s);
 	TH_CHECK(th_wait_all(pids, W, 60) == 0, "receive areas case");
+	th_spawn(pids, W, recvcap_rank, s);
+	TH_CHECK(th_wait_all(pids, W, 60) == 0, "receive capacity case");
+	printf("ok: recv_rows %d: a dispatch past it -> every rank at once, "
+	       "nothing written: %s; one within it equals the worst-case "
+	       "group's\n",
+	       RECV, s->msg[0]);
 	th_spawn(pids, W, toobig_rank, s);
 	TH_CHECK(th_wait_all(pids, W, 60) == 0, "too many tokens case");
 	printf("ok: one rank's dispatch of too many tokens -> every rank at "

@@ -355,6 +355,50 @@ static void phase_kill(uint64_t seed)
 	       S->job[0].name, S->job[1].name);
 }
 
+/* A job across nodes n2, n1 (that order) receiving at most 24 rows a
+ * rank: a dispatch of every token to rank 0 fails on every rank of both
+ * nodes at once; one within the capacity then runs. */
+static int recvcap_rank(int r, void *arg)
+{
+	(void)arg;
+	const uint32_t W = 4, T = 8;
+	struct ep_group_config cfg = {
+		.name = "recvcap", .world_size = W, .ranks_per_node = RPN,
+		.rank = (uint32_t)r, .num_experts = W * 4, .hidden = H,
+		.max_tokens_per_rank = T, .topk = K, .dtype = EP_DTYPE_BF16,
+		.timeout_ms = 20000};
+	const char *nodes[] = {"n2", "n1"};
+	const struct ep_join_opts o = {.size = sizeof(o), .nodes = nodes,
+				       .recv_rows = 24};
+	ep_conn_t *c;
+	ep_group_t *g;
+	TH_OK(ep_connect(D[r < RPN ? 2 : 1].sock, &c));
+	TH_OK(ep_join_ex(c, &cfg, &o, 0, &g));
+	struct ep_buffers b;
+	TH_OK(ep_get_buffers(g, &b));
+	TH_CHECK(b.max_recv == 24, "max_recv %llu",
+		 (unsigned long long)b.max_recv);
+	uint16_t *x = b.x;
+	for (uint32_t i = 0; i < T * H; i++)
+		x[i] = (uint16_t)(0x3c00 + i % 512);
+	for (uint32_t i = 0; i < T * K; i++)
+		b.topk_idx[i] = i % K ? -1 : 1; /* expert 1: rank 0 */
+	ep_handle_t h;
+	const uint64_t t0 = th_now_ns();
+	TH_EXPECT_RC(ep_dispatch_inplace(g, T, 0, NULL, &h), EP_ETOOBIG);
+	TH_CHECK(strstr(ep_errmsg(), "rank 0 would receive 32 rows"), "%s",
+		 ep_errmsg());
+	TH_CHECK(th_now_ns() - t0 < 10000000000ull, "it took the timeout");
+	for (uint32_t i = 0; i < T * K; i++)
+		b.topk_idx[i] = i % K ? -1 : (int64_t)((i / K) % 16);
+	TH_OK(ep_dispatch_inplace(g, T, 0, NULL, &h));
+	TH_CHECK(h.num_recv <= 24, "%u rows", h.num_recv);
+	TH_OK(ep_combine_inplace(g, &h, 0));
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	return 0;
+}
+
 /* Peers up in daemon d's status. */
 static int peers_up(int d)
 {
@@ -496,6 +540,11 @@ static void phase_bad(void)
 		 "the mismatch took the timeout");
 	for (int r = 0; r < 3; r++)
 		ep_close(cs[r]);
+	pid_t rp[4];
+	th_spawn(rp, 4, recvcap_rank, NULL);
+	TH_CHECK(th_wait_all(rp, 4, 60) == 0, "the receive capacity case");
+	printf("ok: recv_rows across nodes: a dispatch past it fails on "
+	       "every rank of both nodes at once, the next one runs\n");
 	printf("ok: a join naming an unknown node, a node twice, another "
 	       "node in this one's place, another list than its node's, or than another node's: "
 	       "each refused with what is wrong\n");

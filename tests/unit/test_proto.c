@@ -134,6 +134,81 @@ static void join_areas(void)
 		 "a region holds the areas");
 }
 
+/* 1.21: a join naming its nodes and its receive capacity; malformed
+ * lists refused; the layout of a fixed capacity is the same size at any
+ * world size. */
+static void join_nodes_recv(void)
+{
+	uint8_t b[512];
+	char err[256];
+	struct epp_join j = good_join(), o;
+	static const char names[] = "gpu-a\0gpu-b";
+	j.nodes = names;
+	j.num_nodes = 2;
+	j.recv_rows = 9000;
+	const uint16_t fl = epp_join_flags(&j);
+	TH_CHECK(fl == (EPP_F_JOIN_NODES | EPP_F_JOIN_RECV), "flags 0x%x", fl);
+	size_t n = epp_join_encode(&j, b, sizeof(b));
+	TH_OK(epp_join_decode_flags(b, n, fl, &o, err, sizeof(err)));
+	TH_CHECK(o.num_nodes == 2 && !strcmp(epp_join_node(&o, 0), "gpu-a") &&
+			 !strcmp(epp_join_node(&o, 1), "gpu-b") &&
+			 o.recv_rows == 9000 && o.world_size == 8,
+		 "round trip");
+	/* without the flags the same bytes are not a join */
+	TH_CHECK(epp_join_decode_flags(b, n, 0, &o, err, sizeof(err)),
+		 "read without its flags");
+	/* a bad name, a name past the list's bytes, a count of 0 */
+	static const char bad[] = "gpu a\0gpu-b";
+	j.nodes = bad;
+	n = epp_join_encode(&j, b, sizeof(b));
+	TH_EXPECT_RC(epp_join_decode_flags(b, n, fl, &o, err, sizeof(err)),
+		     EP_EPROTO);
+	TH_CHECK(strstr(err, "node 0 of the group's list"), "'%s'", err);
+	j.nodes = names;
+	n = epp_join_encode(&j, b, sizeof(b));
+	b[4] = 3; /* 3 names in the bytes of 2 */
+	TH_EXPECT_RC(epp_join_decode_flags(b, n, fl, &o, err, sizeof(err)),
+		     EP_EPROTO);
+	b[4] = 0;
+	TH_EXPECT_RC(epp_join_decode_flags(b, n, fl, &o, err, sizeof(err)),
+		     EP_EPROTO);
+	/* recv_rows past world x max_tokens */
+	j.recv_rows = 8 * 4096 + 1;
+	n = epp_join_encode(&j, b, sizeof(b));
+	TH_EXPECT_RC(epp_join_decode_flags(b, n, fl, &o, err, sizeof(err)),
+		     EP_EINVAL);
+	TH_CHECK(strstr(err, "recv_rows 32769"), "'%s'", err);
+	/* DeepSeek-V3's shape, 8192 rows a rank: a rank's region at world
+	 * 8 and 256 differs by the rank prefix matrix alone (W^2 x 4
+	 * bytes), where the worst case grows 32-fold */
+	struct epp_buf l8, l256, w8, w256;
+	struct epp_join d = good_join();
+	d.dtype = EP_DTYPE_BF16;
+	d.ranks_per_node = 1;
+	d.num_experts = 256;
+	d.recv_rows = 8192;
+	d.world_size = 8;
+	TH_OK(epp_buf_layout(&d, &l8));
+	d.world_size = 256;
+	TH_OK(epp_buf_layout(&d, &l256));
+	d.recv_rows = 0;
+	TH_OK(epp_buf_layout(&d, &w256));
+	d.world_size = 8;
+	TH_OK(epp_buf_layout(&d, &w8));
+	TH_CHECK(l8.max_recv == 8192 && l256.max_recv == 8192, "max_recv");
+	TH_CHECK(l256.rank_stride - l8.rank_stride <= (4u << 20),
+		 "a rank's region grew from %llu to %llu bytes with the world",
+		 (unsigned long long)l8.rank_stride,
+		 (unsigned long long)l256.rank_stride);
+	TH_CHECK(w256.rank_stride > 16 * w8.rank_stride,
+		 "the worst case does grow with the world");
+	printf("ok: a rank's region at recv_rows 8192 (DeepSeek-V3 shape): "
+	       "%.2f GB at world 8, %.2f GB at 256 (worst case: %.2f and "
+	       "%.2f GB)\n",
+	       l8.rank_stride / 1e9, l256.rank_stride / 1e9,
+	       w8.rank_stride / 1e9, w256.rank_stride / 1e9);
+}
+
 static void join_codec(void)
 {
 	uint8_t b[256];
@@ -450,6 +525,7 @@ int main(void)
 	hdr_rejects();
 	join_codec();
 	join_areas();
+	join_nodes_recv();
 	other_codecs();
 	combine_places();
 	frames_with_fds();

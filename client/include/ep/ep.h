@@ -131,6 +131,29 @@ int ep_join(ep_conn_t *conn, const struct ep_group_config *cfg,
 int ep_join_nodes(ep_conn_t *conn, const struct ep_group_config *cfg,
 		  const char *const *nodes, unsigned flags, ep_group_t **out);
 
+/* More of a join, for ep_join_ex. The caller sets size to
+ * sizeof(struct ep_join_opts) as it was compiled: the library reads no
+ * field past it (taken as 0), so the struct can grow. */
+struct ep_join_opts {
+	size_t size;
+	/* the group's nodes, as ep_join_nodes; NULL: node i is the i-th
+	 * entry of peers */
+	const char *const *nodes;
+	/* The rows a rank of the group may receive (the receive fields'
+	 * size, every rank alike, else EP_EMISMATCH): 1 ..
+	 * world_size * max_tokens_per_rank; 0: that product, the worst
+	 * case (every token of every rank to one rank), which grows with
+	 * the world. A dispatch that would give a rank more fails on every
+	 * rank alike with EP_ETOOBIG naming the rank and the rows, and
+	 * changes nothing (DeepEP's num_worst_tokens plays this role). */
+	uint32_t recv_rows;
+};
+
+/* ep_join with opts (NULL: as ep_join). */
+int ep_join_ex(ep_conn_t *conn, const struct ep_group_config *cfg,
+	       const struct ep_join_opts *opts, unsigned flags,
+	       ep_group_t **out);
+
 /* Leave the group and free the handle. The other ranks' pending and later
  * operations on the group fail with EP_EPEERLOST. */
 int ep_leave(ep_group_t *group);

@@ -11,7 +11,8 @@ _Static_assert(EKC_EEXPERT == EP_EEXPERT && EKC_ETOOBIG == EP_ETOOBIG &&
 		       EKC_ESTALE == EP_ESTALE &&
 		       EKC_ETIMEDOUT == EP_ETIMEDOUT,
 	       "the kernels' op error codes are libep's");
-_Static_assert(EKC_ERR_HANDLE == EPP_OP_ERR_HANDLE &&
+_Static_assert(EKC_ERR_RECV == EPP_OP_ERR_RECV &&
+		       EKC_ERR_HANDLE == EPP_OP_ERR_HANDLE &&
 		       EKC_ERR_TOOBIG == EPP_OP_ERR_TOOBIG &&
 		       EKC_ERR_WAIT == EPP_OP_ERR_WAIT,
 	       "the flags of the kernels' error words");
@@ -331,6 +332,8 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 		.E = g->shape.num_experts, .elt = g->layout.elt,
 		.nscales = g->layout.nscales, .Tmax = c->tmax,
 		.nblk_max = c->nblk_max, .seq = (uint32_t)k,
+		/* at most W x Tmax (2^22 for one node's 64 ranks) */
+		.max_recv = (uint32_t)g->layout.max_recv,
 		.mask = (uint64_t *)(uintptr_t)c->mask,
 		.topk = (int64_t *)(uintptr_t)c->topk,
 		.blk = (uint32_t *)(uintptr_t)c->blk,
