@@ -680,6 +680,104 @@ static void check_fail(const struct th_daemon *gpu, bool kill_it)
 	       kill_it ? "killed" : "stalled", ep_strerror(want), f->msg[0]);
 }
 
+/* recv_rows on the GPU: 4 ranks, at most 100 rows a rank. Every token
+ * to rank 0 (4 x 64 rows) fails on every rank at once with EP_ETOOBIG
+ * naming the rank and rows, writing neither rows nor the device count;
+ * a dispatch within the capacity then gives the host backend's rows. */
+struct rcap {
+	const struct th_daemon *gpu, *host;
+	int pass;
+};
+
+static int recvcap_rank(int r, void *arg)
+{
+	const struct rcap *rc = arg;
+	enum { T = 64, KK = 4, EE = 16, HH = 1024, CAP = 100 };
+	int gpu;
+	CUstream st = tg_rank_init(r, &gpu, NULL, 0, NULL);
+	char name[32];
+	snprintf(name, sizeof(name), "grecv%d", rc->pass);
+	struct ep_group_config cfg = {
+		.name = name, .world_size = 4, .ranks_per_node = 4,
+		.rank = (uint32_t)r, .num_experts = EE, .hidden = HH,
+		.max_tokens_per_rank = T, .topk = KK, .dtype = EP_DTYPE_BF16,
+		.timeout_ms = 10000, .cuda_device = gpu};
+	const struct ep_join_opts o = {.size = sizeof(o), .recv_rows = CAP};
+	ep_conn_t *c, *hc;
+	ep_group_t *g, *hg;
+	TH_OK(ep_connect(rc->gpu->sock, &c));
+	TH_OK(ep_join_ex(c, &cfg, &o, EP_JOIN_CUDA, &g));
+	struct ep_buffers b;
+	TH_OK(ep_get_buffers(g, &b));
+	TH_CHECK(b.max_recv == CAP, "max_recv %llu",
+		 (unsigned long long)b.max_recv);
+	static uint16_t x[T * HH];
+	static int64_t topk[T * KK];
+	for (uint32_t i = 0; i < T * HH; i++)
+		x[i] = (uint16_t)(0x3c00 + (i * 7 + (uint32_t)r) % 0x400);
+	for (uint32_t i = 0; i < T * KK; i++)
+		topk[i] = i % KK ? -1 : 1; /* expert 1: rank 0 */
+	tg_upload(tg_dptr(b.x), x, sizeof(x));
+	tg_upload(tg_dptr(b.topk_idx), topk, sizeof(topk));
+	CU(tg_drv.cuMemsetD8(tg_dptr(b.recv_x), POISON, (size_t)CAP * HH * 2));
+	CU(tg_drv.cuMemsetD32(ep_dispatch_recv_count_device(g), 0x5a5a5a5au,
+			      1));
+	ep_handle_t h;
+	TH_OK(ep_dispatch_stream(g, T, 0, NULL, st, &h));
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_EXPECT_RC(ep_group_sync(g), EP_ETOOBIG);
+	TH_CHECK(strstr(ep_errmsg(), "rank 0 would receive 256 rows, above "
+				     "the group's receive capacity of 100"),
+		 "rank %d: %s", r, ep_errmsg());
+	unchanged(g, &b, (size_t)CAP * HH * 2);
+	/* within it: token t to expert t % 16 (16 rows a rank) */
+	for (uint32_t i = 0; i < T * KK; i++)
+		topk[i] = i % KK ? -1 : (int64_t)((i / KK) % EE);
+	tg_upload(tg_dptr(b.topk_idx), topk, sizeof(topk));
+	TH_OK(ep_dispatch_stream(g, T, 0, NULL, st, &h));
+	static uint16_t got[CAP * HH];
+	recv_x_after(g, st, &b, got, sizeof(got));
+	const int n = ep_dispatch_recv_count(g, &h);
+	TH_CHECK(n == 64, "rank %d received %d rows", r, n);
+	/* the host backend's rows for the same inputs */
+	cfg.cuda_device = 0;
+	TH_OK(ep_connect(rc->host->sock, &hc));
+	TH_OK(ep_join_ex(hc, &cfg, &o, 0, &hg));
+	static uint16_t want[CAP * HH];
+	struct ep_dispatch_in din = {.num_tokens = T, .hidden = HH,
+				     .dtype = EP_DTYPE_BF16, .topk = KK,
+				     .x = x, .topk_idx = topk};
+	struct ep_dispatch_out dout = {.capacity = CAP, .recv_x = want};
+	ep_handle_t hh;
+	TH_OK(ep_dispatch(hg, &din, NULL, &dout, &hh));
+	TH_CHECK(dout.num_recv == (uint32_t)n &&
+			 !memcmp(got, want, (size_t)n * HH * 2),
+		 "rank %d: rows differ from the host backend's", r);
+	TH_OK(ep_combine_stream(g, &h, 0, st));
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_OK(ep_group_sync(g));
+	ep_leave(hg);
+	ep_close(hc);
+	ep_leave(g);
+	ep_close(c);
+	return 0;
+}
+
+static void check_recvcap(const struct th_daemon *gpu,
+			  const struct th_daemon *host, int pass,
+			  const char *how)
+{
+	struct rcap *rc = th_shared(sizeof(*rc));
+	*rc = (struct rcap){.gpu = gpu, .host = host, .pass = pass};
+	pid_t pids[4];
+	th_spawn(pids, 4, recvcap_rank, rc);
+	TH_CHECK(th_wait_all(pids, 4, 60) == 0, "the receive capacity case");
+	printf("ok: recv_rows 100 (%s): 256 rows for rank 0 -> EP_ETOOBIG "
+	       "on every rank, nothing written; 64 rows each -> the host "
+	       "backend's rows\n",
+	       how);
+}
+
 static uint64_t rs; /* the random series */
 
 static void run_case(struct ctx *x)
@@ -739,6 +837,7 @@ int main(void)
 		x->big_rank = i <= 1 ? 3 : -1;
 		run_case(x);
 	}
+	check_recvcap(&gpu, &host, 0, "the fused prep");
 	/* the same cases with the SIMT row copy (the bulk-copy kernel is the
 	 * default where rows fit; the SIMT one runs below 32 SMs) */
 	th_daemon_stop(&gpu);
@@ -753,6 +852,7 @@ int main(void)
 		x->big_rank = i == 0 ? 1 : -1; /* the three launches' path */
 		run_case(x);
 	}
+	check_recvcap(&gpu, &host, 1, "three prep launches");
 	printf("ok: the fixed cases with the SIMT row copy, three prep "
 	       "launches and the combine's L2 fetch (cuda_tma=no, "
 	       "cuda_fused_prep=no, cuda_combine_fetch=yes)\n");

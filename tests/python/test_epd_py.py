@@ -242,6 +242,39 @@ def check_lifetimes(sock):
           "raises EP_EINVAL")
 
 
+def check_nodes_recv(sock):
+    """Conn.node names the daemon; a one-node group naming its node and
+    its receive capacity: dispatches within it run, one past it raises
+    EP_ETOOBIG naming the rank; a list naming another node is refused."""
+    with epd.connect(sock) as c:
+        me = c.node
+        assert me, "the daemon named no node"
+        g = c.join("nodes1", world_size=1, ranks_per_node=1, rank=0,
+                   num_experts=4, hidden=128, max_tokens_per_rank=8,
+                   topk=1, nodes=[me], recv_rows=5)
+        x = bytearray(8 * 128 * 2)
+        import array
+        idx = array.array("q", [0] * 8)
+        r = g.dispatch(x, idx, 4)
+        assert r.num_recv == 4, r.num_recv
+        try:
+            g.dispatch(x, idx, 6)
+            raise AssertionError("6 rows received past recv_rows 5")
+        except epd.Error as e:
+            assert e.code == epd.ETOOBIG and "would receive 6 rows" in \
+                str(e), e
+        g.leave()
+        try:
+            c.join("nodes2", world_size=1, ranks_per_node=1, rank=0,
+                   num_experts=4, hidden=128, max_tokens_per_rank=8,
+                   topk=1, nodes=["not-" + me])
+            raise AssertionError("a list without this node was taken")
+        except epd.Error as e:
+            assert e.code == epd.EINVAL and "does not know" in str(e), e
+    print(f"ok: python: Conn.node ({me}), a group naming its node with "
+          "recv_rows: past it EP_ETOOBIG; another node refused")
+
+
 def check_numpy(sock):
     try:
         import numpy as np
@@ -466,6 +499,7 @@ def main():
             print("FAIL:", bad)
             return 1
         check_lifetimes(sock)
+        check_nodes_recv(sock)
         check_numpy(sock)
         check_ll(sock)
         check_doctest(sock)

@@ -49,6 +49,7 @@ FP8 = 2
 EINVAL = -errno.EINVAL  # EP_EINVAL (ep/ep.h)
 ETOOBIG = -1010  # EP_ETOOBIG: more tokens than the group holds
 EUNSUPPORTED = -1013  # EP_EUNSUPPORTED
+EMISMATCH = -1003  # EP_EMISMATCH: ranks disagree (join or operation)
 JOIN_NOWAIT = 1
 JOIN_CUDA = 2
 DISPATCH_WEIGHTS = 1
@@ -193,7 +194,18 @@ class _DeviceArray:
 
 _lib.ep_strerror.restype = ctypes.c_char_p
 _lib.ep_errmsg.restype = ctypes.c_char_p
+class _JoinOpts(ctypes.Structure):
+    _fields_ = [("size", ctypes.c_size_t),
+                ("nodes", ctypes.POINTER(ctypes.c_char_p)),
+                ("recv_rows", ctypes.c_uint32)]
+
+
 _lib.ep_connect.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
+_lib.ep_conn_node.argtypes = [ctypes.c_void_p]
+_lib.ep_conn_node.restype = ctypes.c_char_p
+_lib.ep_join_ex.argtypes = [ctypes.c_void_p, ctypes.POINTER(_GroupConfig),
+                            ctypes.POINTER(_JoinOpts), ctypes.c_uint,
+                            ctypes.POINTER(ctypes.c_void_p)]
 _lib.ep_close.argtypes = [ctypes.c_void_p]
 _lib.ep_join.argtypes = [ctypes.c_void_p, ctypes.POINTER(_GroupConfig),
                          ctypes.c_uint, ctypes.POINTER(ctypes.c_void_p)]
@@ -434,7 +446,7 @@ class Group:
         pi, k3 = _ptr(topk_idx, num_tokens * K * 8, "topk_idx") if handle is None else (None, None)
         pw, k4 = _ptr(topk_weights, num_tokens * K * 4, "topk_weights")
         din = _DispatchIn(num_tokens, H, c["dtype"], K, px, ps, pi, pw)
-        cap = W * c["max_tokens_per_rank"]
+        cap = c.get("recv_rows") or W * c["max_tokens_per_rank"]
         bx, rx = _out(cap * H * elt, as_numpy, "uint8" if fp8 else "uint16")
         bs, rs = _out(cap * ns * 4, as_numpy, "float32")
         bi, ri = _out(cap * K * 8, as_numpy, "int64")
@@ -866,6 +878,25 @@ class Group:
         return rows, (rw.reshape(handle.num_tokens, K) if as_numpy else rw)
 
 
+def node_names(conn, group=None, ranks_per_node=None):
+    """The node list of a group spanning the ranks of a torch.distributed
+    process group (None: the default one), each rank on conn's daemon:
+    every rank's Conn.node gathered, node i named by rank
+    i * ranks_per_node. The ranks must be node-major with the same number
+    a node (ranks_per_node: counted when None). Collective: every rank of
+    the process group calls it."""
+    import torch.distributed as dist
+    names = [None] * dist.get_world_size(group)
+    dist.all_gather_object(names, conn.node, group)
+    rpn = ranks_per_node or names.count(names[0])
+    if len(names) % rpn or any(
+            names[i] != names[i - i % rpn] or names.count(names[i]) != rpn
+            for i in range(len(names))):
+        raise ValueError("the process group's ranks are not node-major "
+                         f"with {rpn} a node: {names}")
+    return names[::rpn]
+
+
 class Conn:
     """A connection to epd. close() (or leaving its with block) leaves
     every group still joined on it; those Group objects then raise
@@ -885,19 +916,31 @@ class Conn:
             raise Error(EINVAL, "the connection is closed")
         return self._c
 
+    @property
+    def node(self):
+        """The name of the node whose daemon this connection reaches
+        (what a job gathers into a group's node list)."""
+        return _lib.ep_conn_node(self._conn).decode()
+
     def join(self, name, world_size, ranks_per_node, rank, num_experts,
              hidden, max_tokens_per_rank, topk, dtype=BF16, timeout_ms=0,
-             wait=True, cuda_device=None, recv_areas=1):
+             wait=True, cuda_device=None, recv_areas=1, nodes=None,
+             recv_rows=0):
         """cuda_device: a GPU rank on that device (its buffers in GPU
         memory; use the *_stream methods and Group.tensor). recv_areas:
         recv_x as that many areas (1..16, every rank alike, one-node
-        groups); each dispatch names the area its rows go to."""
+        groups); each dispatch names the area its rows go to. nodes: the
+        group's nodes, the names of node 0, 1, ... (each rank's
+        Conn.node, gathered by the job: node_names() does it over a
+        torch process group); None: node i is the i-th of the daemons'
+        peers. recv_rows: the rows a rank may receive (0: world_size x
+        max_tokens_per_rank); a dispatch past it fails on every rank."""
         cfg = dict(name=name, world_size=world_size,
                    ranks_per_node=ranks_per_node, rank=rank,
                    num_experts=num_experts, hidden=hidden,
                    max_tokens_per_rank=max_tokens_per_rank, topk=topk,
                    dtype=dtype, timeout_ms=timeout_ms,
-                   cuda_device=cuda_device)
+                   cuda_device=cuda_device, recv_rows=recv_rows)
         if not 1 <= recv_areas <= 16:
             raise ValueError(f"recv_areas {recv_areas}: 1..16")
         gc = _GroupConfig(name.encode(), world_size, ranks_per_node, rank,
@@ -908,8 +951,22 @@ class Conn:
             (JOIN_CUDA if cuda_device is not None else 0) | \
             int(recv_areas) << 8
         g = ctypes.c_void_p()
-        _check(_lib.ep_join(self._conn, ctypes.byref(gc), flags,
-                            ctypes.byref(g)))
+        opts = None
+        if nodes is not None or recv_rows:
+            opts = _JoinOpts(size=ctypes.sizeof(_JoinOpts),
+                             recv_rows=int(recv_rows))
+            if nodes is not None:
+                if len(nodes) != world_size // ranks_per_node:
+                    raise ValueError(
+                        f"nodes names {len(nodes)} nodes; world_size "
+                        f"{world_size} at {ranks_per_node} a node is "
+                        f"{world_size // ranks_per_node}")
+                arr = (ctypes.c_char_p * len(nodes))(
+                    *[str(n).encode() for n in nodes])
+                opts.nodes = arr
+        _check(_lib.ep_join_ex(self._conn, ctypes.byref(gc),
+                               ctypes.byref(opts) if opts else None, flags,
+                               ctypes.byref(g)))
         grp = Group(self, g, cfg)
         self._groups.add(grp)
         return grp
