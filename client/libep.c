@@ -258,6 +258,15 @@ int ep_connect(const char *path, ep_conn_t **out)
 	return 0;
 }
 
+/* A copy of a job's secret, wiped before it is freed. */
+static void secret_free(uint8_t *p, size_t n)
+{
+	volatile uint8_t *v = p;
+	for (size_t i = 0; i < n; i++)
+		v[i] = 0;
+	free(p);
+}
+
 void ep__group_free(ep_group_t *g)
 {
 	ep__llh_fini(g);
@@ -266,6 +275,8 @@ void ep__group_free(ep_group_t *g)
 		munmap(g->buf, g->buf_size);
 	list_del(&g->node);
 	free((char *)g->cfg.nodes);
+	if (g->cfg.secret)
+		secret_free((uint8_t *)g->cfg.secret, g->cfg.secret_len);
 	free(g);
 }
 
@@ -344,16 +355,22 @@ int ep_join_ex(ep_conn_t *c, const struct ep_group_config *cfg,
 		memcpy(&o, opts, opts->size < sizeof(o) ? opts->size
 							: sizeof(o));
 	}
-	if (!o.nodes && !o.recv_rows)
+	if (!o.nodes && !o.recv_rows && !o.secret)
 		return ep_join(c, cfg, flags, out);
+	if (o.secret && (!o.secret_len || o.secret_len > EPP_SECRET_MAX))
+		return ep__fail(EP_EINVAL, "a job secret of %zu bytes (1..%d)",
+				o.secret_len, EPP_SECRET_MAX);
 	if (!c || !cfg || !out)
 		return ep__fail(EP_EINVAL, "NULL argument");
 	if (c->minor < 21)
 		return ep__fail(EP_EUNSUPPORTED,
-				"the daemon speaks protocol 1.%u; node lists "
-				"and recv_rows need 1.21",
+				"the daemon speaks protocol 1.%u; node lists, "
+				"recv_rows and job secrets need 1.21",
 				c->minor);
-	struct epp_join ext = {.recv_rows = o.recv_rows};
+	struct epp_join ext = {.recv_rows = o.recv_rows,
+			       .secret = o.secret,
+			       .secret_len = o.secret ? (uint32_t)o.secret_len
+						      : 0};
 	char *packed = NULL;
 	if (o.nodes) {
 		int rc = pack_nodes(cfg, o.nodes, &packed, &ext.num_nodes);
@@ -427,11 +444,25 @@ int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 	}
 	if (ext)
 		j.recv_rows = ext->recv_rows;
-	uint8_t *buf = malloc(256 + 16 + nb);
-	size_t n = buf ? epp_join_encode(&j, buf, 256 + 16 + nb) : 0;
+	/* the secret, kept too: the group's pseudo group joins with it */
+	uint8_t *secret = NULL;
+	if (ext && ext->secret_len) {
+		secret = malloc(ext->secret_len);
+		if (!secret) {
+			free(nodes);
+			return ep__fail(EP_ENOMEM, "out of memory");
+		}
+		memcpy(secret, ext->secret, ext->secret_len);
+		j.secret = secret;
+		j.secret_len = ext->secret_len;
+	}
+	const size_t cap = 256 + 16 + nb + 2 + j.secret_len;
+	uint8_t *buf = malloc(cap);
+	size_t n = buf ? epp_join_encode(&j, buf, cap) : 0;
 	ep_group_t *g = n ? calloc(1, sizeof(*g)) : NULL;
 	if (!g) {
 		free(buf);
+		free(secret);
 		free(nodes);
 		return ep__fail(EP_ENOMEM, "out of memory");
 	}
@@ -452,6 +483,7 @@ int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 	pthread_mutex_unlock(&c->mu);
 	free(buf);
 	if (rc) {
+		free(secret);
 		free(nodes);
 		free(g);
 		return rc;
@@ -465,6 +497,7 @@ int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 			close(fd);
 		if (fds[1] >= 0)
 			close(fds[1]);
+		free(secret);
 		free(nodes);
 		free(g);
 		return ep__fail(EP_EPROTO, "malformed join reply");

@@ -181,9 +181,12 @@ static int llh_setup(ep_group_t *g)
 		.dtype = EP_DTYPE_BF16, .timeout_ms = g->timeout_ms};
 	/* linked: a rank the group lost fails this join at once, not at
 	 * the pseudo group's timeout */
-	/* the pseudo group spans the group's nodes, as it names them */
+	/* the pseudo group spans the group's nodes, as it names them, and
+	 * is the job's as the group is (its secret) */
 	const struct epp_join nodes = {.num_nodes = g->cfg.num_nodes,
-				       .nodes = g->cfg.nodes};
+				       .nodes = g->cfg.nodes,
+				       .secret = g->cfg.secret,
+				       .secret_len = g->cfg.secret_len};
 	int rc = ep__join(g->conn, &ac, 0, g->id, &nodes, &l->aux);
 	if (!rc) {
 		/* the group owns it: freed with it, never on its own by

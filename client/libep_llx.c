@@ -186,9 +186,12 @@ static int llx_setup(ep_group_t *g)
 		.topk = 1, .dtype = EP_DTYPE_BF16, .timeout_ms = g->timeout_ms,
 		.cuda_device = g->cuda_device};
 	struct ep_buffers ab;
-	/* the pseudo group spans the group's nodes, as it names them */
+	/* the pseudo group spans the group's nodes, as it names them, and
+	 * is the job's as the group is (its secret) */
 	const struct epp_join nodes = {.num_nodes = g->cfg.num_nodes,
-				       .nodes = g->cfg.nodes};
+				       .nodes = g->cfg.nodes,
+				       .secret = g->cfg.secret,
+				       .secret_len = g->cfg.secret_len};
 	rc = ep__join(g->conn, &ac, EP_JOIN_CUDA, g->id, &nodes, &x->aux);
 	if (!rc) {
 		/* the group owns it: freed with it, never on its own by

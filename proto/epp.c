@@ -284,7 +284,8 @@ uint16_t epp_join_flags(const struct epp_join *j)
 {
 	return (j->link ? EPP_F_JOIN_LINK : 0) |
 	       (j->num_nodes ? EPP_F_JOIN_NODES : 0) |
-	       (j->recv_rows ? EPP_F_JOIN_RECV : 0);
+	       (j->recv_rows ? EPP_F_JOIN_RECV : 0) |
+	       (j->secret_len ? EPP_F_JOIN_SECRET : 0);
 }
 
 size_t epp_join_encode(const struct epp_join *j, uint8_t *out, size_t cap)
@@ -294,6 +295,10 @@ size_t epp_join_encode(const struct epp_join *j, uint8_t *out, size_t cap)
 	/* 1.21: recv_rows, then the node list, with their flags */
 	if (j->recv_rows)
 		epp_put_u32(&w, j->recv_rows);
+	if (j->secret_len) {
+		epp_put_u16(&w, (uint16_t)j->secret_len);
+		epp_put_bytes(&w, j->secret, j->secret_len);
+	}
 	if (j->num_nodes) {
 		const char *end = epp_join_node(j, j->num_nodes);
 		size_t nb = (size_t)(end - j->nodes);
@@ -370,6 +375,8 @@ int epp_join_decode(const uint8_t *p, size_t len, struct epp_join *j,
 	j->num_nodes = 0;
 	j->nodes = NULL;
 	j->recv_rows = 0;
+	j->secret_len = 0;
+	j->secret = NULL;
 	size_t tail = r.len >= r.off ? r.len - r.off : 0;
 	if (tail == 20 || tail == 24) {
 		for (int i = 0; i < 16; i++)
@@ -509,6 +516,23 @@ int epp_join_decode_flags(const uint8_t *p, size_t len, uint16_t flags,
 		p += 4;
 		len -= 4;
 	}
+	uint32_t secret_len = 0;
+	const uint8_t *secret = NULL;
+	if (flags & EPP_F_JOIN_SECRET) {
+		struct epp_rd r;
+		epp_rd_init(&r, p, len);
+		secret_len = epp_get_u16(&r);
+		if (r.err || !secret_len || secret_len > EPP_SECRET_MAX ||
+		    len - 2 < secret_len) {
+			ERRF("malformed join payload: a job secret of %u bytes "
+			     "(1..%d)",
+			     secret_len, EPP_SECRET_MAX);
+			return EP_EPROTO;
+		}
+		secret = p + 2;
+		p += 2 + secret_len;
+		len -= 2 + secret_len;
+	}
 	if (flags & EPP_F_JOIN_NODES) {
 		size_t off = join_nodes_decode(p, len, j, err, errlen);
 		if (!off)
@@ -524,6 +548,8 @@ int epp_join_decode_flags(const uint8_t *p, size_t len, uint16_t flags,
 	j->num_nodes = num_nodes;
 	j->nodes = nodes;
 	j->recv_rows = recv_rows;
+	j->secret_len = secret_len;
+	j->secret = secret;
 	const uint64_t most = (uint64_t)j->world_size * j->max_tokens;
 	if (recv_rows > most) {
 		ERRF("recv_rows %u is above world_size x max_tokens_per_rank = "

@@ -142,7 +142,12 @@
  *        would give a rank more fails alone on every rank (EP_ETOOBIG,
  *        on the control page EPP_OP_ERR_TOOBIG | EPP_OP_ERR_RECV with
  *        (rank << 32) | rows). A GSHAPE of such a group ends with u32
- *        recv_rows (after the nodes' hash, if any).
+ *        recv_rows (after the nodes' hash, if any). A JOIN with
+ *        EPP_F_JOIN_SECRET starts (after recv_rows) with u16 n and n
+ *        bytes (1..EPP_SECRET_MAX): the job's secret. The group's key
+ *        then carries a tag of it ("name#tag"), so a join with another
+ *        secret, or none, makes or finds another group: no rank without
+ *        the secret joins, squats or sees the details of it.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -221,7 +226,8 @@ enum epp_flags {
 	EPP_F_JOIN_LINK = 0x4,   /* JOIN: linked to another group (1.16) */
 	EPP_F_JOIN_NODES = 0x8,  /* JOIN: the group's node list first (1.21) */
 	EPP_F_JOIN_RECV = 0x10,  /* JOIN: u32 recv_rows first (1.21) */
-	EPP_F_ALL = 0x1f,
+	EPP_F_JOIN_SECRET = 0x20, /* JOIN: the job's secret (1.21) */
+	EPP_F_ALL = 0x3f,
 };
 
 struct epp_hdr {
@@ -255,7 +261,12 @@ struct epp_join {
 	/* 1.21: with EPP_F_JOIN_RECV (not 0), the rows a rank may receive;
 	 * 0: world_size x max_tokens */
 	uint32_t recv_rows;
+	/* 1.21: with EPP_F_JOIN_SECRET (secret_len > 0), the job's secret
+	 * (not owned, as nodes) */
+	uint32_t secret_len;
+	const uint8_t *secret;
 };
+#define EPP_SECRET_MAX 256
 
 /* A node's name: [A-Za-z0-9_.-], 1..EPP_NODE_NAME_MAX characters. */
 #define EPP_NODE_NAME_MAX 63
@@ -610,11 +621,11 @@ const char *epp_type_name(uint16_t type);
 /* Payload codecs. decode returns 0 or EP_EPROTO/EP_EINVAL with a message. */
 size_t epp_join_encode(const struct epp_join *j, uint8_t *out, size_t cap);
 /* The flags a join's payload needs (EPP_F_JOIN_LINK, EPP_F_JOIN_NODES,
- * EPP_F_JOIN_RECV). */
+ * EPP_F_JOIN_RECV, EPP_F_JOIN_SECRET). */
 uint16_t epp_join_flags(const struct epp_join *j);
 /* JOIN's payload as the header's flags say: with EPP_F_JOIN_RECV u32
- * recv_rows first, then with EPP_F_JOIN_NODES the node list (j->nodes
- * points into p), with EPP_F_JOIN_LINK the last 8 bytes are j->link (not
+ * recv_rows first, then with EPP_F_JOIN_SECRET the secret, then with
+ * EPP_F_JOIN_NODES the node list (j->nodes and j->secret point into p), with EPP_F_JOIN_LINK the last 8 bytes are j->link (not
  * 0), the rest as epp_join_decode. */
 int epp_join_decode_flags(const uint8_t *p, size_t len, uint16_t flags,
 			  struct epp_join *j, char *err, size_t errlen);

@@ -17,7 +17,8 @@
 #define EPP_MAX_NODES 64
 #define EPP_PEER_NONCE 32
 /* A group as the nodes name it: "name~uid" for a user's group. */
-#define EPP_GKEY_MAX (EP_GROUP_NAME_MAX + 12)
+/* name, ~uid, and #tag of a job's secret (16 hex digits) */
+#define EPP_GKEY_MAX (EP_GROUP_NAME_MAX + 12 + 17)
 
 struct epp_peer_hello {
 	uint16_t major, minor;

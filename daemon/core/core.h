@@ -225,6 +225,10 @@ struct epd_group {
 	 * the cluster's n (nodes_hash 0). */
 	uint32_t *node_map;
 	uint64_t nodes_hash;
+	/* the job's secret, hashed (EPP_F_JOIN_SECRET): every joiner's must
+	 * match; its first 8 bytes tag the key. has_secret false: none */
+	bool has_secret;
+	uint8_t secret_hash[32];
 	bool await_nodes; /* every local rank joined; waits for its nodes */
 	/* [nnodes], across nodes: where node n's group of this key stands
 	 * for this one (enum epd_peer). A node sends its group's shape first
@@ -399,10 +403,14 @@ void epd_group_nodes_up(struct epd_group *g);
 /* The group's node index of the cluster's node cn, or UINT32_MAX where cn
  * is none of the group's nodes. */
 uint32_t epd_group_node_of(const struct epd_group *g, uint32_t cn);
+/* The key of group `name` joined by uid, with the tag of its job's secret
+ * (the first 8 bytes of secret_hash; NULL: none). */
 bool epd_group_key(const struct epd_config *cfg, uid_t uid, const char *name,
-		   char *key, size_t cap);
-/* May a client of uid see this group's details (status)? */
-bool epd_group_visible(const struct epd_group *g, uid_t uid);
+		   const uint8_t *secret_hash, char *key, size_t cap);
+/* May session c see this group's details (status)? A group of a job's
+ * secret: only its own members. */
+bool epd_group_visible(const struct epd_group *g,
+		       const struct epd_session *c);
 void epd_list_ranks(char *out, size_t cap, struct epd_group *g,
 		    bool (*missing)(struct epd_group *, uint32_t l, void *),
 		    void *arg);

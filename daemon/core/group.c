@@ -9,6 +9,8 @@
 #include "backend.h"
 #include "group_int.h"
 
+#include <sodium.h>
+
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -52,19 +54,38 @@ static bool name_shared(const struct epd_config *cfg, const char *name)
 /* Users' groups live in their own namespace: the same name from two uids
  * names two groups, so nobody can squat or join another user's group. */
 bool epd_group_key(const struct epd_config *cfg, uid_t uid, const char *name,
-		   char *key, size_t cap)
+		   const uint8_t *secret_hash, char *key, size_t cap)
 {
 	bool shared = name_shared(cfg, name);
+	char tag[24] = "";
+	if (secret_hash) {
+		uint64_t t = 0;
+		for (int i = 0; i < 8; i++)
+			t = t << 8 | secret_hash[i];
+		snprintf(tag, sizeof(tag), "#%016llx", (unsigned long long)t);
+	}
 	if (uid == 0 || shared)
-		snprintf(key, cap, "%s", name);
+		snprintf(key, cap, "%s%s", name, tag);
 	else
-		snprintf(key, cap, "%s~%u", name, (unsigned)uid);
+		snprintf(key, cap, "%s~%u%s", name, (unsigned)uid, tag);
 	return shared;
 }
 
-bool epd_group_visible(const struct epd_group *g, uid_t uid)
+bool epd_group_visible(const struct epd_group *g,
+		       const struct epd_session *c)
 {
-	return uid == 0 || uid == g->owner || g->shared;
+	if (g->has_secret)
+		return epd_member_find((struct epd_session *)c, g->id) != NULL;
+	return c->uid == 0 || c->uid == g->owner || g->shared;
+}
+
+/* The hash of a job's secret: keyed BLAKE2b, so that the tag in a key
+ * says nothing of the secret. */
+static void secret_hash(const struct epp_join *j, uint8_t out[32])
+{
+	static const uint8_t k[crypto_generichash_KEYBYTES_MIN] =
+		"epd-job-secret.";
+	crypto_generichash(out, 32, j->secret, j->secret_len, k, sizeof(k));
 }
 
 struct epd_member *epd_member_find(struct epd_session *c, uint64_t gid)
@@ -364,8 +385,13 @@ void epd_group_timeout(uv_timer_t *t)
 				       NULL);
 			snprintf(msg, sizeof(msg),
 				 "group %s not ready after %u ms; ranks never "
-				 "joined: %s",
-				 g->shape.name, g->timeout_ms, miss);
+				 "joined: %s%s",
+				 g->shape.name, g->timeout_ms, miss,
+				 g->has_secret
+					 ? " (a job's ranks join with one "
+					   "secret: a rank with another is in "
+					   "another group)"
+					 : "");
 		}
 		epd_warn("%s", msg);
 		for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
@@ -468,8 +494,7 @@ static int group_quota(struct epd_server *srv, uid_t uid, uint64_t bytes,
 			 (unsigned long long)lim->bytes);
 		return EP_ELIMIT;
 	}
-	if (uid == 0)
-		return 0;
+	/* root too: in containers every job is often uid 0 */
 	if (lim->groups_per_uid && mine >= lim->groups_per_uid) {
 		snprintf(err, errlen, "uid %u has %u groups, its limit "
 				      "(max_groups_per_user)", (unsigned)uid, mine);
@@ -805,8 +830,14 @@ static int group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 	char err[512];
 	int code;
 	uint32_t nnodes = j->world_size / j->ranks_per_node;
+	/* a job's secret: its own group of the name (a joiner with another
+	 * secret, or none, makes or finds another) */
+	uint8_t sh[32];
+	if (j->secret_len)
+		secret_hash(j, sh);
 	char key[EPP_GKEY_MAX + 1];
-	bool shared = epd_group_key(&srv->cfg, c->uid, j->name, key,
+	bool shared = epd_group_key(&srv->cfg, c->uid, j->name,
+				    j->secret_len ? sh : NULL, key,
 				    sizeof(key));
 	/* 1.16: linked to a group of this connection's: refused at once if
 	 * that one failed */
@@ -860,6 +891,16 @@ static int group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 	}
 	struct epd_group *g = epd_group_find(srv, key);
 	if (g) {
+		if (j->secret_len
+			    ? !g->has_secret ||
+				      sodium_memcmp(sh, g->secret_hash, 32)
+			    : g->has_secret) {
+			/* the tag matched, the secret not (2^-64 apart) */
+			epd_session_error(c, req_id, EP_EMISMATCH,
+					 "group %s belongs to another job",
+					 j->name);
+			return EP_EMISMATCH;
+		}
 		if (g->state == EPD_G_FAILED) {
 			epd_session_error(c, req_id, EP_EFAILED,
 					 "group %s failed (%s); it ends when "
@@ -875,6 +916,10 @@ static int group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 	} else {
 		g = group_create(srv, c->uid, key, shared, j, jn, err,
 				 sizeof(err), &code);
+		if (g && j->secret_len) {
+			g->has_secret = true;
+			memcpy(g->secret_hash, sh, 32);
+		}
 		if (!g) {
 			if (code == EP_ELIMIT)
 				srv->n_limited++;

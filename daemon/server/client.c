@@ -413,7 +413,7 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 	}
 	if ((h->flags &
 	     ~(EPP_F_JOIN_NOWAIT | EPP_F_JOIN_LINK | EPP_F_JOIN_NODES |
-	       EPP_F_JOIN_RECV)) &&
+	       EPP_F_JOIN_RECV | EPP_F_JOIN_SECRET)) &&
 	    h->type == EPP_JOIN) {
 		epd_session_error(&c->s, h->req_id, EP_EPROTO,
 				 "flags 0x%x not valid for join", h->flags);
@@ -506,7 +506,7 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 					 "status takes no payload");
 			break;
 		}
-		char *js = epd_status_json(c->s.srv, c->s.uid);
+		char *js = epd_status_json(c->s.srv, &c->s);
 		if (!js) {
 			epd_session_error(&c->s, h->req_id, EP_ENOMEM,
 					 "cannot build status");
@@ -802,7 +802,7 @@ void epd_client_accept(struct epd_server *srv, int fd)
 	const char *lname = NULL;
 	if (lim->conns && n >= lim->conns)
 		lname = "max_connections";
-	else if (c->s.uid != 0 && lim->conns_per_uid && mine >= lim->conns_per_uid)
+	else if (lim->conns_per_uid && mine >= lim->conns_per_uid) /* root too */
 		lname = "max_connections_per_user";
 	if (lname) {
 		srv->n_limited++;

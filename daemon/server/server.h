@@ -75,6 +75,6 @@ extern const struct epd_backend_ops *const epd_backends[];
 extern const struct epd_transport_ops *const epd_transports[];
 
 /* status.c: JSON text, malloc'd. */
-char *epd_status_json(struct epd_server *srv, uid_t viewer);
+char *epd_status_json(struct epd_server *srv, const struct epd_session *viewer);
 
 #endif

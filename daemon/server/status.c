@@ -94,13 +94,18 @@ static json_t *group_json(struct epd_group *g)
 	return o;
 }
 
-static json_t *client_json(struct epd_client *c, uint64_t now)
+/* A connection and its groups (those of a job's secret only to a viewer
+ * vs that is a member of them too). */
+static json_t *client_json(struct epd_client *c, uint64_t now,
+			   const struct epd_session *vs)
 {
 	json_t *ms = json_array();
 	struct list_node *it, *tmp;
 	LIST_FOREACH(it, tmp, &c->s.members)
 	{
 		struct epd_member *m = LIST_ENTRY(it, struct epd_member, cnode);
+		if (!epd_group_visible(m->group, vs))
+			continue;
 		json_array_append_new(
 			ms, json_pack("{s:s, s:I, s:I, s:s, s:i, s:b}", "group",
 				      m->group->shape.name, "group_id",
@@ -117,11 +122,24 @@ static json_t *client_json(struct epd_client *c, uint64_t now)
 			 (double)(now - c->connected_ns) / 1e9, "groups", ms);
 }
 
-/* What uid `viewer` may see: root everything; another user its own
- * connections and the groups it owns or that are shared, and counts of the
- * rest (no names, pids or uids of other users). */
-char *epd_status_json(struct epd_server *srv, uid_t viewer)
+/* A group of a job's secret, to a viewer outside it: that it exists, its
+ * state and size, no ranks, pids, shape or use. */
+static json_t *private_group_json(const struct epd_group *g)
 {
+	return json_pack("{s:s, s:s, s:I, s:I, s:b}", "name", g->shape.name,
+			 "state", epd_group_state_name(g->state), "world_size",
+			 (json_int_t)g->shape.world_size, "nodes",
+			 (json_int_t)g->nnodes, "private", 1);
+}
+
+/* What session `vs` may see: root everything; another user its own
+ * connections and the groups it owns or that are shared, and counts of the
+ * rest (no names, pids or uids of other users). A group of a job's secret
+ * shows its details to its own members only (root included: to others it
+ * is a name and a state). */
+char *epd_status_json(struct epd_server *srv, const struct epd_session *vs)
+{
+	const uid_t viewer = vs->uid;
 	uint64_t now = epd_now_ns();
 	json_t *clients = json_array(), *groups = json_array();
 	struct list_node *it, *tmp;
@@ -130,15 +148,17 @@ char *epd_status_json(struct epd_server *srv, uid_t viewer)
 	{
 		struct epd_client *c = LIST_ENTRY(it, struct epd_client, node);
 		if (viewer == 0 || c->s.uid == viewer)
-			json_array_append_new(clients, client_json(c, now));
+			json_array_append_new(clients, client_json(c, now, vs));
 		else
 			hidden_clients++;
 	}
 	LIST_FOREACH(it, tmp, &srv->groups)
 	{
 		struct epd_group *g = LIST_ENTRY(it, struct epd_group, node);
-		if (epd_group_visible(g, viewer))
+		if (epd_group_visible(g, vs))
 			json_array_append_new(groups, group_json(g));
+		else if (g->has_secret && (viewer == 0 || viewer == g->owner))
+			json_array_append_new(groups, private_group_json(g));
 		else
 			hidden_groups++;
 	}

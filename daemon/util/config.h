@@ -56,8 +56,8 @@ struct epd_config {
 	 * after; true (all) to every node of peers */
 	bool peer_connect_all;
 	uint32_t peer_linger_ms;
-	/* Limits (0: none): per uid and for the whole daemon; root (uid 0)
-	 * is held to the daemon-wide ones only. Bytes are group buffers
+	/* Limits (0: none): per uid (root included: in containers every
+	 * job is often uid 0) and for the whole daemon. Bytes are group buffers
 	 * (shared memory or GPU memory) charged to the group's owner. */
 	struct epd_limits {
 		uint32_t conns_per_uid, groups_per_uid;

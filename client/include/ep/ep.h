@@ -147,6 +147,14 @@ struct ep_join_opts {
 	 * rank alike with EP_ETOOBIG naming the rank and the rows, and
 	 * changes nothing (DeepEP's num_worst_tokens plays this role). */
 	uint32_t recv_rows;
+	/* The job's secret (1..256 bytes, NULL: none), which the job's
+	 * rendezvous hands every rank: a group joined with a secret is the
+	 * job's own. A join with another secret, or none, makes or finds
+	 * another group of that name, never this one (no squatting, no
+	 * joining a missing rank of it), and the daemon's status shows its
+	 * details to its members only. */
+	const void *secret;
+	size_t secret_len;
 };
 
 /* ep_join with opts (NULL: as ep_join). */
