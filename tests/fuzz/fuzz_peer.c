@@ -91,8 +91,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		uint64_t nh;
 		uint32_t rr;
 		if (epp_peer_shape_decode(&op, sh, &nh, &rr) == 0)
-			must(op.body_len == 4 * EPP_PEER_SHAPE_N + (nh ? 8 : 0) +
-						   (rr ? 4 : 0),
+			must(op.body_len == 4u * EPP_PEER_SHAPE_N + (nh ? 8u : 0u) +
+						   (rr ? 4u : 0u),
 			     "shape");
 		struct epp_peer_xwin xw;
 		if (epp_peer_xwin_decode(&op, &xw) == 0) {

@@ -623,22 +623,22 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
               for s in range(W)]
         same(out, ref_combine(torch, li, recv, r, W, None, xsum=True),
              f"layer {i}: combine of its own rows")
-    held_before = held_handles(sock)
+    held_before = held_handles(buf._conn)
     assert held_before > 0, "handles alive, but the daemon holds none"
     del layers, handles, h, hi, wh
     gc.collect()
     dist.barrier(group)
     for _ in range(100):
-        if held_handles(sock) == 0:
+        if held_handles(buf._conn) == 0:
             break
         time.sleep(0.05)
-    left = held_handles(sock)
+    left = held_handles(buf._conn)
     assert left == 0, f"{left} handles still held after every rank dropped them"
     # libep's low-latency mode across nodes (GPU ranks): its pseudo groups
     # keep at most their two buffers' last routings, each counted twice
     # (a GPU group across nodes: the device routing and the daemons' host
     # one), however many ops ran
-    ll_held, ll_groups = held_handles(sock, ll=True)
+    ll_held, ll_groups = held_handles(buf._conn, ll=True)
     assert ll_held <= 4 * ll_groups, (ll_held, ll_groups)
 
 

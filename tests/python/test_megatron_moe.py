@@ -134,7 +134,7 @@ def rank_main(torch, dist, group, r, W):
         y = expert_rows(torch, rx.cpu(), ri.cpu(), rw.cpu(), mine[li],
                         r * per, per)
         x = x + Combine.apply(y.to(dev), h, buf)
-    alive = len(buf._subs) and held_handles(sock)
+    alive = len(buf._subs) and held_handles(buf._conn)
     (x.float() * gout[r].to(dev)).sum().backward()
     t1 = time.time()
 

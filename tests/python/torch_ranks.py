@@ -27,14 +27,15 @@ def start_epd(backend):
     return p, sock, d
 
 
-def held_handles(sock, ll=False):
-    """Handles the daemon at sock holds for epd.deep_ep's groups: host
-    routings, and a GPU group's device routings. ll: those of libep's
-    low-latency pseudo groups instead (named ":ll-"; each keeps the
-    routings of its two buffers' last dispatches, for their combines, until
-    the buffer's next dispatch) and how many such groups."""
-    import epd
-    st = epd.status(sock)
+def held_handles(conn, ll=False):
+    """Handles the daemon holds for epd.deep_ep's groups, as seen by conn
+    (a rank's epd.Conn: the shim's groups are its job's, their details
+    shown to their members only): host routings, and a GPU group's device
+    routings. ll: those of libep's low-latency pseudo groups instead
+    (named ":ll-"; each keeps the routings of its two buffers' last
+    dispatches, for their combines, until the buffer's next dispatch) and
+    how many such groups."""
+    st = conn.status()
     gs = [g for g in st.get("groups", []) if g["name"].startswith("dep-")
           and (":ll-" in g["name"]) == ll]
     held = sum(g.get("handles", {}).get("held", 0) +

@@ -197,7 +197,9 @@ _lib.ep_errmsg.restype = ctypes.c_char_p
 class _JoinOpts(ctypes.Structure):
     _fields_ = [("size", ctypes.c_size_t),
                 ("nodes", ctypes.POINTER(ctypes.c_char_p)),
-                ("recv_rows", ctypes.c_uint32)]
+                ("recv_rows", ctypes.c_uint32),
+                ("secret", ctypes.c_char_p),
+                ("secret_len", ctypes.c_size_t)]
 
 
 _lib.ep_connect.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p)]
@@ -925,7 +927,7 @@ class Conn:
     def join(self, name, world_size, ranks_per_node, rank, num_experts,
              hidden, max_tokens_per_rank, topk, dtype=BF16, timeout_ms=0,
              wait=True, cuda_device=None, recv_areas=1, nodes=None,
-             recv_rows=0):
+             recv_rows=0, secret=None):
         """cuda_device: a GPU rank on that device (its buffers in GPU
         memory; use the *_stream methods and Group.tensor). recv_areas:
         recv_x as that many areas (1..16, every rank alike, one-node
@@ -934,7 +936,10 @@ class Conn:
         Conn.node, gathered by the job: node_names() does it over a
         torch process group); None: node i is the i-th of the daemons'
         peers. recv_rows: the rows a rank may receive (0: world_size x
-        max_tokens_per_rank); a dispatch past it fails on every rank."""
+        max_tokens_per_rank); a dispatch past it fails on every rank.
+        secret: the job's secret (bytes or str, 1..256 bytes), the same on
+        every rank: the group is then the job's own (another secret, or
+        none, names another group)."""
         cfg = dict(name=name, world_size=world_size,
                    ranks_per_node=ranks_per_node, rank=rank,
                    num_experts=num_experts, hidden=hidden,
@@ -952,9 +957,13 @@ class Conn:
             int(recv_areas) << 8
         g = ctypes.c_void_p()
         opts = None
-        if nodes is not None or recv_rows:
+        if nodes is not None or recv_rows or secret:
             opts = _JoinOpts(size=ctypes.sizeof(_JoinOpts),
                              recv_rows=int(recv_rows))
+            if secret:
+                sb = secret.encode() if isinstance(secret, str) else \
+                    bytes(secret)
+                opts.secret, opts.secret_len = sb, len(sb)
             if nodes is not None:
                 if len(nodes) != world_size // ranks_per_node:
                     raise ValueError(

@@ -368,7 +368,9 @@ class _Sub:
             rank=buf.rank, num_experts=E, hidden=H,
             max_tokens_per_rank=tmax, topk=K,
             dtype=epd.FP8 if fp8 else epd.BF16,
-            cuda_device=buf._device, recv_areas=areas)
+            cuda_device=buf._device, recv_areas=areas,
+            nodes=buf._nodes if buf.group_size > buf._rpn else None,
+            secret=buf._secret)
         # output slots (GPU ranks): ((tensor [tmax, H] bf16, its
         # registration), event or None) free
         self.out_free = []
@@ -563,10 +565,16 @@ class Buffer:
         if torch.cuda.is_available() and not host:
             self._device = torch.cuda.current_device()
         sock = socket_path or os.environ.get("EPD_SOCKET")
-        me = (socket.gethostname(), sock, uuid.uuid4().hex[:12])
+        self._conn = epd.connect(sock)
+        # the rendezvous: each rank's daemon (its node name, or host and
+        # socket from a daemon that names none), and rank 0's token, which
+        # names the job's groups and is their secret (a rank of another
+        # job, root or not, cannot join, squat or read them)
+        node = self._conn.node or f"{socket.gethostname()}:{sock}"
+        me = (node, uuid.uuid4().hex)
         allv = [None] * self.group_size
         dist.all_gather_object(allv, me, group)
-        hosts = [a[:2] for a in allv]
+        hosts = [a[0] for a in allv]
         rpn = hosts.count(hosts[0])
         for i, hv in enumerate(hosts):
             if hosts.count(hv) != rpn or hosts[i - i % rpn] != hv:
@@ -574,11 +582,13 @@ class Buffer:
                     "epd's deep_ep: the group's ranks must be node-major "
                     f"with the same number per node; got {hosts}")
         self._rpn = rpn
+        # the group's nodes, in node order: whichever nodes the job got
+        self._nodes = hosts[::rpn] if self._conn.node else None
+        self._secret = allv[0][1]
         if self._device is not None and rpn == self.group_size and \
                 os.environ.get("EPD_DEEP_EP_REGISTER", "1") != "0":
             _expandable(torch)  # from here on: memory read in place
-        self._name = "dep-" + allv[0][2]
-        self._conn = epd.connect(sock)
+        self._name = "dep-" + allv[0][1][:12]
         if self._device is not None:
             self._comm = torch.cuda.Stream()
             self._comm_ptr = self._comm.cuda_stream  # (a CUstream)
