@@ -70,6 +70,7 @@ size_t epp_peer_barrier_encode(const struct epp_peer_barrier *m, uint8_t *buf,
 	epp_put_str(&w, m->group);
 	epp_put_u32(&w, m->local);
 	epp_put_u64(&w, m->seq);
+	epp_put_u64(&w, m->xops);
 	return finish(&w);
 }
 
@@ -81,6 +82,7 @@ int epp_peer_barrier_decode(const uint8_t *p, size_t len,
 	epp_get_str(&r, m->group, sizeof(m->group));
 	m->local = epp_get_u32(&r);
 	m->seq = epp_get_u64(&r);
+	m->xops = !r.err && r.len - r.off == 8 ? epp_get_u64(&r) : UINT64_MAX;
 	return done(&r);
 }
 

@@ -47,6 +47,9 @@ struct epp_peer_barrier {
 	char group[EPP_GKEY_MAX + 1];
 	uint32_t local;
 	uint64_t seq;
+	/* 1.21: the data ops the sender's ranks completed before this
+	 * barrier (every node's alike); UINT64_MAX from an older peer */
+	uint64_t xops;
 };
 size_t epp_peer_barrier_encode(const struct epp_peer_barrier *m, uint8_t *buf,
 			       size_t cap);

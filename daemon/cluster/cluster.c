@@ -590,7 +590,10 @@ static int span_arrival(struct epd_group *g, uint32_t l, uint64_t seq)
 {
 	struct epd_cluster *cl = g->srv->cluster;
 	uint8_t buf[128];
-	struct epp_peer_barrier m = {.local = l, .seq = seq};
+	/* the data ops this node's ranks completed before the barrier:
+	 * every node's must be the same (epd_coll_order) */
+	struct epp_peer_barrier m = {.local = l, .seq = seq,
+				     .xops = g->xop_next};
 	snprintf(m.group, sizeof(m.group), "%s", g->key);
 	size_t bn = epp_peer_barrier_encode(&m, buf, sizeof(buf));
 	for (uint32_t n = 0; n < g->nnodes; n++) {

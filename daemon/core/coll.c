@@ -63,7 +63,7 @@ void epd_group_staged_barrier(struct epd_group *g, uint64_t seq,
 		m->pending_type = EPP_BARRIER;
 		m->complete = done;
 	}
-	if (epd_group_remote_check(g))
+	if (epd_group_remote_check(g) || !epd_coll_order(g))
 		return; /* failed, and replied */
 	for (uint32_t l = 0; l < rpn; l++)
 		if (g->srv->span->arrival(g, l, g->local[l]->barrier_seq))
@@ -218,7 +218,7 @@ int epd_group_barrier(struct epd_session *c, uint64_t req_id, uint64_t gid)
 	m->pending_type = EPP_BARRIER;
 	/* Phase 1 needs the rail: tell the other nodes of the group. */
 	if (g->nnodes > 1 &&
-	    (epd_group_remote_check(g) ||
+	    (epd_group_remote_check(g) || !epd_coll_order(g) ||
 	     g->srv->span->arrival(g, m->local, m->barrier_seq)))
 		return EP_EPEERLOST; /* the group failed and replied */
 	epd_group_arm_timer(g);
@@ -270,14 +270,63 @@ void epd_group_remote_failure(struct epd_group *g, const char *node,
 	epd_group_remote_check(g);
 }
 
+bool epd_coll_order(struct epd_group *g)
+{
+	if (g->state != EPD_G_READY || g->nnodes < 2)
+		return true;
+	const uint64_t k = g->round + 1, mine = g->xop_next;
+	const bool barrier = g->coll_type == EPP_BARRIER,
+		   data = g->coll_type && !barrier;
+	for (uint32_t n = 0; n < g->nnodes; n++) {
+		const uint64_t theirs = g->arr_xops[n];
+		if (n == g->node_index || g->arr_seq[n] != k ||
+		    theirs == UINT64_MAX)
+			continue;
+		/* node n's ranks entered barrier k after `theirs` data ops;
+		 * this node's are in it after `mine`, or in data op `mine`
+		 * (node n skipped it if theirs <= mine), or between ops */
+		if (barrier ? theirs == mine : !data || theirs > mine)
+			continue;
+		/* the others learn what may still finish: no data op past
+		 * the fewer, no barrier past this node's */
+		g->xop_disagree = theirs < mine ? theirs : mine;
+		const char *nn = g->srv->span->node_name(g, n);
+		if (barrier)
+			epd_group_fail(g, EP_EMISMATCH,
+				       "barrier %llu: node %s's ranks entered "
+				       "it after %llu data ops, this node's "
+				       "after %llu (every node's ranks must run "
+				       "the same operations in the same order)",
+				       (unsigned long long)k, nn,
+				       (unsigned long long)theirs,
+				       (unsigned long long)mine);
+		else
+			epd_group_fail(g, EP_EMISMATCH,
+				       "node %s's ranks ran barrier %llu after "
+				       "%llu data ops, where this node's ran "
+				       "%s %llu (every node's ranks must run the "
+				       "same operations in the same order)",
+				       nn, (unsigned long long)k,
+				       (unsigned long long)theirs,
+				       epp_type_name(g->coll_type),
+				       (unsigned long long)theirs);
+		return false;
+	}
+	return true;
+}
+
 void epd_group_remote_arrival(struct epd_group *g, uint32_t node, uint32_t l,
-			      uint64_t seq)
+			      uint64_t seq, uint64_t xops)
 {
 	if (node >= g->nnodes || l >= g->shape.ranks_per_node)
 		return;
 	uint64_t *c = &g->rail_remote[l * g->nnodes + node];
 	if (seq > *c)
 		*c = seq;
-	if (g->state == EPD_G_READY)
+	if (seq >= g->arr_seq[node]) {
+		g->arr_seq[node] = seq;
+		g->arr_xops[node] = xops;
+	}
+	if (g->state == EPD_G_READY && epd_coll_order(g))
 		barrier_progress(g);
 }

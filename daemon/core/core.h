@@ -255,6 +255,10 @@ struct epd_group {
 	uint64_t round;
 	uint64_t *rail_done;
 	uint64_t *rail_remote;
+	/* [nnodes]: node n's latest barrier arrival (seq) and the data ops
+	 * its ranks completed before it (UINT64_MAX: not said), checked
+	 * against this node's program (epd_coll_order) */
+	uint64_t *arr_seq, *arr_xops;
 	uint64_t round_started_ns;
 
 	uv_timer_t timer; /* join or collective timeout */
@@ -528,7 +532,11 @@ void epd_group_remote_failure(struct epd_group *g, const char *node,
 /* Apply a remote failure if the work now asked for is beyond it. */
 bool epd_group_remote_check(struct epd_group *g);
 /* group.c: a rail peer on node `node` entered barrier seq. */
+/* Every node's ranks run the same collectives in the same order: the
+ * barrier arrivals that came, against what this node's ranks run now.
+ * False if the group failed on a disagreement (EP_EMISMATCH). */
+bool epd_coll_order(struct epd_group *g);
 void epd_group_remote_arrival(struct epd_group *g, uint32_t node, uint32_t l,
-			      uint64_t seq);
+			      uint64_t seq, uint64_t xops);
 
 #endif

@@ -130,6 +130,8 @@ void epd_group_free(struct epd_group *g)
 	free(g->rail_done);
 	free(g->rail_remote);
 	free(g->peer);
+	free(g->arr_seq);
+	free(g->arr_xops);
 	free(g->node_map);
 	free(g);
 }
@@ -565,7 +567,10 @@ static struct epd_group *group_create(struct epd_server *srv, uid_t owner,
 	g->rail_remote = calloc((size_t)j->ranks_per_node * g->nnodes,
 				sizeof(*g->rail_remote));
 	g->peer = calloc(g->nnodes, 1);
-	if (!g->local || !g->rail_done || !g->rail_remote || !g->peer)
+	g->arr_seq = calloc(g->nnodes, sizeof(*g->arr_seq));
+	g->arr_xops = calloc(g->nnodes, sizeof(*g->arr_xops));
+	if (!g->local || !g->rail_done || !g->rail_remote || !g->peer ||
+	    !g->arr_seq || !g->arr_xops)
 		goto err_free;
 	*code = epd_buf_create(g);
 	if (*code) {
@@ -599,6 +604,8 @@ err_free_nocode:
 		free(g->rail_done);
 		free(g->rail_remote);
 		free(g->peer);
+		free(g->arr_seq);
+		free(g->arr_xops);
 		free(g->node_map);
 		free(g);
 	}

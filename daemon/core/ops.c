@@ -470,8 +470,10 @@ static void arrive(struct epd_member *m, uint64_t req_id, uint16_t type)
 	g->coll_type = type;
 	if (g->coll_arrived++ == 0)
 		g->coll_start_ns = epd_now_ns();
-	if (g->nnodes > 1 && epd_group_remote_check(g))
-		return; /* failed on another node before this op */
+	if (g->nnodes > 1 &&
+	    (epd_group_remote_check(g) || !epd_coll_order(g)))
+		return; /* failed on another node before this op, or the
+			   nodes' programs differ */
 	if (g->coll_arrived < g->shape.ranks_per_node) {
 		epd_group_arm_timer(g);
 	} else if (g->nnodes > 1) {
@@ -505,7 +507,7 @@ void epd_ops_staged_enter(struct epd_group *g, uint16_t type, bool cached,
 		m->op_flags = flags[l];
 	}
 	epd_group_arm_timer(g);
-	if (epd_group_remote_check(g))
+	if (epd_group_remote_check(g) || !epd_coll_order(g))
 		return; /* failed, and replied */
 	g->srv->span->op_start(g);
 }

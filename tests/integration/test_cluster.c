@@ -1826,6 +1826,9 @@ static uint16_t pc_frame(const char *gk, unsigned *seed, uint8_t *b,
 		struct epp_peer_barrier m = {.local = r / 8 % 3,
 					     .seq = rand_r(seed) % 4
 							    ? (uint64_t)(rand_r(seed) % 50)
+							    : UINT64_MAX,
+					     .xops = rand_r(seed) % 2
+							    ? (uint64_t)(rand_r(seed) % 50)
 							    : UINT64_MAX};
 		snprintf(m.group, sizeof(m.group), "%s", grp);
 		w.off = epp_peer_barrier_encode(&m, b, cap);

@@ -399,6 +399,42 @@ static int recvcap_rank(int r, void *arg)
 	return 0;
 }
 
+/* Ranks of node n4 run barrier, dispatch; ranks of node n5 barrier,
+ * barrier: every rank gets EP_EMISMATCH at once, naming the barrier and
+ * the data op, not a timeout about ranks that "never arrived". */
+struct order {
+	int code[4];
+	char msg[4][320];
+	uint64_t ms[4];
+};
+
+static int order_rank(int r, void *arg)
+{
+	struct order *o = arg;
+	struct ep_group_config cfg = {
+		.name = "order", .world_size = 4, .ranks_per_node = RPN,
+		.rank = (uint32_t)r, .num_experts = 16, .hidden = H,
+		.max_tokens_per_rank = 4, .topk = K, .dtype = EP_DTYPE_BF16,
+		.timeout_ms = 20000};
+	const char *nodes[] = {"n4", "n5"};
+	ep_conn_t *c;
+	ep_group_t *g;
+	TH_OK(ep_connect(D[r < RPN ? 4 : 5].sock, &c));
+	TH_OK(ep_join_nodes(c, &cfg, nodes, 0, &g));
+	TH_OK(ep_barrier(g));
+	const uint64_t t0 = th_now_ns();
+	if (r < RPN) {
+		ep_handle_t h;
+		o->code[r] = ep_dispatch_inplace(g, 0, 0, NULL, &h);
+	} else {
+		o->code[r] = ep_barrier(g);
+	}
+	o->ms[r] = (th_now_ns() - t0) / 1000000;
+	snprintf(o->msg[r], sizeof(o->msg[r]), "%s", ep_errmsg());
+	ep_close(c);
+	return 0;
+}
+
 /* Peers up in daemon d's status. */
 static int peers_up(int d)
 {
@@ -540,6 +576,21 @@ static void phase_bad(void)
 		 "the mismatch took the timeout");
 	for (int r = 0; r < 3; r++)
 		ep_close(cs[r]);
+	struct order *od = th_shared(sizeof(*od));
+	pid_t op[4];
+	th_spawn(op, 4, order_rank, od);
+	TH_CHECK(th_wait_all(op, 4, 60) == 0, "the order case");
+	for (int r = 0; r < 4; r++) {
+		TH_EXPECT_RC(od->code[r], EP_EMISMATCH);
+		TH_CHECK(strstr(od->msg[r], "barrier 2") &&
+				 strstr(od->msg[r], "data op"),
+			 "rank %d: %s", r, od->msg[r]);
+		TH_CHECK(od->ms[r] < 5000, "rank %d waited %llu ms", r,
+			 (unsigned long long)od->ms[r]);
+	}
+	printf("ok: barrier on one node against a dispatch on another: "
+	       "EP_EMISMATCH on every rank at once: %s\n",
+	       od->msg[0]);
 	pid_t rp[4];
 	th_spawn(rp, 4, recvcap_rank, NULL);
 	TH_CHECK(th_wait_all(rp, 4, 60) == 0, "the receive capacity case");
