@@ -70,7 +70,11 @@ size_t epp_peer_barrier_encode(const struct epp_peer_barrier *m, uint8_t *buf,
 	epp_put_str(&w, m->group);
 	epp_put_u32(&w, m->local);
 	epp_put_u64(&w, m->seq);
-	epp_put_u64(&w, m->xops);
+	/* each only where said: decode gives back what was encoded */
+	if (m->xops != UINT64_MAX || m->step != EPP_STEP_ALL)
+		epp_put_u64(&w, m->xops);
+	if (m->step != EPP_STEP_ALL)
+		epp_put_u8(&w, m->step);
 	return finish(&w);
 }
 
@@ -82,7 +86,13 @@ int epp_peer_barrier_decode(const uint8_t *p, size_t len,
 	epp_get_str(&r, m->group, sizeof(m->group));
 	m->local = epp_get_u32(&r);
 	m->seq = epp_get_u64(&r);
-	m->xops = !r.err && r.len - r.off == 8 ? epp_get_u64(&r) : UINT64_MAX;
+	const size_t tail = r.err ? 0 : r.len - r.off;
+	m->xops = tail >= 8 ? epp_get_u64(&r) : UINT64_MAX;
+	m->step = tail == 9 ? epp_get_u8(&r) : EPP_STEP_ALL;
+	/* unknown data ops are sent as none; a step names one of 32 */
+	if ((tail == 8 && m->xops == UINT64_MAX) ||
+	    (tail == 9 && m->step >= 32))
+		return EP_EPROTO;
 	return done(&r);
 }
 

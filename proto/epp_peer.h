@@ -50,7 +50,14 @@ struct epp_peer_barrier {
 	/* 1.21: the data ops the sender's ranks completed before this
 	 * barrier (every node's alike); UINT64_MAX from an older peer */
 	uint64_t xops;
+	/* 1.21: a dissemination barrier's step (groups of more than
+	 * EPP_DISSEM_NODES nodes: step s goes to node + 2^s and says that
+	 * node and all it heard from entered the round); EPP_STEP_ALL: the
+	 * sender's arrival, to every node */
+	uint8_t step;
 };
+#define EPP_STEP_ALL 0xff
+#define EPP_DISSEM_NODES 4
 size_t epp_peer_barrier_encode(const struct epp_peer_barrier *m, uint8_t *buf,
 			       size_t cap);
 int epp_peer_barrier_decode(const uint8_t *p, size_t len,

@@ -586,18 +586,21 @@ static int span_resolve(const struct epd_server *srv, const char *name)
 	return -1;
 }
 
-static int span_arrival(struct epd_group *g, uint32_t l, uint64_t seq)
+/* Local index l entered barrier seq: to group node `to` (a
+ * dissemination step), or with step EPP_STEP_ALL to every other node. */
+static int span_arrival_to(struct epd_group *g, uint32_t l, uint64_t seq,
+			   uint32_t to, uint8_t step)
 {
 	struct epd_cluster *cl = g->srv->cluster;
-	uint8_t buf[128];
+	uint8_t buf[160];
 	/* the data ops this node's ranks completed before the barrier:
 	 * every node's must be the same (epd_coll_order) */
 	struct epp_peer_barrier m = {.local = l, .seq = seq,
-				     .xops = g->xop_next};
+				     .xops = g->xop_next, .step = step};
 	snprintf(m.group, sizeof(m.group), "%s", g->key);
 	size_t bn = epp_peer_barrier_encode(&m, buf, sizeof(buf));
 	for (uint32_t n = 0; n < g->nnodes; n++) {
-		if (n == g->node_index)
+		if (n == g->node_index || (step != EPP_STEP_ALL && n != to))
 			continue;
 		struct cnode *nd = &cl->node[g->node_map[n]];
 		if (nd->state != NODE_UP) {
@@ -611,6 +614,11 @@ static int span_arrival(struct epd_group *g, uint32_t l, uint64_t seq)
 		cl_conn_send(nd->conn, EPP_PEER_BARRIER, buf, (uint32_t)bn);
 	}
 	return 0;
+}
+
+static int span_arrival(struct epd_group *g, uint32_t l, uint64_t seq)
+{
+	return span_arrival_to(g, l, seq, 0, EPP_STEP_ALL);
 }
 
 /* Node cn's connection if rows can be written to it (see
@@ -933,6 +941,7 @@ static const struct epd_span_ops span_ops = {
 	.nodes_up = span_nodes_up,
 	.nodes_missing = span_nodes_missing,
 	.arrival = span_arrival,
+	.arrival_to = span_arrival_to,
 	.op_start = epd_xop_start,
 	.missing = epd_xop_missing,
 	.ready = span_ready,

@@ -171,7 +171,7 @@ void epd_xop_replay(struct epd_group *g)
 		    !epp_peer_barrier_decode(e->data, e->len, &m)) {
 			if (admit(g, from, e->from, e->type, e->data, e->len))
 				epd_group_remote_arrival(g, from, m.local,
-							 m.seq, m.xops);
+							 m.seq, m.xops, m.step);
 		} else if (g->state == EPD_G_READY) {
 			epd_xop_frame(g->srv, e->type, e->from, e->data,
 				      e->len);
@@ -299,7 +299,8 @@ void epd_xop_arrival(struct epd_server *srv, uint32_t cfrom,
 	else if (!g || g->state == EPD_G_FORMING)
 		stash_frame(srv, m->group, EPP_PEER_BARRIER, cfrom, p, len);
 	else if (admit(g, from, cfrom, EPP_PEER_BARRIER, p, len))
-		epd_group_remote_arrival(g, from, m->local, m->seq, m->xops);
+		epd_group_remote_arrival(g, from, m->local, m->seq, m->xops,
+					 m->step);
 }
 
 /* A frame of a cross-node op from the cluster's node cfrom. */

@@ -12,13 +12,52 @@
 #include <stdio.h>
 #include <string.h>
 
+/* The rail phase across many nodes is a dissemination barrier per rail:
+ * at step s node p tells node p + 2^s (mod N) that round k reached it,
+ * once its own rank entered k and steps 0..s-1 came from p - 2^j. After
+ * the last step every node of the rail is known to have entered k:
+ * ceil(log2 N) messages a node and rail, N log N in all (every node to
+ * every node: N^2). Returns 0, or the error of a send (the group failed).
+ */
+static int dissem_send(struct epd_group *g, uint32_t l, uint64_t k)
+{
+	const uint32_t S = g->dis_steps, N = g->nnodes, p = g->node_index;
+	if (!g->local[l] || g->local[l]->barrier_seq < k)
+		return 0;
+	for (uint32_t s = 0; s < S; s++) {
+		uint64_t *sent = &g->dis_sent[l * S + s];
+		if (*sent < k) {
+			const uint32_t to = (p + (1u << s)) % N;
+			int rc = g->srv->span->arrival_to(g, l, k, to,
+							  (uint8_t)s);
+			if (rc)
+				return rc;
+			*sent = k;
+		}
+		if (g->dis_recv[l * S + s] < k)
+			return 0;
+	}
+	return 0;
+}
+
+/* Local index l entered barrier seq: its rail hears of it. */
+static int rail_enter(struct epd_group *g, uint32_t l, uint64_t seq)
+{
+	return g->dis_steps ? dissem_send(g, l, seq)
+			    : g->srv->span->arrival(g, l, seq);
+}
+
 /* Phase 1 of round k for local index l: the rail (the ranks with local index
  * l on every node) has arrived. */
 static bool rail_arrived(struct epd_group *g, uint32_t l, uint64_t k)
 {
 	if (!g->local[l] || g->local[l]->barrier_seq < k)
 		return false;
-	for (uint32_t n = 0; n < g->nnodes; n++)
+	const uint32_t S = g->dis_steps;
+	for (uint32_t s = 0; s < S; s++)
+		if (g->dis_recv[l * S + s] < k)
+			return false;
+	for (uint32_t n = 0; !S && n < g->nnodes; n++)
 		if (n != g->node_index && g->rail_remote[l * g->nnodes + n] < k)
 			return false;
 	return true;
@@ -66,7 +105,7 @@ void epd_group_staged_barrier(struct epd_group *g, uint64_t seq,
 	if (epd_group_remote_check(g) || !epd_coll_order(g))
 		return; /* failed, and replied */
 	for (uint32_t l = 0; l < rpn; l++)
-		if (g->srv->span->arrival(g, l, g->local[l]->barrier_seq))
+		if (rail_enter(g, l, g->local[l]->barrier_seq))
 			return;
 	epd_group_arm_timer(g);
 	barrier_progress(g);
@@ -219,7 +258,7 @@ int epd_group_barrier(struct epd_session *c, uint64_t req_id, uint64_t gid)
 	/* Phase 1 needs the rail: tell the other nodes of the group. */
 	if (g->nnodes > 1 &&
 	    (epd_group_remote_check(g) || !epd_coll_order(g) ||
-	     g->srv->span->arrival(g, m->local, m->barrier_seq)))
+	     rail_enter(g, m->local, m->barrier_seq)))
 		return EP_EPEERLOST; /* the group failed and replied */
 	epd_group_arm_timer(g);
 	barrier_progress(g);
@@ -316,17 +355,39 @@ bool epd_coll_order(struct epd_group *g)
 }
 
 void epd_group_remote_arrival(struct epd_group *g, uint32_t node, uint32_t l,
-			      uint64_t seq, uint64_t xops)
+			      uint64_t seq, uint64_t xops, uint8_t step)
 {
 	if (node >= g->nnodes || l >= g->shape.ranks_per_node)
 		return;
-	uint64_t *c = &g->rail_remote[l * g->nnodes + node];
+	const uint32_t S = g->dis_steps, N = g->nnodes;
+	if (step == EPP_STEP_ALL ? S != 0
+				 : step >= S ||
+					   node != (g->node_index + N -
+						    (1u << step) % N) % N) {
+		/* another pattern than this group's: the nodes differ on
+		 * the group (a peer's bug, or an older group's frame) */
+		epd_group_fail(g, EP_EPROTO,
+			       "node %s sent barrier %llu of rail %u as %s; "
+			       "this group's rail takes %s",
+			       g->srv->span->node_name(g, node),
+			       (unsigned long long)seq, l,
+			       step == EPP_STEP_ALL ? "an arrival to all"
+						    : "a dissemination step",
+			       S ? "dissemination steps" : "arrivals to all");
+		return;
+	}
+	uint64_t *c = S ? &g->dis_recv[l * S + step]
+			: &g->rail_remote[l * g->nnodes + node];
 	if (seq > *c)
 		*c = seq;
 	if (seq >= g->arr_seq[node]) {
 		g->arr_seq[node] = seq;
 		g->arr_xops[node] = xops;
 	}
-	if (g->state == EPD_G_READY && epd_coll_order(g))
-		barrier_progress(g);
+	if (g->state != EPD_G_READY || !epd_coll_order(g))
+		return;
+	/* a step that came lets this node take its next ones */
+	if (S && dissem_send(g, l, g->round + 1))
+		return;
+	barrier_progress(g);
 }

@@ -92,6 +92,10 @@ struct epd_span_ops {
 	/* Local index l entered barrier seq: to its rail peers; a down node
 	 * fails the group (then EP_EPEERLOST is returned). */
 	int (*arrival)(struct epd_group *g, uint32_t l, uint64_t seq);
+	/* The same to group node `to` alone, as dissemination step `step`
+	 * (groups of more than EPP_DISSEM_NODES nodes). */
+	int (*arrival_to)(struct epd_group *g, uint32_t l, uint64_t seq,
+			  uint32_t to, uint8_t step);
 	/* Every local rank entered the current dispatch or combine. */
 	void (*op_start)(struct epd_group *g);
 	/* The global ranks of other nodes the current op still waits for,
@@ -259,6 +263,13 @@ struct epd_group {
 	 * its ranks completed before it (UINT64_MAX: not said), checked
 	 * against this node's program (epd_coll_order) */
 	uint64_t *arr_seq, *arr_xops;
+	/* The rail phase across more than EPP_DISSEM_NODES nodes: a
+	 * dissemination barrier per rail (N log N messages, not N^2) of
+	 * dis_steps steps; [rpn * dis_steps] the highest round received at
+	 * step s (from node - 2^s) and sent (to node + 2^s). 0 steps: every
+	 * node's arrival to every node (rail_remote). */
+	uint32_t dis_steps;
+	uint64_t *dis_recv, *dis_sent;
 	uint64_t round_started_ns;
 
 	uv_timer_t timer; /* join or collective timeout */
@@ -537,6 +548,6 @@ bool epd_group_remote_check(struct epd_group *g);
  * False if the group failed on a disagreement (EP_EMISMATCH). */
 bool epd_coll_order(struct epd_group *g);
 void epd_group_remote_arrival(struct epd_group *g, uint32_t node, uint32_t l,
-			      uint64_t seq, uint64_t xops);
+			      uint64_t seq, uint64_t xops, uint8_t step);
 
 #endif

@@ -132,6 +132,8 @@ void epd_group_free(struct epd_group *g)
 	free(g->peer);
 	free(g->arr_seq);
 	free(g->arr_xops);
+	free(g->dis_recv);
+	free(g->dis_sent);
 	free(g->node_map);
 	free(g);
 }
@@ -431,10 +433,18 @@ void epd_group_timeout(uv_timer_t *t)
 	/* Remote rail peers that never arrived (scale-out phase). */
 	size_t off = 0;
 	miss[0] = 0;
+	const uint32_t S = g->dis_steps, N = g->nnodes;
 	for (uint32_t l = 0; l < g->shape.ranks_per_node; l++)
 		for (uint32_t n = 0; n < g->nnodes; n++) {
-			if (n == g->node_index ||
-			    g->rail_remote[l * g->nnodes + n] >= k)
+			/* dissemination: the partner of the first step that
+			 * never came (it, or one it waits for, is missing) */
+			uint32_t s = 0;
+			while (s < S && g->dis_recv[l * S + s] >= k)
+				s++;
+			if (S ? s == S || n != (g->node_index + N -
+						(1u << s) % N) % N
+			      : n == g->node_index ||
+					g->rail_remote[l * g->nnodes + n] >= k)
 				continue;
 			int w = snprintf(miss + off, sizeof(miss) - off,
 					 "%s%u", off ? "," : "",
@@ -569,8 +579,15 @@ static struct epd_group *group_create(struct epd_server *srv, uid_t owner,
 	g->peer = calloc(g->nnodes, 1);
 	g->arr_seq = calloc(g->nnodes, sizeof(*g->arr_seq));
 	g->arr_xops = calloc(g->nnodes, sizeof(*g->arr_xops));
+	/* the rail phase of many nodes: a dissemination barrier */
+	while (g->nnodes > EPP_DISSEM_NODES &&
+	       (1u << g->dis_steps) < g->nnodes)
+		g->dis_steps++;
+	const size_t ds = (size_t)j->ranks_per_node * (g->dis_steps + 1);
+	g->dis_recv = calloc(ds, sizeof(*g->dis_recv));
+	g->dis_sent = calloc(ds, sizeof(*g->dis_sent));
 	if (!g->local || !g->rail_done || !g->rail_remote || !g->peer ||
-	    !g->arr_seq || !g->arr_xops)
+	    !g->arr_seq || !g->arr_xops || !g->dis_recv || !g->dis_sent)
 		goto err_free;
 	*code = epd_buf_create(g);
 	if (*code) {
@@ -606,6 +623,8 @@ err_free_nocode:
 		free(g->peer);
 		free(g->arr_seq);
 		free(g->arr_xops);
+		free(g->dis_recv);
+		free(g->dis_sent);
 		free(g->node_map);
 		free(g);
 	}

@@ -124,7 +124,8 @@ int main(int argc, char **argv)
 	struct epp_peer_heartbeat hb = {.epoch = 9};
 	strcpy(hb.row, "USU");
 	len[1] = epp_peer_heartbeat_encode(&hb, seeds[1], sizeof(seeds[1]));
-	struct epp_peer_barrier ba = {.local = 3, .seq = 77};
+	struct epp_peer_barrier ba = {.local = 3, .seq = 77, .xops = 12,
+				      .step = 2};
 	strcpy(ba.group, "moe~1000");
 	len[2] = epp_peer_barrier_encode(&ba, seeds[2], sizeof(seeds[2]));
 	struct epp_peer_gfail gf = {.code = EP_EPEERLOST, .round = 4,

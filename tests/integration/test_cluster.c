@@ -1829,7 +1829,10 @@ static uint16_t pc_frame(const char *gk, unsigned *seed, uint8_t *b,
 							    : UINT64_MAX,
 					     .xops = rand_r(seed) % 2
 							    ? (uint64_t)(rand_r(seed) % 50)
-							    : UINT64_MAX};
+							    : UINT64_MAX,
+					     .step = rand_r(seed) % 8
+							     ? EPP_STEP_ALL
+							     : (uint8_t)(rand_r(seed) % 4)};
 		snprintf(m.group, sizeof(m.group), "%s", grp);
 		w.off = epp_peer_barrier_encode(&m, b, cap);
 		break;

@@ -25,7 +25,8 @@
 #include <unistd.h>
 
 #define RPN 2
-#define MAXJN 4 /* nodes of a job */
+#define MAXJN 9 /* nodes of a job */
+#define JOBN 4  /* of the random jobs: 2..JOBN nodes */
 #define MAXW (MAXJN * RPN)
 #define NJOBS 4
 #define H 256
@@ -48,6 +49,8 @@ struct job {
 
 struct shared {
 	struct job job[NJOBS];
+	/* the wide job's barrier stamps: [late][rank] */
+	uint64_t enter[4][MAXW], leave[4][MAXW];
 	/* phase 2 */
 	volatile int joined, done, stage;
 	int victim; /* the daemon killed at stage 2 */
@@ -216,7 +219,7 @@ static void phase_jobs(uint64_t seed)
 		struct job *j = &S->job[k];
 		snprintf(j->name, sizeof(j->name), "place%d", k);
 		j->seed = seed * 977 + (uint64_t)k;
-		j->nnodes = 2 + (int)(rnd(&s) % (MAXJN - 1));
+		j->nnodes = 2 + (int)(rnd(&s) % (JOBN - 1));
 		/* distinct nodes in random order; the last job takes the
 		 * cluster's last nodes, backwards (never the first entries
 		 * of peers in order) */
@@ -321,7 +324,7 @@ static void phase_kill(uint64_t seed)
 		struct job *j = &S->job[k];
 		snprintf(j->name, sizeof(j->name), "kill%c", 'A' + k);
 		j->seed = seed + (uint64_t)k;
-		j->nnodes = 2 + (int)(rnd(&s) % (MAXJN - 1));
+		j->nnodes = 2 + (int)(rnd(&s) % (JOBN - 1));
 		for (int n = 0; n < j->nnodes; n++)
 			j->node[n] = 1 + k + 2 * n;
 		/* reversed order for one of them */
@@ -484,6 +487,76 @@ static void phase_idle(const int *fds0)
 	       N, fds0[0]);
 }
 
+/* A job of 9 nodes (more than EPP_DISSEM_NODES: its barriers'
+ * rail phase is a dissemination barrier) on random nodes: a rank late
+ * into a barrier, one of each of four, holds every other rank in it (no
+ * rank leaves early, the diagonal ones included), and its ops are
+ * bitwise equal to one node. */
+static const int late_of[4] = {0, 5, 12, 17};
+
+static int wide_rank(int r, void *arg)
+{
+	(void)arg;
+	struct job *j = &S->job[0];
+	ep_conn_t *c;
+	ep_group_t *g = job_join(j, r, &c);
+	for (int k = 0; k < 4 && !j->solo; k++) {
+		TH_OK(ep_barrier(g));
+		if (r == late_of[k])
+			th_sleep_ms(150);
+		S->enter[k][r] = th_now_ns();
+		TH_OK(ep_barrier(g));
+		S->leave[k][r] = th_now_ns();
+	}
+	for (int k = 0; k < 2; k++)
+		job_round(j, g, r, k, &j->hash[j->solo][r][k * 4]);
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	return 0;
+}
+
+static void phase_wide(uint64_t seed)
+{
+	uint64_t s = seed ^ 0x91de;
+	memset(S, 0, sizeof(*S));
+	struct job *j = &S->job[0];
+	snprintf(j->name, sizeof(j->name), "wide");
+	j->seed = seed;
+	j->nnodes = MAXJN;
+	for (int n = 0; n < j->nnodes; n++) {
+		bool again;
+		do {
+			j->node[n] = (int)(rnd(&s) % (uint32_t)N);
+			again = false;
+			for (int o = 0; o < n; o++)
+				again |= j->node[o] == j->node[n];
+		} while (again);
+	}
+	const int w = MAXJN * RPN;
+	for (int solo = 1; solo >= 0; solo--) {
+		j->solo = solo;
+		pid_t pids[MAXW];
+		th_spawn(pids, w, wide_rank, NULL);
+		TH_CHECK(th_wait_all(pids, w, 120) == 0, "the wide job (%s)",
+			 solo ? "one node" : "cluster");
+	}
+	for (int k = 0; k < 4; k++)
+		for (int r = 0; r < w; r++)
+			TH_CHECK(S->leave[k][r] >= S->enter[k][late_of[k]],
+				 "rank %d left barrier %d before late rank %d "
+				 "entered it",
+				 r, k, late_of[k]);
+	for (int r = 0; r < w; r++)
+		for (int op = 0; op < 8; op++)
+			TH_CHECK(j->hash[0][r][op] == j->hash[1][r][op],
+				 "wide job rank %d op %d differs from one node",
+				 r, op);
+	printf("ok: a job of %d nodes x %d ranks (a dissemination barrier): "
+	       "a late rank of 4 holds every rank in the barrier; ops "
+	       "bitwise equal to one node\n",
+	       MAXJN, RPN);
+}
+
 /* Joins that name their nodes wrongly. */
 static void expect_join(int daemon, const char *name, uint32_t world,
 			uint32_t rank, const char *const *list, int want,
@@ -635,6 +708,7 @@ int main(void)
 	phase_jobs(seed);
 	phase_idle(fds0);
 	phase_bad();
+	phase_wide(seed);
 	phase_kill(seed);
 	for (int i = 0; i < N; i++)
 		if (D[i].pid)
