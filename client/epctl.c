@@ -132,9 +132,15 @@ static void print_peers(json_t *root)
 			printf("    %-12s %s  epoch %lld\n", jstr(pi, "name"),
 			       json_string_value(row), jint(pi, "view_epoch"));
 		}
+		/* idle peers (no group here needs them): counted, not
+		 * listed, in a cluster of hundreds */
+		size_t idle = 0;
 		json_array_foreach(json_object_get(cl, "peers"), i, p)
 		{
-			if (!strcmp(jstr(p, "state"), "self"))
+			if (!strcmp(jstr(p, "state"), "idle"))
+				idle++;
+			if (!strcmp(jstr(p, "state"), "self") ||
+			    !strcmp(jstr(p, "state"), "idle"))
 				continue;
 			printf("  %-12s %-22s %-5s %-4s downs %lld%s%s\n",
 			       jstr(p, "name"), jstr(p, "addr"),
@@ -143,6 +149,10 @@ static void print_peers(json_t *root)
 			       *jstr(p, "last_error") ? ", last: " : "",
 			       jstr(p, "last_error"));
 		}
+		if (idle)
+			printf("  %zu other nodes idle (no group here spans "
+			       "them)\n",
+			       idle);
 	}
 }
 
@@ -266,7 +276,9 @@ static int check(json_t *root, bool quiet)
 	size_t up = 0, n_peers = 0;
 	json_array_foreach(json_object_get(cl, "peers"), i, p)
 	{
-		if (!strcmp(jstr(p, "state"), "self"))
+		/* an idle node is no group's: not a fault */
+		if (!strcmp(jstr(p, "state"), "self") ||
+		    !strcmp(jstr(p, "state"), "idle"))
 			continue;
 		n_peers++;
 		if (!strcmp(jstr(p, "state"), "up")) {
@@ -421,10 +433,12 @@ static void print_metrics(json_t *root)
 	}
 	json_t *cl = json_object_get(root, "cluster");
 	if (json_is_object(cl)) {
-		om_head("epd_peer_up", "gauge", "1 if the peer node is up, per peer.");
+		om_head("epd_peer_up", "gauge",
+			"1 if the peer node is up, per peer a group here needs.");
 		json_array_foreach(json_object_get(cl, "peers"), i, p)
 		{
-			if (!strcmp(jstr(p, "state"), "self"))
+			if (!strcmp(jstr(p, "state"), "self") ||
+			    !strcmp(jstr(p, "state"), "idle"))
 				continue;
 			char name[160];
 			om_escape(jstr(p, "name"), name, sizeof(name));
