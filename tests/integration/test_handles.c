@@ -124,12 +124,27 @@ static int forward_backward(int r, void *arg)
 			 D.sock);
 		snprintf(want, sizeof(want),
 			 "epd_group_handles{group=\"layers\"} %d\n", LAYERS);
+		/* and the rows moved, as the status counts them */
+		char *js;
+		TH_OK(ep_daemon_status(conn, &js));
+		const char *bm = strstr(js, "\"bytes_moved\":");
+		TH_CHECK(bm, "no bytes_moved in the status");
+		const long long moved = atoll(bm + 14);
+		free(js);
+		TH_CHECK(moved > 0, "the status counts no bytes moved");
+		char want2[128];
+		snprintf(want2, sizeof(want2),
+			 "epd_group_moved_bytes_total{group=\"layers\"} %lld\n",
+			 moved);
 		FILE *p = popen(cmd, "r");
 		TH_CHECK(p, "popen %s", cmd);
-		bool seen = false;
-		while (fgets(line, sizeof(line), p))
+		bool seen = false, seen2 = false;
+		while (fgets(line, sizeof(line), p)) {
 			seen |= !strcmp(line, want);
-		TH_CHECK(pclose(p) == 0 && seen, "epctl metrics lacks %s", want);
+			seen2 |= !strcmp(line, want2);
+		}
+		TH_CHECK(pclose(p) == 0 && seen && seen2,
+			 "epctl metrics lacks %s or %s", want, want2);
 	}
 	TH_OK(ep_barrier(g));
 	/* Backward: combines in reverse order, every one on its own routing. */
