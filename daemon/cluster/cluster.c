@@ -451,19 +451,26 @@ static int cluster_prepare(struct epd_cluster *cl,
 	return 0;
 }
 
+/* A cluster to prepare from cfg (libsodium ready), or NULL with err. */
+static struct epd_cluster *cluster_new(char *err, size_t errlen)
+{
+	if (sodium_init() < 0) {
+		snprintf(err, errlen, "libsodium failed to initialize");
+		return NULL;
+	}
+	struct epd_cluster *cl = calloc(1, sizeof(*cl));
+	if (!cl)
+		snprintf(err, errlen, "out of memory");
+	return cl;
+}
+
 int epd_cluster_check(const struct epd_config *cfg, char *err, size_t errlen)
 {
 	if (!cfg->peers || !cfg->peers[0])
 		return 0;
-	if (sodium_init() < 0) {
-		snprintf(err, errlen, "libsodium failed to initialize");
+	struct epd_cluster *cl = cluster_new(err, errlen);
+	if (!cl)
 		return -1;
-	}
-	struct epd_cluster *cl = calloc(1, sizeof(*cl));
-	if (!cl) {
-		snprintf(err, errlen, "out of memory");
-		return -1;
-	}
 	struct sockaddr_storage sa;
 	int rc = cluster_prepare(cl, cfg, &sa, err, errlen);
 	sodium_memzero(cl->key, sizeof(cl->key));
@@ -479,14 +486,11 @@ int epd_cluster_init(struct epd_server *srv,
 	const struct epd_config *cfg = &srv->cfg;
 	if (!cfg->peers || !cfg->peers[0])
 		return 0;
-	if (sodium_init() < 0) {
-		snprintf(err, errlen, "libsodium failed to initialize");
-		return -1;
-	}
-	struct epd_cluster *cl = calloc(1, sizeof(*cl));
-	struct epd_xnode *xn = calloc(1, sizeof(*xn));
+	struct epd_cluster *cl = cluster_new(err, errlen);
+	struct epd_xnode *xn = cl ? calloc(1, sizeof(*xn)) : NULL;
 	if (!cl || !xn) {
-		snprintf(err, errlen, "out of memory");
+		if (cl)
+			snprintf(err, errlen, "out of memory");
 		free(cl);
 		free(xn);
 		return -1;

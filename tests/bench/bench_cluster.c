@@ -39,12 +39,6 @@ struct shared {
 static struct th_daemon *D;
 static struct shared *S;
 
-static uint32_t rnd(uint64_t *s)
-{
-	*s = *s * 6364136223846793005ull + 1442695040888963407ull;
-	return (uint32_t)(*s >> 33);
-}
-
 static int rank_main(int r, void *arg)
 {
 	(void)arg;
@@ -77,9 +71,9 @@ static int rank_main(int r, void *arg)
 	uint64_t gen = S->seed ^ (uint64_t)r;
 	uint16_t *x = b.x;
 	for (uint32_t i = 0; i < T * H; i++)
-		x[i] = (uint16_t)(0x3c00 + rnd(&gen) % 0x400);
+		x[i] = (uint16_t)(0x3c00 + th_rnd(&gen) % 0x400);
 	for (uint32_t i = 0; i < T * K; i++)
-		b.topk_idx[i] = (int64_t)(rnd(&gen) % (W * 4));
+		b.topk_idx[i] = (int64_t)(th_rnd(&gen) % (W * 4));
 	TH_OK(ep_barrier(g));
 	const int pairs = 50;
 	t0 = th_now_ns();
@@ -173,7 +167,7 @@ int main(void)
 			for (int i = 0; i < N; i++) {
 				bool again;
 				do {
-					S->node[i] = (int)(rnd(&s) % (uint32_t)C);
+					S->node[i] = (int)(th_rnd(&s) % (uint32_t)C);
 					again = false;
 					for (int o = 0; o < i; o++)
 						again |= S->node[o] == S->node[i];

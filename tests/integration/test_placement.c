@@ -58,20 +58,6 @@ struct shared {
 
 static struct shared *S;
 
-static uint64_t fnv(uint64_t h, const void *p, size_t n)
-{
-	const uint8_t *b = p;
-	for (size_t i = 0; i < n; i++)
-		h = (h ^ b[i]) * 0x100000001b3ull;
-	return h;
-}
-
-static uint32_t rnd(uint64_t *s)
-{
-	*s = *s * 6364136223846793005ull + 1442695040888963407ull;
-	return (uint32_t)(*s >> 33);
-}
-
 /* Connect rank r of job j to its daemon and join, naming the job's nodes
  * by the names their connections report. */
 static ep_group_t *job_join(struct job *j, int r, ep_conn_t **c)
@@ -130,14 +116,14 @@ static void job_round(struct job *j, ep_group_t *g, int r, int round,
 	uint64_t gen = j->seed ^ ((uint64_t)round << 24) ^ (uint64_t)r;
 	TH_OK(ep_barrier(g));
 	hash[0] = 1;
-	const uint32_t T = rnd(&gen) % (TMAX + 1);
+	const uint32_t T = th_rnd(&gen) % (TMAX + 1);
 	ep_handle_t h;
 	for (int pass = 0; pass < 2; pass++) {
 		for (uint32_t t = 0; t < T * H; t++)
-			x[t] = (uint16_t)(0x3c00 + rnd(&gen) % 0x800);
+			x[t] = (uint16_t)(0x3c00 + th_rnd(&gen) % 0x800);
 		for (uint32_t t = 0; pass == 0 && t < T * K; t++) {
-			topk[t] = (int64_t)(rnd(&gen) % (E + 1)) - 1;
-			wts[t] = (float)(rnd(&gen) % 1000) / 1000.0f;
+			topk[t] = (int64_t)(th_rnd(&gen) % (E + 1)) - 1;
+			wts[t] = (float)(th_rnd(&gen) % 1000) / 1000.0f;
 		}
 		struct ep_dispatch_in din = {
 			.num_tokens = T, .hidden = H, .dtype = EP_DTYPE_BF16,
@@ -147,32 +133,32 @@ static void job_round(struct job *j, ep_group_t *g, int r, int round,
 		TH_OK(ep_dispatch(g, &din, pass ? &h : NULL, &dout, &nh));
 		if (!pass)
 			h = nh;
-		uint64_t hs = 0xcbf29ce484222325ull;
+		uint64_t hs = TH_FNV0;
 		const uint32_t R = dout.num_recv;
-		hs = fnv(hs, &R, 4);
-		hs = fnv(hs, dout.recv_x, (size_t)R * H * 2);
+		hs = th_fnv(hs, &R, 4);
+		hs = th_fnv(hs, dout.recv_x, (size_t)R * H * 2);
 		if (!pass) {
-			hs = fnv(hs, dout.recv_topk_idx, (size_t)R * K * 8);
-			hs = fnv(hs, dout.recv_topk_weights,
+			hs = th_fnv(hs, dout.recv_topk_idx, (size_t)R * K * 8);
+			hs = th_fnv(hs, dout.recv_topk_weights,
 				 (size_t)R * K * 4);
-			hs = fnv(hs, dout.num_recv_tokens_per_expert, 16);
+			hs = th_fnv(hs, dout.num_recv_tokens_per_expert, 16);
 		}
 		hash[1 + pass] = hs;
 	}
 	for (uint64_t t = 0; t < (uint64_t)h.num_recv * H; t++)
-		y[t] = (uint16_t)(0x3c00 + rnd(&gen) % 0x800);
+		y[t] = (uint16_t)(0x3c00 + th_rnd(&gen) % 0x800);
 	const bool w = round % 2;
 	for (uint64_t t = 0; w && t < (uint64_t)h.num_recv * K; t++)
-		cwin[t] = (float)((int)(rnd(&gen) % 2001) - 1000) / 7.0f;
+		cwin[t] = (float)((int)(th_rnd(&gen) % 2001) - 1000) / 7.0f;
 	struct ep_combine_in cin = {.y = y, .num_rows = h.num_recv,
 				    .hidden = H,
 				    .topk_weights = w ? cwin : NULL};
 	struct ep_combine_out co = {.out = out,
 				    .combined_topk_weights = w ? cwout : NULL};
 	TH_OK(ep_combine_ex(g, &h, &cin, &co));
-	uint64_t hs = fnv(0xcbf29ce484222325ull, out, (size_t)T * H * 2);
+	uint64_t hs = th_fnv(TH_FNV0, out, (size_t)T * H * 2);
 	if (w)
-		hs = fnv(hs, cwout, (size_t)T * K * 4);
+		hs = th_fnv(hs, cwout, (size_t)T * K * 4);
 	hash[3] = hs;
 	TH_OK(ep_handle_release(g, &h));
 	free(y);
@@ -219,7 +205,7 @@ static void phase_jobs(uint64_t seed)
 		struct job *j = &S->job[k];
 		snprintf(j->name, sizeof(j->name), "place%d", k);
 		j->seed = seed * 977 + (uint64_t)k;
-		j->nnodes = 2 + (int)(rnd(&s) % (JOBN - 1));
+		j->nnodes = 2 + (int)(th_rnd(&s) % (JOBN - 1));
 		/* distinct nodes in random order; the last job takes the
 		 * cluster's last nodes, backwards (never the first entries
 		 * of peers in order) */
@@ -228,7 +214,7 @@ static void phase_jobs(uint64_t seed)
 			do {
 				j->node[n] = k == NJOBS - 1
 						     ? N - 1 - n
-						     : (int)(rnd(&s) % (uint32_t)N);
+						     : (int)(th_rnd(&s) % (uint32_t)N);
 				again = false;
 				for (int o = 0; o < n; o++)
 					again |= j->node[o] == j->node[n];
@@ -324,7 +310,7 @@ static void phase_kill(uint64_t seed)
 		struct job *j = &S->job[k];
 		snprintf(j->name, sizeof(j->name), "kill%c", 'A' + k);
 		j->seed = seed + (uint64_t)k;
-		j->nnodes = 2 + (int)(rnd(&s) % (JOBN - 1));
+		j->nnodes = 2 + (int)(th_rnd(&s) % (JOBN - 1));
 		for (int n = 0; n < j->nnodes; n++)
 			j->node[n] = 1 + k + 2 * n;
 		/* reversed order for one of them */
@@ -526,7 +512,7 @@ static void phase_wide(uint64_t seed)
 	for (int n = 0; n < j->nnodes; n++) {
 		bool again;
 		do {
-			j->node[n] = (int)(rnd(&s) % (uint32_t)N);
+			j->node[n] = (int)(th_rnd(&s) % (uint32_t)N);
 			again = false;
 			for (int o = 0; o < n; o++)
 				again |= j->node[o] == j->node[n];

@@ -58,20 +58,6 @@ struct soak {
 	uint64_t hash[2][MAXW][MAXOPS]; /* [solo, cluster] */
 };
 
-static uint64_t fnv(uint64_t h, const void *p, size_t n)
-{
-	const uint8_t *b = p;
-	for (size_t i = 0; i < n; i++)
-		h = (h ^ b[i]) * 0x100000001b3ull;
-	return h;
-}
-
-static uint32_t rnd(uint64_t *s)
-{
-	*s = *s * 6364136223846793005ull + 1442695040888963407ull;
-	return (uint32_t)(*s >> 33);
-}
-
 static int soak_rank(int r, void *arg)
 {
 	struct soak *s = arg;
@@ -104,13 +90,13 @@ static int soak_rank(int r, void *arg)
 	for (int i = 0; i < s->nops; i++) {
 		/* lateness: often a little, and one node once a lot */
 		if (!s->solo) {
-			if (rnd(&lat) % 4 == 0)
-				th_sleep_ms(rnd(&lat) % 15);
+			if (th_rnd(&lat) % 4 == 0)
+				th_sleep_ms(th_rnd(&lat) % 15);
 			if (i == s->nops / 2 && r / RPN == late_node)
 				th_sleep_ms(400);
 		}
 		uint64_t gen = s->seed ^ ((uint64_t)i << 20) ^ (uint64_t)r;
-		uint64_t hsh = 0xcbf29ce484222325ull;
+		uint64_t hsh = TH_FNV0;
 		int op = s->prog[i];
 		if (op == OP_CACHED || op == OP_COMBINE_OLD)
 			h = hs[s->pick[i]];
@@ -130,18 +116,18 @@ static int soak_rank(int r, void *arg)
 			   op == OP_CACHED) {
 			bool cached = op == OP_CACHED;
 			if (!cached)
-				T = rnd(&gen) % (TMAX + 1);
+				T = th_rnd(&gen) % (TMAX + 1);
 			for (uint32_t t = 0; t < T * H; t++)
-				x[t] = (uint16_t)(0x3c00 + rnd(&gen) % 0x800);
+				x[t] = (uint16_t)(0x3c00 + th_rnd(&gen) % 0x800);
 			uint32_t node = (uint32_t)r / RPN;
 			for (uint32_t t = 0; t < T * K; t++) {
-				int64_t e = (int64_t)(rnd(&gen) % (E + 1)) - 1;
+				int64_t e = (int64_t)(th_rnd(&gen) % (E + 1)) - 1;
 				if (op == OP_DISPATCH_LOCAL && e >= 0)
 					/* an expert of a rank on this node */
 					e = (int64_t)(node * RPN * per +
 						      (uint64_t)e % (RPN * per));
 				topk[t] = e;
-				wts[t] = (float)(rnd(&gen) % 1000) / 1000.0f;
+				wts[t] = (float)(th_rnd(&gen) % 1000) / 1000.0f;
 			}
 			struct ep_dispatch_in din = {
 				.num_tokens = T, .hidden = H,
@@ -160,35 +146,35 @@ static int soak_rank(int r, void *arg)
 				hs[nlive++] = h = nh;
 			}
 			uint32_t R = dout.num_recv;
-			hsh = fnv(hsh, &R, 4);
-			hsh = fnv(hsh, dout.recv_x, (size_t)R * H * 2);
+			hsh = th_fnv(hsh, &R, 4);
+			hsh = th_fnv(hsh, dout.recv_x, (size_t)R * H * 2);
 			if (!cached) {
-				hsh = fnv(hsh, dout.recv_topk_idx,
+				hsh = th_fnv(hsh, dout.recv_topk_idx,
 					  (size_t)R * K * 8);
-				hsh = fnv(hsh, dout.recv_topk_weights,
+				hsh = th_fnv(hsh, dout.recv_topk_weights,
 					  (size_t)R * K * 4);
-				hsh = fnv(hsh, dout.num_recv_tokens_per_expert,
+				hsh = th_fnv(hsh, dout.num_recv_tokens_per_expert,
 					  per * 4);
 			}
 		} else {
 			for (uint64_t t = 0; t < (uint64_t)h.num_recv * H; t++)
-				y[t] = (uint16_t)(0x3c00 + rnd(&gen) % 0x800);
+				y[t] = (uint16_t)(0x3c00 + th_rnd(&gen) % 0x800);
 			/* every third op also sums top-k weights (the same on
 			 * every rank: the op number decides) */
 			bool w = i % 3 == 0;
 			for (uint64_t t = 0; w && t < (uint64_t)h.num_recv * K;
 			     t++)
-				cwin[t] = (float)((int)(rnd(&gen) % 2001) - 1000) /
-					  (float)(1 + rnd(&gen) % 89);
+				cwin[t] = (float)((int)(th_rnd(&gen) % 2001) - 1000) /
+					  (float)(1 + th_rnd(&gen) % 89);
 			struct ep_combine_in cin = {
 				.y = y, .num_rows = h.num_recv, .hidden = H,
 				.topk_weights = w ? cwin : NULL};
 			struct ep_combine_out co = {
 				.out = out, .combined_topk_weights = w ? cwout : NULL};
 			TH_OK(ep_combine_ex(g, &h, &cin, &co));
-			hsh = fnv(hsh, out, (size_t)h.num_tokens * H * 2);
+			hsh = th_fnv(hsh, out, (size_t)h.num_tokens * H * 2);
 			if (w)
-				hsh = fnv(hsh, cwout, (size_t)h.num_tokens * K * 4);
+				hsh = th_fnv(hsh, cwout, (size_t)h.num_tokens * K * 4);
 		}
 		s->hash[s->solo ? 0 : 1][r][i] = hsh;
 	}
@@ -246,10 +232,10 @@ static void soak(int nodes, uint64_t seed, int nops)
 		maxlive = live > maxlive ? live : maxlive;                     \
 	} while (0)
 	for (int f = 0; f < FORWARD; f++)
-		FRESH(rnd(&p) % 3 ? OP_DISPATCH : OP_DISPATCH_LOCAL);
+		FRESH(th_rnd(&p) % 3 ? OP_DISPATCH : OP_DISPATCH_LOCAL);
 	const int body = FORWARD + nops;
 	while (i < body) {
-		uint32_t k = rnd(&p) % 20;
+		uint32_t k = th_rnd(&p) % 20;
 		if (k < 3) {
 			s->prog[i++] = OP_BARRIER;
 		} else if (k < 7) {
@@ -260,13 +246,13 @@ static void soak(int nodes, uint64_t seed, int nops)
 			for (int n = 0; n < 6 && i < body; n++, ahead++)
 				s->prog[i++] = OP_COMBINE;
 		} else if (k < 13) {
-			s->pick[i] = (uint8_t)(rnd(&p) % (uint32_t)live);
+			s->pick[i] = (uint8_t)(th_rnd(&p) % (uint32_t)live);
 			s->prog[i++] = OP_CACHED;
 		} else if (k < 16) {
-			s->pick[i] = (uint8_t)(rnd(&p) % (uint32_t)live);
+			s->pick[i] = (uint8_t)(th_rnd(&p) % (uint32_t)live);
 			s->prog[i++] = OP_COMBINE_OLD;
 		} else if (k < 18 && live > 1) {
-			s->pick[i] = (uint8_t)(rnd(&p) % (uint32_t)live);
+			s->pick[i] = (uint8_t)(th_rnd(&p) % (uint32_t)live);
 			s->prog[i++] = OP_RELEASE;
 			live--;
 		} else {

@@ -144,6 +144,20 @@ static bool port_free(int port)
 	return ok;
 }
 
+uint32_t th_rnd(uint64_t *s)
+{
+	*s = *s * 6364136223846793005ull + 1442695040888963407ull;
+	return (uint32_t)(*s >> 33);
+}
+
+uint64_t th_fnv(uint64_t h, const void *p, size_t n)
+{
+	const uint8_t *b = p;
+	for (size_t i = 0; i < n; i++)
+		h = (h ^ b[i]) * 0x100000001b3ull;
+	return h;
+}
+
 int th_ports(int n)
 {
 	int lo = 32768, hi = 60999;
@@ -161,8 +175,7 @@ int th_ports(int n)
 		 n, lo, hi);
 	uint64_t x = th_now_ns() ^ ((uint64_t)getpid() << 32);
 	for (int tries = 0; tries < 1000; tries++) {
-		x = x * 6364136223846793005ull + 1442695040888963407ull;
-		int k = (int)((x >> 33) % (uint64_t)(na + nb));
+		int k = (int)(th_rnd(&x) % (uint64_t)(na + nb));
 		int base = k < na ? a0 + k : b0 + (k - na);
 		bool ok = true;
 		for (int i = 0; i < n && ok; i++)

@@ -48,6 +48,12 @@ struct th_daemon {
 	char conf[192];
 };
 
+/* The tests' random series (a 64-bit LCG: the next 31 bits) and hash of
+ * outputs (64-bit FNV-1a from h). */
+uint32_t th_rnd(uint64_t *s);
+uint64_t th_fnv(uint64_t h, const void *p, size_t n);
+#define TH_FNV0 0xcbf29ce484222325ull
+
 /* Test start: alarm(timeout_s), line-buffered output. */
 void th_init(const char *name, unsigned timeout_s);
 void th_fail_exit(void) __attribute__((noreturn));
