@@ -841,6 +841,7 @@ int epd_group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 	struct join_nodes jn = {0};
 	code = join_nodes(srv, j, &jn, err, sizeof(err));
 	if (code) {
+		free(jn.map); /* a list refused after its map was made */
 		epd_session_error(c, req_id, code, "%s", err);
 		return code;
 	}

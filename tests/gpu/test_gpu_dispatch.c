@@ -737,8 +737,9 @@ static int recvcap_rank(int r, void *arg)
 	TH_OK(ep_dispatch_stream(g, T, 0, NULL, st, &h));
 	static uint16_t got[CAP * HH];
 	recv_x_after(g, st, &b, got, sizeof(got));
-	const int n = ep_dispatch_recv_count(g, &h);
-	TH_CHECK(n == 64, "rank %d received %d rows", r, n);
+	TH_OK(ep_dispatch_recv_count(g, &h));
+	const uint32_t n = h.num_recv;
+	TH_CHECK(n == 64, "rank %d received %u rows", r, n);
 	/* the host backend's rows for the same inputs */
 	cfg.cuda_device = 0;
 	TH_OK(ep_connect(rc->host->sock, &hc));
@@ -750,7 +751,7 @@ static int recvcap_rank(int r, void *arg)
 	struct ep_dispatch_out dout = {.capacity = CAP, .recv_x = want};
 	ep_handle_t hh;
 	TH_OK(ep_dispatch(hg, &din, NULL, &dout, &hh));
-	TH_CHECK(dout.num_recv == (uint32_t)n &&
+	TH_CHECK(dout.num_recv == n &&
 			 !memcmp(got, want, (size_t)n * HH * 2),
 		 "rank %d: rows differ from the host backend's", r);
 	TH_OK(ep_combine_stream(g, &h, 0, st));
