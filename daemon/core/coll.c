@@ -252,6 +252,7 @@ int epd_group_barrier(struct epd_session *c, uint64_t req_id, uint64_t gid)
 	g->coll_type = EPP_BARRIER;
 	if (g->coll_arrived++ == 0)
 		g->coll_start_ns = epd_now_ns();
+	m->refused_type = 0;
 	m->barrier_seq++;
 	m->pending_req = req_id;
 	m->pending_type = EPP_BARRIER;

@@ -189,6 +189,11 @@ struct epd_member {
 	epd_member_complete_fn complete;
 	uint16_t pending_type; /* EPP_BARRIER, EPP_DISPATCH, EPP_COMBINE, or
 				  EPP_JOIN (waiting for ready) */
+	/* its last dispatch or combine, refused for its own arguments (its
+	 * error replied), until it enters a collective again: named where
+	 * the others time out waiting for it */
+	uint16_t refused_type;
+	int refused_code;
 	/* Parameters of the pending dispatch or combine. */
 	uint32_t op_tokens, op_flags, op_rows;
 	/* Device ranks: the device (index into the backend's list; -1: a host

@@ -233,8 +233,15 @@ void epd_list_ranks(char *out, size_t cap, struct epd_group *g,
 		if (!missing(g, l, arg))
 			continue;
 		uint32_t r = g->node_index * g->shape.ranks_per_node + l;
-		int n = snprintf(out + off, cap - off, "%s%u", off ? "," : "",
-				 r);
+		const struct epd_member *m = g->local[l];
+		char why[96] = "";
+		if (m && m->refused_type)
+			snprintf(why, sizeof(why),
+				 " (its last %s was refused: %s)",
+				 epp_type_name(m->refused_type),
+				 ep_strerror(m->refused_code));
+		int n = snprintf(out + off, cap - off, "%s%u%s", off ? "," : "",
+				 r, why);
 		if (n < 0 || (size_t)n >= cap - off)
 			break;
 		off += (size_t)n;

@@ -465,6 +465,7 @@ err:
 static void arrive(struct epd_member *m, uint64_t req_id, uint16_t type)
 {
 	struct epd_group *g = m->group;
+	m->refused_type = 0;
 	m->pending_req = req_id;
 	m->pending_type = type;
 	g->coll_type = type;
@@ -512,6 +513,15 @@ void epd_ops_staged_enter(struct epd_group *g, uint16_t type, bool cached,
 	g->srv->span->op_start(g);
 }
 
+/* Rank m's dispatch or combine was refused (its error replied): kept
+ * for the others' timeout, which names it. */
+static int refused(struct epd_member *m, uint16_t type, int code)
+{
+	m->refused_type = type;
+	m->refused_code = code;
+	return code;
+}
+
 int epd_op_dispatch(struct epd_session *c, uint64_t req_id,
 		    const struct epp_dispatch *d)
 {
@@ -550,14 +560,14 @@ int epd_op_dispatch(struct epd_session *c, uint64_t req_id,
 	bool toobig = d->num_tokens > s->max_tokens;
 	if (cached) {
 		if (!handle_ok(c, req_id, m, &d->handle))
-			return EP_ESTALE;
+			return refused(m, EPP_DISPATCH, EP_ESTALE);
 		const struct ek_route *r = epd_route_find(g, d->handle.seq);
 		if (!toobig && r->num_tokens[m->rank] != d->num_tokens) {
 			epd_session_error(c, req_id, EP_ESHAPE,
 					 "cached dispatch of %u tokens with a "
 					 "handle of %u",
 					 d->num_tokens, r->num_tokens[m->rank]);
-			return EP_ESHAPE;
+			return refused(m, EPP_DISPATCH, EP_ESHAPE);
 		}
 	}
 	if (!epd_coll_agree(m, req_id, EPP_DISPATCH))
@@ -606,14 +616,14 @@ int epd_op_combine(struct epd_session *c, uint64_t req_id,
 		return EP_ESHAPE;
 	}
 	if (!handle_ok(c, req_id, m, &cb->handle))
-		return EP_ESTALE;
+		return refused(m, EPP_COMBINE, EP_ESTALE);
 	const struct ek_route *r = epd_route_find(g, cb->handle.seq);
 	if (cb->num_rows != r->num_recv[m->rank]) {
 		epd_session_error(c, req_id, EP_ESHAPE,
 				 "combine of %u rows; rank %u received %u in "
 				 "that dispatch",
 				 cb->num_rows, m->rank, r->num_recv[m->rank]);
-		return EP_ESHAPE;
+		return refused(m, EPP_COMBINE, EP_ESHAPE);
 	}
 	if (!epd_coll_agree(m, req_id, EPP_COMBINE))
 		return EP_EMISMATCH;

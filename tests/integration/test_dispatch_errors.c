@@ -164,6 +164,36 @@ static int recvcap_rank(int r, void *arg)
 	return 0;
 }
 
+/* Rank 3's combine names a handle of no dispatch (refused, EP_ESTALE for
+ * it alone) and it then stops; the others' combine times out naming rank
+ * 3 and why it never came. */
+static int refused_rank(int r, void *arg)
+{
+	struct shared *s = arg;
+	ep_conn_t *c;
+	struct ep_group_config cfg = cfg_of("refused", r);
+	cfg.timeout_ms = 800;
+	ep_group_t *g = th_join(s->d, &cfg, &c);
+	ep_handle_t h;
+	fill(g, r, 4);
+	TH_OK(ep_dispatch_inplace(g, 4, 0, NULL, &h));
+	if (r == 3) {
+		ep_handle_t bad = h;
+		bad.seq += 100;
+		TH_EXPECT_RC(ep_combine_inplace(g, &bad, 0), EP_ESTALE);
+		while (!s->entered) /* the others' timeout */
+			th_sleep_ms(10);
+	} else {
+		TH_EXPECT_RC(ep_combine_inplace(g, &h, 0), EP_ETIMEDOUT);
+		TH_CHECK(strstr(ep_errmsg(), "3 (its last combine was refused"),
+			 "rank %d: %s", r, ep_errmsg());
+		snprintf(s->msg[r], sizeof(s->msg[r]), "%s", ep_errmsg());
+		s->entered = 1;
+	}
+	ep_close(c);
+	return 0;
+}
+
 /* Everyone dispatches; rank 2 names an expert out of range. */
 static int bad_expert_rank(int r, void *arg)
 {
@@ -712,6 +742,12 @@ int main(void)
 	printf("ok: ranks combining different handles -> EP_EMISMATCH\n");
 	th_spawn(pids, W, stale_rank, s);
 	TH_CHECK(th_wait_all(pids, W, 60) == 0, "stale handle case");
+	s->entered = 0;
+	th_spawn(pids, W, refused_rank, s);
+	TH_CHECK(th_wait_all(pids, W, 60) == 0, "refused rank case");
+	printf("ok: a rank's refused combine, then nothing: the others' "
+	       "timeout names it and why: %s\n",
+	       s->msg[0]);
 	printf("ok: a late rank's stale combine fails that rank, not the "
 	       "group\n");
 
