@@ -228,6 +228,7 @@ const char *epp_type_name(uint16_t type)
 	case EPP_PEER_GFAIL: return "peer-group-failed";
 	case EPP_PEER_GSHAPE: return "peer-group-shape";
 	case EPP_PEER_XWIN: return "peer-windows";
+	case EPP_PEER_BYE: return "peer-bye";
 	case EPP_OK: return "ok";
 	case EPP_ERROR: return "error";
 	case EPP_NOTICE: return "notice";

@@ -212,10 +212,18 @@ enum epp_type {
 				    u64 bytes): where the sender's local ranks
 				    receive rows by RDMA WRITE (protocol 1.6,
 				    rdma transport) */
+	EPP_PEER_BYE = 41,       /* u8 EPP_BYE_*: closing an unused
+				    connection, agreed by both ends (1.21) */
 	EPP_OK = 64,     /* D->C: reply; payload depends on the request */
 	EPP_ERROR = 65,  /* D->C: i32 code, str message */
 	EPP_NOTICE = 66, /* D->C: unsolicited; i32 code, str message */
 };
+
+/* PEER_BYE: the dialler asks to close a connection no group of its
+ * needs; the other end agrees where none of its groups needs it either
+ * (and takes the node as going away: its new groups wait for a new
+ * connection), else refuses; the dialler closes on the agreement. */
+enum { EPP_BYE_ASK = 0, EPP_BYE_YES = 1, EPP_BYE_NO = 2 };
 
 enum epp_flags {
 	EPP_F_JOIN_NOWAIT = 0x1, /* JOIN: reply before the group is ready */

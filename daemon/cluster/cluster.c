@@ -179,9 +179,23 @@ void cl_node_down(struct epd_cluster *cl, int n, const char *why)
 	struct cnode *nd = &cl->node[n];
 	nd->since_ns = epd_now_ns();
 	cl->epoch++;
-	if (nd->idle_close || !wanted(cl, n)) {
+	const bool agreed = nd->idle_close || nd->bye_asked || nd->bye_agreed;
+	nd->idle_close = nd->bye_asked = nd->bye_agreed = false;
+	if (agreed && wanted(cl, n)) {
+		/* closed by agreement while a group here began to need it:
+		 * no failure; the group waits for a new connection (the
+		 * dialler dials again: it needs the node too, or will) */
+		nd->state = NODE_DOWN;
+		epd_info("node %s (index %d): unused connection closed; a "
+			 "group here waits for a new one; view epoch %llu",
+			 nd->name, n, (unsigned long long)cl->epoch);
+		epd_xop_node_down(cl->srv, (uint32_t)n);
+		nd->backoff_ns = 0;
+		nd->next_dial_ns = 0;
+		return;
+	}
+	if (agreed || !wanted(cl, n)) {
 		/* closed for lack of use (here or there): no failure */
-		nd->idle_close = false;
 		nd->state = NODE_IDLE;
 		epd_info("node %s (index %d): connection closed (%s), no group "
 			 "here spans it; view epoch %llu",
@@ -212,16 +226,58 @@ void cl_node_up(struct pconn *c)
 	cl->epoch++;
 	epd_notice("node %s (index %d) up at %s; view epoch %llu", nd->name,
 		   c->peer, c->addr, (unsigned long long)cl->epoch);
+	cl_groups_nodes_up(cl, c->peer);
+}
+
+void cl_groups_nodes_up(struct epd_cluster *cl, int n)
+{
 	/* groups that waited for it, and now have every node */
 	struct list_node *it, *tmp;
 	LIST_FOREACH(it, tmp, &cl->srv->groups)
 	{
 		struct epd_group *g = LIST_ENTRY(it, struct epd_group, node);
 		if (g->await_nodes &&
-		    epd_group_node_of(g, (uint32_t)c->peer) != UINT32_MAX &&
+		    epd_group_node_of(g, (uint32_t)n) != UINT32_MAX &&
 		    cl->srv->span->nodes_up(g))
 			epd_group_nodes_up(g);
 	}
+}
+
+/* Connected, and not closing by agreement: a group may count on it. */
+static bool node_usable(const struct cnode *nd)
+{
+	return nd->state == NODE_UP && !nd->bye_asked && !nd->bye_agreed;
+}
+
+void cl_bye(struct pconn *c, uint8_t kind)
+{
+	struct epd_cluster *cl = c->cl;
+	const int n = c->peer;
+	struct cnode *nd = &cl->node[n];
+	if (nd->conn != c)
+		return; /* an older connection's */
+	if (kind == EPP_BYE_ASK) {
+		/* the dialler would close: agree unless a group here needs
+		 * the node (then the connection stays) */
+		const uint8_t ans = nd->groups ? EPP_BYE_NO : EPP_BYE_YES;
+		nd->bye_agreed = ans == EPP_BYE_YES;
+		cl_conn_send(c, EPP_PEER_BYE, &ans, 1);
+		return;
+	}
+	if (!nd->bye_asked)
+		return; /* an answer to nothing asked: ignored */
+	if (kind == EPP_BYE_NO) {
+		/* the other end needs it: it stays, and groups here that
+		 * waited meanwhile go on */
+		nd->bye_asked = false;
+		nd->unused_ns = epd_now_ns();
+		cl_groups_nodes_up(cl, n);
+		return;
+	}
+	/* agreed: close; a group here that needs the node meanwhile
+	 * waits, and the node is dialled again */
+	nd->idle_close = true;
+	cl_conn_close(c, "unused (closed by agreement)");
 }
 
 /* A handshake refused, by us or by the peer: counted, kept for the status
@@ -290,12 +346,12 @@ static void on_tick(uv_timer_t *t)
 			continue;
 		}
 		if (nd->state == NODE_UP && !wanted(cl, n) && cl_dials(cl, n) &&
-		    now - nd->unused_ns >= linger) {
+		    !nd->bye_asked && now - nd->unused_ns >= linger) {
 			/* on demand: unused past the linger; the dialler
-			 * closes (the other side sees an idle node too) */
-			nd->idle_close = true;
-			cl_conn_close(nd->conn, "unused");
-			continue;
+			 * asks the other end, which may need it (PEER_BYE) */
+			const uint8_t ask = EPP_BYE_ASK;
+			nd->bye_asked = true;
+			cl_conn_send(nd->conn, EPP_PEER_BYE, &ask, 1);
 		}
 		if (nd->state == NODE_UP)
 			cl_conn_send(nd->conn, EPP_PEER_HEARTBEAT, buf,
@@ -899,7 +955,7 @@ static bool span_nodes_up(struct epd_group *g)
 	struct epd_cluster *cl = g->srv->cluster;
 	for (uint32_t n = 0; n < g->nnodes; n++)
 		if (n != g->node_index &&
-		    cl->node[g->node_map[n]].state != NODE_UP)
+		    !node_usable(&cl->node[g->node_map[n]]))
 			return false;
 	return true;
 }
@@ -911,7 +967,7 @@ static void span_nodes_missing(struct epd_group *g, char *out, size_t cap)
 	out[0] = 0;
 	for (uint32_t n = 0; n < g->nnodes && off + 1 < cap; n++) {
 		const struct cnode *nd = &cl->node[g->node_map[n]];
-		if (n == g->node_index || nd->state == NODE_UP)
+		if (n == g->node_index || node_usable(nd))
 			continue;
 		int w = snprintf(out + off, cap - off, "%s%s%s%s%s",
 				 off ? ", " : "", nd->name,

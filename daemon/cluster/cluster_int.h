@@ -102,6 +102,11 @@ struct cnode {
 	bool resolving; /* its host name is being looked up */
 	uint32_t groups;  /* groups here that span it (on-demand: wanted) */
 	uint64_t unused_ns; /* when the last of them went (linger from) */
+	/* closing an unused connection (PEER_BYE): we asked and wait for
+	 * the answer (the dialler), or we agreed and it is going away; in
+	 * both the node counts as not connected for new groups, and its
+	 * close fails no group */
+	bool bye_asked, bye_agreed;
 	bool idle_close;  /* our connection closes for lack of use */
 	char row[MATRIX_MAX + 1]; /* its view of the cluster (heartbeats) */
 	uint64_t epoch;          /* and its view epoch */
@@ -139,6 +144,11 @@ bool cl_dials(const struct epd_cluster *cl, int n);
 int cl_first_addr(const struct addrinfo *ai, int port, struct sockaddr_storage *sa);
 void cl_node_down(struct epd_cluster *cl, int n, const char *why);
 void cl_node_up(struct pconn *c);
+/* A PEER_BYE (kind) from node c->peer. */
+void cl_bye(struct pconn *c, uint8_t kind);
+/* Groups that waited for node n, now connected (or no longer closing),
+ * go on if every node of theirs is. */
+void cl_groups_nodes_up(struct epd_cluster *cl, int n);
 void cl_note_rejection(struct epd_cluster *cl, const char *who, const char *why);
 void cl_reject(struct pconn *c, const char *fmt, ...)
 	__attribute__((format(printf, 2, 3)));

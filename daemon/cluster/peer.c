@@ -191,6 +191,14 @@ static void conn_frame(struct pconn *c, const struct epp_hdr *h,
 		epd_xop_frame(c->cl->srv, h->type, (uint32_t)c->peer, p,
 			      h->length);
 		return;
+	case EPP_PEER_BYE:
+		if (!c->authed)
+			return cl_reject(c, "%s before authentication",
+				      epp_type_name(h->type));
+		if (h->length != 1 || p[0] > EPP_BYE_NO)
+			return cl_reject(c, "malformed bye");
+		cl_bye(c, p[0]);
+		return;
 	case EPP_PEER_HEARTBEAT:
 	case EPP_PEER_BARRIER:
 		if (!c->authed)
