@@ -744,6 +744,8 @@ int main(void)
 		if (D[i].pid)
 			th_daemon_stop(&D[i]);
 	th_daemon_stop(&SOLO);
+	free(fds0);
+	free(D);
 	printf("ok\n");
 	return 0;
 }
