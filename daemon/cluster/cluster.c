@@ -313,6 +313,15 @@ static void my_row(const struct epd_cluster *cl, char *row)
 	row[cl->n] = 0;
 }
 
+void cl_send_beat(struct pconn *c)
+{
+	uint8_t buf[8 + 2 + MATRIX_MAX + 8];
+	struct epp_peer_heartbeat hb = {.epoch = c->cl->epoch};
+	my_row(c->cl, hb.row);
+	size_t n = epp_peer_heartbeat_encode(&hb, buf, sizeof(buf));
+	cl_conn_send(c, EPP_PEER_HEARTBEAT, buf, (uint32_t)n);
+}
+
 static void on_tick(uv_timer_t *t)
 {
 	struct epd_cluster *cl = t->data;

@@ -71,6 +71,12 @@ struct pconn {
 	uint64_t born_ns;
 	struct epp_rbuf rb; /* bytes received, not yet handled */
 	bool hello_sent, got_hello, authed, closing;
+	/* we dialled, its proof checked out, and we wait for its first
+	 * frame after it: the acceptor sends one once it checked ours, so
+	 * both ends take the node as up only when both have proven the key
+	 * (the acceptor may still drop a connection whose proof it has not
+	 * checked, as a handshake over its caps) */
+	bool await_up;
 	uint16_t minor; /* the peer's protocol minor version */
 	uint8_t nonce[NONCE], peer_nonce[NONCE];
 	/* after the handshake: each direction's key and frame number;
@@ -144,6 +150,8 @@ bool cl_dials(const struct epd_cluster *cl, int n);
 int cl_first_addr(const struct addrinfo *ai, int port, struct sockaddr_storage *sa);
 void cl_node_down(struct epd_cluster *cl, int n, const char *why);
 void cl_node_up(struct pconn *c);
+/* A heartbeat to c now (this node's view epoch and row). */
+void cl_send_beat(struct pconn *c);
 /* A PEER_BYE (kind) from node c->peer. */
 void cl_bye(struct pconn *c, uint8_t kind);
 /* Groups that waited for node n, now connected (or no longer closing),

@@ -129,7 +129,14 @@ static void on_auth(struct pconn *c, const uint8_t *p, uint32_t len)
 			      cl->node[c->peer].name);
 	c->rx_tag = true; /* every frame after its proof */
 	c->authed = true;
+	if (c->target >= 0) {
+		/* we dialled: up at its first frame after this, which it
+		 * sends once it checked our proof */
+		c->await_up = true;
+		return;
+	}
 	cl_node_up(c);
+	cl_send_beat(c); /* the dialler takes the node as up on it */
 }
 
 static void on_barrier(struct pconn *c, const uint8_t *p, uint32_t len)
@@ -160,6 +167,14 @@ static void conn_frame(struct pconn *c, const struct epp_hdr *h,
 {
 	if (c->authed)
 		c->cl->node[c->peer].last_rx_ns = epd_now_ns();
+	if (c->await_up) {
+		/* the acceptor's first frame after its proof: it checked
+		 * ours, and the node is up on both ends */
+		c->await_up = false;
+		cl_node_up(c);
+		if (c->closing)
+			return;
+	}
 	switch (h->type) {
 	case EPP_PEER_HELLO:
 		if (c->got_hello)
@@ -306,8 +321,9 @@ void cl_conn_close(struct pconn *c, const char *why)
 	struct epd_cluster *cl = c->cl;
 	list_del(&c->node);
 	int n = cl_conn_node(c);
-	if (c->target >= 0 && !c->authed) {
-		/* a dial that failed: try again later, slower each time */
+	if (c->target >= 0 && (!c->authed || c->await_up)) {
+		/* a dial that failed (before the other end took it): try
+		 * again later, slower each time */
 		struct cnode *t = &cl->node[c->target];
 		dial_later(t, (uint64_t)cl->srv->cfg.heartbeat_ms * 1000000ull);
 		snprintf(t->why, sizeof(t->why), "%s", why);

@@ -1639,12 +1639,28 @@ static int fake_n2_for(int from, uint8_t ktx[32])
 	epp_hdr_init(&h, EPP_PEER_AUTH, 0);
 	h.length = EPD_PROOF;
 	TH_OK(epp_send_frame(fd, &h, mac, NULL));
+	/* as a real node, having checked the dialler's proof: a first frame
+	 * (a heartbeat, tagged as frame 0), on which the dialler takes the
+	 * node as up; the caller's frames are numbered from 1 */
+	uint8_t hbf[128], hh[EPP_HDR_SIZE], tag[EPD_TAG];
+	struct epp_peer_heartbeat hm = {.epoch = 1};
+	snprintf(hm.row, sizeof(hm.row), "%s", from ? "USU" : "SUU");
+	const size_t hl = epp_peer_heartbeat_encode(&hm, hbf, sizeof(hbf));
+	epp_hdr_init(&h, EPP_PEER_HEARTBEAT, 0);
+	h.length = (uint32_t)hl;
+	epp_hdr_encode(&h, hh);
+	struct iovec iov[2] = {{hh, sizeof(hh)}, {hbf, hl}};
+	epd_frame_tag(ktx, 0, iov, 2, tag);
+	TH_CHECK(write(fd, hh, sizeof(hh)) == sizeof(hh) &&
+			 write(fd, hbf, hl) == (ssize_t)hl &&
+			 write(fd, tag, sizeof(tag)) == sizeof(tag),
+		 "write");
 	return fd;
 }
 
 static int fake_n2(void)
 {
-	fake_ntx = 0;
+	fake_ntx = 1; /* after fake_n2_for's first frame */
 	return fake_n2_for(0, fake_ktx);
 }
 
@@ -1927,7 +1943,7 @@ static void check_peer_chaos(void)
 	/* n2 authenticated to both nodes, so that the group can form */
 	int fd[2];
 	uint8_t ktx[2][32];
-	uint64_t ntx[2] = {0, 0};
+	uint64_t ntx[2] = {1, 1}; /* after fake_n2_for's first frame */
 	for (int k = 0; k < 2; k++)
 		fd[k] = fake_n2_for(k, ktx[k]);
 	int reconnects = 0, frames = 0;
@@ -1943,7 +1959,7 @@ static void check_peer_chaos(void)
 			if (n == 0 || (n < 0 && errno != EAGAIN)) {
 				/* dropped: that node dials again */
 				close(fd[k]);
-				ntx[k] = 0;
+				ntx[k] = 1;
 				fd[k] = fake_n2_for(k, ktx[k]);
 				reconnects++;
 			}
