@@ -243,34 +243,30 @@ void epp_printable(char *s)
 			*s = '?';
 }
 
-bool epp_group_name_valid(const char *name)
+/* 1..max characters of [A-Za-z0-9_.-] and those of `extra`. */
+static bool name_valid(const char *name, size_t max, const char *extra)
 {
 	size_t n = strlen(name);
-	if (n == 0 || n > EP_GROUP_NAME_MAX)
+	if (n == 0 || n > max)
 		return false;
 	for (size_t i = 0; i < n; i++) {
 		char c = name[i];
 		if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
 		      (c >= '0' && c <= '9') || c == '_' || c == '.' ||
-		      c == ':' || c == '-'))
+		      c == '-' || strchr(extra, c)))
 			return false;
 	}
 	return true;
 }
 
+bool epp_group_name_valid(const char *name)
+{
+	return name_valid(name, EP_GROUP_NAME_MAX, ":");
+}
+
 bool epp_node_name_valid(const char *name)
 {
-	size_t n = strlen(name);
-	if (n == 0 || n > EPP_NODE_NAME_MAX)
-		return false;
-	for (size_t i = 0; i < n; i++) {
-		char ch = name[i];
-		if (!((ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
-		      (ch >= '0' && ch <= '9') || ch == '_' || ch == '.' ||
-		      ch == '-'))
-			return false;
-	}
-	return true;
+	return name_valid(name, EPP_NODE_NAME_MAX, "");
 }
 
 const char *epp_join_node(const struct epp_join *j, uint32_t i)

@@ -310,48 +310,54 @@ void epd_group_remote_failure(struct epd_group *g, const char *node,
 	epd_group_remote_check(g);
 }
 
+/* Node n's latest barrier arrival against what this node's ranks run now
+ * (epd_coll_order); false if the group failed on a disagreement. */
+static bool order_ok(struct epd_group *g, uint32_t n)
+{
+	const uint64_t k = g->round + 1, mine = g->xop_next,
+		       theirs = g->arr_xops[n];
+	const bool barrier = g->coll_type == EPP_BARRIER,
+		   data = g->coll_type && !barrier;
+	if (n == g->node_index || g->arr_seq[n] != k || theirs == UINT64_MAX)
+		return true;
+	/* node n's ranks entered barrier k after `theirs` data ops; this
+	 * node's are in it after `mine`, or in data op `mine` (node n
+	 * skipped it if theirs <= mine), or between ops */
+	if (barrier ? theirs == mine : !data || theirs > mine)
+		return true;
+	/* the others learn what may still finish: no data op past the
+	 * fewer, no barrier past this node's */
+	g->xop_disagree = theirs < mine ? theirs : mine;
+	const char *nn = g->srv->span->node_name(g, n);
+	if (barrier)
+		epd_group_fail(g, EP_EMISMATCH,
+			       "barrier %llu: node %s's ranks entered it after "
+			       "%llu data ops, this node's after %llu (every "
+			       "node's ranks must run the same operations in "
+			       "the same order)",
+			       (unsigned long long)k, nn,
+			       (unsigned long long)theirs,
+			       (unsigned long long)mine);
+	else
+		epd_group_fail(g, EP_EMISMATCH,
+			       "node %s's ranks ran barrier %llu after %llu "
+			       "data ops, where this node's ran %s %llu (every "
+			       "node's ranks must run the same operations in "
+			       "the same order)",
+			       nn, (unsigned long long)k,
+			       (unsigned long long)theirs,
+			       epp_type_name(g->coll_type),
+			       (unsigned long long)theirs);
+	return false;
+}
+
 bool epd_coll_order(struct epd_group *g)
 {
 	if (g->state != EPD_G_READY || g->nnodes < 2)
 		return true;
-	const uint64_t k = g->round + 1, mine = g->xop_next;
-	const bool barrier = g->coll_type == EPP_BARRIER,
-		   data = g->coll_type && !barrier;
-	for (uint32_t n = 0; n < g->nnodes; n++) {
-		const uint64_t theirs = g->arr_xops[n];
-		if (n == g->node_index || g->arr_seq[n] != k ||
-		    theirs == UINT64_MAX)
-			continue;
-		/* node n's ranks entered barrier k after `theirs` data ops;
-		 * this node's are in it after `mine`, or in data op `mine`
-		 * (node n skipped it if theirs <= mine), or between ops */
-		if (barrier ? theirs == mine : !data || theirs > mine)
-			continue;
-		/* the others learn what may still finish: no data op past
-		 * the fewer, no barrier past this node's */
-		g->xop_disagree = theirs < mine ? theirs : mine;
-		const char *nn = g->srv->span->node_name(g, n);
-		if (barrier)
-			epd_group_fail(g, EP_EMISMATCH,
-				       "barrier %llu: node %s's ranks entered "
-				       "it after %llu data ops, this node's "
-				       "after %llu (every node's ranks must run "
-				       "the same operations in the same order)",
-				       (unsigned long long)k, nn,
-				       (unsigned long long)theirs,
-				       (unsigned long long)mine);
-		else
-			epd_group_fail(g, EP_EMISMATCH,
-				       "node %s's ranks ran barrier %llu after "
-				       "%llu data ops, where this node's ran "
-				       "%s %llu (every node's ranks must run the "
-				       "same operations in the same order)",
-				       nn, (unsigned long long)k,
-				       (unsigned long long)theirs,
-				       epp_type_name(g->coll_type),
-				       (unsigned long long)theirs);
-		return false;
-	}
+	for (uint32_t n = 0; n < g->nnodes; n++)
+		if (!order_ok(g, n))
+			return false;
 	return true;
 }
 
@@ -385,7 +391,9 @@ void epd_group_remote_arrival(struct epd_group *g, uint32_t node, uint32_t l,
 		g->arr_seq[node] = seq;
 		g->arr_xops[node] = xops;
 	}
-	if (g->state != EPD_G_READY || !epd_coll_order(g))
+	/* only this arrival is new: the others were checked when they came
+	 * and when this node's ranks last entered a collective */
+	if (g->state != EPD_G_READY || !order_ok(g, node))
 		return;
 	/* a step that came lets this node take its next ones */
 	if (S && dissem_send(g, l, g->round + 1))
