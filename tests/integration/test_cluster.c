@@ -2062,8 +2062,9 @@ static void check_bad_member(void)
 	}
 	const char *what[] = {"malformed barrier", "group failure with code 0",
 			      "rows for a group not here (dropped: no shape of it came)",
-			      "unexpected frame"};
-	for (int i = 0; i < 4; i++) {
+			      "unexpected frame", "malformed bye",
+			      "bye answer to nothing asked (ignored)"};
+	for (int i = 0; i < 6; i++) {
 		int fd = fake_n2();
 		wait_row(0, "SUU"); /* the impostor is a member */
 		epp_wr_init(&w, b, sizeof(b));
@@ -2085,11 +2086,21 @@ static void check_bad_member(void)
 			epp_put_u16(&w, EPP_DISPATCH);
 			epp_put_u64(&w, 0);
 			epp_put_u32(&w, 1000000); /* far more rows than sent */
-		} else {
+		} else if (i == 3) {
 			type = EPP_JOIN; /* a client frame on the peer port */
+		} else {
+			type = EPP_PEER_BYE;
+			/* an unknown answer; then one to nothing asked */
+			epp_put_u8(&w, i == 4 ? 7 : EPP_BYE_YES);
 		}
 		send_peer(fd, type, b, w.off);
-		if (i != 2) {
+		if (i == 5) {
+			/* ignored: the peer stays up until it goes */
+			th_sleep_ms(200);
+			wait_row(0, "SUU");
+			close(fd);
+			wait_row(0, "SUD");
+		} else if (i != 2) {
 			expect_dropped(fd);
 			wait_row(0, "SUD");
 		} else {
