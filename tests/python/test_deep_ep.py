@@ -435,6 +435,10 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
     # Each keeps its bytes through the later dispatches, a freed area is
     # used again, and a tensor outlives the Buffer (rank_main's end).
     sub = buf._subs[(H, False, K, E)]
+    # the dispatches without top-k went through the top-k shapes
+    # (K >= W), and the Buffer's 1e9 bytes held 3 areas each
+    assert K < W or not any(k[2:] == (W, W) for k in buf._subs
+                            if len(k) == 4), list(buf._subs)
     areas = 3 if one_node_gpu(buf, W) else 1
     assert sub.g.recv_areas == areas, (sub.g.recv_areas, areas)
     global KEPT
@@ -718,6 +722,75 @@ def lease_bookkeeping():
           "their event, none in a capture, leave after the last recv_x)")
 
 
+def shape_sharing():
+    """How the Buffer sizes its shapes' groups, with stand-ins: areas past
+    the first only from what is left of the bytes DeepEP's Buffer was
+    given, at least one, $EPD_DEEP_EP_RECV_AREAS over both; a dispatch
+    from is_token_in_rank alone shares a top-k shape with at least W
+    slots, its ranks' first experts as the top-k."""
+    import torch
+    from epd.deep_ep.buffers import legacy
+    H, T, W = 7168, 4096, 8
+    fixed, per = legacy._region_bytes(H, False, 8, T, W * T)
+    assert per == W * T * H * 2, per
+    # combine_y alone is a full area's size
+    assert fixed > W * T * H * 2, fixed
+
+    class B:
+        _device, _rpn, group_size = 0, W, W
+        _mem_given, _mem_used = int(2e9), 0
+    b = B()
+    n = legacy._recv_areas(b, "", fixed, per)
+    assert n == (int(2e9) - fixed) // per == 2, n
+    b._mem_used = int(2e9) - fixed  # nothing left past the first area
+    assert legacy._recv_areas(b, "", fixed, per) == 1
+    b._mem_used = int(1e12)
+    assert legacy._recv_areas(b, "", fixed, per) == 1  # at least one
+    b._mem_given, b._mem_used = 0, 0
+    assert legacy._recv_areas(b, "", fixed, per) == 3  # nothing given
+    b._mem_given = 1 << 50
+    assert legacy._recv_areas(b, "", fixed, per) == 3  # at most 3
+    assert legacy._recv_areas(b, "ll4x2-", fixed, per) == 1
+    os.environ["EPD_DEEP_EP_RECV_AREAS"] = "5"
+    try:
+        assert legacy._recv_areas(b, "", fixed, per) == 5
+        os.environ["EPD_DEEP_EP_RECV_AREAS"] = "17"
+        try:
+            legacy._recv_areas(b, "", fixed, per)
+            raise AssertionError("17 areas taken")
+        except ValueError as e:
+            assert "1..16" in str(e), e
+    finally:
+        del os.environ["EPD_DEEP_EP_RECV_AREAS"]
+    b._rpn = 4  # across nodes: one area
+    assert legacy._recv_areas(b, "", fixed, per) == 1
+
+    # the shape of a dispatch from is_token_in_rank alone
+    buf = legacy.Buffer.__new__(legacy.Buffer)
+    buf.group_size, buf._subs = 4, {}
+    buf._layout_topk = buf._layout_experts = None
+    assert buf._in_rank_key(64, False) == (64, False, 4, 4)
+    buf._layout_topk, buf._layout_experts = 2, 16  # K < W: no
+    assert buf._in_rank_key(64, False) == (64, False, 4, 4)
+    buf._layout_topk = 6
+    assert buf._in_rank_key(64, True) == (64, True, 6, 16)
+    buf._subs = {("llk", 64, 16, 8, 128): 0, (64, True, 5, 32): 0,
+                 (64, False, 8, 32): 0}
+    assert buf._in_rank_key(64, True) == (64, True, 5, 32)
+    assert buf._in_rank_key(32, True) == (32, True, 6, 16)
+
+    class S:
+        W, K, per = 4, 6, 4
+    inr = torch.tensor([[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1]],
+                       dtype=torch.bool)
+    t = legacy.Buffer._in_rank_topk(S, inr, torch.arange(4))
+    want = torch.tensor([[0, -1, 8, 12, -1, -1], [-1] * 6,
+                         [0, 4, 8, 12, -1, -1]])
+    assert torch.equal(t, want), t
+    print("ok: shapes' groups (receive areas within the Buffer's bytes; "
+          "a dispatch without top-k through a top-k shape of W slots)")
+
+
 def main():
     try:
         import torch  # noqa: F401
@@ -725,6 +798,7 @@ def main():
         print("skip: no torch for", sys.executable)
         return 77
     lease_bookkeeping()
+    shape_sharing()
     # the rank processes import this file again: they must not pick
     # their own seed from the clock
     os.environ["EPD_TEST_SEED"] = str(SEED)

@@ -25,10 +25,22 @@ $EPD_DEEP_EP_REGISTER=0: off; $EPD_DEEP_EP_REGISTER_X=0: x copied;
 $EPD_DEEP_EP_OUT_SLOTS=0: the combine's output copied); handles are DeepEP's 6-tuples, and the routing they name lives in
 the daemon until the tuple's recv_src_idx tensor is freed (released then:
 ep_handle_release). A dispatch from is_token_in_rank alone (no top-k)
-routes through a group with one expert per rank; its per-expert counts,
+routes through a group of top-k shape with at least as many slots as
+ranks (the one already joined, or the last get_dispatch_layout's), each
+rank's first expert standing for the rank, so it costs no group of its
+own; else through a group with one expert per rank. Its per-expert counts,
 when num_tokens_per_expert is given, are summed over the ranks with one
 all_reduce of the torch group (DeepEP's own exchange; the top-k path needs
 none).
+
+Memory: a shape's group holds, per rank, combine_y and the received
+top-k, weights and sources for world x max tokens rows, and one or more
+receive areas of as many rows of x (_region_bytes). The groups of a
+Buffer share the bytes it was given (num_nvl_bytes + num_rdma_bytes): a
+group takes receive areas past its first (up to 3) only from what its
+shapes' earlier groups left of them ($EPD_DEEP_EP_RECV_AREAS sets the
+count outright); a dispatch that finds no free area copies recv_x out of
+the first. Buffer.memory_bytes() says what the groups took.
 
 Low-latency mode has DeepEP's semantics (the per-local-expert layout,
 src_info, layout_range, counts, fp8 with per-128 scales, the weighted
@@ -268,16 +280,38 @@ def _extents(ptr, n):
     return out
 
 
-def _recv_areas(buf, tag):
-    """Receive areas of a shape's group: $EPD_DEEP_EP_RECV_AREAS (default
-    3, at most 16) for the normal ops of GPU ranks of a one-node group,
-    else 1. Area 0 stays the staging area of the copy path."""
+def _region_bytes(H, fp8, K, tmax, cap):
+    """(bytes of a shape's group region without its receive areas, bytes
+    of one receive area), a rank's, as the daemon lays them out: the
+    fields of ep_buffers (combine_y, the received top-k, weights, sources
+    and scales: cap rows; x, the biases, the output: tmax rows)."""
+    es, ns = (1 if fp8 else 2), (H // 128 if fp8 else 0)
+    fixed = cap * (H * 2 + K * 16 + 8 + ns * 4) + \
+        tmax * (H * es + 3 * H * 2 + K * 16 + ns * 4)
+    return fixed, cap * H * es
+
+
+def _recv_areas(buf, tag, fixed, per_area):
+    """Receive areas of a shape's group: $EPD_DEEP_EP_RECV_AREAS (1..16)
+    if set, for the normal ops of GPU ranks of a one-node group, else 1.
+    Unset, up to 3 while the Buffer's bytes last: the shapes' groups
+    share what DeepEP's Buffer was given (num_nvl_bytes + num_rdma_bytes
+    a rank), each first group taking areas past the first only from what
+    is left of it (a group of a shape has at least one whatever it costs:
+    _Sub; a Buffer given 0 bytes gets 3). Area 0 stays the staging area
+    of the copy path."""
     if buf._device is None or buf._rpn != buf.group_size or tag:
         return 1
-    n = int(os.environ.get("EPD_DEEP_EP_RECV_AREAS", "3"))
-    if not 1 <= n <= 16:
-        raise ValueError(f"EPD_DEEP_EP_RECV_AREAS={n}: 1..16")
-    return n
+    env = os.environ.get("EPD_DEEP_EP_RECV_AREAS")
+    if env:
+        n = int(env)
+        if not 1 <= n <= 16:
+            raise ValueError(f"EPD_DEEP_EP_RECV_AREAS={n}: 1..16")
+        return n
+    if not buf._mem_given:
+        return 3
+    left = buf._mem_given - buf._mem_used - fixed
+    return max(1, min(3, left // per_area))
 
 
 def _end_event():
@@ -358,7 +392,10 @@ class _Sub:
         self.cap = self.W * tmax
         self.gpu = buf._device is not None
         self.leases, self.leaving = 0, False
-        areas = _recv_areas(buf, tag)
+        fixed, per_area = _region_bytes(H, fp8, K or 0, tmax, self.cap)
+        areas = _recv_areas(buf, tag, fixed, per_area)
+        # the region's bytes (Buffer.memory_bytes)
+        self.bytes = fixed + areas * per_area
         # areas 1.. are handed out as recv_x tensors (_Lease), each with
         # the event its next dispatch waits for (None: none needed)
         self.free = [(a, None) for a in range(areas - 1, 0, -1)]
@@ -554,6 +591,11 @@ class Buffer:
             raise ValueError("Either 'group' or 'comm' must be provided.")
         self.group, self.rank, self.group_size = group, group.rank(), group.size()
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        # the bytes a rank's groups may take (_recv_areas), and those its
+        # normal-mode groups took
+        self._mem_given = max(0, int(num_nvl_bytes)) + \
+            max(0, int(num_rdma_bytes))
+        self._mem_used = 0
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
@@ -597,6 +639,7 @@ class Buffer:
             self._ar = torch.arange(self.group_size, dtype=torch.int64,
                                     device="cuda")
         self._layout_experts = None
+        self._layout_topk = None  # top-k of the last get_dispatch_layout
         # why the low-latency ops run on the daemon's path (None: epd's
         # kernels where they apply, _ll_kernels)
         self._ll_off = None if os.environ.get(
@@ -764,6 +807,7 @@ class Buffer:
             raise ValueError(f"num_experts {num_experts} is not a multiple "
                              f"of the group's {W} ranks")
         self._layout_experts = num_experts
+        self._layout_topk = topk_idx.size(1)
         if previous_event is not None and previous_event.event is not None:
             previous_event.event.current_stream_wait()
         ti = topk_idx.long()
@@ -803,7 +847,47 @@ class Buffer:
                 tmax *= 2
         sub = _Sub(self, key, tmax)
         self._subs[key] = sub
+        self._mem_used += sub.bytes
         return sub
+
+    def memory_bytes(self):
+        """Bytes of device (or host) memory this rank's groups hold in
+        the daemon (the low-latency ones too), receive areas included."""
+        return sum(s.bytes for s in self._subs.values()
+                   if s.g is not None and hasattr(s, "bytes"))
+
+    def _in_rank_key(self, H, fp8):
+        """The shape a dispatch from is_token_in_rank alone goes through.
+        A token goes to at most W ranks, so a shape with at least W top-k
+        slots carries it, each rank's first expert standing for the rank
+        (_in_rank_topk): the same rows and order, and no second group's
+        memory. That is the first such shape already joined, else the last
+        get_dispatch_layout's (the group formed now), else one expert per
+        rank (K = E = W). Every rank makes the same calls, so every rank
+        picks the same."""
+        W = self.group_size
+        for key in self._subs:  # (the low-latency ones are 5-tuples)
+            if len(key) == 4 and key[:2] == (H, fp8) and key[2] >= W:
+                return key
+        if self._layout_topk is not None and self._layout_topk >= W:
+            return (H, fp8, self._layout_topk, self._layout_experts)
+        return (H, fp8, W, W)
+
+    @staticmethod
+    def _in_rank_topk(sub, in_rank, ar):
+        """is_token_in_rank [T, W] as sub's top-k [T, K]: rank r's first
+        expert where the token goes to r, -1 elsewhere (ar: 0..W-1 on
+        in_rank's device)."""
+        torch = _torch()
+        T = in_rank.size(0)
+        t = torch.where(in_rank.bool(), (ar * sub.per).expand(T, -1),
+                        torch.full((T, sub.W), -1, dtype=torch.int64,
+                                   device=in_rank.device))
+        if sub.K > sub.W:
+            t = torch.cat([t, torch.full((T, sub.K - sub.W), -1,
+                                         dtype=torch.int64,
+                                         device=in_rank.device)], dim=1)
+        return t
 
     @staticmethod
     def _routing(handle):
@@ -874,7 +958,7 @@ class Buffer:
                                      "(or call get_dispatch_layout first)")
                 key = (H, fp8, topk_idx.size(1), E)
             else:
-                key = (H, fp8, W, W)  # one expert per rank
+                key = self._in_rank_key(H, fp8)
             sub = self._sub(key, T)
             in_rank = is_token_in_rank
             if in_rank is None:
@@ -1059,9 +1143,8 @@ class Buffer:
                         sub.topk[:T].copy_(topk_idx)
                     else:
                         to(comm)
-                        sub.topk[:T].copy_(torch.where(
-                            in_rank.bool(), self._ar.expand(T, -1),
-                            torch.full_like(sub.topk[:T], -1)))
+                        sub.topk[:T].copy_(self._in_rank_topk(
+                            sub, in_rank, self._ar))
                     if topk_weights is not None:
                         if topk_weights.dtype == torch.float32 and \
                                 topk_weights.is_contiguous():
@@ -1187,9 +1270,9 @@ class Buffer:
             if topk_idx is not None:
                 tn = topk_idx.long().contiguous().numpy()
             else:
-                ar = torch.arange(W, dtype=torch.int64).expand(T, -1)
-                tn = torch.where(in_rank.bool(), ar,
-                                 torch.full_like(ar, -1)).contiguous().numpy()
+                tn = self._in_rank_topk(
+                    sub, in_rank.cpu(),
+                    torch.arange(W, dtype=torch.int64)).contiguous().numpy()
             if topk_weights is not None:
                 wn = topk_weights.float().contiguous().numpy()
         res = sub.g.dispatch(xn.numpy(), tn, T, topk_weights=wn,
