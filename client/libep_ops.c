@@ -18,10 +18,31 @@ static uint8_t *region(ep_group_t *g, int field)
 	return (uint8_t *)g->buf + epp_buf_field(&g->layout, l, field);
 }
 
-int ep_get_buffers(ep_group_t *g, struct ep_buffers *b)
+/* ABI 1's struct ep_buffers ends with combine_bias2: a caller's struct is
+ * at least that, and what was appended later is written only to callers
+ * compiled with it. */
+#define BUFFERS_ABI1_SIZE                                                   \
+	(offsetof(struct ep_buffers, combine_bias2) +                       \
+	 sizeof(((struct ep_buffers *)0)->combine_bias2))
+
+unsigned ep_abi_version(void)
 {
-	if (!g || !b)
+	return EP_ABI_VERSION;
+}
+
+int ep_get_buffers_sized(ep_group_t *g, struct ep_buffers *out, size_t size)
+{
+	if (!g || !out)
 		return ep__fail(EP_EINVAL, "NULL argument");
+	if (size < BUFFERS_ABI1_SIZE)
+		return ep__fail(EP_EINVAL,
+				"struct ep_buffers of %zu bytes: ABI %u's is at "
+				"least %zu (a program built against another "
+				"ep.h?)",
+				size, (unsigned)EP_ABI_VERSION,
+				(size_t)BUFFERS_ABI1_SIZE);
+	struct ep_buffers full, *b = &full;
+	memset(&full, 0, sizeof full); /* padding too: callers may compare */
 	b->x = region(g, EPP_BUF_X);
 	b->x_scales = g->layout.nscales ? (float *)region(g, EPP_BUF_X_SCALES)
 					: NULL;
@@ -45,6 +66,12 @@ int ep_get_buffers(ep_group_t *g, struct ep_buffers *b)
 	b->combine_bias2 = (uint16_t *)region(g, EPP_BUF_COMBINE_BIAS2);
 	b->max_tokens = g->layout.max_tokens;
 	b->max_recv = g->layout.max_recv;
+	if (size <= sizeof full) {
+		memcpy(out, b, size);
+	} else { /* a newer header's: what this library does not know, 0 */
+		memcpy(out, b, sizeof full);
+		memset((char *)out + sizeof full, 0, size - sizeof full);
+	}
 	return 0;
 }
 

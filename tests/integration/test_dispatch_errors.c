@@ -7,6 +7,7 @@
 #include "epp.h"
 
 #include <signal.h>
+#include <stddef.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -711,6 +712,55 @@ static void raw_checks(const struct th_daemon *d)
 	close(fd);
 }
 
+/* ep_get_buffers into callers' structs of other sizes (a program built
+ * against another ep.h): one smaller than ABI 1's is refused and left as
+ * it was; one of this header's size is filled and no byte past it
+ * written; a larger one (a newer header's) gets what this library does
+ * not know zeroed, and nothing past the size it gave. */
+static int sizes_rank(int r, void *arg)
+{
+	struct shared *s = arg;
+	ep_conn_t *c;
+	struct ep_group_config cfg = cfg_of("bufsizes", r);
+	cfg.world_size = cfg.ranks_per_node = 1;
+	ep_group_t *g = th_join(s->d, &cfg, &c);
+	struct ep_buffers ref;
+	TH_OK(ep_get_buffers(g, &ref));
+	TH_CHECK(ref.x && ref.combine_bias2 && ref.max_tokens == TMAX,
+		 "the buffers of a fresh group");
+	enum { PAST = 64 };
+	unsigned char mem[sizeof(struct ep_buffers) + PAST];
+	size_t n = sizeof(struct ep_buffers);
+	size_t small = offsetof(struct ep_buffers, combine_bias2);
+	memset(mem, 0xa5, sizeof mem);
+	int rc = ep_get_buffers_sized(g, (struct ep_buffers *)(void *)mem,
+				      small);
+	TH_CHECK(rc == EP_EINVAL && strstr(ep_errmsg(), "ABI"),
+		 "a struct shorter than ABI 1's: %s (%s)", ep_strerror(rc),
+		 ep_errmsg());
+	for (size_t i = 0; i < sizeof mem; i++)
+		TH_CHECK(mem[i] == 0xa5, "byte %zu written on a refusal", i);
+	memset(mem, 0xa5, sizeof mem);
+	TH_OK(ep_get_buffers_sized(g, (struct ep_buffers *)(void *)mem, n));
+	TH_CHECK(memcmp(mem, &ref, n) == 0, "this header's size: filled");
+	for (size_t i = n; i < sizeof mem; i++)
+		TH_CHECK(mem[i] == 0xa5, "byte %zu past the struct written", i);
+	memset(mem, 0xa5, sizeof mem);
+	TH_OK(ep_get_buffers_sized(g, (struct ep_buffers *)(void *)mem,
+				   n + PAST - 8));
+	TH_CHECK(memcmp(mem, &ref, n) == 0, "a larger struct: filled");
+	for (size_t i = n; i < n + PAST - 8; i++)
+		TH_CHECK(mem[i] == 0, "byte %zu of a newer header's struct "
+				      "not zeroed", i);
+	for (size_t i = n + PAST - 8; i < sizeof mem; i++)
+		TH_CHECK(mem[i] == 0xa5, "byte %zu past the size written", i);
+	TH_CHECK(ep_abi_version() == EP_ABI_VERSION, "ep_abi_version %u",
+		 ep_abi_version());
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	return 0;
+}
+
 int main(void)
 {
 	th_init("dispatch/combine errors", 180);
@@ -720,6 +770,12 @@ int main(void)
 	s->d = &d;
 	pid_t pids[W];
 
+	th_spawn(pids, 1, sizes_rank, s);
+	TH_CHECK(th_wait_all(pids, 1, 60) == 0, "struct sizes case");
+	printf("ok: ep_get_buffers into a struct shorter than ABI %u's -> "
+	       "EP_EINVAL, untouched; this header's and a newer one's "
+	       "filled, nothing written past the size given\n",
+	       (unsigned)EP_ABI_VERSION);
 	th_spawn(pids, W, bad_expert_rank, s);
 	TH_CHECK(th_wait_all(pids, W, 60) == 0, "bad expert case");
 	th_spawn(pids, W, arg_rank, s);

@@ -468,7 +468,39 @@ def check_doctest(sock):
     print(f"ok: the module's docstring examples run ({res.attempted} lines)")
 
 
+def check_abi():
+    """The binding refuses, at import, a library of no or another ABI
+    (one built from another ep.h would read and write its structs
+    wrongly), naming why; the right one loads."""
+    import ctypes.util
+    lib = os.environ.get("EP_LIBRARY") or epd._lib._name
+    other = ctypes.util.find_library("m")  # a library with no libep ABI
+    code = "import epd"
+    cases = [(other, "no ep_abi_version")]
+    d = tempfile.mkdtemp(prefix="epdabi.")
+    cc = (os.environ.get("EPD_CC") or "cc").split()
+    src = os.path.join(d, "abi2.c")
+    with open(src, "w") as f:
+        f.write("unsigned ep_abi_version(void) { return 2; }\n")
+    so = os.path.join(d, "libep.so.2")
+    if shutil.which(cc[0]) and subprocess.run(
+            cc + ["-shared", "-fPIC", "-o", so, src]).returncode == 0:
+        cases.append((so, "libep ABI 2, this binding is written for ABI 1"))
+    for path, want in cases:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                           text=True, env=dict(os.environ, EP_LIBRARY=path))
+        assert r.returncode != 0 and want in r.stderr, (path, r.stderr)
+    r = subprocess.run([sys.executable, "-c", "import epd; print(epd._ABI)"],
+                       capture_output=True, text=True,
+                       env=dict(os.environ, EP_LIBRARY=lib))
+    assert r.returncode == 0 and r.stdout.strip() == "1", r.stderr
+    shutil.rmtree(d)
+    print("ok: the binding refuses at import a library without libep's "
+          f"ABI{' or of ABI 2' if len(cases) > 1 else ''} and loads ABI 1")
+
+
 def main():
+    check_abi()
     binary = os.environ.get("EPD_BIN", "./epd")
     d = tempfile.mkdtemp(prefix="epdpy.")
     sock = os.path.join(d, "epd.sock")

@@ -30,6 +30,23 @@ extern "C" {
 #define EP_VERSION_MAJOR 0
 #define EP_VERSION_MINOR 1
 
+/*
+ * The ABI this header describes: N of the library's soname, libep.so.N.
+ * It changes whenever a function goes or changes its parameters, or a
+ * struct the caller allocates (ep_group_config, ep_dispatch_in, ...)
+ * changes its layout; the library then has a new soname, and a program
+ * built against this header keeps loading the library it was built for.
+ * Two structs may grow within one ABI, by fields appended at their end:
+ * ep_join_opts (its size field) and ep_buffers (ep_get_buffers passes
+ * sizeof the caller's struct). A binding that does not compile this
+ * header (ctypes, say) checks ep_abi_version() before it calls anything
+ * else.
+ */
+#define EP_ABI_VERSION 1
+
+/* The ABI of the loaded library (EP_ABI_VERSION where it was built). */
+unsigned ep_abi_version(void);
+
 /* Error codes. Values from errno are negated; private ones start at -1000. */
 enum {
 	EP_OK = 0,
@@ -225,7 +242,13 @@ struct ep_buffers {
 	uint16_t *combine_bias2; /* [max_tokens, hidden] bf16 */
 };
 
-int ep_get_buffers(ep_group_t *group, struct ep_buffers *out);
+/* Fill *out (size bytes of it: sizeof the caller's struct ep_buffers,
+ * at least the ABI's first size; fields past size are not written).
+ * ep_get_buffers passes the size for you. */
+int ep_get_buffers_sized(ep_group_t *group, struct ep_buffers *out,
+			 size_t size);
+#define ep_get_buffers(group, out) \
+	ep_get_buffers_sized((group), (out), sizeof *(out))
 /* The group's receive areas (1 unless joined with EP_JOIN_RECV_AREAS). */
 uint32_t ep_group_recv_areas(const ep_group_t *group);
 /* recv_x of area a ([max_recv, hidden]; a host address, or a device one

@@ -36,7 +36,6 @@ The library: $EP_LIBRARY if set, else the libdir this package was installed
 with (make install), else the dynamic linker's search path.
 """
 import ctypes
-import ctypes.util
 import errno
 import json
 import os
@@ -69,6 +68,13 @@ def LL_TOPK(k):
     return k << 8
 
 
+# The libep ABI this binding's structs and calls are written for
+# (EP_ABI_VERSION of ep/ep.h): the library is libep.so.<_ABI>, and one
+# that says otherwise (ep_abi_version) is refused at import.
+_ABI = 1
+_SONAME = f"libep.so.{_ABI}"
+
+
 def _candidates():
     env = os.environ.get("EP_LIBRARY")
     if env:
@@ -76,11 +82,11 @@ def _candidates():
     out = []
     try:  # written by make install: where libep went
         from . import _config
-        out.append(os.path.join(_config.LIBDIR, "libep.so.0"))
-    except ImportError:
+        out.append(os.path.join(_config.LIBDIR, _config.SONAME))
+    except (ImportError, AttributeError):
         pass
-    out.append(ctypes.util.find_library("ep") or "libep.so.0")
-    out += [os.path.join(d, "libep.so.0") for d in
+    out.append(_SONAME)
+    out += [os.path.join(d, _SONAME) for d in
             ("/usr/local/lib", "/usr/lib", "/usr/lib/x86_64-linux-gnu",
              "/usr/lib/aarch64-linux-gnu")]
     return out
@@ -90,9 +96,22 @@ def _load():
     errors = []
     for path in _candidates():
         try:
-            return ctypes.CDLL(path)
+            lib = ctypes.CDLL(path)
         except OSError as e:
             errors.append(f"{path}: {e}")
+            continue
+        abi = getattr(lib, "ep_abi_version", None)
+        if abi is None:
+            errors.append(f"{path}: no ep_abi_version (a libep older "
+                          f"than ABI {_ABI})")
+            continue
+        abi.restype = ctypes.c_uint
+        abi.argtypes = []
+        if abi() != _ABI:
+            errors.append(f"{path}: libep ABI {abi()}, this binding is "
+                          f"written for ABI {_ABI}")
+            continue
+        return lib
     raise ImportError("epd: cannot load libep (set EP_LIBRARY to its "
                       "path): " + "; ".join(errors))
 
@@ -227,7 +246,9 @@ _lib.ep_combine.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle),
 _lib.ep_combine_ex.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle),
                                ctypes.POINTER(_CombineIn),
                                ctypes.POINTER(_CombineOut)]
-_lib.ep_get_buffers.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Buffers)]
+_lib.ep_get_buffers_sized.argtypes = [ctypes.c_void_p,
+                                      ctypes.POINTER(_Buffers),
+                                      ctypes.c_size_t]
 _lib.ep_barrier_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 _lib.ep_dispatch_stream.argtypes = [ctypes.c_void_p, ctypes.c_uint32,
                                     ctypes.c_uint, ctypes.POINTER(Handle),
@@ -509,7 +530,8 @@ class Group:
 
     def _field_ptr(self, field):
         b = _Buffers()
-        _check(_lib.ep_get_buffers(self._g, ctypes.byref(b)))
+        _check(_lib.ep_get_buffers_sized(self._g, ctypes.byref(b),
+                                         ctypes.sizeof(b)))
         ptr = getattr(b, field)
         if not ptr:
             raise ValueError(f"no field {field} in this group")
