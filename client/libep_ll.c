@@ -122,7 +122,7 @@ static int ll_map_one(ep_group_t *g, struct ep_ll *l, uint32_t d)
  * group's `here` ranks on it (every rank's blocks must be resident at once:
  * they wait for each other). 8 ranks on an H200's 132 SMs: 16 each; 2
  * ranks: 66, which took their 128-token ops from 37-75 us on 16 blocks
- * to 23-36 (PERFORMANCE.md "2026-12-05: DeepEP's low-latency test on epd's kernels, the low-latency grid for fewer ranks a GPU"); one rank a GPU: all
+ * to 23-36 (PERFORMANCE.md, "Low-latency mode"); one rank a GPU: all
  * of them. The grid is each rank's own (its counters are private), so
  * ranks may differ. An EP_LL_BLOCKS whose grids could not all be resident
  * together (the combine kernels take one block a SM) is refused: the

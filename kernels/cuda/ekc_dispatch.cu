@@ -1307,7 +1307,7 @@ __device__ static __forceinline__ void sum_start(float acc[8],
 // memory held) PF steps ahead. combine_token's loop, held to 24 SMs,
 // waits on its loads (a loads-only copy of it is as fast) and issues ~40
 // instructions a 16-byte row vector, where the conversions and adds take
-// 16 (PERFORMANCE.md "2026-12-06: the graph phase run; what holds the combine on 24 SMs"). The order of the sums and the
+// 16 (PERFORMANCE.md, "One GPU: dispatch and combine"). The order of the sums and the
 // rounding are combine_token's.
 template <int N, int PF>
 __device__ static __forceinline__ void lean_step(const uint4 *const (&p)[N],

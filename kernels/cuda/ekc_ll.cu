@@ -1025,7 +1025,7 @@ __device__ static inline void ll_store_sum(const struct ll_sum_io &s,
 // thread, one block a SM (their __launch_bounds__): held to 64, the loop
 // spilled, and at 2 KB slices a narrower one (1 KB, or 512 bytes with 8
 // rows in flight) was as slow or slower (PERFORMANCE.md
-// "2026-12-06: the low-latency combine's sum, two rows in flight a warp").
+// "Low-latency mode").
 #define LL_SUM_K 2
 template <typename Row>
 __device__ static void ll_sum_rows(const struct ll_sum_io &s, Row row)

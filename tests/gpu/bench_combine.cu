@@ -22,9 +22,9 @@
 
 #include "ekc_dispatch.cu"
 
-// Two combines tried for few SMs and not kept (PERFORMANCE.md
-// "2026-12-02, nvidia-h200 (driver 580, one GPU): combine on few SMs
-// measured on those SMs, and what the SM labels meant"): kept here so that the figures can be measured again.
+// Two combines tried for few SMs and not kept (PERFORMANCE.md, "One GPU:
+// dispatch and combine"): kept here so that the figures can be measured
+// again.
 // Combine through a ring in shared memory, for few SMs: a block per SM,
 // each lane keeping CMB_RING 16-byte loads in flight (cp.async, no
 // registers held while they fly), so that bytes in flight, not SMs, set
@@ -419,7 +419,7 @@ __device__ static inline void mb_arrive(uint32_t bar)
 
 // P pipelines a block, each a producer warp, CW consumer warps and its
 // part of the ring: a warp's bulk loads go out one after the other (~270
-// cycles each, PERFORMANCE.md "2026-12-04: the review commit run, bulk loads measured, the row copy's own speed"), so one producer
+// cycles each, PERFORMANCE.md, "One GPU: dispatch and combine"), so one producer
 // cannot keep a SM's loads in flight (measured with P = 1: the producer
 // busy 86 % of the time, the consumers waiting 61 %). A consumer thread
 // takes V vectors of a chunk (chunks of up to CW x 32 x V vectors).
@@ -792,7 +792,7 @@ PIPES(DEFP)
 #undef DEFP
 // ekc_combine's body with C column steps at a time, B blocks per SM, the
 // rows fetched into L2 by the bulk-copy engine PF steps ahead (0: not).
-// Tried and not kept (PERFORMANCE.md "2026-12-04: the combine's rounding in one instruction, its rows as a compact list"): PF 16, the
+// Tried and not kept (PERFORMANCE.md, "One GPU: dispatch and combine"): PF 16, the
 // next token's first steps fetched at this token's start, 4 blocks a SM,
 // 2 column steps a lane in 2 blocks with the fetch, the row addresses read
 // from shared memory each step (fewer registers).
@@ -823,7 +823,7 @@ ASYNCS(DEFA)
 #undef DEFA
 // The bulk-copy combine, one block a SM: P pipelines of CW consumer warps
 // and a producer, V vectors a thread. 8x1 v1 and 16x1 v1 are the forms
-// measured in PERFORMANCE.md "2026-12-04: the review commit run, bulk loads measured, the row copy's own speed" (0.12 and 0.17 of D2D held to 24
+// measured in PERFORMANCE.md, "One GPU: dispatch and combine" (0.12 and 0.17 of D2D held to 24
 // SMs); the others are to be measured.
 #define BULKPS(X)                                                              \
 	X(8, 1, 1) X(16, 1, 1) X(2, 4, 4) X(4, 2, 4) X(2, 4, 7) X(1, 6, 7)     \

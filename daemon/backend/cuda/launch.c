@@ -103,8 +103,8 @@ bool cu_use_tma(const struct epd_cuda_group *c, unsigned sms)
 /* The SMs of the row copy. What it needs is about 64 blocks' worth of
  * 14 KB rows staged at once (7 MB), a block a SM: a SM's bulk copies are
  * a limit of their own, and more blocks contend for memory. H200,
- * DeepSeek-V3 shape, 8 ranks under MPS (PERFORMANCE.md "2026-12-06:
- * fewer launch gaps in an op, the row copy spread one block a SM"), pipelined: bf16 0.80-0.81 of D2D with 64 blocks on 64 SMs
+ * DeepSeek-V3 shape, 8 ranks under MPS (PERFORMANCE.md, "One
+ * GPU: dispatch and combine"), pipelined: bf16 0.80-0.81 of D2D with 64 blocks on 64 SMs
  * (0.77-0.79 with 132-192 blocks; on an H100 0.64-0.65 when the same 64
  * blocks sat two a SM on 32 SMs, against 0.84-0.85 spread); fp8 (7 KB
  * rows) 0.74-0.76 with 132 blocks one a SM, 0.70-0.71 with 192 spread

@@ -176,7 +176,7 @@ class _Routing:
 _MREG_KEEP = max(1, min(60, int(os.environ.get("EPD_DEEP_EP_REGISTER_KEEP",
                                                "8"))))
 # the dispatch's x read in place too (1.22-1.29x the own API against
-# 1.29-1.34x copied, PERFORMANCE.md "2026-12-04: the combine's output written in place, where the dispatch's time goes"), unless
+# 1.29-1.34x copied, PERFORMANCE.md, "The deep_ep shim"), unless
 # $EPD_DEEP_EP_REGISTER_X=0
 _REG_X = os.environ.get("EPD_DEEP_EP_REGISTER_X", "1") != "0"
 # a combine's output written in place by the daemon into one of a few
@@ -202,7 +202,7 @@ def _copies(pieces, stream):
 # with a shareable handle), so a combine's rows and a dispatch's x are read
 # where torch put them and a combine's output written in place; with the
 # default allocator (cudaMalloc) they are copied: 1.3x and 2.8x the own API
-# (PERFORMANCE.md "2026-12-04: the CPU waits for a dispatch's counts, not its rows") against 1.04 and 1.01. A Buffer of
+# (PERFORMANCE.md, "The deep_ep shim") against 1.04 and 1.01. A Buffer of
 # GPU ranks of one node turns them on for torch's allocations from then
 # on (torch.cuda.memory._set_allocator_settings, what PyTorch recommends
 # against fragmentation anyway) unless the caller chose: $PYTORCH_CUDA_-
