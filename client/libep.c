@@ -320,10 +320,10 @@ static int pack_nodes(const struct ep_group_config *cfg,
 	const uint32_t n = cfg->world_size / cfg->ranks_per_node;
 	size_t bytes = 0;
 	for (uint32_t i = 0; i < n; i++) {
-		if (!nodes[i] || !epp_node_name_valid(nodes[i]))
+		if (!nodes[i] || !epp_node_entry_valid(nodes[i]))
 			return ep__fail(EP_EINVAL,
 					"nodes[%u] is not a node name (1..%d "
-					"of [A-Za-z0-9_.-])",
+					"of [A-Za-z0-9_.-]) or name@host:port",
 					i, EP_NODE_NAME_MAX);
 		bytes += strlen(nodes[i]) + 1;
 	}

@@ -269,6 +269,41 @@ bool epp_node_name_valid(const char *name)
 	return name_valid(name, EPP_NODE_NAME_MAX, "");
 }
 
+bool epp_node_entry_valid(const char *e)
+{
+	const char *at = strchr(e, '@');
+	if (!at)
+		return epp_node_name_valid(e);
+	char name[EPP_NODE_NAME_MAX + 1];
+	if ((size_t)(at - e) > EPP_NODE_NAME_MAX)
+		return false;
+	memcpy(name, e, (size_t)(at - e));
+	name[at - e] = 0;
+	const char *colon = strrchr(at, ':');
+	if (!epp_node_name_valid(name) || !colon || colon == at + 1)
+		return false;
+	const char *host = at + 1;
+	size_t hl = (size_t)(colon - host);
+	if (hl > EPP_NODE_HOST_MAX)
+		return false;
+	for (size_t i = 0; i < hl; i++) {
+		char c = host[i];
+		if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+		      (c >= '0' && c <= '9') || strchr("_.:-[]", c)))
+			return false;
+	}
+	const char *p = colon + 1;
+	unsigned long port = 0;
+	if (!*p || strlen(p) > 5)
+		return false;
+	for (; *p; p++) {
+		if (*p < '0' || *p > '9')
+			return false;
+		port = port * 10 + (unsigned long)(*p - '0');
+	}
+	return port >= 1 && port <= 65535;
+}
+
 const char *epp_join_node(const struct epp_join *j, uint32_t i)
 {
 	const char *s = j->nodes;
@@ -475,9 +510,9 @@ static size_t join_nodes_decode(const uint8_t *p, size_t len,
 	const char *s = (const char *)p + r.off, *end = s + nb;
 	for (uint32_t i = 0; i < n; i++) {
 		const char *z = memchr(s, 0, (size_t)(end - s));
-		if (!z || !epp_node_name_valid(s)) {
+		if (!z || !epp_node_entry_valid(s)) {
 			ERRF("node %u of the group's list is not a node name "
-			     "(1..%d of [A-Za-z0-9_.-])",
+			     "(1..%d of [A-Za-z0-9_.-]) or name@host:port",
 			     i, EPP_NODE_NAME_MAX);
 			return 0;
 		}

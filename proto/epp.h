@@ -148,6 +148,14 @@
  *        then carries a tag of it ("name#tag"), so a join with another
  *        secret, or none, makes or finds another group: no rank without
  *        the secret joins, squats or sees the details of it.
+ *   1.22 Node tables of their own: an entry of a JOIN's node list may
+ *        be name@host:port (epp_node_entry_valid), an address a daemon
+ *        with peer_lookup = job may dial; the GSHAPE's hash covers the
+ *        names alone. Between daemons whose peer_lookup is not peers,
+ *        a PEER_HELLO's index and the rdma connect data's are each
+ *        node's own (a label): a node is its name, and a daemon learns
+ *        a node that dials in with the cluster key's proof; their
+ *        heartbeats carry no row of the matrix.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -166,7 +174,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 21
+#define EPP_VERSION_MINOR 22
 /* Stream-ordered ops a GPU rank may have in flight (libep waits before
  * more; the daemon's rings are this deep). */
 #define EPP_MAX_INFLIGHT 1024
@@ -279,6 +287,13 @@ struct epp_join {
 /* A node's name: [A-Za-z0-9_.-], 1..EPP_NODE_NAME_MAX characters. */
 #define EPP_NODE_NAME_MAX 63
 bool epp_node_name_valid(const char *name);
+/* An entry of a group's node list (protocol 1.22): a node's name, or
+ * name@host:port (an address the job gives, which a daemon with
+ * peer_lookup = job may dial; host up to EPP_NODE_HOST_MAX of
+ * [A-Za-z0-9_.:-] or an IPv6 literal in brackets, port 1..65535). */
+#define EPP_NODE_HOST_MAX 63
+#define EPP_NODE_ENTRY_MAX (EPP_NODE_NAME_MAX + 1 + EPP_NODE_HOST_MAX + 6)
+bool epp_node_entry_valid(const char *entry);
 /* Name i of a join's node list (i < num_nodes). */
 const char *epp_join_node(const struct epp_join *j, uint32_t i);
 

@@ -57,6 +57,7 @@ static int parse_peers(struct epd_cluster *cl, const char *spec,
 		return -1;
 	}
 	cl->n = 0;
+	cl->cap = (int)cap;
 	cl->self = -1;
 	int rc = 0;
 	for (char *save, *t = strtok_r(buf, ", \t", &save); t && !rc;
@@ -163,6 +164,7 @@ static void fail_groups(struct epd_cluster *cl, int n, const char *why)
 
 bool cl_dials(const struct epd_cluster *cl, int n)
 {
+	/* (peer_connect = all needs the same table everywhere: peers) */
 	return cl->srv->cfg.peer_connect_all
 		       ? n > cl->self
 		       : strcmp(cl->node[cl->self].name, cl->node[n].name) < 0;
@@ -304,7 +306,7 @@ static char state_letter(int state)
 /* This node's row of the matrix (state_letter). */
 static void my_row(const struct epd_cluster *cl, char *row)
 {
-	if (cl->n > MATRIX_MAX) {
+	if (cl->n > MATRIX_MAX || !cl_static(cl)) {
 		row[0] = 0;
 		return;
 	}
@@ -496,6 +498,12 @@ static int cluster_prepare(struct epd_cluster *cl,
 		snprintf(err, errlen, "peers given but no cluster_key_file");
 		return -1;
 	}
+	if (cfg->peer_connect_all && cfg->peer_lookup != EPD_LOOKUP_PEERS) {
+		snprintf(err, errlen,
+			 "peer_connect = all needs peer_lookup = peers (every "
+			 "node of peers, in the same order everywhere)");
+		return -1;
+	}
 	if (load_key(cl, cfg->cluster_key_file, err, errlen))
 		return -1;
 	const struct cnode *me = &cl->node[cl->self];
@@ -646,13 +654,113 @@ static int span_size(const struct epd_server *srv)
 	return srv->cluster ? srv->cluster->n : 1;
 }
 
-static int span_resolve(const struct epd_server *srv, const char *name)
+bool cl_static(const struct epd_cluster *cl)
 {
-	const struct epd_cluster *cl = srv->cluster;
-	for (int n = 0; cl && n < cl->n; n++)
+	return cl->srv->cfg.peer_lookup == EPD_LOOKUP_PEERS;
+}
+
+int cl_node_find(const struct epd_cluster *cl, const char *name)
+{
+	for (int n = 0; n < cl->n; n++)
 		if (!strcmp(cl->node[n].name, name))
 			return n;
 	return -1;
+}
+
+int cl_node_add(struct epd_cluster *cl, const char *name, const char *host,
+		int port, char *err, size_t errlen)
+{
+	const uint32_t max = cl->srv->cfg.peer_nodes_max;
+	if ((uint32_t)cl->n >= max) {
+		snprintf(err, errlen,
+			 "the node table is full (peer_nodes_max %u)", max);
+		return -1;
+	}
+	if (cl->n == cl->cap) {
+		int cap = cl->cap * 2 > 8 ? cl->cap * 2 : 8;
+		struct cnode *nn = realloc(cl->node, (size_t)cap * sizeof(*nn));
+		if (!nn) {
+			snprintf(err, errlen, "out of memory");
+			return -1;
+		}
+		memset(nn + cl->cap, 0, (size_t)(cap - cl->cap) * sizeof(*nn));
+		cl->node = nn;
+		cl->cap = cap;
+	}
+	struct cnode *nd = &cl->node[cl->n];
+	memset(nd, 0, sizeof(*nd));
+	snprintf(nd->name, sizeof(nd->name), "%s", name);
+	snprintf(nd->host, sizeof(nd->host), "%s", host);
+	nd->port = port;
+	nd->state = NODE_IDLE;
+	nd->since_ns = epd_now_ns();
+	epd_info("node %s (index %d): learnt, %s%s%.0d", nd->name, cl->n,
+		 port ? nd->host : "address unknown (it dialled in from ",
+		 port ? ":" : nd->host, port);
+	return cl->n++;
+}
+
+/* A node of a join's list, name or name@host:port: its index, found or
+ * (peer_lookup dns or job) added. */
+static int span_resolve(struct epd_server *srv, const char *entry, char *err,
+			size_t errlen)
+{
+	struct epd_cluster *cl = srv->cluster;
+	if (!cl)
+		return -1;
+	const int mode = srv->cfg.peer_lookup;
+	char name[EPP_NODE_NAME_MAX + 1], host[sizeof(cl->node->host)] = "";
+	int port = 0;
+	const char *at = strchr(entry, '@');
+	const size_t nl = at ? (size_t)(at - entry) : strlen(entry);
+	if (nl > EPP_NODE_NAME_MAX) {
+		snprintf(err, errlen, "a name longer than %d bytes",
+			 EPP_NODE_NAME_MAX);
+		return -1;
+	}
+	memcpy(name, entry, nl);
+	name[nl] = 0;
+	if (at) {
+		struct cnode tmp;
+		char spec[256], perr[160];
+		snprintf(spec, sizeof(spec), "%s", entry);
+		if (strlen(entry) >= sizeof(spec) ||
+		    parse_peer(spec, &tmp, perr, sizeof(perr))) {
+			snprintf(err, errlen, "not name@host:port");
+			return -1;
+		}
+		snprintf(host, sizeof(host), "%s", tmp.host);
+		port = tmp.port;
+	}
+	int n = cl_node_find(cl, name);
+	if (n >= 0) {
+		/* known: the address of peers (or the first one learnt)
+		 * stands; a node known only by its dialling in gets the
+		 * job's */
+		if (port && !cl->node[n].port && mode == EPD_LOOKUP_JOB) {
+			snprintf(cl->node[n].host, sizeof(cl->node[n].host),
+				 "%s", host);
+			cl->node[n].port = port;
+		}
+		return n;
+	}
+	if (mode == EPD_LOOKUP_PEERS) {
+		snprintf(err, errlen,
+			 "this daemon does not know it (not in its peers; "
+			 "peer_lookup = peers)");
+		return -1;
+	}
+	if (port && mode != EPD_LOOKUP_JOB) {
+		snprintf(err, errlen,
+			 "not in peers, and an address a job gives is taken "
+			 "only with peer_lookup = job");
+		return -1;
+	}
+	if (!port) { /* by its name, at this node's peer port */
+		snprintf(host, sizeof(host), "%s", name);
+		port = cl->node[cl->self].port;
+	}
+	return cl_node_add(cl, name, host, port, err, errlen);
 }
 
 /* Local index l entered barrier seq: to group node `to` (a
@@ -716,7 +824,7 @@ void *epd_cluster_status(struct epd_server *srv)
 	uint64_t now = epd_now_ns();
 	/* one row per node: ours now, the others' from their last beat
 	 * ('?' where none came); only for a cluster small enough to show */
-	for (int n = 0; n < cl->n && cl->n <= MATRIX_MAX; n++) {
+	for (int n = 0; n < cl->n && cl->n <= MATRIX_MAX && cl_static(cl); n++) {
 		char r[MATRIX_MAX + 1];
 		if (n == cl->self)
 			my_row(cl, r);

@@ -121,8 +121,12 @@ struct cnode {
 
 struct epd_cluster {
 	struct epd_server *srv;
-	int self, n;
-	struct cnode *node; /* [n], in the order of `peers` */
+	int self, n, cap;
+	/* [n] of [cap]: the nodes of `peers` in their order, then those
+	 * learnt at run time (peer_lookup: found by name, given by a job,
+	 * or dialling in); indices are this node's own, names the same
+	 * everywhere */
+	struct cnode *node;
 	uint8_t key[32];
 	const struct epd_transport_ops *tops;
 	struct epd_transport *tr;
@@ -144,6 +148,16 @@ void cl_conn_close(struct pconn *c, const char *why);
 void cl_conn_send(struct pconn *c, uint16_t type, const void *p, uint32_t len);
 void cl_conn_write(struct pconn *c, uint16_t type, const void *a, size_t na, const void *b, size_t nb, struct epd_sref *ref);
 void cl_dial(struct epd_cluster *cl, int n);
+/* Is the node table the same on every node (peer_lookup = peers: the
+ * order of `peers`, which heartbeat rows and hello indices follow)? */
+bool cl_static(const struct epd_cluster *cl);
+/* Node `name` (host, port; port 0: no address known, never dialled)
+ * appended to the table: its index, or -1 with err (the table is at
+ * peer_nodes_max, or out of memory). */
+int cl_node_add(struct epd_cluster *cl, const char *name, const char *host,
+		int port, char *err, size_t errlen);
+/* The index of node `name`, or -1. */
+int cl_node_find(const struct epd_cluster *cl, const char *name);
 /* Does this node dial node n (when it wants it)? With peer_connect =
  * all, the lower index dials; on demand, the lower name. */
 bool cl_dials(const struct epd_cluster *cl, int n);

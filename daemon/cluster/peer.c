@@ -92,10 +92,29 @@ static void on_hello(struct pconn *c, const uint8_t *p, uint32_t len)
 				 "frames)",
 			      major, minor, EPP_VERSION_MAJOR,
 			      EPP_VERSION_MINOR);
-	if (idx >= (uint32_t)cl->n || (int)idx == cl->self ||
-	    strcmp(cl->node[idx].name, name))
-		return cl_reject(c, "node '%s' (index %u) is not in peers", name,
-			      idx);
+	if (cl_static(cl)) {
+		/* one table everywhere: the name at its index of peers */
+		if (idx >= (uint32_t)cl->n || (int)idx == cl->self ||
+		    strcmp(cl->node[idx].name, name))
+			return cl_reject(c,
+					 "node '%s' (index %u) is not in peers",
+					 name, idx);
+	} else {
+		/* each node's own table: by name, learnt if new (its proof
+		 * of the cluster key below decides whether it stays) */
+		int n = cl_node_find(cl, name);
+		if (n == cl->self || !epp_node_name_valid(name))
+			return cl_reject(c, "node '%s' is not another node's "
+					 "name", name);
+		if (c->target >= 0 && n != c->target)
+			return cl_reject(c, "node %s answered for %s", name,
+					 cl->node[c->target].name);
+		char err[160];
+		if (n < 0 && (n = cl_node_add(cl, name, c->host, 0, err,
+					      sizeof(err))) < 0)
+			return cl_reject(c, "node %s: %s", name, err);
+		idx = (uint32_t)n;
+	}
 	/* one connection a pair: the node that dials (cl_dials) */
 	if (c->target >= 0 ? (int)idx != c->target : cl_dials(cl, (int)idx))
 		return cl_reject(c, "node %s dialled the wrong way", name);
@@ -156,7 +175,9 @@ static void on_heartbeat(struct pconn *c, const uint8_t *p, uint32_t len)
 	const size_t rl = epp_peer_heartbeat_decode(p, len, &m)
 				  ? SIZE_MAX
 				  : strlen(m.row);
-	if (rl != (c->cl->n > MATRIX_MAX ? 0 : (size_t)c->cl->n))
+	if (rl != (c->cl->n > MATRIX_MAX || !cl_static(c->cl)
+			   ? 0
+			   : (size_t)c->cl->n))
 		return cl_reject(c, "malformed heartbeat");
 	nd->epoch = m.epoch;
 	memcpy(nd->row, m.row, sizeof(nd->row));
@@ -412,8 +433,10 @@ static void *tr_accept(void *arg, struct epd_tconn *tc, const char *addr,
 	const char *why =
 		cl->stopping ? "stopping"
 		: cl->tops->pdata
-			? epd_pdata_check(cl->key, cl->cluster_id, cl->n,
-					  cl->self, pdata, len, &idx)
+			? epd_pdata_check(cl->key, cl->cluster_id,
+					  cl_static(cl) ? cl->n : INT32_MAX,
+					  cl_static(cl) ? cl->self : -1,
+					  pdata, len, &idx)
 			: NULL;
 	if (why) {
 		cl_note_rejection(cl, addr, why);
@@ -551,6 +574,11 @@ void cl_dial(struct epd_cluster *cl, int n)
 {
 	struct cnode *nd = &cl->node[n];
 	struct sockaddr_storage sa;
+	if (!nd->port) { /* known only by its dialling in: it dials */
+		snprintf(nd->why, sizeof(nd->why),
+			 "no address known (it dialled in before)");
+		return;
+	}
 	if (!cl_resolve(nd->host, nd->port, &sa)) {
 		dial_addr(cl, n, &sa);
 		return;

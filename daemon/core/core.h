@@ -80,7 +80,8 @@ struct epd_span_ops {
 	int (*self)(const struct epd_server *srv);
 	int (*size)(const struct epd_server *srv);
 	/* The cluster's index of the node of that name, or -1. */
-	int (*resolve)(const struct epd_server *srv, const char *name);
+	int (*resolve)(struct epd_server *srv, const char *name, char *err,
+		       size_t errlen);
 	/* A group spanning nodes was made here (its node_map set): the
 	 * cluster connects to its nodes (freed undoes it). */
 	void (*formed)(struct epd_group *g);

@@ -734,13 +734,30 @@ static void group_became_ready(struct epd_group *g)
 }
 
 /* FNV-1a, 64 bits, over the names and their NULs. */
+/* The hash of a join's node names (an entry's name, not the address a
+ * job may give with it: ranks that reach the same nodes by other
+ * addresses name the same group). */
 static uint64_t names_hash(const struct epp_join *j)
 {
 	const char *end = epp_join_node(j, j->num_nodes);
 	uint64_t h = 0xcbf29ce484222325ull;
-	for (const char *p = j->nodes; p < end; p++)
-		h = (h ^ (uint8_t)*p) * 0x100000001b3ull;
+	bool in_name = true;
+	for (const char *p = j->nodes; p < end; p++) {
+		if (*p == '@')
+			in_name = false;
+		if (in_name || !*p)
+			h = (h ^ (uint8_t)*p) * 0x100000001b3ull;
+		if (!*p)
+			in_name = true;
+	}
 	return h ? h : 1; /* 0 is "no list" */
+}
+
+/* Does node-list entry e (name or name@host:port) name node `name`? */
+static bool entry_is(const char *e, const char *name)
+{
+	const size_t n = strlen(name);
+	return !strncmp(e, name, n) && (e[n] == 0 || e[n] == '@');
 }
 
 /* The cluster's index of each node a join names (or, without a list, of
@@ -797,15 +814,22 @@ static int join_nodes(struct epd_server *srv, const struct epp_join *j,
 	}
 	const char *name = j->nodes;
 	for (uint32_t n = 0; n < nnodes; n++, name += strlen(name) + 1) {
-		const bool is_self = !strcmp(name, self);
+		const bool is_self = entry_is(name, self);
+		/* its name, without the address a job may give */
+		char nm[EPP_NODE_NAME_MAX + 1];
+		snprintf(nm, sizeof(nm), "%.*s", (int)strcspn(name, "@"),
+			 name);
+		char why[256] = "";
 		int cn = is_self ? me
-			 : srv->span ? srv->span->resolve(srv, name)
+			 : srv->span ? srv->span->resolve(srv, name, why,
+							  sizeof(why))
 				     : -1;
 		if (cn < 0) {
-			snprintf(err, errlen,
-				 "group %s names node %s, which this daemon "
-				 "does not know (not in its peers)",
-				 j->name, name);
+			snprintf(err, errlen, "group %s names node %s: %s",
+				 j->name, nm,
+				 why[0] ? why
+					: "this daemon does not know it (not "
+					  "in its peers)");
 			return EP_EINVAL;
 		}
 		for (uint32_t o = 0; o < n; o++)
@@ -813,7 +837,7 @@ static int join_nodes(struct epd_server *srv, const struct epp_join *j,
 				snprintf(err, errlen,
 					 "group %s names node %s twice (node "
 					 "%u and %u)",
-					 j->name, name, o, n);
+					 j->name, nm, o, n);
 				return EP_EINVAL;
 			}
 		if (is_self && n != mine) {
@@ -827,7 +851,7 @@ static int join_nodes(struct epd_server *srv, const struct epp_join *j,
 			snprintf(err, errlen,
 				 "group %s names %s as node %u, where rank %u "
 				 "lives; this daemon is %s",
-				 j->name, name, n, j->rank, self);
+				 j->name, nm, n, j->rank, self);
 			return EP_EMISMATCH;
 		}
 		jn->map[n] = (uint32_t)cn;

@@ -34,6 +34,8 @@ void epd_config_defaults(struct epd_config *c)
 	c->heartbeat_ms = 500;
 	c->heartbeat_miss = 4;
 	c->peer_linger_ms = 30000;
+	c->peer_lookup = EPD_LOOKUP_PEERS;
+	c->peer_nodes_max = 4096;
 	c->limits = (struct epd_limits){.conns_per_uid = 256,
 					.groups_per_uid = 64,
 					.bytes_per_uid = 1ull << 40,
@@ -245,6 +247,18 @@ static int set_key(struct epd_config *c, const char *key, const char *v)
 		if (strcmp(v, "all") && strcmp(v, "on-demand"))
 			return -2;
 		c->peer_connect_all = !strcmp(v, "all");
+	} else if (!strcmp(key, "peer_lookup")) {
+		if (!strcmp(v, "peers"))
+			c->peer_lookup = EPD_LOOKUP_PEERS;
+		else if (!strcmp(v, "dns"))
+			c->peer_lookup = EPD_LOOKUP_DNS;
+		else if (!strcmp(v, "job"))
+			c->peer_lookup = EPD_LOOKUP_JOB;
+		else
+			return -2;
+	} else if (!strcmp(key, "peer_nodes_max")) {
+		if (parse_u32(v, 2, 1u << 20, 10, &c->peer_nodes_max))
+			return -2;
 	} else if (!strcmp(key, "peer_linger_ms")) {
 		if (parse_u32(v, 0, 86400000, 10, &c->peer_linger_ms))
 			return -2;

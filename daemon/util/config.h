@@ -56,6 +56,13 @@ struct epd_config {
 	 * after; true (all) to every node of peers */
 	bool peer_connect_all;
 	uint32_t peer_linger_ms;
+	/* peer_lookup: which nodes outside peers this one may reach (the
+	 * address book grows at run time): none (peers, the default), those
+	 * found by name (dns: the host of that name at this node's peer
+	 * port), or also those a job's node list gives as name@host:port
+	 * (job); and how many nodes the table may hold */
+	enum { EPD_LOOKUP_PEERS, EPD_LOOKUP_DNS, EPD_LOOKUP_JOB } peer_lookup;
+	uint32_t peer_nodes_max;
 	/* Limits (0: none): per uid (root included: in containers every
 	 * job is often uid 0) and for the whole daemon. Bytes are group buffers
 	 * (shared memory or GPU memory) charged to the group's owner. */

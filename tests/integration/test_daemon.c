@@ -393,6 +393,14 @@ static void check_bad_configs(const char *dir)
 		 "a@127.0.0.1:2\ncluster_key_file = %s\n",
 		 "-t", "a listed twice"},
 		{longline, "-t", "line longer than 199 bytes"},
+		{"[epd]\npeer_lookup = everywhere\n", "-t",
+		 "bad value 'everywhere' for 'peer_lookup'"},
+		{"[epd]\npeer_nodes_max = 1\n", "-t",
+		 "bad value '1' for 'peer_nodes_max'"},
+		{"[epd]\nnode_name = a\npeers = a@127.0.0.1:1\n"
+		 "cluster_key_file = %s\npeer_lookup = job\n"
+		 "peer_connect = all\n",
+		 "-t", "peer_connect = all needs peer_lookup = peers"},
 		{"[epd]\nnode_name = a\npeers = a@127.0.0.1:1, "
 		 "b@127.0.0.1:2\ncluster_key_file = %s\ntransport = rdma\n",
 		 "", "transport rdma: "},

@@ -15,6 +15,12 @@
  * 3. Joins that name their nodes wrongly get a precise error: an unknown
  *    node, a node twice, this daemon at another node's place, ranks whose
  *    lists differ.
+ *
+ * With EPD_TEST_LOOKUP=job every daemon's peers name only itself
+ * (peer_lookup = job): jobs name their nodes as name@host:port, the
+ * daemons learn each other from the jobs' lists and from being dialled,
+ * and every phase runs the same; the unknown node is one that never
+ * answers (its join's timeout names it).
  */
 #include "harness.h"
 
@@ -37,6 +43,11 @@
 
 static struct th_daemon *D, SOLO;
 static int N;
+/* node i as a job names it: "ni", or "ni@127.0.0.1:port" where the
+ * daemons learn their nodes from the jobs (EPD_TEST_LOOKUP=job) */
+static bool JOBMODE;
+static char ENT[TH_MAX_NODES][48];
+#define E_(i) ((const char *)ENT[i])
 
 struct job {
 	char name[32];
@@ -82,12 +93,9 @@ static ep_group_t *job_join(struct job *j, int r, ep_conn_t **c)
 	TH_CHECK(!strcmp(ep_conn_node(*c), want),
 		 "the daemon of rank %d says it is '%s', not %s", r,
 		 ep_conn_node(*c), want);
-	char names[MAXJN][16];
 	const char *list[MAXJN];
-	for (int n = 0; n < j->nnodes; n++) {
-		snprintf(names[n], sizeof(names[n]), "n%d", j->node[n]);
-		list[n] = names[n];
-	}
+	for (int n = 0; n < j->nnodes; n++)
+		list[n] = E_(j->node[n]);
 	TH_OK(ep_join_nodes(*c, &cfg, list, 0, &g));
 	return g;
 }
@@ -356,7 +364,7 @@ static int recvcap_rank(int r, void *arg)
 		.rank = (uint32_t)r, .num_experts = W * 4, .hidden = H,
 		.max_tokens_per_rank = T, .topk = K, .dtype = EP_DTYPE_BF16,
 		.timeout_ms = 20000};
-	const char *nodes[] = {"n2", "n1"};
+	const char *nodes[] = {E_(2), E_(1)};
 	const struct ep_join_opts o = {.size = sizeof(o), .nodes = nodes,
 				       .recv_rows = 24};
 	ep_conn_t *c;
@@ -405,7 +413,7 @@ static int order_rank(int r, void *arg)
 		.rank = (uint32_t)r, .num_experts = 16, .hidden = H,
 		.max_tokens_per_rank = 4, .topk = K, .dtype = EP_DTYPE_BF16,
 		.timeout_ms = 20000};
-	const char *nodes[] = {"n4", "n5"};
+	const char *nodes[] = {E_(4), E_(5)};
 	ep_conn_t *c;
 	ep_group_t *g;
 	TH_OK(ep_connect(D[r < RPN ? 4 : 5].sock, &c));
@@ -607,15 +615,42 @@ static void expect_join(int daemon, const char *name, uint32_t world,
 
 static void phase_bad(void)
 {
-	const char *unknown[] = {"n1", "nowhere"};
-	expect_join(1, "bad1", 2, 0, unknown, EP_EINVAL,
-		    "names node nowhere, which this daemon does not know");
-	const char *twice[] = {"n1", "n1"};
+	if (!JOBMODE) {
+		const char *unknown[] = {"n1", "nowhere"};
+		expect_join(1, "bad1", 2, 0, unknown, EP_EINVAL,
+			    "names node nowhere: this daemon does not know "
+			    "it (not in its peers");
+		/* an address from a job, where peer_lookup is peers */
+		const char *addr[] = {"n1", "nowhere@127.0.0.1:9"};
+		expect_join(1, "bad1a", 2, 0, addr, EP_EINVAL,
+			    "not in its peers");
+	} else {
+		/* a node the job names that never answers: the join's
+		 * timeout names it */
+		ep_conn_t *c;
+		ep_group_t *g;
+		TH_OK(ep_connect(D[1].sock, &c));
+		struct ep_group_config cfg = {
+			.name = "bad1", .world_size = 2, .ranks_per_node = 1,
+			.rank = 0, .num_experts = 8, .hidden = H,
+			.max_tokens_per_rank = TMAX, .topk = K,
+			.dtype = EP_DTYPE_BF16, .timeout_ms = 2000};
+		const char *gone[] = {E_(1), "nowhere@127.0.0.1:9"};
+		TH_EXPECT_RC(ep_join_nodes(c, &cfg, gone, 0, &g),
+			     EP_ETIMEDOUT);
+		TH_CHECK(strstr(ep_errmsg(), "nowhere"), "%s", ep_errmsg());
+		ep_close(c);
+		/* an entry that is no name@host:port */
+		const char *bad[] = {E_(1), "n2@127.0.0.1:99999"};
+		expect_join(1, "bad1a", 2, 0, bad, EP_EINVAL,
+			    "or name@host:port");
+	}
+	const char *twice[] = {E_(1), E_(1)};
 	expect_join(1, "bad2", 2, 1, twice, EP_EMISMATCH,
 		    "names this node (n1) as node 0, but rank 1 is on node 1");
-	const char *twice2[] = {"n1", "n2", "n1"};
+	const char *twice2[] = {E_(1), E_(2), E_(1)};
 	expect_join(1, "bad3", 3, 0, twice2, EP_EINVAL, "names node n1 twice");
-	const char *other[] = {"n2", "n1"};
+	const char *other[] = {E_(2), E_(1)};
 	expect_join(1, "bad4", 2, 0, other, EP_EMISMATCH,
 		    "names n2 as node 0, where rank 0 lives; this daemon is "
 		    "n1");
@@ -628,7 +663,7 @@ static void phase_bad(void)
 		.rank = 0, .num_experts = 16, .hidden = H,
 		.max_tokens_per_rank = TMAX, .topk = K,
 		.dtype = EP_DTYPE_BF16, .timeout_ms = 3000};
-	const char *l1[] = {"n1", "n2"}, *l2[] = {"n1", "n3"};
+	const char *l1[] = {E_(1), E_(2)}, *l2[] = {E_(1), E_(3)};
 	TH_OK(ep_join_nodes(c, &cfg, l1, EP_JOIN_NOWAIT, &g));
 	cfg.rank = 1;
 	ep_conn_t *c2;
@@ -641,7 +676,8 @@ static void phase_bad(void)
 	ep_close(c);
 	/* ranks of different nodes told different lists: each node accepts
 	 * its own, and the nodes find out from each other's shape */
-	const char *la[] = {"n1", "n2", "n3"}, *lb[] = {"n3", "n2", "n1"};
+	const char *la[] = {E_(1), E_(2), E_(3)},
+		   *lb[] = {E_(3), E_(2), E_(1)};
 	const char *const *lists[] = {la, lb, la};
 	ep_conn_t *cs[3];
 	ep_group_t *gs[3];
@@ -717,11 +753,25 @@ int main(void)
 	const char *se = getenv("EPD_TEST_SEED");
 	if (se)
 		seed = strtoull(se, NULL, 10);
+	const char *lk = getenv("EPD_TEST_LOOKUP");
+	JOBMODE = lk && !strcmp(lk, "job");
 	/* heartbeats every 250 ms: N*(N-1) beats a period on two cores */
 	const char *extra[] = {"-o", "heartbeat_ms=250", "-o",
-			       "peer_linger_ms=300", NULL};
+			       "peer_linger_ms=300", "-o",
+			       JOBMODE ? "peer_lookup=job" : "peer_lookup=peers",
+			       NULL};
 	th_daemon_start(&SOLO, NULL);
 	th_cluster_start(D, N, "epdplace", extra);
+	for (int i = 0; i < N; i++) {
+		if (JOBMODE)
+			snprintf(ENT[i], sizeof(ENT[i]), "n%d@127.0.0.1:%d", i,
+				 D[i].peer_port);
+		else
+			snprintf(ENT[i], sizeof(ENT[i]), "n%d", i);
+	}
+	if (JOBMODE)
+		printf("ok: peer_lookup = job: each daemon's peers name only "
+		       "itself; jobs name their nodes as name@host:port\n");
 	int *fds0 = calloc((size_t)N, sizeof(int));
 	TH_CHECK(fds0, "out of memory");
 	for (int i = 0; i < N; i++) {

@@ -321,8 +321,15 @@ void th_cluster_start(struct th_daemon *d, int n, const char *tag,
 	fprintf(f, "%s-cluster-key-%d-0123456789abcdef\n", tag, getpid());
 	fclose(f);
 	TH_CHECK(!chmod(key, 0600), "chmod %s", key);
+	bool learnt = false; /* peers of each node: itself alone */
+	for (int k = 0; extra && extra[k]; k++)
+		learnt |= !strncmp(extra[k], "peer_lookup=", 12) &&
+			  strcmp(extra[k], "peer_lookup=peers");
+	char self[64];
 	for (int i = 0; i < n; i++) {
 		snprintf(kv[0], sizeof(kv[0]), "node_name=n%d", i);
+		snprintf(self, sizeof(self), "peers=n%d@127.0.0.1:%d", i,
+			 port + i);
 		snprintf(kv[2], sizeof(kv[2]), "cluster_key_file=%s", key);
 		snprintf(kv[3], sizeof(kv[3]), "heartbeat_ms=100");
 		snprintf(kv[4], sizeof(kv[4]), "heartbeat_miss=%d",
@@ -332,12 +339,13 @@ void th_cluster_start(struct th_daemon *d, int n, const char *tag,
 		int a = 0;
 		for (int k = 0; k < 6; k++) {
 			args[a++] = "-o";
-			args[a++] = k == 1 ? peers : kv[k];
+			args[a++] = k != 1 ? kv[k] : learnt ? self : peers;
 		}
 		for (int k = 0; extra && extra[k] && a < 39; k++)
 			args[a++] = extra[k];
 		args[a] = NULL;
 		daemon_new(&d[i], args);
+		d[i].peer_port = port + i;
 	}
 	free(peers);
 	/* connected on demand (the default): nothing to wait for; with

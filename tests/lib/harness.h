@@ -46,6 +46,7 @@ struct th_daemon {
 	char sock[108];
 	char log[192];
 	char conf[192];
+	int peer_port; /* th_cluster_start: its node's port on 127.0.0.1 */
 };
 
 /* The tests' random series (a 64-bit LCG: the next 31 bits) and hash of
@@ -89,6 +90,8 @@ bool th_daemon_alive(struct th_daemon *d);
  * daemons connect on demand (their default); with "peer_connect=all" in
  * extra, returns once every node sees every other up. */
 #define TH_MAX_NODES 256
+/* With "peer_lookup=dns" or "=job" among extra, each node's peers name
+ * only itself: the others are learnt (doc: epd.conf(5)). */
 void th_cluster_start(struct th_daemon *d, int n, const char *tag,
 		      const char *const *extra);
 void th_daemon_dump_log(const struct th_daemon *d);

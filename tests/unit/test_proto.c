@@ -518,9 +518,31 @@ static void rbuf_frames(void)
 	TH_CHECK(!b.p && !b.cap, "freed");
 }
 
+/* 1.22: entries of a join's node list, name or name@host:port */
+static void node_entries(void)
+{
+	char longhost[128];
+	memset(longhost, 'h', sizeof(longhost));
+	snprintf(longhost, sizeof(longhost), "n@%.*s:1", EPP_NODE_HOST_MAX + 1,
+		 "hhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhhh"
+		 "hhhhhhhhhhhhhhhhhhhh");
+	const char *good[] = {"n1", "n1@127.0.0.1:7101", "n1@[::1]:7101",
+			      "gpu-node-07@gpu-node-07.example:65535",
+			      "a@b:1"};
+	const char *bad[] = {"", "n1@", "n1@:7", "n1@h:0", "n1@h:65536",
+			     "n1@h:7x", "@h:1", "n 1@h:1", "n1@h h:1",
+			     "n1@h:", "n1@h:123456", longhost};
+	for (size_t i = 0; i < sizeof(good) / sizeof(*good); i++)
+		TH_CHECK(epp_node_entry_valid(good[i]), "refused '%s'",
+			 good[i]);
+	for (size_t i = 0; i < sizeof(bad) / sizeof(*bad); i++)
+		TH_CHECK(!epp_node_entry_valid(bad[i]), "took '%s'", bad[i]);
+}
+
 int main(void)
 {
 	th_init("proto", 30);
+	node_entries();
 	hdr_roundtrip();
 	hdr_rejects();
 	join_codec();

@@ -142,9 +142,11 @@ int ep_join(ep_conn_t *conn, const struct ep_group_config *cfg,
  * (i+1)*ranks_per_node-1, for world_size / ranks_per_node nodes. The job
  * chooses: any nodes of the cluster, in any order, and every rank of the
  * group passes the same list (else EP_EMISMATCH). nodes NULL is ep_join:
- * node i is then the i-th entry of every daemon's `peers`. A name the
- * daemon does not know is EP_EINVAL; this rank's node other than this
- * daemon, EP_EMISMATCH. */
+ * node i is then the i-th entry of every daemon's `peers`. An entry may
+ * also be name@host:port, an address daemons with peer_lookup = job dial
+ * (epd.conf(5)); with peer_lookup = dns a name outside peers is found by
+ * DNS. A name the daemon does not know and cannot learn is EP_EINVAL;
+ * this rank's node other than this daemon, EP_EMISMATCH. */
 int ep_join_nodes(ep_conn_t *conn, const struct ep_group_config *cfg,
 		  const char *const *nodes, unsigned flags, ep_group_t **out);
 

@@ -1,0 +1,156 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Daemons that learn their nodes (peer_lookup, epd.conf(5)): each one's
+ * peers names only itself.
+ *
+ * 1. peer_lookup = dns: a 2-node job names its nodes by bare names; the
+ *    node named lower (a1) finds the other (localhost) by its name at
+ *    its own peer port, and the other learns a1 when it dials in. The
+ *    group forms, runs barriers and a dispatch and combine whose rows are
+ *    checked bitwise; each daemon's status lists the node it learnt. An
+ *    address in a job's list is refused there (it takes peer_lookup =
+ *    job).
+ * 2. peer_lookup = job with peer_nodes_max = 2: a join naming more nodes
+ *    than the table holds is refused, naming the limit.
+ * (test_placement runs its whole suite with peer_lookup = job too:
+ * tests/integration/placement_job.)
+ */
+#include "harness.h"
+
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define H 128
+#define K 2
+#define T 6
+
+static struct th_daemon D[3];
+static int PORT;
+
+static int dns_rank(int r, void *arg)
+{
+	(void)arg;
+	const char *nodes[] = {"a1", "localhost"};
+	struct ep_group_config cfg = {
+		.name = "dns", .world_size = 2, .ranks_per_node = 1,
+		.rank = (uint32_t)r, .num_experts = 4, .hidden = H,
+		.max_tokens_per_rank = T, .topk = K, .dtype = EP_DTYPE_BF16,
+		.timeout_ms = 20000};
+	ep_conn_t *c;
+	ep_group_t *g;
+	TH_OK(ep_connect(D[r].sock, &c));
+	TH_CHECK(!strcmp(ep_conn_node(c), nodes[r]), "rank %d on '%s'", r,
+		 ep_conn_node(c));
+	TH_OK(ep_join_nodes(c, &cfg, nodes, 0, &g));
+	for (int i = 0; i < 3; i++)
+		TH_OK(ep_barrier(g));
+	/* every token of both ranks to expert 0 (rank 0) alone: rank 0
+	 * receives rank 0's rows, then rank 1's */
+	struct ep_buffers b;
+	TH_OK(ep_get_buffers(g, &b));
+	uint16_t *x = b.x;
+	for (uint32_t i = 0; i < T * H; i++)
+		x[i] = (uint16_t)(0x3c00 + (uint32_t)r * 0x100 + i % 97);
+	for (uint32_t i = 0; i < T * K; i++)
+		b.topk_idx[i] = i % K ? -1 : 0;
+	ep_handle_t h;
+	TH_OK(ep_dispatch_inplace(g, T, 0, NULL, &h));
+	TH_CHECK(h.num_recv == (r ? 0u : 2u * T), "rank %d received %u", r,
+		 h.num_recv);
+	const uint16_t *rx = b.recv_x;
+	for (uint32_t i = 0; i < h.num_recv * H; i++) {
+		const uint32_t src = i / (T * H), k = i % (T * H);
+		TH_CHECK(rx[i] == (uint16_t)(0x3c00 + src * 0x100 + k % 97),
+			 "row element %u", i);
+	}
+	for (uint32_t i = 0; i < h.num_recv * H; i++)
+		b.combine_y[i] = rx[i];
+	TH_OK(ep_combine_inplace(g, &h, 0));
+	for (uint32_t i = 0; i < T * H; i++)
+		TH_CHECK(b.combined[i] == x[i], "combined element %u", i);
+	TH_OK(ep_handle_release(g, &h));
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	return 0;
+}
+
+static void expect_join(int d, const char *name, const char *const *list,
+			uint32_t n, const char *frag)
+{
+	ep_conn_t *c;
+	ep_group_t *g;
+	TH_OK(ep_connect(D[d].sock, &c));
+	struct ep_group_config cfg = {
+		.name = name, .world_size = n, .ranks_per_node = 1, .rank = 0,
+		.num_experts = 4 * n, .hidden = H, .max_tokens_per_rank = T,
+		.topk = K, .dtype = EP_DTYPE_BF16, .timeout_ms = 2000};
+	TH_EXPECT_RC(ep_join_nodes(c, &cfg, list, EP_JOIN_NOWAIT, &g),
+		     EP_EINVAL);
+	TH_CHECK(strstr(ep_errmsg(), frag), "want '%s' in: %s", frag,
+		 ep_errmsg());
+	ep_close(c);
+}
+
+static void start(struct th_daemon *d, const char *name, const char *host,
+		  int port, const char *key, const char *lookup,
+		  const char *extra)
+{
+	char nn[80], peers[160], kf[300], lk[40];
+	snprintf(nn, sizeof(nn), "node_name=%s", name);
+	snprintf(peers, sizeof(peers), "peers=%s@%s:%d", name, host, port);
+	snprintf(kf, sizeof(kf), "cluster_key_file=%s", key);
+	snprintf(lk, sizeof(lk), "peer_lookup=%s", lookup);
+	th_daemon_start(d, "-o", nn, "-o", peers, "-o", kf, "-o", lk, "-o",
+			"transport=tcp", "-o", "heartbeat_ms=100", "-o",
+			extra, NULL);
+}
+
+int main(void)
+{
+	th_init("test_lookup", 120);
+	char key[256];
+	snprintf(key, sizeof(key), "%s/cluster.key", th_tmpdir("epdlookup"));
+	FILE *f = fopen(key, "w");
+	TH_CHECK(f, "cannot write %s", key);
+	fprintf(f, "lookup-cluster-key-%d-0123456789abcdef\n", getpid());
+	fclose(f);
+	TH_CHECK(!chmod(key, 0600), "chmod %s", key);
+	/* one port, two addresses: peer_lookup = dns reaches a node by its
+	 * name at this node's own port */
+	PORT = th_ports(1);
+	start(&D[0], "a1", "127.0.0.2", PORT, key, "dns", "heartbeat_miss=20");
+	start(&D[1], "localhost", "127.0.0.1", PORT, key, "dns",
+	      "heartbeat_miss=20");
+	pid_t p[2];
+	th_spawn(p, 2, dns_rank, NULL);
+	TH_CHECK(th_wait_all(p, 2, 60) == 0, "the dns job");
+	for (int d = 0; d < 2; d++) {
+		ep_conn_t *c;
+		char *js;
+		TH_OK(ep_connect(D[d].sock, &c));
+		TH_OK(ep_daemon_status(c, &js));
+		ep_close(c);
+		const char *other = d ? "\"name\":\"a1\"" : "\"name\":\"localhost\"";
+		TH_CHECK(strstr(js, other), "daemon %d does not list %s: %s", d,
+			 other, js);
+		free(js);
+	}
+	printf("ok: peer_lookup = dns: a 2-node job by bare names (a1 dials "
+	       "localhost by its name, localhost learns a1 as it dials in): "
+	       "barriers, a dispatch and combine bitwise; each status lists "
+	       "the other node\n");
+	const char *addr[] = {"a1", "b2@127.0.0.1:9"};
+	expect_join(0, "addr", addr, 2, "only with peer_lookup = job");
+	printf("ok: an address in a job's list, where peer_lookup is dns: "
+	       "EP_EINVAL\n");
+	start(&D[2], "j0", "127.0.0.3", PORT, key, "job", "peer_nodes_max=2");
+	const char *three[] = {"j0", "p1@127.0.0.1:9", "p2@127.0.0.1:9"};
+	expect_join(2, "full", three, 3, "node table is full (peer_nodes_max 2)");
+	printf("ok: peer_lookup = job, peer_nodes_max 2: a join naming a "
+	       "third node is refused, naming the limit\n");
+	for (int d = 0; d < 3; d++)
+		th_daemon_stop(&D[d]);
+	printf("ok\n");
+	return 0;
+}
