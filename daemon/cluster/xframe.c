@@ -303,161 +303,213 @@ void epd_xop_arrival(struct epd_server *srv, uint32_t cfrom,
 					 m->step);
 }
 
-/* A frame of a cross-node op from the cluster's node cfrom. */
-void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t cfrom,
-		   const uint8_t *p, uint32_t len)
+/* A group's shape from node `from` (GSHAPE): checked against ours, or a
+ * second one (that node's group ended and a new one formed there). */
+static void on_gshape(struct epd_group *g, uint32_t from, uint32_t cfrom,
+		      const struct epp_peer_op *op, const uint8_t *p,
+		      uint32_t len)
 {
-	struct epp_peer_op op;
-	int bad = epp_peer_op_decode(p, len, &op);
-	const char *name = bad ? "?" : op.group;
-	uint64_t id = bad ? 0 : op.op;
-	struct epd_group *g = bad ? NULL : epd_group_find(srv, name);
-	/* the sender's index among the group's nodes */
-	const uint32_t from = g ? epd_group_node_of(g, cfrom) : UINT32_MAX;
-	if (g && from == UINT32_MAX) {
-		foreign(g, type, cfrom);
+	if (g->peer[from] == EPD_PEER_OPEN) {
+		/* a second shape: that node's group ended and a new one
+		 * formed there, its failure lost on the way. This one
+		 * cannot go on with that node (the new one there, not its
+		 * partner, ignores this failure); the shape waits for the
+		 * next group here. */
+		g->peer[from] = EPD_PEER_OVER;
+		stash_frame(g->srv, op->group, EPP_PEER_GSHAPE, cfrom, p, len);
+		epd_group_fail(g, EP_EPEERLOST,
+			       "node %s's group %s ended (a new one formed "
+			       "there)",
+			       epd_cluster_node_name(g, from), g->shape.name);
 		return;
 	}
-	if (!bad && (!g || g->state == EPD_G_FORMING ||
-		     g->peer[from] == EPD_PEER_OVER)) {
-		/* for the next group of this key here */
-		stash_frame(srv, name, type, cfrom, p, len);
-		return;
-	}
-	/* A node that formed the group after it failed here (its GFAIL
-	 * found no group there): told now, or its ops would wait out their
-	 * timeout for ranks that are gone. */
-	if (!bad && type == EPP_PEER_GSHAPE && g->state == EPD_G_FAILED) {
-		/* this group's shape first: that node's group takes the
-		 * failure as its partner's (see epd_xop_failure) */
-		shape_to(g, from);
-		epd_cluster_tell_failed(g, from);
-		return;
-	}
-	if (bad || g->state != EPD_G_READY) {
-		epd_warn("cross-node %s for group %s (op %llu) from node %u "
-			 "dropped: the group failed or the frame is malformed",
-			 epp_type_name(type), name, (unsigned long long)id,
-			 cfrom);
-		return;
-	}
+	g->peer[from] = EPD_PEER_OPEN;
+	check_shape(g, from, op);
+}
+
+/* A rank's routing of dispatch `id` (XMETA) from node `from`: kept in
+ * the op, which is submitted once every rank's came and it started
+ * here. */
+static void on_xmeta(struct epd_group *g, uint32_t from, uint64_t id,
+		     const struct epp_peer_op *op)
+{
 	const uint32_t rpn = g->shape.ranks_per_node, K = g->shape.topk;
-	if ((type == EPP_PEER_XMETA || type == EPP_PEER_XROWS) &&
-	    id >= g->xop_next + EPD_XOPS_MAX) {
-		epd_group_fail(g, EP_ETOOBIG,
-			       "node %u is at operation %llu, this node at "
-			       "%llu: at most %d operations ahead are buffered",
-			       from, (unsigned long long)id,
-			       (unsigned long long)g->xop_next, EPD_XOPS_MAX);
+	struct epp_peer_xmeta m;
+	int mbad = epp_peer_xmeta_decode(op, &m);
+	uint32_t s = m.rank, T = m.tokens, fl = m.flags;
+	if (!mbad && id < g->xop_next) {
+		/* every node's dispatch waits for every routing: this node
+		 * ran something else there */
+		epd_xop_past(g, id, from, EPP_DISPATCH);
 		return;
 	}
-	if (type == EPP_PEER_GSHAPE) {
-		if (g->peer[from] == EPD_PEER_OPEN) {
-			/* a second shape: that node's group ended and a new
-			 * one formed there, its failure lost on the way.
-			 * This one cannot go on with that node (the new one
-			 * there, not its partner, ignores this failure); the
-			 * shape waits for the next group here. */
-			g->peer[from] = EPD_PEER_OVER;
-			stash_frame(srv, name, type, cfrom, p, len);
-			epd_group_fail(g, EP_EPEERLOST,
-				       "node %s's group %s ended (a new one "
-				       "formed there)",
-				       epd_cluster_node_name(g, from),
-				       g->shape.name);
-			return;
-		}
-		g->peer[from] = EPD_PEER_OPEN;
-		check_shape(g, from, &op);
+	struct epd_xop *x = mbad ? NULL : xop_get(g, id, EPP_DISPATCH);
+	if (x && x->type != EPP_DISPATCH) {
+		/* a routing names a dispatch: this op is a combine here
+		 * (taken as a dispatch's, it would be run twice) */
+		epd_xop_type_mismatch(g, x, from, EPP_DISPATCH);
 		return;
 	}
-	if (!admit(g, from, cfrom, type, p, len))
-		return;
-	if (type == EPP_PEER_XWIN) {
-		xwin_frame(g, from, &op);
+	bool cached = fl & EPP_DISPATCH_CACHED;
+	size_t nt = cached ? 0 : (size_t)T * K;
+	bool wts = !cached && (fl & EPP_DISPATCH_WEIGHTS);
+	const char *why =
+		mbad ? "malformed"
+		: !x ? "this node cannot hold"
+		: s >= g->shape.world_size || s / rpn != from
+			? "of a rank not on that node"
+		: T > g->shape.max_tokens ? "of too many tokens"
+		: x->have[s] ? "of a rank whose routing came already"
+		: m.data_len != nt * (wts ? 12 : 8) ? "of a wrong length"
+						    : NULL;
+	if (why) {
+		epd_group_fail(g, EP_EPROTO,
+			       "node %u sent a routing %s (op %llu, rank %u)",
+			       from, why, (unsigned long long)id, s);
 		return;
 	}
-	if (type == EPP_PEER_XMETA) {
-		struct epp_peer_xmeta m;
-		int mbad = epp_peer_xmeta_decode(&op, &m);
-		uint32_t s = m.rank, T = m.tokens, fl = m.flags;
-		if (!mbad && id < g->xop_next) {
-			/* every node's dispatch waits for every routing:
-			 * this node ran something else there */
-			epd_xop_past(g, id, from, EPP_DISPATCH);
-			return;
-		}
-		struct epd_xop *x = mbad ? NULL : xop_get(g, id, EPP_DISPATCH);
-		if (x && x->type != EPP_DISPATCH) {
-			/* a routing names a dispatch: this op is a combine
-			 * here (taken as a dispatch's, it would be run
-			 * twice) */
-			epd_xop_type_mismatch(g, x, from, EPP_DISPATCH);
-			return;
-		}
-		bool cached = fl & EPP_DISPATCH_CACHED;
-		size_t nt = cached ? 0 : (size_t)T * K;
-		bool wts = !cached && (fl & EPP_DISPATCH_WEIGHTS);
-		const char *why =
-			mbad ? "malformed"
-			: !x ? "this node cannot hold"
-			: s >= g->shape.world_size || s / rpn != from
-				? "of a rank not on that node"
-			: T > g->shape.max_tokens ? "of too many tokens"
-			: x->have[s] ? "of a rank whose routing came already"
-			: m.data_len != nt * (wts ? 12 : 8) ? "of a wrong length"
-							    : NULL;
-		if (why) {
-			epd_group_fail(g, EP_EPROTO,
-				       "node %u sent a routing %s (op %llu, "
-				       "rank %u)",
-				       from, why, (unsigned long long)id, s);
-			return;
-		}
-		/* every node runs the same kind of dispatch: a fresh one
-		 * routes from every rank's top-k, a cached one from its
-		 * handle (whose rows name it: checked with them) */
-		const uint8_t kind = cached ? 2 : 1;
-		if (x->started ? x->cached != cached
-			       : x->meta_kind && x->meta_kind != kind) {
-			epd_xop_kind_mismatch(g, x, from, cached);
-			return;
-		}
-		x->meta_kind = kind;
-		x->have[s] = 1;
-		if (cached) { /* the arrival of a cached dispatch */
-			if (++x->meta_have == x->meta_need && x->started)
-				xop_submit(x);
-			return;
-		}
-		x->tokens[s] = T;
-		x->flags[s] = fl;
-		x->topk[s] = malloc(nt * 8 + 8);
-		x->weights[s] = wts ? malloc(nt * 4 + 4) : NULL;
-		if (!x->topk[s] || (wts && !x->weights[s])) {
-			epd_group_fail(g, EP_ENOMEM, "out of memory");
-			return;
-		}
-		memcpy(x->topk[s], m.data, nt * 8);
-		if (wts)
-			memcpy(x->weights[s], m.data + nt * 8, nt * 4);
+	/* every node runs the same kind of dispatch: a fresh one routes
+	 * from every rank's top-k, a cached one from its handle (whose rows
+	 * name it: checked with them) */
+	const uint8_t kind = cached ? 2 : 1;
+	if (x->started ? x->cached != cached
+		       : x->meta_kind && x->meta_kind != kind) {
+		epd_xop_kind_mismatch(g, x, from, cached);
+		return;
+	}
+	x->meta_kind = kind;
+	x->have[s] = 1;
+	if (cached) { /* the arrival of a cached dispatch */
 		if (++x->meta_have == x->meta_need && x->started)
 			xop_submit(x);
 		return;
 	}
-	/* XROWS: the record size depends on the op's type, the first field */
+	x->tokens[s] = T;
+	x->flags[s] = fl;
+	x->topk[s] = malloc(nt * 8 + 8);
+	x->weights[s] = wts ? malloc(nt * 4 + 4) : NULL;
+	if (!x->topk[s] || (wts && !x->weights[s])) {
+		epd_group_fail(g, EP_ENOMEM, "out of memory");
+		return;
+	}
+	memcpy(x->topk[s], m.data, nt * 8);
+	if (wts)
+		memcpy(x->weights[s], m.data + nt * 8, nt * 4);
+	if (++x->meta_have == x->meta_need && x->started)
+		xop_submit(x);
+}
+
+/* Rows of a combine that came before its dispatch finished here (a node
+ * ahead of this one): kept in the op, handled again as they came once it
+ * starts here with the routing. 0, or -1 (the group failed). */
+static int xrows_defer(struct epd_group *g, struct epd_xop *x, uint32_t from,
+		       uint32_t cfrom, uint64_t id, size_t rec,
+		       const uint8_t *p, uint32_t len)
+{
+	/* no more than every other node could owe this one's ranks (a row
+	 * per token and top-k slot, and room for the frames' heads): a peer
+	 * that sends on is failed, not buffered */
+	const size_t most = (size_t)(g->nnodes - 1) *
+				    g->shape.ranks_per_node *
+				    g->shape.max_tokens * g->shape.topk * rec +
+			    (1u << 20);
+	if (x->deferred_bytes + len > most) {
+		epd_group_fail(g, EP_EPROTO,
+			       "node %u sent more early combine rows for op "
+			       "%llu than the group can owe (%zu bytes)",
+			       from, (unsigned long long)id, most);
+		return -1;
+	}
+	x->deferred_bytes += len;
+	struct xdefer *df = malloc(sizeof(*df) + len);
+	if (!df) {
+		epd_group_fail(g, EP_ENOMEM, "out of memory");
+		return -1;
+	}
+	df->next = NULL;
+	df->from = cfrom;
+	df->len = len;
+	memcpy(df->data, p, len);
+	struct xdefer **tail = &x->deferred;
+	while (*tail)
+		tail = &(*tail)->next;
+	*tail = df;
+	return 0;
+}
+
+/* One row record of op x (destination d, slot): a dispatch's row into
+ * its local rank's receive area; a combine's, with its weights, into the
+ * staging of destination d (on another node). 0, or -1: out of range
+ * (EP_EPROTO) or, with *oom, out of memory. */
+static int xrows_place(struct epd_group *g, struct epd_xop *x, uint16_t otype,
+		       const struct ek_route *route, const uint8_t *q,
+		       size_t rb, size_t wb, bool *oom)
+{
+	uint32_t d, slot;
+	memcpy(&d, q, 4);
+	memcpy(&slot, q + 4, 4);
+	if (otype == EPP_DISPATCH) {
+		if (!xn_is_local(g, d) || slot >= g->layout.max_recv)
+			return -1;
+		uint32_t l = xn_lidx(g, d);
+		size_t xb = (size_t)g->shape.hidden * g->layout.elt;
+		memcpy(epd_region(g, l, EPP_BUF_RECV_X) + (size_t)slot * xb,
+		       q + 8, xb);
+		if (g->layout.nscales)
+			memcpy(epd_region(g, l, EPP_BUF_RECV_SCALES) +
+				       (size_t)slot * g->layout.nscales * 4,
+			       q + 8 + xb, (size_t)g->layout.nscales * 4);
+		return 0;
+	}
+	/* staged at its slot on destination d (elsewhere) */
+	if (xn_is_local(g, d) || !route || slot >= route->num_recv[d])
+		return -1;
+	if (!x->staging[d])
+		x->staging[d] = (uint16_t *)xbuf_get(
+			g->srv, (size_t)route->num_recv[d] * rb + 2,
+			&x->staging_cap[d]);
+	if (!x->staging[d]) {
+		*oom = true;
+		return -1;
+	}
+	memcpy((uint8_t *)x->staging[d] + (size_t)slot * rb, q + 8, rb);
+	if (!wb) {
+		x->rows_nw++;
+		return 0;
+	}
+	if (!x->wstaging[d])
+		x->wstaging[d] = (float *)xbuf_get(
+			g->srv, (size_t)route->num_recv[d] * wb + 4,
+			&x->wstaging_cap[d]);
+	if (!x->wstaging[d]) {
+		*oom = true;
+		return -1;
+	}
+	memcpy((uint8_t *)x->wstaging[d] + (size_t)slot * wb, q + 8 + rb, wb);
+	x->rows_w++;
+	return 0;
+}
+
+/* Rows of op `id` (XROWS) from node `from`: a dispatch's into the
+ * receive areas, a combine's into the staging of their destinations,
+ * each op checked against the handle and the rows every node expects. */
+static void on_xrows(struct epd_group *g, uint32_t from, uint32_t cfrom,
+		     uint64_t id, const struct epp_peer_op *op,
+		     const uint8_t *p, uint32_t len)
+{
+	/* the record size depends on the op's type, the first field */
 	struct epp_peer_xrows xr;
 	uint16_t otype = 0;
-	epp_peer_xrows_type(&op, &otype); /* 0 on error: decode fails */
+	epp_peer_xrows_type(op, &otype); /* 0 on error: decode fails */
 	/* a combine's rows may carry their top-k weights after them */
 	const bool wrows = otype == (EPP_COMBINE | EPP_XROWS_WEIGHTS);
 	const size_t wb = wrows ? (size_t)g->shape.topk * 4 : 0;
 	const size_t rb = xn_row_bytes(g, otype & ~EPP_XROWS_WEIGHTS),
 		     rec = 8 + rb + wb;
-	int rbad = epp_peer_xrows_decode(&op, rec, &xr);
+	int rbad = epp_peer_xrows_decode(op, rec, &xr);
 	otype &= ~EPP_XROWS_WEIGHTS;
-	uint64_t handle = xr.handle;
-	uint32_t k = xr.count;
+	const uint64_t handle = xr.handle;
+	const uint32_t k = xr.count;
 	if (otype != EPP_DISPATCH && otype != EPP_COMBINE)
 		rbad = 1; /* no other op has rows */
 	if (!rbad && id < g->xop_next) {
@@ -511,107 +563,93 @@ void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t cfrom,
 			       from, (unsigned long long)id);
 		return;
 	}
-	const uint8_t *q = xr.recs;
 	/* Only a combine's rows need the routing. A fresh dispatch's job may
 	 * be building x->route on a work thread right now: not read here. */
 	struct ek_route *route = NULL;
 	if (otype == EPP_COMBINE)
 		route = x->route ? x->route : epd_route_find(g, handle);
 	if (otype == EPP_COMBINE && !route && !x->started) {
-		/* A node ahead of this one combines along a dispatch this
-		 * node has not finished yet (its job still runs): the rows
-		 * wait in the op until it starts here, with the routing. No
-		 * more than every other node could owe this one's ranks (a
-		 * row per token and top-k slot, and room for the frames'
-		 * heads): a peer that sends on is failed, not buffered. */
-		const size_t most = (size_t)(g->nnodes - 1) * rpn *
-					    g->shape.max_tokens * K * rec +
-				    (1u << 20);
-		if (x->deferred_bytes + len > most) {
-			epd_group_fail(g, EP_EPROTO,
-				       "node %u sent more early combine rows "
-				       "for op %llu than the group can owe "
-				       "(%zu bytes)",
-				       from, (unsigned long long)id, most);
-			return;
-		}
-		x->deferred_bytes += len;
-		struct xdefer *df = malloc(sizeof(*df) + len);
-		if (!df) {
-			epd_group_fail(g, EP_ENOMEM, "out of memory");
-			return;
-		}
-		df->next = NULL;
-		df->from = cfrom; /* handled again as it came */
-		df->len = len;
-		memcpy(df->data, p, len);
-		struct xdefer **tail = &x->deferred;
-		while (*tail)
-			tail = &(*tail)->next;
-		*tail = df;
+		xrows_defer(g, x, from, cfrom, id, rec, p, len);
 		return;
 	}
+	const uint8_t *q = xr.recs;
 	for (uint32_t i = 0; i < k; i++, q += rec) {
-		uint32_t d, slot;
-		memcpy(&d, q, 4);
-		memcpy(&slot, q + 4, 4);
-		if (otype == EPP_DISPATCH) {
-			if (!xn_is_local(g, d) || slot >= g->layout.max_recv)
-				goto bad;
-			uint32_t l = xn_lidx(g, d);
-			size_t xb = (size_t)g->shape.hidden * g->layout.elt;
-			memcpy(epd_region(g, l, EPP_BUF_RECV_X) +
-				       (size_t)slot * xb,
-			       q + 8, xb);
-			if (g->layout.nscales)
-				memcpy(epd_region(g, l, EPP_BUF_RECV_SCALES) +
-					       (size_t)slot * g->layout.nscales *
-						       4,
-				       q + 8 + xb,
-				       (size_t)g->layout.nscales * 4);
-		} else {
-			/* staged at its slot on destination d (elsewhere) */
-			if (xn_is_local(g, d) || !route ||
-			    slot >= route->num_recv[d])
-				goto bad;
-			if (!x->staging[d]) {
-				x->staging[d] = (uint16_t *)xbuf_get(
-					g->srv,
-					(size_t)route->num_recv[d] * rb + 2,
-					&x->staging_cap[d]);
-				if (!x->staging[d]) {
-					epd_group_fail(g, EP_ENOMEM,
-						       "out of memory");
-					return;
-				}
-			}
-			memcpy((uint8_t *)x->staging[d] + (size_t)slot * rb,
-			       q + 8, rb);
-			if (wrows) {
-				if (!x->wstaging[d]) {
-					x->wstaging[d] = (float *)xbuf_get(
-						g->srv,
-						(size_t)route->num_recv[d] * wb +
-							4,
-						&x->wstaging_cap[d]);
-					if (!x->wstaging[d]) {
-						epd_group_fail(g, EP_ENOMEM,
-							       "out of memory");
-						return;
-					}
-				}
-				memcpy((uint8_t *)x->wstaging[d] +
-					       (size_t)slot * wb,
-				       q + 8 + rb, wb);
-				x->rows_w++;
-			} else {
-				x->rows_nw++;
-			}
+		bool oom = false;
+		if (xrows_place(g, x, otype, route, q, rb, wb, &oom)) {
+			if (oom)
+				epd_group_fail(g, EP_ENOMEM, "out of memory");
+			else
+				epd_group_fail(g, EP_EPROTO,
+					       "node %u sent a row out of "
+					       "range",
+					       from);
+			return;
 		}
 		x->rows_got++;
 	}
 	xop_check(g);
-	return;
-bad:
-	epd_group_fail(g, EP_EPROTO, "node %u sent a row out of range", from);
+}
+
+/* A cross-node frame of a group (GSHAPE, XWIN, XMETA, XROWS) from the
+ * cluster's node cfrom: routed to its group (kept for one not ready
+ * here yet, answered for one that failed) and to the handler of its
+ * type. */
+void epd_xop_frame(struct epd_server *srv, uint16_t type, uint32_t cfrom,
+		   const uint8_t *p, uint32_t len)
+{
+	struct epp_peer_op op;
+	int bad = epp_peer_op_decode(p, len, &op);
+	const char *name = bad ? "?" : op.group;
+	uint64_t id = bad ? 0 : op.op;
+	struct epd_group *g = bad ? NULL : epd_group_find(srv, name);
+	/* the sender's index among the group's nodes */
+	const uint32_t from = g ? epd_group_node_of(g, cfrom) : UINT32_MAX;
+	if (g && from == UINT32_MAX) {
+		foreign(g, type, cfrom);
+		return;
+	}
+	if (!bad && (!g || g->state == EPD_G_FORMING ||
+		     g->peer[from] == EPD_PEER_OVER)) {
+		/* for the next group of this key here */
+		stash_frame(srv, name, type, cfrom, p, len);
+		return;
+	}
+	/* A node that formed the group after it failed here (its GFAIL
+	 * found no group there): told now, or its ops would wait out their
+	 * timeout for ranks that are gone. */
+	if (!bad && type == EPP_PEER_GSHAPE && g->state == EPD_G_FAILED) {
+		/* this group's shape first: that node's group takes the
+		 * failure as its partner's (see epd_xop_failure) */
+		shape_to(g, from);
+		epd_cluster_tell_failed(g, from);
+		return;
+	}
+	if (bad || g->state != EPD_G_READY) {
+		epd_warn("cross-node %s for group %s (op %llu) from node %u "
+			 "dropped: the group failed or the frame is malformed",
+			 epp_type_name(type), name, (unsigned long long)id,
+			 cfrom);
+		return;
+	}
+	if ((type == EPP_PEER_XMETA || type == EPP_PEER_XROWS) &&
+	    id >= g->xop_next + EPD_XOPS_MAX) {
+		epd_group_fail(g, EP_ETOOBIG,
+			       "node %u is at operation %llu, this node at "
+			       "%llu: at most %d operations ahead are buffered",
+			       from, (unsigned long long)id,
+			       (unsigned long long)g->xop_next, EPD_XOPS_MAX);
+		return;
+	}
+	if (type == EPP_PEER_GSHAPE) {
+		on_gshape(g, from, cfrom, &op, p, len);
+		return;
+	}
+	if (!admit(g, from, cfrom, type, p, len))
+		return;
+	if (type == EPP_PEER_XWIN)
+		xwin_frame(g, from, &op);
+	else if (type == EPP_PEER_XMETA)
+		on_xmeta(g, from, id, &op);
+	else
+		on_xrows(g, from, cfrom, id, &op, p, len);
 }
