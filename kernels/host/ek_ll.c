@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The low-latency mode's row arithmetic for host ranks (libep's host
- * path, client/libep_llhost.c): the fp8 cast of a dispatch and the
+ * path, client/libep/libep_llhost.c): the fp8 cast of a dispatch and the
  * weighted sum of a combine, with every step the IEEE fp32 operation the
  * GPU's kernels (kernels/cuda/ekc_ll.cu) perform, so that both give the
  * same bits.
