@@ -378,6 +378,21 @@ static void print_op(const char *what, double us, double bytes, double mcn,
 	printf("\n");
 }
 
+/* A whole number of 0..2^31-1 for option -opt: 0, or -1 (said why). */
+static int num(int opt, const char *arg, long *out)
+{
+	char *end;
+	errno = 0;
+	long v = strtol(arg, &end, 10);
+	if (errno || end == arg || *end || v < 0 || v > INT32_MAX) {
+		fprintf(stderr, "ep-bench: -%c: '%s' is not a number of "
+			"0..%d\n", opt == 'L' ? 'L' : opt, arg, INT32_MAX);
+		return -1;
+	}
+	*out = v;
+	return 0;
+}
+
 static void usage(FILE *f)
 {
 	fprintf(f,
@@ -409,32 +424,46 @@ int main(int argc, char **argv)
 		{0},
 	};
 	int opt;
+	long v = 0;
 	while ((opt = getopt_long(argc, argv, "s:n:i:g:T:H:k:E:h", lo, NULL)) !=
 	       -1) {
+		if (strchr("niTHkEL", opt) && num(opt, optarg, &v))
+			return 2;
 		switch (opt) {
 		case 's': o.sock = optarg; break;
-		case 'n': o.ranks = atoi(optarg); break;
-		case 'i': o.iters = atoi(optarg); break;
+		case 'n': o.ranks = (int)v; break;
+		case 'i': o.iters = (int)v; break;
 		case 'g': o.group = optarg; break;
-		case 'T': o.tokens = (uint32_t)atoi(optarg); break;
-		case 'H': o.hidden = (uint32_t)atoi(optarg); break;
-		case 'k': o.topk = (uint32_t)atoi(optarg); break;
-		case 'E': o.experts = (uint32_t)atoi(optarg); break;
+		case 'T': o.tokens = (uint32_t)v; break;
+		case 'H': o.hidden = (uint32_t)v; break;
+		case 'k': o.topk = (uint32_t)v; break;
+		case 'E': o.experts = (uint32_t)v; break;
 		case 'F': o.dtype = EP_DTYPE_FP8; break;
 		case 'B': o.skip_ops = 1; break;
 		case 'l': o.ll = 1; break;
-		case 'L': o.linger_ms = atoi(optarg); break;
+		case 'L': o.linger_ms = (int)v; break;
 		case 'h': usage(stdout); return 0;
 		default: usage(stderr); return 2;
 		}
 	}
 	/* -s a,b,...: daemons of a cluster, -n ranks on each */
 	static char socks[4096];
+	if (o.sock && strlen(o.sock) >= sizeof(socks)) {
+		fprintf(stderr, "ep-bench: -s: a list longer than %zu bytes\n",
+			sizeof(socks) - 1);
+		return 2;
+	}
 	snprintf(socks, sizeof(socks), "%s", o.sock ? o.sock : "");
 	o.nodes = 0;
-	for (char *save, *t = strtok_r(socks, ",", &save);
-	     t && o.nodes < MAX_NODES; t = strtok_r(NULL, ",", &save))
+	for (char *save, *t = strtok_r(socks, ",", &save); t;
+	     t = strtok_r(NULL, ",", &save)) {
+		if (o.nodes == MAX_NODES) {
+			fprintf(stderr, "ep-bench: -s: more than %d sockets\n",
+				MAX_NODES);
+			return 2;
+		}
 		o.socks[o.nodes++] = t;
+	}
 	if (o.nodes == 0)
 		o.socks[o.nodes++] = NULL; /* $EPD_SOCKET or the default */
 	o.world = o.ranks * o.nodes;
