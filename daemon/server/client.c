@@ -210,8 +210,17 @@ void epd_client_close(struct epd_client *c, const char *why)
 {
 	if (c->closing)
 		return;
-	epd_info("client %lu (pid %d, uid %u) disconnected: %s",
-		 (unsigned long)c->s.id, (int)c->s.pid, (unsigned)c->s.uid, why);
+	/* a rank's end, at info; a connection that holds no group (epctl,
+	 * a monitor's poll, a rank that left), at debug: a node polled every
+	 * few seconds does not fill its journal */
+	if (!LIST_EMPTY(&c->s.members))
+		epd_info("client %lu (pid %d, uid %u) disconnected: %s",
+			 (unsigned long)c->s.id, (int)c->s.pid,
+			 (unsigned)c->s.uid, why);
+	else
+		epd_debug("client %lu (pid %d, uid %u) disconnected: %s",
+			  (unsigned long)c->s.id, (int)c->s.pid,
+			  (unsigned)c->s.uid, why);
 	/* Try once more to deliver what is queued (an error reply). */
 	client_flush(c);
 	c->closing = true;
@@ -816,7 +825,8 @@ void epd_client_accept(struct epd_server *srv, int fd)
 		return;
 	}
 	srv->n_accepted++;
-	epd_info("client %lu connected: pid %d uid %u", (unsigned long)c->s.id,
-		 (int)c->s.pid, (unsigned)c->s.uid);
+	/* at debug: a rank's join says who it is at info */
+	epd_debug("client %lu connected: pid %d uid %u", (unsigned long)c->s.id,
+		  (int)c->s.pid, (unsigned)c->s.uid);
 	client_update_poll(c);
 }

@@ -565,6 +565,45 @@ static void check_nofile(void)
 	printf("ok: the soft descriptor limit 256 raised to the hard 4096\n");
 }
 
+/* Lines of d's log that contain frag. */
+static int log_lines(const struct th_daemon *d, const char *frag)
+{
+	FILE *f = fopen(d->log, "r");
+	TH_CHECK(f, "open %s", d->log);
+	char line[1024];
+	int n = 0;
+	while (fgets(line, sizeof(line), f))
+		n += strstr(line, frag) != NULL;
+	fclose(f);
+	return n;
+}
+
+/* epctl's calls (a monitor polling status and check every few seconds)
+ * leave nothing in the log at the default level: a connection that
+ * holds no group connects and goes at debug. */
+static void check_quiet_polls(const struct th_daemon *d)
+{
+	if (strcmp(getenv("EPD_TEST_LOG_LEVEL") ? getenv("EPD_TEST_LOG_LEVEL")
+						 : "info",
+		   "info")) {
+		printf("skip: quiet polls (the test daemons log at %s)\n",
+		       getenv("EPD_TEST_LOG_LEVEL"));
+		return;
+	}
+	char cmd[512], out[8192];
+	const int before = log_lines(d, "client ");
+	for (int i = 0; i < 5; i++) {
+		snprintf(cmd, sizeof(cmd), "%s -s %s %s", th_epctl_bin(),
+			 d->sock, i % 2 ? "check" : "status");
+		run_cmd(cmd, out, sizeof(out));
+	}
+	th_sleep_ms(100); /* the daemon's last close */
+	const int after = log_lines(d, "client ");
+	TH_CHECK(after == before, "5 epctl calls logged %d client lines",
+		 after - before);
+	printf("ok: 5 epctl calls leave no line in the log at info\n");
+}
+
 int main(void)
 {
 	th_init("daemon: epctl, reload, credentials, shutdown", 120);
@@ -576,6 +615,7 @@ int main(void)
 	TH_CHECK(stat(d.sock, &sb) == 0 && (sb.st_mode & 0777) == 0666,
 		 "socket mode %o", sb.st_mode & 0777);
 	check_epctl(&d);
+	check_quiet_polls(&d);
 	check_nofile();
 	check_threads(&d);
 	check_creds(&d);
