@@ -11,28 +11,7 @@
 // rail_done of every local index reached k, and only then releases its
 // rank (done[l] = k) and reports completion to the host. Counters are
 // monotonic and compared with >=: repeated barriers need no reset.
-#include <stdint.h>
-
-#include "ekc.h"
-
-__device__ static inline uint64_t now_ns(void)
-{
-	uint64_t t;
-	asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-	return t;
-}
-
-__device__ static inline uint32_t ld_relaxed(const uint32_t *p)
-{
-	uint32_t v;
-	asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p));
-	return v;
-}
-
-__device__ static inline void fence_acquire(void)
-{
-	asm volatile("fence.acq_rel.sys;" ::: "memory");
-}
+#include "ekc_dev.cuh"
 
 // Wait until *p reached k, or the budget ran out: never trap (a trap leaves
 // a sticky error that kills the daemon's context). Returns false on timeout.

@@ -32,9 +32,7 @@
 // its later ops only put the mark on their flags, so every rank of the
 // group fails within one op and none reads rows placed out of step.
 //
-// Needs now_ns, ld_relaxed, fence_acquire (ekc_barrier.cu), bf16_f32 and
-// pack_bf16x8 (ekc_dispatch.cu): included after them in ekc_all.cu.
-#include "ekc.h"
+#include "ekc_dev.cuh"
 
 #define LL_TPB EKC_LL_TPB
 #define LL_U 4 // 16-byte vectors per lane per slice

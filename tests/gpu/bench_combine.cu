@@ -20,7 +20,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "ekc_dispatch.cu"
+#include "ekc_combine.cu"
 
 // Two combines tried for few SMs and not kept (PERFORMANCE.md, "One GPU:
 // dispatch and combine"): kept here so that the figures can be measured

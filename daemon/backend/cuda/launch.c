@@ -31,7 +31,7 @@ _Static_assert(sizeof(struct ekc_disp_args) <= 4096,
 /* Programmatic dependent launch (cuda_pdl): the kernel f may become
  * resident while the kernel ahead of it on the stream is still running;
  * every data kernel first waits for that one (prior_done in
- * ekc_dispatch.cu), so this hides part of the launch gap between two of
+ * ekc_op.cuh), so this hides part of the launch gap between two of
  * the op's kernels (the copy starts ~3 us sooner after the prep under
  * MPS), not any ordering. Only where the work ahead on the stream is a
  * kernel of the same op: pdl false otherwise. coop: a cooperative grid.
