@@ -210,10 +210,13 @@ void epd_client_close(struct epd_client *c, const char *why)
 {
 	if (c->closing)
 		return;
-	/* a rank's end, at info; a connection that holds no group (epctl,
-	 * a monitor's poll, a rank that left), at debug: a node polled every
+	/* a rank's end, and any close for a cause (a bound, a bad frame), at
+	 * info; the plain end of a connection that holds no group (epctl, a
+	 * monitor's poll, a rank that left), at debug: a node polled every
 	 * few seconds does not fill its journal */
-	if (!LIST_EMPTY(&c->s.members))
+	if (!LIST_EMPTY(&c->s.members) ||
+	    (strcmp(why, "connection closed by peer") &&
+	     strcmp(why, "daemon shutting down")))
 		epd_info("client %lu (pid %d, uid %u) disconnected: %s",
 			 (unsigned long)c->s.id, (int)c->s.pid,
 			 (unsigned)c->s.uid, why);
