@@ -881,13 +881,212 @@ int epd_group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 	return code;
 }
 
-static int group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
-		      const struct epp_join *j, struct join_nodes *jn)
+/* 1.16: a join linked to group j->link of this connection: *parent, or
+ * an error (replied) if there is none, it is linked itself, or it failed
+ * (here, or on another node: the group of key is failed with it). */
+static int join_parent(struct epd_session *c, uint64_t req_id,
+		       const struct epp_join *j, const char *key,
+		       const struct join_nodes *jn,
+		       struct epd_group **parent)
+{
+	struct epd_server *srv = c->srv;
+	const uint32_t nnodes = j->world_size / j->ranks_per_node;
+	struct epd_member *pm = epd_member_find(c, j->link);
+	if (!pm) {
+		epd_session_error(c, req_id, EP_ENOGROUP,
+				 "the group to link %s to (id %lu) is not "
+				 "joined on this connection",
+				 j->name, (unsigned long)j->link);
+		return EP_ENOGROUP;
+	}
+	struct epd_group *pg = pm->group;
+	/* one level deep: no chains or cycles, so a failure reaches every
+	 * linked group in one step (a chain as long as a uid's groups once
+	 * recursed that deep on the loop's stack) */
+	if (pg->link_parent) {
+		epd_session_error(c, req_id, EP_EINVAL,
+				 "group %s is itself linked to group %s: links "
+				 "are one level deep",
+				 pg->shape.name, pg->link_parent->shape.name);
+		return EP_EINVAL;
+	}
+	/* failed, or failing on another node (a local op past what that node
+	 * did would fail it; the linked group's would) */
+	const bool failed = pg->state == EPD_G_FAILED;
+	if (failed || pg->rfail_code) {
+		const int code = failed ? pg->fail_code : pg->rfail_code;
+		const char *why = failed ? pg->last_error : pg->rfail_msg;
+		epd_session_error(c, req_id, code,
+				 "group %s, which %s is linked to, failed: %s",
+				 pg->shape.name, j->name, why);
+		/* where it formed already, it fails at its first op (it can
+		 * never have this node's ranks) */
+		struct epd_group *o = epd_group_find(srv, key);
+		if (o && o->state != EPD_G_FAILED)
+			link_fail(o, code, pg->shape.name, why);
+		else if (!o && nnodes > 1 && srv->span->failed_key)
+			srv->span->failed_key(srv, key, j, nnodes, jn->map,
+					      jn->hash, code,
+					      "a rank's linked group failed "
+					      "here");
+		return code;
+	}
+	*parent = pg;
+	return 0;
+}
+
+/* The group of key for join j: found (the same job's, not failed, of the
+ * same shape) or made; an error (replied) otherwise. sh: the hash of the
+ * join's secret (if it has one). */
+static int join_group(struct epd_session *c, uint64_t req_id,
+		      const struct epp_join *j, struct join_nodes *jn,
+		      const char *key, bool shared, const uint8_t sh[32],
+		      struct epd_group **out)
 {
 	struct epd_server *srv = c->srv;
 	char err[512];
 	int code;
-	uint32_t nnodes = j->world_size / j->ranks_per_node;
+	struct epd_group *g = epd_group_find(srv, key);
+	if (!g) {
+		g = group_create(srv, c->uid, key, shared, j, jn, err,
+				 sizeof(err), &code);
+		if (!g) {
+			if (code == EP_ELIMIT)
+				srv->n_limited++;
+			epd_session_error(c, req_id, code, "%s", err);
+			return code;
+		}
+		if (j->secret_len) {
+			g->has_secret = true;
+			memcpy(g->secret_hash, sh, 32);
+		}
+		*out = g;
+		return 0;
+	}
+	if (j->secret_len ? !g->has_secret || sodium_memcmp(sh, g->secret_hash,
+							    32)
+			  : g->has_secret) {
+		/* the tag matched, the secret not (2^-64 apart) */
+		epd_session_error(c, req_id, EP_EMISMATCH,
+				 "group %s belongs to another job", j->name);
+		return EP_EMISMATCH;
+	}
+	if (g->state == EPD_G_FAILED) {
+		epd_session_error(c, req_id, EP_EFAILED,
+				 "group %s failed (%s); it ends when its last "
+				 "rank leaves",
+				 g->shape.name, g->last_error);
+		return EP_EFAILED;
+	}
+	code = shape_check(g, j, jn->hash, err, sizeof(err));
+	if (code) {
+		epd_session_error(c, req_id, code, "%s", err);
+		return code;
+	}
+	*out = g;
+	return 0;
+}
+
+/* Group g linked to parent (the join's link): refused if g is parent, has
+ * groups linked to it, or is linked to another; else linked. */
+static int join_link(struct epd_session *c, uint64_t req_id,
+		     struct epd_group *g, struct epd_group *parent)
+{
+	if (parent == g) {
+		epd_session_error(c, req_id, EP_EINVAL,
+				 "group %s cannot be linked to itself",
+				 g->shape.name);
+		return EP_EINVAL;
+	}
+	if (g->link_parent && g->link_parent != parent) {
+		epd_session_error(c, req_id, EP_EMISMATCH,
+				 "group %s is linked to group %s; this join "
+				 "names another",
+				 g->shape.name, g->link_parent->shape.name);
+		return EP_EMISMATCH;
+	}
+	if (!LIST_EMPTY(&g->linked)) {
+		epd_session_error(c, req_id, EP_EINVAL,
+				 "group %s has groups linked to it: links are "
+				 "one level deep",
+				 g->shape.name);
+		return EP_EINVAL;
+	}
+	if (!g->link_parent) {
+		g->link_parent = parent;
+		list_add_tail(&parent->linked, &g->link_node);
+	}
+	return 0;
+}
+
+/* Is rank j->rank of g free? If not, EP_EDUPRANK (replied): checked
+ * before anything of the join touches g: a duplicate's link must not
+ * link the group to a group of the duplicate's connection. */
+static int join_rank_free(struct epd_session *c, uint64_t req_id,
+			  const struct epd_group *g, const struct epp_join *j)
+{
+	const struct epd_member *o = g->local[j->rank % j->ranks_per_node];
+	if (!o)
+		return 0;
+	epd_session_error(c, req_id, EP_EDUPRANK,
+			 "rank %u of group %s is already joined by pid %d",
+			 j->rank, g->shape.name, (int)o->client->pid);
+	return EP_EDUPRANK;
+}
+
+/* A member for rank j->rank of g (free): made, its GPU rank's state added
+ * by the backend (a GPU group takes GPU ranks only, a host group host
+ * ranks); an error (replied) otherwise. */
+static int join_member(struct epd_session *c, uint64_t req_id,
+		       struct epd_group *g, const struct epp_join *j,
+		       struct epd_member **out)
+{
+	char err[512];
+	const uint32_t l = j->rank % j->ranks_per_node;
+	const bool gpu = !epp_uuid_is_zero(j->gpu_uuid);
+	if (gpu != (g->dev != NULL) && g->njoined) {
+		epd_session_error(c, req_id, EP_EMISMATCH,
+				 "group %s has %s ranks; this rank is a %s rank",
+				 g->shape.name, g->dev ? "GPU" : "host",
+				 gpu ? "GPU" : "host");
+		return EP_EMISMATCH;
+	}
+	if (gpu && !g->srv->dev) {
+		epd_session_error(c, req_id, EP_EUNSUPPORTED,
+				 "this epd has no GPU backend (%s)",
+				 g->srv->backend_reason);
+		return EP_EUNSUPPORTED;
+	}
+	struct epd_member *m = calloc(1, sizeof(*m));
+	if (!m) {
+		epd_session_error(c, req_id, EP_ENOMEM, "out of memory");
+		return EP_ENOMEM;
+	}
+	m->client = c;
+	m->group = g;
+	m->rank = j->rank;
+	m->local = l;
+	m->dev_index = -1;
+	if (gpu) {
+		/* set first: a failed first rank's partial state is freed with
+		 * the group, by the backend */
+		g->dev = g->srv->dev;
+		const int code = g->dev->add_rank(g, m, j, err, sizeof(err));
+		if (code) {
+			free(m);
+			epd_session_error(c, req_id, code, "%s", err);
+			return code;
+		}
+	}
+	*out = m;
+	return 0;
+}
+
+static int group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
+		      const struct epp_join *j, struct join_nodes *jn)
+{
+	struct epd_server *srv = c->srv;
+	int code;
 	/* a job's secret: its own group of the name (a joiner with another
 	 * secret, or none, makes or finds another) */
 	uint8_t sh[32];
@@ -897,177 +1096,26 @@ static int group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 	bool shared = epd_group_key(&srv->cfg, c->uid, j->name,
 				    j->secret_len ? sh : NULL, key,
 				    sizeof(key));
-	/* 1.16: linked to a group of this connection's: refused at once if
-	 * that one failed */
-	struct epd_group *parent = NULL;
-	if (flags & EPP_F_JOIN_LINK) {
-		struct epd_member *pm = epd_member_find(c, j->link);
-		if (!pm) {
-			epd_session_error(c, req_id, EP_ENOGROUP,
-					 "the group to link %s to (id %lu) is "
-					 "not joined on this connection",
-					 j->name, (unsigned long)j->link);
-			return EP_ENOGROUP;
-		}
-		parent = pm->group;
-		/* one level deep: no chains or cycles, so a failure reaches
-		 * every linked group in one step (a chain as long as a uid's
-		 * groups once recursed that deep on the loop's stack) */
-		if (parent->link_parent) {
-			epd_session_error(c, req_id, EP_EINVAL,
-					 "group %s is itself linked to group "
-					 "%s: links are one level deep",
-					 parent->shape.name,
-					 parent->link_parent->shape.name);
-			return EP_EINVAL;
-		}
-		/* failed, or failing on another node (a local op past what
-		 * that node did would fail it; the linked group's would) */
-		const bool failed = parent->state == EPD_G_FAILED;
-		if (failed || parent->rfail_code) {
-			code = failed ? parent->fail_code : parent->rfail_code;
-			epd_session_error(c, req_id, code,
-					 "group %s, which %s is linked to, "
-					 "failed: %s",
-					 parent->shape.name, j->name,
-					 failed ? parent->last_error
-						: parent->rfail_msg);
-			/* where it formed already, it fails at its first op
-			 * (it can never have this node's ranks) */
-			struct epd_group *o = epd_group_find(srv, key);
-			if (o && o->state != EPD_G_FAILED)
-				link_fail(o, code, parent->shape.name,
-					  failed ? parent->last_error
-						 : parent->rfail_msg);
-			else if (!o && nnodes > 1 && srv->span->failed_key)
-				srv->span->failed_key(srv, key, j, nnodes,
-						      jn->map, jn->hash, code,
-						      "a rank's linked group "
-						      "failed here");
-			return code;
-		}
-	}
-	struct epd_group *g = epd_group_find(srv, key);
-	if (g) {
-		if (j->secret_len
-			    ? !g->has_secret ||
-				      sodium_memcmp(sh, g->secret_hash, 32)
-			    : g->has_secret) {
-			/* the tag matched, the secret not (2^-64 apart) */
-			epd_session_error(c, req_id, EP_EMISMATCH,
-					 "group %s belongs to another job",
-					 j->name);
-			return EP_EMISMATCH;
-		}
-		if (g->state == EPD_G_FAILED) {
-			epd_session_error(c, req_id, EP_EFAILED,
-					 "group %s failed (%s); it ends when "
-					 "its last rank leaves",
-					 g->shape.name, g->last_error);
-			return EP_EFAILED;
-		}
-		code = shape_check(g, j, jn->hash, err, sizeof(err));
-		if (code) {
-			epd_session_error(c, req_id, code, "%s", err);
-			return code;
-		}
-	} else {
-		g = group_create(srv, c->uid, key, shared, j, jn, err,
-				 sizeof(err), &code);
-		if (g && j->secret_len) {
-			g->has_secret = true;
-			memcpy(g->secret_hash, sh, 32);
-		}
-		if (!g) {
-			if (code == EP_ELIMIT)
-				srv->n_limited++;
-			epd_session_error(c, req_id, code, "%s", err);
-			return code;
-		}
-	}
-	uint32_t l = j->rank % j->ranks_per_node;
-	if (g->local[l]) {
-		struct epd_member *o = g->local[l];
-		epd_session_error(c, req_id, EP_EDUPRANK,
-				 "rank %u of group %s is already joined by "
-				 "pid %d",
-				 j->rank, g->shape.name, (int)o->client->pid);
-		return EP_EDUPRANK;
-	}
-	if (parent && (parent == g || !LIST_EMPTY(&g->linked) ||
-		       (g->link_parent && g->link_parent != parent))) {
-		code = EP_EINVAL;
-		if (parent == g)
-			epd_session_error(c, req_id, code,
-					 "group %s cannot be linked to itself",
-					 g->shape.name);
-		else if (g->link_parent)
-			epd_session_error(c, req_id, code = EP_EMISMATCH,
-					 "group %s is linked to group %s; "
-					 "this join names another",
-					 g->shape.name,
-					 g->link_parent->shape.name);
-		else
-			epd_session_error(c, req_id, code,
-					 "group %s has groups linked to it: "
-					 "links are one level deep",
-					 g->shape.name);
+	struct epd_group *parent = NULL, *g = NULL;
+	if ((flags & EPP_F_JOIN_LINK) &&
+	    (code = join_parent(c, req_id, j, key, jn, &parent)))
+		return code;
+	if ((code = join_group(c, req_id, j, jn, key, shared, sh, &g)) ||
+	    (code = join_rank_free(c, req_id, g, j)))
+		return code;
+	struct epd_member *m = NULL;
+	if ((parent && (code = join_link(c, req_id, g, parent))) ||
+	    (code = join_member(c, req_id, g, j, &m))) {
+		/* a group this join made, and nobody joined, goes */
 		if (g->njoined == 0)
 			group_destroy(g);
 		return code;
-	}
-	if (parent && !g->link_parent) {
-		g->link_parent = parent;
-		list_add_tail(&parent->linked, &g->link_node);
-	}
-	struct epd_member *m = calloc(1, sizeof(*m));
-	if (!m) {
-		epd_session_error(c, req_id, EP_ENOMEM, "out of memory");
-		if (g->njoined == 0)
-			group_destroy(g);
-		return EP_ENOMEM;
-	}
-	m->client = c;
-	m->group = g;
-	m->rank = j->rank;
-	m->local = l;
-	m->dev_index = -1;
-	bool gpu = !epp_uuid_is_zero(j->gpu_uuid);
-	if (gpu != (g->dev != NULL) && g->njoined) {
-		free(m);
-		epd_session_error(c, req_id, EP_EMISMATCH,
-				 "group %s has %s ranks; this rank is a %s rank",
-				 g->shape.name, g->dev ? "GPU" : "host",
-				 gpu ? "GPU" : "host");
-		return EP_EMISMATCH;
-	}
-	if (gpu && !g->srv->dev) {
-		free(m);
-		epd_session_error(c, req_id, EP_EUNSUPPORTED,
-				 "this epd has no GPU backend (%s)",
-				 g->srv->backend_reason);
-		if (g->njoined == 0)
-			group_destroy(g);
-		return EP_EUNSUPPORTED;
-	}
-	if (gpu) {
-		/* set first: a failed first rank's partial state is freed
-		 * with the group, by the backend */
-		g->dev = g->srv->dev;
-		code = g->dev->add_rank(g, m, j, err, sizeof(err));
-		if (code) {
-			free(m);
-			epd_session_error(c, req_id, code, "%s", err);
-			if (g->njoined == 0)
-				group_destroy(g);
-			return code;
-		}
 	}
 	m->barrier_seq = g->round;
 	m->pending_req = req_id;
 	m->pending_type = EPP_JOIN;
 	list_add_tail(&c->members, &m->cnode);
-	g->local[l] = m;
+	g->local[m->local] = m;
 	g->njoined++;
 	epd_info("group %s: rank %u joined (client %lu, pid %d), %u/%u local",
 		 g->shape.name, j->rank, (unsigned long)c->id, (int)c->pid,
