@@ -390,6 +390,35 @@ static void check_link_depth(void)
 	close(fd);
 }
 
+/* A duplicate rank's join, linked to a group of its own connection, is
+ * refused before its link touches the group: the group of the rank it
+ * tried to take is not linked to the intruder's, so the intruder's group
+ * failing leaves it alone. */
+static void check_dup_link(void)
+{
+	int fd = raw_connect(), fd2 = raw_connect(), code;
+	const uint64_t v = link_join(fd, "dupv", 2, 0, 0, 1, &code);
+	TH_CHECK(v && !code, "join dupv: %s", ep_strerror(code));
+	const uint64_t own = link_join(fd2, "dupown", 1, 0, 0, 2, &code);
+	TH_CHECK(own && !code, "join dupown: %s", ep_strerror(code));
+	TH_CHECK(!link_join(fd2, "dupv", 2, 0, own, 3, &code) &&
+			 code == EP_EDUPRANK,
+		 "dupv's taken rank, linked: %s", ep_strerror(code));
+	close(fd2); /* dupown fails */
+	th_sleep_ms(100);
+	int fd3 = raw_connect();
+	TH_CHECK(link_join(fd3, "dupv", 2, 1, 0, 4, &code) && !code,
+		 "dupv's second rank after the intruder's group failed: %s",
+		 ep_strerror(code));
+	expect_usable(fd);
+	expect_usable(fd3);
+	close(fd3);
+	close(fd);
+	printf("ok: a duplicate rank's linked join is refused before its link "
+	       "touches the group (the intruder's group failing leaves it "
+	       "alone)\n");
+}
+
 /* A raw JOIN of `name` (world 3, one node, NOWAIT) whose buffer is
  * mapped here: the control page, in *map. */
 static int gone_join(uint32_t rank, const uint8_t **map, size_t *len)
@@ -597,6 +626,7 @@ int main(void)
 	expect_usable(fd);
 	close(fd);
 	check_link_depth();
+	check_dup_link();
 	check_gone_word();
 
 	/* Descriptors from a client: refused, disconnect. */
