@@ -269,6 +269,11 @@ bool epp_node_name_valid(const char *name)
 	return name_valid(name, EPP_NODE_NAME_MAX, "");
 }
 
+size_t epp_node_entry_name_len(const char *e)
+{
+	return strcspn(e, "@");
+}
+
 bool epp_node_entry_valid(const char *e)
 {
 	const char *at = strchr(e, '@');

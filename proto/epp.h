@@ -294,6 +294,8 @@ bool epp_node_name_valid(const char *name);
 #define EPP_NODE_HOST_MAX 63
 #define EPP_NODE_ENTRY_MAX (EPP_NODE_NAME_MAX + 1 + EPP_NODE_HOST_MAX + 6)
 bool epp_node_entry_valid(const char *entry);
+/* The length of an entry's name (what precedes its '@', if any). */
+size_t epp_node_entry_name_len(const char *entry);
 /* Name i of a join's node list (i < num_nodes). */
 const char *epp_join_node(const struct epp_join *j, uint32_t i);
 

@@ -694,9 +694,13 @@ int cl_node_add(struct epd_cluster *cl, const char *name, const char *host,
 	nd->port = port;
 	nd->state = NODE_IDLE;
 	nd->since_ns = epd_now_ns();
-	epd_info("node %s (index %d): learnt, %s%s%.0d", nd->name, cl->n,
-		 port ? nd->host : "address unknown (it dialled in from ",
-		 port ? ":" : nd->host, port);
+	if (port)
+		epd_info("node %s (index %d): learnt, at %s:%d", nd->name,
+			 cl->n, nd->host, port);
+	else
+		epd_info("node %s (index %d): learnt as it dialled in from %s "
+			 "(no address to dial it at)",
+			 nd->name, cl->n, nd->host);
 	return cl->n++;
 }
 
@@ -711,8 +715,7 @@ static int span_resolve(struct epd_server *srv, const char *entry, char *err,
 	const int mode = srv->cfg.peer_lookup;
 	char name[EPP_NODE_NAME_MAX + 1], host[sizeof(cl->node->host)] = "";
 	int port = 0;
-	const char *at = strchr(entry, '@');
-	const size_t nl = at ? (size_t)(at - entry) : strlen(entry);
+	const size_t nl = epp_node_entry_name_len(entry);
 	if (nl > EPP_NODE_NAME_MAX) {
 		snprintf(err, errlen, "a name longer than %d bytes",
 			 EPP_NODE_NAME_MAX);
@@ -720,7 +723,7 @@ static int span_resolve(struct epd_server *srv, const char *entry, char *err,
 	}
 	memcpy(name, entry, nl);
 	name[nl] = 0;
-	if (at) {
+	if (entry[nl] == '@') {
 		struct cnode tmp;
 		char spec[256], perr[160];
 		snprintf(spec, sizeof(spec), "%s", entry);

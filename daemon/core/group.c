@@ -739,25 +739,16 @@ static void group_became_ready(struct epd_group *g)
  * addresses name the same group). */
 static uint64_t names_hash(const struct epp_join *j)
 {
-	const char *end = epp_join_node(j, j->num_nodes);
 	uint64_t h = 0xcbf29ce484222325ull;
-	bool in_name = true;
-	for (const char *p = j->nodes; p < end; p++) {
-		if (*p == '@')
-			in_name = false;
-		if (in_name || !*p)
-			h = (h ^ (uint8_t)*p) * 0x100000001b3ull;
-		if (!*p)
-			in_name = true;
+	const char *e = j->nodes;
+	for (uint32_t n = 0; n < j->num_nodes; n++, e += strlen(e) + 1) {
+		/* each name and its terminating NUL */
+		const size_t nl = epp_node_entry_name_len(e);
+		for (size_t i = 0; i <= nl; i++)
+			h = (h ^ (uint8_t)(i < nl ? e[i] : 0)) *
+			    0x100000001b3ull;
 	}
 	return h ? h : 1; /* 0 is "no list" */
-}
-
-/* Does node-list entry e (name or name@host:port) name node `name`? */
-static bool entry_is(const char *e, const char *name)
-{
-	const size_t n = strlen(name);
-	return !strncmp(e, name, n) && (e[n] == 0 || e[n] == '@');
 }
 
 /* The cluster's index of each node a join names (or, without a list, of
@@ -814,11 +805,11 @@ static int join_nodes(struct epd_server *srv, const struct epp_join *j,
 	}
 	const char *name = j->nodes;
 	for (uint32_t n = 0; n < nnodes; n++, name += strlen(name) + 1) {
-		const bool is_self = entry_is(name, self);
 		/* its name, without the address a job may give */
 		char nm[EPP_NODE_NAME_MAX + 1];
-		snprintf(nm, sizeof(nm), "%.*s", (int)strcspn(name, "@"),
-			 name);
+		snprintf(nm, sizeof(nm), "%.*s",
+			 (int)epp_node_entry_name_len(name), name);
+		const bool is_self = !strcmp(nm, self);
 		char why[256] = "";
 		int cn = is_self ? me
 			 : srv->span ? srv->span->resolve(srv, name, why,

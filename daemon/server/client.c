@@ -214,16 +214,12 @@ void epd_client_close(struct epd_client *c, const char *why)
 	 * info; the plain end of a connection that holds no group (epctl, a
 	 * monitor's poll, a rank that left), at debug: a node polled every
 	 * few seconds does not fill its journal */
-	if (!LIST_EMPTY(&c->s.members) ||
-	    (strcmp(why, "connection closed by peer") &&
-	     strcmp(why, "daemon shutting down")))
-		epd_info("client %lu (pid %d, uid %u) disconnected: %s",
-			 (unsigned long)c->s.id, (int)c->s.pid,
-			 (unsigned)c->s.uid, why);
-	else
-		epd_debug("client %lu (pid %d, uid %u) disconnected: %s",
-			  (unsigned long)c->s.id, (int)c->s.pid,
-			  (unsigned)c->s.uid, why);
+	const bool plain = LIST_EMPTY(&c->s.members) &&
+			   (!strcmp(why, "connection closed by peer") ||
+			    !strcmp(why, "daemon shutting down"));
+	epd_log(plain ? EPD_LOG_DEBUG : EPD_LOG_INFO,
+		"client %lu (pid %d, uid %u) disconnected: %s",
+		(unsigned long)c->s.id, (int)c->s.pid, (unsigned)c->s.uid, why);
 	/* Try once more to deliver what is queued (an error reply). */
 	client_flush(c);
 	c->closing = true;
