@@ -40,6 +40,9 @@ struct ek_rank_io {
 	const uint16_t *combine_y;
 	const uint16_t *combine_bias; /* NULL: no bias */
 	const uint16_t *combine_bias2; /* NULL: no second bias */
+	/* combine: this home's tokens' top-k rows [T, K], whose slot order
+	 * its sums follow (ek_combine_order); NULL: ascending rank */
+	const int64_t *combine_topk;
 	uint16_t *combined;
 	/* combine with top-k weights: each received row's [K] f32 (every
 	 * destination's), and the home rank's sums [T, K]; NULL: none */
@@ -86,10 +89,19 @@ void ek_recv_per_expert(const struct ek_shape *s, const struct ek_route *r,
 void ek_rank_prefix(const struct ek_route *r, struct ek_rank_io *io,
 		    uint32_t d);
 /* Combine tokens [t0, t1) of home rank h: fp32 accumulation starting from
- * the bias (if any), then rows in ascending destination rank, one rounding
+ * the bias (if any), then rows in ek_combine_order's order, one rounding
  * to bf16 (nearest even); a second bias is added to the first before the
  * rows (DeepEP's pair: from +0.0 when there is no first). With io[h].combined_w, also the rows' top-k
  * weights: fp32 sums from +0.0 in the same order (no rounding). */
+/* The ranks whose rows a home token's sum adds, in order, into ord [W];
+ * returns how many. slot: the token's [W] rows (-1: not sent). With topk
+ * (the token's [K] experts): each rank at the position of its last slot
+ * in topk (DeepEP V2's order; out-of-range experts name no rank), then
+ * the ranks with a row that topk does not name, ascending; without:
+ * ascending rank. */
+uint32_t ek_combine_order(const struct ek_shape *s, const int32_t *slot,
+			  const int64_t *topk, uint32_t *ord);
+#define EK_MAX_WORLD 1024u /* ranks of a group (the protocol's limit) */
 void ek_combine_tokens(const struct ek_shape *s, const struct ek_route *r,
 		       struct ek_rank_io *io, uint32_t h, uint32_t t0,
 		       uint32_t t1);

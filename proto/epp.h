@@ -156,6 +156,11 @@
  *        node's own (a label): a node is its name, and a daemon learns
  *        a node that dials in with the cluster key's proof; their
  *        heartbeats carry no row of the matrix.
+ *   1.23 COMBINE flag EPP_COMBINE_TOPK_ORDER: the home rank's rows of
+ *        each token are summed in the order of each rank's last top-k
+ *        slot in the token's row of the home's topk_idx field (DeepEP
+ *        V2's order), ranks that row does not name after them in
+ *        ascending order.
  *
  * Rules: a frame with a bad magic, a newer major version, a length over the
  * maximum or an nfds that does not match the descriptors received cannot be
@@ -174,7 +179,7 @@
 
 #define EPP_MAGIC 0x31445045u
 #define EPP_VERSION_MAJOR 1
-#define EPP_VERSION_MINOR 22
+#define EPP_VERSION_MINOR 23
 /* Stream-ordered ops a GPU rank may have in flight (libep waits before
  * more; the daemon's rings are this deep). */
 #define EPP_MAX_INFLIGHT 1024
@@ -409,6 +414,8 @@ struct epp_hello_ok {
 /* combined's first out_rows rows go to registered memory: the frame goes
  * on with u32 out_reg, u32 out_rows, u64 out_off (1.14) */
 #define EPP_COMBINE_OUTREG 0x10
+/* this home rank's sums in its topk_idx field's slot order (1.23) */
+#define EPP_COMBINE_TOPK_ORDER 0x20
 #define EPP_XROWS_WEIGHTS 0x100  /* XROWS type bit: rows carry K f32 */
 
 /* A dispatch's routing, as the client holds it. */

@@ -191,7 +191,8 @@ int ep__combine_request_reg(ep_group_t *g, const ep_handle_t *h,
 			    const struct ep__place *out, uint8_t *frame,
 			    uint32_t *len)
 {
-	if (flags & ~(EP_COMBINE_BIAS | EP_COMBINE_BIAS2 | EP_COMBINE_WEIGHTS))
+	if (flags & ~(EP_COMBINE_BIAS | EP_COMBINE_BIAS2 | EP_COMBINE_WEIGHTS |
+		      EP_COMBINE_TOPK_ORDER))
 		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
 	int rc = ep__check_handle(g, h);
 	if (rc)
@@ -210,6 +211,9 @@ int ep__combine_request_reg(ep_group_t *g, const ep_handle_t *h,
 						  : 0) |
 					 (flags & EP_COMBINE_WEIGHTS
 						  ? EPP_COMBINE_WEIGHTS
+						  : 0) |
+					 (flags & EP_COMBINE_TOPK_ORDER
+						  ? EPP_COMBINE_TOPK_ORDER
 						  : 0) |
 					 (in ? EPP_COMBINE_YREG : 0) |
 					 (out ? EPP_COMBINE_OUTREG : 0)};

@@ -282,6 +282,11 @@ static struct ek_rank_io *make_io(struct epd_xop *x)
 					   ? (uint16_t *)epd_region(
 						     g, l, EPP_BUF_COMBINE_BIAS2)
 					   : NULL;
+		o->combine_topk = x->flags[s] & EPP_COMBINE_TOPK_ORDER &&
+						  x->type == EPP_COMBINE
+					  ? (int64_t *)epd_region(
+						    g, l, EPP_BUF_TOPK_IDX)
+					  : NULL;
 		o->combined = (uint16_t *)epd_region(g, l, EPP_BUF_COMBINED);
 		if (x->type == EPP_COMBINE && x->cw) {
 			o->combine_w =

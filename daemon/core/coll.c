@@ -203,7 +203,8 @@ int epd_group_async(struct epd_session *c, uint64_t req_id, uint64_t gid,
 			 : op->type == EPP_COMBINE
 				 ? EPP_COMBINE_BIAS | EPP_COMBINE_BIAS2 |
 					   EPP_COMBINE_WEIGHTS | EPP_COMBINE_YREG |
-					   EPP_COMBINE_OUTREG
+					   EPP_COMBINE_OUTREG |
+					   EPP_COMBINE_TOPK_ORDER
 				 : 0;
 	if (op->flags & ~known) {
 		/* its doorbell is on the stream already: the op cannot be

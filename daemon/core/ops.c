@@ -18,6 +18,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* ek_combine_order's list holds every rank of a group */
+_Static_assert(EK_MAX_WORLD >= EPP_MAX_WORLD, "EK_MAX_WORLD");
+
 #define TOKEN_CHUNK 64 /* tokens per work item */
 
 struct item {
@@ -428,6 +431,10 @@ static void job_submit(struct epd_group *g)
 				? (uint16_t *)epd_region(g, l,
 							 EPP_BUF_COMBINE_BIAS2)
 				: NULL;
+		io->combine_topk = j->type == EPP_COMBINE &&
+					   (m->op_flags & EPP_COMBINE_TOPK_ORDER)
+				   ? io->topk_idx
+				   : NULL;
 		io->combined = (uint16_t *)epd_region(g, l, EPP_BUF_COMBINED);
 		if (j->type == EPP_COMBINE && g->coll_cw) {
 			io->combine_w =
@@ -604,7 +611,8 @@ int epd_op_combine(struct epd_session *c, uint64_t req_id,
 		return EP_EINVAL;
 	struct epd_group *g = m->group;
 	if (cb->flags &
-	    ~(EPP_COMBINE_BIAS | EPP_COMBINE_BIAS2 | EPP_COMBINE_WEIGHTS)) {
+	    ~(EPP_COMBINE_BIAS | EPP_COMBINE_BIAS2 | EPP_COMBINE_WEIGHTS |
+	      EPP_COMBINE_TOPK_ORDER)) {
 		epd_session_error(c, req_id, EP_EINVAL,
 				 "unknown combine flags 0x%x", cb->flags);
 		return EP_EINVAL;

@@ -319,6 +319,8 @@ struct ekc_disp_args {
 					   launch handles (its GPU's ranks) */
 	uint64_t bias_mask;             /* combine: ranks that gave a bias */
 	uint64_t bias2_mask;            /* and a second one */
+	uint64_t order_mask;            /* combine: homes summing in their
+					   topk_idx field's slot order */
 	uint32_t cw;                    /* combine: sum top-k weights too */
 	uint64_t *mask;    /* [W][Tmax] destination bit masks */
 	int64_t *topk;     /* [W][Tmax][K] each rank's topk_idx as the count

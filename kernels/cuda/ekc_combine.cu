@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: MIT
 // Combine on the GPU, run by epd on its stream after every local rank's
 // doorbell: for each home token, the bias (or a pair) plus the rows of
-// every rank it went to, summed in fp32 in ascending rank order and
-// rounded once to bf16 (nearest even); the rows' top-k weights summed the
-// same way. The same bits as kernels/host.
+// every rank it went to, summed in fp32 in ascending rank order (or, for
+// a home that asked, in its top-k row's slot order: ek_combine_order) and
+// rounded once to bf16 (nearest even); the rows' top-k weights summed in
+// ascending rank order. The same bits as kernels/host.
 //
 //   ekc_combine       a warp per home token, 16-byte vectors
 //   ekc_combine_fetch the same with the rows fetched into L2 ahead, for
@@ -156,6 +157,53 @@ __device__ static inline const uint4 *combine_row(const struct ekc_disp_args &a,
 	return (const uint4 *)(a.region[d] + o) + (uint64_t)r * nvec;
 }
 
+// The rank expert e lives on, or -1 for an expert outside the group.
+__device__ static inline int32_t expert_rank(const struct ekc_disp_args &a,
+					     int64_t e)
+{
+	return e < 0 || e >= (int64_t)a.E ? -1 : (int32_t)(e / (a.E / a.W));
+}
+
+// A home token's rows into rp in kernels/host's ek_combine_order with its
+// top-k row tk (the home's topk_idx field): each rank at its last slot,
+// then the ranks with a row that tk does not name, ascending. Returns how
+// many. By the whole warp.
+__device__ static inline uint32_t list_topk_order(const struct ekc_disp_args &a,
+						  const int32_t *slot,
+						  const int64_t *tk,
+						  const uint4 **rp,
+						  uint32_t lane, uint64_t nvec)
+{
+	const uint32_t K = a.K, W = a.W;
+	uint32_t n = 0;
+	for (uint32_t k0 = 0; k0 < K; k0 += 32) {
+		const uint32_t k = k0 + lane;
+		const int32_t d = k < K ? expert_rank(a, tk[k]) : -1;
+		const int32_t r = d >= 0 ? slot[d] : -1;
+		bool last = r >= 0;
+		for (uint32_t j = k + 1; j < K && last; j++)
+			last = expert_rank(a, tk[j]) != d;
+		const uint32_t m = __ballot_sync(0xffffffffu, last);
+		if (last)
+			rp[n + __popc(m & ((1u << lane) - 1))] =
+				combine_row(a, (uint32_t)d, r, nvec);
+		n += __popc(m);
+	}
+	for (uint32_t d0 = 0; d0 < W; d0 += 32) {
+		const uint32_t d = d0 + lane;
+		const int32_t r = d < W ? slot[d] : -1;
+		bool extra = r >= 0;
+		for (uint32_t k = 0; k < K && extra; k++)
+			extra = expert_rank(a, tk[k]) != (int32_t)d;
+		const uint32_t m = __ballot_sync(0xffffffffu, extra);
+		if (extra)
+			rp[n + __popc(m & ((1u << lane) - 1))] =
+				combine_row(a, d, r, nvec);
+		n += __popc(m);
+	}
+	return n;
+}
+
 // The combine's loop over home tokens, a warp each: sum(rp, n, nvec, bias,
 // bias2, out) adds up one token's rows for its output; the loop lists them
 // and sums the top-k weights. rp: the warp's list in shared memory.
@@ -175,15 +223,23 @@ __device__ static __forceinline__ void combine_tokens(const struct ekc_disp_args
 		const int32_t *slot = a.slot + ((uint64_t)h * a.Tmax + t) * W;
 		__syncwarp(); // the previous token's addresses are read
 		uint32_t n = 0;
-		for (uint32_t d0 = 0; d0 < W; d0 += 32) {
-			const uint32_t d = d0 + lane;
-			const int32_t r = d < W ? slot[d] : -1;
-			const uint32_t m = __ballot_sync(0xffffffffu, r >= 0);
-			if (r >= 0)
-				rp[n + __popc(m & ((1u << lane) - 1))] =
-					combine_row(a, d, r, nvec);
-			n += __popc(m);
-		}
+		if ((a.order_mask >> h) & 1)
+			n = list_topk_order(
+				a, slot,
+				(const int64_t *)field(a, h, EKC_F_TOPK) +
+					t * a.K,
+				rp, lane, nvec);
+		else
+			for (uint32_t d0 = 0; d0 < W; d0 += 32) {
+				const uint32_t d = d0 + lane;
+				const int32_t r = d < W ? slot[d] : -1;
+				const uint32_t m =
+					__ballot_sync(0xffffffffu, r >= 0);
+				if (r >= 0)
+					rp[n + __popc(m & ((1u << lane) - 1))] =
+						combine_row(a, d, r, nvec);
+				n += __popc(m);
+			}
 		__syncwarp();
 		const uint4 *bias = (a.bias_mask >> h) & 1
 					    ? (const uint4 *)field(a, h, EKC_F_BIAS) +

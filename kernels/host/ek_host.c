@@ -313,6 +313,53 @@ static inline float nan_f32(void)
 	return f;
 }
 
+/* The rank expert e lives on, or -1 for an expert outside the group. */
+static inline int32_t expert_rank(const struct ek_shape *s, int64_t e)
+{
+	if (e < 0 || e >= (int64_t)s->num_experts)
+		return -1;
+	return (int32_t)(e / (s->num_experts / s->world));
+}
+
+uint32_t ek_combine_order(const struct ek_shape *s, const int32_t *slot,
+			  const int64_t *topk, uint32_t *ord)
+{
+	const uint32_t W = s->world, K = s->topk;
+	uint32_t n = 0, rows = 0;
+	if (!topk) {
+		for (uint32_t d = 0; d < W; d++)
+			if (slot[d] >= 0)
+				ord[n++] = d;
+		return n;
+	}
+	for (uint32_t d = 0; d < W; d++)
+		rows += slot[d] >= 0;
+	for (uint32_t k = 0; k < K; k++) {
+		int32_t d = expert_rank(s, topk[k]);
+		if (d < 0 || slot[d] < 0)
+			continue;
+		bool last = true;
+		for (uint32_t j = k + 1; j < K && last; j++)
+			last = expert_rank(s, topk[j]) != d;
+		if (last)
+			ord[n++] = (uint32_t)d;
+	}
+	if (n == rows)
+		return n;
+	/* ranks with a row that the top-k row does not name (it changed
+	 * since the dispatch) */
+	for (uint32_t d = 0; d < W; d++) {
+		if (slot[d] < 0)
+			continue;
+		bool named = false;
+		for (uint32_t j = 0; j < n && !named; j++)
+			named = ord[j] == d;
+		if (!named)
+			ord[n++] = d;
+	}
+	return n;
+}
+
 /* Written so that the compiler vectorizes every inner loop (checked with
  * -fopt-info-vec): the accumulator is punned through a union, and the NaN
  * case of the rounding is a select, not a branch. */
@@ -332,9 +379,16 @@ void ek_combine_tokens(const struct ek_shape *s, const struct ek_route *r,
 		float f[CHUNK];
 		uint32_t u[CHUNK];
 	} acc;
+	uint32_t ord[EK_MAX_WORLD];
 	for (uint32_t t = t0; t < t1; t++) {
 		const int32_t *slot = r->slot[h] + (size_t)t * W;
 		uint16_t *out = home->combined + (size_t)t * H;
+		const uint32_t nord = ek_combine_order(
+			s, slot,
+			home->combine_topk
+				? home->combine_topk + (size_t)t * s->topk
+				: NULL,
+			ord);
 		for (uint32_t c0 = 0; c0 < H; c0 += CHUNK) {
 			uint32_t n = H - c0 < CHUNK ? H - c0 : CHUNK;
 			if (home->combine_bias) {
@@ -352,9 +406,8 @@ void ek_combine_tokens(const struct ek_shape *s, const struct ek_route *r,
 			uint32_t np = 0;
 			if (home->combine_bias2)
 				p[np++] = home->combine_bias2 + (size_t)t * H + c0;
-			for (uint32_t d = 0; d < W; d++) {
-				if (slot[d] < 0)
-					continue;
+			for (uint32_t i = 0; i < nord; i++) {
+				const uint32_t d = ord[i];
 				p[np++] = io[d].combine_y + (size_t)slot[d] * H + c0;
 				if (np == 4) {
 					add_sources(acc.f, p, np, n);

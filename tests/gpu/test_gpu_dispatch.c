@@ -519,6 +519,34 @@ static int case_rank(int r, void *arg)
 				    (size_t)c->max_tokens * H * 2, st));
 	uint16_t *rcomb2 = malloc((size_t)me->T * H * 2 + 2);
 	ref_combine2(c, in, exp, ys, (uint32_t)r, in2[r].bias, rcomb2);
+	/* DeepEP V2's order on odd ranks (EP_COMBINE_TOPK_ORDER), from the
+	 * topk_idx field as it is at the combine: every third token's row
+	 * reversed, token 2's naming no rank (as test_dispatch) */
+	const unsigned of = r % 2 ? EP_COMBINE_TOPK_ORDER : 0;
+	int64_t *tko = malloc((size_t)me->T * K * 8 + 8);
+	for (uint32_t t = 0; t < me->T; t++)
+		for (uint32_t k = 0; k < K; k++)
+			tko[(size_t)t * K + k] =
+				t % 3 == 1 ? me->topk[(size_t)t * K + K - 1 - k]
+				: t == 2   ? -1
+					   : me->topk[(size_t)t * K + k];
+	pin(tko, (size_t)me->T * K * 8);
+	CU(tg_drv.cuMemcpyHtoDAsync(tg_dptr(b.topk_idx), tko,
+				    (size_t)me->T * K * 8, st));
+	TH_OK(ep_combine_stream(g, &h,
+				(c->bias ? EP_COMBINE_BIAS : 0) |
+					EP_COMBINE_BIAS2 | of,
+				st));
+	uint16_t *gcomb3 = POISONED((size_t)c->max_tokens * H * 2);
+	pin(gcomb3, (size_t)c->max_tokens * H * 2);
+	CU(tg_drv.cuMemcpyDtoHAsync(gcomb3, tg_dptr(b.combined),
+				    (size_t)c->max_tokens * H * 2, st));
+	/* the dispatch's rows back, for the dispatch below */
+	CU(tg_drv.cuMemcpyHtoDAsync(tg_dptr(b.topk_idx), me->topk,
+				    (size_t)me->T * K * 8, st));
+	uint16_t *rcomb3 = malloc((size_t)me->T * H * 2 + 2);
+	ref_combine_topk(c, in, exp, ys, (uint32_t)r, in2[r].bias,
+			 of ? tko : NULL, rcomb3);
 
 	/* Released right after the combine was enqueued: a later dispatch
 	 * may take its tables, after the combine in stream order. */
@@ -534,6 +562,9 @@ static int case_rank(int r, void *arg)
 	SAME(gcomb, rcomb, (size_t)me->T * H * 2, "combined vs reference");
 	SAME(gcomb2, rcomb2, (size_t)me->T * H * 2,
 	     "combined with two biases vs reference");
+	SAME(gcomb3, rcomb3, (size_t)me->T * H * 2,
+	     of ? "combined in top-k order vs reference"
+		: "combined beside one in top-k order vs reference");
 	float *gcw = POISONED((size_t)me->T * K * 4);
 	if (cw && me->T) /* no later op wrote them */
 		CU(tg_drv.cuMemcpyDtoH(gcw, tg_dptr(b.combined_topk_weights),

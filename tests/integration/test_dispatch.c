@@ -176,6 +176,38 @@ static int case_rank(int r, void *arg)
 	uint16_t *rout2 = malloc((size_t)me->T * H * 2 + 2);
 	ref_combine2(c, in, exp, ys, (uint32_t)r, in2[r].bias, rout2);
 	SAME(out, rout2, (size_t)me->T * H * 2, "combined with two biases");
+
+	/* DeepEP V2's order (EP_COMBINE_TOPK_ORDER, this rank's choice
+	 * alone: odd ranks only): rows by each rank's last top-k slot, read
+	 * from the topk_idx field at the combine. The field holds the
+	 * dispatch's rows with every third token's reversed, so that rows
+	 * the dispatch did not route by still decide the order, and one
+	 * token's row names no rank at all (its ranks follow ascending). */
+	{
+		const unsigned of = r % 2 ? EP_COMBINE_TOPK_ORDER : 0;
+		int64_t *tk = malloc((size_t)me->T * K * 8 + 8);
+		for (uint32_t t = 0; t < me->T; t++)
+			for (uint32_t k = 0; k < K; k++)
+				tk[(size_t)t * K + k] =
+					t % 3 == 1 ? me->topk[(size_t)t * K +
+							      K - 1 - k]
+					: t == 2 ? -1
+						 : me->topk[(size_t)t * K + k];
+		memcpy(b.topk_idx, tk, (size_t)me->T * K * 8);
+		memcpy(b.combine_y, ys[r], (size_t)R * H * 2);
+		if (c->bias)
+			memcpy(b.combine_bias, me->bias, (size_t)me->T * H * 2);
+		memcpy(b.combine_bias2, in2[r].bias, (size_t)me->T * H * 2);
+		TH_OK(ep_combine_inplace(g, &h,
+					 (c->bias ? EP_COMBINE_BIAS : 0) |
+						 EP_COMBINE_BIAS2 | of));
+		ref_combine_topk(c, in, exp, ys, (uint32_t)r, in2[r].bias,
+				 of ? tk : NULL, rout2);
+		SAME(b.combined, rout2, (size_t)me->T * H * 2,
+		     of ? "combined in top-k order" : "combined beside one in "
+						      "top-k order");
+		free(tk);
+	}
 	free(rout2);
 
 	/* The same combine summing top-k weights too (DeepEP's

@@ -270,7 +270,16 @@ void ref_combine2(const struct ref_case *c, const struct ref_inputs *in,
 		  const struct ref_recv *recv, uint16_t *const *y, uint32_t h,
 		  const uint16_t *bias2, uint16_t *out)
 {
-	const uint32_t H = c->hidden;
+	ref_combine_topk(c, in, recv, y, h, bias2, NULL, out);
+}
+
+void ref_combine_topk(const struct ref_case *c, const struct ref_inputs *in,
+		      const struct ref_recv *recv, uint16_t *const *y,
+		      uint32_t h, const uint16_t *bias2, const int64_t *topk,
+		      uint16_t *out)
+{
+	const uint32_t H = c->hidden, W = c->world, K = c->topk;
+	const uint32_t per = c->experts / W;
 	for (uint32_t t = 0; t < in[h].T; t++) {
 		/* the row of (h, t) on each rank, -1 where it did not go */
 		int64_t at[8];
@@ -283,16 +292,36 @@ void ref_combine2(const struct ref_case *c, const struct ref_inputs *in,
 					break;
 				}
 		}
+		/* each rank's sort key: its last slot in the top-k row, or
+		 * K + rank for a rank the row does not name; then a
+		 * selection sort of the ranks with a row */
+		uint32_t key[8], ord[8], n = 0;
+		for (uint32_t d = 0; d < W; d++) {
+			key[d] = K + d;
+			for (uint32_t k = 0; topk && k < K; k++) {
+				int64_t e = topk[(size_t)t * K + k];
+				if (e >= 0 && e < c->experts && e / per == d)
+					key[d] = k;
+			}
+			if (at[d] >= 0)
+				ord[n++] = d;
+		}
+		for (uint32_t i = 0; i < n; i++)
+			for (uint32_t j = i + 1; j < n; j++)
+				if (key[ord[j]] < key[ord[i]]) {
+					uint32_t tmp = ord[i];
+					ord[i] = ord[j];
+					ord[j] = tmp;
+				}
 		for (uint32_t j = 0; j < H; j++) {
 			float acc = c->bias ? ref_f32(in[h].bias[(size_t)t * H +
 								  j])
 					    : 0.0f;
 			if (bias2)
 				acc += ref_f32(bias2[(size_t)t * H + j]);
-			for (uint32_t d = 0; d < c->world; d++)
-				if (at[d] >= 0)
-					acc += ref_f32(
-						y[d][(size_t)at[d] * H + j]);
+			for (uint32_t i = 0; i < n; i++)
+				acc += ref_f32(
+					y[ord[i]][(size_t)at[ord[i]] * H + j]);
 			out[(size_t)t * H + j] = ref_bf16(acc);
 		}
 	}

@@ -90,6 +90,14 @@ void ref_combine(const struct ref_case *c, const struct ref_inputs *in,
 void ref_combine2(const struct ref_case *c, const struct ref_inputs *in,
 		  const struct ref_recv *recv, uint16_t *const *y, uint32_t h,
 		  const uint16_t *bias2, uint16_t *out);
+/* ref_combine2 summing each token's rows in DeepEP V2's order: ranks
+ * sorted by the position of their last slot in the token's row of topk
+ * ([T, K], the order's top-k), ranks that row does not name after them in
+ * ascending rank (EP_COMBINE_TOPK_ORDER). */
+void ref_combine_topk(const struct ref_case *c, const struct ref_inputs *in,
+		      const struct ref_recv *recv, uint16_t *const *y,
+		      uint32_t h, const uint16_t *bias2, const int64_t *topk,
+		      uint16_t *out);
 /* Combine weights for rank d's R rows ([R, K] f32, malloc'd): mixed signs
  * and scales, so that the order of the sums shows. */
 float *ref_gen_cw(const struct ref_case *c, uint32_t d, uint32_t R);

@@ -275,6 +275,14 @@ int ep_get_dispatch_layout(ep_group_t *group, const int64_t *topk_idx,
 				    received row's [topk] f32) into
 				    combined_topk_weights on the token's home
 				    rank; every rank of the combine alike */
+/* Sum this rank's tokens in DeepEP V2's order: each token's rows by the
+ * position of each rank's last slot in the token's row of this rank's
+ * topk_idx buffer field as it is at the combine (write the dispatch's
+ * top-k there again if it changed since), rows of ranks the row does not
+ * name after them in ascending rank; without it, ascending rank. A
+ * rank's own choice (EP_COMBINE_TOPK_ORDER on one rank, not another, is
+ * no mismatch). */
+#define EP_COMBINE_TOPK_ORDER 0x8u
 
 /* Zero-copy dispatch of the first num_tokens rows of the send buffers.
  * cached: reuse that handle's routing (topk_idx is not read; only recv_x

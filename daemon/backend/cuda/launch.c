@@ -360,6 +360,9 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 		if (ops[l]->flags & EPP_COMBINE_BIAS2 &&
 		    ops[l]->type == EPP_COMBINE)
 			a.bias2_mask |= 1ull << l;
+		if (ops[l]->flags & EPP_COMBINE_TOPK_ORDER &&
+		    ops[l]->type == EPP_COMBINE)
+			a.order_mask |= 1ull << l;
 	}
 	/* cu_ops_agree: every rank alike */
 	a.cw = op0->type == EPP_COMBINE && (op0->flags & EPP_COMBINE_WEIGHTS);

@@ -84,6 +84,12 @@ void cu_stage_begin(struct epd_group *g, uint64_t k,
 			r = stage_copy(g, EKC_F_BIAS2, Tw, (size_t)H * 2, true);
 		if (!r && (op0->flags & EPP_COMBINE_WEIGHTS))
 			r = stage_copy(g, EKC_F_CW, R, (size_t)K * 4, true);
+		/* the homes' top-k rows their sums' order follows */
+		for (uint32_t l = 0; l < rpn; l++)
+			Tw[l] = ops[l]->flags & EPP_COMBINE_TOPK_ORDER ? T[l]
+								       : 0;
+		if (!r)
+			r = stage_copy(g, EKC_F_TOPK, Tw, (size_t)K * 8, true);
 	}
 	if (!r)
 		r = cu_drv->cuEventRecord(c->stage_ev, c->stream);
