@@ -245,7 +245,7 @@ static const char *const kernel_names[EP__FN_N] = {
 	"ekc_ll_dispatch_recv", "ekc_ll_combine",      "ekc_ll_combine_recv",
 	"ekc_ll_combine_pull",	"ekc_ll_barrier",      "ekc_copies",
 	"ekc_llx_send",		"ekc_llx_recv_count",  "ekc_llx_recv_rows",
-	"ekc_llx_gather",	"ekc_llx_sum"};
+	"ekc_llx_gather",	"ekc_llx_sum",	       "ekc_barrier_wait"};
 
 static CUfunction kernel_fn(int which)
 {
@@ -383,6 +383,21 @@ int ep__send_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 	return 0;
 }
 
+/* The ring kernel fn (ekc_ring_wait, or for a barrier ekc_barrier_wait,
+ * the same code under a name profilers show as the barrier) on s: bell :=
+ * k, then a short spin until done >= k. */
+static CUresult ring(CUfunction fn, CUstream s, CUdeviceptr bell,
+		     CUdeviceptr done, uint64_t k)
+{
+	struct ekc_ring_args a = {.bell = (uint32_t *)(uintptr_t)bell,
+				  .done = (const uint32_t *)(uintptr_t)done,
+				  .k = (uint32_t)k,
+				  .budget_ns = ep__ring_spin_ns()};
+	void *params[] = {&a};
+	return ep__drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, params,
+				      NULL);
+}
+
 /* A stream-ordered op: its frame to the daemon, then doorbell and wait on
  * the stream. A barrier of a group with the resident barrier kernel (type
  * 0) sends no frame: it rings that kernel's doorbell. Returns 0 and the
@@ -407,13 +422,19 @@ static int async_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 	CUstream s = (CUstream)stream;
 	CUdeviceptr bell = g->dev_ptr + (type ? EKC_DOORBELL : EKC_BAR_DOORBELL);
 	CUresult r;
+	CUfunction bar_fn = !type && g->ring_fn ? ep__fn(EP__FN_BARRIER_WAIT)
+						: NULL;
 	if (!type && ep__features(g) & EPP_FEAT_HOST_BARRIER) {
 		/* Post the request first: the daemon's thread may sleep until
 		 * a rank has a barrier queued (and is woken if it does). */
 		ep__hb_post(g, k);
 		CUdeviceptr hw = g->ctl_dev + ep__hb_words(g);
-		r = ep__drv.cuStreamWriteValue32(s, hw + EPP_HB_BELL, (cuuint32_t)k,
-					     0);
+		if (bar_fn)
+			r = ring(bar_fn, s, hw + EPP_HB_BELL, hw + EPP_HB_DONE,
+				 k);
+		else
+			r = ep__drv.cuStreamWriteValue32(s, hw + EPP_HB_BELL,
+						     (cuuint32_t)k, 0);
 		if (!r)
 			r = ep__drv.cuStreamWaitValue32(s, hw + EPP_HB_DONE,
 						    (cuuint32_t)k,
@@ -425,15 +446,8 @@ static int async_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 		 * killed process's context is torn down only after its
 		 * kernels end: a kernel spinning for the op's whole timeout
 		 * stalled every client of the GPU for that long. */
-		struct ekc_ring_args a = {
-			.bell = (uint32_t *)(uintptr_t)bell,
-			.done = (const uint32_t *)(uintptr_t)(g->dev_ptr +
-							      EKC_DONE),
-			.k = (uint32_t)k,
-			.budget_ns = ep__ring_spin_ns()};
-		void *params[] = {&a};
-		r = ep__drv.cuLaunchKernel((CUfunction)g->ring_fn, 1, 1, 1, 32, 1,
-				       1, 0, s, params, NULL);
+		r = ring(bar_fn ? bar_fn : (CUfunction)g->ring_fn, s, bell,
+			 g->dev_ptr + EKC_DONE, k);
 		if (!r)
 			r = ep__drv.cuStreamWaitValue32(s, g->dev_ptr + EKC_DONE,
 						    (cuuint32_t)k,

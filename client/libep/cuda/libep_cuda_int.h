@@ -36,7 +36,7 @@ enum { EP__FN_RING, EP__FN_POST, EP__FN_LL_DISPATCH, EP__FN_LL_DISPATCH_RECV,
        EP__FN_LL_COMBINE, EP__FN_LL_COMBINE_RECV, EP__FN_LL_COMBINE_PULL,
        EP__FN_LL_BARRIER, EP__FN_COPIES, EP__FN_LLX_SEND,
        EP__FN_LLX_RECV_COUNT, EP__FN_LLX_RECV_ROWS, EP__FN_LLX_GATHER,
-       EP__FN_LLX_SUM, EP__FN_N };
+       EP__FN_LLX_SUM, EP__FN_BARRIER_WAIT, EP__FN_N };
 CUfunction ep__fn(int which);
 /* Make device dev's primary context current. */
 int ep__use_ctx(int dev);
