@@ -18,6 +18,7 @@ DISPATCH_WEIGHTS = 1
 COMBINE_BIAS = 1
 COMBINE_WEIGHTS = 0x2  # EP_COMBINE_WEIGHTS
 COMBINE_BIAS2 = 0x4  # EP_COMBINE_BIAS2
+COMBINE_TOPK_ORDER = 0x8  # EP_COMBINE_TOPK_ORDER
 LL_HOOK = 0x1  # EP_LL_HOOK: the receive half left to the hook
 LL_ZERO_COPY = 0x2  # EP_LL_ZERO_COPY: rows already in the combine buffer
 LL_FP8 = 0x4  # EP_LL_FP8: the dispatch casts the rows to fp8
@@ -209,6 +210,8 @@ _lib.ep_combine.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle),
 _lib.ep_combine_ex.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle),
                                ctypes.POINTER(_CombineIn),
                                ctypes.POINTER(_CombineOut)]
+_lib.ep_combine_inplace.argtypes = [ctypes.c_void_p, ctypes.POINTER(Handle),
+                                    ctypes.c_uint]
 _lib.ep_get_buffers_sized.argtypes = [ctypes.c_void_p,
                                       ctypes.POINTER(_Buffers),
                                       ctypes.c_size_t]

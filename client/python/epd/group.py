@@ -8,6 +8,7 @@ from ._lib import (_lib, _check, _ptr, _out, _closed, _DeviceArray, Error,
                    _CombineOut, _LLRecv, _CombineMem)
 from ._lib import (  # the constants of ep/ep.h
     FP8, DISPATCH_WEIGHTS, COMBINE_BIAS, COMBINE_WEIGHTS, COMBINE_BIAS2,
+    COMBINE_TOPK_ORDER,
     LL_HOOK, LL_ZERO_COPY, LL_FP8, LL_ROUND_SCALE, LL_UE8M0, LL_TOPK)
 
 
@@ -232,16 +233,24 @@ class Group:
                                                ctypes.byref(h)))
         return h
 
+    @staticmethod
+    def _cflags(bias, weights, bias2, topk_order):
+        return (COMBINE_BIAS if bias else 0) | \
+            (COMBINE_BIAS2 if bias2 else 0) | \
+            (COMBINE_WEIGHTS if weights else 0) | \
+            (COMBINE_TOPK_ORDER if topk_order else 0)
+
     def combine_stream(self, handle, stream=None, bias=False,
-                       weights=False, bias2=False):
+                       weights=False, bias2=False, topk_order=False):
         """Enqueue a combine of combine_y (and combine_bias with bias,
         combine_bias2 with bias2, DeepEP's second bias); with weights,
-        combine_topk_weights are summed into combined_topk_weights too."""
-        _check(_lib.ep_combine_stream(self._g, ctypes.byref(handle),
-                                      (COMBINE_BIAS if bias else 0) |
-                                      (COMBINE_BIAS2 if bias2 else 0) |
-                                      (COMBINE_WEIGHTS if weights else 0),
-                                      self._stream(stream)))
+        combine_topk_weights are summed into combined_topk_weights too.
+        topk_order: this rank's sums in the slot order of its topk_idx
+        field (EP_COMBINE_TOPK_ORDER, DeepEP V2's order)."""
+        _check(_lib.ep_combine_stream(
+            self._g, ctypes.byref(handle),
+            self._cflags(bias, weights, bias2, topk_order),
+            self._stream(stream)))
 
     def mem_register(self, ptr, nbytes):
         """Register this rank's device memory [ptr, ptr + nbytes) (made
@@ -255,18 +264,19 @@ class Group:
         return r
 
     def combine_stream_reg(self, handle, region, ptr, rows, stream=None,
-                           bias=False, weights=False, bias2=False):
+                           bias=False, weights=False, bias2=False,
+                           topk_order=False):
         """combine_stream with this rank's rows read at device address ptr
         inside region (a MemRegion), not from combine_y."""
         _check(_lib.ep_combine_stream_reg(
             self._g, ctypes.byref(handle),
-            (COMBINE_BIAS if bias else 0) | (COMBINE_BIAS2 if bias2 else 0) |
-            (COMBINE_WEIGHTS if weights else 0), region._p, ptr, rows,
-            self._stream(stream)))
+            self._cflags(bias, weights, bias2, topk_order), region._p, ptr,
+            rows, self._stream(stream)))
 
     def combine_stream_mem(self, handle, region=None, ptr=None, rows=0,
                            out_region=None, out_ptr=None, stream=None,
-                           bias=False, weights=False, bias2=False):
+                           bias=False, weights=False, bias2=False,
+                           topk_order=False):
         """combine_stream with this rank's rows read at ptr inside region
         (None: from combine_y) and the combined rows (the handle's
         num_tokens) written at out_ptr inside out_region (None: into
@@ -277,8 +287,7 @@ class Group:
                         out_ptr if out_region is not None else None)
         _check(_lib.ep_combine_stream_mem(
             self._g, ctypes.byref(handle),
-            (COMBINE_BIAS if bias else 0) | (COMBINE_BIAS2 if bias2 else 0) |
-            (COMBINE_WEIGHTS if weights else 0), ctypes.byref(m),
+            self._cflags(bias, weights, bias2, topk_order), ctypes.byref(m),
             self._stream(stream)))
 
     def release(self, handle, wait=True):
@@ -508,12 +517,18 @@ class Group:
         return Error(rc, _lib.ep_errmsg().decode()) if rc else None
 
     def combine(self, y, handle, bias=None, as_numpy=False,
-                topk_weights=None, bias2=None):
+                topk_weights=None, bias2=None, topk_order=None):
         """The combined rows [num_tokens, hidden] (bf16 bits). With
         topk_weights ([num_recv, topk] f32, the rows' weights), also their
         sums per token and slot over the ranks it went to, in ascending
         rank order (DeepEP's combined_topk_weights): returns (rows,
-        weights) then."""
+        weights) then. topk_order ([num_tokens, topk] int64, the
+        dispatch's top-k): each token's rows summed in the order of each
+        rank's last slot in its row (EP_COMBINE_TOPK_ORDER, DeepEP V2's
+        order)."""
+        if topk_order is not None:
+            return self._combine_topk(y, handle, bias, as_numpy,
+                                      topk_weights, bias2, topk_order)
         H, K = self.cfg["hidden"], self.cfg["topk"]
         py, k1 = _ptr(y, handle.num_recv * H * 2, "y")
         pb, k2 = _ptr(bias, handle.num_tokens * H * 2, "bias")
@@ -537,4 +552,48 @@ class Group:
             return rows
         return rows, (rw.reshape(handle.num_tokens, K) if as_numpy else rw)
 
+    def _combine_topk(self, y, handle, bias, as_numpy, topk_weights, bias2,
+                      topk):
+        """combine() in top-k order: the inputs go into the buffer's
+        fields (topk_idx included), then ep_combine_inplace."""
+        import numpy
+        if self._per_gpu:
+            raise ValueError("combine: a GPU group combines on a stream")
+        H, K = self.cfg["hidden"], self.cfg["topk"]
+        R, T = handle.num_recv, handle.num_tokens
+        b = _Buffers()
+        _check(_lib.ep_get_buffers_sized(self._g, ctypes.byref(b),
+                                         ctypes.sizeof(b)))
 
+        def put(field, a, dtype, n):
+            if n:
+                a = numpy.ascontiguousarray(a, dtype=dtype).reshape(-1)
+                if a.size < n:
+                    raise ValueError(f"combine: {field} holds {a.size} "
+                                     f"values, need {n}")
+                ctypes.memmove(getattr(b, field), a.ctypes.data,
+                               n * a.itemsize)
+        put("combine_y", numpy.asarray(y).view(numpy.uint16), numpy.uint16,
+            R * H)
+        put("topk_idx", topk, numpy.int64, T * K)
+        if bias is not None:
+            put("combine_bias", numpy.asarray(bias).view(numpy.uint16),
+                numpy.uint16, T * H)
+        if bias2 is not None:
+            put("combine_bias2", numpy.asarray(bias2).view(numpy.uint16),
+                numpy.uint16, T * H)
+        if topk_weights is not None:
+            put("combine_topk_weights", topk_weights, numpy.float32, R * K)
+        _check(_lib.ep_combine_inplace(
+            self._g, ctypes.byref(handle),
+            self._cflags(bias is not None, topk_weights is not None,
+                         bias2 is not None, True)))
+        raw = ctypes.string_at(b.combined, T * H * 2)
+        rows = numpy.frombuffer(raw, dtype=numpy.uint16).copy()
+        rows = rows.reshape(T, H) if as_numpy else memoryview(rows.tobytes())
+        if topk_weights is None:
+            return rows
+        raw = ctypes.string_at(b.combined_topk_weights, T * K * 4)
+        w = numpy.frombuffer(raw, dtype=numpy.float32).copy()
+        return rows, (w.reshape(T, K) if as_numpy else memoryview(
+            w.tobytes()))

@@ -7,8 +7,9 @@ import sys
 
 import epd.deep_ep as _impl
 from epd.deep_ep import *  # noqa: F401,F403
-from epd.deep_ep import (Buffer, Config, EventHandle,  # noqa: F401
-                         EventOverlap, topk_idx_t, __version__)
+from epd.deep_ep import (Buffer, Config, ElasticBuffer,  # noqa: F401
+                         EPHandle, EventHandle, EventOverlap, topk_idx_t,
+                         __version__)
 
 for _name, _mod in list(sys.modules.items()):
     if _name.startswith("epd.deep_ep."):

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: MIT
-"""DeepEP's Python API (normal mode) on epd: `import epd.deep_ep as
-deep_ep`, or install the optional `deep_ep` shim (client/python/deep_ep_shim)
+"""DeepEP's Python API (V1's Buffer, V2's ElasticBuffer) on epd: `import
+epd.deep_ep as deep_ep`, or install the optional `deep_ep` shim (client/python/deep_ep_shim)
 so that unmodified code that does `import deep_ep` runs on epd.
 
 Laid out as DeepEP 2.x (deep_ep.buffers.legacy.Buffer, deep_ep.utils.*)
@@ -13,6 +13,7 @@ from . import utils  # noqa: F401
 from .buffers import legacy as _legacy
 from . import buffers  # noqa: F401
 from .buffers.legacy import Buffer, Config  # noqa: F401
+from .buffers.elastic import ElasticBuffer, EPHandle  # noqa: F401
 from .utils.event import EventHandle, EventOverlap  # noqa: F401
 from .utils.envs import (get_logical_domain_size,  # noqa: F401
                          get_physical_domain_size)
@@ -21,4 +22,5 @@ topk_idx_t = _torch.int64
 _legacy.topk_idx_t = topk_idx_t
 buffer = _legacy  # 1.x: deep_ep.buffer.Buffer
 __version__ = "2.1.0+epd"
-__all__ = ["Buffer", "Config", "EventOverlap", "EventHandle", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "ElasticBuffer", "EPHandle", "EventOverlap",
+           "EventHandle", "topk_idx_t"]

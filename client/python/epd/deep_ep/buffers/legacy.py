@@ -308,10 +308,11 @@ def _recv_areas(buf, tag, fixed, per_area):
         if not 1 <= n <= 16:
             raise ValueError(f"EPD_DEEP_EP_RECV_AREAS={n}: 1..16")
         return n
+    most = min(3, buf._areas_max)
     if not buf._mem_given:
-        return 3
+        return most
     left = buf._mem_given - buf._mem_used - fixed
-    return max(1, min(3, left // per_area))
+    return max(1, min(most, left // per_area))
 
 
 def _end_event():
@@ -407,7 +408,7 @@ class _Sub:
             dtype=epd.FP8 if fp8 else epd.BF16,
             cuda_device=buf._device, recv_areas=areas,
             nodes=buf._nodes if buf.group_size > buf._rpn else None,
-            secret=buf._secret)
+            secret=buf._secret, timeout_ms=buf._timeout_ms)
         # output slots (GPU ranks): ((tensor [tmax, H] bf16, its
         # registration), event or None) free
         self.out_free = []
@@ -574,6 +575,8 @@ class Buffer:
     module's docstring for what differs underneath)."""
 
     num_sms = 20
+    _timeout_ms = 0  # the groups' timeout (0: the daemon's default)
+    _areas_max = 3  # receive areas a group may take (_recv_areas)
 
     def __init__(self, group=None, num_nvl_bytes=0, num_rdma_bytes=0,
                  low_latency_mode=False, num_qps_per_rank=24,
@@ -827,17 +830,20 @@ class Buffer:
 
     # ---- the groups ----
 
-    def _sub(self, key, T):
+    def _sub(self, key, T, tmax=None):
         # more tokens than a group holds is not refused here: the op goes
         # to the daemon all the same and fails for every rank at once
         # (dispatch() raises ValueError on each), instead of the others
-        # waiting for this rank until the group's timeout
+        # waiting for this rank until the group's timeout. tmax: the
+        # tokens a rank may send (every rank's alike), else chosen here
         sub = self._subs.get(key)
         if sub is not None:
             return sub
         import torch.distributed as dist
         env = os.environ.get("EPD_DEEP_EP_MAX_TOKENS")
-        if env:
+        if tmax is not None:
+            pass
+        elif env:
             tmax = int(env)
         else:
             ts = [None] * self.group_size
@@ -1320,9 +1326,16 @@ class Buffer:
         [T, K] f32 or None, event). The rows are summed in fp32 from the
         bias (a pair: the first plus the second) in ascending rank order,
         rounded once to bf16."""
+        return self._combine(x, self._routing(handle), topk_weights, bias,
+                             previous_event, async_finish,
+                             allocate_on_comm_stream)
+
+    def _combine(self, x, rt, topk_weights, bias, previous_event,
+                 async_finish, allocate_on_comm_stream, topk=None):
+        """combine() of routing rt; topk ([T, K] int64): each token's rows
+        summed in the order of its row's slots (EP_COMBINE_TOPK_ORDER)."""
         torch = _torch()
         check_torch_deterministic()
-        rt = self._routing(handle)
         sub = rt.sub
         bias2 = None
         if isinstance(bias, tuple):
@@ -1345,10 +1358,10 @@ class Buffer:
                              f"{sub.K}], got {list(topk_weights.shape)}")
         run = self._gpu_combine if sub.gpu else self._host_combine
         return run(sub, rt, x, topk_weights, bias, bias2, previous_event,
-                   async_finish, allocate_on_comm_stream)
+                   async_finish, allocate_on_comm_stream, topk)
 
     def _gpu_combine(self, sub, rt, x, tw, bias, bias2, prev, async_finish,
-                     alloc_comm):
+                     alloc_comm, topk=None):
         torch = _torch()
         T, H, K, R = rt.T, sub.H, sub.K, rt.R
         compute, comm = self._streams(prev)
@@ -1386,8 +1399,11 @@ class Buffer:
                 sub.bias[:T].copy_(bias)
             if bias2 is not None and T:
                 sub.bias2[:T].copy_(bias2)
+            if topk is not None and T:
+                sub.topk[:T].copy_(topk)
             flags = dict(bias=bias is not None, weights=tw is not None,
-                         bias2=bias2 is not None)
+                         bias2=bias2 is not None,
+                         topk_order=topk is not None)
             if reg is None and oreg is None:
                 sub.g.combine_stream(rt.h, stream=comm, **flags)
             else:
@@ -1406,7 +1422,7 @@ class Buffer:
         return out, wout, ev
 
     def _host_combine(self, sub, rt, x, tw, bias, bias2, prev, async_finish,
-                      alloc_comm):
+                      alloc_comm, topk=None):
         torch = _torch()
         R = rt.h.num_recv  # rows past it (num_worst_tokens) are padding
         y = x[:R].contiguous().view(torch.int16).numpy()
@@ -1415,8 +1431,9 @@ class Buffer:
         b2 = bias2.contiguous().view(torch.int16).numpy() \
             if bias2 is not None else None
         w = tw[:R].float().contiguous().numpy() if tw is not None else None
+        tk = topk.long().contiguous().numpy() if topk is not None else None
         res = sub.g.combine(y, rt.h, bias=b, as_numpy=True, topk_weights=w,
-                            bias2=b2)
+                            bias2=b2, topk_order=tk)
         rows, wts = res if w is not None else (res, None)
         out = torch.from_numpy(rows.view("int16").copy()).view(torch.bfloat16)
         wout = torch.from_numpy(wts.copy()) if wts is not None else None
