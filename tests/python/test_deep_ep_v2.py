@@ -12,8 +12,10 @@ the handle (recv_src_metadata, psums, per-expert counts,
 dst_buffer_slot_idx), combine in V2's order (each rank's rows by its last
 top-k slot, from a bias or a pair) of received and of expanded rows and
 of top-k weights; the domains, the barrier, deep_ep.utils.refs against
-the same reference, and the clear errors (a num_bytes too small, a cached
-dispatch with top-k, what epd does not run). Skipped (77) without
+the same reference, a rank entering the barrier late (each rank in turn:
+on two daemons the other node's ranks, the diagonal of DeepEP issue 651)
+and none leaving before it, and the clear errors (a num_bytes too small,
+a cached dispatch with top-k, what epd does not run). Skipped (77) without
 torch."""
 import os
 import sys
@@ -351,9 +353,34 @@ def rank_main(torch, dist, group, r, W, nodes=1):
         assert "num_max_tokens_per_rank" in str(e), e
     del hd
     refs_check(torch, dist, deep_ep, ins, recv, r, W)
+    late_rank(torch, dist, buf, r, W)
     buf.barrier()
     buf.destroy()
     return True
+
+
+def late_rank(torch, dist, buf, r, W):
+    """DeepEP issue 651's case: one rank enters the barrier late (on two
+    nodes: each rank of the other node and another local index in turn,
+    the diagonal); no rank may leave before it entered. Each rank's exit
+    (its stream done, on GPU ranks) against the late one's entry, on this
+    machine's clock."""
+    for late in range(1, W):
+        dist.barrier()
+        if r == late:
+            time.sleep(0.25)
+        t_in = time.time()
+        buf.barrier()
+        if CUDA:
+            torch.cuda.current_stream().synchronize()
+        t_out = time.time()
+        ts = [None] * W
+        dist.all_gather_object(ts, (t_in, t_out))
+        for q in range(W):
+            if ts[q][1] < ts[late][0]:
+                raise AssertionError(
+                    f"rank {q} left the barrier {ts[late][0] - ts[q][1]:.3f}"
+                    f" s before rank {late} entered it")
 
 
 def combines(torch, buf, hd, ins, recv, r, W, tag):
