@@ -308,7 +308,7 @@ def _recv_areas(buf, tag, fixed, per_area):
         if not 1 <= n <= 16:
             raise ValueError(f"EPD_DEEP_EP_RECV_AREAS={n}: 1..16")
         return n
-    most = min(3, buf._areas_max)
+    most = min(3, getattr(buf, "_areas_max", 3))
     if not buf._mem_given:
         return most
     left = buf._mem_given - buf._mem_used - fixed
