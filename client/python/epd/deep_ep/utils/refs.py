@@ -54,7 +54,8 @@ def dispatch(x, topk_idx, topk_weights, num_max_tokens_per_rank,
     x, sf = x if fp8 else (x, None)
     T = x.size(0)
     if topk_idx.size(0) != T or (sf is not None and sf.size(0) != T) or \
-            (topk_weights is not None and topk_weights.shape != topk_idx.shape):
+            (topk_weights is not None and
+             topk_weights.shape != topk_idx.shape):
         raise ValueError("dispatch: inputs of different token counts")
     dest = torch.where(topk_idx >= 0, topk_idx // per,
                        torch.full_like(topk_idx, -1))
