@@ -57,6 +57,7 @@ struct ep_group {
 	uint64_t dev_handle;
 	void *ring_fn;   /* CUfunction ekc_ring_wait in the rank's context */
 	bool ring_tried; /* looked it up (NULL: memops) */
+	bool mps, mps_known; /* an MPS client of the GPU (libep_cuda.c) */
 	size_t dev_size;
 	uint64_t ctl_dev; /* the control page, registered: its device view */
 	uint64_t sent; /* stream-ordered ops enqueued */

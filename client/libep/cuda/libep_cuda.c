@@ -383,6 +383,25 @@ int ep__send_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 	return 0;
 }
 
+/* Is this process an MPS client of the group's GPU (CUDA 12.3's
+ * attribute; an older driver: no), with the kernel wait not turned off
+ * (EP_NO_KERNEL_WAIT=1)? Asked once a group. */
+static bool mps_client(ep_group_t *g)
+{
+	if (!g->mps_known) {
+		const char *no = getenv("EP_NO_KERNEL_WAIT");
+		CUdevice d;
+		int on = 0;
+		if (!(no && *no == '1') && !ep__drv.cuCtxGetDevice(&d) &&
+		    ep__drv.cuDeviceGetAttribute(
+			    &on, (CUdevice_attribute)133 /* MPS_ENABLED */, d))
+			on = 0;
+		g->mps = on != 0;
+		g->mps_known = true;
+	}
+	return g->mps;
+}
+
 /* The ring kernel fn (ekc_ring_wait, or for a barrier ekc_barrier_wait,
  * the same code under a name profilers show as the barrier) on s: bell :=
  * k, then a short spin until done >= k. */
@@ -422,8 +441,15 @@ static int async_op(ep_group_t *g, uint16_t type, const uint8_t *payload,
 	CUstream s = (CUstream)stream;
 	CUdeviceptr bell = g->dev_ptr + (type ? EKC_DOORBELL : EKC_BAR_DOORBELL);
 	CUresult r;
-	CUfunction bar_fn = !type && g->ring_fn ? ep__fn(EP__FN_BARRIER_WAIT)
-						: NULL;
+	/* a barrier waits in ekc_barrier_wait where ops wait in a kernel, and
+	 * for a host barrier under MPS too (the daemon's thread answers it:
+	 * no kernel of the daemon's has to run meanwhile) */
+	CUfunction bar_fn =
+		!type && (g->ring_fn ||
+			  (ep__features(g) & EPP_FEAT_HOST_BARRIER &&
+			   mps_client(g)))
+			? ep__fn(EP__FN_BARRIER_WAIT)
+			: NULL;
 	if (!type && ep__features(g) & EPP_FEAT_HOST_BARRIER) {
 		/* Post the request first: the daemon's thread may sleep until
 		 * a rank has a barrier queued (and is woken if it does). */

@@ -171,6 +171,11 @@ class ElasticBuffer:
         self._destroy()
 
     def _destroy(self):
+        # every op this rank enqueued is done before its groups are left
+        # (a stream barrier still queued would otherwise see its rank
+        # leave, and every other rank's fail)
+        if self._v1 is not None and self._gpu:
+            _torch().cuda.synchronize()
         if self._bar is not None:
             g, self._bar = self._bar, None
             try:

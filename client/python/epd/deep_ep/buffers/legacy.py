@@ -730,6 +730,10 @@ class Buffer:
         self._destroy()
 
     def _destroy(self):
+        if self._device is not None and self._subs:
+            # the ops this rank enqueued are done before it leaves (one
+            # still queued would see its rank leave, and the others fail)
+            self._comm.synchronize()
         for s in self._subs.values():
             s.leave()
         held = any(s.leaving for s in self._subs.values())
