@@ -671,7 +671,8 @@ static void raw_checks(const struct th_daemon *d)
 	free(p);
 	/* Combine flags a synchronous combine does not take: registered
 	 * memory (1.13 rows in, 1.14 rows out, each with its tail) is for
-	 * stream-ordered ops of GPU ranks only; and one past them all. */
+	 * stream-ordered ops of GPU ranks only; and one past them all (with
+	 * the top-k order, which a synchronous combine takes, beside it). */
 	static const struct {
 		uint32_t flags;
 		const char *frag;
@@ -679,7 +680,9 @@ static void raw_checks(const struct th_daemon *d)
 		   {EPP_COMBINE_OUTREG, "unknown combine flags 0x10"},
 		   {EPP_COMBINE_YREG | EPP_COMBINE_OUTREG,
 		    "unknown combine flags 0x18"},
-		   {0x20, "unknown combine flags 0x20"}};
+		   {0x40, "unknown combine flags 0x40"},
+		   {EPP_COMBINE_TOPK_ORDER | 0x40,
+		    "unknown combine flags 0x60"}};
 	for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
 		cb.flags = bad[i].flags;
 		cb.reg = cb.out_reg = 1;
