@@ -467,6 +467,7 @@ int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 		return ep__fail(EP_ENOMEM, "out of memory");
 	}
 	g->cuda_device = -1;
+	g->llops = &ep__ll_host_ops;
 	/* The daemon bounds the wait for readiness by the group timeout; its
 	 * default is not known here, so allow the protocol maximum. */
 	int wait = (int)(cfg->timeout_ms ? cfg->timeout_ms : 3600000) +
@@ -523,6 +524,7 @@ int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 				strerror(e));
 	}
 	g->cuda_device = gpu ? cfg->cuda_device : -1;
+	g->llops = gpu ? ep__ll_gpu_ops(g) : &ep__ll_host_ops;
 	if (gpu && (rc = ep__cuda_map(g, fds[1], ok.dev_size))) {
 		char msg[EPP_ERRMSG_MAX];
 		snprintf(msg, sizeof(msg), "%s", ep_errmsg());

@@ -57,6 +57,7 @@ struct ep_group {
 	uint64_t dev_handle;
 	void *ring_fn;   /* CUfunction ekc_ring_wait in the rank's context */
 	bool ring_tried; /* looked it up (NULL: memops) */
+	const struct ep__ll_ops *llops; /* the low-latency mode's way */
 	bool mps, mps_known; /* an MPS client of the GPU (libep_cuda.c) */
 	size_t dev_size;
 	uint64_t ctl_dev; /* the control page, registered: its device view */
@@ -156,39 +157,44 @@ int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 	     uint64_t link, const struct epp_join *ext, ep_group_t **out);
 /* Unmap and free a group's handle (no message to the daemon). */
 void ep__group_free(ep_group_t *g);
-/* The low-latency mode: libep_llhost.c has the ep_ll_* calls, which
- * check their arguments and go on to a host rank's way (ep__llh_*, there)
- * or a GPU rank's (ep__llg_*: libep_ll.c, or EP_EUNSUPPORTED in a build
- * without CUDA). fp8: 0 or EK_LL_FP8* (kernels/ek.h). */
-bool ep__llh_is(const ep_group_t *g);
-int ep__llh_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
-		     uint32_t num_tokens, int fp8, struct ep_ll_recv *out);
-int ep__llh_dispatch_hook(ep_group_t *g, uint32_t buffer);
-int ep__llh_combine(ep_group_t *g, uint32_t buffer, const void *expert_out,
-		    const float *weights, void *out, unsigned flags);
-int ep__llh_combine_hook(ep_group_t *g, uint32_t buffer);
-int ep__llh_combine_buffer(ep_group_t *g, uint32_t buffer, void **rows);
-int ep__llh_error(ep_group_t *g);
+/* The low-latency mode (ep.h): libep_llapi.c has the ep_ll_* calls, which
+ * check their arguments and go on through the group's table, chosen once
+ * at join (g->llops): a host rank's way (ep__ll_host_ops,
+ * libep_llhost.c: the daemon's path), a GPU rank's of one node (the
+ * kernels, cuda/libep_ll.c) or across nodes (the daemon's path,
+ * cuda/libep_llx.c); none in a build without CUDA for a GPU rank (there
+ * is no such rank). fp8: 0 or EK_LL_FP8* (kernels/ek.h). A way without
+ * shrink mode leaves those entries NULL, and no_shrink says why. */
+struct ep__ll_ops {
+	int (*dispatch)(ep_group_t *g, const void *x, const int64_t *topk_idx,
+			uint32_t num_tokens, unsigned flags, int fp8,
+			void *stream, struct ep_ll_recv *out);
+	int (*dispatch_hook)(ep_group_t *g, uint32_t buffer, void *stream);
+	int (*combine)(ep_group_t *g, uint32_t buffer, const void *expert_out,
+		       const float *weights, void *out, unsigned flags,
+		       void *stream);
+	int (*combine_hook)(ep_group_t *g, uint32_t buffer, void *stream);
+	int (*combine_buffer)(ep_group_t *g, uint32_t buffer, void **rows);
+	int (*error)(ep_group_t *g);
+	/* a top-k below the group's (EP_LL_TOPK) */
+	bool topk_below;
+	int (*shrink)(ep_group_t *g);
+	int (*mask)(ep_group_t *g, uint32_t rank, int masked, void *stream);
+	int (*mask_query)(ep_group_t *g, int32_t *mask, void *stream);
+	int (*mask_clean)(ep_group_t *g, void *stream);
+	int (*barrier)(ep_group_t *g, void *stream);
+	/* what a call of shrink mode (what) answers without it */
+	int (*no_shrink)(ep_group_t *g, const char *what, bool on);
+};
+extern const struct ep__ll_ops ep__ll_host_ops;
+/* A GPU rank's table for group g (cuda/libep_ll.c), or NULL (a build
+ * without CUDA). */
+const struct ep__ll_ops *ep__ll_gpu_ops(const ep_group_t *g);
 /* The low-latency errors that do not end the mode, by precedence (a bad
  * expert index, then too many tokens or rows): 0 if neither. */
 int ep__ll_soft_error(bool expert, bool toobig);
 /* The buffer the host path's next dispatch takes (0 or 1). */
 uint32_t ep__llh_next(const ep_group_t *g);
-int ep__llg_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
-		     uint32_t num_tokens, unsigned flags, int fp8, void *stream,
-		     struct ep_ll_recv *out);
-int ep__llg_dispatch_hook(ep_group_t *g, uint32_t buffer, void *stream);
-int ep__llg_combine(ep_group_t *g, uint32_t buffer, const void *expert_out,
-		    const float *weights, void *out, unsigned flags,
-		    void *stream);
-int ep__llg_combine_hook(ep_group_t *g, uint32_t buffer, void *stream);
-int ep__llg_combine_buffer(ep_group_t *g, uint32_t buffer, void **rows);
-int ep__llg_error(ep_group_t *g);
-int ep__llg_shrink(ep_group_t *g);
-int ep__llg_mask(ep_group_t *g, uint32_t rank, int masked, void *stream);
-int ep__llg_mask_query(ep_group_t *g, int32_t *mask, void *stream);
-int ep__llg_mask_clean(ep_group_t *g, void *stream);
-int ep__llg_barrier(ep_group_t *g, void *stream);
 /* ep_leave: leave the pseudo group first; group free: free it all. */
 void ep__llh_leave(ep_group_t *g);
 void ep__llh_fini(ep_group_t *g);

@@ -71,11 +71,6 @@ struct ep_llh {
 	struct ep__ll_end end; /* a failed op: every call returns it */
 };
 
-bool ep__llh_is(const ep_group_t *g)
-{
-	return g && g->cuda_device < 0;
-}
-
 static void llh_free_bufs(struct ep_llh *l)
 {
 	for (int i = 0; i < 2; i++) {
@@ -341,8 +336,8 @@ static void llh_place(struct ep_llh *l, struct llh_buf *B, int fp8)
 	free(at);
 }
 
-int ep__llh_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
-		     uint32_t T, int fp8, struct ep_ll_recv *out)
+static int llh_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
+			uint32_t T, int fp8, struct ep_ll_recv *out)
 {
 	int rc = llh_setup(g);
 	if (rc)
@@ -430,7 +425,7 @@ static int llh_buffer(ep_group_t *g, uint32_t b)
 	return 0;
 }
 
-int ep__llh_dispatch_hook(ep_group_t *g, uint32_t b)
+static int llh_dispatch_hook(ep_group_t *g, uint32_t b)
 {
 	/* the rows were placed by the dispatch: a host rank's op has no
 	 * stream to leave its second half on */
@@ -440,8 +435,8 @@ int ep__llh_dispatch_hook(ep_group_t *g, uint32_t b)
 	return rc;
 }
 
-int ep__llh_combine(ep_group_t *g, uint32_t b, const void *expert_out,
-		    const float *weights, void *out, unsigned flags)
+static int llh_combine(ep_group_t *g, uint32_t b, const void *expert_out,
+		       const float *weights, void *out, unsigned flags)
 {
 	int rc = llh_buffer(g, b);
 	if (rc)
@@ -492,7 +487,7 @@ int ep__llh_combine(ep_group_t *g, uint32_t b, const void *expert_out,
 	return 0;
 }
 
-int ep__llh_combine_hook(ep_group_t *g, uint32_t b)
+static int llh_combine_hook(ep_group_t *g, uint32_t b)
 {
 	/* summed by the combine, as the dispatch's hook */
 	int rc = llh_buffer(g, b);
@@ -501,7 +496,7 @@ int ep__llh_combine_hook(ep_group_t *g, uint32_t b)
 	return rc;
 }
 
-int ep__llh_combine_buffer(ep_group_t *g, uint32_t b, void **rows)
+static int llh_combine_buffer(ep_group_t *g, uint32_t b, void **rows)
 {
 	int rc = llh_setup(g);
 	if (rc)
@@ -519,7 +514,7 @@ uint32_t ep__llh_next(const ep_group_t *g)
 	return g->llh ? g->llh->next : 0;
 }
 
-int ep__llh_error(ep_group_t *g)
+static int llh_error(ep_group_t *g)
 {
 	struct ep_llh *l = g->llh;
 	if (!l)
@@ -545,108 +540,42 @@ int ep__ll_soft_error(bool expert, bool toobig)
 	return 0;
 }
 
-/* ---- the ep_ll_* calls: their arguments checked once, then a GPU rank's
- * way (libep_ll.c) or a host rank's (above) ---- */
+/* ---- the host way's table (libep_llapi.c calls through it) ---- */
 
-int ep_ll_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
-		   uint32_t num_tokens, unsigned flags, void *stream,
-		   struct ep_ll_recv *out)
+static int llh_dispatch_op(ep_group_t *g, const void *x,
+			   const int64_t *topk_idx, uint32_t num_tokens,
+			   unsigned flags, int fp8, void *stream,
+			   struct ep_ll_recv *out)
 {
-	if (!g || !out || (num_tokens && (!x || !topk_idx)))
-		return ep__fail(EP_EINVAL, "NULL argument");
-	const unsigned known = EP_LL_HOOK | EP_LL_FP8 | EP_LL_ROUND_SCALE |
-			       EP_LL_UE8M0 | EP_LL_TOPK(0xff);
-	if (flags & ~known)
-		return ep__fail(EP_EINVAL, "unknown dispatch flags 0x%x",
-				flags & ~known);
-	if ((flags & (EP_LL_ROUND_SCALE | EP_LL_UE8M0)) && !(flags & EP_LL_FP8))
-		return ep__fail(EP_EINVAL, "EP_LL_ROUND_SCALE and EP_LL_UE8M0 "
-					   "need EP_LL_FP8");
-	int fp8 = 0;
-	if (flags & EP_LL_FP8) {
-		const uint32_t m = flags & EP_LL_UE8M0 ? 512 : 128;
-		if (g->cfg.hidden % m)
-			return ep__fail(EP_ESHAPE, "a fp8 low-latency dispatch "
-						   "%sneeds hidden a multiple "
-						   "of %u (this group's is %u)",
-					flags & EP_LL_UE8M0 ? "with UE8M0 "
-							    "scales "
-							  : "",
-					m, g->cfg.hidden);
-		fp8 = flags & EP_LL_UE8M0	   ? EK_LL_FP8_UE8M0
-		      : flags & EP_LL_ROUND_SCALE ? EK_LL_FP8_ROUND
-						  : EK_LL_FP8;
-	}
-	const uint32_t K = EP_LL_TOPK_OF(flags);
-	if (K && K != g->cfg.topk && (ep__llh_is(g) ||
-				      g->cfg.world_size != g->cfg.ranks_per_node))
-		return ep__fail(EP_EUNSUPPORTED,
-				"a low-latency dispatch of top-%u in a group of "
-				"top-%u runs on the kernels only (GPU ranks of "
-				"one node)",
-				K, g->cfg.topk);
-	return ep__llh_is(g) ? ep__llh_dispatch(g, x, topk_idx, num_tokens,
-						 fp8, out)
-			     : ep__llg_dispatch(g, x, topk_idx, num_tokens,
-						flags, fp8, stream, out);
+	(void)flags, (void)stream;
+	return llh_dispatch(g, x, topk_idx, num_tokens, fp8, out);
 }
 
-int ep_ll_dispatch_hook(ep_group_t *g, uint32_t b, void *stream)
+static int llh_dispatch_hook_op(ep_group_t *g, uint32_t b, void *stream)
 {
-	if (!g)
-		return ep__fail(EP_EINVAL, "NULL argument");
-	return ep__llh_is(g) ? ep__llh_dispatch_hook(g, b)
-			     : ep__llg_dispatch_hook(g, b, stream);
+	(void)stream;
+	return llh_dispatch_hook(g, b);
 }
 
-int ep_ll_combine(ep_group_t *g, uint32_t b, const void *expert_out,
-		  const float *weights, void *out, unsigned flags,
-		  void *stream)
+static int llh_combine_op(ep_group_t *g, uint32_t b, const void *expert_out,
+			  const float *weights, void *out, unsigned flags,
+			  void *stream)
 {
-	if (!g)
-		return ep__fail(EP_EINVAL, "NULL argument");
-	const unsigned known = EP_LL_HOOK | EP_LL_ZERO_COPY;
-	if (flags & ~known)
-		return ep__fail(EP_EINVAL, "unknown combine flags 0x%x",
-				flags & ~known);
-	if ((flags & EP_LL_ZERO_COPY) && (flags & EP_LL_HOOK))
-		return ep__fail(EP_EINVAL, "a zero-copy combine reads in place: "
-					   "it has no hook");
-	return ep__llh_is(g) ? ep__llh_combine(g, b, expert_out, weights,
-						out, flags)
-			     : ep__llg_combine(g, b, expert_out, weights, out,
-					       flags, stream);
+	(void)stream;
+	return llh_combine(g, b, expert_out, weights, out, flags);
 }
 
-int ep_ll_combine_hook(ep_group_t *g, uint32_t b, void *stream)
+static int llh_combine_hook_op(ep_group_t *g, uint32_t b, void *stream)
 {
-	if (!g)
-		return ep__fail(EP_EINVAL, "NULL argument");
-	return ep__llh_is(g) ? ep__llh_combine_hook(g, b)
-			     : ep__llg_combine_hook(g, b, stream);
-}
-
-int ep_ll_combine_buffer(ep_group_t *g, uint32_t b, void **rows)
-{
-	if (!g || !rows || b > 1)
-		return ep__fail(EP_EINVAL, "bad argument");
-	return ep__llh_is(g) ? ep__llh_combine_buffer(g, b, rows)
-			     : ep__llg_combine_buffer(g, b, rows);
-}
-
-int ep_ll_error(ep_group_t *g)
-{
-	if (!g)
-		return ep__fail(EP_EINVAL, "NULL argument");
-	return ep__llh_is(g) ? ep__llh_error(g) : ep__llg_error(g);
+	(void)stream;
+	return llh_combine_hook(g, b);
 }
 
 /* Shrink mode is the kernels' (ep.h): a host rank's low-latency ops run
  * on the daemon's, where a rank that fails fails the group. */
-static int llh_no_shrink(ep_group_t *g, const char *what)
+static int llh_no_shrink(ep_group_t *g, const char *what, bool on)
 {
-	if (!g)
-		return ep__fail(EP_EINVAL, "NULL argument");
+	(void)g, (void)on;
 	return ep__fail(EP_EUNSUPPORTED,
 			"%s: shrink mode runs on the low-latency kernels "
 			"(GPU ranks of one node); a host rank's ops run on "
@@ -654,34 +583,12 @@ static int llh_no_shrink(ep_group_t *g, const char *what)
 			what);
 }
 
-int ep_ll_shrink(ep_group_t *g)
-{
-	return !g || ep__llh_is(g) ? llh_no_shrink(g, "ep_ll_shrink")
-				   : ep__llg_shrink(g);
-}
-
-int ep_ll_mask(ep_group_t *g, uint32_t rank, int masked, void *stream)
-{
-	return !g || ep__llh_is(g) ? llh_no_shrink(g, "ep_ll_mask")
-				   : ep__llg_mask(g, rank, masked, stream);
-}
-
-int ep_ll_mask_query(ep_group_t *g, int32_t *mask, void *stream)
-{
-	if (g && !mask)
-		return ep__fail(EP_EINVAL, "NULL argument");
-	return !g || ep__llh_is(g) ? llh_no_shrink(g, "ep_ll_mask_query")
-				   : ep__llg_mask_query(g, mask, stream);
-}
-
-int ep_ll_mask_clean(ep_group_t *g, void *stream)
-{
-	return !g || ep__llh_is(g) ? llh_no_shrink(g, "ep_ll_mask_clean")
-				   : ep__llg_mask_clean(g, stream);
-}
-
-int ep_ll_barrier(ep_group_t *g, void *stream)
-{
-	return !g || ep__llh_is(g) ? llh_no_shrink(g, "ep_ll_barrier")
-				   : ep__llg_barrier(g, stream);
-}
+const struct ep__ll_ops ep__ll_host_ops = {
+	.dispatch = llh_dispatch_op,
+	.dispatch_hook = llh_dispatch_hook_op,
+	.combine = llh_combine_op,
+	.combine_hook = llh_combine_hook_op,
+	.combine_buffer = llh_combine_buffer,
+	.error = llh_error,
+	.no_shrink = llh_no_shrink,
+};

@@ -61,83 +61,16 @@ int ep_dispatch_recv_count(ep_group_t *g, ep_handle_t *h)
 	return 0; /* host dispatches return their count */
 }
 
-/* No GPU groups in this build: the low-latency calls of one never come
- * here (every group is a host group: libep_llhost.c). */
-int ep__llg_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
-		     uint32_t num_tokens, unsigned flags, int fp8, void *stream,
-		     struct ep_ll_recv *out)
-{
-	(void)g, (void)x, (void)topk_idx, (void)num_tokens, (void)flags;
-	(void)fp8, (void)stream, (void)out;
-	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
-}
-
-int ep__llg_dispatch_hook(ep_group_t *g, uint32_t buffer, void *stream)
-{
-	(void)g, (void)buffer, (void)stream;
-	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
-}
-
-int ep__llg_combine(ep_group_t *g, uint32_t buffer, const void *expert_out,
-		    const float *weights, void *out, unsigned flags,
-		    void *stream)
-{
-	(void)g, (void)buffer, (void)expert_out, (void)weights, (void)out;
-	(void)flags, (void)stream;
-	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
-}
-
-int ep__llg_combine_hook(ep_group_t *g, uint32_t buffer, void *stream)
-{
-	(void)g, (void)buffer, (void)stream;
-	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
-}
-
-int ep__llg_combine_buffer(ep_group_t *g, uint32_t buffer, void **rows)
-{
-	(void)g, (void)buffer, (void)rows;
-	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
-}
-
-int ep__llg_error(ep_group_t *g)
+/* No GPU groups in this build: no GPU rank's low-latency way. */
+const struct ep__ll_ops *ep__ll_gpu_ops(const ep_group_t *g)
 {
 	(void)g;
-	return 0;
+	return NULL;
 }
 
 void ep__llx_leave(ep_group_t *g)
 {
 	(void)g;
-}
-
-int ep__llg_shrink(ep_group_t *g)
-{
-	(void)g;
-	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
-}
-
-int ep__llg_mask(ep_group_t *g, uint32_t rank, int masked, void *stream)
-{
-	(void)g, (void)rank, (void)masked, (void)stream;
-	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
-}
-
-int ep__llg_mask_query(ep_group_t *g, int32_t *mask, void *stream)
-{
-	(void)g, (void)mask, (void)stream;
-	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
-}
-
-int ep__llg_mask_clean(ep_group_t *g, void *stream)
-{
-	(void)g, (void)stream;
-	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
-}
-
-int ep__llg_barrier(ep_group_t *g, void *stream)
-{
-	(void)g, (void)stream;
-	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
 }
 
 int ep_mem_register(ep_group_t *g, const void *ptr, size_t len,

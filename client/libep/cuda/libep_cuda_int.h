@@ -57,8 +57,8 @@ int ep__mreg_place(const ep_group_t *g, const ep_mreg_t *mr, const void *y,
 void ep__mreg_fini(ep_group_t *g);
 /* libep_ll.c: the low-latency state's end (at unmap). */
 void ep__ll_fini(ep_group_t *g);
-/* libep_llx.c: the low-latency mode of GPU ranks across nodes (ep__llg_*
- * go there for such a group), and its state's end. */
+/* libep_llx.c: the low-latency mode of GPU ranks across nodes (the
+ * entries of such a group's table, libep_ll.c), and its state's end. */
 int ep__llx_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 		     uint32_t num_tokens, int fp8, void *stream,
 		     struct ep_ll_recv *out);

@@ -331,18 +331,11 @@ static int ll_launch(ep_group_t *g, int fn, struct ekc_ll_args *a,
 }
 
 /* GPU ranks of a group across nodes: libep_llx.c. */
-static bool ll_staged(const ep_group_t *g)
-{
-	return g->cfg.world_size != g->cfg.ranks_per_node;
-}
 
-int ep__llg_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
-		     uint32_t num_tokens, unsigned flags, int fp8, void *stream,
-		     struct ep_ll_recv *out)
+static int llk_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
+			uint32_t num_tokens, unsigned flags, int fp8,
+			void *stream, struct ep_ll_recv *out)
 {
-	if (ll_staged(g))
-		return ep__llx_dispatch(g, x, topk_idx, num_tokens, fp8,
-					stream, out);
 	int rc = ll_setup(g);
 	if (rc)
 		return rc;
@@ -397,10 +390,8 @@ static int ll_buffer(ep_group_t *g, uint32_t b)
 	return 0;
 }
 
-int ep__llg_dispatch_hook(ep_group_t *g, uint32_t b, void *stream)
+static int llk_dispatch_hook(ep_group_t *g, uint32_t b, void *stream)
 {
-	if (ll_staged(g))
-		return ep__llx_dispatch_hook(g, b, stream);
 	int rc = ll_buffer(g, b);
 	if (rc)
 		return rc;
@@ -408,13 +399,10 @@ int ep__llg_dispatch_hook(ep_group_t *g, uint32_t b, void *stream)
 	return ll_launch(g, EP__FN_LL_DISPATCH_RECV, &a, NULL, stream);
 }
 
-int ep__llg_combine(ep_group_t *g, uint32_t b, const void *expert_out,
-		    const float *weights, void *out, unsigned flags,
-		    void *stream)
+static int llk_combine(ep_group_t *g, uint32_t b, const void *expert_out,
+		       const float *weights, void *out, unsigned flags,
+		       void *stream)
 {
-	if (ll_staged(g))
-		return ep__llx_combine(g, b, expert_out, weights, out, flags,
-				       stream);
 	int rc = ll_buffer(g, b);
 	if (rc)
 		return rc;
@@ -436,10 +424,8 @@ int ep__llg_combine(ep_group_t *g, uint32_t b, const void *expert_out,
 	return ll_launch(g, EP__FN_LL_COMBINE, &a, &with_recv, stream);
 }
 
-int ep__llg_combine_hook(ep_group_t *g, uint32_t b, void *stream)
+static int llk_combine_hook(ep_group_t *g, uint32_t b, void *stream)
 {
-	if (ll_staged(g))
-		return ep__llx_combine_hook(g, b, stream);
 	int rc = ll_buffer(g, b);
 	if (rc)
 		return rc;
@@ -451,10 +437,8 @@ int ep__llg_combine_hook(ep_group_t *g, uint32_t b, void *stream)
 	return ll_launch(g, EP__FN_LL_COMBINE_RECV, &a, NULL, stream);
 }
 
-int ep__llg_combine_buffer(ep_group_t *g, uint32_t b, void **rows)
+static int llk_combine_buffer(ep_group_t *g, uint32_t b, void **rows)
 {
-	if (ll_staged(g))
-		return ep__llx_combine_buffer(g, b, rows);
 	int rc = ll_setup(g);
 	if (rc)
 		return rc;
@@ -520,10 +504,8 @@ static int ll_die(struct ep_ll *l, int rc, bool poisoned)
 	return ep__fail(rc, "%s", l->dead_msg);
 }
 
-int ep__llg_error(ep_group_t *g)
+static int llk_error(ep_group_t *g)
 {
-	if (ll_staged(g))
-		return ep__llx_error(g);
 	struct ep_ll *l = g->ll;
 	if (!l)
 		return 0;
@@ -562,7 +544,7 @@ static int ll_gate(ep_group_t *g, void *stream)
 	if (l->dead_rc)
 		rc = ep__fail(l->dead_rc, "%s", l->dead_msg);
 	else if (*l->herr & (EKC_LL_EFATAL | EKC_LL_EPOISONED))
-		rc = ep__llg_error(g);
+		rc = llk_error(g);
 	else if (g->buf && ep__ctl_error(g) && !ll_gone_only(g))
 		rc = ll_die(l, ll_report(g, EKC_LL_ERELEASED), false);
 	if (rc && l->dead_rc && !l->poisoned) {
@@ -598,21 +580,16 @@ static bool ll_gone_only(const ep_group_t *g)
 	       ll_gone(g);
 }
 
-/* The kernels' state of a call that only they have (what), made now. */
-static int ll_kernels_only(ep_group_t *g, const char *what)
+/* The kernels' state of a call that only they have, made now. */
+static int ll_kernels_only(ep_group_t *g)
 {
-	if (ll_staged(g))
-		return ep__fail(EP_EUNSUPPORTED,
-				"%s runs on the low-latency kernels: GPU ranks "
-				"of one node (this group spans several)",
-				what);
 	int rc = ll_setup(g);
 	return rc ? rc : ep__use_ctx(g->cuda_device);
 }
 
-int ep__llg_shrink(ep_group_t *g)
+static int llk_shrink(ep_group_t *g)
 {
-	int rc = ll_kernels_only(g, "shrink mode");
+	int rc = ll_kernels_only(g);
 	if (rc)
 		return rc;
 	g->ll->base.shrink = 1;
@@ -621,7 +598,7 @@ int ep__llg_shrink(ep_group_t *g)
 
 static int ll_shrinking(ep_group_t *g, const char *what)
 {
-	if (ll_staged(g) || !g->ll || !g->ll->base.shrink)
+	if (!g->ll || !g->ll->base.shrink)
 		return ep__fail(EP_EINVAL, "%s: shrink mode is off "
 					   "(ep_ll_shrink turns it on)",
 				what);
@@ -640,7 +617,7 @@ static CUresult ll_unmark(ep_group_t *g, uint32_t d, void *stream)
 					0, 1, (CUstream)stream);
 }
 
-int ep__llg_mask(ep_group_t *g, uint32_t rank, int masked, void *stream)
+static int llk_mask(ep_group_t *g, uint32_t rank, int masked, void *stream)
 {
 	int rc = ll_shrinking(g, "ep_ll_mask");
 	if (rc)
@@ -657,7 +634,7 @@ int ep__llg_mask(ep_group_t *g, uint32_t rank, int masked, void *stream)
 	return r ? ep__cufail(r, "writing the mask") : 0;
 }
 
-int ep__llg_mask_query(ep_group_t *g, int32_t *mask, void *stream)
+static int llk_mask_query(ep_group_t *g, int32_t *mask, void *stream)
 {
 	int rc = ll_shrinking(g, "ep_ll_mask_query");
 	if (rc)
@@ -669,7 +646,7 @@ int ep__llg_mask_query(ep_group_t *g, int32_t *mask, void *stream)
 	return r ? ep__cufail(r, "copying the mask") : 0;
 }
 
-int ep__llg_mask_clean(ep_group_t *g, void *stream)
+static int llk_mask_clean(ep_group_t *g, void *stream)
 {
 	int rc = ll_shrinking(g, "ep_ll_mask_clean");
 	if (rc)
@@ -683,11 +660,69 @@ int ep__llg_mask_clean(ep_group_t *g, void *stream)
 	return r ? ep__cufail(r, "clearing the mask") : 0;
 }
 
-int ep__llg_barrier(ep_group_t *g, void *stream)
+static int llk_barrier(ep_group_t *g, void *stream)
 {
-	int rc = ll_kernels_only(g, "ep_ll_barrier");
+	int rc = ll_kernels_only(g);
 	if (rc)
 		return rc;
 	struct ekc_ll_args a = ll_args(g->ll, 0, 0);
 	return ll_launch(g, EP__FN_LL_BARRIER, &a, NULL, stream);
+}
+
+/* ---- the ways' tables (libep_llapi.c calls through them) ---- */
+
+/* GPU ranks across nodes: the daemon's path (libep_llx.c), without
+ * shrink mode (the kernels'). */
+static int llx_dispatch_op(ep_group_t *g, const void *x,
+			   const int64_t *topk_idx, uint32_t num_tokens,
+			   unsigned flags, int fp8, void *stream,
+			   struct ep_ll_recv *out)
+{
+	(void)flags;
+	return ep__llx_dispatch(g, x, topk_idx, num_tokens, fp8, stream, out);
+}
+
+static int llx_no_shrink(ep_group_t *g, const char *what, bool on)
+{
+	(void)g;
+	if (on)
+		return ep__fail(EP_EINVAL, "%s: shrink mode is off "
+					   "(ep_ll_shrink turns it on)",
+				what);
+	return ep__fail(EP_EUNSUPPORTED,
+			"%s runs on the low-latency kernels: GPU ranks of one "
+			"node (this group spans several)",
+			what);
+}
+
+static const struct ep__ll_ops staged_ops = {
+	.dispatch = llx_dispatch_op,
+	.dispatch_hook = ep__llx_dispatch_hook,
+	.combine = ep__llx_combine,
+	.combine_hook = ep__llx_combine_hook,
+	.combine_buffer = ep__llx_combine_buffer,
+	.error = ep__llx_error,
+	.no_shrink = llx_no_shrink,
+};
+
+/* GPU ranks of one node: the kernels. */
+static const struct ep__ll_ops kernel_ops = {
+	.dispatch = llk_dispatch,
+	.dispatch_hook = llk_dispatch_hook,
+	.combine = llk_combine,
+	.combine_hook = llk_combine_hook,
+	.combine_buffer = llk_combine_buffer,
+	.error = llk_error,
+	.topk_below = true,
+	.shrink = llk_shrink,
+	.mask = llk_mask,
+	.mask_query = llk_mask_query,
+	.mask_clean = llk_mask_clean,
+	.barrier = llk_barrier,
+};
+
+const struct ep__ll_ops *ep__ll_gpu_ops(const ep_group_t *g)
+{
+	return g->cfg.world_size != g->cfg.ranks_per_node ? &staged_ops
+							   : &kernel_ops;
 }
