@@ -5,9 +5,10 @@ backend with CPU tensors, or (EPD_TEST_BACKEND=cuda) on the GPU; then 4
 ranks on two clustered daemons (EPD_TEST_NODES=0: not). Every output is
 compared bitwise with a reference of V2's semantics written here (plain
 loops over every rank's inputs, which each rank makes again from the
-seed): dispatch (bf16 and fp8 with column-major scales, expert_alignment,
-expanded rows with and without zero padding, without CPU sync, cached,
-cached expanded with weights, cumulative expert counts, do_handle_copy),
+seed): dispatch (bf16 and fp8, the latter expanded with TMA-aligned
+column-major scales too; expert_alignment, expanded rows with and
+without zero padding, without CPU sync, cached, cached expanded with
+weights, cumulative expert counts, do_handle_copy),
 the handle (recv_src_metadata, psums, per-expert counts,
 dst_buffer_slot_idx), combine in V2's order (each rank's rows by its last
 top-k slot, from a bias or a pair) of received and of expanded rows and
@@ -201,10 +202,12 @@ def rank_main(torch, dist, group, r, W, nodes=1):
         ref = ref_dispatch(torch, ins, recv[r], r, W, align)
         R = len(recv[r])
         stats = dev(torch, torch.zeros(E // W, dtype=torch.int32))
-        for fp8 in ((False, True) if fp8ok else (False,)):
+        for fp8 in (False, True):
             if fp8:
-                xin = (dev(torch, me["q"].view(torch.float8_e4m3fn)),
-                       dev(torch, me["sc"]))
+                # (e4m3 bytes as uint8 where torch has no float8: the host
+                # backend moves them alike)
+                q = me["q"].view(torch.float8_e4m3fn) if fp8ok else me["q"]
+                xin = (dev(torch, q), dev(torch, me["sc"]))
             else:
                 xin = x
             rx, rti, rtw, hd, ev = buf.dispatch(
@@ -264,11 +267,29 @@ def rank_main(torch, dist, group, r, W, nodes=1):
             same(crx[0] if fp8 else crx, rx[0] if fp8 else rx,
                  f"cached recv_x {tag}")
             same(crti, rti, f"cached recv_topk_idx {tag}")
+            if fp8:
+                # expanded, with the scales TMA-aligned column-major
+                (eq, esf), _, _, _, _ = buf.dispatch(
+                    xin, topk_idx=idx, topk_weights=w, num_experts=E,
+                    expert_alignment=align, do_expand=True,
+                    use_tma_aligned_col_major_sf=True)
+                n = ref["n"]
+                assert tuple(esf.shape) == (n, H // 128) and \
+                    esf.stride() == (1, (n + 3) // 4 * 4), \
+                    (tuple(esf.shape), esf.stride())
+                for i, (s, t) in enumerate(recv[r]):
+                    for k in range(K):
+                        p = int(ref["pos"][i, k])
+                        if p >= 0:
+                            same(eq[p].view(torch.uint8), ins[s]["q"][t],
+                                 f"expanded e4m3 row {tag}")
+                            same(esf[p], ins[s]["sc"][t],
+                                 f"expanded scales {tag}")
             if not fp8:
                 combines(torch, buf, hd, ins, recv, r, W, tag)
             del hd, chd
-        same(stats, torch.tensor(ref["counts"], dtype=torch.int32) *
-             (2 if fp8ok else 1), f"cumulative stats align {align}")
+        same(stats, torch.tensor(ref["counts"], dtype=torch.int32) * 2,
+             f"cumulative stats align {align}")
 
         # expanded: a row per local slot, expert segments aligned
         for zero in (False, True):
