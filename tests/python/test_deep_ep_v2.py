@@ -12,11 +12,13 @@ weights, cumulative expert counts, do_handle_copy),
 the handle (recv_src_metadata, psums, per-expert counts,
 dst_buffer_slot_idx), combine in V2's order (each rank's rows by its last
 top-k slot, from a bias or a pair) of received and of expanded rows and
-of top-k weights; the domains, the barrier, deep_ep.utils.refs against
+of top-k weights; the domains, the groups' timeout (V2's larger one),
+the barrier, deep_ep.utils.refs against
 the same reference, a rank entering the barrier late (each rank in turn:
 on two daemons the other node's ranks, the diagonal of DeepEP issue 651)
 and none leaving before it, and the clear errors (a num_bytes too small,
-a cached dispatch with top-k, what epd does not run). Skipped (77) without
+a cached dispatch with top-k, previous_event without
+allocate_on_comm_stream, what epd does not run). Skipped (77) without
 torch."""
 import os
 import sys
@@ -372,6 +374,17 @@ def rank_main(torch, dist, group, r, W, nodes=1):
         raise AssertionError("another num_max_tokens_per_rank")
     except ValueError as e:
         assert "num_max_tokens_per_rank" in str(e), e
+    try:
+        buf.dispatch(x, topk_idx=idx, num_experts=E,
+                     previous_event=buf.capture())
+        raise AssertionError("previous_event without allocate_on_comm_stream")
+    except ValueError as e:
+        assert "allocate_on_comm_stream" in str(e), e
+    # the groups' timeout: the larger of V2's two (300 s)
+    mine = [g for g in buf._v1._conn.status().get("groups", [])
+            if g["name"].startswith(buf._v1._name)]
+    assert len(mine) >= 2 and all(g["timeout_ms"] == 300000 for g in mine), \
+        [(g["name"], g["timeout_ms"]) for g in mine]
     del hd
     refs_check(torch, dist, deep_ep, ins, recv, r, W)
     late_rank(torch, dist, buf, r, W)
