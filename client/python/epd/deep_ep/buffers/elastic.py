@@ -452,9 +452,9 @@ class ElasticBuffer:
             rt = handle._rt
         comm = v1._comm if self._gpu else None
         compute = torch.cuda.current_stream() if self._gpu else None
-        if previous_event_before_epilogue is not None and comm is not None:
-            comm.wait_event(previous_event_before_epilogue.event) \
-                if previous_event_before_epilogue.event is not None else None
+        ev0 = previous_event_before_epilogue
+        if ev0 is not None and ev0.event is not None and comm is not None:
+            comm.wait_event(ev0.event)  # the epilogue waits for it
         ctx = torch.cuda.stream(comm) if comm is not None else _Nothing()
         with ctx:
             res = self._dispatch_epilogue(
