@@ -86,6 +86,9 @@ struct pconn {
 	bool tx_tag, rx_tag;
 	char addr[96]; /* "rdma host:port", host up to 63 bytes */
 	char host[48]; /* inbound: the source address, without the port */
+	/* inbound, a node table of its own: the name of a node not in it,
+	 * from its hello, learnt only once its proof checks out ("" else) */
+	char unknown[EPP_NODE_NAME_MAX + 1];
 };
 
 /* The node a peer connection is for: its peer once that one's hello

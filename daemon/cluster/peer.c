@@ -100,8 +100,9 @@ static void on_hello(struct pconn *c, const uint8_t *p, uint32_t len)
 					 "node '%s' (index %u) is not in peers",
 					 name, idx);
 	} else {
-		/* each node's own table: by name, learnt if new (its proof
-		 * of the cluster key below decides whether it stays) */
+		/* each node's own table: by name. A node not in it is learnt
+		 * only once its proof of the cluster key checks out (on_auth):
+		 * a peer without the key adds nothing to the table. */
 		int n = cl_node_find(cl, name);
 		if (n == cl->self || !epp_node_name_valid(name))
 			return cl_reject(c, "node '%s' is not another node's "
@@ -109,23 +110,28 @@ static void on_hello(struct pconn *c, const uint8_t *p, uint32_t len)
 		if (c->target >= 0 && n != c->target)
 			return cl_reject(c, "node %s answered for %s", name,
 					 cl->node[c->target].name);
-		char err[160];
-		if (n < 0 && (n = cl_node_add(cl, name, c->host, 0, err,
-					      sizeof(err))) < 0)
-			return cl_reject(c, "node %s: %s", name, err);
+		if (n < 0) {
+			/* one connection a pair: the lower name dials */
+			if (strcmp(cl->node[cl->self].name, name) < 0)
+				return cl_reject(c, "node %s dialled the "
+						 "wrong way", name);
+			snprintf(c->unknown, sizeof(c->unknown), "%s", name);
+		}
 		idx = (uint32_t)n;
 	}
 	/* one connection a pair: the node that dials (cl_dials) */
-	if (c->target >= 0 ? (int)idx != c->target : cl_dials(cl, (int)idx))
+	if (!c->unknown[0] &&
+	    (c->target >= 0 ? (int)idx != c->target : cl_dials(cl, (int)idx)))
 		return cl_reject(c, "node %s dialled the wrong way", name);
-	c->peer = (int)idx;
+	c->peer = c->unknown[0] ? -1 : (int)idx;
 	c->minor = minor;
 	c->got_hello = true;
 	/* The rdma passive side may receive the dialler's hello before its
 	 * own ESTABLISHED event (where it sends its hello): ours first, with
 	 * the nonce the proof below is bound to. */
 	send_hello(c);
-	const char *me = cl->node[cl->self].name, *it = cl->node[idx].name;
+	const char *me = cl->node[cl->self].name,
+		   *it = c->unknown[0] ? c->unknown : cl->node[idx].name;
 	epd_peer_key(cl->key, me, it, c->nonce, c->peer_nonce, c->ktx);
 	epd_peer_key(cl->key, it, me, c->peer_nonce, c->nonce, c->krx);
 	uint8_t mac[EPD_PROOF];
@@ -139,13 +145,25 @@ static void on_auth(struct pconn *c, const uint8_t *p, uint32_t len)
 	struct epd_cluster *cl = c->cl;
 	if (!c->got_hello || len != EPD_PROOF)
 		return cl_reject(c, "authentication out of order");
+	const char *it = c->unknown[0] ? c->unknown : cl->node[c->peer].name;
 	uint8_t want[EPD_PROOF];
-	epd_peer_proof(cl->key, cl->node[c->peer].name,
-		       cl->node[cl->self].name, c->peer_nonce, c->nonce, want);
+	epd_peer_proof(cl->key, it, cl->node[cl->self].name, c->peer_nonce,
+		       c->nonce, want);
 	if (crypto_verify_32(want, p))
 		return cl_reject(c, "node %s: wrong cluster key, or a proof made "
 				 "for another connection",
-			      cl->node[c->peer].name);
+			      it);
+	if (c->unknown[0]) {
+		/* proven: learnt now (another connection of it may have been
+		 * first) */
+		char err[160];
+		int n = cl_node_find(cl, c->unknown);
+		if (n < 0 && (n = cl_node_add(cl, c->unknown, c->host, 0, err,
+					      sizeof(err))) < 0)
+			return cl_reject(c, "node %s: %s", c->unknown, err);
+		c->peer = n;
+		c->unknown[0] = 0;
+	}
 	c->rx_tag = true; /* every frame after its proof */
 	c->authed = true;
 	if (c->target >= 0) {

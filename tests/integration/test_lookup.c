@@ -10,16 +10,28 @@
  *    checked bitwise; each daemon's status lists the node it learnt. An
  *    address in a job's list is refused there (it takes peer_lookup =
  *    job).
- * 2. peer_lookup = job with peer_nodes_max = 2: a join naming more nodes
+ * 2. Peers that dial a dns-mode daemon with bad hellos (a name over the
+ *    limit, a name with a space, an empty one, a well-formed unknown
+ *    name that sends a frame instead of the key's proof, and 16 more
+ *    names in turn): each connection is dropped, no name is learnt (a
+ *    node is learnt only once its proof of the cluster key checks out),
+ *    and the job runs again on the same daemons.
+ * 3. peer_lookup = job with peer_nodes_max = 2: a join naming more nodes
  *    than the table holds is refused, naming the limit.
  * (test_placement runs its whole suite with peer_lookup = job too:
  * tests/integration/placement_job.)
  */
 #include "harness.h"
 
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
+
+#include "epp.h"
 
 #define H 128
 #define K 2
@@ -92,6 +104,51 @@ static void expect_join(int d, const char *name, const char *const *list,
 	ep_close(c);
 }
 
+/* A raw peer connection to the daemon listening on 127.0.0.1:PORT
+ * ("localhost"): a hello naming `name`, then (junk) one frame that is
+ * not the key's proof; the daemon must drop it. */
+static void bad_hello(const char *name, bool junk)
+{
+	int fd = socket(AF_INET, SOCK_STREAM, 0);
+	struct sockaddr_in sa = {.sin_family = AF_INET,
+				 .sin_port = htons((uint16_t)PORT)};
+	inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+	TH_CHECK(fd >= 0 && connect(fd, (struct sockaddr *)&sa,
+				    sizeof(sa)) == 0,
+		 "connect to the peer port: %s", strerror(errno));
+	uint8_t b[1024];
+	struct epp_wr w;
+	epp_wr_init(&w, b, sizeof(b));
+	epp_put_u16(&w, EPP_VERSION_MAJOR);
+	epp_put_u16(&w, EPP_VERSION_MINOR);
+	epp_put_str(&w, name);
+	epp_put_u32(&w, 7);
+	for (int i = 0; i < 32; i++)
+		epp_put_u8(&w, (uint8_t)i);
+	TH_CHECK(!w.err, "hello of %zu bytes", strlen(name));
+	struct epp_hdr h;
+	epp_hdr_init(&h, EPP_PEER_HELLO, 0);
+	h.length = (uint32_t)w.off;
+	/* (the daemon may drop it while it writes: a reset is fine) */
+	(void)epp_send_frame(fd, &h, b, NULL);
+	if (junk) {
+		epp_hdr_init(&h, EPP_PEER_HELLO, 1);
+		(void)epp_send_frame(fd, &h, b, NULL);
+	}
+	/* its own hello may come first; then the end, within the
+	 * handshake's time */
+	char rb[512];
+	uint64_t t0 = th_now_ns();
+	for (;;) {
+		ssize_t n = read(fd, rb, sizeof(rb));
+		if (n <= 0)
+			break;
+		TH_CHECK(th_now_ns() - t0 < 20000000000ull * th_scale(),
+			 "a bad hello (%.40s) was not dropped", name);
+	}
+	close(fd);
+}
+
 static void start(struct th_daemon *d, const char *name, const char *host,
 		  int port, const char *key, const char *lookup,
 		  const char *extra)
@@ -140,6 +197,37 @@ int main(void)
 	       "localhost by its name, localhost learns a1 as it dials in): "
 	       "barriers, a dispatch and combine bitwise; each status lists "
 	       "the other node\n");
+	/* bad hellos to "localhost" (dns mode): dropped, nothing learnt */
+	char longname[300];
+	memset(longname, 'x', sizeof(longname) - 1);
+	longname[sizeof(longname) - 1] = 0;
+	bad_hello(longname, false);
+	bad_hello("a1 b", false);
+	bad_hello("", false);
+	bad_hello("intruder", true);
+	/* (those without a frame after the hello wait out the daemon's
+	 * handshake time: a few) */
+	for (int i = 0; i < 16; i++) {
+		char nm[32];
+		snprintf(nm, sizeof(nm), "ghost%d", i);
+		bad_hello(nm, i % 4 != 0);
+	}
+	{
+		ep_conn_t *c;
+		char *js;
+		TH_OK(ep_connect(D[1].sock, &c));
+		TH_OK(ep_daemon_status(c, &js));
+		ep_close(c);
+		TH_CHECK(!strstr(js, "intruder") && !strstr(js, "ghost") &&
+				 !strstr(js, "xxxxxxxx"),
+			 "a bad hello's name was learnt: %s", js);
+		free(js);
+	}
+	th_spawn(p, 2, dns_rank, NULL);
+	TH_CHECK(th_wait_all(p, 2, 60) == 0, "the dns job after bad hellos");
+	printf("ok: 20 bad hellos to a dns-mode daemon (a 299-byte name, a "
+	       "space, an empty name, unknown names without the key's "
+	       "proof): each dropped, none learnt; the job runs again\n");
 	const char *addr[] = {"a1", "b2@127.0.0.1:9"};
 	expect_join(0, "addr", addr, 2, "only with peer_lookup = job");
 	printf("ok: an address in a job's list, where peer_lookup is dns: "
