@@ -156,8 +156,10 @@ class ElasticBuffer:
         self.num_scaleout_ranks, self.num_scaleup_ranks = 1, self.num_ranks
         self.scaleout_rank_idx, self.scaleup_rank_idx = 0, self.rank_idx
         self._gpu = v1._device is not None
+        # the GPU's SMs (get_theoretical_num_sms, each dispatch's default)
+        self._sms = torch.cuda.get_device_properties(
+            v1._device).multi_processor_count if self._gpu else 4
         self._bar = None  # the barrier's group (_barrier_group)
-        self._bar_lock = None
         if self._gpu:
             torch.cuda.synchronize()
         group.barrier()
@@ -272,14 +274,10 @@ class ElasticBuffer:
                                 sm_write_gbs=50):
         """An even SM count (at least 4): the daemon chooses the SMs of its
         own kernels; this figure is recorded in the handle, as V2's."""
-        torch = _torch()
         if num_scaleout_topk:
             raise ValueError("num_scaleout_topk must be 0")
-        sms = torch.cuda.get_device_properties(
-            torch.cuda.current_device()).multi_processor_count \
-            if self._gpu else 4
         want = 24 if self.prefer_overlap_with_compute else 64
-        return max(4, min(sms, want) // 2 * 2)
+        return max(4, min(self._sms, want) // 2 * 2)
 
     def get_theoretical_num_qps(self, num_sms):
         return min(num_sms + 1, self.num_allocated_qps)
@@ -442,7 +440,7 @@ class ElasticBuffer:
                   topk_weights if rt_c is None else None, None, rt_c, worst,
                   prev, True, allocate_on_comm_stream),
             f"the group was sized for num_max_tokens_per_rank={nmax}")
-        recv_x, recv_sf, rti, rtw, pe, rt, rp, rsrc, ev = out
+        recv_x, recv_sf, rti, rtw, _, rt, rp, rsrc, _ = out
         if rt_c is not None:
             rt = rt_c
             rti = handle._rti
@@ -458,7 +456,7 @@ class ElasticBuffer:
         ctx = torch.cuda.stream(comm) if comm is not None else _Nothing()
         with ctx:
             res = self._dispatch_epilogue(
-                handle, x, recv_x, recv_sf, rti, rtw, rp, rsrc, rt, pe,
+                handle, recv_x, recv_sf, rti, rtw, rp, rsrc, rt,
                 topk_idx, topk_weights, T, K, num_experts, nmax,
                 expert_alignment, do_cpu_sync, do_expand, do_zero_padding,
                 use_tma_aligned_col_major_sf, do_handle_copy, num_sms,
@@ -471,7 +469,6 @@ class ElasticBuffer:
                 hnd.dst_buffer_slot_idx]
         evo = self._finish(compute, comm, outs, async_with_compute_stream,
                            allocate_on_comm_stream)
-        del ev
         return ((recv_x, recv_sf) if fp8 else recv_x), rti_out, rtw_out, \
             hnd, evo
 
@@ -518,8 +515,8 @@ class ElasticBuffer:
         compute.wait_stream(comm)
         return EventOverlap(None)
 
-    def _dispatch_epilogue(self, handle, x, recv_x, recv_sf, rti, rtw, rp,
-                           rsrc, rt, pe, topk_idx, topk_weights, T, K, E,
+    def _dispatch_epilogue(self, handle, recv_x, recv_sf, rti, rtw, rp,
+                           rsrc, rt, topk_idx, topk_weights, T, K, E,
                            nmax, align, do_cpu_sync, do_expand, zero_pad,
                            col_major, do_handle_copy, num_sms, stats):
         """V2's outputs from epd's (on the current stream: the comm
@@ -531,17 +528,19 @@ class ElasticBuffer:
         i32, i64 = torch.int32, torch.int64
         cached = handle is not None
         R = recv_x.size(0)  # received rows (the worst case's without sync)
-        if cached:
-            pos = handle._pos
-            if stats is not None:
-                flat = torch.where(rti >= 0, rti, torch.full_like(rti, El))
-                stats.add_(torch.bincount(flat.view(-1), minlength=El + 1)
-                           [:El].to(stats.dtype))
-        else:
-            # received rows' local slots: rows by source rank then token
+        if not cached or stats is not None:
+            # received rows' local slots (rows by source rank then token),
+            # El for another rank's; each local expert's count (El: the
+            # rest)
             valid = rti >= 0
             flat = torch.where(valid, rti, torch.full_like(rti, El)).view(-1)
-            counts = torch.bincount(flat, minlength=El + 1)[:El].to(i32)
+            allc = torch.bincount(flat, minlength=El + 1)
+            counts = allc[:El].to(i32)
+            if stats is not None:
+                stats.add_(counts.to(stats.dtype))
+        if cached:
+            pos = handle._pos
+        else:
             aligned = (counts + (align - 1)) // align * align
             start = torch.cumsum(aligned, 0) - aligned  # each segment's
             if do_expand:
@@ -549,7 +548,6 @@ class ElasticBuffer:
                 # slots in (row, k) order
                 order = torch.sort(flat, stable=True).indices
                 sk = flat[order]
-                allc = torch.bincount(flat, minlength=El + 1)
                 gstart = torch.cumsum(allc, 0) - allc
                 startx = torch.cat([start.to(i64),
                                     torch.full((1,), -1, dtype=i64,
@@ -565,8 +563,6 @@ class ElasticBuffer:
                 rows = torch.arange(R, dtype=i64, device=dev).unsqueeze(1)
                 pos = torch.where(valid, rows.expand(R, K),
                                   torch.full_like(rti, -1))
-            if stats is not None:
-                stats.add_(counts.to(stats.dtype))
         if do_expand:
             if cached:
                 aligned_total = handle.num_expanded_tokens
@@ -739,27 +735,16 @@ class ElasticBuffer:
                             f"got {list(topk_weights.shape)}")
                     # each slot's weight from the rank holding its expert
                     w = topk_weights[:R].float().masked_fill(rti < 0, 0.0)
-            if previous_event_before_epilogue is not None and \
-                    previous_event_before_epilogue.event is not None and \
-                    comm is not None:
-                comm.wait_event(previous_event_before_epilogue.event)
-        out, wout, ev = v1._combine(
+            ev0 = previous_event_before_epilogue
+            if ev0 is not None and ev0.event is not None and comm is not None:
+                comm.wait_event(ev0.event)
+        # (epd's combine, ordered after the comm stream's work above)
+        out, wout, _ = v1._combine(
             y, rt, w, bias, EventOverlap(EventHandle(comm)) if comm else None,
             True, True, topk=handle.topk_idx)
-        outs = [out, wout]
-        if comm is not None and not allocate_on_comm_stream:
-            for t in outs:
-                if t is not None:
-                    t.record_stream(compute)
-        if comm is None:
-            evo = EventOverlap(EventHandle() if async_with_compute_stream
-                               else None)
-        elif async_with_compute_stream:
-            evo = EventOverlap(EventHandle(comm), outs)
-        else:
-            compute.wait_stream(comm)
-            evo = EventOverlap(None)
-        return out, wout, evo
+        return out, wout, self._finish(compute, comm, [out, wout],
+                                       async_with_compute_stream,
+                                       allocate_on_comm_stream)
 
     # ---- what epd does not run ----
 
