@@ -95,13 +95,14 @@ void ek_rank_prefix(const struct ek_route *r, struct ek_rank_io *io,
  * weights: fp32 sums from +0.0 in the same order (no rounding). */
 /* The ranks whose rows a home token's sum adds, in order, into ord [W];
  * returns how many. slot: the token's [W] rows (-1: not sent). With topk
- * (the token's [K] experts): each rank at the position of its last slot
- * in topk (DeepEP V2's order; out-of-range experts name no rank), then
+ * (the token's [K] experts, read once): each rank at the position of its
+ * last slot in topk (DeepEP V2's order; out-of-range experts name no rank), then
  * the ranks with a row that topk does not name, ascending; without:
  * ascending rank. */
 uint32_t ek_combine_order(const struct ek_shape *s, const int32_t *slot,
 			  const int64_t *topk, uint32_t *ord);
 #define EK_MAX_WORLD 1024u /* ranks of a group (the protocol's limit) */
+#define EK_MAX_TOPK 32u    /* a token's experts (the protocol's limit) */
 void ek_combine_tokens(const struct ek_shape *s, const struct ek_route *r,
 		       struct ek_rank_io *io, uint32_t h, uint32_t t0,
 		       uint32_t t1);

@@ -381,7 +381,6 @@ bool epp_uuid_is_zero(const uint8_t uuid[16])
 #define EPP_MAX_EXPERTS 4096
 #define EPP_MAX_HIDDEN 65536
 #define EPP_MAX_TOKENS 65536
-#define EPP_MAX_TOPK 32
 #define EPP_MAX_TIMEOUT_MS 3600000u
 /* a one-node GPU group's per-expert counts fit between the host barrier
  * words (64 local ranks at most) and the group slot */

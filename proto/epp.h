@@ -186,6 +186,7 @@
 #define EPP_HDR_SIZE 24
 #define EPP_MAX_PAYLOAD (1u << 20)
 #define EPP_MAX_WORLD 1024 /* ranks of a group */
+#define EPP_MAX_TOPK 32    /* a token's experts (a JOIN's topk) */
 /* Descriptors one frame may carry: a MEM_REG's chunks (1.13); every other
  * frame carries 2 at most. */
 #define EPP_MAX_FDS 64

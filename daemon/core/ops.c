@@ -20,6 +20,7 @@
 
 /* ek_combine_order's list holds every rank of a group */
 _Static_assert(EK_MAX_WORLD >= EPP_MAX_WORLD, "EK_MAX_WORLD");
+_Static_assert(EK_MAX_TOPK >= EPP_MAX_TOPK, "EK_MAX_TOPK");
 
 #define TOKEN_CHUNK 64 /* tokens per work item */
 

@@ -167,7 +167,10 @@ __device__ static inline int32_t expert_rank(const struct ekc_disp_args &a,
 // A home token's rows into rp in kernels/host's ek_combine_order with its
 // top-k row tk (the home's topk_idx field): each rank at its last slot,
 // then the ranks with a row that tk does not name, ascending. Returns how
-// many. By the whole warp.
+// many. By the whole warp: lane k reads slot k once (K <= 32, the
+// protocol's limit), the others see it by shuffles (the rank may write
+// the row meanwhile: a second read that differed could list a rank twice
+// and overrun rp).
 __device__ static inline uint32_t list_topk_order(const struct ekc_disp_args &a,
 						  const int32_t *slot,
 						  const int64_t *tk,
@@ -175,30 +178,29 @@ __device__ static inline uint32_t list_topk_order(const struct ekc_disp_args &a,
 						  uint32_t lane, uint64_t nvec)
 {
 	const uint32_t K = a.K, W = a.W;
-	uint32_t n = 0;
-	for (uint32_t k0 = 0; k0 < K; k0 += 32) {
-		const uint32_t k = k0 + lane;
-		const int32_t d = k < K ? expert_rank(a, tk[k]) : -1;
-		const int32_t r = d >= 0 ? slot[d] : -1;
-		bool last = r >= 0;
-		for (uint32_t j = k + 1; j < K && last; j++)
-			last = expert_rank(a, tk[j]) != d;
-		const uint32_t m = __ballot_sync(0xffffffffu, last);
-		if (last)
-			rp[n + __popc(m & ((1u << lane) - 1))] =
-				combine_row(a, (uint32_t)d, r, nvec);
-		n += __popc(m);
+	const int32_t dl = lane < K ? expert_rank(a, tk[lane]) : -1;
+	const int32_t r = dl >= 0 ? slot[dl] : -1;
+	bool last = r >= 0;
+	for (uint32_t j = 0; j < K; j++) {
+		const int32_t dj = __shfl_sync(0xffffffffu, dl, j);
+		last = last && !(j > lane && dj == dl);
 	}
+	uint32_t m = __ballot_sync(0xffffffffu, last);
+	if (last)
+		rp[__popc(m & ((1u << lane) - 1))] =
+			combine_row(a, (uint32_t)dl, r, nvec);
+	uint32_t n = __popc(m);
 	for (uint32_t d0 = 0; d0 < W; d0 += 32) {
 		const uint32_t d = d0 + lane;
-		const int32_t r = d < W ? slot[d] : -1;
-		bool extra = r >= 0;
-		for (uint32_t k = 0; k < K && extra; k++)
-			extra = expert_rank(a, tk[k]) != (int32_t)d;
-		const uint32_t m = __ballot_sync(0xffffffffu, extra);
+		const int32_t rd = d < W ? slot[d] : -1;
+		bool extra = rd >= 0;
+		for (uint32_t j = 0; j < K; j++)
+			extra = extra &&
+				__shfl_sync(0xffffffffu, dl, j) != (int32_t)d;
+		m = __ballot_sync(0xffffffffu, extra);
 		if (extra)
 			rp[n + __popc(m & ((1u << lane) - 1))] =
-				combine_row(a, d, r, nvec);
+				combine_row(a, d, rd, nvec);
 		n += __popc(m);
 	}
 	return n;

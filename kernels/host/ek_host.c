@@ -334,13 +334,18 @@ uint32_t ek_combine_order(const struct ek_shape *s, const int32_t *slot,
 	}
 	for (uint32_t d = 0; d < W; d++)
 		rows += slot[d] >= 0;
+	/* the row read once: the rank may write it meanwhile, and a second
+	 * read that differed could list a rank twice */
+	int32_t dk[EK_MAX_TOPK];
+	for (uint32_t k = 0; k < K; k++)
+		dk[k] = expert_rank(s, topk[k]);
 	for (uint32_t k = 0; k < K; k++) {
-		int32_t d = expert_rank(s, topk[k]);
+		const int32_t d = dk[k];
 		if (d < 0 || slot[d] < 0)
 			continue;
 		bool last = true;
 		for (uint32_t j = k + 1; j < K && last; j++)
-			last = expert_rank(s, topk[j]) != d;
+			last = dk[j] != d;
 		if (last)
 			ord[n++] = (uint32_t)d;
 	}
