@@ -22,6 +22,9 @@ T, H, K, E = (int(os.environ.get(k, v)) for k, v in
               (("EPD_BENCH_T", 4096), ("EPD_BENCH_H", 7168),
                ("EPD_BENCH_K", 8), ("EPD_BENCH_E", 256)))
 N = int(os.environ.get("EPD_BENCH_ITERS", 20))
+# EPD_BENCH_API=v2: the shim under test is V2's ElasticBuffer (its
+# dispatch with V2's outputs and handle, its combine in V2's order)
+V2 = os.environ.get("EPD_BENCH_API", "v1") == "v2"
 
 
 def rank_main(r, W, store, q):
@@ -33,18 +36,31 @@ def rank_main(r, W, store, q):
         torch.cuda.set_device(0)
         group = dist.new_group(list(range(W)))
         import epd.deep_ep as deep_ep
-        buf = deep_ep.Buffer(group, int(2e9), 0, explicitly_destroy=True)
+        if V2:
+            buf = deep_ep.ElasticBuffer(
+                group, num_max_tokens_per_rank=T, hidden=H, num_topk=K,
+                use_fp8_dispatch=False, explicitly_destroy=True)
+            v1 = buf._v1
+        else:
+            buf = deep_ep.Buffer(group, int(2e9), 0,
+                                 explicitly_destroy=True)
+            v1 = buf
         g = torch.Generator(device="cuda")
         g.manual_seed(1234 + r)
         x = torch.randn((T, H), device="cuda", generator=g).to(torch.bfloat16)
         scores = torch.rand((T, E), device="cuda", generator=g) + 0.1
         topk = torch.topk(scores, K, dim=1).indices
         w = torch.rand((T, K), device="cuda", generator=g)
-        pr, _, pe, inr, _ = buf.get_dispatch_layout(topk, E)
-        lay = dict(num_tokens_per_rank=pr, is_token_in_rank=inr,
-                   num_tokens_per_expert=pe, topk_idx=topk, topk_weights=w)
-        rx, _, _, _, hnd, _ = buf.dispatch(x, **lay)
-        sub = buf._subs[(H, False, K, E)]
+        if V2:
+            lay = dict(topk_idx=topk, topk_weights=w, num_experts=E)
+            rx, _, _, hnd, _ = buf.dispatch(x, **lay)
+        else:
+            pr, _, pe, inr, _ = buf.get_dispatch_layout(topk, E)
+            lay = dict(num_tokens_per_rank=pr, is_token_in_rank=inr,
+                       num_tokens_per_expert=pe, topk_idx=topk,
+                       topk_weights=w)
+            rx, _, _, _, hnd, _ = buf.dispatch(x, **lay)
+        sub = v1._subs[(H, False, K, E)]
         eg, st = sub.g, torch.cuda.current_stream()
         sub.x[:T].copy_(x)
         sub.topk[:T].copy_(topk)
@@ -74,7 +90,7 @@ def rank_main(r, W, store, q):
         eg.recv_count(h0)
 
         def own_combine():
-            eg.combine_stream(h0, stream=st)
+            eg.combine_stream(h0, stream=st, topk_order=V2)
 
         # (c) epd's own API doing the copies DeepEP's semantics need (x
         # in, fresh outputs out) with plain torch copies and no wrapper:
@@ -94,7 +110,7 @@ def rank_main(r, W, store, q):
 
         def copies_combine():
             sub.y[:R].copy_(rx)
-            eg.combine_stream(h0, stream=st)
+            eg.combine_stream(h0, stream=st, topk_order=V2)
             torch.empty((T, H), dtype=torch.bfloat16,
                         device="cuda").copy_(sub.out[:T])
 
@@ -249,7 +265,8 @@ def main():
     od = min(worst["own_d"], worst["own_d2"])
     sd = min(worst["shim_d"], worst["shim_d2"])
     oc, sc = worst["own_c"], worst["shim_c"]
-    print(f"perf deep_ep W={W} T={T} H={H} top-{K}/{E}: dispatch own_us={od:.0f} "
+    api = "ElasticBuffer" if V2 else "Buffer"
+    print(f"perf deep_ep {api} W={W} T={T} H={H} top-{K}/{E}: dispatch own_us={od:.0f} "
           f"shim_us={sd:.0f} ratio={sd / od:.3f}; combine own_us={oc:.0f} "
           f"shim_us={sc:.0f} ratio={sc / oc:.3f} (slowest rank's mean of "
           f"{N}; dispatch: better of two rounds; combine rows "

@@ -34,6 +34,7 @@ import weakref
 from . import legacy as _legacy
 from ..utils.event import EventHandle, EventOverlap
 from ..utils.envs import check_torch_deterministic
+from ..utils import spans as _spans
 
 _ALIGN = 2 << 20  # the buffer sizes' granule (V2: 2 MiB)
 _MAX_TOPK = 32    # epd's largest top-k (EPP_MAX_TOPK)
@@ -327,10 +328,14 @@ class ElasticBuffer:
         if use_comm_stream:
             comm = self._v1._comm
             comm.wait_stream(cur)
+            a = _spans.mark(comm)
             g.barrier_stream(comm.cuda_stream)
+            _spans.add("epd_barrier", a, _spans.mark(comm))
             cur.wait_stream(comm)
         else:
+            a = _spans.mark(cur)
             g.barrier_stream(cur.cuda_stream)
+            _spans.add("epd_barrier", a, _spans.mark(cur))
         if with_cpu_sync:
             torch.cuda.synchronize()
 
@@ -441,6 +446,7 @@ class ElasticBuffer:
                   prev, True, allocate_on_comm_stream),
             f"the group was sized for num_max_tokens_per_rank={nmax}")
         recv_x, recv_sf, rti, rtw, _, rt, rp, rsrc, _ = out
+        op_end, _spans.last_end = _spans.last_end, None
         if rt_c is not None:
             rt = rt_c
             rti = handle._rti
@@ -461,6 +467,8 @@ class ElasticBuffer:
                 expert_alignment, do_cpu_sync, do_expand, do_zero_padding,
                 use_tma_aligned_col_major_sf, do_handle_copy, num_sms,
                 cumulative_local_expert_recv_stats)
+            _spans.add("epd_dispatch_copy_epilogue_impl", op_end,
+                       _spans.mark(comm))
         recv_x, recv_sf, rti_out, rtw_out, hnd = res
         outs = [recv_x, recv_sf, rti_out, rtw_out, hnd.recv_src_metadata,
                 hnd.psum_num_recv_tokens_per_scaleup_rank,

@@ -76,6 +76,7 @@ import epd
 from ..utils.event import EventHandle, EventOverlap
 from ..utils.envs import check_nvlink_connections, check_torch_deterministic
 from ..utils.math import per_token_cast_to_fp8
+from ..utils import spans as _spans
 
 
 def _torch():
@@ -1168,10 +1169,12 @@ class Buffer:
                             t_.record_stream(comm)
             if pieces:
                 _copies(pieces, self._comm_ptr)
+            a = _spans.mark(comm)
             h = sub.g.dispatch_stream(
                 T, stream=self._comm_ptr, weights=topk_weights is not None,
                 handle=rt.h if cached else None, area=area, region=reg,
                 ptr=xv.data_ptr() if reg is not None else 0)
+            _spans.add("epd_dispatch_impl", a, _spans.mark(comm))
         finally:
             to(compute)
         # the routing input a cached dispatch in the other dtype needs:
@@ -1408,6 +1411,7 @@ class Buffer:
             flags = dict(bias=bias is not None, weights=tw is not None,
                          bias2=bias2 is not None,
                          topk_order=topk is not None)
+            a = _spans.mark(comm)
             if reg is None and oreg is None:
                 sub.g.combine_stream(rt.h, stream=comm, **flags)
             else:
@@ -1415,12 +1419,16 @@ class Buffer:
                     rt.h, reg, x.data_ptr() if reg is not None else None, R,
                     oreg, st.data_ptr() if oreg is not None else None,
                     stream=comm, **flags)
+            b = _spans.mark(comm)
+            _spans.add("epd_combine_impl", a, b)
             if oreg is None:
                 out.copy_(sub.out[:T])
             sub.in_place["rows"] += reg is not None
             sub.in_place["out"] += oreg is not None
             if wout is not None:
                 wout.copy_(sub.cw_out[:T])
+            _spans.add("epd_combine_reduce_epilogue_impl", b,
+                       _spans.mark(comm))
         ev = self._finish(compute, comm, [out, wout], async_finish,
                           alloc_comm)
         return out, wout, ev

@@ -56,12 +56,15 @@ def bench(fn, num_warmups=50, num_tests=50, post_fn=None, flush_l2=True):
     return sum(times) / len(times), min(times), max(times)
 
 
-def kernel_means(events, names, per=1):
+def kernel_means(events, names, per=1, spans=()):
     """From a Chrome trace's events: for each name, the mean duration in
     seconds of the kernels whose names contain it, or with per > 1 the
     per means of the first, the second, ... of each period of per such
-    kernels in time order (RuntimeError if none ran, or their number is
-    not whole periods)."""
+    kernels in time order. A name no kernel has is looked up in spans,
+    the (name, start event, end event) of epd's normal ops on this rank's
+    streams (deep_ep.utils.spans). RuntimeError if neither has it, or
+    their number is not whole periods."""
+    from .spans import means as span_means
     # ("kernel"; "Kernel" in older PyTorch)
     kernels = sorted((e for e in events
                       if str(e.get("cat", "")).lower() == "kernel" and
@@ -70,10 +73,14 @@ def kernel_means(events, names, per=1):
     for name in names:
         durs = [e["dur"] / 1e6 for e in kernels if name in e["name"]]
         if not durs:
-            raise RuntimeError(
-                f"bench_kineto: no kernel named *{name}* ran in this "
-                f"process (epd runs its normal ops in the daemon; only the "
-                f"low-latency kernels run on the caller's stream)")
+            m = span_means(spans, (name,), per)[0]
+            if m is None:
+                raise RuntimeError(
+                    f"bench_kineto: no kernel named *{name}* ran in this "
+                    f"process, and no epd op of that name ran on its "
+                    f"streams")
+            out.append(m)
+            continue
         if len(durs) % per:
             raise RuntimeError(f"bench_kineto: {len(durs)} kernels named "
                                f"*{name}*, not periods of {per}")
@@ -90,7 +97,10 @@ def bench_kineto(fn, kernel_names, num_tests=30, suppress_kineto_output=False,
     kernel_names (a name, or a tuple: a list back) over num_tests calls of
     fn, from PyTorch's profiler: the kernels this process ran. epd's
     low-latency ops are kernels on the caller's stream and are found here;
-    the normal ops run in the daemon (RuntimeError: no such kernel). With
+    the normal ops run in the daemon, and a name no kernel has is looked
+    up in their spans on this rank's streams (deep_ep.utils.spans: DeepEP's
+    dispatch_impl is epd's dispatch op, dispatch_copy_epilogue_impl the
+    shim's work after it, and so on; RuntimeError if neither has it). With
     num_kernels_per_period n > 1 a name's entry is n means: of the first,
     the second, ... of its kernels in each call (a dispatch's send and its
     receive hook). barrier_comm_profiling: before each call the GPU waits
@@ -105,6 +115,7 @@ def bench_kineto(fn, kernel_names, num_tests=30, suppress_kineto_output=False,
     many = not isinstance(kernel_names, str)
     if int(os.environ.get("EP_USE_NVIDIA_TOOLS", 0)):
         return [1] * len(names) if many else 1
+    from . import spans as _spans
     fn()  # first use (allocations, lazy set-up) outside the profile
     torch.cuda.synchronize()
     meet = barrier_comm_profiling and \
@@ -119,22 +130,28 @@ def bench_kineto(fn, kernel_names, num_tests=30, suppress_kineto_output=False,
         activities=[torch.profiler.ProfilerActivity.CUDA],
         schedule=torch.profiler.schedule(wait=0, warmup=1, active=1,
                                          repeat=1))
+    ops = []  # epd's normal ops in the profiled pass (spans.py)
     with quiet(), prof:
-        for _ in range(2):  # a warm-up pass, then the profiled one
-            for _ in range(num_tests):
-                flush_l2_cache(flush_l2)
-                if meet:
-                    torch.cuda._sleep(int(2e7))
-                    barrier()
-                fn()
-            torch.cuda.synchronize()
-            prof.step()
+        try:
+            for p in range(2):  # a warm-up pass, then the profiled one
+                if p == 1:
+                    _spans.measure(ops)
+                for _ in range(num_tests):
+                    flush_l2_cache(flush_l2)
+                    if meet:
+                        torch.cuda._sleep(int(2e7))
+                        barrier()
+                    fn()
+                torch.cuda.synchronize()
+                prof.step()
+        finally:
+            _spans.measure(None)
     with tempfile.TemporaryDirectory() as d:
         path = trace_path or os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             events = json.load(f).get("traceEvents", [])
-    out = kernel_means(events, names, num_kernels_per_period)
+    out = kernel_means(events, names, num_kernels_per_period, ops)
     return out if many else out[0]
 
 
