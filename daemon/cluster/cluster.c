@@ -371,6 +371,10 @@ static void on_tick(uv_timer_t *t)
 			 now >= nd->next_dial_ns)
 			cl_dial(cl, n);
 	}
+	/* learnt nodes unused for a linger are forgotten: the table holds
+	 * the nodes in use, not every node ever named */
+	if (cl->n > cl->fixed)
+		cl_node_reclaim(cl, linger);
 }
 
 static bool addr_loopback(const struct sockaddr_storage *sa)
@@ -391,6 +395,8 @@ static int loopback_node(const struct epd_cluster *cl)
 	for (int i = 0; i < cl->n; i++) {
 		struct sockaddr_storage sa;
 		const struct cnode *nd = &cl->node[i];
+		if (nd->state == NODE_FREE)
+			continue;
 		if (!cl_resolve(nd->host, nd->port, &sa)) {
 			if (addr_loopback(&sa))
 				return i;
@@ -494,6 +500,7 @@ static int cluster_prepare(struct epd_cluster *cl,
 {
 	if (parse_peers(cl, cfg->peers, cfg->node_name, err, errlen))
 		return -1;
+	cl->fixed = cl->n;
 	if (!cfg->cluster_key_file[0]) {
 		snprintf(err, errlen, "peers given but no cluster_key_file");
 		return -1;
@@ -662,21 +669,93 @@ bool cl_static(const struct epd_cluster *cl)
 int cl_node_find(const struct epd_cluster *cl, const char *name)
 {
 	for (int n = 0; n < cl->n; n++)
-		if (!strcmp(cl->node[n].name, name))
+		if (cl->node[n].state != NODE_FREE &&
+		    !strcmp(cl->node[n].name, name))
 			return n;
 	return -1;
+}
+
+/* Does anything here still name learnt node n by its index? */
+static bool node_in_use(const struct epd_cluster *cl, int n)
+{
+	const struct cnode *nd = &cl->node[n];
+	if (nd->state != NODE_IDLE || nd->conn || nd->resolving ||
+	    nd->groups ||
+	    (cl->pinning && nd->resolved_gen == cl->resolve_gen))
+		return true;
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &cl->conns)
+	{
+		const struct pconn *c = LIST_ENTRY(it, struct pconn, node);
+		if (cl_conn_node(c) == n)
+			return true;
+	}
+	/* a group still forming, or failed and not yet left, keeps its
+	 * node_map without counting in nd->groups */
+	LIST_FOREACH(it, tmp, &cl->srv->groups)
+	{
+		const struct epd_group *g =
+			LIST_ENTRY(it, struct epd_group, node);
+		if (g->nnodes > 1 && g->node_map &&
+		    epd_group_node_of(g, (uint32_t)n) != UINT32_MAX)
+			return true;
+	}
+	return false;
+}
+
+int cl_node_reclaim(struct epd_cluster *cl, uint64_t min_ns)
+{
+	const uint64_t now = epd_now_ns();
+	int freed = 0;
+	for (int n = cl->fixed; n < cl->n; n++) {
+		struct cnode *nd = &cl->node[n];
+		if (n == cl->self || nd->state == NODE_FREE ||
+		    now - (nd->unused_ns > nd->since_ns ? nd->unused_ns
+							 : nd->since_ns) <
+			    min_ns ||
+		    node_in_use(cl, n))
+			continue;
+		epd_info("node %s (index %d): forgotten, unused for %.1f s",
+			 nd->name, n,
+			 (double)(now - (nd->unused_ns > nd->since_ns
+						 ? nd->unused_ns
+						 : nd->since_ns)) /
+				 1e9);
+		/* frames it sent for groups that never formed here */
+		epd_xop_node_down(cl->srv, (uint32_t)n);
+		memset(nd, 0, sizeof(*nd));
+		nd->state = NODE_FREE;
+		cl->nfree++;
+		freed++;
+	}
+	/* free slots at the end shrink the table */
+	while (cl->n > cl->fixed && cl->node[cl->n - 1].state == NODE_FREE) {
+		cl->n--;
+		cl->nfree--;
+	}
+	return freed;
 }
 
 int cl_node_add(struct epd_cluster *cl, const char *name, const char *host,
 		int port, char *err, size_t errlen)
 {
 	const uint32_t max = cl->srv->cfg.peer_nodes_max;
-	if ((uint32_t)cl->n >= max) {
+	/* full: the learnt nodes nothing uses make room, however recent */
+	if ((uint32_t)(cl->n - cl->nfree) >= max && !cl_node_reclaim(cl, 0)) {
 		snprintf(err, errlen,
-			 "the node table is full (peer_nodes_max %u)", max);
+			 "the node table is full (peer_nodes_max %u, every "
+			 "node in use)",
+			 max);
 		return -1;
 	}
-	if (cl->n == cl->cap) {
+	int at = cl->n;
+	for (int n = cl->fixed; cl->nfree && n < cl->n; n++)
+		if (cl->node[n].state == NODE_FREE) {
+			at = n;
+			cl->nfree--;
+			break;
+		}
+	if (at == cl->n && cl->n == cl->cap) {
 		int cap = cl->cap * 2 > 8 ? cl->cap * 2 : 8;
 		struct cnode *nn = realloc(cl->node, (size_t)cap * sizeof(*nn));
 		if (!nn) {
@@ -687,7 +766,7 @@ int cl_node_add(struct epd_cluster *cl, const char *name, const char *host,
 		cl->node = nn;
 		cl->cap = cap;
 	}
-	struct cnode *nd = &cl->node[cl->n];
+	struct cnode *nd = &cl->node[at];
 	memset(nd, 0, sizeof(*nd));
 	snprintf(nd->name, sizeof(nd->name), "%s", name);
 	snprintf(nd->host, sizeof(nd->host), "%s", host);
@@ -696,12 +775,14 @@ int cl_node_add(struct epd_cluster *cl, const char *name, const char *host,
 	nd->since_ns = epd_now_ns();
 	if (port)
 		epd_info("node %s (index %d): learnt, at %s:%d", nd->name,
-			 cl->n, nd->host, port);
+			 at, nd->host, port);
 	else
 		epd_info("node %s (index %d): learnt as it dialled in from %s "
 			 "(no address to dial it at)",
-			 nd->name, cl->n, nd->host);
-	return cl->n++;
+			 nd->name, at, nd->host);
+	if (at == cl->n)
+		cl->n++;
+	return at;
 }
 
 /* A node of a join's list, name or name@host:port: its index, found or
@@ -737,14 +818,22 @@ static int span_resolve(struct epd_server *srv, const char *entry, char *err,
 	}
 	int n = cl_node_find(cl, name);
 	if (n >= 0) {
-		/* known: the address of peers (or the first one learnt)
-		 * stands; a node known only by its dialling in gets the
-		 * job's */
-		if (port && !cl->node[n].port && mode == EPD_LOOKUP_JOB) {
-			snprintf(cl->node[n].host, sizeof(cl->node[n].host),
-				 "%s", host);
-			cl->node[n].port = port;
+		/* known: the address of peers stands, and a learnt one while
+		 * the node is in use (it is where it was reached); a learnt
+		 * node nothing uses, or one known only by its dialling in,
+		 * takes the job's */
+		struct cnode *nd = &cl->node[n];
+		if (port && mode == EPD_LOOKUP_JOB && n >= cl->fixed &&
+		    (nd->port != port || strcmp(nd->host, host)) &&
+		    (!nd->port || !node_in_use(cl, n))) {
+			epd_info("node %s (index %d): at %s:%d, as a job says "
+				 "(was %s:%d)",
+				 nd->name, n, host, port,
+				 nd->port ? nd->host : "-", nd->port);
+			snprintf(nd->host, sizeof(nd->host), "%s", host);
+			nd->port = port;
 		}
+		nd->resolved_gen = cl->resolve_gen;
 		return n;
 	}
 	if (mode == EPD_LOOKUP_PEERS) {
@@ -763,7 +852,20 @@ static int span_resolve(struct epd_server *srv, const char *entry, char *err,
 		snprintf(host, sizeof(host), "%s", name);
 		port = cl->node[cl->self].port;
 	}
-	return cl_node_add(cl, name, host, port, err, errlen);
+	n = cl_node_add(cl, name, host, port, err, errlen);
+	if (n >= 0)
+		cl->node[n].resolved_gen = cl->resolve_gen;
+	return n;
+}
+
+static void span_resolve_pin(struct epd_server *srv, bool on)
+{
+	struct epd_cluster *cl = srv->cluster;
+	if (!cl)
+		return;
+	if (on)
+		cl->resolve_gen++;
+	cl->pinning = on;
 }
 
 /* Local index l entered barrier seq: to group node `to` (a
@@ -841,6 +943,10 @@ void *epd_cluster_status(struct epd_server *srv)
 	}
 	for (int n = 0; n < cl->n; n++) {
 		struct cnode *nd = &cl->node[n];
+		if (nd->state == NODE_FREE) { /* a forgotten node's slot */
+			row[n] = '-';
+			continue;
+		}
 		const char *st = nd->state == NODE_SELF ? "self"
 				 : nd->state == NODE_UP ? "up"
 				 : nd->state == NODE_IDLE ? "idle"
@@ -879,7 +985,8 @@ void *epd_cluster_status(struct epd_server *srv)
 	row[cl->n] = 0;
 	json_t *o = json_pack("{s:s, s:i, s:i, s:I, s:s, s:s, s:I, s:o, s:o}",
 			      "node", cl->node[cl->self].name, "index", cl->self,
-			      "nodes", cl->n, "view_epoch", (json_int_t)cl->epoch,
+			      "nodes", cl->n - cl->nfree, "view_epoch",
+			      (json_int_t)cl->epoch,
 			      "transport", cl->tops->name, "row", row,
 			      "rejected", (json_int_t)cl->rejected, "peers",
 			      peers, "matrix", matrix);
@@ -1117,6 +1224,7 @@ static const struct epd_span_ops span_ops = {
 	.self = span_self,
 	.size = span_size,
 	.resolve = span_resolve,
+	.resolve_pin = span_resolve_pin,
 	.formed = span_formed,
 	.nodes_up = span_nodes_up,
 	.nodes_missing = span_nodes_missing,

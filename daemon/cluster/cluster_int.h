@@ -58,8 +58,9 @@
 #define NONCE 32
 
 /* DOWN: wanted (a group here spans it, or peer_connect = all) and not
- * connected; IDLE: neither wanted nor connected (on-demand). */
-enum { NODE_DOWN, NODE_UP, NODE_SELF, NODE_IDLE };
+ * connected; IDLE: neither wanted nor connected (on-demand); FREE: a
+ * learnt node forgotten (cl_node_reclaim), its slot free for the next. */
+enum { NODE_DOWN, NODE_UP, NODE_SELF, NODE_IDLE, NODE_FREE };
 
 struct pconn {
 	struct epd_tconn *tc; /* the transport's; NULL once it is gone */
@@ -109,6 +110,7 @@ struct cnode {
 	uint64_t downs;
 	uint64_t next_dial_ns, backoff_ns; /* redial a failing node slower */
 	bool resolving; /* its host name is being looked up */
+	uint64_t resolved_gen; /* the join list that last named it */
 	uint32_t groups;  /* groups here that span it (on-demand: wanted) */
 	uint64_t unused_ns; /* when the last of them went (linger from) */
 	/* closing an unused connection (PEER_BYE): we asked and wait for
@@ -130,6 +132,11 @@ struct epd_cluster {
 	 * or dialling in); indices are this node's own, names the same
 	 * everywhere */
 	struct cnode *node;
+	/* node[0..fixed) came from peers and stay; later ones are learnt
+	 * and forgotten when unused (cl_node_reclaim); nfree: FREE slots */
+	int fixed, nfree;
+	uint64_t resolve_gen; /* the join list being resolved, */
+	bool pinning;	      /* while it is */
 	uint8_t key[32];
 	const struct epd_transport_ops *tops;
 	struct epd_transport *tr;
@@ -161,6 +168,12 @@ int cl_node_add(struct epd_cluster *cl, const char *name, const char *host,
 		int port, char *err, size_t errlen);
 /* The index of node `name`, or -1. */
 int cl_node_find(const struct epd_cluster *cl, const char *name);
+/* Forget the learnt nodes nothing here uses (no group, forming or not,
+ * spans it; no connection, dial or lookup of it is open; not named by
+ * the join list being resolved) and unused for at least min_ns: their
+ * slots are free and what this node kept of them (frames stashed for
+ * groups not formed) is dropped. Returns how many. */
+int cl_node_reclaim(struct epd_cluster *cl, uint64_t min_ns);
 /* Does this node dial node n (when it wants it)? With peer_connect =
  * all, the lower index dials; on demand, the lower name. */
 bool cl_dials(const struct epd_cluster *cl, int n);

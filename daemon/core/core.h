@@ -82,6 +82,9 @@ struct epd_span_ops {
 	/* The cluster's index of the node of that name, or -1. */
 	int (*resolve)(struct epd_server *srv, const char *name, char *err,
 		       size_t errlen);
+	/* A join's list of nodes is being resolved (on), or was (off): the
+	 * nodes it named so far are not forgotten meanwhile. */
+	void (*resolve_pin)(struct epd_server *srv, bool on);
 	/* A group spanning nodes was made here (its node_map set): the
 	 * cluster connects to its nodes (freed undoes it). */
 	void (*formed)(struct epd_group *g);

@@ -861,7 +861,13 @@ int epd_group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 	char err[512];
 	int code;
 	struct join_nodes jn = {0};
+	/* the nodes a list names stay while it is resolved: a full table
+	 * does not forget one named earlier in the same list */
+	if (srv->span && j->num_nodes)
+		srv->span->resolve_pin(srv, true);
 	code = join_nodes(srv, j, &jn, err, sizeof(err));
+	if (srv->span && j->num_nodes)
+		srv->span->resolve_pin(srv, false);
 	if (code) {
 		free(jn.map); /* a list refused after its map was made */
 		epd_session_error(c, req_id, code, "%s", err);

@@ -17,7 +17,12 @@
  *    node is learnt only once its proof of the cluster key checks out),
  *    and the job runs again on the same daemons.
  * 3. peer_lookup = job with peer_nodes_max = 2: a join naming more nodes
- *    than the table holds is refused, naming the limit.
+ *    than the table holds is refused, naming the limit, and the node it
+ *    named first is not forgotten to make room. Learnt nodes are
+ *    forgotten once unused: at once where a new job's node needs the
+ *    room (never one a group, forming or not, still names), and after
+ *    peer_linger_ms anyway; an unused learnt node takes the address a
+ *    new job gives, one in use keeps its own.
  * (test_placement runs its whole suite with peer_lookup = job too:
  * tests/integration/placement_job.)
  */
@@ -149,6 +154,49 @@ static void bad_hello(const char *name, bool junk)
 	close(fd);
 }
 
+/* Does daemon d's status hold frag? */
+static bool status_has(int d, const char *frag)
+{
+	ep_conn_t *c;
+	char *js;
+	TH_OK(ep_connect(D[d].sock, &c));
+	TH_OK(ep_daemon_status(c, &js));
+	ep_close(c);
+	const bool has = strstr(js, frag) != NULL;
+	free(js);
+	return has;
+}
+
+/* Wait (up to secs) until daemon d's status holds frag (want) or no
+ * longer does. */
+static void wait_status(int d, const char *frag, bool want, double secs,
+			const char *what)
+{
+	const uint64_t t0 = th_now_ns();
+	while (status_has(d, frag) != want) {
+		TH_CHECK(th_now_ns() - t0 < (uint64_t)(secs * 1e9 * th_scale()),
+			 "%s: the status %s '%s' after %.1f s", what,
+			 want ? "lacks" : "still has", frag, secs);
+		usleep(20000);
+	}
+}
+
+/* A join of this node (j0, daemon 2) and `other` that waits for it
+ * (EP_JOIN_NOWAIT: the group forms later, or never); its connection. */
+static ep_conn_t *join_open(const char *name, const char *other)
+{
+	ep_conn_t *c;
+	ep_group_t *g;
+	const char *list[] = {"j0", other};
+	TH_OK(ep_connect(D[2].sock, &c));
+	struct ep_group_config cfg = {
+		.name = name, .world_size = 2, .ranks_per_node = 1, .rank = 0,
+		.num_experts = 8, .hidden = H, .max_tokens_per_rank = T,
+		.topk = K, .dtype = EP_DTYPE_BF16, .timeout_ms = 60000};
+	TH_OK(ep_join_nodes(c, &cfg, list, EP_JOIN_NOWAIT, &g));
+	return c;
+}
+
 static void start(struct th_daemon *d, const char *name, const char *host,
 		  int port, const char *key, const char *lookup,
 		  const char *extra)
@@ -160,7 +208,7 @@ static void start(struct th_daemon *d, const char *name, const char *host,
 	snprintf(lk, sizeof(lk), "peer_lookup=%s", lookup);
 	th_daemon_start(d, "-o", nn, "-o", peers, "-o", kf, "-o", lk, "-o",
 			"transport=tcp", "-o", "heartbeat_ms=100", "-o",
-			extra, NULL);
+			"peer_linger_ms=1000", "-o", extra, NULL);
 }
 
 int main(void)
@@ -234,9 +282,65 @@ int main(void)
 	       "EP_EINVAL\n");
 	start(&D[2], "j0", "127.0.0.3", PORT, key, "job", "peer_nodes_max=2");
 	const char *three[] = {"j0", "p1@127.0.0.1:9", "p2@127.0.0.1:9"};
-	expect_join(2, "full", three, 3, "node table is full (peer_nodes_max 2)");
+	expect_join(2, "full", three, 3,
+		    "node table is full (peer_nodes_max 2, every node in use)");
 	printf("ok: peer_lookup = job, peer_nodes_max 2: a join naming a "
-	       "third node is refused, naming the limit\n");
+	       "third node is refused, naming the limit (the node it named "
+	       "first is not forgotten to make room)\n");
+	/* learnt nodes are forgotten once unused: the table holds the
+	 * nodes in use, however many jobs came and went (q1, q2 at the
+	 * discard port: never reached, their groups never form) */
+	ep_conn_t *c1 = join_open("q1job", "q1@127.0.0.1:9");
+	TH_CHECK(status_has(2, "\"name\":\"q1\""), "q1 not learnt");
+	const char *q2[] = {"j0", "q2@127.0.0.1:9"};
+	expect_join(2, "q2full", q2, 2, "every node in use");
+	ep_close(c1); /* its group goes; q1 is unused */
+	wait_status(2, "\"name\":\"q1job\"", false, 10, "q1job's end");
+	ep_conn_t *c2 = NULL;
+	const uint64_t t0 = th_now_ns();
+	for (;;) { /* (the group's end reaches the loop a moment later) */
+		ep_conn_t *c;
+		ep_group_t *g;
+		TH_OK(ep_connect(D[2].sock, &c));
+		struct ep_group_config cfg = {
+			.name = "q2job", .world_size = 2, .ranks_per_node = 1,
+			.num_experts = 8, .hidden = H, .max_tokens_per_rank = T,
+			.topk = K, .dtype = EP_DTYPE_BF16, .timeout_ms = 60000};
+		if (ep_join_nodes(c, &cfg, q2, EP_JOIN_NOWAIT, &g) == 0) {
+			c2 = c;
+			break;
+		}
+		TH_CHECK(strstr(ep_errmsg(), "every node in use") &&
+				 th_now_ns() - t0 < 10000000000ull * th_scale(),
+			 "q2's join: %s", ep_errmsg());
+		ep_close(c);
+		usleep(20000);
+	}
+	TH_CHECK(status_has(2, "\"name\":\"q2\"") &&
+			 !status_has(2, "\"name\":\"q1\""),
+		 "q1 not forgotten for q2");
+	printf("ok: a full table (peer_nodes_max 2) makes room for a new "
+	       "job's node by forgetting an unused learnt one at once, and "
+	       "only an unused one (refused while q1's group was there)\n");
+	/* an unused learnt node takes the address the next job gives */
+	ep_close(c2);
+	wait_status(2, "\"nodes\":1", true, 10, "q2's group's end");
+	TH_CHECK(!status_has(2, "\"name\":\"q2\""), "q2 still listed");
+	printf("ok: learnt nodes unused for peer_linger_ms are forgotten "
+	       "(the table holds only this node again)\n");
+	c1 = join_open("q3job", "q3@127.0.0.1:9");
+	ep_close(c1);
+	wait_status(2, "\"name\":\"q3job\"", false, 10, "q3job's end");
+	c1 = join_open("q3job", "q3@127.0.0.2:9");
+	TH_CHECK(status_has(2, "\"addr\":\"127.0.0.2:9\""),
+		 "q3 kept its first address while unused");
+	c2 = join_open("q3job2", "q3@127.0.0.3:9");
+	TH_CHECK(status_has(2, "\"addr\":\"127.0.0.2:9\""),
+		 "q3 re-addressed while a group used it");
+	ep_close(c1);
+	ep_close(c2);
+	printf("ok: a learnt node nothing uses takes the address a new job "
+	       "gives; one in use keeps its own\n");
 	for (int d = 0; d < 3; d++)
 		th_daemon_stop(&D[d]);
 	printf("ok\n");
