@@ -556,6 +556,13 @@ int ep_leave(ep_group_t *g)
 	ep_conn_t *c = g->conn;
 	uint8_t buf[8];
 	put_gid(buf, g->id);
+	/* A GPU rank's stream-ordered ops still queued are waited for (up
+	 * to the group's timeout, or until the group fails): leaving
+	 * before them would fail the other ranks' ops for a rank that only
+	 * left early, and leave this rank's streams waiting on memory that
+	 * is unmapped below. */
+	if (g->cuda_device >= 0 && ep__inflight(g))
+		(void)ep__wait_completed(g, 0);
 	ep__llh_leave(g); /* the low-latency mode's pseudo group first */
 	pthread_mutex_lock(&c->mu);
 	int rc = ep__rpc(c, EPP_LEAVE, 0, buf, 8, NULL, NULL, NULL, 0,

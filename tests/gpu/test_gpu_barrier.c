@@ -34,6 +34,8 @@ struct shared {
 	volatile int enqueued[MAXR];
 	volatile int entered;
 	volatile int release;
+	volatile uint32_t leave_gate; /* rank 0's stream waits on it */
+	volatile int leave_enq;
 	double us_per_barrier, roundtrip_us, b10k_us, rt_us[MAXR], engine_us;
 	uint32_t arrive, gen; /* a CPU line-up of the ranks */
 	int mps;
@@ -114,6 +116,54 @@ static void check_late(struct shared *s)
 	       s->ranks,
 	       getenv("EPD_GPU_SPREAD") ? "spread over the GPUs" : "one GPU",
 	       DELAY_MS);
+}
+
+/* Ranks that leave with stream barriers still queued: rank 0's stream is
+ * held back, so no rank's barriers can complete until the parent opens
+ * the gate, and every rank calls ep_leave at once. ep_leave waits for
+ * the rank's own queued ops: each rank's stream then finishes cleanly
+ * (none waits on memory unmapped under it, no group fails because a
+ * rank left between its ops). */
+#define LEAVE_OPS 20
+static int leave_rank(int rank, void *arg)
+{
+	struct shared *s = arg;
+	CUdeviceptr sdev;
+	CUstream st = rank_cuda(s, rank, &sdev);
+	ep_conn_t *c;
+	ep_group_t *g = gpu_join(s, "gleave", rank, s->ranks, 20000, &c);
+	if (rank == 0)
+		CU(tg_drv.cuStreamWaitValue32(st, DEV(&s->leave_gate), 1,
+					   CU_STREAM_WAIT_VALUE_GEQ));
+	for (int i = 0; i < LEAVE_OPS; i++)
+		TH_OK(ep_barrier_stream(g, st));
+	CU(tg_drv.cuStreamWriteValue32(st, DEV(&s->left[0][rank]), 1, 0));
+	__atomic_fetch_add(&s->leave_enq, 1, __ATOMIC_SEQ_CST);
+	TH_OK(ep_leave(g)); /* with LEAVE_OPS barriers queued */
+	CU(tg_drv.cuStreamSynchronize(st));
+	TH_CHECK(s->left[0][rank] == 1, "rank %d's stream did not pass its "
+		 "barriers", rank);
+	ep_close(c);
+	return 0;
+}
+
+static void check_leave(struct shared *s)
+{
+	pid_t pids[MAXR];
+	memset((void *)s->left, 0, sizeof(s->left));
+	th_spawn(pids, s->ranks, leave_rank, s);
+	while (s->leave_enq < s->ranks)
+		th_sleep_ms(1);
+	th_sleep_ms(DELAY_MS); /* every rank is in ep_leave by now */
+	for (int r = 0; r < s->ranks; r++)
+		TH_CHECK(!s->left[0][r], "rank %d's stream passed %d barriers "
+			 "while rank 0's was held", r, LEAVE_OPS);
+	s->leave_gate = 1;
+	TH_CHECK(th_wait_all(pids, s->ranks, 60) == 0, "a rank failed");
+	printf("ok: %d ranks left with %d stream barriers queued each (rank "
+	       "0's stream held %d ms): ep_leave waited for them, every "
+	       "stream finished cleanly\n",
+	       s->ranks, LEAVE_OPS, DELAY_MS);
 }
 
 static int loop_rank(int rank, void *arg)
@@ -337,6 +387,7 @@ int main(void)
 	TH_CHECK(s->ranks >= 1 && s->ranks <= MAXR, "EPD_GPU_RANKS");
 
 	check_late(s);
+	check_leave(s);
 
 	pid_t pids[MAXR];
 	th_spawn(pids, s->ranks, loop_rank, s);
