@@ -7,6 +7,7 @@
  */
 #include "libep_int.h"
 
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -207,13 +208,23 @@ static uint64_t now_us(void)
 	return (uint64_t)ts.tv_sec * 1000000 + (uint64_t)ts.tv_nsec / 1000;
 }
 
+/* Has the daemon closed this connection (it died or stopped)? Its
+ * memory stays mapped, but nothing will write the group's words again. */
+static bool daemon_gone(const ep_conn_t *c)
+{
+	struct pollfd p = {.fd = c->fd, .events = POLLRDHUP};
+	return poll(&p, 1, 0) == 1 && p.revents & (POLLRDHUP | POLLHUP);
+}
+
 /* Until at most `behind` ops are incomplete or dispatch k's count is out;
  * spinning for the first 100 us (a count comes tens of us after the last
- * rank rang), then in 20 us sleeps. */
+ * rank rang), then in 20 us sleeps, looking every millisecond or so
+ * whether the daemon is still there. */
 static int wait_for(ep_group_t *g, uint64_t behind, uint64_t k)
 {
 	const uint64_t t0 = now_us();
 	uint64_t end = t0 / 1000 + (uint64_t)ep__group_op_timeout(g);
+	unsigned naps = 0;
 	while (ep__inflight(g) > behind && !count_out(g, k)) {
 		int e = ep__ctl_error(g);
 		if (e) {
@@ -237,8 +248,16 @@ static int wait_for(ep_group_t *g, uint64_t behind, uint64_t k)
 					"%llu stream-ordered ops still not "
 					"complete",
 					(unsigned long long)ep__inflight(g));
-		if (t - t0 > 100)
+		if (t - t0 > 100) {
+			if (++naps % 50 == 0 && daemon_gone(g->conn))
+				return ep__fail(EP_ECONNRESET,
+						"epd closed the connection with "
+						"%llu stream-ordered ops not "
+						"complete",
+						(unsigned long long)ep__inflight(
+							g));
 			usleep(20);
+		}
 	}
 	return 0;
 }

@@ -166,6 +166,54 @@ static void check_leave(struct shared *s)
 	       s->ranks, LEAVE_OPS, DELAY_MS);
 }
 
+/* A rank whose daemon dies while its stream op waits: ep_group_sync
+ * says so within moments (EP_ECONNRESET), not after the group's timeout
+ * of a minute. */
+static int gone_rank(int rank, void *arg)
+{
+	struct shared *s = arg;
+	CUdeviceptr sdev;
+	CUstream st = rank_cuda(s, rank, &sdev);
+	ep_conn_t *c;
+	ep_group_t *g = gpu_join(s, "ggone", 0, 1, 60000, &c);
+	CU(tg_drv.cuStreamWaitValue32(st, DEV(&s->leave_gate), 2,
+				   CU_STREAM_WAIT_VALUE_GEQ));
+	TH_OK(ep_barrier_stream(g, st));
+	__atomic_store_n(&s->leave_enq, -1, __ATOMIC_SEQ_CST);
+	const uint64_t t0 = th_now_ns();
+	TH_EXPECT_RC(ep_group_sync(g), EP_ECONNRESET);
+	TH_CHECK(th_now_ns() - t0 < 10000000000ull, "%.1f s to see the "
+		 "daemon gone", (double)(th_now_ns() - t0) / 1e9);
+	TH_CHECK(strstr(ep_errmsg(), "closed the connection"), "%s",
+		 ep_errmsg());
+	/* the stream stays held at the gate (its op never reached): it
+	 * ends with the process */
+	ep_close(c);
+	return 0;
+}
+
+static void check_gone(struct shared *s)
+{
+	static struct th_daemon d2; /* (the harness keeps a pointer) */
+	th_daemon_start(&d2, "--backend", "cuda", NULL);
+	const struct th_daemon *d1 = s->d;
+	s->d = &d2;
+	s->leave_enq = 0;
+	pid_t pid;
+	th_spawn(&pid, 1, gone_rank, s);
+	while (s->leave_enq != -1)
+		th_sleep_ms(1);
+	th_sleep_ms(DELAY_MS);
+	kill(d2.pid, SIGKILL);
+	th_reap(d2.pid, 10);
+	d2.pid = 0;
+	TH_CHECK(th_wait_all(&pid, 1, 60) == 0, "the rank failed");
+	s->d = d1;
+	printf("ok: a GPU rank whose daemon died while its stream op waited: "
+	       "EP_ECONNRESET from ep_group_sync at once, not after the "
+	       "group's timeout\n");
+}
+
 static int loop_rank(int rank, void *arg)
 {
 	struct shared *s = arg;
@@ -388,6 +436,7 @@ int main(void)
 
 	check_late(s);
 	check_leave(s);
+	check_gone(s);
 
 	pid_t pids[MAXR];
 	th_spawn(pids, s->ranks, loop_rank, s);
