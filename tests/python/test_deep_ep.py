@@ -534,8 +534,8 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
     # segments: its memory must outlive the group)
     global KEPT_OUT
     KEPT_OUT = (out, want)
-    from epd.deep_ep.buffers import legacy as _legacy
-    if one_node_gpu(buf, W) and _legacy.expandable_segments():
+    from epd.deep_ep.buffers import shapes as _shapes
+    if one_node_gpu(buf, W) and _shapes.expandable_segments():
         # expandable segments (the caller's setting, or the one the
         # Buffer made unless $EPD_DEEP_EP_EXPANDABLE=0): the combines
         # above read the rows where torch put them
@@ -550,7 +550,7 @@ def checks(torch, dist, deep_ep, buf, group, r, W, sock):
             "expandable segments: no combine wrote its output in place"
         print(f"ok: rank {r}: combines read torch's rows and wrote their "
               "outputs in place (registered memory)", flush=True)
-    elif CUDA and not _legacy.expandable_segments():
+    elif CUDA and not _shapes.expandable_segments():
         # torch's default allocator ($EPD_DEEP_EP_EXPANDABLE=0): not
         # memory the daemon can import; the first try said so
         # (EP_EUNSUPPORTED) and the rows are copied
@@ -664,7 +664,7 @@ def lease_bookkeeping():
     run checks the data): areas taken in order, given back with the event
     recorded when the tensor died, none while a capture runs, kept when no
     event can be made; leaving the group waits for the last live recv_x."""
-    from epd.deep_ep.buffers import legacy
+    from epd.deep_ep.buffers import shapes
 
     class Ev:
         def record(self):
@@ -690,22 +690,22 @@ def lease_bookkeeping():
         def leave(self):
             self.left += 1
 
-    saved = legacy._torch
-    legacy._torch = lambda: Torch
+    saved = shapes._torch
+    shapes._torch = lambda: Torch
     try:
-        sub = legacy._Sub.__new__(legacy._Sub)
+        sub = shapes._Sub.__new__(shapes._Sub)
         sub.g, sub.leases, sub.leaving = G(), 0, False
         sub.free = [(a, None) for a in range(3, 0, -1)]  # areas 1..3
         g = sub.g
         a1, a2 = sub.take(), sub.take()
         assert (a1, a2) == ((1, None), (2, None)), (a1, a2)
-        l1, l2 = legacy._Lease(sub, 1), legacy._Lease(sub, 2)
+        l1, l2 = shapes._Lease(sub, 1), shapes._Lease(sub, 2)
         assert sub.leases == 2
         del l1  # freed: back with its event
         assert sub.leases == 1 and sub.free[-1][0] == 1 and \
             sub.free[-1][1].recorded
         Torch.cuda.capturing = True
-        l3 = legacy._Lease(sub, sub.take()[0])
+        l3 = shapes._Lease(sub, sub.take()[0])
         del l3  # freed inside a capture: back without an event
         assert sub.free[-1] == (1, None), sub.free
         Torch.cuda.capturing = False
@@ -717,7 +717,7 @@ def lease_bookkeeping():
         assert g.left == 1 and sub.g is None
         assert sub.take() == (0, None)  # a left group hands out nothing
     finally:
-        legacy._torch = saved
+        shapes._torch = saved
     print("ok: receive area bookkeeping (taken in order, given back with "
           "their event, none in a capture, leave after the last recv_x)")
 
@@ -729,9 +729,9 @@ def shape_sharing():
     from is_token_in_rank alone shares a top-k shape with at least W
     slots, its ranks' first experts as the top-k."""
     import torch
-    from epd.deep_ep.buffers import legacy
+    from epd.deep_ep.buffers import legacy, shapes
     H, T, W = 7168, 4096, 8
-    fixed, per = legacy._region_bytes(H, False, 8, T, W * T)
+    fixed, per = shapes._region_bytes(H, False, 8, T, W * T)
     assert per == W * T * H * 2, per
     # combine_y alone is a full area's size
     assert fixed > W * T * H * 2, fixed
@@ -740,30 +740,30 @@ def shape_sharing():
         _device, _rpn, group_size = 0, W, W
         _mem_given, _mem_used = int(2e9), 0
     b = B()
-    n = legacy._recv_areas(b, "", fixed, per)
+    n = shapes._recv_areas(b, "", fixed, per)
     assert n == (int(2e9) - fixed) // per == 2, n
     b._mem_used = int(2e9) - fixed  # nothing left past the first area
-    assert legacy._recv_areas(b, "", fixed, per) == 1
+    assert shapes._recv_areas(b, "", fixed, per) == 1
     b._mem_used = int(1e12)
-    assert legacy._recv_areas(b, "", fixed, per) == 1  # at least one
+    assert shapes._recv_areas(b, "", fixed, per) == 1  # at least one
     b._mem_given, b._mem_used = 0, 0
-    assert legacy._recv_areas(b, "", fixed, per) == 3  # nothing given
+    assert shapes._recv_areas(b, "", fixed, per) == 3  # nothing given
     b._mem_given = 1 << 50
-    assert legacy._recv_areas(b, "", fixed, per) == 3  # at most 3
-    assert legacy._recv_areas(b, "ll4x2-", fixed, per) == 1
+    assert shapes._recv_areas(b, "", fixed, per) == 3  # at most 3
+    assert shapes._recv_areas(b, "ll4x2-", fixed, per) == 1
     os.environ["EPD_DEEP_EP_RECV_AREAS"] = "5"
     try:
-        assert legacy._recv_areas(b, "", fixed, per) == 5
+        assert shapes._recv_areas(b, "", fixed, per) == 5
         os.environ["EPD_DEEP_EP_RECV_AREAS"] = "17"
         try:
-            legacy._recv_areas(b, "", fixed, per)
+            shapes._recv_areas(b, "", fixed, per)
             raise AssertionError("17 areas taken")
         except ValueError as e:
             assert "1..16" in str(e), e
     finally:
         del os.environ["EPD_DEEP_EP_RECV_AREAS"]
     b._rpn = 4  # across nodes: one area
-    assert legacy._recv_areas(b, "", fixed, per) == 1
+    assert shapes._recv_areas(b, "", fixed, per) == 1
 
     # the shape of a dispatch from is_token_in_rank alone
     buf = legacy.Buffer.__new__(legacy.Buffer)

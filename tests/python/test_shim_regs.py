@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..",
                                 "client", "python"))
 import torch  # noqa: E402
 import epd  # noqa: E402
-from epd.deep_ep.buffers import legacy  # noqa: E402
+from epd.deep_ep.buffers import shapes  # noqa: E402
 
 MiB = 1 << 20
 SEGS = []  # (address, total_size) of the allocator's segments
@@ -83,7 +83,7 @@ class FakeGroup:
 
 
 def sub_with(group):
-    s = legacy._Sub.__new__(legacy._Sub)
+    s = shapes._Sub.__new__(shapes._Sub)
     s.mreg_on, s.g, s.mregs, s.registered = True, group, [], 0
     s.refused = 0
     return s
@@ -96,28 +96,28 @@ def check(cond, what):
 
 
 def main():
-    span = legacy._MREG_SPAN
+    span = shapes._MREG_SPAN
     # the extents, best first
     SEGS[:] = [(1 << 40, 512 * MiB), (2 << 40, 4 * span)]
-    ex = legacy._extents((1 << 40) + 100 * MiB, 10 * MiB)
+    ex = shapes._extents((1 << 40) + 100 * MiB, 10 * MiB)
     check(ex == [(1 << 40, 512 * MiB), ((1 << 40) + 100 * MiB, 10 * MiB)],
           f"a segment within the span, then the tensor: {ex}")
     big = 2 << 40
-    ex = legacy._extents(big + 2 * span, 10 * MiB)
+    ex = shapes._extents(big + 2 * span, 10 * MiB)
     lo, n = ex[0]
     check(n == span and lo <= big + 2 * span and
           big + 2 * span + 10 * MiB <= lo + n and ex[1] ==
           (big + 2 * span, 10 * MiB),
           "a bigger segment: a window of the span around the tensor")
-    ex = legacy._extents(big + 10 * MiB, 10 * MiB)
+    ex = shapes._extents(big + 10 * MiB, 10 * MiB)
     check(ex[0] == (big, span), f"the window stays inside the segment "
           f"at its start: {ex[0]}")
-    ex = legacy._extents(big + 4 * span - 10 * MiB, 10 * MiB)
+    ex = shapes._extents(big + 4 * span - 10 * MiB, 10 * MiB)
     check(ex[0] == (big + 3 * span, span), "and at its end")
-    ex = legacy._extents(big, 2 * span)
+    ex = shapes._extents(big, 2 * span)
     check(ex == [(big, 2 * span)], "a tensor bigger than the span: its "
           "range alone")
-    ex = legacy._extents(5 << 40, MiB)
+    ex = shapes._extents(5 << 40, MiB)
     check(ex == [(5 << 40, MiB)], "memory of no segment: its range alone")
 
     # the next activations in a registered segment find the registration
@@ -142,14 +142,14 @@ def main():
     g = FakeGroup()
     s = sub_with(g)
     SEGS[:] = [((10 + i) << 40, 64 * MiB)
-               for i in range(legacy._MREG_KEEP + 2)]
+               for i in range(shapes._MREG_KEEP + 2)]
     regs = [s.region_of(FakeTensor(((10 + i) << 40) + MiB, MiB))
-            for i in range(legacy._MREG_KEEP)]
+            for i in range(shapes._MREG_KEEP)]
     s.region_of(FakeTensor((10 << 40) + 2 * MiB, MiB))  # the first, used
-    s.region_of(FakeTensor(((10 + legacy._MREG_KEEP) << 40) + MiB, MiB))
-    check(len(s.mregs) == legacy._MREG_KEEP and not regs[1].live and
+    s.region_of(FakeTensor(((10 + shapes._MREG_KEEP) << 40) + MiB, MiB))
+    check(len(s.mregs) == shapes._MREG_KEEP and not regs[1].live and
           regs[0].live and g.dropped == [(11 << 40, 64 * MiB)],
-          f"{legacy._MREG_KEEP} kept, the least recently used dropped")
+          f"{shapes._MREG_KEEP} kept, the least recently used dropped")
 
     # a segment too big to register: the tensor's range; memory of the
     # wrong kind: off for good
@@ -171,7 +171,7 @@ def main():
     # segment made before is copied alone (one try, no narrower extent),
     # the next one in an expandable segment registers; only _REFUSALS in
     # a row turn registering off
-    saved_es, legacy._ES = legacy._ES, True
+    saved_es, shapes._ES = shapes._ES, True
     try:
         SEGS[:] = [(1 << 40, 512 * MiB), (3 << 40, 64 * MiB)]
         g = FakeGroup(fail={512 * MiB: epd.EUNSUPPORTED})
@@ -184,12 +184,12 @@ def main():
         r = s.region_of(FakeTensor((3 << 40) + MiB, 2 * MiB))
         check(r is not None and s.refused == 0 and len(g.asked) == 2,
               "expandable segments: the next tensor registers")
-        for i in range(legacy._REFUSALS):
+        for i in range(shapes._REFUSALS):
             s.region_of(FakeTensor((1 << 40) + (i + 2) * MiB, MiB))
-        check(not s.mreg_on and len(g.asked) == 2 + legacy._REFUSALS,
-              f"{legacy._REFUSALS} refusals in a row: registering off")
+        check(not s.mreg_on and len(g.asked) == 2 + shapes._REFUSALS,
+              f"{shapes._REFUSALS} refusals in a row: registering off")
     finally:
-        legacy._ES = saved_es
+        shapes._ES = saved_es
     return 0
 
 

@@ -32,6 +32,7 @@ import os
 import weakref
 
 from . import legacy as _legacy
+from . import shapes as _shapes
 from ..utils.event import EventHandle, EventOverlap
 from ..utils.envs import check_torch_deterministic
 from ..utils import spans as _spans
@@ -217,7 +218,7 @@ class ElasticBuffer:
         K = num_topk or _MAX_TOPK
         total = 0
         for fp8 in ((True,) if use_fp8_dispatch else (True, False)):
-            fixed, area = _legacy._region_bytes(
+            fixed, area = _shapes._region_bytes(
                 hidden, fp8, K, num_max_tokens_per_rank,
                 W * num_max_tokens_per_rank)
             total += fixed + area
@@ -452,7 +453,7 @@ class ElasticBuffer:
             rti = handle._rti
         elif cached:
             # the fresh routing is not kept: the handle's stays
-            _legacy._release_all(rt.entries)
+            _shapes._release_all(rt.entries)
             rt = handle._rt
         comm = v1._comm if self._gpu else None
         compute = torch.cuda.current_stream() if self._gpu else None
@@ -493,7 +494,7 @@ class ElasticBuffer:
                     f"dispatch: num_max_tokens_per_rank={nmax}, this "
                     f"shape's group was made for {sub.tmax}")
             return sub
-        fixed, area = _legacy._region_bytes(H, fp8, K, nmax,
+        fixed, area = _shapes._region_bytes(H, fp8, K, nmax,
                                             self.num_ranks * nmax)
         need = fixed + area
         used = v1._mem_used
@@ -656,7 +657,7 @@ class ElasticBuffer:
         hnd._rt, hnd._rti, hnd._pos = rt, rti, pos
         hnd._buffer = weakref.ref(self)
         # the routing lives as long as the handle
-        weakref.finalize(hnd, _legacy._release_all, rt.entries).atexit = \
+        weakref.finalize(hnd, _shapes._release_all, rt.entries).atexit = \
             False
         return out_x, out_sf, out_rti, out_w, hnd
 
