@@ -446,7 +446,7 @@ class ElasticBuffer:
                   topk_weights if rt_c is None else None, None, rt_c, worst,
                   prev, True, allocate_on_comm_stream),
             f"the group was sized for num_max_tokens_per_rank={nmax}")
-        recv_x, recv_sf, rti, rtw, _, rt, rp, rsrc, _ = out
+        recv_x, recv_sf, rti, rtw, pe, rt, rp, rsrc, _ = out
         op_end, _spans.last_end = _spans.last_end, None
         if rt_c is not None:
             rt = rt_c
@@ -463,7 +463,7 @@ class ElasticBuffer:
         ctx = torch.cuda.stream(comm) if comm is not None else _Nothing()
         with ctx:
             res = self._dispatch_epilogue(
-                handle, recv_x, recv_sf, rti, rtw, rp, rsrc, rt,
+                handle, recv_x, recv_sf, rti, rtw, rp, rsrc, rt, pe,
                 topk_idx, topk_weights, T, K, num_experts, nmax,
                 expert_alignment, do_cpu_sync, do_expand, do_zero_padding,
                 use_tma_aligned_col_major_sf, do_handle_copy, num_sms,
@@ -525,7 +525,7 @@ class ElasticBuffer:
         return EventOverlap(None)
 
     def _dispatch_epilogue(self, handle, recv_x, recv_sf, rti, rtw, rp,
-                           rsrc, rt, topk_idx, topk_weights, T, K, E,
+                           rsrc, rt, pe, topk_idx, topk_weights, T, K, E,
                            nmax, align, do_cpu_sync, do_expand, zero_pad,
                            col_major, do_handle_copy, num_sms, stats):
         """V2's outputs from epd's (on the current stream: the comm
@@ -547,10 +547,19 @@ class ElasticBuffer:
             counts = allc[:El].to(i32)
             if stats is not None:
                 stats.add_(counts.to(stats.dtype))
+        # with the CPU sync, each local expert's aligned rows as a list:
+        # from the counts the CPU already has (epd's per-expert counts,
+        # pe), so the epilogue waits for the GPU nowhere
+        lst = None
+        if do_cpu_sync and not cached:
+            lst = [(c + align - 1) // align * align for c in pe] \
+                if pe is not None and len(pe) == El else None
         if cached:
             pos = handle._pos
         else:
             aligned = (counts + (align - 1)) // align * align
+            if do_cpu_sync and lst is None:
+                lst = aligned.tolist()
             start = torch.cumsum(aligned, 0) - aligned  # each segment's
             if do_expand:
                 # slot (i, k) of expert e: e's start + its rank among e's
@@ -576,7 +585,7 @@ class ElasticBuffer:
             if cached:
                 aligned_total = handle.num_expanded_tokens
             elif do_cpu_sync:
-                aligned_total = int(aligned.sum().item())
+                aligned_total = sum(lst)
             else:  # the worst case: every row in every slot, padded
                 aligned_total = R * min(K, El) + El * (align - 1)
             n = aligned_total
@@ -630,9 +639,6 @@ class ElasticBuffer:
             psum_e = (start + counts).to(i32)
         else:
             psum_e = torch.cumsum(aligned, 0).to(i32)
-        lst = None
-        if do_cpu_sync:
-            lst = aligned.tolist()
         # where each of this rank's slots landed: the destination's row
         per = E // W
         d = torch.where(topk_idx >= 0, topk_idx // per,
@@ -648,7 +654,7 @@ class ElasticBuffer:
             (base.unsqueeze(0) + before).gather(1, d.clamp(min=0)),
             torch.full_like(d, -1)).to(i32)
         tk = topk_idx.clone() if do_handle_copy else topk_idx
-        num_recv = int(psum_rank[-1].item()) if do_cpu_sync else R
+        num_recv = R  # the count itself with the CPU sync, else the worst
         nexp = out_x.size(0) if do_expand else \
             sum(lst) if lst is not None else 0
         hnd = EPHandle(do_expand, E, align, nmax, num_sms, tk, num_recv,
