@@ -135,177 +135,246 @@ static int parse_allow(struct epd_config *c, const char *v)
 	return 0;
 }
 
-/* The yes/no options, each kept as its "off" flag (all default yes but
- * cuda_resident_barrier): the flag of key in c, or NULL. */
-static bool *yes_no_flag(struct epd_config *c, const char *key)
+/* The keys that need more than a table row. Each returns 0 or -2. */
+static int set_log_level(struct epd_config *c, const char *v)
 {
-	static const struct {
-		const char *key;
-		size_t off;
-	} opts[] = {
-		{"cuda_tma", offsetof(struct epd_config, cuda_no_tma)},
-		{"cuda_fused_prep",
-		 offsetof(struct epd_config, cuda_no_fused_prep)},
-		{"cuda_pdl", offsetof(struct epd_config, cuda_no_pdl)},
-		{"cuda_resident_barrier",
-		 offsetof(struct epd_config, cuda_no_resident)},
-		{"host_barrier", offsetof(struct epd_config, no_host_barrier)}};
-	for (size_t i = 0; i < sizeof(opts) / sizeof(opts[0]); i++)
-		if (!strcmp(key, opts[i].key))
-			return (bool *)((char *)c + opts[i].off);
+	int l = epd_log_parse_level(v);
+	if (l < 0)
+		return -2;
+	c->log_level = l;
+	return 0;
+}
+
+static int set_allow(struct epd_config *c, const char *v)
+{
+	return parse_allow(c, v) ? -2 : 0;
+}
+
+static int set_combine_fetch(struct epd_config *c, const char *v)
+{
+	bool b;
+	if (!strcmp(v, "auto"))
+		c->cuda_combine_fetch = -1;
+	else if (!strcmp(v, "lean"))
+		c->cuda_combine_fetch = 2;
+	else if (parse_bool(v, &b))
+		return -2;
+	else
+		c->cuda_combine_fetch = b;
+	return 0;
+}
+
+static int set_peers_key(struct epd_config *c, const char *v)
+{
+	return set_peers(c, v, false);
+}
+
+static int set_peer_connect(struct epd_config *c, const char *v)
+{
+	if (strcmp(v, "all") && strcmp(v, "on-demand"))
+		return -2;
+	c->peer_connect_all = !strcmp(v, "all");
+	return 0;
+}
+
+static int set_peer_lookup(struct epd_config *c, const char *v)
+{
+	if (!strcmp(v, "peers"))
+		c->peer_lookup = EPD_LOOKUP_PEERS;
+	else if (!strcmp(v, "dns"))
+		c->peer_lookup = EPD_LOOKUP_DNS;
+	else if (!strcmp(v, "job"))
+		c->peer_lookup = EPD_LOOKUP_JOB;
+	else
+		return -2;
+	return 0;
+}
+
+/* Every key of epd.conf(5): how its value is read, where it goes, and
+ * what a valid one is (said in the refusal of a bad one). */
+enum key_kind {
+	K_STR,	   /* text of 1.. (or 0.. with lo 0) bytes below the field */
+	K_CHOICE,  /* one of the words of `expect`, kept as text */
+	K_U32,	   /* lo..hi in base `base` */
+	K_U32_AUTO, /* the same, or "auto" (stored as hi2) */
+	K_U64,	   /* bytes, K/M/G/T suffixes, at least lo */
+	K_OFF,	   /* yes/no, kept as its "off" flag */
+	K_FN	   /* its own function */
+};
+
+struct key {
+	const char *name;
+	enum key_kind kind;
+	size_t off, size;
+	uint32_t lo, hi, hi2;
+	int base;
+	int (*fn)(struct epd_config *c, const char *v);
+	const char *expect; /* K_CHOICE's words, K_FN's form */
+};
+
+#define F(f) offsetof(struct epd_config, f), sizeof(((struct epd_config *)0)->f)
+#define STR(n, f, lo) {n, K_STR, F(f), lo, 0, 0, 0, NULL, NULL}
+#define CHOICE(n, f, w) {n, K_CHOICE, F(f), 0, 0, 0, 0, NULL, w}
+#define U32(n, f, lo, hi) {n, K_U32, F(f), lo, hi, 0, 10, NULL, NULL}
+#define U32A(n, f, lo, hi, a) {n, K_U32_AUTO, F(f), lo, hi, a, 10, NULL, NULL}
+#define U64(n, f, lo) {n, K_U64, F(f), lo, 0, 0, 0, NULL, NULL}
+#define OFF(n, f) {n, K_OFF, F(f), 0, 0, 0, 0, NULL, NULL}
+#define FN(n, fn, w) {n, K_FN, 0, 0, 0, 0, 0, 0, fn, w}
+
+static const struct key keys[] = {
+	STR("socket", socket_path, 1),
+	{"socket_mode", K_U32, F(socket_mode), 0, 0777, 0, 8, NULL, NULL},
+	CHOICE("backend", backend, "auto|host|cuda"),
+	FN("log_level", set_log_level, "error|warning|warn|notice|info|debug"),
+	U32("timeout_ms", timeout_ms, 1, 3600000),
+	U32("frame_timeout_ms", frame_timeout_ms, 1, 600000),
+	FN("allow_users", set_allow,
+	   "up to 32 user names or uids, separated by commas"),
+	STR("shared_groups", shared_groups, 0),
+	U32("cuda_sms", cuda_sms, 0, 1024),
+	U32A("cuda_copy_sms", cuda_copy_sms, 0, 1024, EPD_COPY_SMS_AUTO),
+	U32A("cuda_copy_blocks_per_sm", cuda_copy_bps, 1, 32, 0),
+	FN("cuda_combine_fetch", set_combine_fetch, "auto|lean|yes|no"),
+	OFF("cuda_tma", cuda_no_tma),
+	OFF("cuda_fused_prep", cuda_no_fused_prep),
+	OFF("cuda_pdl", cuda_no_pdl),
+	OFF("cuda_resident_barrier", cuda_no_resident),
+	OFF("host_barrier", no_host_barrier),
+	STR("node_name", node_name, 1),
+	FN("peers", set_peers_key, "name@host:port, ..."),
+	STR("cluster_key_file", cluster_key_file, 0),
+	CHOICE("transport", transport, "auto|tcp|rdma"),
+	U32("heartbeat_ms", heartbeat_ms, 10, 60000),
+	FN("peer_connect", set_peer_connect, "all|on-demand"),
+	FN("peer_lookup", set_peer_lookup, "peers|dns|job"),
+	U32("peer_nodes_max", peer_nodes_max, 2, 1u << 20),
+	U32("peer_linger_ms", peer_linger_ms, 0, 86400000),
+	U32("heartbeat_miss", heartbeat_miss, 2, 100),
+	U32("peer_handshakes_max", limits.handshakes, 1, 1u << 16),
+	U32("peer_handshakes_per_host", limits.handshakes_per_host, 1,
+	    1u << 16),
+	U32("max_connections_per_user", limits.conns_per_uid, 0, 1u << 20),
+	U32("max_groups_per_user", limits.groups_per_uid, 0, 1u << 20),
+	U64("max_bytes_per_user", limits.bytes_per_uid, 0),
+	U32("max_connections", limits.conns, 0, 1u << 20),
+	U32("max_groups", limits.groups, 0, 1u << 20),
+	U64("max_bytes", limits.bytes, 0),
+	U64("max_queued_bytes", limits.queued_bytes, 1u << 20),
+	U64("max_handle_bytes", limits.handle_bytes, 0),
+	U32("worker_threads", worker_threads, 0, 256),
+};
+
+/* The table's fields are of the sizes its kinds write. */
+_Static_assert(sizeof(((struct epd_config *)0)->socket_mode) == 4 &&
+		       sizeof(((struct epd_config *)0)->cuda_sms) == 4 &&
+		       sizeof(((struct epd_config *)0)->worker_threads) == 4,
+	       "K_U32 fields are 32 bits");
+
+static const struct key *key_find(const char *name)
+{
+	for (size_t i = 0; i < sizeof(keys) / sizeof(keys[0]); i++)
+		if (!strcmp(keys[i].name, name))
+			return &keys[i];
 	return NULL;
 }
 
-/* Returns 0, or -1 for an unknown key, -2 for a bad value. */
+/* What a valid value of key k is, for the refusal of a bad one. */
+static void key_expect(const struct key *k, char *out, size_t n)
+{
+	switch (k->kind) {
+	case K_STR:
+		snprintf(out, n, "text of %u to %zu bytes", k->lo,
+			 k->size - 1);
+		break;
+	case K_U32:
+	case K_U32_AUTO:
+		snprintf(out, n, k->base == 8 ? "%o..%o (octal)%s" : "%u..%u%s",
+			 k->lo, k->hi,
+			 k->kind == K_U32_AUTO ? " or auto" : "");
+		break;
+	case K_U64:
+		if (k->lo)
+			snprintf(out, n,
+				 "bytes (K, M, G, T suffixes), at least %u",
+				 k->lo);
+		else
+			snprintf(out, n, "bytes (K, M, G, T suffixes)");
+		break;
+	case K_OFF:
+		snprintf(out, n, "yes|no|true|false|on|off");
+		break;
+	default:
+		snprintf(out, n, "%s", k->expect);
+	}
+}
+
+/* Returns 0, or -1 for an unknown key, -2 for a bad value, -3 out of
+ * memory. */
 static int set_key(struct epd_config *c, const char *key, const char *v)
 {
+	const struct key *k = key_find(key);
+	if (!k)
+		return -1;
+	char *f = (char *)c + k->off;
 	uint32_t u;
-	bool *off;
-	if (!strcmp(key, "socket")) {
-		if (!*v || strlen(v) >= sizeof(c->socket_path))
+	uint64_t x;
+	bool b;
+	switch (k->kind) {
+	case K_STR:
+		if (strlen(v) < k->lo || strlen(v) >= k->size)
 			return -2;
-		snprintf(c->socket_path, sizeof(c->socket_path), "%s", v);
-	} else if (!strcmp(key, "socket_mode")) {
-		if (parse_u32(v, 0, 0777, 8, &u))
+		memcpy(f, v, strlen(v) + 1);
+		return 0;
+	case K_CHOICE: {
+		const size_t n = strlen(v);
+		const char *w = k->expect;
+		bool ok = false;
+		while (!ok && *w) {
+			const size_t wl = strcspn(w, "|");
+			ok = wl == n && !strncmp(w, v, n);
+			w += wl + (w[wl] == '|');
+		}
+		if (!ok || n >= k->size)
 			return -2;
-		c->socket_mode = u;
-	} else if (!strcmp(key, "backend")) {
-		if (strcmp(v, "auto") && strcmp(v, "host") && strcmp(v, "cuda"))
+		memcpy(f, v, n + 1);
+		return 0;
+	}
+	case K_U32_AUTO:
+		if (!strcmp(v, "auto")) {
+			memcpy(f, &k->hi2, 4);
+			return 0;
+		}
+		/* fall through */
+	case K_U32:
+		if (parse_u32(v, k->lo, k->hi, k->base, &u))
 			return -2;
-		snprintf(c->backend, sizeof(c->backend), "%s", v);
-	} else if (!strcmp(key, "log_level")) {
-		int l = epd_log_parse_level(v);
-		if (l < 0)
+		memcpy(f, &u, 4);
+		return 0;
+	case K_U64:
+		if (parse_u64(v, &x) || x < k->lo)
 			return -2;
-		c->log_level = l;
-	} else if (!strcmp(key, "timeout_ms")) {
-		if (parse_u32(v, 1, 3600000, 10, &u))
-			return -2;
-		c->timeout_ms = u;
-	} else if (!strcmp(key, "frame_timeout_ms")) {
-		if (parse_u32(v, 1, 600000, 10, &u))
-			return -2;
-		c->frame_timeout_ms = u;
-	} else if (!strcmp(key, "allow_users")) {
-		if (parse_allow(c, v))
-			return -2;
-	} else if (!strcmp(key, "shared_groups")) {
-		if (strlen(v) >= sizeof(c->shared_groups))
-			return -2;
-		snprintf(c->shared_groups, sizeof(c->shared_groups), "%s", v);
-	} else if (!strcmp(key, "cuda_sms")) {
-		if (parse_u32(v, 0, 1024, 10, &u))
-			return -2;
-		c->cuda_sms = u;
-	} else if (!strcmp(key, "cuda_copy_sms")) {
-		if (!strcmp(v, "auto"))
-			u = EPD_COPY_SMS_AUTO;
-		else if (parse_u32(v, 0, 1024, 10, &u))
-			return -2;
-		c->cuda_copy_sms = u;
-	} else if (!strcmp(key, "cuda_copy_blocks_per_sm")) {
-		if (!strcmp(v, "auto"))
-			u = 0;
-		else if (parse_u32(v, 1, 32, 10, &u))
-			return -2;
-		c->cuda_copy_bps = u;
-	} else if (!strcmp(key, "cuda_combine_fetch")) {
-		bool b;
-		if (!strcmp(v, "auto"))
-			c->cuda_combine_fetch = -1;
-		else if (!strcmp(v, "lean"))
-			c->cuda_combine_fetch = 2;
-		else if (parse_bool(v, &b))
-			return -2;
-		else
-			c->cuda_combine_fetch = b;
-	} else if ((off = yes_no_flag(c, key)) != NULL) {
-		bool b;
+		memcpy(f, &x, 8);
+		return 0;
+	case K_OFF:
 		if (parse_bool(v, &b))
 			return -2;
-		*off = !b;
-	} else if (!strcmp(key, "node_name")) {
-		if (!*v || strlen(v) >= sizeof(c->node_name))
-			return -2;
-		snprintf(c->node_name, sizeof(c->node_name), "%s", v);
-	} else if (!strcmp(key, "peers")) {
-		return set_peers(c, v, false);
-	} else if (!strcmp(key, "cluster_key_file")) {
-		if (strlen(v) >= sizeof(c->cluster_key_file))
-			return -2;
-		snprintf(c->cluster_key_file, sizeof(c->cluster_key_file),
-			 "%s", v);
-	} else if (!strcmp(key, "transport")) {
-		if (strcmp(v, "auto") && strcmp(v, "tcp") && strcmp(v, "rdma"))
-			return -2;
-		snprintf(c->transport, sizeof(c->transport), "%s", v);
-	} else if (!strcmp(key, "heartbeat_ms")) {
-		if (parse_u32(v, 10, 60000, 10, &u))
-			return -2;
-		c->heartbeat_ms = u;
-	} else if (!strcmp(key, "peer_connect")) {
-		if (strcmp(v, "all") && strcmp(v, "on-demand"))
-			return -2;
-		c->peer_connect_all = !strcmp(v, "all");
-	} else if (!strcmp(key, "peer_lookup")) {
-		if (!strcmp(v, "peers"))
-			c->peer_lookup = EPD_LOOKUP_PEERS;
-		else if (!strcmp(v, "dns"))
-			c->peer_lookup = EPD_LOOKUP_DNS;
-		else if (!strcmp(v, "job"))
-			c->peer_lookup = EPD_LOOKUP_JOB;
-		else
-			return -2;
-	} else if (!strcmp(key, "peer_nodes_max")) {
-		if (parse_u32(v, 2, 1u << 20, 10, &c->peer_nodes_max))
-			return -2;
-	} else if (!strcmp(key, "peer_linger_ms")) {
-		if (parse_u32(v, 0, 86400000, 10, &c->peer_linger_ms))
-			return -2;
-	} else if (!strcmp(key, "heartbeat_miss")) {
-		if (parse_u32(v, 2, 100, 10, &u))
-			return -2;
-		c->heartbeat_miss = u;
-	} else if (!strcmp(key, "peer_handshakes_max")) {
-		if (parse_u32(v, 1, 1u << 16, 10, &c->limits.handshakes))
-			return -2;
-	} else if (!strcmp(key, "peer_handshakes_per_host")) {
-		if (parse_u32(v, 1, 1u << 16, 10,
-			      &c->limits.handshakes_per_host))
-			return -2;
-	} else if (!strcmp(key, "max_connections_per_user")) {
-		if (parse_u32(v, 0, 1u << 20, 10, &c->limits.conns_per_uid))
-			return -2;
-	} else if (!strcmp(key, "max_groups_per_user")) {
-		if (parse_u32(v, 0, 1u << 20, 10, &c->limits.groups_per_uid))
-			return -2;
-	} else if (!strcmp(key, "max_bytes_per_user")) {
-		if (parse_u64(v, &c->limits.bytes_per_uid))
-			return -2;
-	} else if (!strcmp(key, "max_connections")) {
-		if (parse_u32(v, 0, 1u << 20, 10, &c->limits.conns))
-			return -2;
-	} else if (!strcmp(key, "max_groups")) {
-		if (parse_u32(v, 0, 1u << 20, 10, &c->limits.groups))
-			return -2;
-	} else if (!strcmp(key, "max_bytes")) {
-		if (parse_u64(v, &c->limits.bytes))
-			return -2;
-	} else if (!strcmp(key, "max_queued_bytes")) {
-		if (parse_u64(v, &c->limits.queued_bytes) ||
-		    c->limits.queued_bytes < (1u << 20))
-			return -2;
-	} else if (!strcmp(key, "max_handle_bytes")) {
-		if (parse_u64(v, &c->limits.handle_bytes))
-			return -2;
-	} else if (!strcmp(key, "worker_threads")) {
-		if (parse_u32(v, 0, 256, 10, &u))
-			return -2;
-		c->worker_threads = u;
-	} else {
-		return -1;
+		*(bool *)f = !b;
+		return 0;
+	case K_FN:
+		return k->fn(c, v);
 	}
-	return 0;
+	return -1;
+}
+
+/* "bad value 'v' for 'key': expected ..." into out. */
+static void bad_value(const char *key, const char *v, char *out, size_t n)
+{
+	char want[128] = "";
+	const struct key *k = key_find(key);
+	if (k)
+		key_expect(k, want, sizeof(want));
+	snprintf(out, n, "bad value '%.200s' for '%s': expected %s", v, key,
+		 want);
 }
 
 struct load_ctx {
@@ -357,8 +426,11 @@ static int ini_cb(void *user, const char *section, const char *name,
 		epd_err("%s: out of memory", l->path);
 	else if (rc == -1)
 		epd_err("%s: unknown key '%s'", l->path, name);
-	else if (rc == -2)
-		epd_err("%s: bad value '%s' for '%s'", l->path, value, name);
+	else if (rc == -2) {
+		char m[512];
+		bad_value(name, value, m, sizeof(m));
+		epd_err("%s: %s", l->path, m);
+	}
 	if (rc)
 		l->bad = 1;
 	return 1;
@@ -405,7 +477,10 @@ int epd_config_set(struct epd_config *c, const char *kv)
 		epd_err("out of memory");
 	else if (rc == -1)
 		epd_err("unknown key '%s'", key);
-	else if (rc == -2)
-		epd_err("bad value '%s' for '%s'", eq + 1, key);
+	else if (rc == -2) {
+		char m[512];
+		bad_value(key, eq + 1, m, sizeof(m));
+		epd_err("%s", m);
+	}
 	return rc ? -1 : 0;
 }

@@ -340,15 +340,30 @@ static void check_bad_configs(const char *dir)
 		{"[other]\nx = 1\n", "-t", "unknown section [other]"},
 		{"[epd]\nfrobnicate = 1\n", "-t", "unknown key 'frobnicate'"},
 		{"[epd]\ntimeout_ms = 0\n", "-t",
-		 "bad value '0' for 'timeout_ms'"},
+		 "bad value '0' for 'timeout_ms': expected 1..3600000"},
 		{"[epd]\nbackend = quantum\n", "-t",
-		 "bad value 'quantum' for 'backend'"},
+		 "bad value 'quantum' for 'backend': expected auto|host|cuda"},
 		{"[epd]\ntransport = carrier-pigeon\n", "-t",
 		 "bad value 'carrier-pigeon' for 'transport'"},
 		{"[epd\nlog_level = info\n", "-t", "syntax error"},
 		{"log_level = info\n", "-t", "outside a section"},
 		{"[epd]\n", "-t -o timeout_ms", "is not key=value"},
-		{"[epd]\n", "-t -o heartbeat_miss=1", "bad value '1'"},
+		{"[epd]\n", "-t -o heartbeat_miss=1",
+		 "bad value '1' for 'heartbeat_miss': expected 2..100"},
+		{"[epd]\nsocket_mode = 0999\n", "-t",
+		 "bad value '0999' for 'socket_mode': expected 0..777 (octal)"},
+		{"[epd]\nmax_queued_bytes = 64K\n", "-t",
+		 "for 'max_queued_bytes': expected bytes (K, M, G, T "
+		 "suffixes), at least 1048576"},
+		{"[epd]\nmax_bytes = 1Q\n", "-t", "bad value '1Q' for 'max_bytes'"},
+		{"[epd]\nlog_level = loud\n", "-t",
+		 "bad value 'loud' for 'log_level': expected error|warning"},
+		{"[epd]\n", "-t -o node_name=",
+		 "bad value '' for 'node_name': expected text of 1 to 63 bytes"},
+		{"[epd]\n", "-t -o peer_connect=some",
+		 "bad value 'some' for 'peer_connect': expected all|on-demand"},
+		{"[epd]\n", "-t -o worker_threads=-1",
+		 "bad value '-1' for 'worker_threads': expected 0..256"},
 		{"[epd]\n", "-t -o cuda_resident_barrier=maybe",
 		 "bad value 'maybe' for 'cuda_resident_barrier'"},
 		{"[epd]\ncuda_tma = sometimes\n", "-t",
@@ -366,7 +381,8 @@ static void check_bad_configs(const char *dir)
 		{"[epd]\ncuda_copy_blocks_per_sm = 0\n", "-t",
 		 "bad value '0' for 'cuda_copy_blocks_per_sm'"},
 		{"[epd]\n", "-t -o cuda_copy_blocks_per_sm=33",
-		 "bad value '33' for 'cuda_copy_blocks_per_sm'"},
+		 "bad value '33' for 'cuda_copy_blocks_per_sm': expected 1..32 "
+		 "or auto"},
 		{"[epd]\nnode_name = a\npeers = a@127.0.0.1:1, b\n"
 		 "cluster_key_file = %s\n",
 		 "", "'b' is not name@host:port"},
@@ -396,7 +412,7 @@ static void check_bad_configs(const char *dir)
 		{"[epd]\npeer_lookup = everywhere\n", "-t",
 		 "bad value 'everywhere' for 'peer_lookup'"},
 		{"[epd]\npeer_nodes_max = 1\n", "-t",
-		 "bad value '1' for 'peer_nodes_max'"},
+		 "bad value '1' for 'peer_nodes_max': expected 2..1048576"},
 		{"[epd]\nnode_name = a\npeers = a@127.0.0.1:1\n"
 		 "cluster_key_file = %s\npeer_lookup = job\n"
 		 "peer_connect = all\n",
@@ -449,9 +465,26 @@ static void check_bad_configs(const char *dir)
 		 "missing config: %s", out);
 	printf("ok: a missing config file -> refused\n");
 	/* and the values these keys take are accepted */
+	/* (every key of epd.conf(5) but peers, which the cluster cases
+	 * give, each with a valid value) */
 	const char *good =
 		"[epd]\ncuda_pdl = no\ncuda_copy_blocks_per_sm = auto\n"
-		"cuda_copy_sms = auto\ncuda_combine_fetch = lean\n";
+		"cuda_copy_sms = auto\ncuda_combine_fetch = lean\n"
+		"socket = /run/epd-unused.sock\nsocket_mode = 0600\n"
+		"backend = host\nlog_level = warn\ntimeout_ms = 1000\n"
+		"frame_timeout_ms = 1000\nallow_users = 0\n"
+		"shared_groups = pub-\ncuda_sms = 0\ncuda_tma = yes\n"
+		"cuda_fused_prep = on\ncuda_resident_barrier = no\n"
+		"host_barrier = true\nnode_name = n0\ncluster_key_file =\n"
+		"transport = tcp\nheartbeat_ms = 100\n"
+		"peer_connect = on-demand\npeer_lookup = peers\n"
+		"peer_nodes_max = 64\npeer_linger_ms = 0\n"
+		"heartbeat_miss = 4\npeer_handshakes_max = 8\n"
+		"peer_handshakes_per_host = 2\nmax_connections_per_user = 8\n"
+		"max_groups_per_user = 8\nmax_bytes_per_user = 1G\n"
+		"max_connections = 16\nmax_groups = 16\nmax_bytes = 2G\n"
+		"max_queued_bytes = 1M\nmax_handle_bytes = 64M\n"
+		"worker_threads = 2\n";
 	f = fopen(conf, "w");
 	TH_CHECK(f, "config file");
 	fputs(good, f);
@@ -463,8 +496,8 @@ static void check_bad_configs(const char *dir)
 	TH_CHECK(run_cmd(cmd, out, sizeof(out)) == 0 &&
 			 strstr(out, "configuration ok"),
 		 "the GPU keys' values refused: %s", out);
-	printf("ok: cuda_pdl, cuda_copy_blocks_per_sm, cuda_copy_sms and "
-	       "cuda_combine_fetch take their values\n");
+	printf("ok: every key takes a valid value (and the GPU keys "
+	       "their auto and lean forms)\n");
 }
 
 /* Configurations of any size: 128 nodes of realistic names, the file's
