@@ -399,25 +399,65 @@ static void handle_mem_reg(struct epd_client *c, const struct epp_hdr *h,
 	epd_op_mem_reg(&c->s, h->req_id, &mr, fds);
 }
 
-static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
-			 const uint8_t *p, int *fds, unsigned *nfds)
+/* A payload that did not decode: EP_EPROTO, naming it. */
+static void malformed(struct epd_client *c, const struct epp_hdr *h,
+		      const char *what)
 {
-	uint64_t gid;
+	epd_session_error(&c->s, h->req_id, EP_EPROTO,
+			 "malformed %s payload (%u bytes)", what, h->length);
+}
+
+static void handle_join(struct epd_client *c, const struct epp_hdr *h,
+			const uint8_t *p)
+{
+	struct epp_join j;
 	char err[256];
-	epd_stall_mark(epp_type_name(h->type), c->name);
-	epd_debug("client %lu: %s req %lu len %u", (unsigned long)c->s.id,
-		  epp_type_name(h->type), (unsigned long)h->req_id, h->length);
+	int rc = epp_join_decode_flags(p, h->length, h->flags, &j, err,
+				       sizeof(err));
+	if (rc)
+		epd_session_error(&c->s, h->req_id, rc, "%s", err);
+	else
+		epd_group_join(&c->s, h->req_id, h->flags, &j);
+}
+
+static void handle_status(struct epd_client *c, const struct epp_hdr *h)
+{
+	if (h->length) {
+		epd_session_error(&c->s, h->req_id, EP_EPROTO,
+				 "status takes no payload");
+		return;
+	}
+	char *js = epd_status_json(c->s.srv, &c->s);
+	if (!js) {
+		epd_session_error(&c->s, h->req_id, EP_ENOMEM,
+				 "cannot build status");
+		return;
+	}
+	size_t n = strlen(js);
+	if (n > EPP_MAX_PAYLOAD)
+		epd_session_error(&c->s, h->req_id, EP_ETOOBIG,
+				 "status of %zu bytes exceeds a frame", n);
+	else
+		epd_client_send(c, EPP_OK, 0, h->req_id, js, (uint32_t)n, NULL,
+				0);
+	free(js);
+}
+
+/* May this frame be handled at all? If not, the client was answered (and
+ * a refused one closed). */
+static bool frame_admitted(struct epd_client *c, const struct epp_hdr *h)
+{
 	if (c->refused) {
 		char why[sizeof(c->why)];
 		snprintf(why, sizeof(why), "%s", c->why);
 		epd_session_error(&c->s, h->req_id, c->refused, "%s", why);
 		epd_client_close(c, why);
-		return;
+		return false;
 	}
 	if (c->s.srv->stopping) {
 		epd_session_error(&c->s, h->req_id, EP_ESHUTDOWN,
 				 "daemon is shutting down");
-		return;
+		return false;
 	}
 	if ((h->flags &
 	     ~(EPP_F_JOIN_NOWAIT | EPP_F_JOIN_LINK | EPP_F_JOIN_NODES |
@@ -425,33 +465,37 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 	    h->type == EPP_JOIN) {
 		epd_session_error(&c->s, h->req_id, EP_EPROTO,
 				 "flags 0x%x not valid for join", h->flags);
-		return;
+		return false;
 	}
-	if (h->flags == EPP_F_ASYNC) {
-		handle_async(c, h, p);
-		return;
-	}
-	if (h->flags && h->type != EPP_JOIN) {
+	if (h->flags && h->flags != EPP_F_ASYNC && h->type != EPP_JOIN) {
 		epd_session_error(&c->s, h->req_id, EP_EPROTO,
 				 "flags 0x%x not valid for %s", h->flags,
 				 epp_type_name(h->type));
+		return false;
+	}
+	return true;
+}
+
+static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
+			 const uint8_t *p, int *fds, unsigned *nfds)
+{
+	uint64_t gid;
+	epd_stall_mark(epp_type_name(h->type), c->name);
+	epd_debug("client %lu: %s req %lu len %u", (unsigned long)c->s.id,
+		  epp_type_name(h->type), (unsigned long)h->req_id, h->length);
+	if (!frame_admitted(c, h))
+		return;
+	if (h->flags == EPP_F_ASYNC) {
+		handle_async(c, h, p);
 		return;
 	}
 	switch (h->type) {
 	case EPP_HELLO:
 		handle_hello(c, h, p);
 		break;
-	case EPP_JOIN: {
-		struct epp_join j;
-		int rc = epp_join_decode_flags(p, h->length, h->flags, &j, err,
-					       sizeof(err));
-		if (rc) {
-			epd_session_error(&c->s, h->req_id, rc, "%s", err);
-			break;
-		}
-		epd_group_join(&c->s, h->req_id, h->flags, &j);
+	case EPP_JOIN:
+		handle_join(c, h, p);
 		break;
-	}
 	case EPP_LEAVE:
 		if (!get_group_id(c, h, p, &gid))
 			epd_group_leave(&c->s, h->req_id, gid);
@@ -463,10 +507,7 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 	case EPP_DISPATCH: {
 		struct epp_dispatch d;
 		if (epp_dispatch_decode(p, h->length, &d))
-			epd_session_error(&c->s, h->req_id, EP_EPROTO,
-					 "malformed dispatch payload (%u "
-					 "bytes)",
-					 h->length);
+			malformed(c, h, "dispatch");
 		else
 			epd_op_dispatch(&c->s, h->req_id, &d);
 		break;
@@ -474,9 +515,7 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 	case EPP_COMBINE: {
 		struct epp_combine cb;
 		if (epp_combine_decode(p, h->length, &cb))
-			epd_session_error(&c->s, h->req_id, EP_EPROTO,
-					 "malformed combine payload (%u bytes)",
-					 h->length);
+			malformed(c, h, "combine");
 		else
 			epd_op_combine(&c->s, h->req_id, &cb);
 		break;
@@ -487,9 +526,7 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 	case EPP_LL_MAP: {
 		struct epp_ll_map lm;
 		if (epp_ll_map_decode(p, h->length, &lm))
-			epd_session_error(&c->s, h->req_id, EP_EPROTO,
-					 "malformed ll-map payload (%u bytes)",
-					 h->length);
+			malformed(c, h, "ll-map");
 		else
 			epd_op_ll_map(&c->s, h->req_id, &lm);
 		break;
@@ -500,37 +537,14 @@ static void handle_frame(struct epd_client *c, const struct epp_hdr *h,
 	case EPP_MEM_DEREG: {
 		struct epp_mem_dereg md;
 		if (epp_mem_dereg_decode(p, h->length, &md))
-			epd_session_error(&c->s, h->req_id, EP_EPROTO,
-					 "malformed mem-dereg payload (%u "
-					 "bytes)",
-					 h->length);
+			malformed(c, h, "mem-dereg");
 		else
 			epd_op_mem_dereg(&c->s, h->req_id, &md);
 		break;
 	}
-	case EPP_STATUS: {
-		if (h->length) {
-			epd_session_error(&c->s, h->req_id, EP_EPROTO,
-					 "status takes no payload");
-			break;
-		}
-		char *js = epd_status_json(c->s.srv, &c->s);
-		if (!js) {
-			epd_session_error(&c->s, h->req_id, EP_ENOMEM,
-					 "cannot build status");
-			break;
-		}
-		size_t n = strlen(js);
-		if (n > EPP_MAX_PAYLOAD)
-			epd_session_error(&c->s, h->req_id, EP_ETOOBIG,
-					 "status of %zu bytes exceeds a frame",
-					 n);
-		else
-			epd_client_send(c, EPP_OK, 0, h->req_id, js,
-					(uint32_t)n, NULL, 0);
-		free(js);
+	case EPP_STATUS:
+		handle_status(c, h);
 		break;
-	}
 	default:
 		c->s.srv->n_proto_errors++;
 		epd_session_error(&c->s, h->req_id, EP_EPROTO,
