@@ -390,72 +390,130 @@ int ep_join_nodes(ep_conn_t *c, const struct ep_group_config *cfg,
 	return ep_join_ex(c, cfg, &o, flags, out);
 }
 
+/* The join request of cfg (flags, link, ext: ep__join's) into *j; the
+ * node list and the secret it points to are malloc'd copies (*nodes,
+ * *secret, NULL if none; nb: the list's bytes), which the group keeps. */
+static int join_request(const ep_conn_t *c, const struct ep_group_config *cfg,
+			unsigned flags, uint64_t link,
+			const struct epp_join *ext, struct epp_join *j,
+			char **nodes, uint8_t **secret, size_t *nb)
+{
+	*nodes = NULL;
+	*secret = NULL;
+	*nb = 0;
+	if (flags & ~(EP_JOIN_NOWAIT | EP_JOIN_CUDA | EP_JOIN_RECV_AREAS(~0u)))
+		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
+	memset(j, 0, sizeof(*j));
+	j->recv_areas = (flags >> 8) & 0xffu;
+	if (j->recv_areas > EP_RECV_AREAS_MAX)
+		return ep__fail(EP_EINVAL, "%u receive areas: at most %u",
+				j->recv_areas, EP_RECV_AREAS_MAX);
+	if (!j->recv_areas)
+		j->recv_areas = 1;
+	if (strlen(cfg->name) > EP_GROUP_NAME_MAX)
+		return ep__fail(EP_EINVAL, "group name longer than %d",
+				EP_GROUP_NAME_MAX);
+	strcpy(j->name, cfg->name);
+	j->world_size = cfg->world_size;
+	j->ranks_per_node = cfg->ranks_per_node;
+	j->rank = cfg->rank;
+	j->num_experts = cfg->num_experts;
+	j->hidden = cfg->hidden;
+	j->max_tokens = cfg->max_tokens_per_rank;
+	j->topk = cfg->topk;
+	j->dtype = (uint32_t)cfg->dtype;
+	j->timeout_ms = cfg->timeout_ms;
+	/* linked (1.16): fails with that group, even while forming; a daemon
+	 * below 1.16 would refuse the flag */
+	j->link = c->minor >= 16 ? link : 0;
+	if (flags & EP_JOIN_CUDA) {
+		if (flags & EP_JOIN_NOWAIT)
+			return ep__fail(EP_EINVAL, "a GPU rank's join waits "
+						   "for the group");
+		int rc = ep__cuda_prepare(cfg->cuda_device, j->gpu_uuid,
+					  &j->rank_flags);
+		if (rc)
+			return rc;
+	}
+	if (!ext)
+		return 0;
+	j->recv_rows = ext->recv_rows;
+	/* 1.21: the group's node list, a copy the group keeps (its
+	 * low-latency pseudo group names the same nodes) */
+	if (ext->num_nodes) {
+		*nb = (size_t)(epp_join_node(ext, ext->num_nodes) - ext->nodes);
+		*nodes = malloc(*nb);
+		if (!*nodes)
+			return ep__fail(EP_ENOMEM, "out of memory");
+		memcpy(*nodes, ext->nodes, *nb);
+		j->nodes = *nodes;
+		j->num_nodes = ext->num_nodes;
+	}
+	/* the secret, kept too: the group's pseudo group joins with it */
+	if (ext->secret_len) {
+		*secret = malloc(ext->secret_len);
+		if (!*secret) {
+			free(*nodes);
+			*nodes = NULL;
+			return ep__fail(EP_ENOMEM, "out of memory");
+		}
+		memcpy(*secret, ext->secret, ext->secret_len);
+		j->secret = *secret;
+		j->secret_len = ext->secret_len;
+	}
+	return 0;
+}
+
+/* The joined group g (in its connection's list) takes its memory: the
+ * buffer (fd, closed here) and, for a GPU rank, its device region
+ * (dfd). On failure the group is left and freed. */
+static int join_attach(ep_group_t *g, const struct ep_group_config *cfg,
+		       const struct epp_join_ok *ok, int fd, int dfd, bool gpu)
+{
+	g->buf = mmap(NULL, g->buf_size, PROT_READ | PROT_WRITE, MAP_SHARED,
+		      fd, 0);
+	close(fd);
+	if (g->buf == MAP_FAILED) {
+		int e = errno;
+		if (dfd >= 0)
+			close(dfd);
+		ep_leave(g);
+		return ep__fail(-e, "cannot map the group buffer: %s",
+				strerror(e));
+	}
+	g->cuda_device = gpu ? cfg->cuda_device : -1;
+	g->llops = gpu ? ep__ll_gpu_ops(g) : &ep__ll_host_ops;
+	int rc;
+	if (gpu && (rc = ep__cuda_map(g, dfd, ok->dev_size))) {
+		char msg[EPP_ERRMSG_MAX];
+		snprintf(msg, sizeof(msg), "%s", ep_errmsg());
+		ep_leave(g);
+		return ep__fail(rc, "%s", msg);
+	}
+	if (epp_buf_layout(&g->cfg, &g->layout) ||
+	    g->layout.total != ok->buf_size) {
+		ep_leave(g);
+		return ep__fail(EP_EPROTO,
+				"the daemon's buffer of %llu bytes does not "
+				"match this library's layout",
+				(unsigned long long)ok->buf_size);
+	}
+	return 0;
+}
+
 int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 	     uint64_t link, const struct epp_join *ext, ep_group_t **out)
 {
 	if (!c || !cfg || !out || !cfg->name)
 		return ep__fail(EP_EINVAL, "NULL argument");
-	if (flags & ~(EP_JOIN_NOWAIT | EP_JOIN_CUDA | EP_JOIN_RECV_AREAS(~0u)))
-		return ep__fail(EP_EINVAL, "unknown flags 0x%x", flags);
-	struct epp_join j = {0};
-	j.recv_areas = (flags >> 8) & 0xffu;
-	if (j.recv_areas > EP_RECV_AREAS_MAX)
-		return ep__fail(EP_EINVAL, "%u receive areas: at most %u",
-				j.recv_areas, EP_RECV_AREAS_MAX);
-	if (!j.recv_areas)
-		j.recv_areas = 1;
-	if (strlen(cfg->name) > EP_GROUP_NAME_MAX)
-		return ep__fail(EP_EINVAL, "group name longer than %d",
-				EP_GROUP_NAME_MAX);
-	strcpy(j.name, cfg->name);
-	j.world_size = cfg->world_size;
-	j.ranks_per_node = cfg->ranks_per_node;
-	j.rank = cfg->rank;
-	j.num_experts = cfg->num_experts;
-	j.hidden = cfg->hidden;
-	j.max_tokens = cfg->max_tokens_per_rank;
-	j.topk = cfg->topk;
-	j.dtype = (uint32_t)cfg->dtype;
-	j.timeout_ms = cfg->timeout_ms;
-	/* linked (1.16): fails with that group, even while forming; a daemon
-	 * below 1.16 would refuse the flag */
-	j.link = c->minor >= 16 ? link : 0;
-	if (flags & EP_JOIN_CUDA) {
-		if (flags & EP_JOIN_NOWAIT)
-			return ep__fail(EP_EINVAL, "a GPU rank's join waits "
-						   "for the group");
-		int rc = ep__cuda_prepare(cfg->cuda_device, j.gpu_uuid,
-					  &j.rank_flags);
-		if (rc)
-			return rc;
-	}
-	/* 1.21: the group's node list, a copy the group keeps (its
-	 * low-latency pseudo group names the same nodes) */
-	char *nodes = NULL;
-	size_t nb = 0;
-	if (ext && ext->num_nodes) {
-		nb = (size_t)(epp_join_node(ext, ext->num_nodes) - ext->nodes);
-		nodes = malloc(nb);
-		if (!nodes)
-			return ep__fail(EP_ENOMEM, "out of memory");
-		memcpy(nodes, ext->nodes, nb);
-		j.nodes = nodes;
-		j.num_nodes = ext->num_nodes;
-	}
-	if (ext)
-		j.recv_rows = ext->recv_rows;
-	/* the secret, kept too: the group's pseudo group joins with it */
-	uint8_t *secret = NULL;
-	if (ext && ext->secret_len) {
-		secret = malloc(ext->secret_len);
-		if (!secret) {
-			free(nodes);
-			return ep__fail(EP_ENOMEM, "out of memory");
-		}
-		memcpy(secret, ext->secret, ext->secret_len);
-		j.secret = secret;
-		j.secret_len = ext->secret_len;
-	}
+	struct epp_join j;
+	char *nodes;
+	uint8_t *secret;
+	size_t nb;
+	int rc = join_request(c, cfg, flags, link, ext, &j, &nodes, &secret,
+			      &nb);
+	if (rc)
+		return rc;
 	const size_t cap = 256 + 16 + nb + 2 + j.secret_len;
 	uint8_t *buf = malloc(cap);
 	size_t n = buf ? epp_join_encode(&j, buf, cap) : 0;
@@ -476,11 +534,10 @@ int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 	uint32_t rlen;
 	int fds[2];
 	pthread_mutex_lock(&c->mu);
-	int rc = ep__rpc(c, EPP_JOIN,
-			 (flags & EP_JOIN_NOWAIT ? EPP_F_JOIN_NOWAIT : 0) |
-				 epp_join_flags(&j),
-			 buf, (uint32_t)n, &rep, &rlen, fds, 2, wait);
-	int fd = fds[0];
+	rc = ep__rpc(c, EPP_JOIN,
+		     (flags & EP_JOIN_NOWAIT ? EPP_F_JOIN_NOWAIT : 0) |
+			     epp_join_flags(&j),
+		     buf, (uint32_t)n, &rep, &rlen, fds, 2, wait);
 	pthread_mutex_unlock(&c->mu);
 	free(buf);
 	if (rc) {
@@ -492,10 +549,11 @@ int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 	struct epp_join_ok ok;
 	rc = epp_join_ok_decode(rep, rlen, &ok);
 	free(rep);
-	bool gpu = flags & EP_JOIN_CUDA;
-	if (rc || fd < 0 || (gpu != (fds[1] >= 0)) || (gpu && !ok.dev_size)) {
-		if (fd >= 0)
-			close(fd);
+	const bool gpu = flags & EP_JOIN_CUDA;
+	if (rc || fds[0] < 0 || (gpu != (fds[1] >= 0)) ||
+	    (gpu && !ok.dev_size)) {
+		if (fds[0] >= 0)
+			close(fds[0]);
 		if (fds[1] >= 0)
 			close(fds[1]);
 		free(secret);
@@ -507,37 +565,14 @@ int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 	g->id = ok.group_id;
 	g->epoch = ok.epoch;
 	g->node_index = ok.node_index;
-	g->cfg = j;
+	g->cfg = j; /* the node list and secret go with it */
 	g->buf_size = ok.buf_size;
 	g->timeout_ms = cfg->timeout_ms;
-
-	g->buf = mmap(NULL, g->buf_size, PROT_READ | PROT_WRITE, MAP_SHARED,
-		      fd, 0);
-	close(fd);
 	pthread_mutex_lock(&c->mu);
 	list_add_tail(&c->groups, &g->node);
 	pthread_mutex_unlock(&c->mu);
-	if (g->buf == MAP_FAILED) {
-		int e = errno;
-		ep_leave(g);
-		return ep__fail(-e, "cannot map the group buffer: %s",
-				strerror(e));
-	}
-	g->cuda_device = gpu ? cfg->cuda_device : -1;
-	g->llops = gpu ? ep__ll_gpu_ops(g) : &ep__ll_host_ops;
-	if (gpu && (rc = ep__cuda_map(g, fds[1], ok.dev_size))) {
-		char msg[EPP_ERRMSG_MAX];
-		snprintf(msg, sizeof(msg), "%s", ep_errmsg());
-		ep_leave(g);
-		return ep__fail(rc, "%s", msg);
-	}
-	if (epp_buf_layout(&j, &g->layout) || g->layout.total != ok.buf_size) {
-		ep_leave(g);
-		return ep__fail(EP_EPROTO,
-				"the daemon's buffer of %llu bytes does not "
-				"match this library's layout",
-				(unsigned long long)ok.buf_size);
-	}
+	if ((rc = join_attach(g, cfg, &ok, fds[0], fds[1], gpu)))
+		return rc;
 	*out = g;
 	return 0;
 }
