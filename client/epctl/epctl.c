@@ -338,7 +338,8 @@ static void om_head(const char *name, const char *type, const char *help)
 	printf("# TYPE %s %s\n# HELP %s %s\n", name, type, name, help);
 }
 
-static void print_metrics(json_t *root)
+/* The daemon's own metrics: up, uptime, counters, clients. */
+static void metrics_daemon(json_t *root)
 {
 	json_t *d = json_object_get(root, "daemon");
 	om_head("epd_up", "gauge", "1 while the daemon answers.");
@@ -365,8 +366,13 @@ static void print_metrics(json_t *root)
 	om_head("epd_clients", "gauge", "Connected clients (visible to the caller).");
 	printf("epd_clients %zu\n",
 	       json_array_size(json_object_get(root, "clients")));
+}
+
+/* Per group: ops, latency, errors, bytes, buffers, handles, failure. */
+static void metrics_groups(json_t *root)
+{
 	size_t i;
-	json_t *g, *p;
+	json_t *g;
 	json_t *groups = json_object_get(root, "groups");
 	static const char *const opn[] = {"barrier", "dispatch", "combine"};
 	/* per group: a sample per op kind where `op`, else one; the value is
@@ -431,6 +437,13 @@ static void print_metrics(json_t *root)
 			}
 		}
 	}
+}
+
+/* Per peer node a group here needs: up, downs; peers rejected. */
+static void metrics_peers(json_t *root)
+{
+	size_t i;
+	json_t *p;
 	json_t *cl = json_object_get(root, "cluster");
 	if (json_is_object(cl)) {
 		om_head("epd_peer_up", "gauge",
@@ -460,6 +473,14 @@ static void print_metrics(json_t *root)
 		printf("epd_cluster_peers_rejected_total %lld\n",
 		       jint(cl, "rejected"));
 	}
+}
+
+/* The status as OpenMetrics text. */
+static void print_metrics(json_t *root)
+{
+	metrics_daemon(root);
+	metrics_groups(root);
+	metrics_peers(root);
 	printf("# EOF\n");
 }
 
