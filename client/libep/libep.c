@@ -592,12 +592,15 @@ int ep_leave(ep_group_t *g)
 	uint8_t buf[8];
 	put_gid(buf, g->id);
 	/* A GPU rank's stream-ordered ops still queued are waited for (up
-	 * to the group's timeout, or until the group fails): leaving
-	 * before them would fail the other ranks' ops for a rank that only
-	 * left early, and leave this rank's streams waiting on memory that
-	 * is unmapped below. */
+	 * to the group's timeout, the daemon's default of 30 s where the
+	 * group has none, or until the group fails): leaving before them
+	 * would fail the other ranks' ops for a rank that only left early,
+	 * and leave this rank's streams waiting on memory that is unmapped
+	 * below. */
 	if (g->cuda_device >= 0 && ep__inflight(g))
-		(void)ep__wait_completed(g, 0);
+		(void)ep__wait_drained(g, (int)(g->timeout_ms ? g->timeout_ms
+							      : 30000) +
+						  CLIENT_MARGIN_MS);
 	ep__llh_leave(g); /* the low-latency mode's pseudo group first */
 	pthread_mutex_lock(&c->mu);
 	int rc = ep__rpc(c, EPP_LEAVE, 0, buf, 8, NULL, NULL, NULL, 0,

@@ -220,10 +220,11 @@ static bool daemon_gone(const ep_conn_t *c)
  * spinning for the first 100 us (a count comes tens of us after the last
  * rank rang), then in 20 us sleeps, looking every millisecond or so
  * whether the daemon is still there. */
-static int wait_for(ep_group_t *g, uint64_t behind, uint64_t k)
+static int wait_for_ms(ep_group_t *g, uint64_t behind, uint64_t k,
+		       int timeout_ms)
 {
 	const uint64_t t0 = now_us();
-	uint64_t end = t0 / 1000 + (uint64_t)ep__group_op_timeout(g);
+	uint64_t end = t0 / 1000 + (uint64_t)timeout_ms;
 	unsigned naps = 0;
 	while (ep__inflight(g) > behind && !count_out(g, k)) {
 		int e = ep__ctl_error(g);
@@ -262,9 +263,19 @@ static int wait_for(ep_group_t *g, uint64_t behind, uint64_t k)
 	return 0;
 }
 
+static int wait_for(ep_group_t *g, uint64_t behind, uint64_t k)
+{
+	return wait_for_ms(g, behind, k, ep__group_op_timeout(g));
+}
+
 int ep__wait_until(ep_group_t *g, uint64_t behind)
 {
 	return wait_for(g, behind, 0);
+}
+
+int ep__wait_drained(ep_group_t *g, int timeout_ms)
+{
+	return wait_for_ms(g, 0, 0, timeout_ms);
 }
 
 int ep__wait_count(ep_group_t *g, uint64_t k)

@@ -96,6 +96,9 @@ int ep__ctl_error(const ep_group_t *g);
 const uint8_t *ep__ctl_slot(const ep_group_t *g);
 uint64_t ep__completed_full(const ep_group_t *g);
 int ep__wait_completed(ep_group_t *g, uint64_t behind);
+/* Until none of the rank's ops is incomplete, for at most timeout_ms (or
+ * until the group fails, or the daemon hangs up). */
+int ep__wait_drained(ep_group_t *g, int timeout_ms);
 /* Ops sent and not complete; the wait of ep__wait_completed, returning
  * the control page's error code as it is (no call that could take a
  * caller's lock), or EP_ETIMEDOUT with its message. */
