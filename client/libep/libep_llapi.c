@@ -9,14 +9,8 @@
 
 #include "ek.h"
 
-/* A group with no low-latency way: a GPU rank in a build without CUDA
- * (there is none: such a join fails). */
-static int no_way(ep_group_t *g)
-{
-	(void)g;
-	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
-}
-
+/* g->llops is set at join and never NULL (a GPU rank's join in a build
+ * without CUDA fails before it). */
 
 int ep_ll_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 		   uint32_t num_tokens, unsigned flags, void *stream,
@@ -48,8 +42,6 @@ int ep_ll_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
 						  : EK_LL_FP8;
 	}
 	const struct ep__ll_ops *o = g->llops;
-	if (!o)
-		return no_way(g);
 	const uint32_t K = EP_LL_TOPK_OF(flags);
 	if (K && K != g->cfg.topk && !o->topk_below)
 		return ep__fail(EP_EUNSUPPORTED,
@@ -65,7 +57,7 @@ int ep_ll_dispatch_hook(ep_group_t *g, uint32_t b, void *stream)
 {
 	if (!g)
 		return ep__fail(EP_EINVAL, "NULL argument");
-	return g->llops ? g->llops->dispatch_hook(g, b, stream) : no_way(g);
+	return g->llops->dispatch_hook(g, b, stream);
 }
 
 int ep_ll_combine(ep_group_t *g, uint32_t b, const void *expert_out,
@@ -81,30 +73,29 @@ int ep_ll_combine(ep_group_t *g, uint32_t b, const void *expert_out,
 	if ((flags & EP_LL_ZERO_COPY) && (flags & EP_LL_HOOK))
 		return ep__fail(EP_EINVAL, "a zero-copy combine reads in place: "
 					   "it has no hook");
-	return g->llops ? g->llops->combine(g, b, expert_out, weights, out,
-					    flags, stream)
-			: no_way(g);
+	return g->llops->combine(g, b, expert_out, weights, out, flags,
+				 stream);
 }
 
 int ep_ll_combine_hook(ep_group_t *g, uint32_t b, void *stream)
 {
 	if (!g)
 		return ep__fail(EP_EINVAL, "NULL argument");
-	return g->llops ? g->llops->combine_hook(g, b, stream) : no_way(g);
+	return g->llops->combine_hook(g, b, stream);
 }
 
 int ep_ll_combine_buffer(ep_group_t *g, uint32_t b, void **rows)
 {
 	if (!g || !rows || b > 1)
 		return ep__fail(EP_EINVAL, "bad argument");
-	return g->llops ? g->llops->combine_buffer(g, b, rows) : no_way(g);
+	return g->llops->combine_buffer(g, b, rows);
 }
 
 int ep_ll_error(ep_group_t *g)
 {
 	if (!g)
 		return ep__fail(EP_EINVAL, "NULL argument");
-	return g->llops ? g->llops->error(g) : 0;
+	return g->llops->error(g);
 }
 
 /* The way of a call of shrink mode (what), in *o: 0, or why it has none
@@ -114,8 +105,6 @@ static int shrink_way(ep_group_t *g, const char *what, bool on,
 {
 	if (!g)
 		return ep__fail(EP_EINVAL, "NULL argument");
-	if (!g->llops)
-		return no_way(g);
 	*o = g->llops;
 	return (*o)->shrink ? 0 : (*o)->no_shrink(g, what, on);
 }

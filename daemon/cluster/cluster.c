@@ -683,6 +683,9 @@ static bool node_in_use(const struct epd_cluster *cl, int n)
 	    nd->groups ||
 	    (cl->pinning && nd->resolved_gen == cl->resolve_gen))
 		return true;
+	/* (nd->groups counts every group here that names it, forming or
+	 * failed: span_formed runs when a group is made); a connection in
+	 * its handshake or being reaped names it by index too */
 	struct list_node *it, *tmp;
 	LIST_FOREACH(it, tmp, &cl->conns)
 	{
@@ -690,17 +693,14 @@ static bool node_in_use(const struct epd_cluster *cl, int n)
 		if (cl_conn_node(c) == n)
 			return true;
 	}
-	/* a group still forming, or failed and not yet left, keeps its
-	 * node_map without counting in nd->groups */
-	LIST_FOREACH(it, tmp, &cl->srv->groups)
-	{
-		const struct epd_group *g =
-			LIST_ENTRY(it, struct epd_group, node);
-		if (g->nnodes > 1 && g->node_map &&
-		    epd_group_node_of(g, (uint32_t)n) != UINT32_MAX)
-			return true;
-	}
 	return false;
+}
+
+/* Since when node nd has been unused: its last group's end, or its last
+ * change of state (learnt, up, down), whichever came later. */
+static uint64_t unused_since(const struct cnode *nd)
+{
+	return nd->unused_ns > nd->since_ns ? nd->unused_ns : nd->since_ns;
 }
 
 int cl_node_reclaim(struct epd_cluster *cl, uint64_t min_ns)
@@ -710,17 +710,10 @@ int cl_node_reclaim(struct epd_cluster *cl, uint64_t min_ns)
 	for (int n = cl->fixed; n < cl->n; n++) {
 		struct cnode *nd = &cl->node[n];
 		if (n == cl->self || nd->state == NODE_FREE ||
-		    now - (nd->unused_ns > nd->since_ns ? nd->unused_ns
-							 : nd->since_ns) <
-			    min_ns ||
-		    node_in_use(cl, n))
+		    now - unused_since(nd) < min_ns || node_in_use(cl, n))
 			continue;
 		epd_info("node %s (index %d): forgotten, unused for %.1f s",
-			 nd->name, n,
-			 (double)(now - (nd->unused_ns > nd->since_ns
-						 ? nd->unused_ns
-						 : nd->since_ns)) /
-				 1e9);
+			 nd->name, n, (double)(now - unused_since(nd)) / 1e9);
 		/* frames it sent for groups that never formed here */
 		epd_xop_node_down(cl->srv, (uint32_t)n);
 		memset(nd, 0, sizeof(*nd));

@@ -224,6 +224,17 @@ struct run {
 	double bar_us, disp_us, comb_us, cross_bytes;
 };
 
+/* GB/s of r's rows crossing nodes in an op of us microseconds. */
+static double crossing_gbs(const struct run *r, double us)
+{
+	return r->cross_bytes / us / 1e3;
+}
+
+static double least(double a, double b)
+{
+	return a < b ? a : b;
+}
+
 static struct run one_run(struct ctx *x, int gpu, int one_node, int tag)
 {
 	const int W = x->nodes * x->rpn;
@@ -365,10 +376,7 @@ int main(void)
 		       "(pinned, 256 MiB)",
 		       x->d2h_gbs, x->h2d_gbs);
 	printf("\n");
-	const double wire = tcp_gbs < x->d2h_gbs
-				    ? (tcp_gbs < x->h2d_gbs ? tcp_gbs : x->h2d_gbs)
-				    : (x->d2h_gbs < x->h2d_gbs ? x->d2h_gbs
-							     : x->h2d_gbs);
+	const double wire = least(tcp_gbs, least(x->d2h_gbs, x->h2d_gbs));
 	/* EPD_BENCH_TOKENS: the prefill's tokens a rank (4096) */
 	const uint32_t pt = getenv("EPD_BENCH_TOKENS")
 				    ? (uint32_t)atoi(getenv("EPD_BENCH_TOKENS"))
@@ -402,20 +410,18 @@ int main(void)
 				       "us, %.2f GB/s = %.2f\n",
 				       x->nodes, x->rpn, x->s.name, x->s.T,
 				       hc.cross_bytes / 1e6, hc.bar_us,
-				       hc.disp_us,
-				       hc.cross_bytes / hc.disp_us / 1e3,
-				       hc.cross_bytes / hc.disp_us / 1e3 / wire,
-				       hc.comb_us,
-				       hc.cross_bytes / hc.comb_us / 1e3,
-				       hc.cross_bytes / hc.comb_us / 1e3 / wire);
+				       hc.disp_us, crossing_gbs(&hc, hc.disp_us),
+				       crossing_gbs(&hc, hc.disp_us) / wire,
+				       hc.comb_us, crossing_gbs(&hc, hc.comb_us),
+				       crossing_gbs(&hc, hc.comb_us) / wire);
 				continue;
 			}
 			struct run gc = one_run(x, 1, 0, tag++);
 			struct run g1 = one_run(x, 1, 1, tag++);
-			const double gd = gc.cross_bytes / gc.disp_us / 1e3,
-				     gcb = gc.cross_bytes / gc.comb_us / 1e3,
-				     hd = hc.cross_bytes / hc.disp_us / 1e3,
-				     hcb = hc.cross_bytes / hc.comb_us / 1e3;
+			const double gd = crossing_gbs(&gc, gc.disp_us),
+				     gcb = crossing_gbs(&gc, gc.comb_us),
+				     hd = crossing_gbs(&hc, hc.disp_us),
+				     hcb = crossing_gbs(&hc, hc.comb_us);
 			printf("perf: %d nodes x %d GPU ranks, %s (%u tokens a "
 			       "rank; %.0f MB of rows cross nodes per op): "
 			       "barrier %.1f us = %.2f x (host ranks across "

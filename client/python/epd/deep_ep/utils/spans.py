@@ -54,20 +54,7 @@ def add(name, start, end):
         last_end = end
 
 
-def means(spans, names, per=1):
-    """For each name, the mean seconds of the spans whose names contain
-    it (per > 1: per means of the first, second, ... of each period), or
-    None where no span has it. The events must have completed."""
-    out = []
-    for name in names:
-        durs = [a.elapsed_time(b) / 1e3 for n, a, b in spans if name in n]
-        if not durs:
-            out.append(None)
-            continue
-        if len(durs) % per:
-            raise RuntimeError(f"bench_kineto: {len(durs)} epd ops named "
-                               f"*{name}*, not periods of {per}")
-        periods = len(durs) // per
-        out.append([sum(durs[j::per]) / periods for j in range(per)]
-                   if per > 1 else sum(durs) / len(durs))
-    return out
+def durations(spans, name):
+    """The seconds of the spans whose names contain name, in the order
+    recorded. The events must have completed."""
+    return [a.elapsed_time(b) / 1e3 for n, a, b in spans if name in n]

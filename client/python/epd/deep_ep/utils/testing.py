@@ -64,7 +64,7 @@ def kernel_means(events, names, per=1, spans=()):
     the (name, start event, end event) of epd's normal ops on this rank's
     streams (deep_ep.utils.spans). RuntimeError if neither has it, or
     their number is not whole periods."""
-    from .spans import means as span_means
+    from .spans import durations
     # ("kernel"; "Kernel" in older PyTorch)
     kernels = sorted((e for e in events
                       if str(e.get("cat", "")).lower() == "kernel" and
@@ -72,17 +72,15 @@ def kernel_means(events, names, per=1, spans=()):
     out = []
     for name in names:
         durs = [e["dur"] / 1e6 for e in kernels if name in e["name"]]
+        what = "kernels"
         if not durs:
-            m = span_means(spans, (name,), per)[0]
-            if m is None:
-                raise RuntimeError(
-                    f"bench_kineto: no kernel named *{name}* ran in this "
-                    f"process, and no epd op of that name ran on its "
-                    f"streams")
-            out.append(m)
-            continue
+            durs, what = durations(spans, name), "epd ops"
+        if not durs:
+            raise RuntimeError(
+                f"bench_kineto: no kernel named *{name}* ran in this "
+                f"process, and no epd op of that name ran on its streams")
         if len(durs) % per:
-            raise RuntimeError(f"bench_kineto: {len(durs)} kernels named "
+            raise RuntimeError(f"bench_kineto: {len(durs)} {what} named "
                                f"*{name}*, not periods of {per}")
         periods = len(durs) // per
         out.append([sum(durs[j::per]) / periods for j in range(per)]
