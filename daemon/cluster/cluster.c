@@ -373,6 +373,7 @@ static void on_tick(uv_timer_t *t)
 	}
 	/* learnt nodes unused for a linger are forgotten: the table holds
 	 * the nodes in use, not every node ever named */
+	cl_failed_release(cl, now);
 	if (cl->n > cl->fixed)
 		cl_node_reclaim(cl, linger);
 }
@@ -900,7 +901,7 @@ static int span_arrival(struct epd_group *g, uint32_t l, uint64_t seq)
  * epd_cluster_wconn). */
 static struct epd_tconn *wconn(const struct epd_cluster *cl, int cn)
 {
-	if (!cl || !cl->tops->write || !cl->tr || cn >= cl->n ||
+	if (!cl || !cl->tops->write || !cl->tr || cn < 0 || cn >= cl->n ||
 	    cl->node[cn].state != NODE_UP)
 		return NULL;
 	struct pconn *c = cl->node[cn].conn;
@@ -1030,7 +1031,7 @@ static void gfail_send(struct epd_cluster *cl, const char *key,
 	size_t gn = epp_peer_gfail_encode(&m, buf, sizeof(buf));
 	for (uint32_t n = 0; n < nnodes; n++) {
 		const int cn = (int)node_map[n];
-		if (cn < cl->n && cn != cl->self &&
+		if (node_map[n] < (uint32_t)cl->n && cn != cl->self &&
 		    cl->node[cn].state == NODE_UP) {
 			if (sl)
 				cl_conn_send(cl->node[cn].conn,
@@ -1054,6 +1055,7 @@ void epd_cluster_tell_failed(struct epd_group *g, uint32_t n)
 	struct epd_cluster *cl = g->srv->cluster;
 	uint8_t buf[EPP_ERRMSG_MAX + 128];
 	if (!cl || n >= g->nnodes || n == g->node_index ||
+	    g->node_map[n] >= (uint32_t)cl->n ||
 	    cl->node[g->node_map[n]].state != NODE_UP)
 		return;
 	struct epp_peer_gfail m = {.code = g->fail_code, .round = g->round,
@@ -1094,7 +1096,7 @@ void epd_cluster_send(struct epd_group *g, uint32_t n, uint16_t type,
 		      struct epd_sref *ref)
 {
 	struct epd_cluster *cl = g->srv->cluster;
-	if (!cl || n >= g->nnodes)
+	if (!cl || n >= g->nnodes || g->node_map[n] >= (uint32_t)cl->n)
 		return;
 	struct cnode *nd = &cl->node[g->node_map[n]];
 	if (nd->state != NODE_UP)
@@ -1123,9 +1125,10 @@ const char *epd_cluster_name_at(const struct epd_server *srv, uint32_t cn)
 const char *epd_cluster_node_name(const struct epd_group *g, uint32_t n)
 {
 	struct epd_cluster *cl = g->srv->cluster;
-	return cl && n < g->nnodes && (int)g->node_map[n] < cl->n
-		       ? cl->node[g->node_map[n]].name
-		       : "local";
+	if (!cl || n >= g->nnodes)
+		return "local";
+	return g->node_map[n] < (uint32_t)cl->n ? cl->node[g->node_map[n]].name
+						: "released";
 }
 
 static void span_failed(struct epd_group *g, int code, const char *msg,
@@ -1160,6 +1163,8 @@ static void span_formed(struct epd_group *g)
 static void nodes_release(struct epd_group *g)
 {
 	struct epd_cluster *cl = g->srv->cluster;
+	if (g->nodes_released)
+		return;
 	for (uint32_t n = 0; cl && n < g->nnodes; n++) {
 		struct cnode *nd = &cl->node[g->node_map[n]];
 		if (n == g->node_index || !nd->groups || --nd->groups)
@@ -1167,6 +1172,34 @@ static void nodes_release(struct epd_group *g)
 		nd->unused_ns = epd_now_ns();
 		if (nd->state == NODE_DOWN && !cl->srv->cfg.peer_connect_all)
 			nd->state = NODE_IDLE; /* no longer wanted */
+	}
+}
+
+/* Failed groups whose ranks are still connected let go of their nodes
+ * once their timeout has passed since the failure: a node that forms
+ * the group later is told the failure until then (epd_xop_frame), and
+ * after that its own join has timed out. Else every failed group a rank
+ * keeps open would hold its nodes in the table (connected, watched, not
+ * forgotten) for as long as the rank likes. */
+void cl_failed_release(struct epd_cluster *cl, uint64_t now)
+{
+	struct list_node *it, *tmp;
+	LIST_FOREACH(it, tmp, &cl->srv->groups)
+	{
+		struct epd_group *g = LIST_ENTRY(it, struct epd_group, node);
+		const uint64_t wait = (uint64_t)g->timeout_ms * 1000000ull;
+		if (g->nnodes < 2 || g->state != EPD_G_FAILED ||
+		    g->nodes_released || now - g->failed_ns < wait)
+			continue;
+		nodes_release(g);
+		g->nodes_released = true;
+		for (uint32_t n = 0; n < g->nnodes; n++)
+			if (n != g->node_index)
+				g->node_map[n] = EPD_NODE_RELEASED;
+		epd_info("group %s: failed %.1f s ago, its %u other nodes "
+			 "released",
+			 g->shape.name, (double)(now - g->failed_ns) / 1e9,
+			 g->nnodes - 1);
 	}
 }
 

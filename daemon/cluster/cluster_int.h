@@ -174,6 +174,7 @@ int cl_node_find(const struct epd_cluster *cl, const char *name);
  * slots are free and what this node kept of them (frames stashed for
  * groups not formed) is dropped. Returns how many. */
 int cl_node_reclaim(struct epd_cluster *cl, uint64_t min_ns);
+void cl_failed_release(struct epd_cluster *cl, uint64_t now);
 /* Does this node dial node n (when it wants it)? With peer_connect =
  * all, the lower index dials; on demand, the lower name. */
 bool cl_dials(const struct epd_cluster *cl, int n);

@@ -134,10 +134,16 @@ struct epd_member *epd_coll_enter(struct epd_session *c, uint64_t req_id,
 	}
 	if (g->state == EPD_G_FORMING) {
 		char miss[512];
-		epd_list_ranks(miss, sizeof(miss), g, epd_not_joined, NULL);
+		if (g->await_nodes)
+			g->srv->span->nodes_missing(g, miss, sizeof(miss));
+		else
+			epd_list_ranks(miss, sizeof(miss), g, epd_not_joined,
+				       NULL);
 		epd_session_error(c, req_id, EP_ENOTREADY,
-				 "group %s is not ready; ranks not joined: %s",
-				 g->shape.name, miss);
+				 "group %s is not ready; %s: %s", g->shape.name,
+				 g->await_nodes ? "waiting for its nodes"
+						: "ranks not joined",
+				 miss);
 		return NULL;
 	}
 	if (m->pending_req) {

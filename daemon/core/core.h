@@ -221,6 +221,8 @@ enum epd_peer {
 	EPD_PEER_OVER, /* its group failed: what it sends is a later one's */
 };
 
+#define EPD_NODE_RELEASED UINT32_MAX /* see epd_group.nodes_released */
+
 struct epd_group {
 	struct list_node node; /* in server->groups */
 	struct epd_server *srv;
@@ -238,6 +240,12 @@ struct epd_group {
 	 * the cluster's n (nodes_hash 0). */
 	uint32_t *node_map;
 	uint64_t nodes_hash;
+	/* A failed group lets go of its nodes once nothing can still learn
+	 * its failure from it (the cluster's tick, a timeout after failed_ns):
+	 * node_map's entries other than node_index are then
+	 * EPD_NODE_RELEASED, and its ranks keep its error until they leave. */
+	uint64_t failed_ns;
+	bool nodes_released;
 	/* the job's secret, hashed (EPP_F_JOIN_SECRET): every joiner's must
 	 * match; its first 8 bytes tag the key. has_secret false: none */
 	bool has_secret;

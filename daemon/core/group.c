@@ -299,6 +299,8 @@ void epd_group_fail(struct epd_group *g, int code, const char *fmt, ...)
 	 * on this send) finds the group failed already. */
 	g->state = EPD_G_FAILED;
 	g->fail_code = code;
+	if (!was_failed)
+		g->failed_ns = epd_now_ns();
 	g->coll_type = 0;
 	g->coll_arrived = 0;
 	/* A rank leaving is how jobs end: not worth a warning. */
@@ -405,13 +407,23 @@ void epd_group_timeout(uv_timer_t *t)
 					 : "");
 		}
 		epd_warn("%s", msg);
+		/* every local rank joined and its nodes never came: the group
+		 * fails, so that the ranks that did not wait for it (joined
+		 * with EP_JOIN_NOWAIT) hear it too, and let go of its nodes;
+		 * else it waits for whoever is missing to join */
+		const bool fail = g->await_nodes;
+		uint32_t stay = g->njoined;
 		for (uint32_t l = 0; l < g->shape.ranks_per_node; l++) {
 			struct epd_member *m = g->local[l];
 			if (m && m->pending_type == EPP_JOIN) {
 				epd_member_reply_err(m, EP_ETIMEDOUT, msg);
 				epd_member_remove(m, "join timed out");
+				if (--stay == 0)
+					return; /* (the group is gone) */
 			}
 		}
+		if (fail)
+			epd_group_fail(g, EP_ETIMEDOUT, "%s", msg);
 		return;
 	}
 	if (g->state != EPD_G_READY)
@@ -1154,6 +1166,10 @@ void epd_member_remove(struct epd_member *m, const char *why)
 	if (g->state == EPD_G_READY)
 		epd_group_fail(g, EP_EPEERLOST, "rank %u (pid %d) left the group: %s",
 			   m->rank, (int)c->pid, why);
+	/* a forming group no longer has every local rank: it forms when
+	 * they are all there again, not when its nodes come */
+	if (g->state == EPD_G_FORMING)
+		g->await_nodes = false;
 	free(m->aq);
 	free(m);
 	if (g->njoined == 0)

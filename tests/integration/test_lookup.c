@@ -22,7 +22,9 @@
  *    forgotten once unused: at once where a new job's node needs the
  *    room (never one a group, forming or not, still names), and after
  *    peer_linger_ms anyway; an unused learnt node takes the address a
- *    new job gives, one in use keeps its own.
+ *    new job gives, one in use keeps its own. A group that failed lets
+ *    go of its nodes a timeout after the failure, though its rank stays
+ *    connected: they are forgotten, the rank keeps the group's error.
  * (test_placement runs its whole suite with peer_lookup = job too:
  * tests/integration/placement_job.)
  */
@@ -183,7 +185,8 @@ static void wait_status(int d, const char *frag, bool want, double secs,
 
 /* A join of this node (j0, daemon 2) and `other` that waits for it
  * (EP_JOIN_NOWAIT: the group forms later, or never); its connection. */
-static ep_conn_t *join_open(const char *name, const char *other)
+static ep_conn_t *join_open_g(const char *name, const char *other,
+			      uint32_t timeout_ms, ep_group_t **gp)
 {
 	ep_conn_t *c;
 	ep_group_t *g;
@@ -192,9 +195,16 @@ static ep_conn_t *join_open(const char *name, const char *other)
 	struct ep_group_config cfg = {
 		.name = name, .world_size = 2, .ranks_per_node = 1, .rank = 0,
 		.num_experts = 8, .hidden = H, .max_tokens_per_rank = T,
-		.topk = K, .dtype = EP_DTYPE_BF16, .timeout_ms = 60000};
+		.topk = K, .dtype = EP_DTYPE_BF16, .timeout_ms = timeout_ms};
 	TH_OK(ep_join_nodes(c, &cfg, list, EP_JOIN_NOWAIT, &g));
+	if (gp)
+		*gp = g;
 	return c;
+}
+
+static ep_conn_t *join_open(const char *name, const char *other)
+{
+	return join_open_g(name, other, 60000, NULL);
 }
 
 static void start(struct th_daemon *d, const char *name, const char *host,
@@ -341,6 +351,62 @@ int main(void)
 	ep_close(c2);
 	printf("ok: a learnt node nothing uses takes the address a new job "
 	       "gives; one in use keeps its own\n");
+	/* a group that failed (its node never came: the join's timeout)
+	 * while its rank stays connected lets go of its node a timeout
+	 * after the failure: the node is forgotten, the rank keeps the
+	 * group's error */
+	ep_group_t *g5;
+	c1 = join_open_g("q5job", "q5@127.0.0.1:9", 300, &g5);
+	wait_status(2, "\"state\":\"failed\"", true, 10, "q5job's failure");
+	wait_status(2, "\"name\":\"q5\"", false, 10,
+		    "q5 released by its failed group");
+	TH_CHECK(status_has(2, "\"name\":\"q5job\""),
+		 "the failed group went with its node");
+	int rc5 = ep_barrier(g5);
+	TH_CHECK(rc5 == EP_ETIMEDOUT && strstr(ep_errmsg(), "q5"),
+		 "the failed group's rank: %d %s", rc5, ep_errmsg());
+	ep_close(c1);
+	wait_status(2, "\"name\":\"q5job\"", false, 10, "q5job's end");
+	printf("ok: a failed group whose rank stays connected releases its "
+	       "node a timeout after the failure (the node is forgotten); "
+	       "its rank still gets the group's error naming the node\n");
+	/* a forming group that lost one of its local ranks forms when that
+	 * rank is back, not when its other node comes: two local ranks wait
+	 * for node "localhost" (stopped), one leaves, the node comes back */
+	th_daemon_stop(&D[1]);
+	char other[64];
+	snprintf(other, sizeof(other), "localhost@127.0.0.1:%d", PORT);
+	const char *l6[] = {"j0", other};
+	ep_conn_t *c6[2];
+	ep_group_t *g6[2];
+	for (int r = 0; r < 2; r++) {
+		TH_OK(ep_connect(D[2].sock, &c6[r]));
+		struct ep_group_config cfg = {
+			.name = "q6job", .world_size = 4, .ranks_per_node = 2,
+			.rank = (uint32_t)r, .num_experts = 8, .hidden = H,
+			.max_tokens_per_rank = T, .topk = K,
+			.dtype = EP_DTYPE_BF16, .timeout_ms = 60000};
+		TH_OK(ep_join_nodes(c6[r], &cfg, l6, EP_JOIN_NOWAIT, &g6[r]));
+	}
+	int rc6 = ep_barrier(g6[0]);
+	TH_CHECK(rc6 == EP_ENOTREADY &&
+			 strstr(ep_errmsg(), "waiting for its nodes: localhost"),
+		 "a group waiting for its nodes: %d %s", rc6, ep_errmsg());
+	ep_close(c6[1]);
+	wait_status(2, "\"missing\":[1]", true, 10, "q6job's rank 1 leaving");
+	start(&D[1], "localhost", "127.0.0.1", PORT, key, "dns",
+	      "heartbeat_miss=20");
+	wait_status(2, "\"state\":\"up\"", true, 10, "node localhost up");
+	usleep(200000);
+	TH_CHECK(status_has(2, "\"state\":\"forming\""),
+		 "q6job formed without its rank 1");
+	rc6 = ep_barrier(g6[0]);
+	TH_CHECK(rc6 == EP_ENOTREADY && strstr(ep_errmsg(), "not joined: 1"),
+		 "q6job's rank 0: %d %s", rc6, ep_errmsg());
+	ep_close(c6[0]);
+	printf("ok: a forming group that lost a local rank does not form "
+	       "when its node comes (EP_ENOTREADY naming the rank); while "
+	       "it waits for a node, EP_ENOTREADY names the node\n");
 	for (int d = 0; d < 3; d++)
 		th_daemon_stop(&D[d]);
 	printf("ok\n");
