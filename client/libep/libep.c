@@ -270,7 +270,8 @@ static void secret_free(uint8_t *p, size_t n)
 void ep__group_free(ep_group_t *g)
 {
 	ep__llh_fini(g);
-	ep__cuda_unmap(g);
+	if (g->gpu)
+		g->gpu->unmap(g);
 	if (g->buf && g->buf != MAP_FAILED)
 		munmap(g->buf, g->buf_size);
 	list_del(&g->node);
@@ -296,98 +297,9 @@ void ep_close(ep_conn_t *c)
 	free(c);
 }
 
-int ep_join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
-	    ep_group_t **out)
-{
-	return ep__join(c, cfg, flags, 0, NULL, out);
-}
-
 const char *ep_conn_node(const ep_conn_t *c)
 {
 	return c ? c->node : "";
-}
-
-/* The node list packed as the protocol carries it (names one after the
- * other, each ended by a NUL), checked; into *packed (malloc'd). */
-static int pack_nodes(const struct ep_group_config *cfg,
-		      const char *const *nodes, char **packed, uint32_t *count)
-{
-	if (!cfg->ranks_per_node || cfg->world_size % cfg->ranks_per_node)
-		return ep__fail(EP_EINVAL,
-				"ranks_per_node %u does not divide world_size "
-				"%u",
-				cfg->ranks_per_node, cfg->world_size);
-	const uint32_t n = cfg->world_size / cfg->ranks_per_node;
-	size_t bytes = 0;
-	for (uint32_t i = 0; i < n; i++) {
-		if (!nodes[i] || !epp_node_entry_valid(nodes[i]))
-			return ep__fail(EP_EINVAL,
-					"nodes[%u] is not a node name (1..%d "
-					"of [A-Za-z0-9_.-]) or name@host:port",
-					i, EP_NODE_NAME_MAX);
-		bytes += strlen(nodes[i]) + 1;
-	}
-	char *p = malloc(bytes);
-	if (!p)
-		return ep__fail(EP_ENOMEM, "out of memory");
-	*packed = p;
-	for (uint32_t i = 0; i < n; i++) {
-		size_t l = strlen(nodes[i]) + 1;
-		memcpy(p, nodes[i], l);
-		p += l;
-	}
-	*count = n;
-	return 0;
-}
-
-int ep_join_ex(ep_conn_t *c, const struct ep_group_config *cfg,
-	       const struct ep_join_opts *opts, unsigned flags,
-	       ep_group_t **out)
-{
-	/* the caller's struct, as far as its size covers ours */
-	struct ep_join_opts o = {0};
-	if (opts) {
-		if (opts->size < sizeof(size_t))
-			return ep__fail(EP_EINVAL,
-					"ep_join_opts.size %zu: set it to "
-					"sizeof(struct ep_join_opts)",
-					opts->size);
-		memcpy(&o, opts, opts->size < sizeof(o) ? opts->size
-							: sizeof(o));
-	}
-	if (!o.nodes && !o.recv_rows && !o.secret)
-		return ep_join(c, cfg, flags, out);
-	if (o.secret && (!o.secret_len || o.secret_len > EPP_SECRET_MAX))
-		return ep__fail(EP_EINVAL, "a job secret of %zu bytes (1..%d)",
-				o.secret_len, EPP_SECRET_MAX);
-	if (!c || !cfg || !out)
-		return ep__fail(EP_EINVAL, "NULL argument");
-	if (c->minor < 21)
-		return ep__fail(EP_EUNSUPPORTED,
-				"the daemon speaks protocol 1.%u; node lists, "
-				"recv_rows and job secrets need 1.21",
-				c->minor);
-	struct epp_join ext = {.recv_rows = o.recv_rows,
-			       .secret = o.secret,
-			       .secret_len = o.secret ? (uint32_t)o.secret_len
-						      : 0};
-	char *packed = NULL;
-	if (o.nodes) {
-		int rc = pack_nodes(cfg, o.nodes, &packed, &ext.num_nodes);
-		if (rc)
-			return rc;
-		ext.nodes = packed;
-	}
-	int rc = ep__join(c, cfg, flags, 0, &ext, out);
-	free(packed);
-	return rc;
-}
-
-int ep_join_nodes(ep_conn_t *c, const struct ep_group_config *cfg,
-		  const char *const *nodes, unsigned flags, ep_group_t **out)
-{
-	const struct ep_join_opts o = {.size = sizeof(o), .nodes = nodes};
-	return ep_join_ex(c, cfg, &o, flags, out);
 }
 
 /* The join request of cfg (flags, link, ext: ep__join's) into *j; the
@@ -395,7 +307,8 @@ int ep_join_nodes(ep_conn_t *c, const struct ep_group_config *cfg,
  * *secret, NULL if none; nb: the list's bytes), which the group keeps. */
 static int join_request(const ep_conn_t *c, const struct ep_group_config *cfg,
 			unsigned flags, uint64_t link,
-			const struct epp_join *ext, struct epp_join *j,
+			const struct epp_join *ext,
+			const struct ep__gpu_ops *gpu, struct epp_join *j,
 			char **nodes, uint8_t **secret, size_t *nb)
 {
 	*nodes = NULL;
@@ -430,8 +343,12 @@ static int join_request(const ep_conn_t *c, const struct ep_group_config *cfg,
 		if (flags & EP_JOIN_NOWAIT)
 			return ep__fail(EP_EINVAL, "a GPU rank's join waits "
 						   "for the group");
-		int rc = ep__cuda_prepare(cfg->cuda_device, j->gpu_uuid,
-					  &j->rank_flags);
+		if (!gpu)
+			return ep__fail(EP_EUNSUPPORTED,
+					"a GPU rank's join where none is "
+					"served");
+		int rc = gpu->prepare(cfg->cuda_device, j->gpu_uuid,
+				      &j->rank_flags);
 		if (rc)
 			return rc;
 	}
@@ -465,10 +382,11 @@ static int join_request(const ep_conn_t *c, const struct ep_group_config *cfg,
 }
 
 /* The joined group g (in its connection's list) takes its memory: the
- * buffer (fd, closed here) and, for a GPU rank, its device region
- * (dfd). On failure the group is left and freed. */
+ * buffer (fd, closed here) and, for a GPU rank (gpu: its part), its
+ * device region (dfd). On failure the group is left and freed. */
 static int join_attach(ep_group_t *g, const struct ep_group_config *cfg,
-		       const struct epp_join_ok *ok, int fd, int dfd, bool gpu)
+		       const struct epp_join_ok *ok, int fd, int dfd,
+		       const struct ep__gpu_ops *gpu)
 {
 	g->buf = mmap(NULL, g->buf_size, PROT_READ | PROT_WRITE, MAP_SHARED,
 		      fd, 0);
@@ -482,9 +400,10 @@ static int join_attach(ep_group_t *g, const struct ep_group_config *cfg,
 				strerror(e));
 	}
 	g->cuda_device = gpu ? cfg->cuda_device : -1;
-	g->llops = gpu ? ep__ll_gpu_ops(g) : &ep__ll_host_ops;
+	g->gpu = gpu;
+	g->llops = gpu ? gpu->ll_ops(g) : &ep__ll_host_ops;
 	int rc;
-	if (gpu && (rc = ep__cuda_map(g, dfd, ok->dev_size))) {
+	if (gpu && (rc = gpu->map(g, dfd, ok->dev_size))) {
 		char msg[EPP_ERRMSG_MAX];
 		snprintf(msg, sizeof(msg), "%s", ep_errmsg());
 		ep_leave(g);
@@ -502,7 +421,8 @@ static int join_attach(ep_group_t *g, const struct ep_group_config *cfg,
 }
 
 int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
-	     uint64_t link, const struct epp_join *ext, ep_group_t **out)
+	     uint64_t link, const struct epp_join *ext,
+	     const struct ep__gpu_ops *gpu, ep_group_t **out)
 {
 	if (!c || !cfg || !out || !cfg->name)
 		return ep__fail(EP_EINVAL, "NULL argument");
@@ -510,8 +430,8 @@ int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 	char *nodes;
 	uint8_t *secret;
 	size_t nb;
-	int rc = join_request(c, cfg, flags, link, ext, &j, &nodes, &secret,
-			      &nb);
+	int rc = join_request(c, cfg, flags, link, ext, gpu, &j, &nodes,
+			      &secret, &nb);
 	if (rc)
 		return rc;
 	const size_t cap = 256 + 16 + nb + 2 + j.secret_len;
@@ -549,9 +469,9 @@ int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 	struct epp_join_ok ok;
 	rc = epp_join_ok_decode(rep, rlen, &ok);
 	free(rep);
-	const bool gpu = flags & EP_JOIN_CUDA;
-	if (rc || fds[0] < 0 || (gpu != (fds[1] >= 0)) ||
-	    (gpu && !ok.dev_size)) {
+	const bool cuda = flags & EP_JOIN_CUDA;
+	if (rc || fds[0] < 0 || (cuda != (fds[1] >= 0)) ||
+	    (cuda && !ok.dev_size)) {
 		if (fds[0] >= 0)
 			close(fds[0]);
 		if (fds[1] >= 0)
@@ -571,7 +491,8 @@ int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
 	pthread_mutex_lock(&c->mu);
 	list_add_tail(&c->groups, &g->node);
 	pthread_mutex_unlock(&c->mu);
-	if ((rc = join_attach(g, cfg, &ok, fds[0], fds[1], gpu)))
+	if ((rc = join_attach(g, cfg, &ok, fds[0], fds[1],
+			      cuda ? gpu : NULL)))
 		return rc;
 	*out = g;
 	return 0;

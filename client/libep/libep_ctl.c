@@ -167,7 +167,7 @@ int ep_group_error(ep_group_t *g)
 		return e;
 	if (g->conn->async_err)
 		return g->conn->async_err;
-	int ge = ep__graph_error(g);
+	int ge = g->gpu ? g->gpu->graph_error(g) : 0;
 	return ge ? ge : ep__op_error(g);
 }
 

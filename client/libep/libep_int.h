@@ -58,6 +58,7 @@ struct ep_group {
 	void *ring_fn;   /* CUfunction ekc_ring_wait in the rank's context */
 	bool ring_tried; /* looked it up (NULL: memops) */
 	const struct ep__ll_ops *llops; /* the low-latency mode's way */
+	const struct ep__gpu_ops *gpu;  /* a GPU rank's part, else NULL */
 	bool mps, mps_known; /* an MPS client of the GPU (libep_cuda.c) */
 	size_t dev_size;
 	uint64_t ctl_dev; /* the control page, registered: its device view */
@@ -79,15 +80,33 @@ struct ep_group {
 #define EP__GSEQ (1ull << 63)
 /* ep__graph_capture: a cached dispatch */
 #define EP__GFLAG_CACHED (1u << 31)
-/* 0, or the error of a replayed graph's op that could not be posted. */
-int ep__graph_error(ep_group_t *g);
 
-/* libep_cuda.c, or libep_nocuda.c (EP_EUNSUPPORTED) in a build without
- * CUDA. Fill uuid and rank flags of device dev for a JOIN. */
-int ep__cuda_prepare(int dev, uint8_t uuid[16], uint32_t *rank_flags);
-/* Map the rank's region from fd (closed either way). */
-int ep__cuda_map(ep_group_t *g, int fd, uint64_t size);
-void ep__cuda_unmap(ep_group_t *g);
+/* A GPU rank's part of a group, as the core sees it. The cuda module
+ * (cuda/libep_cuda.c and its siblings, or cuda/libep_nocuda.c in a build
+ * without CUDA: EP_EUNSUPPORTED) defines it as ep__gpu; the public joins
+ * (join.c) hand it to ep__join, and the group keeps it (g->gpu, NULL for
+ * a host rank). The core never names the cuda module's functions: it
+ * calls them through this table (tests/layering). */
+struct ep__gpu_ops {
+	/* a JOIN's device uuid and rank flags of device dev */
+	int (*prepare)(int dev, uint8_t uuid[16], uint32_t *rank_flags);
+	/* map the rank's region from fd (closed either way) */
+	int (*map)(ep_group_t *g, int fd, uint64_t size);
+	/* the low-latency mode's way for group g (NULL: none) */
+	const struct ep__ll_ops *(*ll_ops)(const ep_group_t *g);
+	/* 0, or the error of a replayed graph's op that could not be
+	 * posted */
+	int (*graph_error)(ep_group_t *g);
+	/* The teardown, in this order: leave what the rank joined besides
+	 * the group (the pseudo group of the low-latency mode across
+	 * nodes), while the daemon still serves it; then, once the group is
+	 * left (or the connection closed), wait for the rank's queued work
+	 * and free everything the GPU part holds (registrations, graphs,
+	 * the low-latency mode, the mappings). */
+	void (*leave)(ep_group_t *g);
+	void (*unmap)(ep_group_t *g);
+};
+extern const struct ep__gpu_ops ep__gpu;
 /* libep_ctl.c: this rank's words in the control page: its error word,
  * its slot, the ops every rank completed (32 bits, and widened against
  * the ops sent), the wait until at most `behind` ops are incomplete, and
@@ -155,9 +174,11 @@ uint64_t ep__ctl_completed(const ep_group_t *g);
 
 /* ep_join linked to group id link (0: none; 1.16): the new group fails
  * whenever that one does, also while it forms; with ext (NULL: none)'s
- * num_nodes/nodes and recv_rows (1.21). */
+ * num_nodes/nodes and recv_rows (1.21); gpu: the GPU part a join with
+ * EP_JOIN_CUDA takes (NULL: such a join is refused). */
 int ep__join(ep_conn_t *c, const struct ep_group_config *cfg, unsigned flags,
-	     uint64_t link, const struct epp_join *ext, ep_group_t **out);
+	     uint64_t link, const struct epp_join *ext,
+	     const struct ep__gpu_ops *gpu, ep_group_t **out);
 /* Unmap and free a group's handle (no message to the daemon). */
 void ep__group_free(ep_group_t *g);
 /* The low-latency mode (ep.h): libep_llapi.c has the ep_ll_* calls, which
@@ -190,9 +211,6 @@ struct ep__ll_ops {
 	int (*no_shrink)(ep_group_t *g, const char *what, bool on);
 };
 extern const struct ep__ll_ops ep__ll_host_ops;
-/* A GPU rank's table for group g (cuda/libep_ll.c), or NULL (a build
- * without CUDA). */
-const struct ep__ll_ops *ep__ll_gpu_ops(const ep_group_t *g);
 /* The low-latency errors that do not end the mode, by precedence (a bad
  * expert index, then too many tokens or rows): 0 if neither. */
 int ep__ll_soft_error(bool expert, bool toobig);
@@ -213,9 +231,6 @@ struct ep__ll_end {
 };
 int ep__ll_die(struct ep__ll_end *e, int rc);
 int ep__ll_gate(struct ep__ll_end *e, ep_group_t *g);
-/* The same of a GPU rank's low-latency mode across nodes (libep_llx.c;
- * nothing in a build without CUDA). */
-void ep__llx_leave(ep_group_t *g);
 /* The pseudo group's name: the group's (cut to fit) and a hash of all of
  * it, so that every rank, on every node, names the same group. */
 void ep__llh_name(const char *name, char out[EP_GROUP_NAME_MAX + 1]);

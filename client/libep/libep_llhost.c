@@ -90,7 +90,8 @@ static void llh_free_bufs(struct ep_llh *l)
 
 void ep__llh_leave(ep_group_t *g)
 {
-	ep__llx_leave(g);
+	if (g->gpu)
+		g->gpu->leave(g);
 	if (g->llh && g->llh->aux) {
 		(void)ep_leave(g->llh->aux);
 		g->llh->aux = NULL;
@@ -182,7 +183,7 @@ static int llh_setup(ep_group_t *g)
 				       .nodes = g->cfg.nodes,
 				       .secret = g->cfg.secret,
 				       .secret_len = g->cfg.secret_len};
-	int rc = ep__join(g->conn, &ac, 0, g->id, &nodes, &l->aux);
+	int rc = ep__join(g->conn, &ac, 0, g->id, &nodes, NULL, &l->aux);
 	if (!rc) {
 		/* the group owns it: freed with it, never on its own by
 		 * ep_close */

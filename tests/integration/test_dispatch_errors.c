@@ -6,6 +6,7 @@
 #include "harness.h"
 #include "epp.h"
 
+#include <dlfcn.h>
 #include <signal.h>
 #include <stddef.h>
 #include <string.h>
@@ -602,6 +603,48 @@ static int stalled_rank(int r, void *arg)
 	return 0;
 }
 
+/* A GPU rank's join where libep cannot serve one (built without CUDA,
+ * or no driver here): refused before anything reaches the daemon, and the
+ * connection then joins a host group as always. On a machine with a GPU
+ * the join is the daemon's to answer (not what this checks). */
+static int cuda_join_rank(int r, void *arg)
+{
+	struct shared *s = arg;
+	(void)r;
+	ep_conn_t *c;
+	ep_group_t *g;
+	TH_OK(ep_connect(s->d->sock, &c));
+	struct ep_group_config cfg = cfg_of("gpujoin", 0);
+	cfg.world_size = 1;
+	cfg.ranks_per_node = 1;
+	TH_EXPECT_RC(ep_join(c, &cfg, EP_JOIN_CUDA | EP_JOIN_NOWAIT, &g),
+		     EP_EINVAL);
+	TH_CHECK(strstr(ep_errmsg(), "waits for the group"), "message: %s",
+		 ep_errmsg());
+	int rc = ep_join(c, &cfg, EP_JOIN_CUDA, &g);
+#ifdef HAVE_CUDA
+	void *drv = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+	if (drv) { /* a driver here: the join is the daemon's to answer */
+		if (rc == 0)
+			TH_OK(ep_leave(g));
+		dlclose(drv);
+	} else {
+		TH_CHECK(rc == EP_EUNSUPPORTED, "GPU join without a driver: "
+						"%d %s",
+			 rc, ep_errmsg());
+	}
+#else
+	TH_CHECK(rc == EP_EUNSUPPORTED &&
+			 strstr(ep_errmsg(), "built without CUDA"),
+		 "GPU join in a build without CUDA: %d %s", rc, ep_errmsg());
+#endif
+	TH_OK(ep_join(c, &cfg, 0, &g));
+	TH_OK(ep_barrier(g));
+	TH_OK(ep_leave(g));
+	ep_close(c);
+	return 0;
+}
+
 /* A raw client: the daemon checks what libep would have refused. */
 static void raw_checks(const struct th_daemon *d)
 {
@@ -773,6 +816,11 @@ int main(void)
 	s->d = &d;
 	pid_t pids[W];
 
+	th_spawn(pids, 1, cuda_join_rank, s);
+	TH_CHECK(th_wait_all(pids, 1, 60) == 0, "GPU join case");
+	printf("ok: a GPU join that waits not -> EP_EINVAL; one libep cannot "
+	       "serve is refused, and the connection joins a host group "
+	       "after it\n");
 	th_spawn(pids, 1, sizes_rank, s);
 	TH_CHECK(th_wait_all(pids, 1, 60) == 0, "struct sizes case");
 	printf("ok: ep_get_buffers into a struct shorter than ABI %u's -> "

@@ -78,7 +78,7 @@ static int ensure_ctx(int dev)
 
 static CUfunction ring_fn(void);
 
-int ep__cuda_prepare(int dev, uint8_t uuid[16], uint32_t *rank_flags)
+static int cuda_prepare(int dev, uint8_t uuid[16], uint32_t *rank_flags)
 {
 	int rc = driver();
 	if (rc)
@@ -141,7 +141,9 @@ int ep__cuda_import(int fd, uint64_t size, int dev, const char *access,
 	return 0;
 }
 
-int ep__cuda_map(ep_group_t *g, int fd, uint64_t size)
+static void cuda_unmap(ep_group_t *g);
+
+static int cuda_map(ep_group_t *g, int fd, uint64_t size)
 {
 	int rc = ensure_ctx(g->cuda_device);
 	if (rc) {
@@ -167,7 +169,7 @@ int ep__cuda_map(ep_group_t *g, int fd, uint64_t size)
 	if (!r && (r = ep__drv.cuMemHostGetDevicePointer(&cd, g->buf, 0)))
 		ep__drv.cuMemHostUnregister(g->buf);
 	if (r) {
-		ep__cuda_unmap(g);
+		cuda_unmap(g);
 		return ep__cufail(r, "registering the control page");
 	}
 	g->ctl_dev = cd;
@@ -177,7 +179,7 @@ int ep__cuda_map(ep_group_t *g, int fd, uint64_t size)
 	(void)ring_fn();
 	int grc = ep__graph_init(g);
 	if (grc) {
-		ep__cuda_unmap(g);
+		cuda_unmap(g);
 		return grc;
 	}
 	return 0;
@@ -196,7 +198,7 @@ static bool released(const ep_group_t *g)
 	return false;
 }
 
-void ep__cuda_unmap(ep_group_t *g)
+static void cuda_unmap(ep_group_t *g)
 {
 	/* This group's work may still be queued on the rank's streams
 	 * (stream-ordered ops, low-latency kernels waiting for peers, a
@@ -793,3 +795,12 @@ int ep_stream_copies(const struct ep_copy *c, unsigned n, void *stream)
 		return ep__cufail(r, "launching the copies");
 	return 0;
 }
+
+const struct ep__gpu_ops ep__gpu = {
+	.prepare = cuda_prepare,
+	.map = cuda_map,
+	.ll_ops = ep__ll_gpu_ops,
+	.graph_error = ep__graph_error,
+	.leave = ep__llx_leave,
+	.unmap = cuda_unmap,
+};

@@ -55,8 +55,11 @@ int ep__host_words(size_t n, volatile uint32_t **host, CUdeviceptr *dev,
 int ep__mreg_place(const ep_group_t *g, const ep_mreg_t *mr, const void *y,
 		   size_t len, uint32_t *id, uint64_t *off);
 void ep__mreg_fini(ep_group_t *g);
-/* libep_ll.c: the low-latency state's end (at unmap). */
+/* libep_ll.c: the low-latency state's end (at unmap), and a GPU rank's
+ * low-latency way for group g (one node: the kernels; across nodes: the
+ * daemon's path, libep_llx.c). */
 void ep__ll_fini(ep_group_t *g);
+const struct ep__ll_ops *ep__ll_gpu_ops(const ep_group_t *g);
 /* libep_llx.c: the low-latency mode of GPU ranks across nodes (the
  * entries of such a group's table, libep_ll.c), and its state's end. */
 int ep__llx_dispatch(ep_group_t *g, const void *x, const int64_t *topk_idx,
@@ -70,6 +73,8 @@ int ep__llx_combine_hook(ep_group_t *g, uint32_t buffer, void *stream);
 int ep__llx_combine_buffer(ep_group_t *g, uint32_t buffer, void **rows);
 int ep__llx_error(ep_group_t *g);
 void ep__llx_fini(ep_group_t *g);
+/* its pseudo group left (ep_leave, before the group is) */
+void ep__llx_leave(ep_group_t *g);
 /* For tests/gpu/bench_ll: the low-latency kernels stamp their stages
  * (EKC_LL_TR_*) into u64[EKC_LL_TR_N] at device address trace (0: off).
  * EP_EINVAL before the group's first low-latency call, else the blocks
@@ -82,6 +87,8 @@ int ep__ll_trace(ep_group_t *g, uint64_t trace);
  * with h the cached handle) or EPP_COMBINE (EP_COMBINE_*, h). A captured
  * dispatch's handle in *out. */
 int ep__graph_init(ep_group_t *g);
+/* 0, or the error of a replayed graph's op that could not be posted */
+int ep__graph_error(ep_group_t *g);
 void ep__graph_fini(ep_group_t *g);
 int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
 		      unsigned flags, const ep_handle_t *h, CUstream s,

@@ -192,7 +192,8 @@ static int llx_setup(ep_group_t *g)
 				       .nodes = g->cfg.nodes,
 				       .secret = g->cfg.secret,
 				       .secret_len = g->cfg.secret_len};
-	rc = ep__join(g->conn, &ac, EP_JOIN_CUDA, g->id, &nodes, &x->aux);
+	rc = ep__join(g->conn, &ac, EP_JOIN_CUDA, g->id, &nodes, &ep__gpu,
+		      &x->aux);
 	if (!rc) {
 		/* the group owns it: freed with it, never on its own by
 		 * ep_close */

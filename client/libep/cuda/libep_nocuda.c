@@ -7,31 +7,15 @@
  */
 #include "libep_int.h"
 
-#include <unistd.h>
-
-int ep__cuda_prepare(int dev, uint8_t uuid[16], uint32_t *rank_flags)
+/* A join that names a GPU is refused before anything is sent, so no
+ * group has this table but to fail with it. */
+static int no_prepare(int dev, uint8_t uuid[16], uint32_t *rank_flags)
 {
 	(void)dev, (void)uuid, (void)rank_flags;
 	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
 }
 
-int ep__cuda_map(ep_group_t *g, int fd, uint64_t size)
-{
-	(void)g, (void)size;
-	close(fd);
-	return ep__fail(EP_EUNSUPPORTED, "libep was built without CUDA");
-}
-
-void ep__cuda_unmap(ep_group_t *g)
-{
-	(void)g;
-}
-
-int ep__graph_error(ep_group_t *g)
-{
-	(void)g;
-	return 0;
-}
+const struct ep__gpu_ops ep__gpu = {.prepare = no_prepare};
 
 int ep_barrier_stream(ep_group_t *g, void *stream)
 {
@@ -59,18 +43,6 @@ int ep_dispatch_recv_count(ep_group_t *g, ep_handle_t *h)
 {
 	(void)g, (void)h;
 	return 0; /* host dispatches return their count */
-}
-
-/* No GPU groups in this build: no GPU rank's low-latency way. */
-const struct ep__ll_ops *ep__ll_gpu_ops(const ep_group_t *g)
-{
-	(void)g;
-	return NULL;
-}
-
-void ep__llx_leave(ep_group_t *g)
-{
-	(void)g;
 }
 
 int ep_mem_register(ep_group_t *g, const void *ptr, size_t len,
