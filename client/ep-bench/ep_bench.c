@@ -435,11 +435,9 @@ static void usage(FILE *f)
 		"  --ll: the low-latency calls (ep_ll_dispatch/combine; bf16)\n");
 }
 
-int main(int argc, char **argv)
+/* The options into *o: 0, or the exit status (after usage or help). */
+static int parse_opts(int argc, char **argv, struct opts *o)
 {
-	struct opts o = {.ranks = 8, .iters = 20, .group = "bench",
-			 .tokens = 512, .hidden = 7168, .topk = 8,
-			 .experts = 256, .dtype = EP_DTYPE_BF16};
 	static const struct option lo[] = {
 		{"socket", required_argument, NULL, 's'},
 		{"ranks", required_argument, NULL, 'n'},
@@ -463,165 +461,207 @@ int main(int argc, char **argv)
 		if (strchr("niTHkEL", opt) && num(opt, optarg, &v))
 			return 2;
 		switch (opt) {
-		case 's': o.sock = optarg; break;
-		case 'n': o.ranks = (int)v; break;
-		case 'i': o.iters = (int)v; break;
-		case 'g': o.group = optarg; break;
-		case 'T': o.tokens = (uint32_t)v; break;
-		case 'H': o.hidden = (uint32_t)v; break;
-		case 'k': o.topk = (uint32_t)v; break;
-		case 'E': o.experts = (uint32_t)v; break;
-		case 'F': o.dtype = EP_DTYPE_FP8; break;
-		case 'B': o.skip_ops = 1; break;
-		case 'l': o.ll = 1; break;
-		case 'L': o.linger_ms = (int)v; break;
-		case 'h': usage(stdout); return 0;
+		case 's': o->sock = optarg; break;
+		case 'n': o->ranks = (int)v; break;
+		case 'i': o->iters = (int)v; break;
+		case 'g': o->group = optarg; break;
+		case 'T': o->tokens = (uint32_t)v; break;
+		case 'H': o->hidden = (uint32_t)v; break;
+		case 'k': o->topk = (uint32_t)v; break;
+		case 'E': o->experts = (uint32_t)v; break;
+		case 'F': o->dtype = EP_DTYPE_FP8; break;
+		case 'B': o->skip_ops = 1; break;
+		case 'l': o->ll = 1; break;
+		case 'L': o->linger_ms = (int)v; break;
+		case 'h': usage(stdout); return 1;
 		default: usage(stderr); return 2;
 		}
 	}
 	/* -s a,b,...: daemons of a cluster, -n ranks on each */
 	static char socks[4096];
-	if (o.sock && strlen(o.sock) >= sizeof(socks)) {
+	if (o->sock && strlen(o->sock) >= sizeof(socks)) {
 		fprintf(stderr, "ep-bench: -s: a list longer than %zu bytes\n",
 			sizeof(socks) - 1);
 		return 2;
 	}
-	snprintf(socks, sizeof(socks), "%s", o.sock ? o.sock : "");
-	o.nodes = 0;
+	snprintf(socks, sizeof(socks), "%s", o->sock ? o->sock : "");
+	o->nodes = 0;
 	for (char *save, *t = strtok_r(socks, ",", &save); t;
 	     t = strtok_r(NULL, ",", &save)) {
-		if (o.nodes == MAX_NODES) {
+		if (o->nodes == MAX_NODES) {
 			fprintf(stderr, "ep-bench: -s: more than %d sockets\n",
 				MAX_NODES);
 			return 2;
 		}
-		o.socks[o.nodes++] = t;
+		o->socks[o->nodes++] = t;
 	}
-	if (o.nodes == 0)
-		o.socks[o.nodes++] = NULL; /* $EPD_SOCKET or the default */
-	o.world = o.ranks * o.nodes;
-	if (o.ranks < 1 || o.world > 1024 || o.iters < 1 || o.tokens < 1 ||
-	    o.experts % (uint32_t)o.world) {
+	if (o->nodes == 0)
+		o->socks[o->nodes++] = NULL; /* $EPD_SOCKET or the default */
+	o->world = o->ranks * o->nodes;
+	if (o->ranks < 1 || o->world > 1024 || o->iters < 1 || o->tokens < 1 ||
+	    o->experts % (uint32_t)o->world) {
 		usage(stderr);
 		return 2;
 	}
+	return 0;
+}
+
+/* The ceilings measured in the same run: memcpy and the streaming-store
+ * copy (GB/s, read+write) with 1 and nthr threads, one loopback tcp
+ * stream (across nodes). */
+struct ceilings {
+	int nthr;
+	double mc1, mcn, sc1, scn, tcp;
+};
+
+static void measure_ceilings(const struct opts *o, struct ceilings *c)
+{
+	long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+	*c = (struct ceilings){.nthr = ncpu > 64  ? 64
+				       : ncpu < 1 ? 1
+						  : (int)ncpu};
+	if (o->skip_ops)
+		return;
+	c->mc1 = copy_gbs(1, false);
+	c->mcn = copy_gbs(c->nthr, false);
+	/* the host backend writes received rows with streaming stores: a
+	 * copy that does so too bounds the dispatch */
+	c->sc1 = copy_gbs(1, true);
+	c->scn = copy_gbs(c->nthr, true);
+	if (o->nodes > 1)
+		c->tcp = tcp_loopback_gbs();
+}
+
+/* Every rank as a process; how many failed (-1: fork failed). */
+static int run_ranks(const struct opts *o, struct shared *s)
+{
+	pid_t pids[1024];
+	fflush(NULL);
+	for (int r = 0; r < o->world; r++) {
+		pids[r] = fork();
+		if (pids[r] < 0) {
+			perror("fork");
+			return -1;
+		}
+		if (pids[r] == 0)
+			_exit(rank_main(r, o, s));
+	}
+	int bad = 0;
+	for (int r = 0; r < o->world; r++) {
+		int st;
+		waitpid(pids[r], &st, 0);
+		bad += !WIFEXITED(st) || WEXITSTATUS(st);
+	}
+	return bad;
+}
+
+static void report_ll(const struct opts *o, struct shared *s,
+		      const struct ceilings *c)
+{
+	int n = s->samples;
+	uint64_t rows = 0;
+	for (int r = 0; r < o->world; r++)
+		rows += s->ll_rows[r];
+	/* the fewest bytes: dispatch reads every token and writes every
+	 * (token, k) row where it lands; combine reads every row and writes
+	 * every token */
+	double row = (double)o->hidden * 2,
+	       tokens = (double)o->tokens * o->world;
+	double dbytes = (tokens + (double)rows) * row,
+	       cbytes = ((double)rows + tokens) * row;
+	double dt = median(s->dispatch_us, n), ct = median(s->combine_us, n);
+	printf("low-latency calls (host ranks): %d ranks (%d node%s x %d), "
+	       "%u tokens/rank, hidden %u, top-%u of %u experts, bf16; %llu "
+	       "(token, k) rows in all\n",
+	       o->world, o->nodes, o->nodes > 1 ? "s" : "", o->ranks,
+	       o->tokens, o->hidden, o->topk, o->experts,
+	       (unsigned long long)rows);
+	printf("memcpy ceiling (read+write): %.2f GB/s with 1 thread, %.2f "
+	       "GB/s with %d threads\n",
+	       c->mc1, c->mcn, c->nthr);
+	print_op("ll dispatch:", dt, dbytes, c->mcn, c->nthr, 0);
+	print_op("ll combine: ", ct, cbytes, c->mcn, c->nthr, 0);
+}
+
+static void report_ops(const struct opts *o, struct shared *s,
+		       const struct ceilings *c)
+{
+	int n = s->samples;
+	uint64_t rows = 0, xrows = 0;
+	for (int r = 0; r < o->world; r++) {
+		rows += s->recv_rows[r];
+		xrows += s->xrows[r];
+	}
+	uint32_t elt = o->dtype == EP_DTYPE_FP8 ? 1 : 2;
+	double row = (double)o->hidden * elt +
+		     (o->dtype == EP_DTYPE_FP8 ? o->hidden / 128 * 4 : 0);
+	/* The fewest bytes: each input read once, each output written once.
+	 * dispatch reads every token, writes every received row; combine
+	 * reads every row, writes every token. */
+	double tokens = (double)o->tokens * o->world;
+	double dbytes = (tokens + (double)rows) * row;
+	double cbytes = ((double)rows + tokens) * o->hidden * 2;
+	double dt = median(s->dispatch_us, n), ct = median(s->combine_us, n);
+	printf("shape: %d ranks (%d node%s x %d), %u tokens/rank, hidden %u, "
+	       "top-%u of %u experts, %s; %llu rows received in all\n",
+	       o->world, o->nodes, o->nodes > 1 ? "s" : "", o->ranks,
+	       o->tokens, o->hidden, o->topk, o->experts,
+	       o->dtype == EP_DTYPE_FP8 ? "fp8" : "bf16",
+	       (unsigned long long)rows);
+	printf("memcpy ceiling (read+write): %.2f GB/s with 1 thread, %.2f "
+	       "GB/s with %d threads\n",
+	       c->mc1, c->mcn, c->nthr);
+	printf("streaming-store copy ceiling (read+write, as the dispatch "
+	       "writes its rows): %.2f GB/s with 1 thread, %.2f GB/s with %d "
+	       "threads\n",
+	       c->sc1, c->scn, c->nthr);
+	print_op("dispatch:", dt, dbytes, c->mcn, c->nthr, c->mc1);
+	printf("          %.2f of the streaming-store copy (%d threads), "
+	       "%.2f of it (1 thread)\n",
+	       dbytes / dt / 1e3 / c->scn, c->nthr, dbytes / dt / 1e3 / c->sc1);
+	print_op("combine: ", ct, cbytes, c->mcn, c->nthr, c->mc1);
+	if (o->nodes > 1) {
+		/* rows that cross nodes, each way, against the loopback TCP
+		 * ceiling of this run */
+		double xb = (double)xrows * row,
+		       xc = (double)xrows * o->hidden * 2;
+		printf("between nodes: %llu rows per call; loopback tcp "
+		       "ceiling %.2f GB/s (one connection)\n",
+		       (unsigned long long)xrows, c->tcp);
+		printf("dispatch: %.2f GB/s between nodes, %.2f of the tcp "
+		       "ceiling; combine: %.2f GB/s, %.2f\n",
+		       xb / dt / 1e3, xb / dt / 1e3 / c->tcp, xc / ct / 1e3,
+		       xc / ct / 1e3 / c->tcp);
+	}
+}
+
+int main(int argc, char **argv)
+{
+	struct opts o = {.ranks = 8, .iters = 20, .group = "bench",
+			 .tokens = 512, .hidden = 7168, .topk = 8,
+			 .experts = 256, .dtype = EP_DTYPE_BF16};
+	int rc = parse_opts(argc, argv, &o);
+	if (rc)
+		return rc == 1 ? 0 : rc;
 	struct shared *s = mmap(NULL, sizeof(*s), PROT_READ | PROT_WRITE,
 				MAP_SHARED | MAP_ANONYMOUS, -1, 0);
 	if (s == MAP_FAILED) {
 		perror("mmap");
 		return 1;
 	}
-	long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-	int nthr = ncpu > 64 ? 64 : ncpu < 1 ? 1 : (int)ncpu;
-	double mc1 = 0, mcn = 0, tcp = 0, sc1 = 0, scn = 0;
-	if (!o.skip_ops) {
-		mc1 = copy_gbs(1, false);
-		mcn = copy_gbs(nthr, false);
-		/* the host backend writes received rows with streaming
-		 * stores: a copy that does so too bounds the dispatch */
-		sc1 = copy_gbs(1, true);
-		scn = copy_gbs(nthr, true);
-		if (o.nodes > 1)
-			tcp = tcp_loopback_gbs();
-	}
-	pid_t pids[1024];
-	fflush(NULL);
-	for (int r = 0; r < o.world; r++) {
-		pids[r] = fork();
-		if (pids[r] < 0) {
-			perror("fork");
-			return 1;
-		}
-		if (pids[r] == 0)
-			_exit(rank_main(r, &o, s));
-	}
-	int bad = 0;
-	for (int r = 0; r < o.world; r++) {
-		int st;
-		waitpid(pids[r], &st, 0);
-		bad += !WIFEXITED(st) || WEXITSTATUS(st);
-	}
+	struct ceilings c;
+	measure_ceilings(&o, &c);
+	int bad = run_ranks(&o, s);
 	if (bad) {
-		fprintf(stderr, "ep-bench: %d ranks failed\n", bad);
+		if (bad > 0)
+			fprintf(stderr, "ep-bench: %d ranks failed\n", bad);
 		return 1;
 	}
-	int n = s->samples;
-	if (!o.skip_ops && o.ll) {
-		uint64_t rows = 0;
-		for (int r = 0; r < o.world; r++)
-			rows += s->ll_rows[r];
-		/* the fewest bytes: dispatch reads every token and writes
-		 * every (token, k) row where it lands; combine reads every
-		 * row and writes every token */
-		double row = (double)o.hidden * 2,
-		       tokens = (double)o.tokens * o.world;
-		double dbytes = (tokens + (double)rows) * row,
-		       cbytes = ((double)rows + tokens) * row;
-		double dt = median(s->dispatch_us, n),
-		       ct = median(s->combine_us, n);
-		printf("low-latency calls (host ranks): %d ranks (%d node%s x "
-		       "%d), %u tokens/rank, hidden %u, top-%u of %u experts, "
-		       "bf16; %llu (token, k) rows in all\n",
-		       o.world, o.nodes, o.nodes > 1 ? "s" : "", o.ranks,
-		       o.tokens, o.hidden, o.topk, o.experts,
-		       (unsigned long long)rows);
-		printf("memcpy ceiling (read+write): %.2f GB/s with 1 thread, "
-		       "%.2f GB/s with %d threads\n",
-		       mc1, mcn, nthr);
-		print_op("ll dispatch:", dt, dbytes, mcn, nthr, 0);
-		print_op("ll combine: ", ct, cbytes, mcn, nthr, 0);
-	} else if (!o.skip_ops) {
-		uint64_t rows = 0, xrows = 0;
-		for (int r = 0; r < o.world; r++) {
-			rows += s->recv_rows[r];
-			xrows += s->xrows[r];
-		}
-		uint32_t elt = o.dtype == EP_DTYPE_FP8 ? 1 : 2;
-		double row = (double)o.hidden * elt +
-			     (o.dtype == EP_DTYPE_FP8 ? o.hidden / 128 * 4 : 0);
-		/* The fewest bytes: each input read once, each output
-		 * written once. dispatch reads every token, writes every
-		 * received row; combine reads every row, writes every token.
-		 */
-		double tokens = (double)o.tokens * o.world;
-		double dbytes = (tokens + (double)rows) * row;
-		double cbytes = ((double)rows + tokens) * o.hidden * 2;
-		double dt = median(s->dispatch_us, n),
-		       ct = median(s->combine_us, n);
-		printf("shape: %d ranks (%d node%s x %d), %u tokens/rank, "
-		       "hidden %u, top-%u of %u experts, %s; %llu rows "
-		       "received in all\n",
-		       o.world, o.nodes, o.nodes > 1 ? "s" : "", o.ranks,
-		       o.tokens, o.hidden, o.topk,
-		       o.experts, o.dtype == EP_DTYPE_FP8 ? "fp8" : "bf16",
-		       (unsigned long long)rows);
-		printf("memcpy ceiling (read+write): %.2f GB/s with 1 thread, "
-		       "%.2f GB/s with %d threads\n",
-		       mc1, mcn, nthr);
-		printf("streaming-store copy ceiling (read+write, as the "
-		       "dispatch writes its rows): %.2f GB/s with 1 thread, "
-		       "%.2f GB/s with %d threads\n",
-		       sc1, scn, nthr);
-		print_op("dispatch:", dt, dbytes, mcn, nthr, mc1);
-		printf("          %.2f of the streaming-store copy (%d "
-		       "threads), %.2f of it (1 thread)\n",
-		       dbytes / dt / 1e3 / scn, nthr, dbytes / dt / 1e3 / sc1);
-		print_op("combine: ", ct, cbytes, mcn, nthr, mc1);
-		if (o.nodes > 1) {
-			/* rows that cross nodes, each way, against the
-			 * loopback TCP ceiling of this run */
-			double xb = (double)xrows * row, xc = (double)xrows *
-							       o.hidden * 2;
-			printf("between nodes: %llu rows per call; loopback tcp "
-			       "ceiling %.2f GB/s (one connection)\n",
-			       (unsigned long long)xrows, tcp);
-			printf("dispatch: %.2f GB/s between nodes, %.2f of "
-			       "the tcp ceiling; combine: %.2f GB/s, %.2f\n",
-			       xb / dt / 1e3, xb / dt / 1e3 / tcp,
-			       xc / ct / 1e3, xc / ct / 1e3 / tcp);
-		}
-	}
+	if (!o.skip_ops && o.ll)
+		report_ll(&o, s, &c);
+	else if (!o.skip_ops)
+		report_ops(&o, s, &c);
 	printf("barrier: %d ranks, %d barriers: median %.1f us per barrier\n",
-	       o.world, n * 10, median(s->barrier_us, n));
+	       o.world, s->samples * 10, median(s->barrier_us, s->samples));
 	return 0;
 }
