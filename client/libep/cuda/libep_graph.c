@@ -471,40 +471,15 @@ static bool after(CUgraphNode node, const CUgraphNode *deps, size_t n)
 	return true;
 }
 
-int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
-		      unsigned flags, const ep_handle_t *h, CUstream s,
-		      ep_handle_t *out)
+/* Record o (its type, tokens, flags and handle h set) takes its place in
+ * gs: the captured dispatch h names (its source), the chain it joins
+ * (the op just captured on the same capture cid, which the stream's
+ * nodes deps follow: posted by that chain's head), a gate slot, and the
+ * watcher thread. An error (nothing taken) or 0. */
+static int record_add(struct ep_graphs *gs, struct gop *o,
+		      const ep_handle_t *h, cuuint64_t cid,
+		      const CUgraphNode *deps, size_t ndeps)
 {
-	struct ep_graphs *gs = g->gr;
-	if (!gs)
-		return ep__fail(EP_EUNSUPPORTED, "CUDA graph capture is off for this rank (EP_GRAPHS=0)");
-	CUstreamCaptureStatus st;
-	CUgraph graph;
-	cuuint64_t cid;
-	const CUgraphNode *deps = NULL;
-	size_t ndeps = 0;
-	CUresult r = ep__drv.cuStreamGetCaptureInfo3(s, &st, &cid, &graph, &deps,
-						     NULL, &ndeps);
-	if (r)
-		return ep__cufail(r, "cuStreamGetCaptureInfo");
-	if (st != CU_STREAM_CAPTURE_STATUS_ACTIVE)
-		return ep__fail(EP_EINVAL,
-				"the stream's capture was invalidated");
-	CUfunction fn = ep__post_fn();
-	if (!fn)
-		return ep__fail(EP_EBACKEND,
-				"libep's kernels are not loaded in this "
-				"context");
-	struct gop *o = calloc(1, sizeof(*o));
-	if (!o)
-		return ep__fail(EP_ENOMEM, "no memory for a captured op");
-	o->gs = gs;
-	o->type = type;
-	o->tokens = tokens;
-	o->flags = flags;
-	o->refs = 1;
-	if (h)
-		o->h = *h;
 	pthread_mutex_lock(&gs->mu);
 	int rc = 0;
 	if (h && h->seq & EP__GSEQ) {
@@ -553,7 +528,6 @@ int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
 		if (o->src)
 			op_put(gs, o->src);
 		pthread_mutex_unlock(&gs->mu);
-		free(o);
 		return rc;
 	}
 	o->slot = slot;
@@ -568,16 +542,21 @@ int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
 	__atomic_store_n(&gs->live, gs->live + 1, __ATOMIC_RELAXED);
 	memset(&gs->slots[slot], 0, sizeof(gs->slots[slot]));
 	pthread_mutex_unlock(&gs->mu);
+	return 0;
+}
 
-	/* The record is the graph's from here on, even if a node below
-	 * cannot be added (the capture then fails and the graph goes). */
+/* The graph owns record o from here on (a CUDA user object, destroyed
+ * with the graph), even if a node cannot be added after (the capture
+ * then fails and the graph goes). */
+static int record_own(struct ep_graphs *gs, struct gop *o, CUgraph graph)
+{
 	CUuserObject uo;
-	r = ep__drv.cuUserObjectCreate(&uo, o, op_destroy, 1,
-				       CU_USER_OBJECT_NO_DESTRUCTOR_SYNC);
+	CUresult r = ep__drv.cuUserObjectCreate(&uo, o, op_destroy, 1,
+						CU_USER_OBJECT_NO_DESTRUCTOR_SYNC);
 	if (r) {
 		pthread_mutex_lock(&gs->mu);
 		__atomic_store_n(&gs->live, gs->live - 1, __ATOMIC_RELAXED);
-		gs->slot_used[slot] = false;
+		gs->slot_used[o->slot] = false;
 		op_put(gs, o);
 		pthread_mutex_unlock(&gs->mu);
 		return ep__cufail(r, "cuUserObjectCreate");
@@ -588,10 +567,20 @@ int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
 		ep__drv.cuUserObjectRelease(uo, 1);
 		return ep__cufail(r, "cuGraphRetainUserObject");
 	}
-	CUdeviceptr sd = gs->slots_dev + slot * sizeof(struct ekc_gslot);
-	CUdeviceptr bell = g->dev_ptr + (type ? EKC_DOORBELL : EKC_BAR_DOORBELL);
+	return 0;
+}
+
+/* Record o's nodes on the capturing stream s: its host node (which posts
+ * the op; a chain's head posts those after it), the kernel fn that rings
+ * the doorbell, and the wait for its gate. */
+static int capture_nodes(ep_group_t *g, struct gop *o, CUfunction fn,
+			 CUstream s)
+{
+	CUdeviceptr sd = g->gr->slots_dev + o->slot * sizeof(struct ekc_gslot);
+	CUdeviceptr bell = g->dev_ptr + (o->type ? EKC_DOORBELL
+						 : EKC_BAR_DOORBELL);
 	CUdeviceptr done = g->dev_ptr + EKC_DONE;
-	if (!type && ep__features(g) & EPP_FEAT_HOST_BARRIER) {
+	if (!o->type && ep__features(g) & EPP_FEAT_HOST_BARRIER) {
 		bell = g->ctl_dev + ep__hb_words(g) + EPP_HB_BELL;
 		done = g->ctl_dev + ep__hb_words(g) + EPP_HB_DONE;
 	}
@@ -610,7 +599,8 @@ int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
 		.done = (const uint32_t *)(uintptr_t)done,
 		.budget_ns = ep__kernel_wait(g) ? ep__ring_spin_ns() : 0};
 	void *params[] = {&a};
-	r = head ? CUDA_SUCCESS : ep__drv.cuLaunchHostFunc(s, op_post, o);
+	CUresult r = o->head ? CUDA_SUCCESS
+			     : ep__drv.cuLaunchHostFunc(s, op_post, o);
 	if (!r)
 		r = ep__drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, s, params,
 					   NULL);
@@ -618,8 +608,50 @@ int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
 		r = ep__drv.cuStreamWaitValue32(
 			s, sd + offsetof(struct ekc_gslot, gate), 1,
 			CU_STREAM_WAIT_VALUE_EQ);
+	return r ? ep__cufail(r, "capturing the op's nodes") : 0;
+}
+
+int ep__graph_capture(ep_group_t *g, uint16_t type, uint32_t tokens,
+		      unsigned flags, const ep_handle_t *h, CUstream s,
+		      ep_handle_t *out)
+{
+	struct ep_graphs *gs = g->gr;
+	if (!gs)
+		return ep__fail(EP_EUNSUPPORTED, "CUDA graph capture is off for this rank (EP_GRAPHS=0)");
+	CUstreamCaptureStatus st;
+	CUgraph graph;
+	cuuint64_t cid;
+	const CUgraphNode *deps = NULL;
+	size_t ndeps = 0;
+	CUresult r = ep__drv.cuStreamGetCaptureInfo3(s, &st, &cid, &graph, &deps,
+						     NULL, &ndeps);
 	if (r)
-		return ep__cufail(r, "capturing the op's nodes");
+		return ep__cufail(r, "cuStreamGetCaptureInfo");
+	if (st != CU_STREAM_CAPTURE_STATUS_ACTIVE)
+		return ep__fail(EP_EINVAL,
+				"the stream's capture was invalidated");
+	CUfunction fn = ep__post_fn();
+	if (!fn)
+		return ep__fail(EP_EBACKEND,
+				"libep's kernels are not loaded in this "
+				"context");
+	struct gop *o = calloc(1, sizeof(*o));
+	if (!o)
+		return ep__fail(EP_ENOMEM, "no memory for a captured op");
+	o->gs = gs;
+	o->type = type;
+	o->tokens = tokens;
+	o->flags = flags;
+	o->refs = 1;
+	if (h)
+		o->h = *h;
+	int rc = record_add(gs, o, h, cid, deps, ndeps);
+	if (rc) {
+		free(o);
+		return rc;
+	}
+	if ((rc = record_own(gs, o, graph)) || (rc = capture_nodes(g, o, fn, s)))
+		return rc;
 	/* the stream wait just captured: the node a next op must follow to
 	 * join this chain */
 	if (!ep__drv.cuStreamGetCaptureInfo3(s, &st, NULL, NULL, &deps, NULL,

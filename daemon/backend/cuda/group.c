@@ -5,9 +5,11 @@
  */
 #include "cuda_int.h"
 
-int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
+/* The group's GPUs: every local rank's must reach the first's (peer
+ * access); c->devs lists them, the first rank's first, and c->dev_mask
+ * their ranks. */
+static int group_gpus(struct epd_group *g, char *err, size_t errlen)
 {
-	epd_stall_mark("making a group's GPU state", g->shape.name);
 	struct epd_cuda_group *c = g->dev_group;
 	struct epd_cuda *cu = g->srv->dev_state;
 	uint32_t rpn = g->shape.ranks_per_node;
@@ -41,6 +43,15 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 		}
 		c->dev_mask[i] |= 1ull << l;
 	}
+	return 0;
+}
+
+/* Between the group's GPUs (more than one): peer access both ways, and
+ * on each but the first a stream and an event for its part of a copy. */
+static int group_peers(struct epd_group *g, char *err, size_t errlen)
+{
+	struct epd_cuda_group *c = g->dev_group;
+	struct epd_cuda *cu = g->srv->dev_state;
 	int rc;
 	for (int i = 0; i < c->ndevs && c->ndevs > 1; i++) {
 		if ((rc = cu_use_dev(cu, c->devs[i], err, errlen)))
@@ -69,7 +80,17 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 			return cu_err(er, "a stream on another GPU", err,
 				      errlen);
 	}
-	rc = cu_use_dev(cu, c->dev0, err, errlen);
+	return 0;
+}
+
+/* On the first GPU: the control page (the whole buffer, the staging
+ * area of the copies, across nodes) registered and seen by the device,
+ * the group's streams and events. */
+static int group_control(struct epd_group *g, char *err, size_t errlen)
+{
+	struct epd_cuda_group *c = g->dev_group;
+	struct epd_cuda *cu = g->srv->dev_state;
+	int rc = cu_use_dev(cu, c->dev0, err, errlen);
 	if (rc)
 		return rc;
 	CUresult r = cu_drv->cuEventCreate(&c->ev_in, CU_EVENT_DISABLE_TIMING);
@@ -95,9 +116,16 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 		r = cu_drv->cuStreamCreate(&c->aux, CU_STREAM_NON_BLOCKING);
 	if (r)
 		return cu_err(r, "cuStreamCreate", err, errlen);
-	/* Dispatch scratch: masks, block counts and bases, the error word,
-	 * (each handle's routing tables are made by its dispatch:
-	 * handles.c). */
+	return 0;
+}
+
+/* Which row copy the group's ops launch: the bulk-copy kernel where its
+ * rows fit (and how many blocks a SM, cuda_copy_blocks_per_sm), else the
+ * SIMT one. */
+static void group_copy_kernel(struct epd_group *g)
+{
+	struct epd_cuda_group *c = g->dev_group;
+	struct epd_cuda *cu = g->srv->dev_state;
 	/* Rows of a multiple of 16 bytes, two per warp in shared memory: the
 	 * bulk-copy engine moves them. */
 	size_t rowb = (size_t)g->shape.hidden * g->layout.elt;
@@ -135,6 +163,16 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 				 g->shape.name, bps, occ, c->occ_tma);
 		}
 	}
+}
+
+/* The dispatch's scratch on the first GPU (masks, block counts and
+ * bases, the error word, per-expert counts; each handle's routing tables
+ * are made by its dispatch: handles.c) and the ops' events. */
+static int group_scratch(struct epd_group *g, char *err, size_t errlen)
+{
+	struct epd_cuda_group *c = g->dev_group;
+	uint32_t rpn = g->shape.ranks_per_node;
+	CUresult r;
 	c->tmax = g->shape.max_tokens ? g->shape.max_tokens : 1;
 	c->nblk_max = (c->tmax + 255) / 256;
 	size_t W = rpn;
@@ -173,7 +211,22 @@ int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
 		r = cu_drv->cuEventCreate(&c->ev[i / 2][i % 2], CU_EVENT_DEFAULT);
 	if (r)
 		return cu_err(r, "cuEventCreate", err, errlen);
-	return cu_barrier_engine_start(g, err, errlen);
+	return 0;
+}
+
+int epd_cuda_group_ready(struct epd_group *g, char *err, size_t errlen)
+{
+	epd_stall_mark("making a group's GPU state", g->shape.name);
+	int rc = group_gpus(g, err, errlen);
+	if (!rc)
+		rc = group_peers(g, err, errlen);
+	if (!rc)
+		rc = group_control(g, err, errlen);
+	if (rc)
+		return rc;
+	group_copy_kernel(g);
+	rc = group_scratch(g, err, errlen);
+	return rc ? rc : cu_barrier_engine_start(g, err, errlen);
 }
 
 void cu_poll_arm(struct epd_cuda_group *c)

@@ -320,14 +320,19 @@ CUresult cu_dispatch_reset(struct epd_group *g, struct epd_aop *const *ops)
 /* Dispatch or combine k on the group's stream (the doorbells are waited
  * for already; without MPS a dispatch's error word is set:
  * cu_dispatch_reset). Returns a driver error, or 0. */
-CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
-			     struct epd_aop *const *ops, const char **what)
+/* The kernels' arguments of op k (ops: each local rank's, alike but for
+ * their places): the shape, each rank's region, flags, rows and receive
+ * area, and the routing its dispatch made (*fresh: a dispatch that makes
+ * it now). CUDA_ERROR_INVALID_VALUE where a place or the routing is
+ * gone. */
+static CUresult op_args(struct epd_group *g, uint64_t k,
+			struct epd_aop *const *ops, struct ekc_disp_args *a,
+			bool *fresh)
 {
 	struct epd_cuda_group *c = g->dev_group;
-	struct cudev *d = &cu_state(g->srv)->dev[c->dev0];
 	const uint32_t W = g->shape.ranks_per_node;
 	const struct epd_aop *op0 = ops[0];
-	struct ekc_disp_args a = {
+	*a = (struct ekc_disp_args){
 		.W = W, .H = g->shape.hidden, .K = g->shape.topk,
 		.E = g->shape.num_experts, .elt = g->layout.elt,
 		.nscales = g->layout.nscales, .Tmax = c->tmax,
@@ -350,112 +355,119 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 		.released = (const volatile uint32_t *)(uintptr_t)(
 			c->ctl_dev + EPP_CTL_GROUP_SLOT + EPP_CTL_RELEASED)};
 	for (uint32_t l = 0; l < W; l++) {
-		a.region[l] = c->ptr[l];
+		a->region[l] = c->ptr[l];
 		if (ops[l]->flags & EPP_DISPATCH_WEIGHTS &&
 		    ops[l]->type == EPP_DISPATCH)
-			a.weights_mask |= 1ull << l;
+			a->weights_mask |= 1ull << l;
 		if (ops[l]->flags & EPP_COMBINE_BIAS &&
 		    ops[l]->type == EPP_COMBINE)
-			a.bias_mask |= 1ull << l;
+			a->bias_mask |= 1ull << l;
 		if (ops[l]->flags & EPP_COMBINE_BIAS2 &&
 		    ops[l]->type == EPP_COMBINE)
-			a.bias2_mask |= 1ull << l;
+			a->bias2_mask |= 1ull << l;
 		if (ops[l]->flags & EPP_COMBINE_TOPK_ORDER &&
 		    ops[l]->type == EPP_COMBINE)
-			a.order_mask |= 1ull << l;
+			a->order_mask |= 1ull << l;
 	}
 	/* cu_ops_agree: every rank alike */
-	a.cw = op0->type == EPP_COMBINE && (op0->flags & EPP_COMBINE_WEIGHTS);
+	a->cw = op0->type == EPP_COMBINE && (op0->flags & EPP_COMBINE_WEIGHTS);
 	for (int f = 0; f < EKC_F_N; f++)
-		a.off[f] = EKC_CTRL_BYTES + g->layout.off[f];
+		a->off[f] = EKC_CTRL_BYTES + g->layout.off[f];
 	/* each rank's combine_y (a dispatch: x) and combined rows: its
 	 * region's fields, or its registered memory (epd_cuda_op checked the
 	 * ranges; a row past them is the region's) */
 	const int in = op0->type == EPP_COMBINE ? EKC_F_Y : EKC_F_X;
 	for (uint32_t l = 0; l < W; l++) {
 		const struct epd_aop *o = ops[l];
-		a.yo[l] = a.off[in];
-		a.oo[l] = a.off[EKC_F_OUT];
-		if (epd_aop_reg(o) && !reg_at(c, l, o->reg, o->reg_off, &a.yo[l]))
+		a->yo[l] = a->off[in];
+		a->oo[l] = a->off[EKC_F_OUT];
+		if (epd_aop_reg(o) &&
+		    !reg_at(c, l, o->reg, o->reg_off, &a->yo[l]))
 			return CUDA_ERROR_INVALID_VALUE;
 		if (epd_aop_outreg(o) &&
-		    !reg_at(c, l, o->out_reg, o->out_off, &a.oo[l]))
+		    !reg_at(c, l, o->out_reg, o->out_off, &a->oo[l]))
 			return CUDA_ERROR_INVALID_VALUE;
-		a.yrows[l] = epd_aop_reg(o) ? o->rows : 0;
-		a.orows[l] = epd_aop_outreg(o) ? o->out_rows : 0;
+		a->yrows[l] = epd_aop_reg(o) ? o->rows : 0;
+		a->orows[l] = epd_aop_outreg(o) ? o->out_rows : 0;
 	}
 	/* each rank's receive area (epd_group_async checked it) */
 	for (uint32_t l = 0; l < W; l++)
-		a.rx[l] = EKC_CTRL_BYTES +
-			  epp_buf_recv_area(&g->layout,
-					    op0->type == EPP_DISPATCH
-						    ? EPP_DISPATCH_AREA_OF(
-							      ops[l]->flags)
-						    : 0);
-	bool fresh = op0->type == EPP_DISPATCH &&
-		     !(op0->flags & EPP_DISPATCH_CACHED);
-	struct route *rt;
+		a->rx[l] = EKC_CTRL_BYTES +
+			   epp_buf_recv_area(&g->layout,
+					     op0->type == EPP_DISPATCH
+						     ? EPP_DISPATCH_AREA_OF(
+							       ops[l]->flags)
+						     : 0);
+	*fresh = op0->type == EPP_DISPATCH &&
+		 !(op0->flags & EPP_DISPATCH_CACHED);
 	/* a fresh dispatch's entry was made by cu_enqueue_ready; the others'
 	 * handle was checked by cu_ops_agree */
-	rt = cu_route_find(c, fresh ? k : op0->handle);
+	struct route *rt = cu_route_find(c, *fresh ? k : op0->handle);
 	if (!rt)
 		return CUDA_ERROR_INVALID_VALUE;
-	memcpy(a.tokens, rt->tokens, sizeof(a.tokens));
-	a.slot = (int32_t *)(uintptr_t)rt->slot;
-	a.recv = (uint32_t *)(uintptr_t)rt->recv;
-	a.rp = a.recv + W; /* the same allocation (cu_route_make) */
+	memcpy(a->tokens, rt->tokens, sizeof(a->tokens));
+	a->slot = (int32_t *)(uintptr_t)rt->slot;
+	a->recv = (uint32_t *)(uintptr_t)rt->recv;
+	a->rp = a->recv + W; /* the same allocation (cu_route_make) */
 	/* then its dispatch's outcome (W + W * W is even: 8-byte aligned) */
-	a.rerr = rt->recv ? (unsigned long long *)(a.rp + W * W) : NULL;
-	a.cached = !fresh;
-	a.wait = d->mps; /* the kernels wait for the doorbells themselves */
-	unsigned sms = cu_sms_cap(g, d);
-	CUresult r;
-	int which = op0->type == EPP_COMBINE;
-	CUevent *ev = c->ev[which];
-	if (c->trace) {
-		a.trace = (unsigned long long *)(uintptr_t)c->trace;
-		a.smmask = (uint32_t *)(uintptr_t)(c->trace + EKC_TR_SMMASK);
-		r = cu_drv->cuMemsetD32Async(c->trace, 0xffffffffu, EKC_TR_N * 4,
-					c->stream);
-		if (!r)
-			r = cu_drv->cuMemsetD32Async(c->trace + EKC_TR_SMMASK, 0, 8,
-						c->stream);
-		if (r)
-			return r;
-	}
-	r = cu_drv->cuEventRecord(ev[0], c->stream);
-	if (r)
-		return r;
-	c->ev_seq[which] = k;
-	a.rank_mask = c->dev_mask[0];
-	if (c->ndevs == 1)
-		a.rank_mask = W >= 64 ? ~0ull : (1ull << W) - 1;
-	/* under MPS one block waits for the doorbells before the wide
-	 * kernels behind it may become resident (ekc_gate) */
-	if (op0->type == EPP_COMBINE) {
-		*what = "combine";
-		r = a.wait ? cu_launch(c, d->gate, 1, 1, EKC_MAX_LOCAL, &a) : 0;
-		if (!r)
-			r = spread(g, &a, sms, true);
-		unsigned blocks;
-		CUfunction fn = combine_fn(g, d, sms, &blocks);
-		/* right behind the gate on the stream: one GPU, MPS */
-		if (!r)
-			r = launch_ex(g, d, fn, blocks, 1, 256, 0, c->stream,
-				      &a, false, a.wait && c->ndevs == 1);
-		if (!r)
-			r = join_devs(c);
-		if (!r)
-			r = cu_drv->cuEventRecord(ev[1], c->stream);
-		return r ? r : trace_fetch(c, which);
-	}
-	*what = "dispatch";
+	a->rerr = rt->recv ? (unsigned long long *)(a->rp + W * W) : NULL;
+	a->cached = !*fresh;
+	return CUDA_SUCCESS;
+}
+
+/* With EPD_CUDA_TRACE: the kernels' stage stamps, cleared on the
+ * stream. */
+static CUresult trace_start(struct epd_cuda_group *c, struct ekc_disp_args *a)
+{
+	if (!c->trace)
+		return CUDA_SUCCESS;
+	a->trace = (unsigned long long *)(uintptr_t)c->trace;
+	a->smmask = (uint32_t *)(uintptr_t)(c->trace + EKC_TR_SMMASK);
+	CUresult r = cu_drv->cuMemsetD32Async(c->trace, 0xffffffffu,
+					      EKC_TR_N * 4, c->stream);
+	if (!r)
+		r = cu_drv->cuMemsetD32Async(c->trace + EKC_TR_SMMASK, 0, 8,
+					     c->stream);
+	return r;
+}
+
+/* A combine's kernels: under MPS one block waits for the doorbells
+ * before the wide kernels behind it may become resident (ekc_gate);
+ * then the rows spread to the group's other GPUs, and the combine. */
+static CUresult launch_combine(struct epd_group *g, struct cudev *d,
+			       struct ekc_disp_args *a, unsigned sms)
+{
+	struct epd_cuda_group *c = g->dev_group;
+	CUresult r = a->wait ? cu_launch(c, d->gate, 1, 1, EKC_MAX_LOCAL, a)
+			     : 0;
+	if (!r)
+		r = spread(g, a, sms, true);
+	unsigned blocks;
+	CUfunction fn = combine_fn(g, d, sms, &blocks);
+	/* right behind the gate on the stream: one GPU, MPS */
+	if (!r)
+		r = launch_ex(g, d, fn, blocks, 1, 256, 0, c->stream, a, false,
+			      a->wait && c->ndevs == 1);
+	return r;
+}
+
+/* A dispatch's kernels: the gate (MPS), the routing (a fresh dispatch:
+ * the fused prep, or count, scan and slot), the spread to the other GPUs
+ * and the row copy. */
+static CUresult launch_dispatch(struct epd_group *g, struct cudev *d,
+				struct epd_aop *const *ops,
+				struct ekc_disp_args *a, unsigned sms,
+				bool fresh)
+{
+	struct epd_cuda_group *c = g->dev_group;
+	const uint32_t W = g->shape.ranks_per_node;
+	CUresult r = 0;
 	/* under MPS the gate sets the error word and the grid barrier's
 	 * count (else cu_dispatch_reset did, before the doorbell waits) */
-	a.err0 = dispatch_err0(g, ops);
-	a.gate_reset = a.wait;
-	if (a.wait)
-		r = cu_launch(c, d->gate, 1, 1, EKC_MAX_LOCAL, &a);
+	a->err0 = dispatch_err0(g, ops);
+	a->gate_reset = a->wait;
+	if (a->wait)
+		r = cu_launch(c, d->gate, 1, 1, EKC_MAX_LOCAL, a);
 	/* the bulk row copy at one block a SM may become resident while the
 	 * prep runs (cuda_pdl): with more a SM, the scheduler would pack its
 	 * blocks onto the SMs that the prep leaves room on (measured on an
@@ -463,15 +475,15 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 	 * spread) */
 	struct cu_copy_form cf;
 	cu_copy_form(c, d, sms, &cf);
-	a.copy_early = c->ndevs == 1 && cf.tma && cf.per_sm == 1;
+	a->copy_early = c->ndevs == 1 && cf.tma && cf.per_sm == 1;
 	/* the copy on this GPU publishes the counts (ekc_dispatch.cu,
 	 * copy_publish) after the fused prep, and a cached dispatch is the
 	 * copy alone; the three-launch prep's scan publishes them itself */
 	bool fused = fresh && cu_use_prep(g, d);
-	a.copy_publishes = 1;
+	a->copy_publishes = 1;
 	if (!r && fused) {
 		r = launch_ex(g, d, d->prep, c->nblk_max, W, 256, 0, c->stream,
-			      &a, true, a.wait);
+			      a, true, a->wait);
 		if (r == CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE) {
 			/* fewer SMs than the device has (an MPS limit):
 			 * three launches from now on */
@@ -485,21 +497,50 @@ CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
 	/* each right behind a kernel of the op but the first, which is
 	 * behind the gate only under MPS */
 	if (!r && fresh && !fused) {
-		a.copy_publishes = 0;
+		a->copy_publishes = 0;
 		r = launch_ex(g, d, d->count, c->nblk_max, W, 256, 0,
-			      c->stream, &a, false, a.wait);
+			      c->stream, a, false, a->wait);
 		if (!r)
 			r = launch_ex(g, d, d->scan, 1, 1, 1024, 0, c->stream,
-				      &a, false, true);
+				      a, false, true);
 		if (!r)
 			r = launch_ex(g, d, d->slot, c->nblk_max, W, 256, 0,
-				      c->stream, &a, false, true);
+				      c->stream, a, false, true);
 	}
 	if (!r)
-		r = spread(g, &a, sms, false);
+		r = spread(g, a, sms, false);
 	/* spread put an event record between (several GPUs) */
 	if (!r)
-		r = launch_copy(c, d, &cf, c->stream, &a, c->ndevs == 1);
+		r = launch_copy(c, d, &cf, c->stream, a, c->ndevs == 1);
+	return r;
+}
+
+CUresult cu_enqueue_data(struct epd_group *g, uint64_t k,
+			     struct epd_aop *const *ops, const char **what)
+{
+	struct epd_cuda_group *c = g->dev_group;
+	struct cudev *d = &cu_state(g->srv)->dev[c->dev0];
+	const uint32_t W = g->shape.ranks_per_node;
+	const bool combine = ops[0]->type == EPP_COMBINE;
+	struct ekc_disp_args a;
+	bool fresh;
+	CUresult r = op_args(g, k, ops, &a, &fresh);
+	if (r)
+		return r;
+	a.wait = d->mps; /* the kernels wait for the doorbells themselves */
+	unsigned sms = cu_sms_cap(g, d);
+	int which = combine;
+	CUevent *ev = c->ev[which];
+	if ((r = trace_start(c, &a)) ||
+	    (r = cu_drv->cuEventRecord(ev[0], c->stream)))
+		return r;
+	c->ev_seq[which] = k;
+	a.rank_mask = c->dev_mask[0];
+	if (c->ndevs == 1)
+		a.rank_mask = W >= 64 ? ~0ull : (1ull << W) - 1;
+	*what = combine ? "combine" : "dispatch";
+	r = combine ? launch_combine(g, d, &a, sms)
+		    : launch_dispatch(g, d, ops, &a, sms, fresh);
 	if (!r)
 		r = join_devs(c);
 	if (!r)
