@@ -252,7 +252,7 @@ static int loop_rank(int rank, void *arg)
 		/* On the CPU's clock, from the call to the stream's end: events
 		 * would perturb it without MPS (each rank context's timed
 		 * records wait for its time slice: 283 us instead of 15 us for
-		 * 2 ranks in tests/gpu/bench_streamop). */
+		 * 2 ranks in tests/bench/gpu/bench_streamop). */
 		uint64_t t0 = th_now_ns();
 		TH_OK(ep_barrier_stream(g, st));
 		CU(tg_drv.cuStreamSynchronize(st));

@@ -75,7 +75,7 @@ int ep__llx_error(ep_group_t *g);
 void ep__llx_fini(ep_group_t *g);
 /* its pseudo group left (ep_leave, before the group is) */
 void ep__llx_leave(ep_group_t *g);
-/* For tests/gpu/bench_ll: the low-latency kernels stamp their stages
+/* For tests/bench/gpu/bench_ll: the low-latency kernels stamp their stages
  * (EKC_LL_TR_*) into u64[EKC_LL_TR_N] at device address trace (0: off).
  * EP_EINVAL before the group's first low-latency call, else the blocks
  * of its kernels' grid. */
