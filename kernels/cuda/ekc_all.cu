@@ -1,10 +1,11 @@
 // SPDX-License-Identifier: MIT
 // One translation unit for the fatbin: every kernel epd loads. Each file
-// includes the device headers it needs (ekc_dev.cuh, ekc_op.cuh); only
-// ekc_llx.cu builds on ekc_ll.cu's row helpers and follows it.
+// includes the device headers it needs (ekc_dev.cuh, ekc_op.cuh,
+// ekc_ll.cuh), so the order below is free.
 #include "ekc_barrier.cu"
 #include "ekc_dispatch.cu"
 #include "ekc_combine.cu"
 #include "ekc_ll.cu"
+#include "ekc_ll_combine.cu"
 #include "ekc_llx.cu"
 #include "ekc_copies.cu"

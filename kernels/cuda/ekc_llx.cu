@@ -28,9 +28,9 @@
 // writes NaN in every channel, so a graph replayed in a loop never takes
 // stale rows for a result.
 //
-// Needs ll_load, ll_store, ll_quant, ll_put_slice, ll_sum_rows and ll_nan
-// (ekc_ll.cu): included after it.
-#include "ekc.h"
+// The rows' loads, stores, fp8 cast and top-k sum are the kernels of one
+// node's (ekc_ll.cuh), so both write the same bits.
+#include "ekc_ll.cuh"
 
 __device__ static inline void llx_err(const struct ekc_llx_args &a, int which)
 {
