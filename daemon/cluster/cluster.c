@@ -1,13 +1,14 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The cluster (cluster_int.h): its nodes and their membership, the
- * heartbeats and the view, the transport's choice, the status, and the
- * span operations the core calls for groups across nodes.
+ * The cluster (cluster_int.h): its configuration and key, its nodes'
+ * membership (up, down, the heartbeats and the view), the transport's
+ * choice, and the status. The node table is nodes.c's, the span
+ * operations the core calls for groups across nodes span.c's.
  */
 #include "cluster_int.h"
 
 /* One entry of peers, name@host:port, into nd; -1 (err says why). */
-static int parse_peer(char *t, struct cnode *nd, char *err, size_t errlen)
+int cl_parse_peer(char *t, struct cnode *nd, char *err, size_t errlen)
 {
 	char *at = strchr(t, '@'), *colon = strrchr(t, ':');
 	if (!at || !colon || colon < at) {
@@ -63,7 +64,7 @@ static int parse_peers(struct epd_cluster *cl, const char *spec,
 	for (char *save, *t = strtok_r(buf, ", \t", &save); t && !rc;
 	     t = strtok_r(NULL, ", \t", &save)) {
 		struct cnode *nd = &cl->node[cl->n];
-		if ((rc = parse_peer(t, nd, err, errlen)))
+		if ((rc = cl_parse_peer(t, nd, err, errlen)))
 			break;
 		/* distinct names: checked against the others by a hash
 		 * table's worth of work only at start (n^2 string compares
@@ -246,7 +247,7 @@ void cl_groups_nodes_up(struct epd_cluster *cl, int n)
 }
 
 /* Connected, and not closing by agreement: a group may count on it. */
-static bool node_usable(const struct cnode *nd)
+bool cl_node_usable(const struct cnode *nd)
 {
 	return nd->state == NODE_UP && !nd->bye_asked && !nd->bye_agreed;
 }
@@ -489,8 +490,6 @@ static int pick_transport(struct epd_cluster *cl,
 	return -1;
 }
 
-static const struct epd_span_ops span_ops;
-
 /* What start needs of the configuration before any socket: the peers
  * (this node among them), the key, and this node's address to listen on
  * (into sa). */
@@ -605,7 +604,7 @@ int epd_cluster_init(struct epd_server *srv,
 	uv_timer_start(&cl->tick, on_tick, 1, cfg->heartbeat_ms);
 	srv->cluster = cl;
 	srv->xnode = xn;
-	srv->span = &span_ops;
+	srv->span = &cl_span_ops;
 	epd_notice("cluster: node %s, index %d of %d, %s on %s:%d, "
 		   "heartbeat %u ms x %u%s%s",
 		   me->name, cl->self, cl->n, cl->tops->name, me->host,
@@ -650,251 +649,6 @@ void epd_cluster_free(struct epd_server *srv)
 	srv->cluster = NULL;
 	srv->xnode = NULL;
 	srv->span = NULL;
-}
-
-static int span_self(const struct epd_server *srv)
-{
-	return srv->cluster ? srv->cluster->self : 0;
-}
-
-static int span_size(const struct epd_server *srv)
-{
-	return srv->cluster ? srv->cluster->n : 1;
-}
-
-bool cl_static(const struct epd_cluster *cl)
-{
-	return cl->srv->cfg.peer_lookup == EPD_LOOKUP_PEERS;
-}
-
-int cl_node_find(const struct epd_cluster *cl, const char *name)
-{
-	for (int n = 0; n < cl->n; n++)
-		if (cl->node[n].state != NODE_FREE &&
-		    !strcmp(cl->node[n].name, name))
-			return n;
-	return -1;
-}
-
-/* Does anything here still name learnt node n by its index? */
-static bool node_in_use(const struct epd_cluster *cl, int n)
-{
-	const struct cnode *nd = &cl->node[n];
-	if (nd->state != NODE_IDLE || nd->conn || nd->resolving ||
-	    nd->groups ||
-	    (cl->pinning && nd->resolved_gen == cl->resolve_gen))
-		return true;
-	/* (nd->groups counts every group here that names it, forming or
-	 * failed: span_formed runs when a group is made); a connection in
-	 * its handshake or being reaped names it by index too */
-	struct list_node *it, *tmp;
-	LIST_FOREACH(it, tmp, &cl->conns)
-	{
-		const struct pconn *c = LIST_ENTRY(it, struct pconn, node);
-		if (cl_conn_node(c) == n)
-			return true;
-	}
-	return false;
-}
-
-/* Since when node nd has been unused: its last group's end, or its last
- * change of state (learnt, up, down), whichever came later. */
-static uint64_t unused_since(const struct cnode *nd)
-{
-	return nd->unused_ns > nd->since_ns ? nd->unused_ns : nd->since_ns;
-}
-
-int cl_node_reclaim(struct epd_cluster *cl, uint64_t min_ns)
-{
-	const uint64_t now = epd_now_ns();
-	int freed = 0;
-	for (int n = cl->fixed; n < cl->n; n++) {
-		struct cnode *nd = &cl->node[n];
-		if (n == cl->self || nd->state == NODE_FREE ||
-		    now - unused_since(nd) < min_ns || node_in_use(cl, n))
-			continue;
-		epd_info("node %s (index %d): forgotten, unused for %.1f s",
-			 nd->name, n, (double)(now - unused_since(nd)) / 1e9);
-		/* frames it sent for groups that never formed here */
-		epd_xop_node_down(cl->srv, (uint32_t)n);
-		memset(nd, 0, sizeof(*nd));
-		nd->state = NODE_FREE;
-		cl->nfree++;
-		freed++;
-	}
-	/* free slots at the end shrink the table */
-	while (cl->n > cl->fixed && cl->node[cl->n - 1].state == NODE_FREE) {
-		cl->n--;
-		cl->nfree--;
-	}
-	return freed;
-}
-
-int cl_node_add(struct epd_cluster *cl, const char *name, const char *host,
-		int port, char *err, size_t errlen)
-{
-	const uint32_t max = cl->srv->cfg.peer_nodes_max;
-	/* full: the learnt nodes nothing uses make room, however recent */
-	if ((uint32_t)(cl->n - cl->nfree) >= max && !cl_node_reclaim(cl, 0)) {
-		snprintf(err, errlen,
-			 "the node table is full (peer_nodes_max %u, every "
-			 "node in use)",
-			 max);
-		return -1;
-	}
-	int at = cl->n;
-	for (int n = cl->fixed; cl->nfree && n < cl->n; n++)
-		if (cl->node[n].state == NODE_FREE) {
-			at = n;
-			cl->nfree--;
-			break;
-		}
-	if (at == cl->n && cl->n == cl->cap) {
-		int cap = cl->cap * 2 > 8 ? cl->cap * 2 : 8;
-		struct cnode *nn = realloc(cl->node, (size_t)cap * sizeof(*nn));
-		if (!nn) {
-			snprintf(err, errlen, "out of memory");
-			return -1;
-		}
-		memset(nn + cl->cap, 0, (size_t)(cap - cl->cap) * sizeof(*nn));
-		cl->node = nn;
-		cl->cap = cap;
-	}
-	struct cnode *nd = &cl->node[at];
-	memset(nd, 0, sizeof(*nd));
-	snprintf(nd->name, sizeof(nd->name), "%s", name);
-	snprintf(nd->host, sizeof(nd->host), "%s", host);
-	nd->port = port;
-	nd->state = NODE_IDLE;
-	nd->since_ns = epd_now_ns();
-	if (port)
-		epd_info("node %s (index %d): learnt, at %s:%d", nd->name,
-			 at, nd->host, port);
-	else
-		epd_info("node %s (index %d): learnt as it dialled in from %s "
-			 "(no address to dial it at)",
-			 nd->name, at, nd->host);
-	if (at == cl->n)
-		cl->n++;
-	return at;
-}
-
-/* A node of a join's list, name or name@host:port: its index, found or
- * (peer_lookup dns or job) added. */
-static int span_resolve(struct epd_server *srv, const char *entry, char *err,
-			size_t errlen)
-{
-	struct epd_cluster *cl = srv->cluster;
-	if (!cl)
-		return -1;
-	const int mode = srv->cfg.peer_lookup;
-	char name[EPP_NODE_NAME_MAX + 1], host[sizeof(cl->node->host)] = "";
-	int port = 0;
-	const size_t nl = epp_node_entry_name_len(entry);
-	if (nl > EPP_NODE_NAME_MAX) {
-		snprintf(err, errlen, "a name longer than %d bytes",
-			 EPP_NODE_NAME_MAX);
-		return -1;
-	}
-	memcpy(name, entry, nl);
-	name[nl] = 0;
-	if (entry[nl] == '@') {
-		struct cnode tmp;
-		char spec[256], perr[160];
-		snprintf(spec, sizeof(spec), "%s", entry);
-		if (strlen(entry) >= sizeof(spec) ||
-		    parse_peer(spec, &tmp, perr, sizeof(perr))) {
-			snprintf(err, errlen, "not name@host:port");
-			return -1;
-		}
-		snprintf(host, sizeof(host), "%s", tmp.host);
-		port = tmp.port;
-	}
-	int n = cl_node_find(cl, name);
-	if (n >= 0) {
-		/* known: the address of peers stands, and a learnt one while
-		 * the node is in use (it is where it was reached); a learnt
-		 * node nothing uses, or one known only by its dialling in,
-		 * takes the job's */
-		struct cnode *nd = &cl->node[n];
-		if (port && mode == EPD_LOOKUP_JOB && n >= cl->fixed &&
-		    (nd->port != port || strcmp(nd->host, host)) &&
-		    (!nd->port || !node_in_use(cl, n))) {
-			epd_info("node %s (index %d): at %s:%d, as a job says "
-				 "(was %s:%d)",
-				 nd->name, n, host, port,
-				 nd->port ? nd->host : "-", nd->port);
-			snprintf(nd->host, sizeof(nd->host), "%s", host);
-			nd->port = port;
-		}
-		nd->resolved_gen = cl->resolve_gen;
-		return n;
-	}
-	if (mode == EPD_LOOKUP_PEERS) {
-		snprintf(err, errlen,
-			 "this daemon does not know it (not in its peers; "
-			 "peer_lookup = peers)");
-		return -1;
-	}
-	if (port && mode != EPD_LOOKUP_JOB) {
-		snprintf(err, errlen,
-			 "not in peers, and an address a job gives is taken "
-			 "only with peer_lookup = job");
-		return -1;
-	}
-	if (!port) { /* by its name, at this node's peer port */
-		snprintf(host, sizeof(host), "%s", name);
-		port = cl->node[cl->self].port;
-	}
-	n = cl_node_add(cl, name, host, port, err, errlen);
-	if (n >= 0)
-		cl->node[n].resolved_gen = cl->resolve_gen;
-	return n;
-}
-
-static void span_resolve_pin(struct epd_server *srv, bool on)
-{
-	struct epd_cluster *cl = srv->cluster;
-	if (!cl)
-		return;
-	if (on)
-		cl->resolve_gen++;
-	cl->pinning = on;
-}
-
-/* Local index l entered barrier seq: to group node `to` (a
- * dissemination step), or with step EPP_STEP_ALL to every other node. */
-static int span_arrival_to(struct epd_group *g, uint32_t l, uint64_t seq,
-			   uint32_t to, uint8_t step)
-{
-	struct epd_cluster *cl = g->srv->cluster;
-	uint8_t buf[160];
-	/* the data ops this node's ranks completed before the barrier:
-	 * every node's must be the same (epd_coll_order) */
-	struct epp_peer_barrier m = {.local = l, .seq = seq,
-				     .xops = g->xop_next, .step = step};
-	snprintf(m.group, sizeof(m.group), "%s", g->key);
-	size_t bn = epp_peer_barrier_encode(&m, buf, sizeof(buf));
-	for (uint32_t n = 0; n < g->nnodes; n++) {
-		if (n == g->node_index || (step != EPP_STEP_ALL && n != to))
-			continue;
-		struct cnode *nd = &cl->node[g->node_map[n]];
-		if (nd->state != NODE_UP) {
-			epd_group_fail(g, EP_EPEERLOST,
-				       "node %s (the group's node %u) is "
-				       "down%s%s",
-				       nd->name, n, nd->why[0] ? ": " : "",
-				       nd->why);
-			return EP_EPEERLOST;
-		}
-		cl_conn_send(nd->conn, EPP_PEER_BARRIER, buf, (uint32_t)bn);
-	}
-	return 0;
-}
-
-static int span_arrival(struct epd_group *g, uint32_t l, uint64_t seq)
-{
-	return span_arrival_to(g, l, seq, 0, EPP_STEP_ALL);
 }
 
 /* Node cn's connection if rows can be written to it (see
@@ -1006,104 +760,6 @@ void *epd_cluster_status(struct epd_server *srv)
 	return o;
 }
 
-/* Tell the other nodes of group `key` (nnodes of them, at the cluster's
- * indices node_map, the names' hash nodes_hash) that it failed
- * here, having completed `round` barriers and `xops` data ops. A group
- * that never sent its shape (it failed forming, or never formed here: j
- * its join's, with timeout_ms) sends it first: the other nodes take a
- * failure only from a group whose shape they had (an earlier or later
- * group of the key is not theirs). */
-static void gfail_send(struct epd_cluster *cl, const char *key,
-		       uint32_t nnodes, const uint32_t *node_map,
-		       uint64_t nodes_hash, int code, const char *msg,
-		       uint64_t round, uint64_t xops, const struct epp_join *j,
-		       uint32_t timeout_ms)
-{
-	uint8_t buf[EPP_ERRMSG_MAX + 128], shape[192];
-	if (!cl)
-		return;
-	size_t sl = j ? epd_xop_shape_encode(key, j, timeout_ms, nodes_hash,
-					     shape, sizeof(shape))
-		      : 0;
-	struct epp_peer_gfail m = {.code = code, .round = round, .xops = xops};
-	snprintf(m.group, sizeof(m.group), "%s", key);
-	snprintf(m.msg, sizeof(m.msg), "%s", msg);
-	size_t gn = epp_peer_gfail_encode(&m, buf, sizeof(buf));
-	for (uint32_t n = 0; n < nnodes; n++) {
-		const int cn = (int)node_map[n];
-		if (node_map[n] < (uint32_t)cl->n && cn != cl->self &&
-		    cl->node[cn].state == NODE_UP) {
-			if (sl)
-				cl_conn_send(cl->node[cn].conn,
-					     EPP_PEER_GSHAPE, shape,
-					     (uint32_t)sl);
-			cl_conn_send(cl->node[cn].conn, EPP_PEER_GFAIL, buf,
-				     (uint32_t)gn);
-		}
-	}
-}
-
-/* The data ops the other nodes may still finish after this node's
- * failure: those it completed, up to one the nodes disagreed on. */
-static uint64_t xops_done(const struct epd_group *g)
-{
-	return g->xop_next < g->xop_disagree ? g->xop_next : g->xop_disagree;
-}
-
-void epd_cluster_tell_failed(struct epd_group *g, uint32_t n)
-{
-	struct epd_cluster *cl = g->srv->cluster;
-	uint8_t buf[EPP_ERRMSG_MAX + 128];
-	if (!cl || n >= g->nnodes || n == g->node_index ||
-	    g->node_map[n] >= (uint32_t)cl->n ||
-	    cl->node[g->node_map[n]].state != NODE_UP)
-		return;
-	struct epp_peer_gfail m = {.code = g->fail_code, .round = g->round,
-				   .xops = xops_done(g)};
-	snprintf(m.group, sizeof(m.group), "%s", g->key);
-	snprintf(m.msg, sizeof(m.msg), "%s", g->last_error);
-	size_t gn = epp_peer_gfail_encode(&m, buf, sizeof(buf));
-	cl_conn_send(cl->node[g->node_map[n]].conn, EPP_PEER_GFAIL, buf,
-		     (uint32_t)gn);
-}
-
-/* Tell the group's other nodes it failed here. How far this node got:
- * the barriers it completed (every local rank entered them, so their
- * arrivals went out) and the data ops it completed (their rows went
- * out). The others may finish up to there; a rank that died never
- * entered the next round. */
-static void group_failed(struct epd_group *g, int code, const char *msg)
-{
-	gfail_send(g->srv->cluster, g->key, g->nnodes, g->node_map,
-		   g->nodes_hash, code, msg, g->round, xops_done(g),
-		   g->announced ? NULL : &g->shape, g->timeout_ms);
-}
-
-/* A group this node refused to form (it is linked to a group that
- * failed): the nodes where it formed fail it at its first op. */
-static void span_failed_key(struct epd_server *srv, const char *key,
-			    const struct epp_join *j, uint32_t nnodes,
-			    const uint32_t *node_map, uint64_t nodes_hash,
-			    int code, const char *msg)
-{
-	gfail_send(srv->cluster, key, nnodes, node_map, nodes_hash, code, msg,
-		   0, 0, j,
-		   j->timeout_ms ? j->timeout_ms : srv->cfg.timeout_ms);
-}
-
-void epd_cluster_send(struct epd_group *g, uint32_t n, uint16_t type,
-		      const void *a, size_t na, const void *b, size_t nb,
-		      struct epd_sref *ref)
-{
-	struct epd_cluster *cl = g->srv->cluster;
-	if (!cl || n >= g->nnodes || g->node_map[n] >= (uint32_t)cl->n)
-		return;
-	struct cnode *nd = &cl->node[g->node_map[n]];
-	if (nd->state != NODE_UP)
-		return;
-	cl_conn_write(nd->conn, type, a, na, b, nb, ref);
-}
-
 struct epd_transport *epd_cluster_transport(const struct epd_server *srv)
 {
 	struct epd_cluster *cl = srv->cluster;
@@ -1116,151 +772,3 @@ struct epd_tconn *epd_cluster_wconn(const struct epd_group *g, uint32_t n)
 			     : NULL;
 }
 
-const char *epd_cluster_name_at(const struct epd_server *srv, uint32_t cn)
-{
-	const struct epd_cluster *cl = srv->cluster;
-	return cl && (int)cn < cl->n ? cl->node[cn].name : "?";
-}
-
-const char *epd_cluster_node_name(const struct epd_group *g, uint32_t n)
-{
-	struct epd_cluster *cl = g->srv->cluster;
-	if (!cl || n >= g->nnodes)
-		return "local";
-	return g->node_map[n] < (uint32_t)cl->n ? cl->node[g->node_map[n]].name
-						: "released";
-}
-
-static void span_failed(struct epd_group *g, int code, const char *msg,
-			bool tell)
-{
-	if (tell)
-		group_failed(g, code, msg);
-	epd_xop_drop(g); /* a running job is dropped when it ends */
-}
-
-static void span_formed(struct epd_group *g)
-{
-	struct epd_cluster *cl = g->srv->cluster;
-	for (uint32_t n = 0; n < g->nnodes; n++) {
-		const int cn = (int)g->node_map[n];
-		struct cnode *nd = &cl->node[cn];
-		if (n == g->node_index || nd->groups++)
-			continue;
-		if (nd->state == NODE_IDLE)
-			nd->state = NODE_DOWN; /* wanted now */
-		/* dial at once, not at the next tick */
-		if (nd->state != NODE_UP && !nd->conn && cl_dials(cl, cn)) {
-			nd->backoff_ns = 0;
-			nd->next_dial_ns = 0;
-			cl_dial(cl, cn);
-		}
-	}
-}
-
-/* The group no longer spans its nodes here: each that no other group
- * spans lingers (peer_linger_ms), then its connection closes. */
-static void nodes_release(struct epd_group *g)
-{
-	struct epd_cluster *cl = g->srv->cluster;
-	if (g->nodes_released)
-		return;
-	for (uint32_t n = 0; cl && n < g->nnodes; n++) {
-		struct cnode *nd = &cl->node[g->node_map[n]];
-		if (n == g->node_index || !nd->groups || --nd->groups)
-			continue;
-		nd->unused_ns = epd_now_ns();
-		if (nd->state == NODE_DOWN && !cl->srv->cfg.peer_connect_all)
-			nd->state = NODE_IDLE; /* no longer wanted */
-	}
-}
-
-/* Failed groups whose ranks are still connected let go of their nodes
- * once their timeout has passed since the failure: a node that forms
- * the group later is told the failure until then (epd_xop_frame), and
- * after that its own join has timed out. Else every failed group a rank
- * keeps open would hold its nodes in the table (connected, watched, not
- * forgotten) for as long as the rank likes. */
-void cl_failed_release(struct epd_cluster *cl, uint64_t now)
-{
-	struct list_node *it, *tmp;
-	LIST_FOREACH(it, tmp, &cl->srv->groups)
-	{
-		struct epd_group *g = LIST_ENTRY(it, struct epd_group, node);
-		const uint64_t wait = (uint64_t)g->timeout_ms * 1000000ull;
-		if (g->nnodes < 2 || g->state != EPD_G_FAILED ||
-		    g->nodes_released || now - g->failed_ns < wait)
-			continue;
-		nodes_release(g);
-		g->nodes_released = true;
-		for (uint32_t n = 0; n < g->nnodes; n++)
-			if (n != g->node_index)
-				g->node_map[n] = EPD_NODE_RELEASED;
-		epd_info("group %s: failed %.1f s ago, its %u other nodes "
-			 "released",
-			 g->shape.name, (double)(now - g->failed_ns) / 1e9,
-			 g->nnodes - 1);
-	}
-}
-
-static bool span_nodes_up(struct epd_group *g)
-{
-	struct epd_cluster *cl = g->srv->cluster;
-	for (uint32_t n = 0; n < g->nnodes; n++)
-		if (n != g->node_index &&
-		    !node_usable(&cl->node[g->node_map[n]]))
-			return false;
-	return true;
-}
-
-static void span_nodes_missing(struct epd_group *g, char *out, size_t cap)
-{
-	struct epd_cluster *cl = g->srv->cluster;
-	size_t off = 0;
-	out[0] = 0;
-	for (uint32_t n = 0; n < g->nnodes && off + 1 < cap; n++) {
-		const struct cnode *nd = &cl->node[g->node_map[n]];
-		if (n == g->node_index || node_usable(nd))
-			continue;
-		int w = snprintf(out + off, cap - off, "%s%s%s%s%s",
-				 off ? ", " : "", nd->name,
-				 nd->why[0] ? " (" : "", nd->why,
-				 nd->why[0] ? ")" : "");
-		off += w > 0 ? (size_t)w : 0;
-	}
-	if (off >= cap && cap > 4)
-		snprintf(out + cap - 4, 4, "...");
-}
-
-static void span_ready(struct epd_group *g)
-{
-	epd_xop_announce(g); /* its shape to the others, who compare */
-	epd_xop_replay(g);   /* what came before it was ready here */
-}
-
-static void span_freed(struct epd_group *g)
-{
-	nodes_release(g);
-	epd_xop_drop(g);
-	epd_xbufs_trim(g->srv);
-	epd_xwin_free(g);
-}
-
-static const struct epd_span_ops span_ops = {
-	.self = span_self,
-	.size = span_size,
-	.resolve = span_resolve,
-	.resolve_pin = span_resolve_pin,
-	.formed = span_formed,
-	.nodes_up = span_nodes_up,
-	.nodes_missing = span_nodes_missing,
-	.arrival = span_arrival,
-	.arrival_to = span_arrival_to,
-	.op_start = epd_xop_start,
-	.missing = epd_xop_missing,
-	.ready = span_ready,
-	.failed = span_failed,
-	.failed_key = span_failed_key,
-	.freed = span_freed,
-	.node_name = epd_cluster_node_name,
-};

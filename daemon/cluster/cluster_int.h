@@ -175,6 +175,19 @@ int cl_node_find(const struct epd_cluster *cl, const char *name);
  * groups not formed) is dropped. Returns how many. */
 int cl_node_reclaim(struct epd_cluster *cl, uint64_t min_ns);
 void cl_failed_release(struct epd_cluster *cl, uint64_t now);
+/* One entry of peers, name@host:port (t, cut in place), into nd; -1
+ * (err says why). */
+int cl_parse_peer(char *t, struct cnode *nd, char *err, size_t errlen);
+/* Connected, and not closing by agreement: may a group count on it? */
+bool cl_node_usable(const struct cnode *nd);
+/* nodes.c: a join's node list entry resolved to the table's index, and
+ * the list being resolved pinned (struct epd_span_ops: resolve,
+ * resolve_pin). */
+int cl_span_resolve(struct epd_server *srv, const char *entry, char *err,
+		    size_t errlen);
+void cl_span_resolve_pin(struct epd_server *srv, bool on);
+/* span.c: the table the cluster registers with the core at its start */
+extern const struct epd_span_ops cl_span_ops;
 /* Does this node dial node n (when it wants it)? With peer_connect =
  * all, the lower index dials; on demand, the lower name. */
 bool cl_dials(const struct epd_cluster *cl, int n);
