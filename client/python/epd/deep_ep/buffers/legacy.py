@@ -50,6 +50,7 @@ import os
 import socket
 import uuid
 import weakref
+from typing import NamedTuple
 
 import epd
 from ..utils.event import EventHandle, EventOverlap
@@ -59,6 +60,44 @@ from .shapes import (_torch, _release_all, _ue8m0_unpack, _ue8m0_pack,
                      _Routing, _REG_X, _copies, _expandable, _Lease,
                      _OutLease, _Sub)
 from .lowlat import LowLatency, _LL_HINTS
+
+
+class _DispatchIn(NamedTuple):
+    """One dispatch's inputs, as the GPU and host paths take them: x and
+    its scales, the routing input (top-k, or is_token_in_rank), a cached
+    dispatch's routing (rt), the rows to give without a count (worst, 0:
+    the count), and the event and stream choices."""
+    x: object
+    xs: object
+    topk_idx: object
+    topk_weights: object
+    in_rank: object
+    rt: object
+    worst: int
+    prev: object
+    async_finish: bool
+    alloc_comm: bool
+
+
+class _Streams:
+    """The current stream, switched between the caller's (compute) and
+    the comm stream by torch.cuda.set_stream, and only for torch's own
+    copies: torch.cuda.stream's context looks the device and the streams
+    up again each time, tens of us of CPU under MPS. back() sets the
+    caller's again, whatever happened."""
+
+    def __init__(self, torch, compute, comm):
+        self._set = torch.cuda.set_stream
+        self.compute, self.comm = compute, comm
+        self._cur = compute
+
+    def to(self, s):
+        if self._cur is not s:
+            self._set(s)
+            self._cur = s
+
+    def back(self):
+        self.to(self.compute)
 
 
 class Config:
@@ -392,9 +431,9 @@ class Buffer(LowLatency):
                 sub2 = alt.sub if alt else \
                     self._sub((H, fp8, sub.K, sub.E), T)
                 run = self._gpu_dispatch if sub2.gpu else self._host_dispatch
-                out = run(sub2, x, x_scales, rt.topk, None, in_rank, alt,
-                          0, previous_event, async_finish,
-                          allocate_on_comm_stream)
+                out = run(sub2, _DispatchIn(
+                    x, x_scales, rt.topk, None, in_rank, alt, 0,
+                    previous_event, async_finish, allocate_on_comm_stream))
                 if alt is None:
                     rt.alts[fp8] = out[5]
                     rt.entries.append((weakref.ref(sub2), out[5].h))
@@ -462,7 +501,7 @@ class Buffer(LowLatency):
         another's: every rank of the group gets it) as ValueError."""
         run = self._gpu_dispatch if sub.gpu else self._host_dispatch
         try:
-            return run(sub, *args)
+            return run(sub, _DispatchIn(*args))
         except epd.Error as e:
             if e.code != epd.ETOOBIG:
                 raise
@@ -510,14 +549,13 @@ class Buffer(LowLatency):
         compute.wait_event(self._done)
         return EventOverlap(None)
 
-    def _gpu_dispatch(self, sub, x, xs, topk_idx, topk_weights, in_rank,
-                      rt, worst, prev, async_finish, alloc_comm):
+    def _gpu_dispatch(self, sub, d):
         torch = _torch()
-        T = x.size(0)
-        compute, comm = self._streams(prev)
+        T = d.x.size(0)
+        compute, comm = self._streams(d.prev)
         if T > sub.tmax:  # nothing copied; every rank's op fails
             sub.g.dispatch_stream(T, stream=comm,
-                                  weights=topk_weights is not None)
+                                  weights=d.topk_weights is not None)
             raise AssertionError("a dispatch of too many tokens succeeded")
         # the received rows go straight to a free receive area, handed out
         # as recv_x (no copy); with none free (or in a CUDA graph, where a
@@ -527,23 +565,6 @@ class Buffer(LowLatency):
         if aev is not None:
             comm.wait_event(aev)  # the area's last user is done with it
         held = [area]  # the area, until a recv_x tensor owns it
-        try:
-            return self._gpu_dispatch_in(sub, x, xs, topk_idx, topk_weights,
-                                         in_rank, rt, worst, async_finish,
-                                         alloc_comm, compute, comm, held,
-                                         cap)
-        finally:
-            if held[0]:  # failed, or no rows: the area is free again
-                sub.free.append((held[0], None))
-
-    def _gpu_dispatch_in(self, sub, x, xs, topk_idx, topk_weights, in_rank,
-                         rt, worst, async_finish, alloc_comm, compute, comm,
-                         held, cap):
-        torch = _torch()
-        area = held[0]
-        T, H, K = x.size(0), sub.H, sub.K
-        ns = H // 128
-        cached = rt is not None
         # The CPU's work is ordered by what waits for it: first what the
         # dispatch needs on the stream (every rank's op starts only when
         # the last rank rang); then the count, which comes once the
@@ -553,22 +574,41 @@ class Buffer(LowLatency):
         # copies between two ops are one launch each way
         # (epd.stream_copies): each separate one is a dependent step on
         # the comm stream, and every rank waits for the slowest.
-        # x read where it is (registered memory), as the combine's rows
+        st = _Streams(torch, compute, comm)
+        try:
+            h = self._gpu_send(sub, d, st, area, cap)
+            R, pe = self._gpu_count(sub, d, h)
+            outs = self._gpu_outputs(sub, d, st, R, held)
+        finally:
+            if held[0]:  # failed, or no rows: the area is free again
+                sub.free.append((held[0], None))
+        # (every output's memory is recorded on the comm stream; an area
+        # is not the allocator's)
+        ev = self._finish(compute, comm, list(outs), d.async_finish,
+                          d.alloc_comm, recorded=True)
+        recv_x, recv_xs, rti, rtw, rsrc, rp = outs
+        if d.rt is not None:
+            return recv_x, recv_xs, None, None, None, None, None, None, ev
+        # the routing input a cached dispatch in the other dtype needs:
+        # the caller's topk_idx itself (DeepEP's handle holds the caller's
+        # is_token_in_rank the same way); without one, the handle's
+        # is_token_in_rank gives it again
+        return (recv_x, recv_xs, rti, rtw, pe,
+                _Routing(sub, h, d.x.size(0), R, d.topk_idx), rp, rsrc, ev)
+
+    def _gpu_send(self, sub, d, st, area, cap):
+        """Dispatch d's inputs into sub's region (x read where it is when
+        it lies in registered memory, as the combine's rows; the small
+        inputs by one copy launch) and its op on the comm stream, into
+        receive area `area`: its handle."""
+        torch = _torch()
+        x, xs, topk_idx, topk_weights = d.x, d.xs, d.topk_idx, \
+            d.topk_weights
+        T, K, ns = x.size(0), sub.K, sub.H // 128
+        cached = d.rt is not None
+        comm = st.comm
         xv = x.view(torch.uint8) if sub.fp8 else x
         reg = sub.region_of(xv) if T and _REG_X and not cap else None
-        dt = torch.float8_e4m3fn if sub.fp8 else torch.bfloat16
-        dev = x.device
-        # the current stream is set directly, and only for torch's own
-        # copies (torch.cuda.stream's context looks the device and the
-        # streams up again each time, tens of us of CPU under MPS); the
-        # caller's is set back whatever happens
-        on = torch.cuda.set_stream
-        cur = [compute]
-
-        def to(s_):
-            if cur[0] is not s_:
-                on(s_)
-                cur[0] = s_
         pieces = []
 
         def piece(name, src, nbytes):  # into the region's field
@@ -576,7 +616,7 @@ class Buffer(LowLatency):
                                          nbytes))
         try:
             if T and reg is None:
-                to(comm)
+                st.to(comm)
                 sub.x[:T].copy_(xv)
             elif T:
                 x.record_stream(comm)  # read until the dispatch ran
@@ -585,7 +625,7 @@ class Buffer(LowLatency):
                     if xs.dtype == torch.float32 and xs.is_contiguous():
                         piece("scales", xs, T * ns * 4)
                     else:
-                        to(comm)
+                        st.to(comm)
                         sub.scales[:T].copy_(xs)  # any strides
                 if not cached:
                     if topk_idx is not None and \
@@ -593,20 +633,20 @@ class Buffer(LowLatency):
                             topk_idx.is_contiguous():
                         piece("topk", topk_idx, T * K * 8)
                     elif topk_idx is not None:
-                        to(comm)
+                        st.to(comm)
                         sub.topk[:T].copy_(topk_idx)
                     else:
-                        to(comm)
+                        st.to(comm)
                         sub.topk[:T].copy_(self._in_rank_topk(
-                            sub, in_rank, self._ar))
+                            sub, d.in_rank, self._ar))
                     if topk_weights is not None:
                         if topk_weights.dtype == torch.float32 and \
                                 topk_weights.is_contiguous():
                             piece("w", topk_weights, T * K * 4)
                         else:
-                            to(comm)
+                            st.to(comm)
                             sub.w[:T].copy_(topk_weights)
-                if worst:  # no CPU wait below: read until the copies ran
+                if d.worst:  # no CPU wait below: read until the copies ran
                     for t_ in (xs, topk_idx, topk_weights):
                         if t_ is not None:
                             t_.record_stream(comm)
@@ -615,39 +655,47 @@ class Buffer(LowLatency):
             a = _spans.mark(comm)
             h = sub.g.dispatch_stream(
                 T, stream=self._comm_ptr, weights=topk_weights is not None,
-                handle=rt.h if cached else None, area=area, region=reg,
+                handle=d.rt.h if cached else None, area=area, region=reg,
                 ptr=xv.data_ptr() if reg is not None else 0)
             _spans.add("epd_dispatch_impl", a, _spans.mark(comm))
         finally:
-            to(compute)
-        # the routing input a cached dispatch in the other dtype needs:
-        # the caller's topk_idx itself (DeepEP's handle holds the caller's
-        # is_token_in_rank the same way); without one, the handle's
-        # is_token_in_rank gives it again
-        kept = None if cached else topk_idx
-        R = rt.R if cached else worst if worst else None
-        if R is None:
+            st.back()
+        return h
+
+    @staticmethod
+    def _gpu_count(sub, d, h):
+        """The rows dispatch h gives this rank and its rows per expert:
+        a cached dispatch's routing's, the worst case's (no count: the
+        rows past it are -1), or the count (the CPU waits for it, then
+        for the rows per expert in the control page)."""
+        R = d.rt.R if d.rt is not None else d.worst if d.worst else None
+        if R is not None:
+            return R, []
+        try:
+            return sub.g.recv_count(h), sub.g.recv_expert_counts(h)
+        except BaseException:
             try:
-                R = sub.g.recv_count(h)  # the CPU waits for the count
-                # the rows per expert come with it (the control page)
-                pe = sub.g.recv_expert_counts(h)
-            except BaseException:
-                try:
-                    sub.g.release(h)
-                except epd.Error:
-                    pass
-                raise
-        else:
-            pe = []
-        # R rows (num_worst_tokens: that many, those past the count -1);
-        # the small outputs are views (as_strided: one call each) of one
-        # copy of the span of received scales, top-k, weights and sources
+                sub.g.release(h)
+            except epd.Error:
+                pass
+            raise
+
+    def _gpu_outputs(self, sub, d, st, R, held):
+        """The dispatch's outputs of R rows, queued behind its op on the
+        comm stream: recv_x (the receive area held[0] itself, handed over,
+        or a copy of its rows), and as views (as_strided: one call each)
+        of one copy of the span of received scales, top-k, weights and
+        sources, and the rank prefix matrix."""
+        torch = _torch()
+        cached, worst, alloc_comm = d.rt is not None, d.worst, d.alloc_comm
+        K, H, ns, area = sub.K, sub.H, sub.H // 128, held[0]
+        comm, dev = st.comm, d.x.device
+        dt = torch.float8_e4m3fn if sub.fp8 else torch.bfloat16
         recv_xs = rti = rtw = rsrc = rp = None
         mo = sub.moff
-        alloc = comm if alloc_comm else compute
         pieces = []
         try:
-            to(alloc)
+            st.to(comm if alloc_comm else st.compute)
             if sub.fp8 or not cached:
                 meta = torch.empty_like(sub.meta)  # on the current stream
                 if not alloc_comm:
@@ -684,7 +732,7 @@ class Buffer(LowLatency):
             if pieces:  # one launch, behind the op
                 _copies(pieces, self._comm_ptr)
             if not cached and worst:  # rows past the received count: -1
-                to(comm)
+                st.to(comm)
                 pad = torch.arange(R, device=dev) >= \
                     sub.count[0].to(torch.int64)
                 rti.masked_fill_(pad.unsqueeze(1), -1)
@@ -699,24 +747,17 @@ class Buffer(LowLatency):
                 if sub.fp8:
                     recv_x = recv_x.view(dt)
             else:
-                to(comm)
+                st.to(comm)
                 recv_x.view(torch.uint8 if sub.fp8 else dt).copy_(
                     sub.recv_x[:R])
         finally:
-            to(compute)
-        # (every output's memory is recorded on the comm stream above; an
-        # area is not the allocator's)
-        ev = self._finish(compute, comm, [recv_x, recv_xs, rti, rtw, rsrc,
-                                          rp], async_finish, alloc_comm,
-                          recorded=True)
-        if cached:
-            return recv_x, recv_xs, None, None, None, None, None, None, ev
-        return (recv_x, recv_xs, rti, rtw, pe, _Routing(sub, h, T, R, kept),
-                rp, rsrc, ev)
+            st.back()
+        return recv_x, recv_xs, rti, rtw, rsrc, rp
 
-    def _host_dispatch(self, sub, x, xs, topk_idx, topk_weights, in_rank,
-                       rt, worst, prev, async_finish, alloc_comm):
+    def _host_dispatch(self, sub, d):
         torch = _torch()
+        x, xs, topk_idx, topk_weights, in_rank, rt, worst, prev, \
+            async_finish, alloc_comm = d
         T, W = x.size(0), sub.W
         cached = rt is not None
         xn = x.contiguous().view(torch.uint8 if sub.fp8 else torch.int16)
