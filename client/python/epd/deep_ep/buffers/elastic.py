@@ -30,6 +30,7 @@ Not supported (each raises NotImplementedError naming it): CPU segments
 combine with allow_multiple_reduction=False, UE8M0 packed scales."""
 import os
 import weakref
+from typing import NamedTuple
 
 from . import legacy as _legacy
 from . import shapes as _shapes
@@ -98,6 +99,39 @@ class EPHandle:
         when asked to be deterministic; epd's are in that order already
         (source rank, then source token) whatever the timing: nothing to
         do."""
+
+
+class _EpdOut(NamedTuple):
+    """What epd's dispatch gave: the rows and their scales, top-k and
+    weights, the rank prefix matrix, the sources, the routing and the
+    rows per local expert."""
+    recv_x: object
+    recv_sf: object
+    rti: object
+    rtw: object
+    rp: object
+    rsrc: object
+    rt: object
+    pe: object
+
+
+class _EpOpts(NamedTuple):
+    """A V2 dispatch's choices, as its epilogue takes them."""
+    E: int
+    nmax: int
+    align: int
+    do_cpu_sync: bool
+    do_expand: bool
+    zero_pad: bool
+    col_major: bool
+    do_handle_copy: bool
+    num_sms: int
+    stats: object
+
+
+class _Slots:
+    """Where a dispatch's received (row, k) go (ElasticBuffer._slots)."""
+    counts = aligned = start = lst = pos = None
 
 
 class ElasticBuffer:
@@ -463,11 +497,12 @@ class ElasticBuffer:
         ctx = torch.cuda.stream(comm) if comm is not None else _Nothing()
         with ctx:
             res = self._dispatch_epilogue(
-                handle, recv_x, recv_sf, rti, rtw, rp, rsrc, rt, pe,
-                topk_idx, topk_weights, T, K, num_experts, nmax,
-                expert_alignment, do_cpu_sync, do_expand, do_zero_padding,
-                use_tma_aligned_col_major_sf, do_handle_copy, num_sms,
-                cumulative_local_expert_recv_stats)
+                handle, _EpdOut(recv_x, recv_sf, rti, rtw, rp, rsrc, rt, pe),
+                topk_idx, topk_weights, T, K,
+                _EpOpts(num_experts, nmax, expert_alignment, do_cpu_sync,
+                        do_expand, do_zero_padding,
+                        use_tma_aligned_col_major_sf, do_handle_copy,
+                        num_sms, cumulative_local_expert_recv_stats))
             _spans.add("epd_dispatch_copy_epilogue_impl", op_end,
                        _spans.mark(comm))
         recv_x, recv_sf, rti_out, rtw_out, hnd = res
@@ -524,108 +559,137 @@ class ElasticBuffer:
         compute.wait_stream(comm)
         return EventOverlap(None)
 
-    def _dispatch_epilogue(self, handle, recv_x, recv_sf, rti, rtw, rp,
-                           rsrc, rt, pe, topk_idx, topk_weights, T, K, E,
-                           nmax, align, do_cpu_sync, do_expand, zero_pad,
-                           col_major, do_handle_copy, num_sms, stats):
-        """V2's outputs from epd's (on the current stream: the comm
-        stream for GPU ranks)."""
+    def _dispatch_epilogue(self, handle, got, topk_idx, topk_weights, T, K,
+                           o):
+        """V2's outputs from epd's (got: _EpdOut; o: _EpOpts), on the
+        current stream: the comm stream for GPU ranks."""
+        sl = self._slots(handle, got, K, o)
+        out_x, out_sf, out_rti, out_w = self._expanded(
+            handle, got, topk_weights, sl, K, o)
+        if out_sf is not None and o.col_major:
+            out_sf = _col_major(out_sf)
+        if handle is not None:
+            return out_x, out_sf, out_rti, out_w, handle
+        hnd = self._v2_handle(got, sl, topk_idx, T, K, out_x, o)
+        return out_x, out_sf, out_rti, out_w, hnd
+
+    def _slots(self, handle, got, K, o):
+        """Where each received (row, k) goes: each local expert's count
+        (added to the stats), aligned rows and start, the aligned rows as
+        a list with the CPU sync, and each (row, k)'s slot (its expert's
+        segment with do_expand, else its row; -1: not here). A cached
+        dispatch's slots are its handle's."""
         torch = _torch()
-        dev = recv_x.device
-        W, me = self.num_ranks, self.rank_idx
-        El = E // W
-        i32, i64 = torch.int32, torch.int64
+        rti, R = got.rti, got.recv_x.size(0)
+        dev = got.recv_x.device
+        El = o.E // self.num_ranks
+        i64 = torch.int64
+        align = o.align
+        sl = _Slots()
         cached = handle is not None
-        R = recv_x.size(0)  # received rows (the worst case's without sync)
-        if not cached or stats is not None:
+        if not cached or o.stats is not None:
             # received rows' local slots (rows by source rank then token),
             # El for another rank's; each local expert's count (El: the
             # rest)
             valid = rti >= 0
             flat = torch.where(valid, rti, torch.full_like(rti, El)).view(-1)
             allc = torch.bincount(flat, minlength=El + 1)
-            counts = allc[:El].to(i32)
-            if stats is not None:
-                stats.add_(counts.to(stats.dtype))
+            sl.counts = allc[:El].to(torch.int32)
+            if o.stats is not None:
+                o.stats.add_(sl.counts.to(o.stats.dtype))
+        if cached:
+            sl.pos = handle._pos
+            return sl
         # with the CPU sync, each local expert's aligned rows as a list:
         # from the counts the CPU already has (epd's per-expert counts,
         # pe), so the epilogue waits for the GPU nowhere
-        lst = None
-        if do_cpu_sync and not cached:
-            lst = [(c + align - 1) // align * align for c in pe] \
+        pe = got.pe
+        if o.do_cpu_sync:
+            sl.lst = [(c + align - 1) // align * align for c in pe] \
                 if pe is not None and len(pe) == El else None
-        if cached:
-            pos = handle._pos
+        sl.aligned = (sl.counts + (align - 1)) // align * align
+        if o.do_cpu_sync and sl.lst is None:
+            sl.lst = sl.aligned.tolist()
+        sl.start = torch.cumsum(sl.aligned, 0) - sl.aligned  # segments'
+        if o.do_expand:
+            # slot (i, k) of expert e: e's start + its rank among e's
+            # slots in (row, k) order
+            order = torch.sort(flat, stable=True).indices
+            sk = flat[order]
+            gstart = torch.cumsum(allc, 0) - allc
+            startx = torch.cat([sl.start.to(i64),
+                                torch.full((1,), -1, dtype=i64,
+                                           device=dev)])
+            within = torch.arange(flat.numel(), dtype=i64, device=dev) \
+                - gstart[sk]
+            p = torch.where(sk < El, startx[sk] + within,
+                            torch.full_like(within, -1))
+            pos = torch.empty_like(p)
+            pos[order] = p
+            sl.pos = pos.view(R, K)
         else:
-            aligned = (counts + (align - 1)) // align * align
-            if do_cpu_sync and lst is None:
-                lst = aligned.tolist()
-            start = torch.cumsum(aligned, 0) - aligned  # each segment's
-            if do_expand:
-                # slot (i, k) of expert e: e's start + its rank among e's
-                # slots in (row, k) order
-                order = torch.sort(flat, stable=True).indices
-                sk = flat[order]
-                gstart = torch.cumsum(allc, 0) - allc
-                startx = torch.cat([start.to(i64),
-                                    torch.full((1,), -1, dtype=i64,
-                                               device=dev)])
-                within = torch.arange(flat.numel(), dtype=i64, device=dev) \
-                    - gstart[sk]
-                p = torch.where(sk < El, startx[sk] + within,
-                                torch.full_like(within, -1))
-                pos = torch.empty_like(p)
-                pos[order] = p
-                pos = pos.view(R, K)
-            else:
-                rows = torch.arange(R, dtype=i64, device=dev).unsqueeze(1)
-                pos = torch.where(valid, rows.expand(R, K),
-                                  torch.full_like(rti, -1))
-        if do_expand:
-            if cached:
-                aligned_total = handle.num_expanded_tokens
-            elif do_cpu_sync:
-                aligned_total = sum(lst)
-            else:  # the worst case: every row in every slot, padded
-                aligned_total = R * min(K, El) + El * (align - 1)
-            n = aligned_total
-            vflat = pos.view(-1) >= 0
-            src_row = torch.arange(R, dtype=i64, device=dev).unsqueeze(
-                1).expand(R, K).reshape(-1)
-            tgt = torch.where(vflat, pos.view(-1),
-                              torch.full_like(pos.view(-1), n))
-            # one spare row takes every invalid slot's write; fp8 rows
-            # move as bytes
-            mk = torch.zeros if zero_pad else torch.empty
-            xb = recv_x.view(torch.uint8) if recv_x.element_size() == 1 \
-                else recv_x
-            ex = mk((n + 1, recv_x.size(1)), dtype=xb.dtype, device=dev)
-            ex[tgt] = xb[src_row]
-            out_x = ex[:n].view(recv_x.dtype)
-            out_sf = None
-            if recv_sf is not None:
-                es = mk((n + 1, recv_sf.size(1)), dtype=recv_sf.dtype,
-                        device=dev)
-                es[tgt] = recv_sf[src_row]
-                out_sf = es[:n]
-            out_w = None
-            if topk_weights is not None or (cached and rtw is not None):
-                ew = torch.zeros((n + 1,), dtype=torch.float32, device=dev) \
-                    if zero_pad else torch.empty((n + 1,),
-                                                 dtype=torch.float32,
-                                                 device=dev)
-                ew[tgt] = rtw.reshape(-1).to(torch.float32)
-                out_w = ew[:n]
-            out_rti = None
-        else:
-            out_x, out_sf = recv_x, recv_sf
-            out_rti = rti
-            out_w = rtw if topk_weights is not None else None
-        if out_sf is not None and col_major:
-            out_sf = _col_major(out_sf)
+            rows = torch.arange(R, dtype=i64, device=dev).unsqueeze(1)
+            sl.pos = torch.where(valid, rows.expand(R, K),
+                                 torch.full_like(rti, -1))
+        return sl
+
+    def _expanded(self, handle, got, topk_weights, sl, K, o):
+        """x, its scales, top-k and weights as V2 gives them: with
+        do_expand, each (row, k) in its expert's aligned segment (the
+        padding zeroed with do_zero_padding; the rows: the CPU sync's
+        count, a cached dispatch's, else the worst case), else epd's."""
+        torch = _torch()
+        recv_x, recv_sf, rtw = got.recv_x, got.recv_sf, got.rtw
+        cached = handle is not None
+        if not o.do_expand:
+            return recv_x, recv_sf, got.rti, \
+                rtw if topk_weights is not None else None
+        R, dev = recv_x.size(0), recv_x.device
         if cached:
-            return out_x, out_sf, out_rti, out_w, handle
-        # the handle
+            n = handle.num_expanded_tokens
+        elif o.do_cpu_sync:
+            n = sum(sl.lst)
+        else:  # the worst case: every row in every slot, padded
+            El = o.E // self.num_ranks
+            n = R * min(K, El) + El * (o.align - 1)
+        pos = sl.pos
+        vflat = pos.view(-1) >= 0
+        src_row = torch.arange(R, dtype=torch.int64, device=dev).unsqueeze(
+            1).expand(R, K).reshape(-1)
+        tgt = torch.where(vflat, pos.view(-1),
+                          torch.full_like(pos.view(-1), n))
+        # one spare row takes every invalid slot's write; fp8 rows move as
+        # bytes
+        mk = torch.zeros if o.zero_pad else torch.empty
+        xb = recv_x.view(torch.uint8) if recv_x.element_size() == 1 \
+            else recv_x
+        ex = mk((n + 1, recv_x.size(1)), dtype=xb.dtype, device=dev)
+        ex[tgt] = xb[src_row]
+        out_x = ex[:n].view(recv_x.dtype)
+        out_sf = None
+        if recv_sf is not None:
+            es = mk((n + 1, recv_sf.size(1)), dtype=recv_sf.dtype,
+                    device=dev)
+            es[tgt] = recv_sf[src_row]
+            out_sf = es[:n]
+        out_w = None
+        if topk_weights is not None or (cached and rtw is not None):
+            ew = mk((n + 1,), dtype=torch.float32, device=dev)
+            ew[tgt] = rtw.reshape(-1).to(torch.float32)
+            out_w = ew[:n]
+        return out_x, out_sf, None, out_w
+
+    def _v2_handle(self, got, sl, topk_idx, T, K, out_x, o):
+        """The handle of a fresh dispatch: each received row's source
+        (rank * num_max_tokens_per_rank + token) and slots, the prefix
+        sums per rank and per expert, and where each of this rank's (t, k)
+        landed at its destination; it holds epd's routing."""
+        torch = _torch()
+        rp, rsrc, R = got.rp, got.rsrc, got.recv_x.size(0)
+        dev = got.recv_x.device
+        W, me = self.num_ranks, self.rank_idx
+        i32 = torch.int32
+        E, nmax = o.E, o.nmax
         src_rank = torch.bucketize(torch.arange(R, dtype=i32, device=dev),
                                    rp[:, me].contiguous(), right=True)
         gidx = src_rank.to(i32) * nmax + rsrc.to(i32)
@@ -633,12 +697,12 @@ class ElasticBuffer:
         meta = torch.empty((R, 2 + K), dtype=i32, device=dev)
         meta[:, 0] = gidx
         meta[:, 1] = torch.arange(R, dtype=i32, device=dev)
-        meta[:, 2:] = pos.to(i32)
+        meta[:, 2:] = sl.pos.to(i32)
         psum_rank = rp[:, me].contiguous().to(i32)
-        if do_expand:
-            psum_e = (start + counts).to(i32)
+        if o.do_expand:
+            psum_e = (sl.start + sl.counts).to(i32)
         else:
-            psum_e = torch.cumsum(aligned, 0).to(i32)
+            psum_e = torch.cumsum(sl.aligned, 0).to(i32)
         # where each of this rank's slots landed: the destination's row
         per = E // W
         d = torch.where(topk_idx >= 0, topk_idx // per,
@@ -653,19 +717,19 @@ class ElasticBuffer:
             d >= 0,
             (base.unsqueeze(0) + before).gather(1, d.clamp(min=0)),
             torch.full_like(d, -1)).to(i32)
-        tk = topk_idx.clone() if do_handle_copy else topk_idx
+        tk = topk_idx.clone() if o.do_handle_copy else topk_idx
         num_recv = R  # the count itself with the CPU sync, else the worst
-        nexp = out_x.size(0) if do_expand else \
-            sum(lst) if lst is not None else 0
-        hnd = EPHandle(do_expand, E, align, nmax, num_sms, tk, num_recv,
-                       nexp, lst, psum_rank, psum_e,
-                       counts if do_expand else None, meta, dst)
-        hnd._rt, hnd._rti, hnd._pos = rt, rti, pos
+        nexp = out_x.size(0) if o.do_expand else \
+            sum(sl.lst) if sl.lst is not None else 0
+        hnd = EPHandle(o.do_expand, E, o.align, nmax, o.num_sms, tk,
+                       num_recv, nexp, sl.lst, psum_rank, psum_e,
+                       sl.counts if o.do_expand else None, meta, dst)
+        hnd._rt, hnd._rti, hnd._pos = got.rt, got.rti, sl.pos
         hnd._buffer = weakref.ref(self)
         # the routing lives as long as the handle
-        weakref.finalize(hnd, _shapes._release_all, rt.entries).atexit = \
+        weakref.finalize(hnd, _shapes._release_all, got.rt.entries).atexit = \
             False
-        return out_x, out_sf, out_rti, out_w, hnd
+        return hnd
 
     # ---- combine ----
 
