@@ -412,38 +412,11 @@ class ElasticBuffer:
                 "ElasticBuffer.dispatch: fp8 scales must be float32 "
                 "(UE8M0 packed scales are not supported)")
         cached = handle is not None
-        if cached:
-            if topk_idx is not None:
-                raise ValueError("dispatch: a cached dispatch takes no "
-                                 "topk_idx (the handle's is used)")
-            if do_cpu_sync:
-                raise ValueError("dispatch: a cached dispatch does no CPU "
-                                 "sync")
-            for name, given, have in (
-                    ("num_experts", num_experts, handle.num_experts),
-                    ("expert_alignment", expert_alignment,
-                     handle.expert_alignment),
-                    ("num_max_tokens_per_rank", num_max_tokens_per_rank,
-                     handle.num_max_tokens_per_rank)):
-                if given is not None and given != have:
-                    raise ValueError(f"dispatch: {name}={given}, the "
-                                     f"handle's is {have}")
-            if do_expand != handle.do_expand:
-                raise ValueError("dispatch: do_expand differs from the "
-                                 "handle's dispatch")
-            topk_idx = handle.topk_idx
-            num_experts = handle.num_experts
-            expert_alignment = handle.expert_alignment
-            nmax = handle.num_max_tokens_per_rank
-            do_cpu_sync = False
-        else:
-            if topk_idx is None:
-                raise ValueError("dispatch: give topk_idx or a handle")
-            if num_experts is None:
-                raise ValueError("dispatch: give num_experts")
-            nmax = num_max_tokens_per_rank or self.num_max_tokens_per_rank
-            expert_alignment = expert_alignment or 1
-            do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
+        topk_idx, num_experts, nmax, expert_alignment, do_cpu_sync = \
+            self._dispatch_params(handle, topk_idx, num_experts,
+                                  num_max_tokens_per_rank, expert_alignment,
+                                  do_cpu_sync, do_expand)
+        nmax = nmax or self.num_max_tokens_per_rank
         if previous_event is not None and not allocate_on_comm_stream:
             raise ValueError("dispatch: previous_event needs "
                              "allocate_on_comm_stream=True")
@@ -515,6 +488,50 @@ class ElasticBuffer:
                            allocate_on_comm_stream)
         return ((recv_x, recv_sf) if fp8 else recv_x), rti_out, rtw_out, \
             hnd, evo
+
+    @staticmethod
+    def _dispatch_params(handle, topk_idx, num_experts,
+                         num_max_tokens_per_rank, expert_alignment,
+                         do_cpu_sync, do_expand):
+        """A dispatch's routing input and choices: a cached dispatch's
+        from its handle (those given must agree with it; no CPU sync),
+        a fresh one's as given, with V2's defaults: (topk_idx,
+        num_experts, num_max_tokens_per_rank (None: the Buffer's),
+        expert_alignment, do_cpu_sync)."""
+        cached = handle is not None
+        if cached:
+            if topk_idx is not None:
+                raise ValueError("dispatch: a cached dispatch takes no "
+                                 "topk_idx (the handle's is used)")
+            if do_cpu_sync:
+                raise ValueError("dispatch: a cached dispatch does no CPU "
+                                 "sync")
+            for name, given, have in (
+                    ("num_experts", num_experts, handle.num_experts),
+                    ("expert_alignment", expert_alignment,
+                     handle.expert_alignment),
+                    ("num_max_tokens_per_rank", num_max_tokens_per_rank,
+                     handle.num_max_tokens_per_rank)):
+                if given is not None and given != have:
+                    raise ValueError(f"dispatch: {name}={given}, the "
+                                     f"handle's is {have}")
+            if do_expand != handle.do_expand:
+                raise ValueError("dispatch: do_expand differs from the "
+                                 "handle's dispatch")
+            topk_idx = handle.topk_idx
+            num_experts = handle.num_experts
+            expert_alignment = handle.expert_alignment
+            nmax = handle.num_max_tokens_per_rank
+            do_cpu_sync = False
+        else:
+            if topk_idx is None:
+                raise ValueError("dispatch: give topk_idx or a handle")
+            if num_experts is None:
+                raise ValueError("dispatch: give num_experts")
+            nmax = num_max_tokens_per_rank
+            expert_alignment = expert_alignment or 1
+            do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
+        return topk_idx, num_experts, nmax, expert_alignment, do_cpu_sync
 
     def _group(self, H, fp8, K, E, nmax):
         """The epd group of a shape (made at its first use, within the
