@@ -194,9 +194,13 @@ __device__ static inline uint32_t list_topk_order(const struct ekc_disp_args &a,
 		const uint32_t d = d0 + lane;
 		const int32_t rd = d < W ? slot[d] : -1;
 		bool extra = rd >= 0;
-		for (uint32_t j = 0; j < K; j++)
-			extra = extra &&
-				__shfl_sync(0xffffffffu, dl, j) != (int32_t)d;
+		for (uint32_t j = 0; j < K; j++) {
+			// every lane shuffles (not behind &&: a lane whose
+			// extra is false would skip it, and a full-mask
+			// shuffle that some lanes skip is undefined)
+			const int32_t dj = __shfl_sync(0xffffffffu, dl, j);
+			extra = extra && dj != (int32_t)d;
+		}
 		m = __ballot_sync(0xffffffffu, extra);
 		if (extra)
 			rp[n + __popc(m & ((1u << lane) - 1))] =
