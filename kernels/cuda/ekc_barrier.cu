@@ -192,12 +192,14 @@ extern "C" __global__ void __launch_bounds__(32) ekc_fastbar(struct ekc_fastbar_
 					0xffffffffu,
 					(int32_t)(v - (uint32_t)last) > 0);
 				rung |= (uint64_t)b << (32 * i);
+				// warp-uniform: b is a ballot, k a shuffle's
 				if (b && !k)
 					k = __shfl_sync(0xffffffffu, v,
 							__ffs(b) - 1);
 			}
 			if (rung)
 				break;
+			// warp-uniform: every lane counts idle alike
 			if ((++idle & 255) == 0 &&
 			    __shfl_sync(0xffffffffu, ld_host(&h->stop), 0))
 				goto out;
