@@ -16,7 +16,7 @@ struct epd_tconn;
 struct epd_sref;
 
 /* cluster.c: other nodes (nothing without `peers`); registers the span
- * operations (srv->span). */
+ * operations (span.c, srv->span). */
 struct epd_transport_ops;
 /* transports: those compiled in, NULL-terminated, in the order `transport
  * = auto` tries them. */

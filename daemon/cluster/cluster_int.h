@@ -1,9 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The cluster's shared parts. cluster.c: the membership (peers, node up
- * and down, heartbeats, the view, the transport's choice, status, the span
- * operations the core calls); peer.c: one connection to another node
- * (handshake, authenticated frames, the transport's callbacks, dialling).
+ * and down, heartbeats, the view, the transport's choice, status); nodes.c:
+ * the node table; span.c: the span operations the core calls; peer.c: one
+ * connection to another node (handshake, authenticated frames, the
+ * transport's callbacks, dialling).
  *
  * The cluster: daemons of other nodes, over a transport (transport.h: tcp,
  * or rdma, the same byte stream over an RC queue pair, whose connect

@@ -416,7 +416,7 @@ struct epd_server {
 	struct epd_ratelimit log_rl; /* warnings caused from outside */
 };
 
-/* group.c */
+/* join.c, group.c */
 int epd_group_join(struct epd_session *c, uint64_t req_id, uint16_t flags,
 		   const struct epp_join *j);
 int epd_group_leave(struct epd_session *c, uint64_t req_id, uint64_t gid);
