@@ -92,6 +92,16 @@ static void gfail_send(struct epd_cluster *cl, const char *key,
 
 /* The data ops the other nodes may still finish after this node's
  * failure: those it completed, up to one the nodes disagreed on. */
+/* The table's entry of group g's node n, or NULL: no cluster, no such
+ * node, or one the group released (cl_failed_release). */
+static struct cnode *group_node(const struct epd_group *g, uint32_t n)
+{
+	struct epd_cluster *cl = g->srv->cluster;
+	return cl && n < g->nnodes && g->node_map[n] < (uint32_t)cl->n
+		       ? &cl->node[g->node_map[n]]
+		       : NULL;
+}
+
 static uint64_t xops_done(const struct epd_group *g)
 {
 	return g->xop_next < g->xop_disagree ? g->xop_next : g->xop_disagree;
@@ -99,19 +109,16 @@ static uint64_t xops_done(const struct epd_group *g)
 
 void epd_cluster_tell_failed(struct epd_group *g, uint32_t n)
 {
-	struct epd_cluster *cl = g->srv->cluster;
+	const struct cnode *nd = group_node(g, n);
 	uint8_t buf[EPP_ERRMSG_MAX + 128];
-	if (!cl || n >= g->nnodes || n == g->node_index ||
-	    g->node_map[n] >= (uint32_t)cl->n ||
-	    cl->node[g->node_map[n]].state != NODE_UP)
+	if (!nd || n == g->node_index || nd->state != NODE_UP)
 		return;
 	struct epp_peer_gfail m = {.code = g->fail_code, .round = g->round,
 				   .xops = xops_done(g)};
 	snprintf(m.group, sizeof(m.group), "%s", g->key);
 	snprintf(m.msg, sizeof(m.msg), "%s", g->last_error);
 	size_t gn = epp_peer_gfail_encode(&m, buf, sizeof(buf));
-	cl_conn_send(cl->node[g->node_map[n]].conn, EPP_PEER_GFAIL, buf,
-		     (uint32_t)gn);
+	cl_conn_send(nd->conn, EPP_PEER_GFAIL, buf, (uint32_t)gn);
 }
 
 /* Tell the group's other nodes it failed here. How far this node got:
@@ -142,11 +149,8 @@ void epd_cluster_send(struct epd_group *g, uint32_t n, uint16_t type,
 		      const void *a, size_t na, const void *b, size_t nb,
 		      struct epd_sref *ref)
 {
-	struct epd_cluster *cl = g->srv->cluster;
-	if (!cl || n >= g->nnodes || g->node_map[n] >= (uint32_t)cl->n)
-		return;
-	struct cnode *nd = &cl->node[g->node_map[n]];
-	if (nd->state != NODE_UP)
+	const struct cnode *nd = group_node(g, n);
+	if (!nd || nd->state != NODE_UP)
 		return;
 	cl_conn_write(nd->conn, type, a, na, b, nb, ref);
 }
@@ -159,11 +163,10 @@ const char *epd_cluster_name_at(const struct epd_server *srv, uint32_t cn)
 
 const char *epd_cluster_node_name(const struct epd_group *g, uint32_t n)
 {
-	struct epd_cluster *cl = g->srv->cluster;
-	if (!cl || n >= g->nnodes)
-		return "local";
-	return g->node_map[n] < (uint32_t)cl->n ? cl->node[g->node_map[n]].name
-						: "released";
+	const struct cnode *nd = group_node(g, n);
+	if (nd)
+		return nd->name;
+	return g->srv->cluster && n < g->nnodes ? "released" : "local";
 }
 
 static void span_failed(struct epd_group *g, int code, const char *msg,

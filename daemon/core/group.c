@@ -117,15 +117,8 @@ bool epd_group_job_ended(struct epd_group *g, void (*drop)(void *),
 	return true;
 }
 
-void epd_group_free(struct epd_group *g)
+void epd_group_mem_free(struct epd_group *g)
 {
-	epd_handles_free(g);
-	if (g->dev)
-		g->dev->group_free(g);
-	if (g->nnodes > 1 && g->srv->span)
-		g->srv->span->freed(g); /* may keep the mapping a while */
-	free(g->xop);
-	epd_buf_destroy(g);
 	free(g->local);
 	free(g->rail_done);
 	free(g->rail_remote);
@@ -136,6 +129,18 @@ void epd_group_free(struct epd_group *g)
 	free(g->dis_sent);
 	free(g->node_map);
 	free(g);
+}
+
+void epd_group_free(struct epd_group *g)
+{
+	epd_handles_free(g);
+	if (g->dev)
+		g->dev->group_free(g);
+	if (g->nnodes > 1 && g->srv->span)
+		g->srv->span->freed(g); /* may keep the mapping a while */
+	free(g->xop);
+	epd_buf_destroy(g);
+	epd_group_mem_free(g);
 }
 
 

@@ -22,6 +22,9 @@ void epd_join_reply(struct epd_member *m);
 /* Group ch, linked to group pname, fails as that one did (why). */
 void epd_group_link_fail(struct epd_group *ch, int code, const char *pname,
 			 const char *why);
+/* Group g's own arrays (members, barrier and node tables) and g itself
+ * freed: what group_create allocates before anything else holds it. */
+void epd_group_mem_free(struct epd_group *g);
 /* The group gone: out of the server's list, its timer closed, then
  * freed. */
 void epd_group_destroy(struct epd_group *g);

@@ -155,18 +155,8 @@ err_free:
 	*code = EP_ENOMEM;
 	snprintf(err, errlen, "out of memory");
 err_free_nocode:
-	if (g) {
-		free(g->local);
-		free(g->rail_done);
-		free(g->rail_remote);
-		free(g->peer);
-		free(g->arr_seq);
-		free(g->arr_xops);
-		free(g->dis_recv);
-		free(g->dis_sent);
-		free(g->node_map);
-		free(g);
-	}
+	if (g)
+		epd_group_mem_free(g);
 	return NULL;
 err_nomem:
 	*code = EP_ENOMEM;
